@@ -1,0 +1,217 @@
+//! The body types the middleware hands on: the buffered request, and a response that is either
+//! the inner service's own body, bytes we hold (replays, problems), or both.
+
+use std::fmt;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
+use bytes::Bytes;
+use http::HeaderMap;
+use http_body::{Body, Frame, SizeHint};
+use pin_project_lite::pin_project;
+
+use crate::store::BoxError;
+
+pin_project! {
+    /// The request body the inner service receives: the buffered bytes of a guarded request, or
+    /// the untouched body of one that passed through.
+    pub struct RequestBody<B> {
+        #[pin]
+        kind: Kind<B>,
+    }
+}
+
+pin_project! {
+    /// The response body: a body we hold, the inner service's body, or (when a response was too
+    /// large to record) the part we read followed by the rest of the inner body.
+    pub struct ResponseBody<B> {
+        #[pin]
+        kind: Kind<B>,
+    }
+}
+
+pin_project! {
+    #[project = KindProj]
+    enum Kind<B> {
+        Full { data: Option<Bytes>, trailers: Option<HeaderMap> },
+        Inner { #[pin] body: B },
+        Resumed { prefix: Option<Bytes>, rest: Pin<Box<B>> },
+    }
+}
+
+impl<B> RequestBody<B> {
+    pub(crate) fn buffered(data: Bytes) -> Self {
+        Self {
+            kind: Kind::full(data, None),
+        }
+    }
+
+    pub(crate) fn passthrough(body: B) -> Self {
+        Self {
+            kind: Kind::Inner { body },
+        }
+    }
+}
+
+impl<B> ResponseBody<B> {
+    pub(crate) fn full(data: Bytes, trailers: Option<HeaderMap>) -> Self {
+        Self {
+            kind: Kind::full(data, trailers),
+        }
+    }
+
+    pub(crate) fn passthrough(body: B) -> Self {
+        Self {
+            kind: Kind::Inner { body },
+        }
+    }
+
+    pub(crate) fn resumed(prefix: Bytes, rest: Pin<Box<B>>) -> Self {
+        Self {
+            kind: Kind::Resumed {
+                prefix: (!prefix.is_empty()).then_some(prefix),
+                rest,
+            },
+        }
+    }
+}
+
+impl<B> Kind<B> {
+    fn full(data: Bytes, trailers: Option<HeaderMap>) -> Self {
+        Kind::Full {
+            data: (!data.is_empty()).then_some(data),
+            trailers,
+        }
+    }
+}
+
+impl<B> Body for Kind<B>
+where
+    B: Body<Data = Bytes>,
+    B::Error: Into<BoxError>,
+{
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        match self.project() {
+            KindProj::Full { data, trailers } => Poll::Ready(match data.take() {
+                Some(data) => Some(Ok(Frame::data(data))),
+                None => trailers.take().map(|t| Ok(Frame::trailers(t))),
+            }),
+            KindProj::Inner { body } => body.poll_frame(cx).map_err(Into::into),
+            KindProj::Resumed { prefix, rest } => match prefix.take() {
+                Some(data) => Poll::Ready(Some(Ok(Frame::data(data)))),
+                None => rest.as_mut().poll_frame(cx).map_err(Into::into),
+            },
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        match self {
+            Kind::Full { data, trailers } => data.is_none() && trailers.is_none(),
+            Kind::Inner { body } => body.is_end_stream(),
+            Kind::Resumed { prefix, rest } => prefix.is_none() && rest.is_end_stream(),
+        }
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match self {
+            Kind::Full { data, .. } => {
+                SizeHint::with_exact(data.as_ref().map_or(0, |d| d.len() as u64))
+            }
+            Kind::Inner { body } => body.size_hint(),
+            Kind::Resumed { prefix, rest } => {
+                let extra = prefix.as_ref().map_or(0, |d| d.len() as u64);
+                let rest = rest.size_hint();
+                let mut hint = SizeHint::new();
+                hint.set_lower(rest.lower() + extra);
+                if let Some(upper) = rest.upper() {
+                    hint.set_upper(upper + extra);
+                }
+                hint
+            }
+        }
+    }
+}
+
+macro_rules! delegate_body {
+    ($ty:ident) => {
+        impl<B> Body for $ty<B>
+        where
+            B: Body<Data = Bytes>,
+            B::Error: Into<BoxError>,
+        {
+            type Data = Bytes;
+            type Error = BoxError;
+
+            fn poll_frame(
+                self: Pin<&mut Self>,
+                cx: &mut Context<'_>,
+            ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+                self.project().kind.poll_frame(cx)
+            }
+
+            fn is_end_stream(&self) -> bool {
+                self.kind.is_end_stream()
+            }
+
+            fn size_hint(&self) -> SizeHint {
+                self.kind.size_hint()
+            }
+        }
+
+        impl<B> fmt::Debug for $ty<B> {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                let kind = match &self.kind {
+                    Kind::Full { .. } => "Full",
+                    Kind::Inner { .. } => "Inner",
+                    Kind::Resumed { .. } => "Resumed",
+                };
+                f.debug_struct(stringify!($ty))
+                    .field("kind", &kind)
+                    .finish()
+            }
+        }
+    };
+}
+
+delegate_body!(RequestBody);
+delegate_body!(ResponseBody);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use http_body_util::{BodyExt, Full};
+
+    #[tokio::test]
+    async fn full_body_reports_its_end_exactly() {
+        let body: ResponseBody<Full<Bytes>> = ResponseBody::full(Bytes::new(), None);
+        assert!(body.is_end_stream());
+        let mut trailers = HeaderMap::new();
+        trailers.insert("grpc-status", "0".parse().expect("value"));
+        let body: ResponseBody<Full<Bytes>> =
+            ResponseBody::full(Bytes::from_static(b"abc"), Some(trailers.clone()));
+        assert!(!body.is_end_stream());
+        assert_eq!(body.size_hint().exact(), Some(3));
+        let collected = body.collect().await.expect("collect");
+        assert_eq!(collected.trailers(), Some(&trailers));
+        assert_eq!(collected.to_bytes(), Bytes::from_static(b"abc"));
+    }
+
+    #[tokio::test]
+    async fn resumed_body_yields_prefix_then_rest() {
+        let body = ResponseBody::resumed(
+            Bytes::from_static(b"ab"),
+            Box::pin(Full::new(Bytes::from_static(b"cd"))),
+        );
+        assert_eq!(body.size_hint().exact(), Some(4));
+        assert_eq!(
+            body.collect().await.expect("collect").to_bytes(),
+            Bytes::from_static(b"abcd")
+        );
+    }
+}

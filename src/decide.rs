@@ -1,0 +1,100 @@
+//! Step 6 of the pipeline: from what the claim found to what happens next.
+
+use std::time::Duration;
+
+use crate::fingerprint::Fingerprint;
+use crate::observe::{self, Event};
+use crate::problem::{Problem, ProblemKind};
+use crate::store::{Claim, Lease, RecordStatus, StoredResponse};
+
+/// What a request does after its claim.
+#[derive(Debug)]
+pub(crate) enum Decision {
+    /// The claim was won: run the inner service under this lease.
+    Run(Lease),
+    /// The outcome is recorded: replay it.
+    Replay(StoredResponse),
+    /// Answer without running anything.
+    Refuse(Problem),
+}
+
+/// DESIGN §1 step 6, in its order: a fingerprint mismatch is reported before any in-flight
+/// state, so a client that changed its request learns that first.
+pub(crate) fn decide(claim: Claim, fingerprint: &Fingerprint) -> Decision {
+    let (record, now) = match claim {
+        Claim::Acquired(lease) => return Decision::Run(lease),
+        Claim::Existing { record, now } => (*record, now),
+    };
+    let state = record.status.as_str();
+    if record.fingerprint != *fingerprint {
+        observe::count(Event::Mismatch);
+        return Decision::Refuse(
+            Problem::new(
+                ProblemKind::FingerprintMismatch,
+                "this idempotency key was first used with a different request (method, path, \
+                 query, content type or body); nothing was run. Use a new key for a new request",
+            )
+            .state(state),
+        );
+    }
+    match record.status {
+        RecordStatus::Completed => match record.response {
+            Some(response) => {
+                observe::count(Event::Replay);
+                Decision::Replay(response)
+            }
+            None => Decision::Refuse(
+                Problem::new(
+                    ProblemKind::StoreUnavailable,
+                    "a completed record has no response",
+                )
+                .state(state)
+                .retry_after(1),
+            ),
+        },
+        RecordStatus::NeedsReconciliation => {
+            observe::count(Event::Unknown);
+            Decision::Refuse(
+                Problem::new(
+                    ProblemKind::OutcomeUnknown,
+                    "an earlier attempt with this key may or may not have taken effect; it awaits \
+                     reconciliation. Do not retry with a new key until it is resolved",
+                )
+                .state(state),
+            )
+        }
+        // A store takes a released record over on claim; seeing one means another request
+        // just did, so it is in flight.
+        RecordStatus::InProgress | RecordStatus::Released => {
+            observe::count(Event::Conflict);
+            let remaining = record.lease_until.duration_since(now).unwrap_or_default();
+            Decision::Refuse(
+                Problem::new(
+                    ProblemKind::InFlight,
+                    "a request with this idempotency key is still being processed; retry with \
+                     the same key after the indicated delay",
+                )
+                .state(state)
+                .retry_after(ceil_secs(remaining)),
+            )
+        }
+    }
+}
+
+/// Whole seconds, rounded up, at least 1: `Retry-After: 0` would invite a busy loop.
+pub(crate) fn ceil_secs(d: Duration) -> u64 {
+    (d.as_secs() + u64::from(d.subsec_nanos() > 0)).max(1)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn retry_after_rounds_up_and_is_never_zero() {
+        assert_eq!(ceil_secs(Duration::ZERO), 1);
+        assert_eq!(ceil_secs(Duration::from_millis(1)), 1);
+        assert_eq!(ceil_secs(Duration::from_millis(29_001)), 30);
+        assert_eq!(ceil_secs(Duration::from_secs(30)), 30);
+    }
+}

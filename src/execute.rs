@@ -1,0 +1,241 @@
+//! Steps 7–8 of the pipeline: run the inner service to completion under a renewed lease, then
+//! record its outcome (or release the key), fenced by the lease's token.
+//!
+//! All of it runs in a spawned task: hyper drops the service future when the client hangs up,
+//! and a half-done side effect must neither be cancelled nor left unrecorded.
+
+use std::any::Any;
+use std::future::Future;
+use std::panic::AssertUnwindSafe;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use bytes::Bytes;
+use http::{HeaderName, Request, Response};
+use http_body::Body;
+use pin_project_lite::pin_project;
+use tower_service::Service;
+
+use crate::body::{RequestBody, ResponseBody};
+use crate::observe::{self, Event};
+use crate::policy::Outcome;
+use crate::problem::{Problem, ProblemKind};
+use crate::replay::{Captured, Presentation, capture, present, storable_headers};
+use crate::route::RouteConfig;
+use crate::store::{BoxError, IdempotencyStore, Lease, ScopedKey, StoreError, StoredResponse};
+
+/// Everything an execution needs, owned, so it can outlive the request's future.
+pub(crate) struct Execution<St> {
+    pub(crate) store: Arc<St>,
+    pub(crate) key: ScopedKey,
+    pub(crate) lease: Lease,
+    pub(crate) route: RouteConfig,
+    pub(crate) denied_headers: Arc<[HeaderName]>,
+}
+
+impl<St: IdempotencyStore> Execution<St> {
+    /// Runs `inner` on `req` and records the outcome; the answer for the client.
+    pub(crate) async fn run<S, ReqBody, ResBody>(
+        self,
+        mut inner: S,
+        req: Request<RequestBody<ReqBody>>,
+    ) -> Result<Response<ResponseBody<ResBody>>, S::Error>
+    where
+        S: Service<Request<RequestBody<ReqBody>>, Response = Response<ResBody>>,
+        ResBody: Body<Data = Bytes>,
+        ResBody::Error: Into<BoxError>,
+    {
+        observe::count(Event::Execution);
+        let limit = self.route.response_limit;
+        let work = CatchUnwind {
+            inner: async move {
+                let res = inner.call(req).await?;
+                Ok(capture(res, limit).await)
+            },
+        };
+        let outcome = self.renewing(work).await;
+        match outcome {
+            Err(_panic) => {
+                tracing::error!("the idempotent handler panicked; releasing the key");
+                self.release().await;
+                Ok(failed("the handler panicked; nothing was recorded"))
+            }
+            Ok(Err(service_error)) => {
+                // No response exists to record, whatever the policy: give the key back.
+                self.release().await;
+                Err(service_error)
+            }
+            Ok(Ok(Err(body_error))) => {
+                tracing::warn!(error = %body_error, "the response body failed; releasing the key");
+                self.release().await;
+                Ok(failed(
+                    "the response body failed mid-stream; nothing was recorded",
+                ))
+            }
+            Ok(Ok(Ok(Captured::Complete {
+                parts,
+                body,
+                trailers,
+            }))) => {
+                let outcome = Outcome {
+                    status: parts.status,
+                    headers: &parts.headers,
+                    trailers: trailers.as_ref(),
+                };
+                if self.route.cache_policy.records(&outcome) {
+                    let stored = StoredResponse {
+                        status: parts.status,
+                        headers: storable_headers(&parts.headers, &self.denied_headers),
+                        body: Some(body.clone()),
+                        trailers: trailers.clone(),
+                    };
+                    self.complete(&stored).await;
+                } else {
+                    self.release().await;
+                }
+                let how = Presentation {
+                    replayed: false,
+                    mark: self.route.mark_first_response,
+                    envelope: self.route.envelope,
+                };
+                Ok(present(parts.status, parts.headers, body, trailers, how))
+            }
+            Ok(Ok(Ok(Captured::TooLarge {
+                parts,
+                prefix,
+                rest,
+            }))) => {
+                let outcome = Outcome {
+                    status: parts.status,
+                    headers: &parts.headers,
+                    trailers: None,
+                };
+                if self.route.cache_policy.records(&outcome) {
+                    // Keep the key consumed: a marker without a body, never a second run.
+                    let stored = StoredResponse {
+                        status: parts.status,
+                        headers: storable_headers(&parts.headers, &self.denied_headers),
+                        body: None,
+                        trailers: None,
+                    };
+                    self.complete(&stored).await;
+                } else {
+                    self.release().await;
+                }
+                Ok(Response::from_parts(
+                    parts,
+                    ResponseBody::resumed(prefix, rest),
+                ))
+            }
+        }
+    }
+
+    /// Drives `work` while renewing the lease every third of its length, so a slow but live
+    /// holder keeps its claim and only a dead one loses it.
+    async fn renewing<F: Future>(&self, work: F) -> F::Output {
+        let mut work = std::pin::pin!(work);
+        let period = self.route.lease / 3;
+        let renew = async {
+            loop {
+                tokio::time::sleep(period).await;
+                match self
+                    .store
+                    .renew(&self.key, self.lease.token, self.route.lease)
+                    .await
+                {
+                    Ok(_) => {}
+                    Err(StoreError::Fenced) => {
+                        observe::count(Event::LeaseLost);
+                        tracing::warn!(
+                            "lease lost while the handler runs; its outcome will not be recorded"
+                        );
+                        return;
+                    }
+                    Err(error) => {
+                        observe::count(Event::StoreError);
+                        tracing::warn!(%error, "lease renewal failed; trying again");
+                    }
+                }
+            }
+        };
+        tokio::select! {
+            out = &mut work => return out,
+            () = renew => {}
+        }
+        work.await
+    }
+
+    async fn complete(&self, stored: &StoredResponse) {
+        let result = self
+            .store
+            .complete(&self.key, self.lease.token, stored, self.route.ttl)
+            .await;
+        if let Err(StoreError::Unavailable(_) | StoreError::Full) = &result {
+            // The effect happened but the store does not know it. Say the outcome is unknown,
+            // so retries are refused instead of running again once the lease expires.
+            if self
+                .store
+                .mark_uncertain(&self.key, self.lease.token)
+                .await
+                .is_ok()
+            {
+                observe::count(Event::Unknown);
+            }
+        }
+        settle(result, "record the outcome");
+    }
+
+    async fn release(&self) {
+        observe::count(Event::Release);
+        // If this fails the lease simply runs out, and the next claim takes the key over.
+        settle(
+            self.store.release(&self.key, self.lease.token).await,
+            "release the key",
+        );
+    }
+}
+
+/// Counts and logs a failed write after the claim. A fenced write means another holder took
+/// the key over: its outcome, not ours, is the record.
+fn settle(result: Result<(), StoreError>, what: &str) {
+    match result {
+        Ok(()) => {}
+        Err(StoreError::Fenced) => {
+            observe::count(Event::StaleWrite);
+            tracing::warn!("could not {what}: the lease was taken over");
+        }
+        Err(error) => {
+            observe::count(Event::StoreError);
+            tracing::error!(%error, "could not {what}");
+        }
+    }
+}
+
+fn failed<B>(detail: &str) -> Response<ResponseBody<B>> {
+    Problem::new(ProblemKind::ExecutionFailed, detail)
+        .state("released")
+        .into_response()
+}
+
+pin_project! {
+    /// Turns a panic while polling `inner` into an `Err`, so the key is released rather than
+    /// left in flight until its lease runs out.
+    struct CatchUnwind<F> {
+        #[pin]
+        inner: F,
+    }
+}
+
+impl<F: Future> Future for CatchUnwind<F> {
+    type Output = Result<F::Output, Box<dyn Any + Send>>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let inner = self.project().inner;
+        match std::panic::catch_unwind(AssertUnwindSafe(|| inner.poll(cx))) {
+            Ok(Poll::Pending) => Poll::Pending,
+            Ok(Poll::Ready(out)) => Poll::Ready(Ok(out)),
+            Err(panic) => Poll::Ready(Err(panic)),
+        }
+    }
+}

@@ -1,0 +1,364 @@
+//! Step 4 of the pipeline: what makes two requests "the same operation".
+//!
+//! A fingerprint is SHA-256 over, in order and each length-prefixed: a version tag, the method,
+//! the path, the query, the media type of `Content-Type` (lower-cased, without parameters), the
+//! configured extra request headers, and the canonical body:
+//!
+//! | media type | canonical body |
+//! |---|---|
+//! | `application/json`, `*+json` | RFC 8785 form: member order and whitespace do not count, values do |
+//! | `application/x-www-form-urlencoded` | decoded pairs, sorted |
+//! | `multipart/form-data` | the parts (sorted headers, content), not the random boundary |
+//! | one registered with [`IdempotencyLayer::canonicalize`](crate::IdempotencyLayer::canonicalize) | what its [`Canonicalize`] returns |
+//! | anything else, and empty bodies | the raw bytes |
+//!
+//! A body that claims a structured type and is not one (invalid JSON, invalid UTF-8, nesting
+//! deeper than 128 levels, multipart without its boundary) is refused with 400 before anything
+//! is claimed. JSON that is valid but has no RFC 8785 form (duplicate member names, numbers
+//! outside double range) is hashed as raw bytes, so it is never merged with another document.
+
+mod form;
+mod json;
+mod multipart;
+
+use std::fmt;
+use std::sync::Arc;
+
+use http::{HeaderName, request::Parts};
+use sha2::{Digest, Sha256};
+
+/// The SHA-256 fingerprint of a request: equal fingerprints mean the same operation.
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Fingerprint([u8; 32]);
+
+impl Fingerprint {
+    /// A fingerprint from its 32 bytes (as a store reads it back).
+    pub const fn from_bytes(bytes: [u8; 32]) -> Self {
+        Self(bytes)
+    }
+
+    /// The 32 bytes.
+    pub const fn as_bytes(&self) -> &[u8; 32] {
+        &self.0
+    }
+}
+
+impl fmt::Debug for Fingerprint {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Fingerprint({})", crate::key::hex(&self.0[..8]))
+    }
+}
+
+/// A request body that claims a structured media type and is not well formed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MalformedBody {
+    reason: std::borrow::Cow<'static, str>,
+}
+
+impl MalformedBody {
+    /// A malformed-body error with a reason the client will read.
+    pub fn new(reason: impl Into<std::borrow::Cow<'static, str>>) -> Self {
+        Self {
+            reason: reason.into(),
+        }
+    }
+}
+
+impl fmt::Display for MalformedBody {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.reason)
+    }
+}
+
+impl std::error::Error for MalformedBody {}
+
+/// A canonicaliser for a media type of your own: returns the bytes that stand for the body in
+/// the fingerprint. Closures `Fn(&[u8]) -> Result<Vec<u8>, MalformedBody>` implement it.
+pub trait Canonicalize: Send + Sync + 'static {
+    /// The canonical form of `body`, or why it is malformed (answered with 400).
+    fn canonicalize(&self, body: &[u8]) -> Result<Vec<u8>, MalformedBody>;
+}
+
+impl<F> Canonicalize for F
+where
+    F: Fn(&[u8]) -> Result<Vec<u8>, MalformedBody> + Send + Sync + 'static,
+{
+    fn canonicalize(&self, body: &[u8]) -> Result<Vec<u8>, MalformedBody> {
+        self(body)
+    }
+}
+
+/// What goes into a fingerprint besides method, path, query and body.
+#[derive(Clone, Default)]
+pub(crate) struct FingerprintOptions {
+    pub(crate) headers: Vec<HeaderName>,
+    pub(crate) custom: Vec<(String, Arc<dyn Canonicalize>)>,
+}
+
+impl fmt::Debug for FingerprintOptions {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("FingerprintOptions")
+            .field("headers", &self.headers)
+            .field(
+                "custom",
+                &self.custom.iter().map(|(m, _)| m).collect::<Vec<_>>(),
+            )
+            .finish()
+    }
+}
+
+/// Where canonical bytes go: the hasher, or a `Vec` in tests.
+pub(crate) trait Sink {
+    fn put(&mut self, bytes: &[u8]);
+}
+
+impl Sink for Sha256 {
+    fn put(&mut self, bytes: &[u8]) {
+        self.update(bytes);
+    }
+}
+
+impl Sink for Vec<u8> {
+    fn put(&mut self, bytes: &[u8]) {
+        self.extend_from_slice(bytes);
+    }
+}
+
+fn put_len(out: &mut impl Sink, len: usize) {
+    out.put(&(len as u64).to_le_bytes());
+}
+
+/// A length-prefixed field, so that no two field sequences hash alike.
+fn put_field(out: &mut impl Sink, bytes: &[u8]) {
+    put_len(out, bytes.len());
+    out.put(bytes);
+}
+
+/// The media type of a `Content-Type` value: lower-cased, parameters dropped.
+pub(crate) fn media_type(content_type: &str) -> String {
+    content_type
+        .split(';')
+        .next()
+        .unwrap_or_default()
+        .trim()
+        .to_ascii_lowercase()
+}
+
+pub(crate) fn is_json(media_type: &str) -> bool {
+    media_type == "application/json" || media_type.ends_with("+json")
+}
+
+/// Fingerprints a request from its parts and buffered body.
+pub(crate) fn fingerprint(
+    parts: &Parts,
+    body: &[u8],
+    options: &FingerprintOptions,
+) -> Result<Fingerprint, MalformedBody> {
+    let mut h = Sha256::new();
+    put_field(&mut h, b"tower-idempotency/fingerprint/v1");
+    put_field(&mut h, parts.method.as_str().as_bytes());
+    put_field(&mut h, parts.uri.path().as_bytes());
+    put_field(&mut h, parts.uri.query().unwrap_or_default().as_bytes());
+    let content_type = match parts.headers.get(http::header::CONTENT_TYPE) {
+        Some(value) => value
+            .to_str()
+            .map_err(|_| MalformedBody::new("Content-Type is not visible ASCII"))?,
+        None => "",
+    };
+    let media = media_type(content_type);
+    put_field(&mut h, media.as_bytes());
+    for name in &options.headers {
+        let values = parts.headers.get_all(name);
+        put_len(&mut h, values.iter().count());
+        for value in values {
+            put_field(&mut h, value.as_bytes());
+        }
+    }
+    body_into(&mut h, &media, content_type, body, options)?;
+    Ok(Fingerprint(h.finalize().into()))
+}
+
+fn body_into(
+    h: &mut Sha256,
+    media: &str,
+    content_type: &str,
+    body: &[u8],
+    options: &FingerprintOptions,
+) -> Result<(), MalformedBody> {
+    if let Some((_, custom)) = options.custom.iter().find(|(m, _)| m == media) {
+        put_field(h, b"custom");
+        put_field(h, &custom.canonicalize(body)?);
+        return Ok(());
+    }
+    if body.is_empty() {
+        put_field(h, b"raw");
+        put_field(h, body);
+        return Ok(());
+    }
+    if is_json(media) {
+        // Canonicalise into a scratch hasher so a refusal half-way leaves `h` untouched.
+        let mut canonical = Sha256::new();
+        match json::canonicalize(body, &mut canonical) {
+            Ok(()) => {
+                put_field(h, b"json");
+                h.update(canonical.finalize());
+                return Ok(());
+            }
+            Err(json::JsonError::Malformed(reason)) => return Err(MalformedBody::new(reason)),
+            Err(json::JsonError::NotCanonical) => {}
+        }
+    } else if media == "application/x-www-form-urlencoded" {
+        put_field(h, b"form");
+        form::canonicalize(body, h);
+        return Ok(());
+    } else if media == "multipart/form-data" {
+        let mut canonical = Sha256::new();
+        multipart::canonicalize(content_type, body, &mut canonical)?;
+        put_field(h, b"multipart");
+        h.update(canonical.finalize());
+        return Ok(());
+    }
+    put_field(h, b"raw");
+    put_field(h, body);
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use http::Request;
+    use proptest::prelude::*;
+    use serde_json::{Map, Value};
+
+    fn fp(method: &str, uri: &str, ct: &str, body: &[u8]) -> Result<Fingerprint, MalformedBody> {
+        let (parts, ()) = Request::builder()
+            .method(method)
+            .uri(uri)
+            .header("content-type", ct)
+            .body(())
+            .expect("request")
+            .into_parts();
+        fingerprint(&parts, body, &FingerprintOptions::default())
+    }
+
+    #[test]
+    fn method_path_query_and_type_count() {
+        let base = fp("POST", "/a?x=1", "application/json", b"{}").expect("fp");
+        assert_eq!(
+            base,
+            fp("POST", "/a?x=1", "Application/JSON; charset=utf-8", b"{ }").expect("fp")
+        );
+        assert_ne!(
+            base,
+            fp("PATCH", "/a?x=1", "application/json", b"{}").expect("fp")
+        );
+        assert_ne!(
+            base,
+            fp("POST", "/b?x=1", "application/json", b"{}").expect("fp")
+        );
+        assert_ne!(
+            base,
+            fp("POST", "/a?x=2", "application/json", b"{}").expect("fp")
+        );
+        assert_ne!(base, fp("POST", "/a?x=1", "text/plain", b"{}").expect("fp"));
+    }
+
+    #[test]
+    fn non_canonical_json_is_hashed_raw_never_merged() {
+        let dup = fp("POST", "/", "application/json", br#"{"a":1,"a":2}"#).expect("fp");
+        let last_wins = fp("POST", "/", "application/json", br#"{"a":2}"#).expect("fp");
+        assert_ne!(dup, last_wins);
+    }
+
+    #[test]
+    fn custom_canonicaliser_is_used() {
+        let (parts, ()) = Request::post("/")
+            .header("content-type", "text/x-upper")
+            .body(())
+            .expect("request")
+            .into_parts();
+        let options = FingerprintOptions {
+            custom: vec![(
+                "text/x-upper".into(),
+                Arc::new(|b: &[u8]| Ok(b.to_ascii_uppercase())) as Arc<dyn Canonicalize>,
+            )],
+            ..Default::default()
+        };
+        let a = fingerprint(&parts, b"abc", &options).expect("fp");
+        assert_eq!(a, fingerprint(&parts, b"ABC", &options).expect("fp"));
+        assert_ne!(a, fingerprint(&parts, b"abd", &options).expect("fp"));
+    }
+
+    fn json_value() -> impl Strategy<Value = Value> {
+        let leaf = prop_oneof![
+            Just(Value::Null),
+            any::<bool>().prop_map(Value::Bool),
+            any::<i64>().prop_map(Value::from),
+            (-1e300f64..1e300).prop_map(Value::from),
+            "[a-z\u{e9}\u{1f600}\"\\\\\n ]{0,8}".prop_map(Value::String),
+        ];
+        leaf.prop_recursive(4, 48, 6, |inner| {
+            prop_oneof![
+                prop::collection::vec(inner.clone(), 0..6).prop_map(Value::Array),
+                prop::collection::btree_map("[a-zA-Z\u{fb33}\u{1f600}]{1,6}", inner, 0..6)
+                    .prop_map(|m| Value::Object(m.into_iter().collect::<Map<_, _>>())),
+            ]
+        })
+    }
+
+    /// Writes `v` with members in reverse order and generous whitespace.
+    fn reorder(v: &Value) -> String {
+        match v {
+            Value::Object(m) => {
+                let members: Vec<String> = m
+                    .iter()
+                    .rev()
+                    .map(|(k, v)| format!("\n  {} :\t{}", Value::String(k.clone()), reorder(v)))
+                    .collect();
+                format!("{{ {} }}", members.join(" , "))
+            }
+            Value::Array(items) => {
+                format!(
+                    "[ {} ]",
+                    items.iter().map(reorder).collect::<Vec<_>>().join(" ,\n")
+                )
+            }
+            other => other.to_string(),
+        }
+    }
+
+    /// Changes one leaf (the first found, depth first), or returns false if there is none.
+    fn perturb(v: &mut Value) -> bool {
+        match v {
+            Value::Null => *v = Value::Bool(false),
+            Value::Bool(b) => *b = !*b,
+            Value::Number(n) => {
+                let x = n.as_f64().unwrap_or(0.0);
+                *v = Value::from(if x.abs() > 1e15 { x * 2.0 } else { x + 1.0 });
+            }
+            Value::String(s) => s.push('x'),
+            Value::Array(items) => return items.iter_mut().any(perturb),
+            Value::Object(m) => return m.values_mut().any(perturb),
+        }
+        true
+    }
+
+    proptest! {
+        #[test]
+        fn json_fingerprint_ignores_order_and_whitespace(v in json_value()) {
+            let compact = serde_json::to_vec(&v).expect("serialize");
+            let a = fp("POST", "/t", "application/json", &compact).expect("fp");
+            let b = fp("POST", "/t", "application/json", reorder(&v).as_bytes()).expect("fp");
+            prop_assert_eq!(a, b);
+        }
+
+        #[test]
+        fn json_fingerprint_changes_with_any_value(v in json_value()) {
+            let mut changed = v.clone();
+            prop_assume!(perturb(&mut changed));
+            let a = fp("POST", "/t", "application/json", &serde_json::to_vec(&v).expect("ser")).expect("fp");
+            let b = fp("POST", "/t", "application/json", &serde_json::to_vec(&changed).expect("ser")).expect("fp");
+            prop_assert_ne!(a, b);
+        }
+    }
+}

@@ -1,0 +1,144 @@
+//! `multipart/form-data` bodies, fingerprinted by their parts rather than their bytes.
+//!
+//! Clients draw a fresh random boundary for every request, retries included, so the raw bytes
+//! of two identical submissions differ. Each part counts by its headers (names lower-cased,
+//! values trimmed, sorted) and its content, in order; preamble and epilogue do not count.
+
+use super::{MalformedBody, Sink};
+
+pub(crate) fn canonicalize(
+    content_type: &str,
+    body: &[u8],
+    out: &mut impl Sink,
+) -> Result<(), MalformedBody> {
+    let boundary = boundary(content_type).ok_or(MalformedBody::new(
+        "multipart body without a boundary parameter",
+    ))?;
+    let parts = split(body, boundary.as_bytes()).ok_or(MalformedBody::new(
+        "multipart body does not follow its boundary",
+    ))?;
+    super::put_len(out, parts.len());
+    for part in parts {
+        let (head, content) = match find(part, b"\r\n\r\n") {
+            Some(at) => (&part[..at], &part[at + 4..]),
+            // A part that opens with an empty line has no headers.
+            None if part.starts_with(b"\r\n") => (&part[..0], &part[2..]),
+            None => return Err(MalformedBody::new("multipart part without a header end")),
+        };
+        let mut headers = Vec::new();
+        for line in head.split(|&b| b == b'\n') {
+            let line = line.strip_suffix(b"\r").unwrap_or(line);
+            if line.is_empty() {
+                continue;
+            }
+            let colon = line
+                .iter()
+                .position(|&b| b == b':')
+                .ok_or(MalformedBody::new("multipart header line without a colon"))?;
+            headers.push((
+                line[..colon].to_ascii_lowercase(),
+                line[colon + 1..].trim_ascii(),
+            ));
+        }
+        headers.sort();
+        super::put_len(out, headers.len());
+        for (name, value) in &headers {
+            super::put_field(out, name);
+            super::put_field(out, value);
+        }
+        super::put_field(out, content);
+    }
+    Ok(())
+}
+
+fn boundary(content_type: &str) -> Option<String> {
+    content_type.split(';').skip(1).find_map(|param| {
+        let (name, value) = param.split_once('=')?;
+        if !name.trim().eq_ignore_ascii_case("boundary") {
+            return None;
+        }
+        let value = value.trim();
+        let value = value
+            .strip_prefix('"')
+            .and_then(|v| v.strip_suffix('"'))
+            .unwrap_or(value);
+        (!value.is_empty()).then(|| value.to_owned())
+    })
+}
+
+/// The parts between `--boundary` delimiters (RFC 2046 §5.1.1), or `None` if malformed.
+fn split<'a>(body: &'a [u8], boundary: &[u8]) -> Option<Vec<&'a [u8]>> {
+    let mut delimiter = b"\r\n--".to_vec();
+    delimiter.extend_from_slice(boundary);
+    // The first delimiter may open the body, without the CRLF before it.
+    let mut at = if body.starts_with(&delimiter[2..]) {
+        delimiter.len() - 2
+    } else {
+        find(body, &delimiter)? + delimiter.len()
+    };
+    let mut parts = Vec::new();
+    loop {
+        let rest = &body[at..];
+        if rest.starts_with(b"--") {
+            return Some(parts);
+        }
+        // Transport padding, then the CRLF that ends the delimiter line.
+        let pad = rest
+            .iter()
+            .take_while(|&&b| b == b' ' || b == b'\t')
+            .count();
+        let rest = rest[pad..].strip_prefix(b"\r\n")?;
+        let end = find(rest, &delimiter)?;
+        parts.push(&rest[..end]);
+        at = body.len() - rest.len() + end + delimiter.len();
+    }
+}
+
+fn find(haystack: &[u8], needle: &[u8]) -> Option<usize> {
+    haystack.windows(needle.len()).position(|w| w == needle)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn form(boundary: &str, preamble: &str) -> (String, Vec<u8>) {
+        let body = format!(
+            "{preamble}--{boundary}\r\nContent-Disposition: form-data; name=\"a\"\r\n\r\nvalue a\r\n\
+             --{boundary}\r\ncontent-disposition:   form-data; name=\"f\"; filename=\"x.bin\"\r\n\
+             Content-Type: application/octet-stream\r\n\r\n\x00\x01--\r\n--{boundary}--\r\nepilogue"
+        );
+        (
+            format!("multipart/form-data; boundary=\"{boundary}\""),
+            body.into_bytes(),
+        )
+    }
+
+    fn canon(ct: &str, body: &[u8]) -> Result<Vec<u8>, MalformedBody> {
+        let mut out = Vec::new();
+        canonicalize(ct, body, &mut out).map(|()| out)
+    }
+
+    #[test]
+    fn boundary_preamble_and_header_case_do_not_count() {
+        let (ct1, b1) = form("XyZ123", "");
+        let (ct2, b2) = form("other-boundary-9", "preamble text\r\n");
+        assert_eq!(
+            canon(&ct1, &b1).expect("valid"),
+            canon(&ct2, &b2).expect("valid")
+        );
+        let changed = String::from_utf8_lossy(&b1).replace("value a", "value b");
+        assert_ne!(
+            canon(&ct1, &b1).expect("valid"),
+            canon(&ct1, changed.as_bytes()).expect("valid")
+        );
+    }
+
+    #[test]
+    fn malformed_multipart_is_refused() {
+        let (ct, body) = form("XyZ123", "");
+        assert!(canon("multipart/form-data", &body).is_err());
+        assert!(canon(&ct, b"no delimiter at all").is_err());
+        assert!(canon(&ct, &body[..body.len() - 20]).is_err());
+    }
+}

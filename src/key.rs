@@ -1,0 +1,233 @@
+//! Steps 1–2 of the pipeline: read and validate the `Idempotency-Key`, then scope it.
+
+use std::fmt;
+
+use http::{HeaderMap, HeaderName, request::Parts};
+use sha2::{Digest, Sha256};
+
+/// The longest key accepted, in bytes, after removing sf-string quoting.
+pub const MAX_KEY_LEN: usize = 255;
+
+/// The default header carrying the key.
+pub static IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static("idempotency-key");
+
+/// Why a request's idempotency key was refused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum KeyError {
+    /// The route requires a key and none was sent.
+    Missing,
+    /// The header appeared more than once: the request names two operations.
+    Multiple,
+    /// The key is empty.
+    Empty,
+    /// The key is longer than [`MAX_KEY_LEN`] bytes.
+    TooLong,
+    /// The key holds a byte outside visible ASCII, or is a malformed sf-string.
+    InvalidCharacter,
+}
+
+impl fmt::Display for KeyError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Self::Missing => "this endpoint requires an idempotency key",
+            Self::Multiple => "more than one idempotency key header was sent",
+            Self::Empty => "the idempotency key is empty",
+            Self::TooLong => "the idempotency key is longer than 255 bytes",
+            Self::InvalidCharacter => {
+                "the idempotency key must be visible ASCII, as a token or an RFC 8941 string"
+            }
+        })
+    }
+}
+
+impl std::error::Error for KeyError {}
+
+/// Reads the key from `headers`: `Ok(None)` when absent.
+///
+/// Accepts an RFC 8941 sf-string (`"abc"`, with `\"` and `\\` escapes) or a bare value of
+/// visible ASCII (`0x21..=0x7E`). Bare values are looser than an sf-token on purpose: UUIDs,
+/// which begin with a digit, are the most common key and are not sf-tokens.
+pub(crate) fn parse_key(
+    headers: &HeaderMap,
+    name: &HeaderName,
+) -> Result<Option<String>, KeyError> {
+    let mut values = headers.get_all(name).iter();
+    let Some(value) = values.next() else {
+        return Ok(None);
+    };
+    if values.next().is_some() {
+        return Err(KeyError::Multiple);
+    }
+    let raw = value.as_bytes();
+    let key = match raw.first() {
+        Some(b'"') => unquote(raw)?,
+        _ => {
+            if raw.iter().any(|b| !(0x21..=0x7e).contains(b)) {
+                return Err(KeyError::InvalidCharacter);
+            }
+            raw.to_vec()
+        }
+    };
+    if key.is_empty() {
+        return Err(KeyError::Empty);
+    }
+    if key.len() > MAX_KEY_LEN {
+        return Err(KeyError::TooLong);
+    }
+    // Only ASCII bytes got through both branches.
+    String::from_utf8(key)
+        .map(Some)
+        .map_err(|_| KeyError::InvalidCharacter)
+}
+
+/// Decodes an RFC 8941 sf-string (section 3.3.3): printable ASCII, `\"` and `\\` escapes.
+fn unquote(raw: &[u8]) -> Result<Vec<u8>, KeyError> {
+    let inner = match raw {
+        [b'"', inner @ .., b'"'] if raw.len() >= 2 => inner,
+        _ => return Err(KeyError::InvalidCharacter),
+    };
+    let mut out = Vec::with_capacity(inner.len());
+    let mut bytes = inner.iter();
+    while let Some(&b) = bytes.next() {
+        match b {
+            b'\\' => match bytes.next() {
+                Some(&e @ (b'"' | b'\\')) => out.push(e),
+                _ => return Err(KeyError::InvalidCharacter),
+            },
+            b'"' => return Err(KeyError::InvalidCharacter),
+            0x20..=0x7e => out.push(b),
+            _ => return Err(KeyError::InvalidCharacter),
+        }
+    }
+    Ok(out)
+}
+
+/// A key together with the scope it belongs to: the unit a store keeps one record for.
+#[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ScopedKey {
+    scope: String,
+    key: String,
+}
+
+impl ScopedKey {
+    /// A key in a scope. Scopes partition keys: equal keys in two scopes never meet.
+    pub fn new(scope: impl Into<String>, key: impl Into<String>) -> Self {
+        Self {
+            scope: scope.into(),
+            key: key.into(),
+        }
+    }
+
+    /// The scope (tenant, account, principal).
+    pub fn scope(&self) -> &str {
+        &self.scope
+    }
+
+    /// The client's key.
+    pub fn key(&self) -> &str {
+        &self.key
+    }
+}
+
+impl fmt::Debug for ScopedKey {
+    // Keys are not secrets, but scopes may be derived from credentials: keep both short.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "ScopedKey({:?}, {:?})", self.scope, self.key)
+    }
+}
+
+/// Computes the scope of a request: the partition its keys live in.
+///
+/// Any `Fn(&Parts) -> String + Clone + Send + Sync + 'static` closure is a `MakeScope`.
+/// Pick the authenticated principal (from an extension your auth layer sets) or a tenant id:
+/// two principals sharing a scope could replay each other's responses.
+pub trait MakeScope: Clone + Send + Sync + 'static {
+    /// The scope of the request with these parts.
+    fn make_scope(&self, parts: &Parts) -> String;
+}
+
+impl<F> MakeScope for F
+where
+    F: Fn(&Parts) -> String + Clone + Send + Sync + 'static,
+{
+    fn make_scope(&self, parts: &Parts) -> String {
+        self(parts)
+    }
+}
+
+/// The default scope: a SHA-256 of the `Authorization` header, or `""` without one.
+///
+/// Requests carrying different credentials never share records, and the credential itself is
+/// never stored. Requests without credentials share the empty scope. Rotating a token changes the
+/// scope, so a retry sent with a refreshed token is a new operation: if that matters, scope by
+/// the principal instead ([`IdempotencyLayer::scope_with`](crate::IdempotencyLayer::scope_with)).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct DefaultScope;
+
+impl MakeScope for DefaultScope {
+    fn make_scope(&self, parts: &Parts) -> String {
+        match parts.headers.get(http::header::AUTHORIZATION) {
+            Some(auth) => {
+                let digest = Sha256::digest(auth.as_bytes());
+                format!("auth:{}", hex(&digest[..16]))
+            }
+            None => String::new(),
+        }
+    }
+}
+
+pub(crate) fn hex(bytes: &[u8]) -> String {
+    use fmt::Write;
+    let mut s = String::with_capacity(bytes.len() * 2);
+    for b in bytes {
+        let _ = write!(s, "{b:02x}");
+    }
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use http::HeaderValue;
+
+    fn parse(values: &[&[u8]]) -> Result<Option<String>, KeyError> {
+        let mut headers = HeaderMap::new();
+        for v in values {
+            headers.append(
+                &IDEMPOTENCY_KEY,
+                HeaderValue::from_bytes(v).expect("header value"),
+            );
+        }
+        parse_key(&headers, &IDEMPOTENCY_KEY)
+    }
+
+    #[test]
+    fn accepts_tokens_uuids_and_sf_strings() {
+        assert_eq!(parse(&[b"abc"]), Ok(Some("abc".into())));
+        let uuid = "8e03978e-40d5-43e8-bc93-6894a57f9324";
+        assert_eq!(parse(&[uuid.as_bytes()]), Ok(Some(uuid.into())));
+        assert_eq!(parse(&[br#""a b\"c\\""#]), Ok(Some(r#"a b"c\"#.into())));
+        assert_eq!(parse(&[]), Ok(None));
+    }
+
+    #[test]
+    fn rejects_bad_keys() {
+        assert_eq!(parse(&[b"a", b"b"]), Err(KeyError::Multiple));
+        assert_eq!(parse(&[b"\"\""]), Err(KeyError::Empty));
+        assert_eq!(parse(&[b""]), Err(KeyError::Empty));
+        assert_eq!(parse(&[&[b'k'; 256]]), Err(KeyError::TooLong));
+        assert_eq!(
+            parse(&[&[b'k'; 255]]).map(|k| k.map(|k| k.len())),
+            Ok(Some(255))
+        );
+        assert_eq!(parse(&[b"a\tb"]), Err(KeyError::InvalidCharacter));
+        assert_eq!(parse(&[b"a b"]), Err(KeyError::InvalidCharacter));
+        assert_eq!(parse(&[b"\"abc"]), Err(KeyError::InvalidCharacter));
+        assert_eq!(parse(&[br#""a\nb""#]), Err(KeyError::InvalidCharacter));
+        assert_eq!(
+            parse(&["caf\u{e9}".as_bytes()]),
+            Err(KeyError::InvalidCharacter)
+        );
+    }
+}

@@ -1,0 +1,263 @@
+//! [`IdempotencyLayer`]: the configuration, applied to a service.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use http::{HeaderName, Method};
+use tower_layer::Layer;
+
+use crate::fingerprint::{Canonicalize, FingerprintOptions};
+use crate::key::{DefaultScope, IDEMPOTENCY_KEY, MakeScope};
+use crate::policy::CachePolicy;
+use crate::replay::default_denied_headers;
+use crate::route::RouteConfig;
+use crate::service::Idempotency;
+use crate::store::LeaseExpiry;
+
+type Override = Arc<dyn Fn(RouteConfig) -> RouteConfig + Send + Sync>;
+
+/// Makes the wrapped service safe to retry: one execution per idempotency key, the recorded
+/// outcome replayed to every retry.
+///
+/// Cheap to clone. Configure it by value; per-path settings start from the layer's defaults
+/// whenever those are set:
+///
+/// ```
+/// use std::time::Duration;
+/// use tower_idempotency::{IdempotencyLayer, MemoryStore};
+///
+/// let layer = IdempotencyLayer::new(MemoryStore::new())
+///     .lease(Duration::from_secs(10))
+///     .for_path("/tools/search", |route| route.require_key(false));
+/// ```
+pub struct IdempotencyLayer<St, M = DefaultScope> {
+    store: Arc<St>,
+    make_scope: M,
+    config: Arc<LayerConfig>,
+}
+
+#[derive(Clone)]
+struct LayerConfig {
+    header: HeaderName,
+    default: RouteConfig,
+    overrides: Vec<(String, Override)>,
+    fingerprint: FingerprintOptions,
+    denied_headers: Vec<HeaderName>,
+}
+
+/// The configuration a service runs with, resolved once per [`Layer::layer`].
+#[derive(Debug)]
+pub(crate) struct Resolved {
+    pub(crate) header: HeaderName,
+    pub(crate) default: RouteConfig,
+    pub(crate) routes: HashMap<String, RouteConfig>,
+    pub(crate) fingerprint: FingerprintOptions,
+    pub(crate) denied_headers: Arc<[HeaderName]>,
+}
+
+impl Resolved {
+    /// The settings for a request path: an exact match, or the default.
+    pub(crate) fn route(&self, path: &str) -> &RouteConfig {
+        self.routes.get(path).unwrap_or(&self.default)
+    }
+}
+
+impl<St> IdempotencyLayer<St> {
+    /// A layer keeping its records in `store`, with the default settings (see [`RouteConfig`]).
+    pub fn new(store: St) -> Self {
+        Self::from_arc(Arc::new(store))
+    }
+
+    /// A layer sharing an existing `Arc` of a store.
+    pub fn from_arc(store: Arc<St>) -> Self {
+        Self {
+            store,
+            make_scope: DefaultScope,
+            config: Arc::new(LayerConfig {
+                header: IDEMPOTENCY_KEY.clone(),
+                default: RouteConfig::default(),
+                overrides: Vec::new(),
+                fingerprint: FingerprintOptions::default(),
+                denied_headers: default_denied_headers(),
+            }),
+        }
+    }
+}
+
+macro_rules! route_setting {
+    ($( $(#[$doc:meta])* $name:ident($arg:ident: $ty:ty); )*) => {$(
+        $(#[$doc])*
+        ///
+        /// Sets the layer's default; see [`RouteConfig`].
+        pub fn $name(self, $arg: $ty) -> Self {
+            self.defaults(|route| route.$name($arg))
+        }
+    )*};
+}
+
+impl<St, M> IdempotencyLayer<St, M> {
+    fn config_mut(&mut self) -> &mut LayerConfig {
+        Arc::make_mut(&mut self.config)
+    }
+
+    /// Changes the default settings of every route.
+    pub fn defaults(mut self, f: impl FnOnce(RouteConfig) -> RouteConfig) -> Self {
+        let config = self.config_mut();
+        config.default = f(std::mem::take(&mut config.default));
+        self
+    }
+
+    /// Settings for requests whose path is exactly `path`, made from the defaults by `f`.
+    ///
+    /// With axum you may instead put differently configured layers on different routes
+    /// (`route_layer`); this form serves one layer across a router, and gRPC methods, whose
+    /// paths are `/package.Service/Method`.
+    pub fn for_path(
+        mut self,
+        path: impl Into<String>,
+        f: impl Fn(RouteConfig) -> RouteConfig + Send + Sync + 'static,
+    ) -> Self {
+        self.config_mut().overrides.push((path.into(), Arc::new(f)));
+        self
+    }
+
+    route_setting! {
+        /// Whether requests without a key get 400 (`true`, the default) or pass through.
+        require_key(required: bool);
+        /// Which outcomes are recorded.
+        cache_policy(policy: CachePolicy);
+        /// How long a recorded outcome is replayed.
+        ttl(ttl: Duration);
+        /// How long a claim holds without renewal.
+        lease(lease: Duration);
+        /// What a claim does on finding an expired lease.
+        on_lease_expiry(expiry: LeaseExpiry);
+        /// The largest request body buffered.
+        body_limit(bytes: usize);
+        /// The largest response body recorded.
+        response_limit(bytes: usize);
+        /// Whether responses are wrapped in the JSON envelope.
+        envelope(on: bool);
+        /// Whether first responses carry `Idempotency-Replayed: false`.
+        mark_first_response(on: bool);
+        /// The `Retry-After` sent with 503 when the store fails.
+        unavailable_retry_after(after: Duration);
+    }
+
+    /// The methods guarded (default `POST` and `PATCH`).
+    ///
+    /// Sets the layer's default; see [`RouteConfig`].
+    pub fn methods(self, methods: impl IntoIterator<Item = Method>) -> Self {
+        let methods: Vec<Method> = methods.into_iter().collect();
+        self.defaults(|route| route.methods(methods))
+    }
+
+    /// The header carrying the key (default `Idempotency-Key`).
+    pub fn header_name(mut self, name: HeaderName) -> Self {
+        self.config_mut().header = name;
+        self
+    }
+
+    /// Adds a request header to the fingerprint: requests differing in it are different
+    /// operations (for example `x-api-version`).
+    pub fn fingerprint_header(mut self, name: HeaderName) -> Self {
+        self.config_mut().fingerprint.headers.push(name);
+        self
+    }
+
+    /// Fingerprints bodies of `media_type` (for example `application/cbor`) by what
+    /// `canonicalizer` returns, instead of their raw bytes.
+    pub fn canonicalize(mut self, media_type: &str, canonicalizer: impl Canonicalize) -> Self {
+        let media = crate::fingerprint::media_type(media_type);
+        self.config_mut()
+            .fingerprint
+            .custom
+            .push((media, Arc::new(canonicalizer)));
+        self
+    }
+
+    /// Never records nor replays this response header (in addition to `Set-Cookie`,
+    /// `Authorization`, `WWW-Authenticate`, `Date`, request ids and hop-by-hop headers).
+    pub fn deny_header(mut self, name: HeaderName) -> Self {
+        self.config_mut().denied_headers.push(name);
+        self
+    }
+
+    /// Computes each request's scope with `make_scope` instead of [`DefaultScope`].
+    ///
+    /// ```
+    /// use http::request::Parts;
+    /// use tower_idempotency::{IdempotencyLayer, MemoryStore};
+    ///
+    /// #[derive(Clone)]
+    /// struct Tenant(String);
+    ///
+    /// let layer = IdempotencyLayer::new(MemoryStore::new()).scope_with(|parts: &Parts| {
+    ///     parts.extensions.get::<Tenant>().map(|t| t.0.clone()).unwrap_or_default()
+    /// });
+    /// ```
+    pub fn scope_with<M2: MakeScope>(self, make_scope: M2) -> IdempotencyLayer<St, M2> {
+        IdempotencyLayer {
+            store: self.store,
+            make_scope,
+            config: self.config,
+        }
+    }
+
+    fn resolve(&self) -> Resolved {
+        let c = &self.config;
+        Resolved {
+            header: c.header.clone(),
+            default: c.default.clone(),
+            routes: c
+                .overrides
+                .iter()
+                .map(|(path, f)| (path.clone(), f(c.default.clone())))
+                .collect(),
+            fingerprint: c.fingerprint.clone(),
+            denied_headers: c.denied_headers.clone().into(),
+        }
+    }
+}
+
+impl<S, St, M: Clone> Layer<S> for IdempotencyLayer<St, M> {
+    type Service = Idempotency<S, St, M>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        Idempotency::new(
+            inner,
+            self.store.clone(),
+            self.make_scope.clone(),
+            Arc::new(self.resolve()),
+        )
+    }
+}
+
+impl<St, M: Clone> Clone for IdempotencyLayer<St, M> {
+    fn clone(&self) -> Self {
+        Self {
+            store: self.store.clone(),
+            make_scope: self.make_scope.clone(),
+            config: self.config.clone(),
+        }
+    }
+}
+
+impl<St: fmt::Debug, M: fmt::Debug> fmt::Debug for IdempotencyLayer<St, M> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let c = &self.config;
+        f.debug_struct("IdempotencyLayer")
+            .field("store", &self.store)
+            .field("make_scope", &self.make_scope)
+            .field("header", &c.header)
+            .field("default", &c.default)
+            .field(
+                "paths",
+                &c.overrides.iter().map(|(p, _)| p).collect::<Vec<_>>(),
+            )
+            .field("fingerprint", &c.fingerprint)
+            .finish()
+    }
+}

@@ -1,0 +1,107 @@
+//! Idempotency keys for tower services: one execution per key, the recorded outcome replayed to
+//! every retry.
+//!
+//! Agents, queues and people retry after every timeout. Put [`IdempotencyLayer`] in front of a
+//! write endpoint and a refund, a ticket or an email still happens once: the first request with
+//! an `Idempotency-Key` runs, retries get its recorded answer (marked
+//! `Idempotency-Replayed: true`), a retry that arrives while the first still runs gets
+//! `409` with `Retry-After`, and a key reused for a different request gets `422`.
+//!
+//! ```no_run
+//! use axum::{Router, routing::post};
+//! use tower_idempotency::{IdempotencyContext, IdempotencyLayer, MemoryStore};
+//!
+//! async fn create_ticket(ctx: IdempotencyContext, body: String) -> String {
+//!     format!("ticket for {body:?}, attempt {}", ctx.attempt())
+//! }
+//!
+//! # async fn run() -> std::io::Result<()> {
+//! let app = Router::new()
+//!     .route("/tools/create_ticket", post(create_ticket))
+//!     .layer(IdempotencyLayer::new(MemoryStore::new()));
+//! let listener = tokio::net::TcpListener::bind("127.0.0.1:3000").await?;
+//! axum::serve(listener, app).await
+//! # }
+//! ```
+//!
+//! # The pipeline
+//!
+//! For each request on a guarded method (`POST` and `PATCH` by default), in this order:
+//!
+//! 1. **Key** ([`key`](crate::KeyError)): `Idempotency-Key` as an RFC 8941 string or a bare
+//!    visible-ASCII value, at most 255 bytes, once. Missing: 400 when required (the default),
+//!    pass-through when [`require_key(false)`](IdempotencyLayer::require_key).
+//! 2. **Scope** ([`MakeScope`]): keys live in a scope; the default is a hash of the
+//!    `Authorization` header ([`DefaultScope`]).
+//! 3. **Buffer**: the body, up to [`body_limit`](IdempotencyLayer::body_limit) (1 MiB), else
+//!    413; nothing is claimed before this.
+//! 4. **Fingerprint** ([`fingerprint`](crate::Fingerprint)): method, path, query, media type and
+//!    the canonical body (RFC 8785 JSON, sorted form pairs, multipart by parts).
+//! 5. **Claim** ([`IdempotencyStore::claim`]): one atomic store operation.
+//! 6. **Decide**: run, replay, or refuse (see the table below).
+//! 7. **Execute** in a spawned task, to completion even if the client hangs up, renewing the
+//!    lease while it runs.
+//! 8. **Record** by [`CachePolicy`], fenced by the lease's token.
+//! 9. **Respond** with the same bytes a replay will return.
+//!
+//! | the key's record | answer |
+//! |---|---|
+//! | none | run the handler |
+//! | completed, same request | the recorded response, `Idempotency-Replayed: true` |
+//! | any state, different request | 422 `fingerprint-mismatch`, nothing run |
+//! | in progress | 409 `in-flight` with `Retry-After`, nothing run |
+//! | needs reconciliation | 409 `outcome-unknown`, nothing run |
+//! | expired | as none |
+//! | store failing | 503 `store-unavailable` with `Retry-After`, nothing run |
+//!
+//! Every refusal is an RFC 9457 problem: see [`problem`] for the types. Metrics are listed in
+//! [`observe`](crate#metrics).
+//!
+//! # Metrics
+//!
+//! Through the [`metrics`](https://docs.rs/metrics) facade, counters named
+//! `idempotency_attempts_total`, `idempotency_executions_total`, `idempotency_replays_total`,
+//! `idempotency_conflicts_total`, `idempotency_mismatches_total`,
+//! `idempotency_key_rejections_total`, `idempotency_body_rejections_total`,
+//! `idempotency_store_errors_total`, `idempotency_releases_total`,
+//! `idempotency_uncertain_total`, `idempotency_lease_lost_total` and
+//! `idempotency_stale_writes_total`. Each guarded request also runs in a `tracing` span named
+//! `idempotency` whose `outcome` field says what happened.
+//!
+//! # Features
+//!
+//! - `axum` (default): [`IdempotencyContext`] as an axum extractor.
+//! - `memory` (default): the embedded [`MemoryStore`].
+#![cfg_attr(docsrs, feature(doc_cfg))]
+
+mod body;
+mod context;
+mod decide;
+mod execute;
+mod fingerprint;
+mod future;
+mod key;
+mod layer;
+mod observe;
+mod policy;
+pub mod problem;
+mod replay;
+mod route;
+mod service;
+pub mod store;
+
+pub use body::{RequestBody, ResponseBody};
+pub use context::IdempotencyContext;
+#[cfg(feature = "axum")]
+pub use context::MissingIdempotencyContext;
+pub use fingerprint::{Canonicalize, Fingerprint, MalformedBody};
+pub use future::ResponseFuture;
+pub use key::{DefaultScope, IDEMPOTENCY_KEY, KeyError, MAX_KEY_LEN, MakeScope, ScopedKey};
+pub use layer::IdempotencyLayer;
+pub use policy::{CachePolicy, Outcome};
+pub use replay::IDEMPOTENCY_REPLAYED;
+pub use route::RouteConfig;
+pub use service::Idempotency;
+#[cfg(feature = "memory")]
+pub use store::MemoryStore;
+pub use store::{IdempotencyStore, LeaseExpiry};

@@ -1,0 +1,56 @@
+//! Metrics (DESIGN §6): one counter per kind of event, through the `metrics` facade.
+//!
+//! | counter | counts |
+//! |---|---|
+//! | `idempotency_attempts_total` | guarded requests that carried a valid key |
+//! | `idempotency_executions_total` | runs of the inner service (effects) |
+//! | `idempotency_replays_total` | recorded outcomes replayed |
+//! | `idempotency_conflicts_total` | requests refused because the key was in flight |
+//! | `idempotency_mismatches_total` | keys reused with a different request |
+//! | `idempotency_key_rejections_total` | missing or invalid keys |
+//! | `idempotency_body_rejections_total` | bodies too large, malformed or unreadable |
+//! | `idempotency_store_errors_total` | store operations that failed |
+//! | `idempotency_releases_total` | claims released after a retryable failure |
+//! | `idempotency_uncertain_total` | requests refused because the outcome is unknown, and records moved to reconciliation |
+//! | `idempotency_lease_lost_total` | holders that lost their lease while running |
+//! | `idempotency_stale_writes_total` | writes refused because the writer's lease was taken over |
+
+/// Something worth counting.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Event {
+    Attempt,
+    Execution,
+    Replay,
+    Conflict,
+    Mismatch,
+    KeyRejected,
+    BodyRejected,
+    StoreError,
+    Release,
+    Unknown,
+    LeaseLost,
+    StaleWrite,
+}
+
+impl Event {
+    pub(crate) const fn name(self) -> &'static str {
+        match self {
+            Self::Attempt => "idempotency_attempts_total",
+            Self::Execution => "idempotency_executions_total",
+            Self::Replay => "idempotency_replays_total",
+            Self::Conflict => "idempotency_conflicts_total",
+            Self::Mismatch => "idempotency_mismatches_total",
+            Self::KeyRejected => "idempotency_key_rejections_total",
+            Self::BodyRejected => "idempotency_body_rejections_total",
+            Self::StoreError => "idempotency_store_errors_total",
+            Self::Release => "idempotency_releases_total",
+            Self::Unknown => "idempotency_uncertain_total",
+            Self::LeaseLost => "idempotency_lease_lost_total",
+            Self::StaleWrite => "idempotency_stale_writes_total",
+        }
+    }
+}
+
+pub(crate) fn count(event: Event) {
+    metrics::counter!(event.name()).increment(1);
+}

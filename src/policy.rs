@@ -1,0 +1,140 @@
+//! Step 8 of the pipeline: which outcomes become the key's permanent answer.
+
+use std::fmt;
+use std::sync::Arc;
+
+use http::{HeaderMap, StatusCode};
+
+/// A finished response, as the cache policy sees it.
+#[derive(Debug, Clone, Copy)]
+pub struct Outcome<'a> {
+    /// The HTTP status.
+    pub status: StatusCode,
+    /// The response headers (a trailers-only gRPC response carries `grpc-status` here).
+    pub headers: &'a HeaderMap,
+    /// The trailers, if the response had any.
+    pub trailers: Option<&'a HeaderMap>,
+}
+
+impl Outcome<'_> {
+    /// The gRPC status code, from the trailers or a trailers-only response's headers.
+    pub fn grpc_status(&self) -> Option<u16> {
+        let from = |h: &HeaderMap| h.get("grpc-status")?.to_str().ok()?.parse().ok();
+        self.trailers.and_then(from).or_else(|| from(self.headers))
+    }
+
+    /// Whether this outcome is definitive: an answer about the operation rather than a
+    /// technical failure that a retry may get past (DESIGN §3).
+    pub fn is_definitive(&self) -> bool {
+        if let Some(code) = self.grpc_status() {
+            // OK, INVALID_ARGUMENT, NOT_FOUND, ALREADY_EXISTS, PERMISSION_DENIED,
+            // FAILED_PRECONDITION, OUT_OF_RANGE, UNIMPLEMENTED, UNAUTHENTICATED.
+            return matches!(code, 0 | 3 | 5 | 6 | 7 | 9 | 11 | 12 | 16);
+        }
+        let s = self.status.as_u16();
+        (200..300).contains(&s) || ((400..500).contains(&s) && !matches!(s, 408 | 409 | 425 | 429))
+    }
+}
+
+/// Which outcomes a route records (DESIGN §3). Outcomes not recorded release the key, so a
+/// later retry runs the operation again.
+#[derive(Clone, Default)]
+#[non_exhaustive]
+pub enum CachePolicy {
+    /// Record definitive outcomes: 2xx and 4xx except 408, 409, 425 and 429 (for gRPC: OK,
+    /// INVALID_ARGUMENT, NOT_FOUND, ALREADY_EXISTS, PERMISSION_DENIED, FAILED_PRECONDITION,
+    /// OUT_OF_RANGE, UNIMPLEMENTED, UNAUTHENTICATED). 5xx and the rest release the key.
+    ///
+    /// Pick it when a retry after a server error should get another chance: the operation
+    /// either did not happen or is itself idempotent downstream.
+    #[default]
+    DefinitiveOnly,
+    /// Record the first outcome, whatever it is, as Stripe does: a 500 is replayed as a 500.
+    ///
+    /// Pick it when a failed attempt may have done part of its work and running it again
+    /// is worse than reporting the failure forever. Errors of the inner service, panics and
+    /// dropped executions are still never recorded: there is no real response to replay.
+    Everything,
+    /// Record what the function says to record.
+    Custom(Arc<dyn Fn(&Outcome<'_>) -> bool + Send + Sync>),
+}
+
+impl CachePolicy {
+    /// A policy from a function deciding whether to record an outcome.
+    pub fn custom(f: impl Fn(&Outcome<'_>) -> bool + Send + Sync + 'static) -> Self {
+        Self::Custom(Arc::new(f))
+    }
+
+    /// Whether `outcome` is recorded under this policy.
+    pub fn records(&self, outcome: &Outcome<'_>) -> bool {
+        match self {
+            Self::DefinitiveOnly => outcome.is_definitive(),
+            Self::Everything => true,
+            Self::Custom(f) => f(outcome),
+        }
+    }
+}
+
+impl fmt::Debug for CachePolicy {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::DefinitiveOnly => f.write_str("DefinitiveOnly"),
+            Self::Everything => f.write_str("Everything"),
+            Self::Custom(_) => f.write_str("Custom(..)"),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn http(status: u16) -> bool {
+        let headers = HeaderMap::new();
+        Outcome {
+            status: StatusCode::from_u16(status).expect("status"),
+            headers: &headers,
+            trailers: None,
+        }
+        .is_definitive()
+    }
+
+    fn grpc(code: &str, trailers_only: bool) -> bool {
+        let mut h = HeaderMap::new();
+        h.insert("grpc-status", code.parse().expect("value"));
+        let empty = HeaderMap::new();
+        let (headers, trailers) = if trailers_only {
+            (&h, None)
+        } else {
+            (&empty, Some(&h))
+        };
+        Outcome {
+            status: StatusCode::OK,
+            headers,
+            trailers,
+        }
+        .is_definitive()
+    }
+
+    #[test]
+    fn definitive_http_outcomes() {
+        for s in [200, 201, 204, 400, 404, 422] {
+            assert!(http(s), "{s}");
+        }
+        for s in [408, 409, 425, 429, 500, 502, 503] {
+            assert!(!http(s), "{s}");
+        }
+    }
+
+    #[test]
+    fn definitive_grpc_outcomes_from_trailers_or_headers() {
+        for only in [false, true] {
+            for c in ["0", "3", "5", "6", "7", "9", "11", "12", "16"] {
+                assert!(grpc(c, only), "{c}");
+            }
+            for c in ["1", "2", "4", "8", "10", "13", "14", "15"] {
+                assert!(!grpc(c, only), "{c}");
+            }
+        }
+    }
+}

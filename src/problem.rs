@@ -1,0 +1,184 @@
+//! Every answer the middleware gives on its own, as RFC 9457 problem details.
+//!
+//! Each body is `application/problem+json` with these members:
+//!
+//! - `type`: a stable URI, `urn:tower-idempotency:problem:<slug>` (see [`ProblemKind`]);
+//! - `title`, `status`, `detail`: for people;
+//! - `state`: the key's state as the middleware saw it (`none`, `in_progress`, `completed`,
+//!   `released`, `needs_reconciliation`);
+//! - `safe_new_key`: `true` when the outcome for this key is definite (nothing ran, or the
+//!   outcome is recorded) so the client may move on to a new key; `false` when the client must
+//!   keep retrying *this* key (the outcome is not known yet, or the store could not tell);
+//! - `retry_after`: seconds, when a retry is expected to help (also sent as `Retry-After`).
+//!
+//! No header value of the request (key, credentials) is ever echoed.
+//!
+//! | slug | status | when |
+//! |---|---|---|
+//! | `key-missing` | 400 | the route requires a key and none was sent |
+//! | `key-invalid` | 400 | empty, over 255 bytes, not visible ASCII, or sent twice |
+//! | `body-too-large` | 413 | the request body is over the route's limit; nothing was claimed |
+//! | `body-malformed` | 400 | the body is not what its `Content-Type` says (invalid JSON, not UTF-8, nested over 128 levels) |
+//! | `body-unreadable` | 400 | the request body stream failed |
+//! | `fingerprint-mismatch` | 422 | the key was used for a different request; nothing ran |
+//! | `in-flight` | 409 | the first request with this key is still running; retry after `Retry-After` |
+//! | `outcome-unknown` | 409 | it is unknown whether the operation took effect; it awaits reconciliation |
+//! | `response-not-stored` | 409 | the operation completed but its response was over the size limit, so it cannot be replayed |
+//! | `store-unavailable` | 503 | the record store failed; nothing ran; retry with the same key |
+//! | `execution-failed` | 500 | the handler panicked or its response failed mid-body; the key was released |
+
+use bytes::Bytes;
+use http::{HeaderValue, Response, StatusCode, header};
+
+use crate::body::ResponseBody;
+
+/// The failures the middleware answers itself, each with a stable `type` URI.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum ProblemKind {
+    /// 400: the route requires an idempotency key and none was sent.
+    KeyMissing,
+    /// 400: the key is empty, too long, not visible ASCII, or was sent more than once.
+    KeyInvalid,
+    /// 413: the request body is larger than the route's limit.
+    BodyTooLarge,
+    /// 400: the body is not what its `Content-Type` declares.
+    BodyMalformed,
+    /// 400: the request body could not be read.
+    BodyUnreadable,
+    /// 422: the key was first used with a different request.
+    FingerprintMismatch,
+    /// 409: the first request with this key is still running.
+    InFlight,
+    /// 409: whether the operation took effect is unknown; it awaits reconciliation.
+    OutcomeUnknown,
+    /// 409: the operation completed, but its response was too large to keep.
+    ResponseNotStored,
+    /// 503: the record store failed; nothing ran.
+    StoreUnavailable,
+    /// 500: the execution panicked or its response body failed; the key was released.
+    ExecutionFailed,
+}
+
+impl ProblemKind {
+    /// The last segment of the `type` URI.
+    pub const fn slug(self) -> &'static str {
+        match self {
+            Self::KeyMissing => "key-missing",
+            Self::KeyInvalid => "key-invalid",
+            Self::BodyTooLarge => "body-too-large",
+            Self::BodyMalformed => "body-malformed",
+            Self::BodyUnreadable => "body-unreadable",
+            Self::FingerprintMismatch => "fingerprint-mismatch",
+            Self::InFlight => "in-flight",
+            Self::OutcomeUnknown => "outcome-unknown",
+            Self::ResponseNotStored => "response-not-stored",
+            Self::StoreUnavailable => "store-unavailable",
+            Self::ExecutionFailed => "execution-failed",
+        }
+    }
+
+    /// The stable `type` URI.
+    pub fn type_uri(self) -> String {
+        format!("urn:tower-idempotency:problem:{}", self.slug())
+    }
+
+    /// The HTTP status.
+    pub const fn status(self) -> StatusCode {
+        match self {
+            Self::KeyMissing | Self::KeyInvalid | Self::BodyMalformed | Self::BodyUnreadable => {
+                StatusCode::BAD_REQUEST
+            }
+            Self::BodyTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
+            Self::FingerprintMismatch => StatusCode::UNPROCESSABLE_ENTITY,
+            Self::InFlight | Self::OutcomeUnknown | Self::ResponseNotStored => StatusCode::CONFLICT,
+            Self::StoreUnavailable => StatusCode::SERVICE_UNAVAILABLE,
+            Self::ExecutionFailed => StatusCode::INTERNAL_SERVER_ERROR,
+        }
+    }
+
+    /// A short human summary.
+    pub const fn title(self) -> &'static str {
+        match self {
+            Self::KeyMissing => "Idempotency key required",
+            Self::KeyInvalid => "Invalid idempotency key",
+            Self::BodyTooLarge => "Request body too large",
+            Self::BodyMalformed => "Malformed request body",
+            Self::BodyUnreadable => "Request body could not be read",
+            Self::FingerprintMismatch => "Idempotency key reused with a different request",
+            Self::InFlight => "Request with this idempotency key is in progress",
+            Self::OutcomeUnknown => "Outcome unknown",
+            Self::ResponseNotStored => "Response not stored",
+            Self::StoreUnavailable => "Idempotency store unavailable",
+            Self::ExecutionFailed => "Execution failed",
+        }
+    }
+
+    /// Whether a client may move on to a new key after this answer.
+    pub const fn safe_new_key(self) -> bool {
+        !matches!(
+            self,
+            Self::InFlight | Self::OutcomeUnknown | Self::StoreUnavailable | Self::ExecutionFailed
+        )
+    }
+}
+
+/// One problem answer, ready to become a response.
+#[derive(Debug, Clone)]
+pub(crate) struct Problem {
+    pub(crate) kind: ProblemKind,
+    pub(crate) detail: String,
+    pub(crate) state: &'static str,
+    pub(crate) retry_after: Option<u64>,
+}
+
+impl Problem {
+    pub(crate) fn new(kind: ProblemKind, detail: impl Into<String>) -> Self {
+        Self {
+            kind,
+            detail: detail.into(),
+            state: "none",
+            retry_after: None,
+        }
+    }
+
+    pub(crate) fn state(mut self, state: &'static str) -> Self {
+        self.state = state;
+        self
+    }
+
+    pub(crate) fn retry_after(mut self, seconds: u64) -> Self {
+        self.retry_after = Some(seconds);
+        self
+    }
+
+    pub(crate) fn to_json(&self) -> serde_json::Value {
+        let mut body = serde_json::json!({
+            "type": self.kind.type_uri(),
+            "title": self.kind.title(),
+            "status": self.kind.status().as_u16(),
+            "detail": self.detail,
+            "state": self.state,
+            "safe_new_key": self.kind.safe_new_key(),
+        });
+        if let Some(seconds) = self.retry_after {
+            body["retry_after"] = seconds.into();
+        }
+        body
+    }
+
+    pub(crate) fn into_response<B>(self) -> Response<ResponseBody<B>> {
+        let body = Bytes::from(self.to_json().to_string());
+        let mut res = Response::new(ResponseBody::full(body, None));
+        *res.status_mut() = self.kind.status();
+        let headers = res.headers_mut();
+        headers.insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/problem+json"),
+        );
+        if let Some(seconds) = self.retry_after {
+            headers.insert(header::RETRY_AFTER, HeaderValue::from(seconds));
+        }
+        res
+    }
+}

@@ -1,0 +1,225 @@
+//! Steps 8–9 of the pipeline: capture the handler's response, keep what may be replayed, and
+//! rebuild responses (live ones and replays) with identical bytes.
+
+use std::pin::Pin;
+
+use bytes::{Bytes, BytesMut};
+use http::{HeaderMap, HeaderName, HeaderValue, Response, header, response::Parts};
+use http_body::Body;
+use http_body_util::BodyExt;
+
+use crate::body::ResponseBody;
+use crate::problem::{Problem, ProblemKind};
+use crate::store::{BoxError, StoredResponse};
+
+/// The header that marks a replay.
+pub static IDEMPOTENCY_REPLAYED: HeaderName = HeaderName::from_static("idempotency-replayed");
+
+/// Response headers never recorded: credentials, per-response values, hop-by-hop framing.
+pub(crate) fn default_denied_headers() -> Vec<HeaderName> {
+    [
+        "set-cookie",
+        "set-cookie2",
+        "authorization",
+        "proxy-authorization",
+        "www-authenticate",
+        "proxy-authenticate",
+        "date",
+        "x-request-id",
+        "request-id",
+        "x-correlation-id",
+        "traceparent",
+        "tracestate",
+        "connection",
+        "keep-alive",
+        "transfer-encoding",
+        "upgrade",
+        "content-length",
+        "idempotency-replayed",
+    ]
+    .into_iter()
+    .map(HeaderName::from_static)
+    .collect()
+}
+
+/// The headers of `headers` that may be recorded, repeated ones kept in order.
+pub(crate) fn storable_headers(headers: &HeaderMap, denied: &[HeaderName]) -> HeaderMap {
+    let mut kept = HeaderMap::with_capacity(headers.len());
+    for (name, value) in headers {
+        if !denied.contains(name) {
+            kept.append(name.clone(), value.clone());
+        }
+    }
+    kept
+}
+
+/// A response read off the inner service.
+pub(crate) enum Captured<B> {
+    /// The whole body (and trailers) fit within the limit.
+    Complete {
+        parts: Parts,
+        body: Bytes,
+        trailers: Option<HeaderMap>,
+    },
+    /// The body outgrew the limit: what was read, and the rest still to stream.
+    TooLarge {
+        parts: Parts,
+        prefix: Bytes,
+        rest: Pin<Box<B>>,
+    },
+}
+
+/// Reads a response body to its end, or until it outgrows `limit`.
+pub(crate) async fn capture<B>(res: Response<B>, limit: usize) -> Result<Captured<B>, BoxError>
+where
+    B: Body<Data = Bytes>,
+    B::Error: Into<BoxError>,
+{
+    let (parts, body) = res.into_parts();
+    let mut body = Box::pin(body);
+    let mut data = BytesMut::new();
+    let mut trailers: Option<HeaderMap> = None;
+    while let Some(frame) = body.frame().await {
+        let frame = frame.map_err(Into::into)?;
+        match frame.into_data() {
+            Ok(chunk) => {
+                data.extend_from_slice(&chunk);
+                if data.len() > limit {
+                    return Ok(Captured::TooLarge {
+                        parts,
+                        prefix: data.freeze(),
+                        rest: body,
+                    });
+                }
+            }
+            Err(frame) => {
+                if let Ok(t) = frame.into_trailers() {
+                    trailers.get_or_insert_with(HeaderMap::new).extend(t);
+                }
+            }
+        }
+    }
+    Ok(Captured::Complete {
+        parts,
+        body: data.freeze(),
+        trailers,
+    })
+}
+
+/// How a response leaves the middleware: the replay marker, and the optional envelope.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Presentation {
+    pub(crate) replayed: bool,
+    pub(crate) mark: bool,
+    pub(crate) envelope: bool,
+}
+
+/// Builds the response the client receives, from recorded or live parts.
+pub(crate) fn present<B>(
+    status: http::StatusCode,
+    mut headers: HeaderMap,
+    body: Bytes,
+    trailers: Option<HeaderMap>,
+    how: Presentation,
+) -> Response<ResponseBody<B>> {
+    let body = if how.envelope {
+        headers.remove(header::CONTENT_LENGTH);
+        headers.remove(header::CONTENT_ENCODING);
+        let wrapped = envelope(status, &headers, &body, how.replayed);
+        headers.insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        );
+        wrapped
+    } else {
+        body
+    };
+    if how.replayed || how.mark {
+        let flag = if how.replayed { "true" } else { "false" };
+        headers.insert(IDEMPOTENCY_REPLAYED.clone(), HeaderValue::from_static(flag));
+    }
+    let mut res = Response::new(ResponseBody::full(body, trailers));
+    *res.status_mut() = status;
+    *res.headers_mut() = headers;
+    res
+}
+
+/// A replay of a recorded response.
+pub(crate) fn replay<B>(stored: StoredResponse, envelope: bool) -> Response<ResponseBody<B>> {
+    let how = Presentation {
+        replayed: true,
+        mark: true,
+        envelope,
+    };
+    match stored.body {
+        Some(body) => present(stored.status, stored.headers, body, stored.trailers, how),
+        None => {
+            let mut res = Problem::new(
+                ProblemKind::ResponseNotStored,
+                format!(
+                    "the operation completed with status {}, but its response was larger than the \
+                 limit for recorded responses and cannot be replayed; it will not run again",
+                    stored.status.as_u16()
+                ),
+            )
+            .state("completed")
+            .into_response();
+            // An answer about the recorded outcome: marked like any replay.
+            res.headers_mut().insert(
+                IDEMPOTENCY_REPLAYED.clone(),
+                HeaderValue::from_static("true"),
+            );
+            res
+        }
+    }
+}
+
+/// `{"ok", "status", "idempotent_replay", "original_response"}`: the handler's JSON as a value,
+/// other UTF-8 as a string, anything else as `null`.
+fn envelope(status: http::StatusCode, headers: &HeaderMap, body: &Bytes, replayed: bool) -> Bytes {
+    let is_json = headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|ct| crate::fingerprint::is_json(&crate::fingerprint::media_type(ct)));
+    let original = if body.is_empty() {
+        serde_json::Value::Null
+    } else if is_json {
+        serde_json::from_slice(body).unwrap_or_else(|_| lossless_text(body))
+    } else {
+        lossless_text(body)
+    };
+    let wrapped = serde_json::json!({
+        "ok": status.is_success(),
+        "status": status.as_u16(),
+        "idempotent_replay": replayed,
+        "original_response": original,
+    });
+    Bytes::from(wrapped.to_string())
+}
+
+fn lossless_text(body: &[u8]) -> serde_json::Value {
+    std::str::from_utf8(body).map_or(serde_json::Value::Null, |s| s.into())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn storable_headers_drop_secrets_and_keep_repeats() {
+        let mut h = HeaderMap::new();
+        h.append("set-cookie", "a=1".parse().expect("v"));
+        h.append("location", "/t/1".parse().expect("v"));
+        h.append("x-tag", "one".parse().expect("v"));
+        h.append("x-tag", "two".parse().expect("v"));
+        h.append("date", "now".parse().expect("v"));
+        let kept = storable_headers(&h, &default_denied_headers());
+        assert!(kept.get("set-cookie").is_none());
+        assert!(kept.get("date").is_none());
+        assert_eq!(
+            kept.get_all("x-tag").iter().collect::<Vec<_>>(),
+            ["one", "two"]
+        );
+        assert_eq!(kept["location"], "/t/1");
+    }
+}

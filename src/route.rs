@@ -1,0 +1,136 @@
+//! Per-route settings: what a route guards, how long its records and leases last, what it
+//! records.
+
+use std::time::Duration;
+
+use http::Method;
+
+use crate::policy::CachePolicy;
+use crate::store::LeaseExpiry;
+
+/// The settings of one route (or of the whole layer, as its default).
+///
+/// Build it by value, starting from the layer's defaults:
+///
+/// ```
+/// use std::time::Duration;
+/// use tower_idempotency::{CachePolicy, IdempotencyLayer, MemoryStore};
+///
+/// let layer = IdempotencyLayer::new(MemoryStore::new())
+///     .ttl(Duration::from_secs(3600))
+///     .for_path("/tools/deploy", |route| {
+///         route.cache_policy(CachePolicy::Everything).lease(Duration::from_secs(120))
+///     });
+/// ```
+#[derive(Debug, Clone)]
+pub struct RouteConfig {
+    pub(crate) require_key: bool,
+    pub(crate) methods: Vec<Method>,
+    pub(crate) cache_policy: CachePolicy,
+    pub(crate) ttl: Duration,
+    pub(crate) lease: Duration,
+    pub(crate) on_lease_expiry: LeaseExpiry,
+    pub(crate) body_limit: usize,
+    pub(crate) response_limit: usize,
+    pub(crate) envelope: bool,
+    pub(crate) mark_first_response: bool,
+    pub(crate) unavailable_retry_after: Duration,
+}
+
+impl Default for RouteConfig {
+    fn default() -> Self {
+        Self {
+            require_key: true,
+            methods: vec![Method::POST, Method::PATCH],
+            cache_policy: CachePolicy::DefinitiveOnly,
+            ttl: Duration::from_secs(24 * 60 * 60),
+            lease: Duration::from_secs(30),
+            on_lease_expiry: LeaseExpiry::Reclaim,
+            body_limit: 1024 * 1024,
+            response_limit: 1024 * 1024,
+            envelope: false,
+            mark_first_response: false,
+            unavailable_retry_after: Duration::from_secs(1),
+        }
+    }
+}
+
+impl RouteConfig {
+    /// Whether requests without a key are refused with 400 (`true`, the default) or passed
+    /// through unguarded (`false`).
+    pub fn require_key(mut self, required: bool) -> Self {
+        self.require_key = required;
+        self
+    }
+
+    /// The methods guarded (default `POST` and `PATCH`); others pass through untouched.
+    pub fn methods(mut self, methods: impl IntoIterator<Item = Method>) -> Self {
+        self.methods = methods.into_iter().collect();
+        self
+    }
+
+    /// Which outcomes are recorded (default [`CachePolicy::DefinitiveOnly`]).
+    pub fn cache_policy(mut self, policy: CachePolicy) -> Self {
+        self.cache_policy = policy;
+        self
+    }
+
+    /// How long a recorded outcome is replayed (default 24 hours); afterwards the key is new.
+    pub fn ttl(mut self, ttl: Duration) -> Self {
+        self.ttl = ttl;
+        self
+    }
+
+    /// How long a claim holds without renewal (default 30 s). A running handler renews it every
+    /// third of the lease, so only a dead holder loses it.
+    pub fn lease(mut self, lease: Duration) -> Self {
+        self.lease = lease.max(Duration::from_millis(30));
+        self
+    }
+
+    /// What a claim does when it finds a dead holder's expired lease (default
+    /// [`LeaseExpiry::Reclaim`]).
+    pub fn on_lease_expiry(mut self, expiry: LeaseExpiry) -> Self {
+        self.on_lease_expiry = expiry;
+        self
+    }
+
+    /// The largest request body buffered (default 1 MiB); larger ones get 413.
+    pub fn body_limit(mut self, bytes: usize) -> Self {
+        self.body_limit = bytes;
+        self
+    }
+
+    /// The largest response body recorded (default 1 MiB). A larger response still reaches the
+    /// client, and the key stays consumed: replays get `response-not-stored` (409), never a
+    /// second execution.
+    pub fn response_limit(mut self, bytes: usize) -> Self {
+        self.response_limit = bytes;
+        self
+    }
+
+    /// Wraps first responses and replays alike as
+    /// `{"ok": <2xx?>, "status": <code>, "idempotent_replay": <bool>, "original_response": <body>}`
+    /// (default off): for agent-tool endpoints whose callers read the replay flag from the body.
+    pub fn envelope(mut self, on: bool) -> Self {
+        self.envelope = on;
+        self
+    }
+
+    /// Adds `Idempotency-Replayed: false` to first responses (default off; replays always carry
+    /// `Idempotency-Replayed: true`).
+    pub fn mark_first_response(mut self, on: bool) -> Self {
+        self.mark_first_response = on;
+        self
+    }
+
+    /// The `Retry-After` sent with 503 when the store fails (default 1 s).
+    pub fn unavailable_retry_after(mut self, after: Duration) -> Self {
+        self.unavailable_retry_after = after;
+        self
+    }
+
+    pub(crate) fn guards(&self, method: &Method) -> bool {
+        self.methods.contains(method)
+    }
+}

@@ -1,0 +1,311 @@
+//! [`Idempotency`]: the pipeline of DESIGN §1, one step after another.
+
+use std::fmt;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use bytes::Bytes;
+use http::{Request, Response, header};
+use http_body::Body;
+use http_body_util::{BodyExt, LengthLimitError, Limited};
+use tower_service::Service;
+use tracing::Instrument;
+
+use crate::body::{RequestBody, ResponseBody};
+use crate::context::IdempotencyContext;
+use crate::decide::{Decision, ceil_secs, decide};
+use crate::execute::Execution;
+use crate::fingerprint::fingerprint;
+use crate::future::ResponseFuture;
+use crate::key::{DefaultScope, MakeScope, ScopedKey, parse_key};
+use crate::layer::Resolved;
+use crate::observe::{self, Event};
+use crate::problem::{Problem, ProblemKind};
+use crate::replay::replay;
+use crate::route::RouteConfig;
+use crate::store::{BoxError, ClaimRequest, IdempotencyStore};
+
+/// The middleware service made by [`IdempotencyLayer`](crate::IdempotencyLayer).
+///
+/// Its inner service receives `Request<RequestBody<B>>` (the buffered body of a guarded
+/// request, or the original body of one passed through) and its responses carry a
+/// [`ResponseBody`]. Every failure of its own is a response: it never returns an error the
+/// inner service did not.
+pub struct Idempotency<S, St, M = DefaultScope> {
+    inner: S,
+    store: Arc<St>,
+    make_scope: M,
+    config: Arc<Resolved>,
+}
+
+impl<S, St, M> Idempotency<S, St, M> {
+    pub(crate) fn new(inner: S, store: Arc<St>, make_scope: M, config: Arc<Resolved>) -> Self {
+        Self {
+            inner,
+            store,
+            make_scope,
+            config,
+        }
+    }
+}
+
+impl<S, St, M, ReqBody, ResBody> Service<Request<ReqBody>> for Idempotency<S, St, M>
+where
+    S: Service<Request<RequestBody<ReqBody>>, Response = Response<ResBody>>
+        + Clone
+        + Send
+        + 'static,
+    S::Future: Send + 'static,
+    S::Error: Send + 'static,
+    St: IdempotencyStore,
+    M: MakeScope,
+    ReqBody: Body<Data = Bytes> + Send + 'static,
+    ReqBody::Error: Into<BoxError>,
+    ResBody: Body<Data = Bytes> + Send + 'static,
+    ResBody::Error: Into<BoxError>,
+{
+    type Response = Response<ResponseBody<ResBody>>;
+    type Error = S::Error;
+    type Future = ResponseFuture<ResBody, S::Error>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: Request<ReqBody>) -> Self::Future {
+        // The ready service goes into the future; the clone stays behind for the next call.
+        let clone = self.inner.clone();
+        let inner = std::mem::replace(&mut self.inner, clone);
+        let route = self.config.route(req.uri().path());
+        // An outer idempotency layer already guards this request: one claim per request.
+        let nested = req.extensions().get::<IdempotencyContext>().is_some();
+        if nested || !route.guards(req.method()) {
+            return ResponseFuture::new(pass_through(inner, req));
+        }
+        let span = tracing::info_span!(
+            "idempotency",
+            method = %req.method(),
+            path = req.uri().path(),
+            outcome = tracing::field::Empty,
+            attempt = tracing::field::Empty,
+        );
+        let pipeline = Pipeline {
+            store: self.store.clone(),
+            make_scope: self.make_scope.clone(),
+            config: self.config.clone(),
+        };
+        ResponseFuture::new(pipeline.run(inner, req).instrument(span))
+    }
+}
+
+/// One guarded request's trip through DESIGN §1.
+struct Pipeline<St, M> {
+    store: Arc<St>,
+    make_scope: M,
+    config: Arc<Resolved>,
+}
+
+impl<St: IdempotencyStore, M: MakeScope> Pipeline<St, M> {
+    async fn run<S, ReqBody, ResBody>(
+        self,
+        inner: S,
+        req: Request<ReqBody>,
+    ) -> Result<Response<ResponseBody<ResBody>>, S::Error>
+    where
+        S: Service<Request<RequestBody<ReqBody>>, Response = Response<ResBody>> + Send + 'static,
+        S::Future: Send + 'static,
+        S::Error: Send + 'static,
+        ReqBody: Body<Data = Bytes> + Send + 'static,
+        ReqBody::Error: Into<BoxError>,
+        ResBody: Body<Data = Bytes> + Send + 'static,
+        ResBody::Error: Into<BoxError>,
+    {
+        let route = self.config.route(req.uri().path()).clone();
+
+        // 1. Key.
+        let key = match parse_key(req.headers(), &self.config.header) {
+            Ok(Some(key)) => key,
+            Ok(None) if !route.require_key => {
+                outcome("pass_through");
+                return pass_through(inner, req).await;
+            }
+            Ok(None) => return Ok(refuse_key(&crate::key::KeyError::Missing)),
+            Err(error) => return Ok(refuse_key(&error)),
+        };
+        observe::count(Event::Attempt);
+
+        // 2. Scope.
+        let (parts, body) = req.into_parts();
+        let key = ScopedKey::new(self.make_scope.make_scope(&parts), key);
+
+        // 3. Buffer.
+        let bytes = match buffer(&parts, body, route.body_limit).await {
+            Ok(bytes) => bytes,
+            Err(problem) => return Ok(refuse_body(problem)),
+        };
+
+        // 4. Fingerprint.
+        let fingerprint = match fingerprint(&parts, &bytes, &self.config.fingerprint) {
+            Ok(fingerprint) => fingerprint,
+            Err(error) => {
+                return Ok(refuse_body(Problem::new(
+                    ProblemKind::BodyMalformed,
+                    error.to_string(),
+                )));
+            }
+        };
+
+        // 5. Claim.
+        let claim = self
+            .store
+            .claim(&ClaimRequest {
+                key: key.clone(),
+                fingerprint,
+                lease: route.lease,
+                ttl: route.ttl,
+                on_lease_expiry: route.on_lease_expiry,
+            })
+            .await;
+        let claim = match claim {
+            Ok(claim) => claim,
+            Err(error) => {
+                observe::count(Event::StoreError);
+                tracing::error!(%error, "claim failed; refusing to run (fail closed)");
+                outcome("store_unavailable");
+                return Ok(unavailable(&route));
+            }
+        };
+
+        // 6. Decide.
+        let lease = match decide(claim, &fingerprint) {
+            Decision::Run(lease) => lease,
+            Decision::Replay(stored) => {
+                outcome("replayed");
+                return Ok(replay(stored, route.envelope));
+            }
+            Decision::Refuse(problem) => {
+                outcome(problem.kind.slug());
+                return Ok(problem.into_response());
+            }
+        };
+        tracing::Span::current().record("attempt", lease.attempt);
+
+        // 7–9. Execute to completion, record, respond.
+        let mut req = Request::from_parts(parts, RequestBody::buffered(bytes));
+        req.extensions_mut()
+            .insert(IdempotencyContext::new(key.clone(), &lease));
+        let execution = Execution {
+            store: self.store,
+            key,
+            lease,
+            route,
+            denied_headers: self.config.denied_headers.clone(),
+        };
+        let task = tokio::spawn(execution.run(inner, req).in_current_span());
+        outcome("executed");
+        match task.await {
+            Ok(answer) => answer,
+            // Only a runtime shutting down cancels the task; panics are caught inside it.
+            Err(error) => {
+                tracing::error!(%error, "the execution task did not finish");
+                Ok(
+                    Problem::new(ProblemKind::ExecutionFailed, "the execution was cancelled")
+                        .state("in_progress")
+                        .into_response(),
+                )
+            }
+        }
+    }
+}
+
+async fn pass_through<S, ReqBody, ResBody>(
+    mut inner: S,
+    req: Request<ReqBody>,
+) -> Result<Response<ResponseBody<ResBody>>, S::Error>
+where
+    S: Service<Request<RequestBody<ReqBody>>, Response = Response<ResBody>>,
+{
+    let res = inner.call(req.map(RequestBody::passthrough)).await?;
+    Ok(res.map(ResponseBody::passthrough))
+}
+
+fn outcome(name: &str) {
+    tracing::Span::current().record("outcome", name);
+}
+
+/// Step 3: the whole body, or why not. Nothing is claimed before this succeeds.
+async fn buffer<B>(parts: &http::request::Parts, body: B, limit: usize) -> Result<Bytes, Problem>
+where
+    B: Body<Data = Bytes>,
+    B::Error: Into<BoxError>,
+{
+    let too_large = || {
+        Problem::new(
+            ProblemKind::BodyTooLarge,
+            format!("the request body is larger than this endpoint's limit of {limit} bytes"),
+        )
+    };
+    let declared = parts
+        .headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
+    if declared.is_some_and(|len| len > limit as u64) {
+        return Err(too_large());
+    }
+    match Limited::new(body, limit).collect().await {
+        Ok(collected) => Ok(collected.to_bytes()),
+        Err(error) if error.is::<LengthLimitError>() => Err(too_large()),
+        Err(error) => Err(Problem::new(
+            ProblemKind::BodyUnreadable,
+            format!("the request body could not be read: {error}"),
+        )),
+    }
+}
+
+fn refuse_key<B>(error: &crate::key::KeyError) -> Response<ResponseBody<B>> {
+    observe::count(Event::KeyRejected);
+    let kind = match error {
+        crate::key::KeyError::Missing => ProblemKind::KeyMissing,
+        _ => ProblemKind::KeyInvalid,
+    };
+    outcome(kind.slug());
+    Problem::new(kind, error.to_string()).into_response()
+}
+
+fn refuse_body<B>(problem: Problem) -> Response<ResponseBody<B>> {
+    observe::count(Event::BodyRejected);
+    outcome(problem.kind.slug());
+    problem.into_response()
+}
+
+fn unavailable<B>(route: &RouteConfig) -> Response<ResponseBody<B>> {
+    Problem::new(
+        ProblemKind::StoreUnavailable,
+        "the idempotency store is unavailable, so the request was not run; retry with the same key",
+    )
+    .state("unknown")
+    .retry_after(ceil_secs(route.unavailable_retry_after))
+    .into_response()
+}
+
+impl<S: Clone, St, M: Clone> Clone for Idempotency<S, St, M> {
+    fn clone(&self) -> Self {
+        Self {
+            inner: self.inner.clone(),
+            store: self.store.clone(),
+            make_scope: self.make_scope.clone(),
+            config: self.config.clone(),
+        }
+    }
+}
+
+impl<S: fmt::Debug, St: fmt::Debug, M: fmt::Debug> fmt::Debug for Idempotency<S, St, M> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Idempotency")
+            .field("inner", &self.inner)
+            .field("store", &self.store)
+            .field("make_scope", &self.make_scope)
+            .field("config", &self.config)
+            .finish()
+    }
+}

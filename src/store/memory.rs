@@ -1,0 +1,301 @@
+//! The embedded, in-process store.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::hash::{BuildHasher, RandomState};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, SystemTime};
+
+use super::{
+    Claim, ClaimRequest, FencingToken, IdempotencyStore, Lease, LeaseExpiry, Record, RecordStatus,
+    ScopedKey, StoreError, StoredResponse,
+};
+
+const SHARDS: usize = 64;
+/// A shard sweeps its expired records after this many claims, so memory stays bounded even
+/// when nobody calls [`IdempotencyStore::purge_expired`].
+const SWEEP_EVERY: u64 = 1024;
+
+type Clock = Arc<dyn Fn() -> SystemTime + Send + Sync>;
+
+/// The embedded store: one process, no dependencies, bounded memory.
+///
+/// Records live in 64 independently locked shards, so concurrent requests on different keys
+/// rarely contend and no lock is held across an `.await`. Expired records are swept as claims
+/// arrive (and by [`purge_expired`](IdempotencyStore::purge_expired)); in-progress records are
+/// never evicted. With [`max_records`](Self::max_records) set, a claim that would exceed the
+/// bound fails with [`StoreError::Full`] (answered 503) instead of growing without limit.
+///
+/// Cloning is cheap and shares the records. Records do not survive the process: use a durable
+/// store when a restart must not forget in-flight or completed keys.
+#[derive(Clone)]
+pub struct MemoryStore {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    shards: Vec<Mutex<Shard>>,
+    hasher: RandomState,
+    clock: Clock,
+    next_token: AtomicU64,
+    len: AtomicUsize,
+    max_records: AtomicUsize,
+}
+
+#[derive(Default)]
+struct Shard {
+    records: HashMap<ScopedKey, Record>,
+    claims: u64,
+}
+
+impl fmt::Debug for MemoryStore {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("MemoryStore")
+            .field("records", &self.inner.len.load(Ordering::Relaxed))
+            .field(
+                "max_records",
+                &self.inner.max_records.load(Ordering::Relaxed),
+            )
+            .finish()
+    }
+}
+
+impl Default for MemoryStore {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl MemoryStore {
+    /// An empty store on the system clock, without a record limit.
+    pub fn new() -> Self {
+        Self::with_clock(SystemTime::now)
+    }
+
+    /// An empty store reading time from `clock` (tests move time forward with it).
+    pub fn with_clock(clock: impl Fn() -> SystemTime + Send + Sync + 'static) -> Self {
+        let seed = SystemTime::now()
+            .duration_since(SystemTime::UNIX_EPOCH)
+            .map_or(1, |d| d.as_nanos() as u64);
+        Self {
+            inner: Arc::new(Inner {
+                shards: (0..SHARDS).map(|_| Mutex::default()).collect(),
+                hasher: RandomState::new(),
+                clock: Arc::new(clock),
+                next_token: AtomicU64::new(seed),
+                len: AtomicUsize::new(0),
+                max_records: AtomicUsize::new(usize::MAX),
+            }),
+        }
+    }
+
+    /// Caps the number of records held; claims beyond it fail with [`StoreError::Full`].
+    /// The bound is shared by every clone of this store.
+    pub fn max_records(self, max: usize) -> Self {
+        self.inner.max_records.store(max, Ordering::Relaxed);
+        self
+    }
+
+    /// How many records the store holds, expired ones not yet purged included.
+    pub fn len(&self) -> usize {
+        self.inner.len.load(Ordering::Relaxed)
+    }
+
+    /// Whether the store holds no records.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    fn shard(&self, key: &ScopedKey) -> MutexGuard<'_, Shard> {
+        let i = self.inner.hasher.hash_one(key) as usize % SHARDS;
+        // A panic while holding a shard cannot leave a record half-written (every update is a
+        // single assignment), so a poisoned lock is safe to keep using.
+        self.inner.shards[i]
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    fn now(&self) -> SystemTime {
+        (self.inner.clock)()
+    }
+
+    fn token(&self) -> FencingToken {
+        FencingToken(self.inner.next_token.fetch_add(1, Ordering::Relaxed))
+    }
+
+    /// Removes expired, settled records from one shard; returns how many.
+    fn sweep(&self, shard: &mut Shard, now: SystemTime) -> u64 {
+        let before = shard.records.len();
+        shard
+            .records
+            .retain(|_, r| r.status == RecordStatus::InProgress || r.expires_at > now);
+        let removed = before - shard.records.len();
+        self.inner.len.fetch_sub(removed, Ordering::Relaxed);
+        removed as u64
+    }
+
+    /// Applies a fenced write: `f` runs only on the caller's in-progress record.
+    fn fenced<T>(
+        &self,
+        key: &ScopedKey,
+        token: FencingToken,
+        f: impl FnOnce(&mut Record, SystemTime) -> T,
+    ) -> Result<T, StoreError> {
+        let now = self.now();
+        let mut shard = self.shard(key);
+        match shard.records.get_mut(key) {
+            Some(r) if r.lease_token == token && r.status == RecordStatus::InProgress => {
+                r.updated_at = now;
+                Ok(f(r, now))
+            }
+            _ => Err(StoreError::Fenced),
+        }
+    }
+}
+
+impl IdempotencyStore for MemoryStore {
+    async fn claim(&self, req: &ClaimRequest) -> Result<Claim, StoreError> {
+        let now = self.now();
+        let mut shard = self.shard(&req.key);
+        shard.claims += 1;
+        if shard.claims.is_multiple_of(SWEEP_EVERY) {
+            self.sweep(&mut shard, now);
+        }
+        let lease_until = now + req.lease;
+        let token = self.token();
+        if let Some(r) = shard.records.get_mut(&req.key) {
+            if r.expires_at > now {
+                let takeover = if r.fingerprint != req.fingerprint {
+                    false
+                } else {
+                    match r.status {
+                        RecordStatus::Released => true,
+                        RecordStatus::InProgress if r.lease_until <= now => {
+                            if req.on_lease_expiry == LeaseExpiry::Reclaim && !r.effect_started {
+                                true
+                            } else {
+                                r.status = RecordStatus::NeedsReconciliation;
+                                r.updated_at = now;
+                                false
+                            }
+                        }
+                        _ => false,
+                    }
+                };
+                if !takeover {
+                    return Ok(Claim::Existing {
+                        record: Box::new(r.clone()),
+                        now,
+                    });
+                }
+                r.status = RecordStatus::InProgress;
+                r.lease_token = token;
+                r.lease_until = lease_until;
+                r.attempts += 1;
+                r.updated_at = now;
+                r.expires_at = r.expires_at.max(now + req.ttl);
+                return Ok(Claim::Acquired(Lease {
+                    token,
+                    attempt: r.attempts,
+                    until: lease_until,
+                }));
+            }
+            // Expired: counts as absent, and is overwritten below.
+        } else {
+            let full = self.inner.len.load(Ordering::Relaxed)
+                >= self.inner.max_records.load(Ordering::Relaxed);
+            if full && self.sweep(&mut shard, now) == 0 {
+                return Err(StoreError::Full);
+            }
+            self.inner.len.fetch_add(1, Ordering::Relaxed);
+        }
+        shard.records.insert(
+            req.key.clone(),
+            Record {
+                key: req.key.clone(),
+                fingerprint: req.fingerprint,
+                status: RecordStatus::InProgress,
+                lease_token: token,
+                lease_until,
+                attempts: 1,
+                effect_started: false,
+                downstream_id: None,
+                response: None,
+                created_at: now,
+                updated_at: now,
+                expires_at: now + req.ttl,
+            },
+        );
+        Ok(Claim::Acquired(Lease {
+            token,
+            attempt: 1,
+            until: lease_until,
+        }))
+    }
+
+    async fn renew(
+        &self,
+        key: &ScopedKey,
+        token: FencingToken,
+        lease: Duration,
+    ) -> Result<SystemTime, StoreError> {
+        self.fenced(key, token, |r, now| {
+            r.lease_until = now + lease;
+            r.lease_until
+        })
+    }
+
+    async fn complete(
+        &self,
+        key: &ScopedKey,
+        token: FencingToken,
+        response: &StoredResponse,
+        ttl: Duration,
+    ) -> Result<(), StoreError> {
+        self.fenced(key, token, |r, now| {
+            r.status = RecordStatus::Completed;
+            r.response = Some(response.clone());
+            r.expires_at = now + ttl;
+        })
+    }
+
+    async fn release(&self, key: &ScopedKey, token: FencingToken) -> Result<(), StoreError> {
+        self.fenced(key, token, |r, _| r.status = RecordStatus::Released)
+    }
+
+    async fn mark_uncertain(&self, key: &ScopedKey, token: FencingToken) -> Result<(), StoreError> {
+        self.fenced(key, token, |r, _| {
+            r.status = RecordStatus::NeedsReconciliation;
+        })
+    }
+
+    async fn lookup(&self, key: &ScopedKey) -> Result<Option<Record>, StoreError> {
+        let now = self.now();
+        let shard = self.shard(key);
+        Ok(shard
+            .records
+            .get(key)
+            .filter(|r| r.expires_at > now)
+            .cloned())
+    }
+
+    async fn remove(&self, key: &ScopedKey) -> Result<bool, StoreError> {
+        let removed = self.shard(key).records.remove(key).is_some();
+        if removed {
+            self.inner.len.fetch_sub(1, Ordering::Relaxed);
+        }
+        Ok(removed)
+    }
+
+    async fn purge_expired(&self) -> Result<u64, StoreError> {
+        let now = self.now();
+        let mut removed = 0;
+        for shard in &self.inner.shards {
+            let mut shard = shard.lock().unwrap_or_else(|p| p.into_inner());
+            removed += self.sweep(&mut shard, now);
+            shard.records.shrink_to_fit();
+        }
+        Ok(removed)
+    }
+}

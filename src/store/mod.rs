@@ -1,0 +1,341 @@
+//! Step 5 of the pipeline: where records live, and the one atomic claim every backend makes.
+//!
+//! A store keeps one [`Record`] per [`ScopedKey`]. Its whole contract is in
+//! [`IdempotencyStore`]: every method is one atomic operation on the store's side, every time
+//! is read from the store's own clock, and every write after the claim is *fenced* by the
+//! [`FencingToken`] the claim handed out, so a holder whose lease was taken over can no longer
+//! write.
+
+#[cfg(feature = "memory")]
+mod memory;
+
+use std::fmt;
+use std::future::Future;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use bytes::Bytes;
+use http::{HeaderMap, StatusCode};
+
+pub use crate::fingerprint::Fingerprint;
+pub use crate::key::ScopedKey;
+#[cfg(feature = "memory")]
+pub use memory::MemoryStore;
+
+/// An error boxed for transport across store backends.
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// The token that proves a writer still holds a record's lease.
+///
+/// Every successful claim gets a token no earlier claim of that key had; writes carrying any
+/// other token are refused with [`StoreError::Fenced`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct FencingToken(u64);
+
+impl FencingToken {
+    /// A token from its stored value.
+    pub const fn new(value: u64) -> Self {
+        Self(value)
+    }
+
+    /// The stored value.
+    pub const fn get(self) -> u64 {
+        self.0
+    }
+}
+
+/// Where a record stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum RecordStatus {
+    /// A holder is running the operation under a lease.
+    InProgress,
+    /// The outcome is recorded and is replayed to every retry until the record expires.
+    Completed,
+    /// The attempt ended with a retryable failure; the next claim with the same fingerprint
+    /// takes the key over.
+    Released,
+    /// Nobody knows whether the effect happened: retries are refused until it is reconciled.
+    NeedsReconciliation,
+}
+
+impl RecordStatus {
+    /// The name used in problem details, logs and SQL columns.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            Self::InProgress => "in_progress",
+            Self::Completed => "completed",
+            Self::Released => "released",
+            Self::NeedsReconciliation => "needs_reconciliation",
+        }
+    }
+}
+
+impl fmt::Display for RecordStatus {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// A recorded response: what every replay returns.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StoredResponse {
+    /// The original status code.
+    pub status: StatusCode,
+    /// The headers that may be replayed (sensitive and per-request ones already removed).
+    pub headers: HeaderMap,
+    /// The body bytes, or `None` when the body was larger than the route's response limit:
+    /// the key stays consumed and replays answer with a `response-not-stored` problem.
+    pub body: Option<Bytes>,
+    /// Trailers, when the response had any (gRPC).
+    pub trailers: Option<HeaderMap>,
+}
+
+/// What a store holds for one scoped key (DESIGN §2).
+#[derive(Debug, Clone)]
+pub struct Record {
+    /// The key and its scope.
+    pub key: ScopedKey,
+    /// The fingerprint of the request that first claimed the key.
+    pub fingerprint: Fingerprint,
+    /// Where the record stands.
+    pub status: RecordStatus,
+    /// The token of the current (or last) holder.
+    pub lease_token: FencingToken,
+    /// When the holder's lease runs out, on the store's clock.
+    pub lease_until: SystemTime,
+    /// How many attempts have claimed this key.
+    pub attempts: u32,
+    /// Whether a holder declared that its external effect began.
+    pub effect_started: bool,
+    /// An identifier of the effect downstream (a payment id, a ticket number).
+    pub downstream_id: Option<String>,
+    /// The recorded response of a completed record.
+    pub response: Option<StoredResponse>,
+    /// When the record was first created.
+    pub created_at: SystemTime,
+    /// When the record last changed.
+    pub updated_at: SystemTime,
+    /// When the record stops counting and may be purged.
+    pub expires_at: SystemTime,
+}
+
+/// What to do with an in-progress record whose lease ran out.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum LeaseExpiry {
+    /// A new claim takes the key over (new token, `attempts + 1`), unless the holder recorded
+    /// that its effect started: then the record goes to `needs_reconciliation`.
+    #[default]
+    Reclaim,
+    /// The record always goes to `needs_reconciliation`: for effects whose start cannot be
+    /// observed.
+    Reconcile,
+}
+
+/// A request to claim a key.
+#[derive(Debug, Clone)]
+pub struct ClaimRequest {
+    /// The key and its scope.
+    pub key: ScopedKey,
+    /// The request's fingerprint.
+    pub fingerprint: Fingerprint,
+    /// How long the claim holds before others may act on it.
+    pub lease: Duration,
+    /// How long the record lives; renewed from the completion time when the outcome is stored.
+    pub ttl: Duration,
+    /// What to do if the existing record's lease has run out.
+    pub on_lease_expiry: LeaseExpiry,
+}
+
+/// The lease a claim won.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Lease {
+    /// The token that fences every later write.
+    pub token: FencingToken,
+    /// The attempt number, from 1.
+    pub attempt: u32,
+    /// When the lease runs out, on the store's clock.
+    pub until: SystemTime,
+}
+
+/// The answer to a claim: either the caller now holds the key, or here is what stands.
+#[derive(Debug, Clone)]
+pub enum Claim {
+    /// The key was absent, expired, released or reclaimable: the caller holds it now.
+    Acquired(Lease),
+    /// Someone else's record, with the store's clock at the time it was read (to compute the
+    /// remaining lease without trusting this node's clock).
+    Existing {
+        /// The record as it stood.
+        record: Box<Record>,
+        /// The store's clock when it read the record.
+        now: SystemTime,
+    },
+}
+
+/// Why a store operation failed.
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum StoreError {
+    /// The writer's token is not the record's current one, or the record is not in progress:
+    /// its lease was taken over, so its write was refused.
+    Fenced,
+    /// The store cannot take more records right now.
+    Full,
+    /// The store could not be reached or failed.
+    Unavailable(BoxError),
+}
+
+impl StoreError {
+    /// A store failure from any error.
+    pub fn unavailable(err: impl Into<BoxError>) -> Self {
+        Self::Unavailable(err.into())
+    }
+}
+
+impl fmt::Display for StoreError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Fenced => f.write_str("the lease was taken over; the write was refused"),
+            Self::Full => f.write_str("the store is full"),
+            Self::Unavailable(e) => write!(f, "the store is unavailable: {e}"),
+        }
+    }
+}
+
+impl std::error::Error for StoreError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            Self::Unavailable(e) => Some(e.as_ref()),
+            _ => None,
+        }
+    }
+}
+
+/// The storage contract every backend implements (memory, SQLite, PostgreSQL, Redis, yours).
+///
+/// Every method is one atomic operation; times come from the store's own clock.
+///
+/// [`claim`](Self::claim) decides, atomically, in this order:
+/// 1. no record, or one past its `expires_at` -> a fresh record, `in_progress`, attempt 1;
+/// 2. a record with another fingerprint -> `Existing` (the caller answers 422);
+/// 3. `completed` or `needs_reconciliation` -> `Existing`;
+/// 4. `released` -> taken over: new token, `attempts + 1`, `in_progress`;
+/// 5. `in_progress` with a live lease -> `Existing`;
+/// 6. `in_progress` with an expired lease -> taken over as in 4 when the request says
+///    [`LeaseExpiry::Reclaim`] and no effect was marked started; otherwise the record moves to
+///    `needs_reconciliation` and is returned as `Existing`.
+///
+/// Writes after the claim (`renew`, `complete`, `release`, `mark_uncertain`) succeed only while
+/// the record is `in_progress` with the caller's token, and fail with [`StoreError::Fenced`]
+/// otherwise.
+pub trait IdempotencyStore: Send + Sync + 'static {
+    /// Claims `request.key`, or returns what stands (see the trait docs for the rules).
+    fn claim(
+        &self,
+        request: &ClaimRequest,
+    ) -> impl Future<Output = Result<Claim, StoreError>> + Send;
+
+    /// Extends the holder's lease to `lease` from now; returns the new end.
+    fn renew(
+        &self,
+        key: &ScopedKey,
+        token: FencingToken,
+        lease: Duration,
+    ) -> impl Future<Output = Result<SystemTime, StoreError>> + Send;
+
+    /// Records the outcome: the record becomes `completed` and lives for `ttl` from now.
+    fn complete(
+        &self,
+        key: &ScopedKey,
+        token: FencingToken,
+        response: &StoredResponse,
+        ttl: Duration,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send;
+
+    /// Gives the key back after a retryable failure: the record becomes `released`.
+    fn release(
+        &self,
+        key: &ScopedKey,
+        token: FencingToken,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send;
+
+    /// Declares the outcome unknown: the record becomes `needs_reconciliation`.
+    fn mark_uncertain(
+        &self,
+        key: &ScopedKey,
+        token: FencingToken,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send;
+
+    /// The record for `key`, if one exists and has not expired.
+    fn lookup(
+        &self,
+        key: &ScopedKey,
+    ) -> impl Future<Output = Result<Option<Record>, StoreError>> + Send;
+
+    /// Deletes the record for `key`, whatever its state; returns whether one existed.
+    fn remove(&self, key: &ScopedKey) -> impl Future<Output = Result<bool, StoreError>> + Send;
+
+    /// Deletes every expired record that is not in progress; returns how many.
+    fn purge_expired(&self) -> impl Future<Output = Result<u64, StoreError>> + Send;
+}
+
+impl<S: IdempotencyStore> IdempotencyStore for Arc<S> {
+    fn claim(
+        &self,
+        request: &ClaimRequest,
+    ) -> impl Future<Output = Result<Claim, StoreError>> + Send {
+        (**self).claim(request)
+    }
+
+    fn renew(
+        &self,
+        key: &ScopedKey,
+        token: FencingToken,
+        lease: Duration,
+    ) -> impl Future<Output = Result<SystemTime, StoreError>> + Send {
+        (**self).renew(key, token, lease)
+    }
+
+    fn complete(
+        &self,
+        key: &ScopedKey,
+        token: FencingToken,
+        response: &StoredResponse,
+        ttl: Duration,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send {
+        (**self).complete(key, token, response, ttl)
+    }
+
+    fn release(
+        &self,
+        key: &ScopedKey,
+        token: FencingToken,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send {
+        (**self).release(key, token)
+    }
+
+    fn mark_uncertain(
+        &self,
+        key: &ScopedKey,
+        token: FencingToken,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send {
+        (**self).mark_uncertain(key, token)
+    }
+
+    fn lookup(
+        &self,
+        key: &ScopedKey,
+    ) -> impl Future<Output = Result<Option<Record>, StoreError>> + Send {
+        (**self).lookup(key)
+    }
+
+    fn remove(&self, key: &ScopedKey) -> impl Future<Output = Result<bool, StoreError>> + Send {
+        (**self).remove(key)
+    }
+
+    fn purge_expired(&self) -> impl Future<Output = Result<u64, StoreError>> + Send {
+        (**self).purge_expired()
+    }
+}

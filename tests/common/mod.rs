@@ -1,0 +1,179 @@
+//! Helpers shared by the contract tests: a real server on 127.0.0.1:0, a real client, an effect
+//! sink, a store that fails on demand, and a clock that tests move.
+#![allow(dead_code, unreachable_pub, missing_docs)]
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::time::{Duration, SystemTime};
+
+use axum::Router;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tower_idempotency::store::{
+    Claim, ClaimRequest, FencingToken, Record, ScopedKey, StoreError, StoredResponse,
+};
+use tower_idempotency::{IdempotencyStore, MemoryStore};
+
+/// Serves `app` on an ephemeral loopback port; the server lives as long as the test runtime.
+pub async fn serve(app: Router) -> SocketAddr {
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    tokio::spawn(async move {
+        axum::serve(listener, app).await.expect("serve");
+    });
+    addr
+}
+
+/// A client that opens a fresh connection for every request.
+pub fn client() -> reqwest::Client {
+    reqwest::Client::builder()
+        .pool_max_idle_per_host(0)
+        .build()
+        .expect("client")
+}
+
+/// Counts side effects where they happen: in the handler, after the work is done.
+#[derive(Clone, Default)]
+pub struct Effects(Arc<AtomicUsize>);
+
+impl Effects {
+    pub fn hit(&self) -> usize {
+        self.0.fetch_add(1, Ordering::SeqCst) + 1
+    }
+
+    pub fn count(&self) -> usize {
+        self.0.load(Ordering::SeqCst)
+    }
+}
+
+/// A clock for `MemoryStore::with_clock` that tests move forward.
+#[derive(Clone, Default)]
+pub struct TestClock(Arc<AtomicU64>);
+
+impl TestClock {
+    pub fn advance(&self, by: Duration) {
+        self.0.fetch_add(by.as_millis() as u64, Ordering::SeqCst);
+    }
+
+    pub fn store(&self) -> MemoryStore {
+        let offset = self.0.clone();
+        MemoryStore::with_clock(move || {
+            SystemTime::now() + Duration::from_millis(offset.load(Ordering::SeqCst))
+        })
+    }
+}
+
+/// A store that fails every operation while `down` is set, as a third-party store would be
+/// written against the public trait.
+#[derive(Clone, Default)]
+pub struct FlakyStore {
+    pub inner: MemoryStore,
+    pub down: Arc<AtomicBool>,
+    /// When set, only `complete` fails (the response write of DESIGN §7.7).
+    pub fail_complete: Arc<AtomicBool>,
+}
+
+impl FlakyStore {
+    fn check(&self) -> Result<(), StoreError> {
+        if self.down.load(Ordering::SeqCst) {
+            Err(StoreError::unavailable(std::io::Error::new(
+                std::io::ErrorKind::ConnectionRefused,
+                "store is down (injected)",
+            )))
+        } else {
+            Ok(())
+        }
+    }
+}
+
+impl IdempotencyStore for FlakyStore {
+    async fn claim(&self, request: &ClaimRequest) -> Result<Claim, StoreError> {
+        self.check()?;
+        self.inner.claim(request).await
+    }
+
+    async fn renew(
+        &self,
+        key: &ScopedKey,
+        token: FencingToken,
+        lease: Duration,
+    ) -> Result<SystemTime, StoreError> {
+        self.check()?;
+        self.inner.renew(key, token, lease).await
+    }
+
+    async fn complete(
+        &self,
+        key: &ScopedKey,
+        token: FencingToken,
+        response: &StoredResponse,
+        ttl: Duration,
+    ) -> Result<(), StoreError> {
+        self.check()?;
+        if self.fail_complete.load(Ordering::SeqCst) {
+            return Err(StoreError::unavailable("response write failed (injected)"));
+        }
+        self.inner.complete(key, token, response, ttl).await
+    }
+
+    async fn release(&self, key: &ScopedKey, token: FencingToken) -> Result<(), StoreError> {
+        self.check()?;
+        self.inner.release(key, token).await
+    }
+
+    async fn mark_uncertain(&self, key: &ScopedKey, token: FencingToken) -> Result<(), StoreError> {
+        self.check()?;
+        self.inner.mark_uncertain(key, token).await
+    }
+
+    async fn lookup(&self, key: &ScopedKey) -> Result<Option<Record>, StoreError> {
+        self.check()?;
+        self.inner.lookup(key).await
+    }
+
+    async fn remove(&self, key: &ScopedKey) -> Result<bool, StoreError> {
+        self.check()?;
+        self.inner.remove(key).await
+    }
+
+    async fn purge_expired(&self) -> Result<u64, StoreError> {
+        self.check()?;
+        self.inner.purge_expired().await
+    }
+}
+
+/// Sends raw bytes over a new TCP connection and returns the status code of the answer:
+/// for requests no well-behaved client would send (chunked bodies, odd headers).
+pub async fn raw_status(addr: SocketAddr, request: &[u8]) -> u16 {
+    let mut stream = TcpStream::connect(addr).await.expect("connect");
+    stream.write_all(request).await.expect("write");
+    let mut buf = Vec::new();
+    let mut chunk = [0u8; 4096];
+    // Read until the status line is complete; the server may close early on bad input.
+    while !buf.windows(2).any(|w| w == b"\r\n") {
+        let n = stream.read(&mut chunk).await.expect("read");
+        assert!(n > 0, "connection closed before a status line");
+        buf.extend_from_slice(&chunk[..n]);
+    }
+    let line = String::from_utf8_lossy(&buf);
+    line.split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .expect("status code")
+}
+
+/// The JSON body of a problem answer, after checking its media type.
+pub async fn problem(res: reqwest::Response) -> serde_json::Value {
+    assert_eq!(
+        res.headers()["content-type"],
+        "application/problem+json",
+        "not a problem answer"
+    );
+    let bytes = res.bytes().await.expect("body");
+    serde_json::from_slice(&bytes).expect("problem JSON")
+}
+
+pub fn problem_type(slug: &str) -> String {
+    format!("urn:tower-idempotency:problem:{slug}")
+}
