@@ -1,2 +1,236 @@
-//! Placeholder replaced in the next commit.
-fn main() {}
+//! An "agent tools" server whose write endpoint is safe to retry.
+//!
+//! ```text
+//! cargo run --example quickstart                 # serve on 127.0.0.1:3000 (ADDR=host:port)
+//! cargo run --example quickstart -- --demo       # run the contract against itself, print a table
+//! ```
+//!
+//! Try it:
+//!
+//! ```text
+//! curl -i -X POST localhost:3000/tools/create_ticket -H 'Idempotency-Key: k1' \
+//!      -H 'Content-Type: application/json' -d '{"title":"printer on fire"}'
+//! curl localhost:3000/effects        # tickets actually created
+//! ```
+
+use std::net::SocketAddr;
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use serde_json::{Value, json};
+use tower_idempotency::{IdempotencyContext, IdempotencyLayer, MemoryStore};
+
+/// The side effect we must not repeat: tickets created.
+#[derive(Clone, Default)]
+struct Tickets(Arc<AtomicU64>);
+
+async fn create_ticket(
+    State(tickets): State<Tickets>,
+    ctx: IdempotencyContext,
+    Json(input): Json<Value>,
+) -> (StatusCode, [(&'static str, String); 1], Json<Value>) {
+    // Pretend to work for a while, as a real ticketing backend would.
+    let work = input["work_ms"].as_u64().unwrap_or(50);
+    tokio::time::sleep(Duration::from_millis(work)).await;
+    let id = tickets.0.fetch_add(1, Ordering::SeqCst) + 1;
+    println!(
+        "  [effect] ticket #{id} created (key {:?}, attempt {})",
+        ctx.key(),
+        ctx.attempt()
+    );
+    (
+        StatusCode::CREATED,
+        [("location", format!("/tickets/{id}"))],
+        Json(json!({ "ticket": id, "title": input["title"] })),
+    )
+}
+
+fn app(tickets: Tickets) -> Router {
+    Router::new()
+        .route("/tools/create_ticket", post(create_ticket))
+        .route_layer(IdempotencyLayer::new(MemoryStore::new()))
+        .route(
+            "/effects",
+            get(|State(t): State<Tickets>| async move {
+                Json(json!({ "tickets": t.0.load(Ordering::SeqCst) }))
+            }),
+        )
+        .with_state(tickets)
+}
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    let demo = std::env::args().any(|a| a == "--demo");
+    let addr = if demo {
+        "127.0.0.1:0".to_owned()
+    } else {
+        std::env::var("ADDR").unwrap_or_else(|_| "127.0.0.1:3000".to_owned())
+    };
+    let listener = match tokio::net::TcpListener::bind(&addr).await {
+        Ok(listener) => listener,
+        Err(e) => {
+            eprintln!("cannot listen on {addr}: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let local = listener.local_addr().expect("bound address");
+    let tickets = Tickets::default();
+    let server = axum::serve(listener, app(tickets.clone()));
+    if !demo {
+        println!("agent tools on http://{local} (POST /tools/create_ticket, GET /effects)");
+        return match server.await {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("server failed: {e}");
+                ExitCode::FAILURE
+            }
+        };
+    }
+    tokio::spawn(async move { server.await });
+    if demo_run(local, &tickets).await {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    }
+}
+
+struct Row {
+    scenario: &'static str,
+    expected: &'static str,
+    got: String,
+    effects: u64,
+    ok: bool,
+}
+
+async fn call(addr: SocketAddr, key: &str, body: Value) -> (u16, bool) {
+    // A fresh client per call: separate connections, as independent retries would be.
+    let res = reqwest::Client::new()
+        .post(format!("http://{addr}/tools/create_ticket"))
+        .header("idempotency-key", key)
+        .json(&body)
+        .send()
+        .await
+        .expect("the demo server answers");
+    (
+        res.status().as_u16(),
+        res.headers().contains_key("idempotency-replayed"),
+    )
+}
+
+async fn demo_run(addr: SocketAddr, tickets: &Tickets) -> bool {
+    let effects = || tickets.0.load(Ordering::SeqCst);
+    let mut rows = Vec::new();
+    let mut row = |scenario, expected, got: String, ok, effects| {
+        rows.push(Row {
+            scenario,
+            expected,
+            got,
+            effects,
+            ok,
+        });
+    };
+
+    let body = json!({ "title": "printer on fire" });
+    let (status, replayed) = call(addr, "demo-1", body.clone()).await;
+    row(
+        "first call",
+        "201, 1 effect",
+        format!("{status}{}", if replayed { " replayed" } else { "" }),
+        status == 201 && !replayed && effects() == 1,
+        effects(),
+    );
+
+    let (status, replayed) = call(addr, "demo-1", body.clone()).await;
+    row(
+        "retry, same key",
+        "201 replayed, still 1",
+        format!("{status}{}", if replayed { " replayed" } else { "" }),
+        status == 201 && replayed && effects() == 1,
+        effects(),
+    );
+
+    let (status, _) = call(addr, "demo-1", json!({ "title": "a different ticket" })).await;
+    row(
+        "same key, changed body",
+        "422, still 1",
+        status.to_string(),
+        status == 422 && effects() == 1,
+        effects(),
+    );
+
+    let before = effects();
+    let burst: Vec<_> = (0..32)
+        .map(|_| {
+            tokio::spawn(call(
+                addr,
+                "demo-burst",
+                json!({ "title": "burst", "work_ms": 300 }),
+            ))
+        })
+        .collect();
+    let mut answers = std::collections::BTreeMap::new();
+    for task in burst {
+        let (status, replayed) = task.await.expect("burst call");
+        *answers
+            .entry(format!("{status}{}", if replayed { "r" } else { "" }))
+            .or_insert(0) += 1;
+    }
+    let ran = answers.get("201").copied().unwrap_or(0);
+    row(
+        "32 concurrent, one key",
+        "one 201, rest 409/replay",
+        format!("{answers:?}"),
+        ran == 1 && effects() == before + 1,
+        effects(),
+    );
+
+    let before = effects();
+    let slow = json!({ "title": "slow", "work_ms": 1000 });
+    let first = tokio::spawn(call(addr, "demo-slow", slow.clone()));
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let (mid, _) = call(addr, "demo-slow", slow.clone()).await;
+    let (done, _) = first.await.expect("slow call");
+    let (after, replayed) = call(addr, "demo-slow", slow).await;
+    row(
+        "mid-flight retry",
+        "409, then 201 replayed",
+        format!(
+            "{mid}, then {after}{}",
+            if replayed { " replayed" } else { "" }
+        ),
+        mid == 409 && done == 201 && after == 201 && replayed && effects() == before + 1,
+        effects(),
+    );
+
+    println!(
+        "\n{:<24} {:<26} {:<40} {:>7}  result",
+        "scenario", "expected", "got", "effects"
+    );
+    let mut all = true;
+    for r in &rows {
+        all &= r.ok;
+        println!(
+            "{:<24} {:<26} {:<40} {:>7}  {}",
+            r.scenario,
+            r.expected,
+            r.got,
+            r.effects,
+            if r.ok { "ok" } else { "WRONG" }
+        );
+    }
+    println!(
+        "\n{}",
+        if all {
+            "every row as expected"
+        } else {
+            "SOME ROWS ARE WRONG"
+        }
+    );
+    all
+}

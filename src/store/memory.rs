@@ -23,8 +23,8 @@ type Clock = Arc<dyn Fn() -> SystemTime + Send + Sync>;
 ///
 /// Records live in 64 independently locked shards, so concurrent requests on different keys
 /// rarely contend and no lock is held across an `.await`. Expired records are swept as claims
-/// arrive (and by [`purge_expired`](IdempotencyStore::purge_expired)); in-progress records are
-/// never evicted. With [`max_records`](Self::max_records) set, a claim that would exceed the
+/// arrive (and by [`purge_expired`](IdempotencyStore::purge_expired)); records under a live
+/// lease never expire, so in-flight keys are never evicted. With [`max_records`](Self::max_records) set, a claim that would exceed the
 /// bound fails with [`StoreError::Full`] (answered 503) instead of growing without limit.
 ///
 /// Cloning is cheap and shares the records. Records do not survive the process: use a durable
@@ -127,9 +127,7 @@ impl MemoryStore {
     /// Removes expired, settled records from one shard; returns how many.
     fn sweep(&self, shard: &mut Shard, now: SystemTime) -> u64 {
         let before = shard.records.len();
-        shard
-            .records
-            .retain(|_, r| r.status == RecordStatus::InProgress || r.expires_at > now);
+        shard.records.retain(|_, r| r.expires_at > now);
         let removed = before - shard.records.len();
         self.inner.len.fetch_sub(removed, Ordering::Relaxed);
         removed as u64
@@ -194,7 +192,7 @@ impl IdempotencyStore for MemoryStore {
                 r.lease_until = lease_until;
                 r.attempts += 1;
                 r.updated_at = now;
-                r.expires_at = r.expires_at.max(now + req.ttl);
+                r.expires_at = r.expires_at.max(now + req.ttl).max(lease_until);
                 return Ok(Claim::Acquired(Lease {
                     token,
                     attempt: r.attempts,
@@ -224,7 +222,7 @@ impl IdempotencyStore for MemoryStore {
                 response: None,
                 created_at: now,
                 updated_at: now,
-                expires_at: now + req.ttl,
+                expires_at: (now + req.ttl).max(lease_until),
             },
         );
         Ok(Claim::Acquired(Lease {
@@ -242,6 +240,7 @@ impl IdempotencyStore for MemoryStore {
     ) -> Result<SystemTime, StoreError> {
         self.fenced(key, token, |r, now| {
             r.lease_until = now + lease;
+            r.expires_at = r.expires_at.max(r.lease_until);
             r.lease_until
         })
     }

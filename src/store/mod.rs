@@ -6,6 +6,9 @@
 //! [`FencingToken`] the claim handed out, so a holder whose lease was taken over can no longer
 //! write.
 
+mod any;
+#[cfg(feature = "test-kit")]
+pub mod kit;
 #[cfg(feature = "memory")]
 mod memory;
 
@@ -19,6 +22,7 @@ use http::{HeaderMap, StatusCode};
 
 pub use crate::fingerprint::Fingerprint;
 pub use crate::key::ScopedKey;
+pub use any::{AnyStore, UnsupportedStoreUrl};
 #[cfg(feature = "memory")]
 pub use memory::MemoryStore;
 
@@ -218,7 +222,8 @@ impl std::error::Error for StoreError {
 /// Every method is one atomic operation; times come from the store's own clock.
 ///
 /// [`claim`](Self::claim) decides, atomically, in this order:
-/// 1. no record, or one past its `expires_at` -> a fresh record, `in_progress`, attempt 1;
+/// 1. no record, or one past its `expires_at` -> a fresh record, `in_progress`, attempt 1
+///    (a store keeps `expires_at` at or after `lease_until`, so a live lease never expires);
 /// 2. a record with another fingerprint -> `Existing` (the caller answers 422);
 /// 3. `completed` or `needs_reconciliation` -> `Existing`;
 /// 4. `released` -> taken over: new token, `attempts + 1`, `in_progress`;
@@ -237,7 +242,8 @@ pub trait IdempotencyStore: Send + Sync + 'static {
         request: &ClaimRequest,
     ) -> impl Future<Output = Result<Claim, StoreError>> + Send;
 
-    /// Extends the holder's lease to `lease` from now; returns the new end.
+    /// Extends the holder's lease to `lease` from now (and `expires_at` with it, if needed);
+    /// returns the new end.
     fn renew(
         &self,
         key: &ScopedKey,
@@ -277,7 +283,8 @@ pub trait IdempotencyStore: Send + Sync + 'static {
     /// Deletes the record for `key`, whatever its state; returns whether one existed.
     fn remove(&self, key: &ScopedKey) -> impl Future<Output = Result<bool, StoreError>> + Send;
 
-    /// Deletes every expired record that is not in progress; returns how many.
+    /// Deletes every record past its `expires_at`; returns how many. A live lease keeps a record
+    /// unexpired, so in-flight records are never purged.
     fn purge_expired(&self) -> impl Future<Output = Result<u64, StoreError>> + Send;
 }
 

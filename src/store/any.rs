@@ -1,0 +1,150 @@
+//! [`AnyStore`]: a backend chosen at run time from a URL.
+// With no backend compiled in, the enum is empty and its methods ignore their arguments.
+#![cfg_attr(not(feature = "memory"), allow(unused_variables))]
+
+use std::fmt;
+use std::time::{Duration, SystemTime};
+
+use super::{
+    Claim, ClaimRequest, FencingToken, IdempotencyStore, Record, ScopedKey, StoreError,
+    StoredResponse,
+};
+
+/// Any of the stores compiled into this build, picked from a URL at run time.
+///
+/// | URL | store | feature |
+/// |---|---|---|
+/// | `memory://` | [`MemoryStore`](super::MemoryStore) | `memory` |
+///
+/// ```
+/// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+/// use tower_idempotency::IdempotencyLayer;
+/// use tower_idempotency::store::AnyStore;
+///
+/// let url = std::env::var("IDEMPOTENCY_STORE").unwrap_or_else(|_| "memory://".into());
+/// let layer = IdempotencyLayer::new(AnyStore::connect(&url).await?);
+/// # Ok(()) }
+/// ```
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub enum AnyStore {
+    /// The embedded store.
+    #[cfg(feature = "memory")]
+    Memory(super::MemoryStore),
+}
+
+/// A store URL this build cannot serve.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct UnsupportedStoreUrl {
+    scheme: String,
+}
+
+impl fmt::Display for UnsupportedStoreUrl {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "no store for the URL scheme {:?} in this build (available: {})",
+            self.scheme,
+            AnyStore::SCHEMES.join(", ")
+        )
+    }
+}
+
+impl std::error::Error for UnsupportedStoreUrl {}
+
+impl AnyStore {
+    /// The URL schemes this build serves.
+    pub const SCHEMES: &'static [&'static str] = &[
+        #[cfg(feature = "memory")]
+        "memory",
+    ];
+
+    /// Opens the store `url` names.
+    pub async fn connect(url: &str) -> Result<Self, UnsupportedStoreUrl> {
+        let scheme = url.split_once("://").map_or(url, |(scheme, _)| scheme);
+        match scheme.to_ascii_lowercase().as_str() {
+            #[cfg(feature = "memory")]
+            "memory" => Ok(Self::Memory(super::MemoryStore::new())),
+            _ => Err(UnsupportedStoreUrl {
+                scheme: scheme.to_owned(),
+            }),
+        }
+    }
+}
+
+/// Forwards a call to whichever store this is.
+macro_rules! each {
+    ($self:ident, $store:ident => $call:expr) => {
+        match *$self {
+            #[cfg(feature = "memory")]
+            AnyStore::Memory(ref $store) => $call,
+        }
+    };
+}
+
+impl IdempotencyStore for AnyStore {
+    async fn claim(&self, request: &ClaimRequest) -> Result<Claim, StoreError> {
+        each!(self, s => s.claim(request).await)
+    }
+
+    async fn renew(
+        &self,
+        key: &ScopedKey,
+        token: FencingToken,
+        lease: Duration,
+    ) -> Result<SystemTime, StoreError> {
+        each!(self, s => s.renew(key, token, lease).await)
+    }
+
+    async fn complete(
+        &self,
+        key: &ScopedKey,
+        token: FencingToken,
+        response: &StoredResponse,
+        ttl: Duration,
+    ) -> Result<(), StoreError> {
+        each!(self, s => s.complete(key, token, response, ttl).await)
+    }
+
+    async fn release(&self, key: &ScopedKey, token: FencingToken) -> Result<(), StoreError> {
+        each!(self, s => s.release(key, token).await)
+    }
+
+    async fn mark_uncertain(&self, key: &ScopedKey, token: FencingToken) -> Result<(), StoreError> {
+        each!(self, s => s.mark_uncertain(key, token).await)
+    }
+
+    async fn lookup(&self, key: &ScopedKey) -> Result<Option<Record>, StoreError> {
+        each!(self, s => s.lookup(key).await)
+    }
+
+    async fn remove(&self, key: &ScopedKey) -> Result<bool, StoreError> {
+        each!(self, s => s.remove(key).await)
+    }
+
+    async fn purge_expired(&self) -> Result<u64, StoreError> {
+        each!(self, s => s.purge_expired().await)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[cfg(feature = "memory")]
+    #[tokio::test]
+    async fn picks_a_store_by_scheme() {
+        assert!(matches!(
+            AnyStore::connect("memory://").await,
+            Ok(AnyStore::Memory(_))
+        ));
+        assert!(matches!(
+            AnyStore::connect("MEMORY://x").await,
+            Ok(AnyStore::Memory(_))
+        ));
+        let err = AnyStore::connect("mongodb://db")
+            .await
+            .expect_err("unsupported");
+        assert!(err.to_string().contains("mongodb"), "{err}");
+    }
+}

@@ -1,0 +1,353 @@
+//! The conformance kit: every behaviour of [`IdempotencyStore`] as a check a store author runs
+//! against their own store (feature `test-kit`).
+//!
+//! Each check panics with a message naming the rule it found broken. They use their own keys
+//! (unique per run), so they can share one store, even a persistent one, and run in any order.
+//! Some wait for short leases and TTLs to pass on the store's clock (about a second each).
+//!
+//! ```
+//! # #[cfg(feature = "memory")]
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() {
+//! use std::sync::Arc;
+//! use tower_idempotency::{MemoryStore, store::kit};
+//!
+//! kit::run_all(Arc::new(MemoryStore::new())).await;
+//! # }
+//! # #[cfg(not(feature = "memory"))]
+//! # fn main() {}
+//! ```
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, SystemTime};
+
+use bytes::Bytes;
+use http::{HeaderMap, HeaderValue, StatusCode};
+
+use super::{
+    Claim, ClaimRequest, Fingerprint, IdempotencyStore, Lease, LeaseExpiry, RecordStatus,
+    ScopedKey, StoreError, StoredResponse,
+};
+
+const LONG: Duration = Duration::from_secs(60);
+const SHORT: Duration = Duration::from_millis(400);
+/// Past `SHORT` on any sane clock, with slack for a busy machine.
+const PAST_SHORT: Duration = Duration::from_millis(900);
+
+/// Runs every check in turn.
+pub async fn run_all<S: IdempotencyStore>(store: Arc<S>) {
+    claim_then_existing(&store).await;
+    claim_race_has_one_winner(&store).await;
+    fingerprint_mismatch_is_reported(&store).await;
+    complete_then_replay_exactly(&store).await;
+    release_lets_the_next_claim_take_over(&store).await;
+    mark_uncertain_blocks_claims(&store).await;
+    fenced_writes_are_refused_after_takeover(&store).await;
+    expired_lease_with_reconcile_needs_reconciliation(&store).await;
+    renew_keeps_the_lease_alive(&store).await;
+    ttl_expiry_counts_as_absent_and_is_purged(&store).await;
+    lookup_and_remove(&store).await;
+}
+
+fn unique_key(name: &str) -> ScopedKey {
+    static N: AtomicU64 = AtomicU64::new(0);
+    let nanos = SystemTime::now()
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    let n = N.fetch_add(1, Ordering::Relaxed);
+    ScopedKey::new(format!("kit-scope-{nanos}"), format!("{name}-{n}"))
+}
+
+fn fingerprint(byte: u8) -> Fingerprint {
+    Fingerprint::from_bytes([byte; 32])
+}
+
+fn request(key: &ScopedKey, fp: u8, lease: Duration, ttl: Duration) -> ClaimRequest {
+    ClaimRequest {
+        key: key.clone(),
+        fingerprint: fingerprint(fp),
+        lease,
+        ttl,
+        on_lease_expiry: LeaseExpiry::Reclaim,
+    }
+}
+
+async fn acquire<S: IdempotencyStore>(store: &S, req: &ClaimRequest, rule: &str) -> Lease {
+    match store.claim(req).await {
+        Ok(Claim::Acquired(lease)) => lease,
+        other => panic!("{rule}: expected Acquired, got {other:?}"),
+    }
+}
+
+async fn existing<S: IdempotencyStore>(
+    store: &S,
+    req: &ClaimRequest,
+    rule: &str,
+) -> (super::Record, SystemTime) {
+    match store.claim(req).await {
+        Ok(Claim::Existing { record, now }) => (*record, now),
+        other => panic!("{rule}: expected Existing, got {other:?}"),
+    }
+}
+
+fn response() -> StoredResponse {
+    let mut headers = HeaderMap::new();
+    headers.insert("location", HeaderValue::from_static("/tickets/7"));
+    headers.append("link", HeaderValue::from_static("</a>; rel=a"));
+    headers.append("link", HeaderValue::from_static("</b>; rel=b"));
+    headers.insert(
+        "x-binary",
+        HeaderValue::from_bytes(b"\x80\xff opaque").unwrap_or(HeaderValue::from_static("x")),
+    );
+    let mut trailers = HeaderMap::new();
+    trailers.insert("grpc-status", HeaderValue::from_static("0"));
+    StoredResponse {
+        status: StatusCode::CREATED,
+        headers,
+        body: Some(Bytes::from((0..=255u8).collect::<Vec<u8>>())),
+        trailers: Some(trailers),
+    }
+}
+
+fn assert_fenced<T: std::fmt::Debug>(result: Result<T, StoreError>, what: &str) {
+    assert!(
+        matches!(result, Err(StoreError::Fenced)),
+        "{what} with a stale token must be refused as Fenced, got {result:?}"
+    );
+}
+
+/// A fresh key is acquired (attempt 1); claiming it again returns the in-progress record with
+/// its live lease.
+pub async fn claim_then_existing<S: IdempotencyStore>(store: &S) {
+    let key = unique_key("fresh");
+    let req = request(&key, 1, LONG, LONG);
+    let lease = acquire(store, &req, "a fresh key").await;
+    assert_eq!(lease.attempt, 1, "the first attempt is number 1");
+    let (record, now) = existing(store, &req, "a claimed key").await;
+    assert_eq!(record.status, RecordStatus::InProgress);
+    assert_eq!(record.lease_token, lease.token);
+    assert_eq!(record.fingerprint, fingerprint(1));
+    assert!(
+        record.lease_until > now,
+        "the lease is live on the store's clock"
+    );
+}
+
+/// Many concurrent claims of one key: exactly one wins.
+pub async fn claim_race_has_one_winner<S: IdempotencyStore>(store: &Arc<S>) {
+    let key = unique_key("race");
+    let tasks: Vec<_> = (0..32)
+        .map(|_| {
+            let store = store.clone();
+            let req = request(&key, 1, LONG, LONG);
+            tokio::spawn(async move { store.claim(&req).await })
+        })
+        .collect();
+    let mut winners = 0;
+    for task in tasks {
+        match task.await.expect("claim task") {
+            Ok(Claim::Acquired(_)) => winners += 1,
+            Ok(Claim::Existing { .. }) => {}
+            Err(e) => panic!("a racing claim failed: {e}"),
+        }
+    }
+    assert_eq!(winners, 1, "exactly one concurrent claim may win");
+}
+
+/// A claim with another fingerprint returns the record with the first fingerprint, in progress
+/// and completed alike, and takes nothing over.
+pub async fn fingerprint_mismatch_is_reported<S: IdempotencyStore>(store: &S) {
+    let key = unique_key("mismatch");
+    let lease = acquire(store, &request(&key, 1, LONG, LONG), "a fresh key").await;
+    let other = request(&key, 2, LONG, LONG);
+    let (record, _) = existing(store, &other, "another fingerprint while in progress").await;
+    assert_eq!(record.fingerprint, fingerprint(1));
+    store
+        .complete(&key, lease.token, &response(), LONG)
+        .await
+        .expect("complete");
+    let (record, _) = existing(store, &other, "another fingerprint once completed").await;
+    assert_eq!(record.fingerprint, fingerprint(1));
+    assert_eq!(record.status, RecordStatus::Completed);
+}
+
+/// A completed record returns its response exactly: status, repeated and binary headers, every
+/// byte of the body, trailers.
+pub async fn complete_then_replay_exactly<S: IdempotencyStore>(store: &S) {
+    let key = unique_key("complete");
+    let req = request(&key, 1, LONG, LONG);
+    let lease = acquire(store, &req, "a fresh key").await;
+    store
+        .complete(&key, lease.token, &response(), LONG)
+        .await
+        .expect("complete");
+    let (record, _) = existing(store, &req, "a completed key").await;
+    assert_eq!(record.status, RecordStatus::Completed);
+    assert_eq!(
+        record.response,
+        Some(response()),
+        "the response round-trips exactly"
+    );
+    let looked_up = store.lookup(&key).await.expect("lookup").expect("record");
+    assert_eq!(looked_up.response, Some(response()));
+    // A marker for a response too large to keep also round-trips.
+    let key = unique_key("marker");
+    let req = request(&key, 1, LONG, LONG);
+    let lease = acquire(store, &req, "a fresh key").await;
+    let marker = StoredResponse {
+        body: None,
+        trailers: None,
+        ..response()
+    };
+    store
+        .complete(&key, lease.token, &marker, LONG)
+        .await
+        .expect("complete");
+    let (record, _) = existing(store, &req, "a completed key").await;
+    assert_eq!(record.response, Some(marker));
+}
+
+/// After a release the next claim takes the key over with a new token and `attempts + 1`.
+pub async fn release_lets_the_next_claim_take_over<S: IdempotencyStore>(store: &S) {
+    let key = unique_key("release");
+    let req = request(&key, 1, LONG, LONG);
+    let first = acquire(store, &req, "a fresh key").await;
+    store.release(&key, first.token).await.expect("release");
+    let second = acquire(store, &req, "a released key").await;
+    assert_eq!(second.attempt, 2, "a takeover counts the attempt");
+    assert_ne!(second.token, first.token, "a takeover gets a new token");
+    assert_fenced(store.release(&key, first.token).await, "release");
+}
+
+/// After `mark_uncertain` claims return the record as `needs_reconciliation`.
+pub async fn mark_uncertain_blocks_claims<S: IdempotencyStore>(store: &S) {
+    let key = unique_key("uncertain");
+    let req = request(&key, 1, LONG, LONG);
+    let lease = acquire(store, &req, "a fresh key").await;
+    store
+        .mark_uncertain(&key, lease.token)
+        .await
+        .expect("mark_uncertain");
+    let (record, _) = existing(store, &req, "an uncertain key").await;
+    assert_eq!(record.status, RecordStatus::NeedsReconciliation);
+    assert_fenced(
+        store.complete(&key, lease.token, &response(), LONG).await,
+        "complete after mark_uncertain",
+    );
+}
+
+/// When a lease runs out the next claim takes over, and the old holder can no longer renew,
+/// complete, release or mark uncertain.
+pub async fn fenced_writes_are_refused_after_takeover<S: IdempotencyStore>(store: &S) {
+    let key = unique_key("fenced");
+    let short = request(&key, 1, SHORT, LONG);
+    let stale = acquire(store, &short, "a fresh key").await;
+    tokio::time::sleep(PAST_SHORT).await;
+    let current = acquire(store, &request(&key, 1, LONG, LONG), "an expired lease").await;
+    assert_eq!(current.attempt, 2);
+    assert_ne!(current.token, stale.token);
+    assert_fenced(store.renew(&key, stale.token, LONG).await, "renew");
+    assert_fenced(
+        store.complete(&key, stale.token, &response(), LONG).await,
+        "complete",
+    );
+    assert_fenced(store.release(&key, stale.token).await, "release");
+    assert_fenced(
+        store.mark_uncertain(&key, stale.token).await,
+        "mark_uncertain",
+    );
+    store
+        .complete(&key, current.token, &response(), LONG)
+        .await
+        .expect("the current holder completes");
+}
+
+/// With [`LeaseExpiry::Reconcile`] an expired lease moves the record to
+/// `needs_reconciliation` instead of being taken over.
+pub async fn expired_lease_with_reconcile_needs_reconciliation<S: IdempotencyStore>(store: &S) {
+    let key = unique_key("reconcile");
+    let req = ClaimRequest {
+        on_lease_expiry: LeaseExpiry::Reconcile,
+        ..request(&key, 1, SHORT, LONG)
+    };
+    let lease = acquire(store, &req, "a fresh key").await;
+    tokio::time::sleep(PAST_SHORT).await;
+    let (record, _) = existing(store, &req, "an expired lease on a reconcile route").await;
+    assert_eq!(record.status, RecordStatus::NeedsReconciliation);
+    assert_eq!(record.attempts, 1, "nothing was taken over");
+    assert_fenced(
+        store.complete(&key, lease.token, &response(), LONG).await,
+        "complete after the move to reconciliation",
+    );
+}
+
+/// A renewed lease is not taken over when its first length passes.
+pub async fn renew_keeps_the_lease_alive<S: IdempotencyStore>(store: &S) {
+    let key = unique_key("renew");
+    let req = request(&key, 1, SHORT, LONG);
+    let lease = acquire(store, &req, "a fresh key").await;
+    let until = store.renew(&key, lease.token, LONG).await.expect("renew");
+    assert!(until > lease.until, "renewal moves the lease's end");
+    tokio::time::sleep(PAST_SHORT).await;
+    let (record, _) = existing(store, &req, "a renewed lease").await;
+    assert_eq!(record.status, RecordStatus::InProgress);
+    assert_eq!(record.lease_token, lease.token);
+}
+
+/// A completed record past its TTL counts as absent (a new claim is attempt 1) and is purged.
+pub async fn ttl_expiry_counts_as_absent_and_is_purged<S: IdempotencyStore>(store: &S) {
+    let key = unique_key("ttl");
+    let req = request(&key, 1, SHORT, LONG);
+    let lease = acquire(store, &req, "a fresh key").await;
+    store
+        .complete(&key, lease.token, &response(), SHORT)
+        .await
+        .expect("complete");
+    // A second completed record that only purging removes.
+    let purged = unique_key("purged");
+    let purged_lease = acquire(store, &request(&purged, 1, SHORT, LONG), "a fresh key").await;
+    store
+        .complete(&purged, purged_lease.token, &response(), SHORT)
+        .await
+        .expect("complete");
+    // And one in flight under a long lease, which must survive the purge.
+    let in_flight = unique_key("in-flight");
+    acquire(store, &request(&in_flight, 1, LONG, SHORT), "a fresh key").await;
+    tokio::time::sleep(PAST_SHORT).await;
+
+    assert!(
+        store.lookup(&key).await.expect("lookup").is_none(),
+        "lookup hides expired records"
+    );
+    let again = acquire(store, &req, "an expired record").await;
+    assert_eq!(again.attempt, 1, "an expired record counts as absent");
+    assert!(
+        store.purge_expired().await.expect("purge") >= 1,
+        "expired records are purged"
+    );
+    assert!(store.lookup(&purged).await.expect("lookup").is_none());
+    let survivor = store.lookup(&in_flight).await.expect("lookup");
+    assert!(
+        survivor.is_some_and(|r| r.status == RecordStatus::InProgress),
+        "a record under a live lease is never purged"
+    );
+}
+
+/// `lookup` returns the record, `remove` deletes it and says whether it existed.
+pub async fn lookup_and_remove<S: IdempotencyStore>(store: &S) {
+    let key = unique_key("remove");
+    assert!(store.lookup(&key).await.expect("lookup").is_none());
+    acquire(store, &request(&key, 1, LONG, LONG), "a fresh key").await;
+    let record = store.lookup(&key).await.expect("lookup").expect("record");
+    assert_eq!(record.key, key);
+    assert!(
+        store.remove(&key).await.expect("remove"),
+        "remove reports a deletion"
+    );
+    assert!(
+        !store.remove(&key).await.expect("remove"),
+        "nothing left to remove"
+    );
+    acquire(store, &request(&key, 1, LONG, LONG), "a removed key").await;
+}

@@ -1,0 +1,78 @@
+//! DESIGN §5: the MemoryStore passes the public conformance kit, one test per rule.
+
+use std::sync::Arc;
+
+use tower_idempotency::MemoryStore;
+use tower_idempotency::store::kit;
+
+macro_rules! conformance {
+    ($($check:ident),* $(,)?) => {$(
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn $check() {
+            kit::$check(&Arc::new(MemoryStore::new())).await;
+        }
+    )*};
+}
+
+conformance!(
+    claim_then_existing,
+    claim_race_has_one_winner,
+    fingerprint_mismatch_is_reported,
+    complete_then_replay_exactly,
+    release_lets_the_next_claim_take_over,
+    mark_uncertain_blocks_claims,
+    fenced_writes_are_refused_after_takeover,
+    expired_lease_with_reconcile_needs_reconciliation,
+    renew_keeps_the_lease_alive,
+    ttl_expiry_counts_as_absent_and_is_purged,
+    lookup_and_remove,
+);
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn run_all_on_one_shared_store() {
+    kit::run_all(Arc::new(MemoryStore::new())).await;
+}
+
+#[tokio::test]
+async fn memory_store_is_bounded_and_never_evicts_in_flight_keys() {
+    use std::time::Duration;
+    use tower_idempotency::IdempotencyStore;
+    use tower_idempotency::store::{
+        Claim, ClaimRequest, Fingerprint, LeaseExpiry, ScopedKey, StoreError,
+    };
+
+    let store = MemoryStore::new().max_records(3);
+    let claim = |key: &str| ClaimRequest {
+        key: ScopedKey::new("", key),
+        fingerprint: Fingerprint::from_bytes([0; 32]),
+        lease: Duration::from_secs(60),
+        ttl: Duration::from_secs(60),
+        on_lease_expiry: LeaseExpiry::Reclaim,
+    };
+    for key in ["a", "b", "c"] {
+        assert!(matches!(
+            store.claim(&claim(key)).await,
+            Ok(Claim::Acquired(_))
+        ));
+    }
+    assert!(
+        matches!(store.claim(&claim("d")).await, Err(StoreError::Full)),
+        "the bound holds"
+    );
+    assert_eq!(
+        store.purge_expired().await.expect("purge"),
+        0,
+        "in-flight records stay"
+    );
+    assert_eq!(store.len(), 3);
+    assert!(
+        store
+            .remove(&ScopedKey::new("", "a"))
+            .await
+            .expect("remove")
+    );
+    assert!(matches!(
+        store.claim(&claim("d")).await,
+        Ok(Claim::Acquired(_))
+    ));
+}
