@@ -25,10 +25,12 @@ pub async fn serve(app: Router) -> SocketAddr {
     addr
 }
 
-/// A client that opens a fresh connection for every request.
+/// A client that opens a fresh connection for every request, and gives up after 30 s so a bug
+/// that leaves a request hanging fails the test instead of stalling the suite.
 pub fn client() -> reqwest::Client {
     reqwest::Client::builder()
         .pool_max_idle_per_host(0)
+        .timeout(Duration::from_secs(30))
         .build()
         .expect("client")
 }
