@@ -30,7 +30,7 @@ pub(crate) struct Execution<St> {
     pub(crate) store: Arc<St>,
     pub(crate) key: ScopedKey,
     pub(crate) lease: Lease,
-    pub(crate) route: RouteConfig,
+    pub(crate) route: Arc<RouteConfig>,
     pub(crate) denied_headers: Arc<[HeaderName]>,
 }
 

@@ -51,15 +51,15 @@ struct LayerConfig {
 #[derive(Debug)]
 pub(crate) struct Resolved {
     pub(crate) header: HeaderName,
-    pub(crate) default: RouteConfig,
-    pub(crate) routes: HashMap<String, RouteConfig>,
+    pub(crate) default: Arc<RouteConfig>,
+    pub(crate) routes: HashMap<String, Arc<RouteConfig>>,
     pub(crate) fingerprint: FingerprintOptions,
     pub(crate) denied_headers: Arc<[HeaderName]>,
 }
 
 impl Resolved {
     /// The settings for a request path: an exact match, or the default.
-    pub(crate) fn route(&self, path: &str) -> &RouteConfig {
+    pub(crate) fn route(&self, path: &str) -> &Arc<RouteConfig> {
         self.routes.get(path).unwrap_or(&self.default)
     }
 }
@@ -210,11 +210,11 @@ impl<St, M> IdempotencyLayer<St, M> {
         let c = &self.config;
         Resolved {
             header: c.header.clone(),
-            default: c.default.clone(),
+            default: Arc::new(c.default.clone()),
             routes: c
                 .overrides
                 .iter()
-                .map(|(path, f)| (path.clone(), f(c.default.clone())))
+                .map(|(path, f)| (path.clone(), Arc::new(f(c.default.clone()))))
                 .collect(),
             fingerprint: c.fingerprint.clone(),
             denied_headers: c.denied_headers.clone().into(),

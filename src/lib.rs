@@ -28,14 +28,14 @@
 //!
 //! For each request on a guarded method (`POST` and `PATCH` by default), in this order:
 //!
-//! 1. **Key** ([`key`](crate::KeyError)): `Idempotency-Key` as an RFC 8941 string or a bare
+//! 1. **Key** ([`KeyError`]): `Idempotency-Key` as an RFC 8941 string or a bare
 //!    visible-ASCII value, at most 255 bytes, once. Missing: 400 when required (the default),
 //!    pass-through when [`require_key(false)`](IdempotencyLayer::require_key).
 //! 2. **Scope** ([`MakeScope`]): keys live in a scope; the default is a hash of the
 //!    `Authorization` header ([`DefaultScope`]).
 //! 3. **Buffer**: the body, up to [`body_limit`](IdempotencyLayer::body_limit) (1 MiB), else
 //!    413; nothing is claimed before this.
-//! 4. **Fingerprint** ([`fingerprint`](crate::Fingerprint)): method, path, query, media type and
+//! 4. **Fingerprint** ([`Fingerprint`]): method, path, query, media type and
 //!    the canonical body (RFC 8785 JSON, sorted form pairs, multipart by parts).
 //! 5. **Claim** ([`IdempotencyStore::claim`]): one atomic store operation.
 //! 6. **Decide**: run, replay, or refuse (see the table below).
@@ -54,8 +54,8 @@
 //! | expired | as none |
 //! | store failing | 503 `store-unavailable` with `Retry-After`, nothing run |
 //!
-//! Every refusal is an RFC 9457 problem: see [`problem`] for the types. Metrics are listed in
-//! [`observe`](crate#metrics).
+//! Every refusal is an RFC 9457 problem: see [`problem`] for the types. Backends are chosen in
+//! [`store`]; [`store::AnyStore`] picks one from a URL at run time.
 //!
 //! # Metrics
 //!

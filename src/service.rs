@@ -90,6 +90,8 @@ where
             attempt = tracing::field::Empty,
         );
         let pipeline = Pipeline {
+            span: span.clone(),
+            route: route.clone(),
             store: self.store.clone(),
             make_scope: self.make_scope.clone(),
             config: self.config.clone(),
@@ -100,6 +102,8 @@ where
 
 /// One guarded request's trip through DESIGN §1.
 struct Pipeline<St, M> {
+    span: tracing::Span,
+    route: Arc<RouteConfig>,
     store: Arc<St>,
     make_scope: M,
     config: Arc<Resolved>,
@@ -120,17 +124,17 @@ impl<St: IdempotencyStore, M: MakeScope> Pipeline<St, M> {
         ResBody: Body<Data = Bytes> + Send + 'static,
         ResBody::Error: Into<BoxError>,
     {
-        let route = self.config.route(req.uri().path()).clone();
+        let route = self.route.clone();
 
         // 1. Key.
         let key = match parse_key(req.headers(), &self.config.header) {
             Ok(Some(key)) => key,
             Ok(None) if !route.require_key => {
-                outcome("pass_through");
+                self.outcome("pass_through");
                 return pass_through(inner, req).await;
             }
-            Ok(None) => return Ok(refuse_key(&crate::key::KeyError::Missing)),
-            Err(error) => return Ok(refuse_key(&error)),
+            Ok(None) => return Ok(self.refuse_key(&crate::key::KeyError::Missing)),
+            Err(error) => return Ok(self.refuse_key(&error)),
         };
         observe::count(Event::Attempt);
 
@@ -141,17 +145,16 @@ impl<St: IdempotencyStore, M: MakeScope> Pipeline<St, M> {
         // 3. Buffer.
         let bytes = match buffer(&parts, body, route.body_limit).await {
             Ok(bytes) => bytes,
-            Err(problem) => return Ok(refuse_body(problem)),
+            Err(problem) => return Ok(self.refuse_body(problem)),
         };
 
         // 4. Fingerprint.
         let fingerprint = match fingerprint(&parts, &bytes, &self.config.fingerprint) {
             Ok(fingerprint) => fingerprint,
             Err(error) => {
-                return Ok(refuse_body(Problem::new(
-                    ProblemKind::BodyMalformed,
-                    error.to_string(),
-                )));
+                return Ok(
+                    self.refuse_body(Problem::new(ProblemKind::BodyMalformed, error.to_string()))
+                );
             }
         };
 
@@ -171,7 +174,7 @@ impl<St: IdempotencyStore, M: MakeScope> Pipeline<St, M> {
             Err(error) => {
                 observe::count(Event::StoreError);
                 tracing::error!(%error, "claim failed; refusing to run (fail closed)");
-                outcome("store_unavailable");
+                self.outcome("store_unavailable");
                 return Ok(unavailable(&route));
             }
         };
@@ -180,29 +183,29 @@ impl<St: IdempotencyStore, M: MakeScope> Pipeline<St, M> {
         let lease = match decide(claim, &fingerprint) {
             Decision::Run(lease) => lease,
             Decision::Replay(stored) => {
-                outcome("replayed");
+                self.outcome("replayed");
                 return Ok(replay(stored, route.envelope));
             }
             Decision::Refuse(problem) => {
-                outcome(problem.kind.slug());
+                self.outcome(problem.kind.slug());
                 return Ok(problem.into_response());
             }
         };
-        tracing::Span::current().record("attempt", lease.attempt);
+        self.span.record("attempt", lease.attempt);
 
         // 7–9. Execute to completion, record, respond.
         let mut req = Request::from_parts(parts, RequestBody::buffered(bytes));
         req.extensions_mut()
             .insert(IdempotencyContext::new(key.clone(), &lease));
         let execution = Execution {
-            store: self.store,
+            store: self.store.clone(),
             key,
             lease,
             route,
             denied_headers: self.config.denied_headers.clone(),
         };
         let task = tokio::spawn(execution.run(inner, req).in_current_span());
-        outcome("executed");
+        self.outcome("executed");
         match task.await {
             Ok(answer) => answer,
             // Only a runtime shutting down cancels the task; panics are caught inside it.
@@ -229,8 +232,10 @@ where
     Ok(res.map(ResponseBody::passthrough))
 }
 
-fn outcome(name: &str) {
-    tracing::Span::current().record("outcome", name);
+impl<St, M> Pipeline<St, M> {
+    fn outcome(&self, name: &str) {
+        self.span.record("outcome", name);
+    }
 }
 
 /// Step 3: the whole body, or why not. Nothing is claimed before this succeeds.
@@ -262,20 +267,22 @@ where
     }
 }
 
-fn refuse_key<B>(error: &crate::key::KeyError) -> Response<ResponseBody<B>> {
-    observe::count(Event::KeyRejected);
-    let kind = match error {
-        crate::key::KeyError::Missing => ProblemKind::KeyMissing,
-        _ => ProblemKind::KeyInvalid,
-    };
-    outcome(kind.slug());
-    Problem::new(kind, error.to_string()).into_response()
-}
+impl<St, M> Pipeline<St, M> {
+    fn refuse_key<B>(&self, error: &crate::key::KeyError) -> Response<ResponseBody<B>> {
+        observe::count(Event::KeyRejected);
+        let kind = match error {
+            crate::key::KeyError::Missing => ProblemKind::KeyMissing,
+            _ => ProblemKind::KeyInvalid,
+        };
+        self.outcome(kind.slug());
+        Problem::new(kind, error.to_string()).into_response()
+    }
 
-fn refuse_body<B>(problem: Problem) -> Response<ResponseBody<B>> {
-    observe::count(Event::BodyRejected);
-    outcome(problem.kind.slug());
-    problem.into_response()
+    fn refuse_body<B>(&self, problem: Problem) -> Response<ResponseBody<B>> {
+        observe::count(Event::BodyRejected);
+        self.outcome(problem.kind.slug());
+        problem.into_response()
+    }
 }
 
 fn unavailable<B>(route: &RouteConfig) -> Response<ResponseBody<B>> {
