@@ -12,7 +12,7 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 
 use bytes::Bytes;
-use http::{HeaderName, Request, Response};
+use http::{HeaderMap, HeaderName, Request, Response, response::Parts};
 use http_body::Body;
 use pin_project_lite::pin_project;
 use tower_service::Service;
@@ -78,22 +78,7 @@ impl<St: IdempotencyStore> Execution<St> {
                 body,
                 trailers,
             }))) => {
-                let outcome = Outcome {
-                    status: parts.status,
-                    headers: &parts.headers,
-                    trailers: trailers.as_ref(),
-                };
-                if self.route.cache_policy.records(&outcome) {
-                    let stored = StoredResponse {
-                        status: parts.status,
-                        headers: storable_headers(&parts.headers, &self.denied_headers),
-                        body: Some(body.clone()),
-                        trailers: trailers.clone(),
-                    };
-                    self.complete(&stored).await;
-                } else {
-                    self.release().await;
-                }
+                self.record(&parts, Some(&body), trailers.as_ref()).await;
                 let how = Presentation {
                     replayed: false,
                     mark: self.route.mark_first_response,
@@ -106,23 +91,8 @@ impl<St: IdempotencyStore> Execution<St> {
                 prefix,
                 rest,
             }))) => {
-                let outcome = Outcome {
-                    status: parts.status,
-                    headers: &parts.headers,
-                    trailers: None,
-                };
-                if self.route.cache_policy.records(&outcome) {
-                    // Keep the key consumed: a marker without a body, never a second run.
-                    let stored = StoredResponse {
-                        status: parts.status,
-                        headers: storable_headers(&parts.headers, &self.denied_headers),
-                        body: None,
-                        trailers: None,
-                    };
-                    self.complete(&stored).await;
-                } else {
-                    self.release().await;
-                }
+                // Recorded without a body: the key stays consumed, never a second run.
+                self.record(&parts, None, None).await;
                 Ok(Response::from_parts(
                     parts,
                     ResponseBody::resumed(prefix, rest),
@@ -164,6 +134,25 @@ impl<St: IdempotencyStore> Execution<St> {
             () = renew => {}
         }
         work.await
+    }
+
+    /// Step 8: records the outcome if the route's policy keeps it, else releases the key.
+    async fn record(&self, parts: &Parts, body: Option<&Bytes>, trailers: Option<&HeaderMap>) {
+        let outcome = Outcome {
+            status: parts.status,
+            headers: &parts.headers,
+            trailers,
+        };
+        if !self.route.cache_policy.records(&outcome) {
+            return self.release().await;
+        }
+        let stored = StoredResponse {
+            status: parts.status,
+            headers: storable_headers(&parts.headers, &self.denied_headers),
+            body: body.cloned(),
+            trailers: trailers.cloned(),
+        };
+        self.complete(&stored).await;
     }
 
     async fn complete(&self, stored: &StoredResponse) {

@@ -44,6 +44,29 @@ async fn post_ticket(addr: std::net::SocketAddr, key: &str, body: &str) -> reqwe
         .expect("request")
 }
 
+/// Retries until the key's outcome is recorded: every answer before is a 409, none a rerun.
+async fn await_replay(
+    addr: std::net::SocketAddr,
+    path: &str,
+    key: &str,
+    body: &'static str,
+) -> reqwest::Response {
+    for _ in 0..250 {
+        let res = client()
+            .post(format!("http://{addr}{path}"))
+            .header("idempotency-key", key)
+            .body(body)
+            .send()
+            .await
+            .expect("retry");
+        if res.status() != StatusCode::CONFLICT {
+            return res;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    panic!("the outcome of {key} was never recorded");
+}
+
 #[tokio::test]
 async fn s7_1_same_key_twice_runs_once_and_replays_identical_bytes() {
     let effects = Effects::default();
@@ -227,23 +250,7 @@ async fn s7_5_retry_during_processing_gets_409_then_the_replay() {
 
     release.notify_one();
     // The handler finishes on its own; poll until its outcome is recorded.
-    let mut replay = None;
-    for _ in 0..200 {
-        let res = client()
-            .post(format!("http://{addr}/charge"))
-            .header("idempotency-key", "k-5")
-            .body("amount=10")
-            .send()
-            .await
-            .expect("retry");
-        if res.status() == StatusCode::OK {
-            replay = Some(res);
-            break;
-        }
-        assert_eq!(res.status(), StatusCode::CONFLICT);
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    let replay = replay.expect("the recorded outcome is replayed");
+    let replay = await_replay(addr, "/charge", "k-5", "amount=10").await;
     assert_eq!(replay.headers()["idempotency-replayed"], "true");
     assert_eq!(replay.text().await.expect("body"), "charge 1");
     assert_eq!(effects.count(), 1);
@@ -278,22 +285,7 @@ async fn client_disconnect_mid_handler_still_records_one_effect() {
     assert!(hung_up.await.is_err());
     finish.notify_one();
 
-    let mut replayed = None;
-    for _ in 0..200 {
-        let res = client()
-            .post(format!("http://{addr}/send_email"))
-            .header("idempotency-key", "k-disconnect")
-            .body("to=a@example.com")
-            .send()
-            .await
-            .expect("retry");
-        if res.status() == StatusCode::OK {
-            replayed = Some(res);
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    let res = replayed.expect("the handler ran to completion and was recorded");
+    let res = await_replay(addr, "/send_email", "k-disconnect", "to=a@example.com").await;
     assert_eq!(res.headers()["idempotency-replayed"], "true");
     assert_eq!(res.text().await.expect("body"), "email 1");
     assert_eq!(effects.count(), 1);
