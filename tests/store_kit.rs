@@ -1,4 +1,6 @@
-//! DESIGN §5: the MemoryStore passes the public conformance kit, one test per rule.
+//! DESIGN §5: every store passes the public conformance kit, one test per rule and store.
+
+mod common;
 
 use std::sync::Arc;
 
@@ -6,27 +8,60 @@ use tower_idempotency::MemoryStore;
 use tower_idempotency::store::kit;
 
 macro_rules! conformance {
-    ($($check:ident),* $(,)?) => {$(
-        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-        async fn $check() {
-            kit::$check(&Arc::new(MemoryStore::new())).await;
+    ($backend:ident, $make:expr; $($check:ident),* $(,)?) => {
+        mod $backend {
+            use super::*;
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $check() {
+                    let Some(store) = $make(stringify!($check)).await else { return };
+                    kit::$check(&Arc::new(store)).await;
+                }
+            )*
         }
-    )*};
+    };
 }
 
-conformance!(
-    claim_then_existing,
-    claim_race_has_one_winner,
-    fingerprint_mismatch_is_reported,
-    complete_then_replay_exactly,
-    release_lets_the_next_claim_take_over,
-    mark_uncertain_blocks_claims,
-    fenced_writes_are_refused_after_takeover,
-    expired_lease_with_reconcile_needs_reconciliation,
-    renew_keeps_the_lease_alive,
-    ttl_expiry_counts_as_absent_and_is_purged,
-    lookup_and_remove,
-);
+macro_rules! all_checks {
+    ($backend:ident, $make:expr) => {
+        conformance!($backend, $make;
+            claim_then_existing,
+            claim_race_has_one_winner,
+            fingerprint_mismatch_is_reported,
+            complete_then_replay_exactly,
+            release_lets_the_next_claim_take_over,
+            mark_uncertain_blocks_claims,
+            fenced_writes_are_refused_after_takeover,
+            expired_lease_with_reconcile_needs_reconciliation,
+            renew_keeps_the_lease_alive,
+            ttl_expiry_counts_as_absent_and_is_purged,
+            lookup_and_remove,
+        );
+    };
+}
+
+async fn memory(_: &str) -> Option<MemoryStore> {
+    Some(MemoryStore::new())
+}
+
+all_checks!(memory_store, memory);
+
+#[cfg(feature = "sqlite")]
+async fn sqlite(name: &str) -> Option<tower_idempotency::store::SqliteStore> {
+    Some(common::sqlite(name).await.0)
+}
+
+#[cfg(feature = "sqlite")]
+all_checks!(sqlite_store, sqlite);
+
+#[cfg(feature = "postgres")]
+async fn postgres(_: &str) -> Option<tower_idempotency::store::PostgresStore> {
+    // One table for the kit: its checks use keys unique to each run.
+    common::postgres("tower_idempotency_kit").await
+}
+
+#[cfg(feature = "postgres")]
+all_checks!(postgres_store, postgres);
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn run_all_on_one_shared_store() {

@@ -1,12 +1,15 @@
 //! [`AnyStore`]: a backend chosen at run time from a URL.
 // With no backend compiled in, the enum is empty and its methods ignore their arguments.
-#![cfg_attr(not(feature = "memory"), allow(unused_variables))]
+#![cfg_attr(
+    not(any(feature = "memory", feature = "sqlite", feature = "postgres")),
+    allow(unused_variables)
+)]
 
 use std::fmt;
 use std::time::{Duration, SystemTime};
 
 use super::{
-    Claim, ClaimRequest, FencingToken, IdempotencyStore, Record, ScopedKey, StoreError,
+    BoxError, Claim, ClaimRequest, FencingToken, IdempotencyStore, Record, ScopedKey, StoreError,
     StoredResponse,
 };
 
@@ -15,6 +18,10 @@ use super::{
 /// | URL | store | feature |
 /// |---|---|---|
 /// | `memory://` | [`MemoryStore`](super::MemoryStore) | `memory` |
+/// | `sqlite://path/to/file.db` | `SqliteStore` | `sqlite` |
+/// | `postgres://user@host/db` (or `postgresql://`) | `PostgresStore` | `postgres` |
+///
+/// [`connect`](Self::connect) also creates the SQL stores' tables if they are missing.
 ///
 /// ```
 /// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
@@ -31,41 +38,82 @@ pub enum AnyStore {
     /// The embedded store.
     #[cfg(feature = "memory")]
     Memory(super::MemoryStore),
+    /// A SQLite file.
+    #[cfg(feature = "sqlite")]
+    Sqlite(super::SqliteStore),
+    /// A PostgreSQL database.
+    #[cfg(feature = "postgres")]
+    Postgres(super::PostgresStore),
 }
 
-/// A store URL this build cannot serve.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct UnsupportedStoreUrl {
-    scheme: String,
+/// Why [`AnyStore::connect`] failed.
+#[derive(Debug)]
+pub enum ConnectError {
+    /// This build has no store for the URL's scheme.
+    Unsupported {
+        /// The scheme that was asked for.
+        scheme: String,
+    },
+    /// The store could not be opened or migrated.
+    Failed(BoxError),
 }
 
-impl fmt::Display for UnsupportedStoreUrl {
+impl fmt::Display for ConnectError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(
-            f,
-            "no store for the URL scheme {:?} in this build (available: {})",
-            self.scheme,
-            AnyStore::SCHEMES.join(", ")
-        )
+        match self {
+            Self::Unsupported { scheme } => write!(
+                f,
+                "no store for the URL scheme {scheme:?} in this build (available: {})",
+                AnyStore::SCHEMES.join(", ")
+            ),
+            Self::Failed(e) => write!(f, "could not open the store: {e}"),
+        }
     }
 }
 
-impl std::error::Error for UnsupportedStoreUrl {}
+impl std::error::Error for ConnectError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            Self::Unsupported { .. } => None,
+            Self::Failed(e) => Some(e.as_ref()),
+        }
+    }
+}
 
 impl AnyStore {
     /// The URL schemes this build serves.
     pub const SCHEMES: &'static [&'static str] = &[
         #[cfg(feature = "memory")]
         "memory",
+        #[cfg(feature = "sqlite")]
+        "sqlite",
+        #[cfg(feature = "postgres")]
+        "postgres",
+        #[cfg(feature = "postgres")]
+        "postgresql",
     ];
 
-    /// Opens the store `url` names.
-    pub async fn connect(url: &str) -> Result<Self, UnsupportedStoreUrl> {
-        let scheme = url.split_once("://").map_or(url, |(scheme, _)| scheme);
+    /// Opens the store `url` names, creating SQL tables if missing.
+    pub async fn connect(url: &str) -> Result<Self, ConnectError> {
+        let scheme = url.split_once(':').map_or(url, |(scheme, _)| scheme);
+        #[cfg(any(feature = "sqlite", feature = "postgres"))]
+        let failed = |e: sqlx::Error| ConnectError::Failed(e.into());
         match scheme.to_ascii_lowercase().as_str() {
             #[cfg(feature = "memory")]
             "memory" => Ok(Self::Memory(super::MemoryStore::new())),
-            _ => Err(UnsupportedStoreUrl {
+            #[cfg(feature = "sqlite")]
+            "sqlite" => {
+                let store = super::SqliteStore::connect(url).await.map_err(failed)?;
+                store.migrate().await.map_err(failed)?;
+                Ok(Self::Sqlite(store))
+            }
+            #[cfg(feature = "postgres")]
+            "postgres" | "postgresql" => {
+                let store = super::PostgresStore::connect(url).await.map_err(failed)?;
+                store.migrate().await.map_err(failed)?;
+                Ok(Self::Postgres(store))
+            }
+            _ => Err(ConnectError::Unsupported {
                 scheme: scheme.to_owned(),
             }),
         }
@@ -78,6 +126,10 @@ macro_rules! each {
         match *$self {
             #[cfg(feature = "memory")]
             AnyStore::Memory(ref $store) => $call,
+            #[cfg(feature = "sqlite")]
+            AnyStore::Sqlite(ref $store) => $call,
+            #[cfg(feature = "postgres")]
+            AnyStore::Postgres(ref $store) => $call,
         }
     };
 }

@@ -7,10 +7,17 @@
 //! write.
 
 mod any;
+mod codec;
 #[cfg(feature = "test-kit")]
 pub mod kit;
 #[cfg(feature = "memory")]
 mod memory;
+#[cfg(feature = "postgres")]
+mod postgres;
+#[cfg(any(feature = "postgres", feature = "sqlite"))]
+mod sql;
+#[cfg(feature = "sqlite")]
+mod sqlite;
 
 use std::fmt;
 use std::future::Future;
@@ -22,9 +29,16 @@ use http::{HeaderMap, StatusCode};
 
 pub use crate::fingerprint::Fingerprint;
 pub use crate::key::ScopedKey;
-pub use any::{AnyStore, UnsupportedStoreUrl};
+pub use any::{AnyStore, ConnectError};
+pub use codec::CorruptRecord;
 #[cfg(feature = "memory")]
 pub use memory::MemoryStore;
+#[cfg(feature = "postgres")]
+pub use postgres::PostgresStore;
+#[cfg(any(feature = "postgres", feature = "sqlite"))]
+pub use sql::InvalidIdentifier;
+#[cfg(feature = "sqlite")]
+pub use sqlite::SqliteStore;
 
 /// An error boxed for transport across store backends.
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;

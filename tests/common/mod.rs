@@ -179,3 +179,69 @@ pub async fn problem(res: reqwest::Response) -> serde_json::Value {
 pub fn problem_type(slug: &str) -> String {
     format!("urn:tower-idempotency:problem:{slug}")
 }
+
+/// Where the PostgreSQL tests connect: `TOWER_IDEMPOTENCY_POSTGRES_URL`, or the local default.
+pub fn postgres_url() -> String {
+    std::env::var("TOWER_IDEMPOTENCY_POSTGRES_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".to_owned())
+}
+
+/// A missing server fails the run under CI and skips, loudly, elsewhere.
+pub fn unreachable(what: &str, error: &dyn std::fmt::Display) {
+    if std::env::var("CI").is_ok_and(|v| v == "true") {
+        panic!("{what} is required under CI=true but unreachable: {error}");
+    }
+    eprintln!(
+        "\n*** SKIPPING: {what} is unreachable ({error}); set CI=true to make this fail ***\n"
+    );
+}
+
+/// A pool on the test database, or `None` (after saying so) when there is no server.
+#[cfg(feature = "postgres")]
+pub async fn postgres_pool() -> Option<sqlx::PgPool> {
+    let url = postgres_url();
+    match sqlx::postgres::PgPoolOptions::new()
+        .acquire_timeout(Duration::from_secs(3))
+        .connect(&url)
+        .await
+    {
+        Ok(pool) => Some(pool),
+        Err(e) => {
+            unreachable(&format!("PostgreSQL at {url}"), &e);
+            None
+        }
+    }
+}
+
+/// A migrated PostgresStore in its own table (so tests never see each other's rows).
+#[cfg(feature = "postgres")]
+pub async fn postgres(table: &str) -> Option<tower_idempotency::store::PostgresStore> {
+    let store = tower_idempotency::store::PostgresStore::new(postgres_pool().await?)
+        .with_table("public", table)
+        .expect("a valid table name");
+    store.migrate().await.expect("migrate");
+    Some(store)
+}
+
+/// A fresh SQLite file path in the temp directory.
+pub fn sqlite_path(name: &str) -> std::path::PathBuf {
+    let nanos = SystemTime::now()
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    std::env::temp_dir().join(format!(
+        "tower-idempotency-{name}-{}-{nanos}.db",
+        std::process::id()
+    ))
+}
+
+/// A migrated SqliteStore on its own file.
+#[cfg(feature = "sqlite")]
+pub async fn sqlite(name: &str) -> (tower_idempotency::store::SqliteStore, std::path::PathBuf) {
+    let path = sqlite_path(name);
+    let store =
+        tower_idempotency::store::SqliteStore::connect(&format!("sqlite://{}", path.display()))
+            .await
+            .expect("open sqlite");
+    store.migrate().await.expect("migrate");
+    (store, path)
+}

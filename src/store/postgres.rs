@@ -1,0 +1,386 @@
+//! [`PostgresStore`]: one record per key, shared by every replica of a service.
+
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use sqlx::postgres::{PgPool, PgPoolOptions, PgRow};
+use sqlx::{AssertSqlSafe, Row};
+
+use super::codec::fresh_token;
+use super::sql::{self, InvalidIdentifier, RawRecord, millis, unavailable};
+use super::{
+    Claim, ClaimRequest, FencingToken, IdempotencyStore, Lease, LeaseExpiry, Record, RecordStatus,
+    ScopedKey, StoreError, StoredResponse,
+};
+
+/// Records in a PostgreSQL table, shared by every replica that uses the same database.
+///
+/// - **Claim in one round trip.** A single `INSERT … ON CONFLICT DO UPDATE … WHERE` statement
+///   creates the record, takes over a released or expired one, or (in a data-modifying CTE)
+///   returns the record that stands. Under READ COMMITTED a record committed by a concurrent
+///   claim after the statement's snapshot can be invisible to the read half; the statement then
+///   runs once more (two round trips, only under a race). Never SELECT-then-INSERT.
+/// - **Fenced writes.** `complete`, `release`, `mark_uncertain` and `renew` are
+///   `UPDATE … WHERE lease_token = $n AND status = 'in_progress'`: one round trip each.
+/// - **The database's clock.** Leases and TTLs use `now()`, never a replica's clock.
+/// - **Binary-safe.** Scope, key, fingerprint and response are `bytea`.
+///
+/// The table is created by [`migrate`](Self::migrate) (idempotent, serialised by an advisory
+/// lock, separate from the application's own sqlx migrations), or by running
+/// [`migration_sql`](Self::migration_sql) with your own tooling.
+///
+/// ```no_run
+/// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+/// use tower_idempotency::{IdempotencyLayer, store::PostgresStore};
+///
+/// let store = PostgresStore::connect("postgres://postgres@127.0.0.1/app").await?;
+/// store.migrate().await?;
+/// let layer = IdempotencyLayer::new(store);
+/// # Ok(()) }
+/// ```
+#[derive(Debug, Clone)]
+pub struct PostgresStore {
+    pool: PgPool,
+    sql: Arc<Statements>,
+}
+
+#[derive(Debug)]
+struct Statements {
+    schema: String,
+    table: String,
+    claim: Arc<str>,
+    renew: Arc<str>,
+    complete: Arc<str>,
+    settle: Arc<str>,
+    lookup: Arc<str>,
+    remove: Arc<str>,
+    purge: Arc<str>,
+}
+
+const EXPIRED: &str = "r.expires_at <= now()";
+
+impl Statements {
+    fn new(schema: &str, table: &str) -> Self {
+        let t = format!("\"{schema}\".\"{table}\"");
+        let cols = |a: &str| {
+            let ms = |c: &str| format!("(extract(epoch from {a}.{c}) * 1000)::int8");
+            format!(
+                "{a}.scope, {a}.key, {a}.fingerprint, {a}.status, {a}.lease_token, {}, \
+                 {a}.attempts::int8, {a}.effect_started, {a}.downstream_id, {a}.response, {}, {}, {}, \
+                 (extract(epoch from now()) * 1000)::int8",
+                ms("lease_until"),
+                ms("created_at"),
+                ms("updated_at"),
+                ms("expires_at"),
+            )
+        };
+        let same = "r.fingerprint = excluded.fingerprint";
+        let lease_over = "r.status = 'in_progress' AND r.lease_until <= now()";
+        let takeover = format!(
+            "({same} AND (r.status = 'released' OR ({lease_over} AND $6 AND NOT r.effect_started)))"
+        );
+        let fresh_or_takeover = format!("({EXPIRED} OR {takeover})");
+        let claim = format!(
+            "WITH claimed AS (
+               INSERT INTO {t} AS r (scope, key, fingerprint, status, lease_token, lease_until,
+                   attempts, effect_started, downstream_id, response, created_at, updated_at, expires_at)
+               VALUES ($1, $2, $3, 'in_progress', $4, now() + make_interval(secs => $5::float8 / 1000),
+                   1, false, NULL, NULL, now(), now(),
+                   now() + make_interval(secs => GREATEST($5, $7)::float8 / 1000))
+               ON CONFLICT (scope, key) DO UPDATE SET
+                 fingerprint = CASE WHEN {EXPIRED} THEN excluded.fingerprint ELSE r.fingerprint END,
+                 status = CASE WHEN {fresh_or_takeover} THEN 'in_progress' ELSE 'needs_reconciliation' END,
+                 lease_token = CASE WHEN {fresh_or_takeover} THEN excluded.lease_token ELSE r.lease_token END,
+                 lease_until = CASE WHEN {fresh_or_takeover} THEN excluded.lease_until ELSE r.lease_until END,
+                 attempts = CASE WHEN {EXPIRED} THEN 1 WHEN {takeover} THEN r.attempts + 1 ELSE r.attempts END,
+                 effect_started = CASE WHEN {EXPIRED} THEN false ELSE r.effect_started END,
+                 downstream_id = CASE WHEN {EXPIRED} THEN NULL ELSE r.downstream_id END,
+                 response = CASE WHEN {EXPIRED} THEN NULL ELSE r.response END,
+                 created_at = CASE WHEN {EXPIRED} THEN now() ELSE r.created_at END,
+                 updated_at = now(),
+                 expires_at = CASE WHEN {EXPIRED} THEN excluded.expires_at
+                                   WHEN {takeover} THEN GREATEST(r.expires_at, excluded.expires_at)
+                                   ELSE r.expires_at END
+               WHERE {EXPIRED} OR ({same} AND (r.status = 'released' OR ({lease_over})))
+               RETURNING {cols_r}
+             )
+             SELECT *, true FROM claimed
+             UNION ALL
+             SELECT {cols_r}, false FROM {t} r
+              WHERE r.scope = $1 AND r.key = $2 AND NOT EXISTS (SELECT 1 FROM claimed)",
+            cols_r = cols("r"),
+        );
+        let fenced = "scope = $1 AND key = $2 AND lease_token = $3 AND status = 'in_progress'";
+        Self {
+            schema: schema.to_owned(),
+            table: table.to_owned(),
+            claim: claim.into(),
+            renew: format!(
+                "UPDATE {t} SET lease_until = now() + make_interval(secs => $4::float8 / 1000),
+                   expires_at = GREATEST(expires_at, now() + make_interval(secs => $4::float8 / 1000)),
+                   updated_at = now()
+                 WHERE {fenced} RETURNING (extract(epoch from lease_until) * 1000)::int8"
+            )
+            .into(),
+            complete: format!(
+                "UPDATE {t} SET status = 'completed', response = $4,
+                   expires_at = now() + make_interval(secs => $5::float8 / 1000), updated_at = now()
+                 WHERE {fenced}"
+            )
+            .into(),
+            settle: format!("UPDATE {t} SET status = $4, updated_at = now() WHERE {fenced}").into(),
+            lookup: format!(
+                "SELECT {} FROM {t} r WHERE r.scope = $1 AND r.key = $2 AND r.expires_at > now()",
+                cols("r")
+            )
+            .into(),
+            remove: format!("DELETE FROM {t} WHERE scope = $1 AND key = $2").into(),
+            purge: format!("DELETE FROM {t} WHERE expires_at <= now()").into(),
+        }
+    }
+}
+
+impl PostgresStore {
+    /// The default table: `public.idempotency_records`.
+    pub const DEFAULT_TABLE: &'static str = "idempotency_records";
+
+    /// A store on `pool`, in `public.idempotency_records`.
+    pub fn new(pool: PgPool) -> Self {
+        Self {
+            pool,
+            sql: Arc::new(Statements::new("public", Self::DEFAULT_TABLE)),
+        }
+    }
+
+    /// Connects a pool to `url` (`postgres://user@host/db`) for a store in the default table.
+    pub async fn connect(url: &str) -> Result<Self, sqlx::Error> {
+        let pool = PgPoolOptions::new()
+            .acquire_timeout(Duration::from_secs(5))
+            .connect(url)
+            .await?;
+        Ok(Self::new(pool))
+    }
+
+    /// Keeps records in `schema.table` instead; both must be plain identifiers.
+    pub fn with_table(mut self, schema: &str, table: &str) -> Result<Self, InvalidIdentifier> {
+        self.sql = Arc::new(Statements::new(
+            sql::identifier(schema)?,
+            sql::identifier(table)?,
+        ));
+        Ok(self)
+    }
+
+    /// The pool, for the application's own queries.
+    pub fn pool(&self) -> &PgPool {
+        &self.pool
+    }
+
+    /// The DDL [`migrate`](Self::migrate) runs, one statement per entry, each idempotent: for
+    /// teams that apply schema changes with their own tooling.
+    pub fn migration_sql(&self) -> Vec<String> {
+        let (schema, table) = (&self.sql.schema, &self.sql.table);
+        let t = format!("\"{schema}\".\"{table}\"");
+        vec![
+            format!("CREATE SCHEMA IF NOT EXISTS \"{schema}\""),
+            format!(
+                "CREATE TABLE IF NOT EXISTS {t} (
+                   scope bytea NOT NULL,
+                   key bytea NOT NULL,
+                   fingerprint bytea NOT NULL,
+                   status text NOT NULL CHECK (status IN
+                     ('in_progress', 'completed', 'released', 'needs_reconciliation')),
+                   lease_token int8 NOT NULL,
+                   lease_until timestamptz NOT NULL,
+                   attempts int4 NOT NULL,
+                   effect_started boolean NOT NULL DEFAULT false,
+                   downstream_id text,
+                   response bytea,
+                   created_at timestamptz NOT NULL,
+                   updated_at timestamptz NOT NULL,
+                   expires_at timestamptz NOT NULL,
+                   PRIMARY KEY (scope, key)
+                 )"
+            ),
+            // Purging deletes by expiry: an index keeps it from scanning the table.
+            format!("CREATE INDEX IF NOT EXISTS \"{table}_expires_at\" ON {t} (expires_at)"),
+            format!(
+                "CREATE INDEX IF NOT EXISTS \"{table}_needs_reconciliation\" ON {t} (updated_at)
+                 WHERE status = 'needs_reconciliation'"
+            ),
+        ]
+    }
+
+    /// Creates the schema, table and indexes if missing. Safe to run from many replicas at
+    /// once: an advisory lock serialises them.
+    pub async fn migrate(&self) -> Result<(), sqlx::Error> {
+        let mut tx = self.pool.begin().await?;
+        sqlx::query("SELECT pg_advisory_xact_lock(hashtext('tower_idempotency_migrate'))")
+            .execute(&mut *tx)
+            .await?;
+        for statement in self.migration_sql() {
+            sqlx::query(AssertSqlSafe(statement))
+                .execute(&mut *tx)
+                .await?;
+        }
+        tx.commit().await
+    }
+
+    async fn settle(
+        &self,
+        key: &ScopedKey,
+        token: FencingToken,
+        status: RecordStatus,
+    ) -> Result<(), StoreError> {
+        let done = sqlx::query(AssertSqlSafe(self.sql.settle.clone()))
+            .bind(key.scope().as_bytes())
+            .bind(key.key().as_bytes())
+            .bind(sql::token(token))
+            .bind(status.as_str())
+            .execute(&self.pool)
+            .await
+            .map_err(unavailable)?;
+        fenced(done.rows_affected())
+    }
+}
+
+fn fenced(rows: u64) -> Result<(), StoreError> {
+    if rows == 1 {
+        Ok(())
+    } else {
+        Err(StoreError::Fenced)
+    }
+}
+
+fn raw(row: &PgRow) -> Result<(RawRecord, SystemTime), sqlx::Error> {
+    let record = RawRecord {
+        scope: row.try_get(0)?,
+        key: row.try_get(1)?,
+        fingerprint: row.try_get(2)?,
+        status: row.try_get(3)?,
+        lease_token: row.try_get(4)?,
+        lease_until_ms: row.try_get(5)?,
+        attempts: row.try_get(6)?,
+        effect_started: row.try_get(7)?,
+        downstream_id: row.try_get(8)?,
+        response: row.try_get(9)?,
+        created_at_ms: row.try_get(10)?,
+        updated_at_ms: row.try_get(11)?,
+        expires_at_ms: row.try_get(12)?,
+    };
+    Ok((record, sql::from_millis(row.try_get(13)?)))
+}
+
+impl IdempotencyStore for PostgresStore {
+    async fn claim(&self, req: &ClaimRequest) -> Result<Claim, StoreError> {
+        let token = fresh_token();
+        // A second attempt only when a concurrent claim committed between our snapshot and
+        // our conflict check; a third would mean the row vanished twice in between.
+        for _ in 0..3 {
+            let row = sqlx::query(AssertSqlSafe(self.sql.claim.clone()))
+                .bind(req.key.scope().as_bytes())
+                .bind(req.key.key().as_bytes())
+                .bind(req.fingerprint.as_bytes().as_slice())
+                .bind(sql::token(token))
+                .bind(millis(req.lease))
+                .bind(req.on_lease_expiry == LeaseExpiry::Reclaim)
+                .bind(millis(req.ttl))
+                .fetch_optional(&self.pool)
+                .await
+                .map_err(unavailable)?;
+            let Some(row) = row else { continue };
+            let written: bool = row.try_get(14).map_err(unavailable)?;
+            let (raw, now) = raw(&row).map_err(unavailable)?;
+            let record = raw.into_record()?;
+            if written && record.lease_token == token && record.status == RecordStatus::InProgress {
+                return Ok(Claim::Acquired(Lease {
+                    token,
+                    attempt: record.attempts,
+                    until: record.lease_until,
+                }));
+            }
+            return Ok(Claim::Existing {
+                record: Box::new(record),
+                now,
+            });
+        }
+        Err(StoreError::unavailable(
+            "claim kept racing with concurrent deletes",
+        ))
+    }
+
+    async fn renew(
+        &self,
+        key: &ScopedKey,
+        token: FencingToken,
+        lease: Duration,
+    ) -> Result<SystemTime, StoreError> {
+        let until: Option<i64> = sqlx::query_scalar(AssertSqlSafe(self.sql.renew.clone()))
+            .bind(key.scope().as_bytes())
+            .bind(key.key().as_bytes())
+            .bind(sql::token(token))
+            .bind(millis(lease))
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(unavailable)?;
+        until.map(sql::from_millis).ok_or(StoreError::Fenced)
+    }
+
+    async fn complete(
+        &self,
+        key: &ScopedKey,
+        token: FencingToken,
+        response: &StoredResponse,
+        ttl: Duration,
+    ) -> Result<(), StoreError> {
+        let done = sqlx::query(AssertSqlSafe(self.sql.complete.clone()))
+            .bind(key.scope().as_bytes())
+            .bind(key.key().as_bytes())
+            .bind(sql::token(token))
+            .bind(response.to_bytes())
+            .bind(millis(ttl))
+            .execute(&self.pool)
+            .await
+            .map_err(unavailable)?;
+        fenced(done.rows_affected())
+    }
+
+    async fn release(&self, key: &ScopedKey, token: FencingToken) -> Result<(), StoreError> {
+        self.settle(key, token, RecordStatus::Released).await
+    }
+
+    async fn mark_uncertain(&self, key: &ScopedKey, token: FencingToken) -> Result<(), StoreError> {
+        self.settle(key, token, RecordStatus::NeedsReconciliation)
+            .await
+    }
+
+    async fn lookup(&self, key: &ScopedKey) -> Result<Option<Record>, StoreError> {
+        let row = sqlx::query(AssertSqlSafe(self.sql.lookup.clone()))
+            .bind(key.scope().as_bytes())
+            .bind(key.key().as_bytes())
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(unavailable)?;
+        match row {
+            Some(row) => Ok(Some(raw(&row).map_err(unavailable)?.0.into_record()?)),
+            None => Ok(None),
+        }
+    }
+
+    async fn remove(&self, key: &ScopedKey) -> Result<bool, StoreError> {
+        let done = sqlx::query(AssertSqlSafe(self.sql.remove.clone()))
+            .bind(key.scope().as_bytes())
+            .bind(key.key().as_bytes())
+            .execute(&self.pool)
+            .await
+            .map_err(unavailable)?;
+        Ok(done.rows_affected() > 0)
+    }
+
+    async fn purge_expired(&self) -> Result<u64, StoreError> {
+        let done = sqlx::query(AssertSqlSafe(self.sql.purge.clone()))
+            .execute(&self.pool)
+            .await
+            .map_err(unavailable)?;
+        Ok(done.rows_affected())
+    }
+}
