@@ -3,7 +3,12 @@
 //! ```text
 //! cargo run --example quickstart                 # serve on 127.0.0.1:3000 (ADDR=host:port)
 //! cargo run --example quickstart -- --demo       # run the contract against itself, print a table
+//! cargo run --example quickstart --all-features -- --store sqlite://tickets.db
+//! cargo run --example quickstart --all-features -- --store postgres://postgres@127.0.0.1/test
 //! ```
+//!
+//! The store comes from `--store URL`, else the `IDEMPOTENCY_STORE` environment variable, else
+//! `memory://`.
 //!
 //! Try it:
 //!
@@ -24,7 +29,8 @@ use axum::http::StatusCode;
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use serde_json::{Value, json};
-use tower_idempotency::{IdempotencyContext, IdempotencyLayer, MemoryStore};
+use tower_idempotency::store::AnyStore;
+use tower_idempotency::{IdempotencyContext, IdempotencyLayer};
 
 /// The side effect we must not repeat: tickets created.
 #[derive(Clone, Default)]
@@ -51,10 +57,10 @@ async fn create_ticket(
     )
 }
 
-fn app(tickets: Tickets) -> Router {
+fn app(tickets: Tickets, store: AnyStore) -> Router {
     Router::new()
         .route("/tools/create_ticket", post(create_ticket))
-        .route_layer(IdempotencyLayer::new(MemoryStore::new()))
+        .route_layer(IdempotencyLayer::new(store))
         .route(
             "/effects",
             get(|State(t): State<Tickets>| async move {
@@ -66,7 +72,21 @@ fn app(tickets: Tickets) -> Router {
 
 #[tokio::main]
 async fn main() -> ExitCode {
-    let demo = std::env::args().any(|a| a == "--demo");
+    let args: Vec<String> = std::env::args().collect();
+    let demo = args.iter().any(|a| a == "--demo");
+    let url = args
+        .iter()
+        .position(|a| a == "--store")
+        .and_then(|i| args.get(i + 1).cloned())
+        .or_else(|| std::env::var("IDEMPOTENCY_STORE").ok())
+        .unwrap_or_else(|| "memory://".to_owned());
+    let store = match AnyStore::connect(&url).await {
+        Ok(store) => store,
+        Err(e) => {
+            eprintln!("cannot open the store {url}: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
     let addr = if demo {
         "127.0.0.1:0".to_owned()
     } else {
@@ -81,9 +101,11 @@ async fn main() -> ExitCode {
     };
     let local = listener.local_addr().expect("bound address");
     let tickets = Tickets::default();
-    let server = axum::serve(listener, app(tickets.clone()));
+    let server = axum::serve(listener, app(tickets.clone(), store));
     if !demo {
-        println!("agent tools on http://{local} (POST /tools/create_ticket, GET /effects)");
+        println!(
+            "agent tools on http://{local} (POST /tools/create_ticket, GET /effects), store {url}"
+        );
         return match server.await {
             Ok(()) => ExitCode::SUCCESS,
             Err(e) => {
@@ -108,7 +130,7 @@ struct Row {
     ok: bool,
 }
 
-async fn call(addr: SocketAddr, key: &str, body: Value) -> (u16, bool) {
+async fn call(addr: SocketAddr, key: String, body: Value) -> (u16, bool) {
     // A fresh client per call: separate connections, as independent retries would be.
     let res = reqwest::Client::new()
         .post(format!("http://{addr}/tools/create_ticket"))
@@ -124,6 +146,11 @@ async fn call(addr: SocketAddr, key: &str, body: Value) -> (u16, bool) {
 }
 
 async fn demo_run(addr: SocketAddr, tickets: &Tickets) -> bool {
+    // Keys unique to this run, so a durable store's records from earlier runs do not answer.
+    let run = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis());
+    let key = |name: &str| format!("demo-{run}-{name}");
     let effects = || tickets.0.load(Ordering::SeqCst);
     let mut rows = Vec::new();
     let mut row = |scenario, expected, got: String, ok, effects| {
@@ -137,7 +164,7 @@ async fn demo_run(addr: SocketAddr, tickets: &Tickets) -> bool {
     };
 
     let body = json!({ "title": "printer on fire" });
-    let (status, replayed) = call(addr, "demo-1", body.clone()).await;
+    let (status, replayed) = call(addr, key("1"), body.clone()).await;
     row(
         "first call",
         "201, 1 effect",
@@ -146,7 +173,7 @@ async fn demo_run(addr: SocketAddr, tickets: &Tickets) -> bool {
         effects(),
     );
 
-    let (status, replayed) = call(addr, "demo-1", body.clone()).await;
+    let (status, replayed) = call(addr, key("1"), body.clone()).await;
     row(
         "retry, same key",
         "201 replayed, still 1",
@@ -155,7 +182,7 @@ async fn demo_run(addr: SocketAddr, tickets: &Tickets) -> bool {
         effects(),
     );
 
-    let (status, _) = call(addr, "demo-1", json!({ "title": "a different ticket" })).await;
+    let (status, _) = call(addr, key("1"), json!({ "title": "a different ticket" })).await;
     row(
         "same key, changed body",
         "422, still 1",
@@ -169,7 +196,7 @@ async fn demo_run(addr: SocketAddr, tickets: &Tickets) -> bool {
         .map(|_| {
             tokio::spawn(call(
                 addr,
-                "demo-burst",
+                key("burst"),
                 json!({ "title": "burst", "work_ms": 300 }),
             ))
         })
@@ -192,11 +219,11 @@ async fn demo_run(addr: SocketAddr, tickets: &Tickets) -> bool {
 
     let before = effects();
     let slow = json!({ "title": "slow", "work_ms": 1000 });
-    let first = tokio::spawn(call(addr, "demo-slow", slow.clone()));
+    let first = tokio::spawn(call(addr, key("slow"), slow.clone()));
     tokio::time::sleep(Duration::from_millis(200)).await;
-    let (mid, _) = call(addr, "demo-slow", slow.clone()).await;
+    let (mid, _) = call(addr, key("slow"), slow.clone()).await;
     let (done, _) = first.await.expect("slow call");
-    let (after, replayed) = call(addr, "demo-slow", slow).await;
+    let (after, replayed) = call(addr, key("slow"), slow).await;
     row(
         "mid-flight retry",
         "409, then 201 replayed",
