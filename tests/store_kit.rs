@@ -36,6 +36,7 @@ macro_rules! all_checks {
             renew_keeps_the_lease_alive,
             ttl_expiry_counts_as_absent_and_is_purged,
             lookup_and_remove,
+            keys_round_trip_exactly,
         );
     };
 }

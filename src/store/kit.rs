@@ -48,6 +48,7 @@ pub async fn run_all<S: IdempotencyStore>(store: Arc<S>) {
     renew_keeps_the_lease_alive(&store).await;
     ttl_expiry_counts_as_absent_and_is_purged(&store).await;
     lookup_and_remove(&store).await;
+    keys_round_trip_exactly(&store).await;
 }
 
 fn unique_key(name: &str) -> ScopedKey {
@@ -350,4 +351,35 @@ pub async fn lookup_and_remove<S: IdempotencyStore>(store: &S) {
         "nothing left to remove"
     );
     acquire(store, &request(&key, 1, LONG, LONG), "a removed key").await;
+}
+
+/// Scopes and keys with any characters (NUL, control, non-ASCII) are kept apart and read back
+/// exactly.
+pub async fn keys_round_trip_exactly<S: IdempotencyStore>(store: &S) {
+    let base = unique_key("bytes");
+    let odd = ScopedKey::new(
+        format!("{}\0\u{1}\u{1f600}", base.scope()),
+        format!("{}\0\r\n\u{7f}\u{e9}", base.key()),
+    );
+    let plain = ScopedKey::new(base.scope(), base.key());
+    let lease = acquire(store, &request(&odd, 1, LONG, LONG), "an unusual key").await;
+    acquire(
+        store,
+        &request(&plain, 2, LONG, LONG),
+        "a key that differs only in its tail",
+    )
+    .await;
+    store
+        .complete(&odd, lease.token, &response(), LONG)
+        .await
+        .expect("complete");
+    let record = store.lookup(&odd).await.expect("lookup").expect("record");
+    assert_eq!(record.key, odd, "scope and key round-trip exactly");
+    assert_eq!(record.fingerprint, fingerprint(1));
+    let other = store.lookup(&plain).await.expect("lookup").expect("record");
+    assert_eq!(
+        other.fingerprint,
+        fingerprint(2),
+        "the two keys are distinct records"
+    );
 }

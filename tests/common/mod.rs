@@ -2,6 +2,8 @@
 //! sink, a store that fails on demand, and a clock that tests move.
 #![allow(dead_code, unreachable_pub, missing_docs)]
 
+pub mod proxy;
+
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};

@@ -1,0 +1,130 @@
+//! A TCP proxy in front of a real server that tests can cut and restore, and that counts the
+//! statements PostgreSQL clients execute through it (Execute and simple Query messages).
+//!
+//! Statements, not network flights: sqlx pings every connection when it returns to the pool, a
+//! round trip of its own that carries no statement and that no request waits for.
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::task::JoinHandle;
+
+#[derive(Clone)]
+pub struct Proxy {
+    pub addr: SocketAddr,
+    down: Arc<AtomicBool>,
+    statements: Arc<AtomicU64>,
+    links: Arc<Mutex<Vec<JoinHandle<()>>>>,
+}
+
+impl Proxy {
+    pub async fn start(upstream: SocketAddr) -> Self {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind proxy");
+        let proxy = Self {
+            addr: listener.local_addr().expect("addr"),
+            down: Arc::default(),
+            statements: Arc::default(),
+            links: Arc::default(),
+        };
+        let p = proxy.clone();
+        tokio::spawn(async move {
+            while let Ok((client, _)) = listener.accept().await {
+                if p.down.load(Ordering::SeqCst) {
+                    drop(client); // refused while down
+                    continue;
+                }
+                let Ok(server) = TcpStream::connect(upstream).await else {
+                    continue;
+                };
+                let link = tokio::spawn(relay(client, server, p.statements.clone()));
+                p.links.lock().expect("lock").push(link);
+            }
+        });
+        proxy
+    }
+
+    /// Cuts every open connection and refuses new ones.
+    pub fn cut(&self) {
+        self.down.store(true, Ordering::SeqCst);
+        for link in self.links.lock().expect("lock").drain(..) {
+            link.abort();
+        }
+    }
+
+    pub fn restore(&self) {
+        self.down.store(false, Ordering::SeqCst);
+    }
+
+    pub fn statements(&self) -> u64 {
+        self.statements.load(Ordering::SeqCst)
+    }
+}
+
+async fn relay(client: TcpStream, server: TcpStream, statements: Arc<AtomicU64>) {
+    let (mut client_r, mut client_w) = client.into_split();
+    let (mut server_r, mut server_w) = server.into_split();
+    let upstream = async move {
+        let mut parser = FrontendParser::default();
+        let mut buf = vec![0u8; 16 * 1024];
+        loop {
+            let n = match client_r.read(&mut buf).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => n,
+            };
+            statements.fetch_add(parser.feed(&buf[..n]), Ordering::SeqCst);
+            if server_w.write_all(&buf[..n]).await.is_err() {
+                break;
+            }
+        }
+    };
+    let downstream = async move {
+        let _ = tokio::io::copy(&mut server_r, &mut client_w).await;
+    };
+    tokio::join!(upstream, downstream);
+}
+
+/// Splits the client's byte stream into PostgreSQL frontend messages and counts those that run a
+/// statement: `E` (Execute, extended protocol) and `Q` (simple query).
+#[derive(Default)]
+struct FrontendParser {
+    pending: Vec<u8>,
+    started: bool,
+}
+
+impl FrontendParser {
+    fn feed(&mut self, bytes: &[u8]) -> u64 {
+        self.pending.extend_from_slice(bytes);
+        let mut count = 0;
+        loop {
+            if !self.started {
+                // Untyped startup packets: length, then a protocol code.
+                if self.pending.len() < 8 {
+                    return count;
+                }
+                let len = u32::from_be_bytes(self.pending[..4].try_into().expect("4")) as usize;
+                if self.pending.len() < len {
+                    return count;
+                }
+                let code = u32::from_be_bytes(self.pending[4..8].try_into().expect("4"));
+                // SSLRequest and GSSENCRequest are followed by another untyped packet.
+                self.started = code != 80877103 && code != 80877104;
+                self.pending.drain(..len);
+                continue;
+            }
+            if self.pending.len() < 5 {
+                return count;
+            }
+            let len = u32::from_be_bytes(self.pending[1..5].try_into().expect("4")) as usize;
+            if self.pending.len() < 1 + len {
+                return count;
+            }
+            if matches!(self.pending[0], b'E' | b'Q') {
+                count += 1;
+            }
+            self.pending.drain(..1 + len);
+        }
+    }
+}
