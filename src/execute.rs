@@ -20,7 +20,7 @@ use tower_service::Service;
 use crate::body::{RequestBody, ResponseBody};
 use crate::observe::{self, Event};
 use crate::policy::Outcome;
-use crate::problem::{Problem, ProblemKind};
+use crate::problem::{Problem, ProblemKind, Protocol};
 use crate::replay::{Captured, Presentation, capture, present, storable_headers};
 use crate::route::RouteConfig;
 use crate::store::{BoxError, IdempotencyStore, Lease, ScopedKey, StoreError, StoredResponse};
@@ -32,6 +32,7 @@ pub(crate) struct Execution<St> {
     pub(crate) lease: Lease,
     pub(crate) route: Arc<RouteConfig>,
     pub(crate) denied_headers: Arc<[HeaderName]>,
+    pub(crate) protocol: Protocol,
 }
 
 impl<St: IdempotencyStore> Execution<St> {
@@ -59,7 +60,10 @@ impl<St: IdempotencyStore> Execution<St> {
             Err(_panic) => {
                 tracing::error!("the idempotent handler panicked; releasing the key");
                 self.release().await;
-                Ok(failed("the handler panicked; nothing was recorded"))
+                Ok(failed(
+                    "the handler panicked; nothing was recorded",
+                    self.protocol,
+                ))
             }
             Ok(Err(service_error)) => {
                 // No response exists to record, whatever the policy: give the key back.
@@ -71,6 +75,7 @@ impl<St: IdempotencyStore> Execution<St> {
                 self.release().await;
                 Ok(failed(
                     "the response body failed mid-stream; nothing was recorded",
+                    self.protocol,
                 ))
             }
             Ok(Ok(Ok(Captured::Complete {
@@ -82,7 +87,7 @@ impl<St: IdempotencyStore> Execution<St> {
                 let how = Presentation {
                     replayed: false,
                     mark: self.route.mark_first_response,
-                    envelope: self.route.envelope,
+                    envelope: self.route.envelope && self.protocol == Protocol::Http,
                 };
                 Ok(present(parts.status, parts.headers, body, trailers, how))
             }
@@ -201,10 +206,10 @@ fn settle(result: Result<(), StoreError>, what: &str) {
     }
 }
 
-fn failed<B>(detail: &str) -> Response<ResponseBody<B>> {
+fn failed<B>(detail: &str, protocol: Protocol) -> Response<ResponseBody<B>> {
     Problem::new(ProblemKind::ExecutionFailed, detail)
         .state("released")
-        .into_response()
+        .respond(protocol)
 }
 
 pin_project! {

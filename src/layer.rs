@@ -70,6 +70,21 @@ impl<St> IdempotencyLayer<St> {
         Self::from_arc(Arc::new(store))
     }
 
+    /// A layer for a tonic server (`Server::builder().layer(..)`): it guards no method until
+    /// [`grpc_method`](Self::grpc_method) names one, so streaming methods and reads pass
+    /// through untouched.
+    ///
+    /// ```
+    /// use tower_idempotency::{IdempotencyLayer, MemoryStore};
+    ///
+    /// let layer = IdempotencyLayer::new_for_grpc(MemoryStore::new())
+    ///     .grpc_method("/tickets.Tickets/CreateTicket", |m| m)
+    ///     .grpc_method("/tickets.Tickets/UpdateTicket", |m| m.require_key(false));
+    /// ```
+    pub fn new_for_grpc(store: St) -> Self {
+        Self::new(store).defaults(|route| route.methods(std::iter::empty()))
+    }
+
     /// A layer sharing an existing `Arc` of a store.
     pub fn from_arc(store: Arc<St>) -> Self {
         Self {
@@ -121,6 +136,17 @@ impl<St, M> IdempotencyLayer<St, M> {
     ) -> Self {
         self.config_mut().overrides.push((path.into(), Arc::new(f)));
         self
+    }
+
+    /// Guards the unary gRPC method at `path` (`/package.Service/Method`), with settings made
+    /// from the defaults by `f`. A streaming method named here is buffered whole before it runs:
+    /// client streams are read to their end, and server streams are recorded and replayed whole.
+    pub fn grpc_method(
+        self,
+        path: impl Into<String>,
+        f: impl Fn(RouteConfig) -> RouteConfig + Send + Sync + 'static,
+    ) -> Self {
+        self.for_path(path, move |route| f(route.methods([Method::POST])))
     }
 
     route_setting! {

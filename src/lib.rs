@@ -80,6 +80,7 @@ mod decide;
 mod execute;
 mod fingerprint;
 mod future;
+pub mod grpc;
 mod key;
 mod layer;
 mod observe;

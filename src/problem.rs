@@ -28,7 +28,7 @@
 //! | `execution-failed` | 500 | the handler panicked or its response failed mid-body; the key was released |
 
 use bytes::Bytes;
-use http::{HeaderValue, Response, StatusCode, header};
+use http::{HeaderMap, HeaderValue, Response, StatusCode, header};
 
 use crate::body::ResponseBody;
 
@@ -123,6 +123,25 @@ impl ProblemKind {
     }
 }
 
+/// The wire form a request expects its refusals in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Protocol {
+    /// `application/problem+json`.
+    Http,
+    /// A trailers-only gRPC status (see [`crate::grpc`]).
+    Grpc,
+}
+
+impl Protocol {
+    pub(crate) fn of(headers: &HeaderMap) -> Self {
+        if crate::grpc::is_grpc(headers) {
+            Self::Grpc
+        } else {
+            Self::Http
+        }
+    }
+}
+
 /// One problem answer, ready to become a response.
 #[derive(Debug, Clone)]
 pub(crate) struct Problem {
@@ -165,6 +184,14 @@ impl Problem {
             body["retry_after"] = seconds.into();
         }
         body
+    }
+
+    /// The response in the form `protocol` expects.
+    pub(crate) fn respond<B>(self, protocol: Protocol) -> Response<ResponseBody<B>> {
+        match protocol {
+            Protocol::Http => self.into_response(),
+            Protocol::Grpc => crate::grpc::status_response(&self),
+        }
     }
 
     pub(crate) fn into_response<B>(self) -> Response<ResponseBody<B>> {

@@ -9,7 +9,7 @@ use http_body::Body;
 use http_body_util::BodyExt;
 
 use crate::body::ResponseBody;
-use crate::problem::{Problem, ProblemKind};
+use crate::problem::{Problem, ProblemKind, Protocol};
 use crate::store::{BoxError, StoredResponse};
 
 /// The header that marks a replay.
@@ -145,7 +145,11 @@ pub(crate) fn present<B>(
 }
 
 /// A replay of a recorded response.
-pub(crate) fn replay<B>(stored: StoredResponse, envelope: bool) -> Response<ResponseBody<B>> {
+pub(crate) fn replay<B>(
+    stored: StoredResponse,
+    envelope: bool,
+    protocol: Protocol,
+) -> Response<ResponseBody<B>> {
     let how = Presentation {
         replayed: true,
         mark: true,
@@ -163,7 +167,7 @@ pub(crate) fn replay<B>(stored: StoredResponse, envelope: bool) -> Response<Resp
                 ),
             )
             .state("completed")
-            .into_response();
+            .respond(protocol);
             // An answer about the recorded outcome: marked like any replay.
             res.headers_mut().insert(
                 IDEMPOTENCY_REPLAYED.clone(),

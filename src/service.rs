@@ -20,7 +20,7 @@ use crate::future::ResponseFuture;
 use crate::key::{DefaultScope, MakeScope, ScopedKey, parse_key};
 use crate::layer::Resolved;
 use crate::observe::{self, Event};
-use crate::problem::{Problem, ProblemKind};
+use crate::problem::{Problem, ProblemKind, Protocol};
 use crate::replay::replay;
 use crate::route::RouteConfig;
 use crate::store::{BoxError, ClaimRequest, IdempotencyStore};
@@ -125,6 +125,9 @@ impl<St: IdempotencyStore, M: MakeScope> Pipeline<St, M> {
         ResBody::Error: Into<BoxError>,
     {
         let route = self.route.clone();
+        let protocol = Protocol::of(req.headers());
+        // The JSON envelope is for JSON callers; gRPC replies keep their own framing.
+        let envelope = route.envelope && protocol == Protocol::Http;
 
         // 1. Key.
         let key = match parse_key(req.headers(), &self.config.header) {
@@ -133,8 +136,8 @@ impl<St: IdempotencyStore, M: MakeScope> Pipeline<St, M> {
                 self.outcome("pass_through");
                 return pass_through(inner, req).await;
             }
-            Ok(None) => return Ok(self.refuse_key(&crate::key::KeyError::Missing)),
-            Err(error) => return Ok(self.refuse_key(&error)),
+            Ok(None) => return Ok(self.refuse_key(&crate::key::KeyError::Missing, protocol)),
+            Err(error) => return Ok(self.refuse_key(&error, protocol)),
         };
         observe::count(Event::Attempt);
 
@@ -145,16 +148,15 @@ impl<St: IdempotencyStore, M: MakeScope> Pipeline<St, M> {
         // 3. Buffer.
         let bytes = match buffer(&parts, body, route.body_limit).await {
             Ok(bytes) => bytes,
-            Err(problem) => return Ok(self.refuse_body(problem)),
+            Err(problem) => return Ok(self.refuse_body(problem, protocol)),
         };
 
         // 4. Fingerprint.
         let fingerprint = match fingerprint(&parts, &bytes, &self.config.fingerprint) {
             Ok(fingerprint) => fingerprint,
             Err(error) => {
-                return Ok(
-                    self.refuse_body(Problem::new(ProblemKind::BodyMalformed, error.to_string()))
-                );
+                let problem = Problem::new(ProblemKind::BodyMalformed, error.to_string());
+                return Ok(self.refuse_body(problem, protocol));
             }
         };
 
@@ -175,7 +177,7 @@ impl<St: IdempotencyStore, M: MakeScope> Pipeline<St, M> {
                 observe::count(Event::StoreError);
                 tracing::error!(%error, "claim failed; refusing to run (fail closed)");
                 self.outcome("store_unavailable");
-                return Ok(unavailable(&route));
+                return Ok(unavailable(&route, protocol));
             }
         };
 
@@ -184,11 +186,11 @@ impl<St: IdempotencyStore, M: MakeScope> Pipeline<St, M> {
             Decision::Run(lease) => lease,
             Decision::Replay(stored) => {
                 self.outcome("replayed");
-                return Ok(replay(stored, route.envelope));
+                return Ok(replay(stored, envelope, protocol));
             }
             Decision::Refuse(problem) => {
                 self.outcome(problem.kind.slug());
-                return Ok(problem.into_response());
+                return Ok(problem.respond(protocol));
             }
         };
         self.span.record("attempt", lease.attempt);
@@ -203,6 +205,7 @@ impl<St: IdempotencyStore, M: MakeScope> Pipeline<St, M> {
             lease,
             route,
             denied_headers: self.config.denied_headers.clone(),
+            protocol,
         };
         let task = tokio::spawn(execution.run(inner, req).in_current_span());
         self.outcome("executed");
@@ -214,7 +217,7 @@ impl<St: IdempotencyStore, M: MakeScope> Pipeline<St, M> {
                 Ok(
                     Problem::new(ProblemKind::ExecutionFailed, "the execution was cancelled")
                         .state("in_progress")
-                        .into_response(),
+                        .respond(protocol),
                 )
             }
         }
@@ -268,31 +271,35 @@ where
 }
 
 impl<St, M> Pipeline<St, M> {
-    fn refuse_key<B>(&self, error: &crate::key::KeyError) -> Response<ResponseBody<B>> {
+    fn refuse_key<B>(
+        &self,
+        error: &crate::key::KeyError,
+        protocol: Protocol,
+    ) -> Response<ResponseBody<B>> {
         observe::count(Event::KeyRejected);
         let kind = match error {
             crate::key::KeyError::Missing => ProblemKind::KeyMissing,
             _ => ProblemKind::KeyInvalid,
         };
         self.outcome(kind.slug());
-        Problem::new(kind, error.to_string()).into_response()
+        Problem::new(kind, error.to_string()).respond(protocol)
     }
 
-    fn refuse_body<B>(&self, problem: Problem) -> Response<ResponseBody<B>> {
+    fn refuse_body<B>(&self, problem: Problem, protocol: Protocol) -> Response<ResponseBody<B>> {
         observe::count(Event::BodyRejected);
         self.outcome(problem.kind.slug());
-        problem.into_response()
+        problem.respond(protocol)
     }
 }
 
-fn unavailable<B>(route: &RouteConfig) -> Response<ResponseBody<B>> {
+fn unavailable<B>(route: &RouteConfig, protocol: Protocol) -> Response<ResponseBody<B>> {
     Problem::new(
         ProblemKind::StoreUnavailable,
         "the idempotency store is unavailable, so the request was not run; retry with the same key",
     )
     .state("unknown")
     .retry_after(ceil_secs(route.unavailable_retry_after))
-    .into_response()
+    .respond(protocol)
 }
 
 impl<S: Clone, St, M: Clone> Clone for Idempotency<S, St, M> {

@@ -1,0 +1,203 @@
+//! gRPC: the middleware's own answers as gRPC statuses, with `google.rpc` details.
+//!
+//! A request is gRPC when its `Content-Type` is `application/grpc` or `application/grpc+…`.
+//! Its refusals are trailers-only responses (HTTP 200, `grpc-status` and `grpc-message` in the
+//! headers, no body) that any gRPC client reads as a status. `grpc-status-details-bin` carries
+//! a `google.rpc.Status` whose details are a `google.rpc.ErrorInfo` (domain
+//! `tower-idempotency`, reason below, metadata `state` and `safe_new_key`) and, when a retry is
+//! expected to help, a `google.rpc.RetryInfo` with the delay.
+//!
+//! | problem | gRPC code | ErrorInfo reason | RetryInfo |
+//! |---|---|---|---|
+//! | key missing / invalid | `INVALID_ARGUMENT` | `KEY_MISSING` / `KEY_INVALID` | — |
+//! | message over the body limit | `RESOURCE_EXHAUSTED` | `BODY_TOO_LARGE` | — |
+//! | key reused for another request | `FAILED_PRECONDITION` | `FINGERPRINT_MISMATCH` | — |
+//! | first call still running | `ABORTED` | `IN_FLIGHT` | remaining lease |
+//! | outcome unknown | `ABORTED` | `OUTCOME_UNKNOWN` | — |
+//! | completed, response too large to keep | `FAILED_PRECONDITION` | `RESPONSE_NOT_STORED` | — |
+//! | store unavailable | `UNAVAILABLE` | `STORE_UNAVAILABLE` | `Retry-After` |
+//! | execution panicked | `INTERNAL` | `EXECUTION_FAILED` | — |
+//!
+//! A mismatch is `FAILED_PRECONDITION`, not `INVALID_ARGUMENT`: the message itself is valid;
+//! what fails is the state the key is already bound to. Neither code is retried by gRPC's
+//! default retry policies.
+//!
+//! The fingerprint of a gRPC call is its method path and its request body as sent: the
+//! length-prefixed message frames (compression flag included). A client that re-encodes the
+//! same message differently (another field order, explicit default values, compression switched
+//! on) makes a different fingerprint and gets `FAILED_PRECONDITION`; clients that retry the
+//! bytes they sent, as gRPC's own retries do, always match.
+
+use bytes::{BufMut, Bytes, BytesMut};
+use http::{HeaderMap, HeaderValue, Response, header};
+
+use crate::body::ResponseBody;
+use crate::problem::{Problem, ProblemKind};
+
+/// The `ErrorInfo` domain of every status the middleware answers.
+pub const ERROR_DOMAIN: &str = "tower-idempotency";
+
+/// Whether `headers` belong to a gRPC request or response.
+pub(crate) fn is_grpc(headers: &HeaderMap) -> bool {
+    headers
+        .get(header::CONTENT_TYPE)
+        .is_some_and(|ct| ct.as_bytes().starts_with(b"application/grpc"))
+}
+
+/// gRPC status codes, as numbers.
+fn code(kind: ProblemKind) -> u32 {
+    match kind {
+        ProblemKind::KeyMissing
+        | ProblemKind::KeyInvalid
+        | ProblemKind::BodyMalformed
+        | ProblemKind::BodyUnreadable => 3, // INVALID_ARGUMENT
+        ProblemKind::BodyTooLarge => 8, // RESOURCE_EXHAUSTED
+        ProblemKind::FingerprintMismatch | ProblemKind::ResponseNotStored => 9, // FAILED_PRECONDITION
+        ProblemKind::InFlight | ProblemKind::OutcomeUnknown => 10,              // ABORTED
+        ProblemKind::StoreUnavailable => 14,                                    // UNAVAILABLE
+        ProblemKind::ExecutionFailed => 13,                                     // INTERNAL
+    }
+}
+
+/// The `ErrorInfo` reason: the problem's slug in upper snake case.
+pub(crate) fn reason(kind: ProblemKind) -> String {
+    kind.slug().replace('-', "_").to_ascii_uppercase()
+}
+
+/// A trailers-only gRPC response carrying `problem`.
+pub(crate) fn status_response<B>(problem: &Problem) -> Response<ResponseBody<B>> {
+    let mut res = Response::new(ResponseBody::full(Bytes::new(), None));
+    let headers = res.headers_mut();
+    headers.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/grpc"),
+    );
+    headers.insert("grpc-status", HeaderValue::from(code(problem.kind)));
+    let message = percent_encoding::utf8_percent_encode(&problem.detail, GRPC_MESSAGE).to_string();
+    if let Ok(value) = HeaderValue::from_str(&message) {
+        headers.insert("grpc-message", value);
+    }
+    if let Ok(value) = HeaderValue::from_str(&base64(&status_details(problem))) {
+        headers.insert("grpc-status-details-bin", value);
+    }
+    res
+}
+
+/// gRPC's percent-encoding of `grpc-message`: everything outside printable ASCII, and `%`.
+const GRPC_MESSAGE: &percent_encoding::AsciiSet = &percent_encoding::CONTROLS.add(b'%').add(0x7f);
+
+/// An encoded `google.rpc.Status` with `ErrorInfo` and, if the problem has a delay,
+/// `RetryInfo`.
+fn status_details(problem: &Problem) -> Vec<u8> {
+    let mut error_info = BytesMut::new();
+    string_field(&mut error_info, 1, &reason(problem.kind));
+    string_field(&mut error_info, 2, ERROR_DOMAIN);
+    let safe = if problem.kind.safe_new_key() {
+        "true"
+    } else {
+        "false"
+    };
+    for (key, value) in [("state", problem.state), ("safe_new_key", safe)] {
+        let mut entry = BytesMut::new();
+        string_field(&mut entry, 1, key);
+        string_field(&mut entry, 2, value);
+        bytes_field(&mut error_info, 3, &entry);
+    }
+
+    let mut status = BytesMut::new();
+    varint_field(&mut status, 1, u64::from(code(problem.kind)));
+    string_field(&mut status, 2, &problem.detail);
+    bytes_field(
+        &mut status,
+        3,
+        &any("type.googleapis.com/google.rpc.ErrorInfo", &error_info),
+    );
+    if let Some(seconds) = problem.retry_after {
+        let mut delay = BytesMut::new();
+        varint_field(&mut delay, 1, seconds);
+        let mut retry_info = BytesMut::new();
+        bytes_field(&mut retry_info, 1, &delay);
+        bytes_field(
+            &mut status,
+            3,
+            &any("type.googleapis.com/google.rpc.RetryInfo", &retry_info),
+        );
+    }
+    status.to_vec()
+}
+
+fn any(type_url: &str, value: &[u8]) -> BytesMut {
+    let mut any = BytesMut::new();
+    string_field(&mut any, 1, type_url);
+    bytes_field(&mut any, 2, value);
+    any
+}
+
+fn varint(out: &mut BytesMut, mut v: u64) {
+    while v >= 0x80 {
+        out.put_u8((v as u8) | 0x80);
+        v >>= 7;
+    }
+    out.put_u8(v as u8);
+}
+
+fn varint_field(out: &mut BytesMut, field: u32, v: u64) {
+    varint(out, u64::from(field) << 3);
+    varint(out, v);
+}
+
+fn bytes_field(out: &mut BytesMut, field: u32, bytes: &[u8]) {
+    varint(out, (u64::from(field) << 3) | 2);
+    varint(out, bytes.len() as u64);
+    out.put_slice(bytes);
+}
+
+fn string_field(out: &mut BytesMut, field: u32, s: &str) {
+    bytes_field(out, field, s.as_bytes());
+}
+
+/// Standard base64 without padding, as gRPC sends binary metadata.
+fn base64(bytes: &[u8]) -> String {
+    const ALPHABET: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+    let mut out = String::with_capacity(bytes.len().div_ceil(3) * 4);
+    for chunk in bytes.chunks(3) {
+        let n = chunk
+            .iter()
+            .enumerate()
+            .fold(0u32, |n, (i, &b)| n | (u32::from(b) << (16 - 8 * i)));
+        for i in 0..=chunk.len() {
+            out.push(ALPHABET[((n >> (18 - 6 * i)) & 63) as usize] as char);
+        }
+    }
+    out
+}
+
+#[cfg(feature = "tonic")]
+impl<S, St, M> tonic::server::NamedService for crate::Idempotency<S, St, M>
+where
+    S: tonic::server::NamedService,
+{
+    const NAME: &'static str = S::NAME;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn base64_matches_the_standard_alphabet_without_padding() {
+        assert_eq!(base64(b""), "");
+        assert_eq!(base64(b"f"), "Zg");
+        assert_eq!(base64(b"fo"), "Zm8");
+        assert_eq!(base64(b"foo"), "Zm9v");
+        assert_eq!(base64(b"foobar"), "Zm9vYmFy");
+        assert_eq!(base64(&[0xff, 0xfe, 0x00]), "//4A");
+    }
+
+    #[test]
+    fn varints_encode_like_protobuf() {
+        let mut out = BytesMut::new();
+        varint(&mut out, 300);
+        assert_eq!(&out[..], &[0xac, 0x02]);
+    }
+}
