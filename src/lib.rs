@@ -72,6 +72,10 @@
 //!
 //! - `axum` (default): [`IdempotencyContext`] as an axum extractor.
 //! - `memory` (default): the embedded [`MemoryStore`].
+//! - `sqlite`, `postgres`: the durable stores, on sqlx.
+//! - `tonic`: the middleware keeps tonic's `NamedService`. (gRPC requests are handled without
+//!   it: see [`grpc`].)
+//! - `test-kit`: [`store::kit`], the conformance checks for stores.
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
 mod body;

@@ -10,6 +10,7 @@
 //! | `application/x-www-form-urlencoded` | decoded pairs, sorted |
 //! | `multipart/form-data` | the parts (sorted headers, content), not the random boundary |
 //! | one registered with [`IdempotencyLayer::canonicalize`](crate::IdempotencyLayer::canonicalize) | what its [`Canonicalize`] returns |
+//! | `application/grpc*` | the raw message frames as sent (see [`grpc`](crate::grpc)) |
 //! | anything else, and empty bodies | the raw bytes |
 //!
 //! A body that claims a structured type and is not one (invalid JSON, invalid UTF-8, nesting
