@@ -37,6 +37,9 @@ macro_rules! all_checks {
             ttl_expiry_counts_as_absent_and_is_purged,
             lookup_and_remove,
             keys_round_trip_exactly,
+            milestones_are_fenced_and_durable,
+            effect_started_turns_an_expired_lease_into_reconciliation,
+            uncertain_records_are_listed_and_resolved,
         );
     };
 }

@@ -9,8 +9,8 @@ use std::fmt;
 use std::time::{Duration, SystemTime};
 
 use super::{
-    BoxError, Claim, ClaimRequest, FencingToken, IdempotencyStore, Record, ScopedKey, StoreError,
-    StoredResponse,
+    BoxError, Claim, ClaimRequest, FencingToken, IdempotencyStore, Milestone, Record, Resolution,
+    ScopedKey, StoreError, StoredResponse,
 };
 
 /// Any of the stores compiled into this build, picked from a URL at run time.
@@ -176,6 +176,29 @@ impl IdempotencyStore for AnyStore {
 
     async fn purge_expired(&self) -> Result<u64, StoreError> {
         each!(self, s => s.purge_expired().await)
+    }
+
+    async fn record_milestone(
+        &self,
+        key: &ScopedKey,
+        token: FencingToken,
+        milestone: &Milestone,
+    ) -> Result<(), StoreError> {
+        each!(self, s => s.record_milestone(key, token, milestone).await)
+    }
+
+    async fn list_uncertain(&self, limit: usize) -> Result<Vec<Record>, StoreError> {
+        each!(self, s => s.list_uncertain(limit).await)
+    }
+
+    async fn resolve(
+        &self,
+        key: &ScopedKey,
+        token: FencingToken,
+        resolution: &Resolution,
+        ttl: Duration,
+    ) -> Result<(), StoreError> {
+        each!(self, s => s.resolve(key, token, resolution, ttl).await)
     }
 }
 

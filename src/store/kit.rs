@@ -26,8 +26,8 @@ use bytes::Bytes;
 use http::{HeaderMap, HeaderValue, StatusCode};
 
 use super::{
-    Claim, ClaimRequest, Fingerprint, IdempotencyStore, Lease, LeaseExpiry, RecordStatus,
-    ScopedKey, StoreError, StoredResponse,
+    Claim, ClaimRequest, Fingerprint, IdempotencyStore, Lease, LeaseExpiry, Milestone,
+    RecordStatus, Resolution, ScopedKey, StoreError, StoredResponse,
 };
 
 const LONG: Duration = Duration::from_secs(60);
@@ -49,6 +49,9 @@ pub async fn run_all<S: IdempotencyStore>(store: Arc<S>) {
     ttl_expiry_counts_as_absent_and_is_purged(&store).await;
     lookup_and_remove(&store).await;
     keys_round_trip_exactly(&store).await;
+    milestones_are_fenced_and_durable(&store).await;
+    effect_started_turns_an_expired_lease_into_reconciliation(&store).await;
+    uncertain_records_are_listed_and_resolved(&store).await;
 }
 
 fn unique_key(name: &str) -> ScopedKey {
@@ -382,4 +385,104 @@ pub async fn keys_round_trip_exactly<S: IdempotencyStore>(store: &S) {
         fingerprint(2),
         "the two keys are distinct records"
     );
+}
+
+/// Milestones land on the holder's record and are refused from a stale holder.
+pub async fn milestones_are_fenced_and_durable<S: IdempotencyStore>(store: &S) {
+    let key = unique_key("milestone");
+    let lease = acquire(store, &request(&key, 1, LONG, LONG), "a fresh key").await;
+    store
+        .record_milestone(&key, lease.token, &Milestone::EffectStarted)
+        .await
+        .expect("effect started");
+    store
+        .record_milestone(
+            &key,
+            lease.token,
+            &Milestone::DownstreamId("pay_123".into()),
+        )
+        .await
+        .expect("downstream id");
+    let record = store.lookup(&key).await.expect("lookup").expect("record");
+    assert!(record.effect_started, "the milestone is durable");
+    assert_eq!(record.downstream_id.as_deref(), Some("pay_123"));
+    let stale = super::FencingToken::new(lease.token.get() ^ 1);
+    assert_fenced(
+        store
+            .record_milestone(&key, stale, &Milestone::EffectStarted)
+            .await,
+        "record_milestone",
+    );
+}
+
+/// A holder that recorded `EffectStarted` and died is never taken over, even on a
+/// [`LeaseExpiry::Reclaim`] route: its record needs reconciliation.
+pub async fn effect_started_turns_an_expired_lease_into_reconciliation<S: IdempotencyStore>(
+    store: &S,
+) {
+    let key = unique_key("started");
+    let req = request(&key, 1, SHORT, LONG);
+    let lease = acquire(store, &req, "a fresh key").await;
+    store
+        .record_milestone(&key, lease.token, &Milestone::EffectStarted)
+        .await
+        .expect("effect started");
+    tokio::time::sleep(PAST_SHORT).await;
+    let (record, _) = existing(store, &req, "an expired lease after EffectStarted").await;
+    assert_eq!(record.status, RecordStatus::NeedsReconciliation);
+    assert_eq!(record.attempts, 1, "no second attempt was allowed");
+}
+
+/// `list_uncertain` finds records marked uncertain and dead holders' records; `resolve`
+/// settles them once, with the token it read, and refuses live holders.
+pub async fn uncertain_records_are_listed_and_resolved<S: IdempotencyStore>(store: &S) {
+    let marked = unique_key("marked");
+    let lease = acquire(store, &request(&marked, 1, LONG, LONG), "a fresh key").await;
+    store
+        .mark_uncertain(&marked, lease.token)
+        .await
+        .expect("mark_uncertain");
+    let dead = unique_key("dead");
+    let dead_lease = acquire(store, &request(&dead, 1, SHORT, LONG), "a fresh key").await;
+    let live = unique_key("live");
+    let live_lease = acquire(store, &request(&live, 1, LONG, LONG), "a fresh key").await;
+    tokio::time::sleep(PAST_SHORT).await;
+
+    let listed = store.list_uncertain(10_000).await.expect("list_uncertain");
+    let has = |k: &ScopedKey| listed.iter().any(|r| &r.key == k);
+    assert!(has(&marked), "a record marked uncertain is listed");
+    assert!(has(&dead), "a dead holder's record is listed");
+    assert!(!has(&live), "a live holder's record is not");
+
+    assert_fenced(
+        store
+            .resolve(&live, live_lease.token, &Resolution::NotApplied, LONG)
+            .await,
+        "resolve of a live holder's record",
+    );
+    store
+        .resolve(&marked, lease.token, &Resolution::Applied(response()), LONG)
+        .await
+        .expect("resolve applied");
+    let (record, _) = existing(store, &request(&marked, 1, LONG, LONG), "a resolved key").await;
+    assert_eq!(record.status, RecordStatus::Completed);
+    assert_eq!(record.response, Some(response()));
+    assert_fenced(
+        store
+            .resolve(&marked, lease.token, &Resolution::NotApplied, LONG)
+            .await,
+        "a second resolve",
+    );
+
+    store
+        .resolve(&dead, dead_lease.token, &Resolution::NotApplied, LONG)
+        .await
+        .expect("resolve not applied");
+    let again = acquire(
+        store,
+        &request(&dead, 1, LONG, LONG),
+        "a key resolved as not applied",
+    )
+    .await;
+    assert_eq!(again.attempt, 2, "it runs again as the next attempt");
 }

@@ -8,8 +8,8 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, SystemTime};
 
 use super::{
-    Claim, ClaimRequest, FencingToken, IdempotencyStore, Lease, LeaseExpiry, Record, RecordStatus,
-    ScopedKey, StoreError, StoredResponse,
+    Claim, ClaimRequest, FencingToken, IdempotencyStore, Lease, LeaseExpiry, Milestone, Record,
+    RecordStatus, Resolution, ScopedKey, StoreError, StoredResponse,
 };
 
 const SHARDS: usize = 64;
@@ -297,4 +297,66 @@ impl IdempotencyStore for MemoryStore {
         }
         Ok(removed)
     }
+
+    async fn record_milestone(
+        &self,
+        key: &ScopedKey,
+        token: FencingToken,
+        milestone: &Milestone,
+    ) -> Result<(), StoreError> {
+        self.fenced(key, token, |r, _| match milestone {
+            Milestone::EffectStarted => r.effect_started = true,
+            Milestone::DownstreamId(id) => r.downstream_id = Some(id.clone()),
+        })
+    }
+
+    async fn list_uncertain(&self, limit: usize) -> Result<Vec<Record>, StoreError> {
+        let now = self.now();
+        let mut found = Vec::new();
+        for shard in &self.inner.shards {
+            let shard = shard.lock().unwrap_or_else(|p| p.into_inner());
+            found.extend(
+                shard
+                    .records
+                    .values()
+                    .filter(|r| r.expires_at > now && uncertain(r, now))
+                    .cloned(),
+            );
+        }
+        found.sort_by_key(|r| r.updated_at);
+        found.truncate(limit);
+        Ok(found)
+    }
+
+    async fn resolve(
+        &self,
+        key: &ScopedKey,
+        token: FencingToken,
+        resolution: &Resolution,
+        ttl: Duration,
+    ) -> Result<(), StoreError> {
+        let now = self.now();
+        let mut shard = self.shard(key);
+        match shard.records.get_mut(key) {
+            Some(r) if r.lease_token == token && uncertain(r, now) => {
+                r.updated_at = now;
+                match resolution {
+                    Resolution::Applied(response) => {
+                        r.status = RecordStatus::Completed;
+                        r.response = Some(response.clone());
+                        r.expires_at = now + ttl;
+                    }
+                    Resolution::NotApplied => r.status = RecordStatus::Released,
+                }
+                Ok(())
+            }
+            _ => Err(StoreError::Fenced),
+        }
+    }
+}
+
+/// Whether nobody knows the record's outcome: marked so, or its holder's lease ran out.
+fn uncertain(r: &Record, now: SystemTime) -> bool {
+    r.status == RecordStatus::NeedsReconciliation
+        || (r.status == RecordStatus::InProgress && r.lease_until <= now)
 }

@@ -138,6 +138,26 @@ pub struct Record {
     pub expires_at: SystemTime,
 }
 
+/// A durable fact a holder records about its execution before going on.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Milestone {
+    /// The external effect has begun: from now on a lost lease means "outcome unknown".
+    EffectStarted,
+    /// The effect's identifier downstream (a payment id, a ticket number), for reconciliation.
+    DownstreamId(String),
+}
+
+/// How a record whose outcome was unknown is settled.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Resolution {
+    /// The effect happened; this is the response retries get from now on.
+    Applied(StoredResponse),
+    /// The effect did not happen; the key may run again.
+    NotApplied,
+}
+
 /// What to do with an in-progress record whose lease ran out.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 #[non_exhaustive]
@@ -300,6 +320,33 @@ pub trait IdempotencyStore: Send + Sync + 'static {
     /// Deletes every record past its `expires_at`; returns how many. A live lease keeps a record
     /// unexpired, so in-flight records are never purged.
     fn purge_expired(&self) -> impl Future<Output = Result<u64, StoreError>> + Send;
+
+    /// Records a milestone on the holder's in-progress record (fenced like every write).
+    fn record_milestone(
+        &self,
+        key: &ScopedKey,
+        token: FencingToken,
+        milestone: &Milestone,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send;
+
+    /// Unexpired records whose outcome is unknown: `needs_reconciliation`, and `in_progress`
+    /// ones whose lease ran out (their holder died), oldest change first, at most `limit`.
+    fn list_uncertain(
+        &self,
+        limit: usize,
+    ) -> impl Future<Output = Result<Vec<Record>, StoreError>> + Send;
+
+    /// Settles an uncertain record (see [`list_uncertain`](Self::list_uncertain)) whose current
+    /// token is `token`: [`Resolution::Applied`] completes it with a response living `ttl`,
+    /// [`Resolution::NotApplied`] releases it. Anything else (a live holder, another token, a
+    /// settled record) is refused with [`StoreError::Fenced`].
+    fn resolve(
+        &self,
+        key: &ScopedKey,
+        token: FencingToken,
+        resolution: &Resolution,
+        ttl: Duration,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send;
 }
 
 impl<S: IdempotencyStore> IdempotencyStore for Arc<S> {
@@ -358,5 +405,31 @@ impl<S: IdempotencyStore> IdempotencyStore for Arc<S> {
 
     fn purge_expired(&self) -> impl Future<Output = Result<u64, StoreError>> + Send {
         (**self).purge_expired()
+    }
+
+    fn record_milestone(
+        &self,
+        key: &ScopedKey,
+        token: FencingToken,
+        milestone: &Milestone,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send {
+        (**self).record_milestone(key, token, milestone)
+    }
+
+    fn list_uncertain(
+        &self,
+        limit: usize,
+    ) -> impl Future<Output = Result<Vec<Record>, StoreError>> + Send {
+        (**self).list_uncertain(limit)
+    }
+
+    fn resolve(
+        &self,
+        key: &ScopedKey,
+        token: FencingToken,
+        resolution: &Resolution,
+        ttl: Duration,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send {
+        (**self).resolve(key, token, resolution, ttl)
     }
 }

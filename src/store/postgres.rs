@@ -9,8 +9,8 @@ use sqlx::{AssertSqlSafe, Row};
 use super::codec::fresh_token;
 use super::sql::{self, InvalidIdentifier, RawRecord, millis, unavailable};
 use super::{
-    Claim, ClaimRequest, FencingToken, IdempotencyStore, Lease, LeaseExpiry, Record, RecordStatus,
-    ScopedKey, StoreError, StoredResponse,
+    Claim, ClaimRequest, FencingToken, IdempotencyStore, Lease, LeaseExpiry, Milestone, Record,
+    RecordStatus, Resolution, ScopedKey, StoreError, StoredResponse,
 };
 
 /// Records in a PostgreSQL table, shared by every replica that uses the same database.
@@ -55,9 +55,16 @@ struct Statements {
     lookup: Arc<str>,
     remove: Arc<str>,
     purge: Arc<str>,
+    effect_started: Arc<str>,
+    downstream_id: Arc<str>,
+    list_uncertain: Arc<str>,
+    resolve: Arc<str>,
 }
 
 const EXPIRED: &str = "r.expires_at <= now()";
+/// Nobody knows the outcome: marked so, or the holder's lease ran out.
+const UNCERTAIN: &str = "r.status = 'needs_reconciliation' \
+    OR (r.status = 'in_progress' AND r.lease_until <= now())";
 
 impl Statements {
     fn new(schema: &str, table: &str) -> Self {
@@ -136,6 +143,29 @@ impl Statements {
             .into(),
             remove: format!("DELETE FROM {t} WHERE scope = $1 AND key = $2").into(),
             purge: format!("DELETE FROM {t} WHERE expires_at <= now()").into(),
+            effect_started: format!(
+                "UPDATE {t} SET effect_started = true, updated_at = now() WHERE {fenced}"
+            )
+            .into(),
+            downstream_id: format!(
+                "UPDATE {t} SET downstream_id = $4, updated_at = now() WHERE {fenced}"
+            )
+            .into(),
+            list_uncertain: format!(
+                "SELECT {} FROM {t} r WHERE ({uncertain}) AND r.expires_at > now()
+                 ORDER BY r.updated_at LIMIT $1",
+                cols("r"),
+                uncertain = UNCERTAIN,
+            )
+            .into(),
+            resolve: format!(
+                "UPDATE {t} r SET status = $4, response = COALESCE($5, r.response),
+                   expires_at = CASE WHEN $4 = 'completed'
+                     THEN now() + make_interval(secs => $6::float8 / 1000) ELSE r.expires_at END,
+                   updated_at = now()
+                 WHERE r.scope = $1 AND r.key = $2 AND r.lease_token = $3 AND ({UNCERTAIN})"
+            )
+            .into(),
         }
     }
 }
@@ -382,5 +412,63 @@ impl IdempotencyStore for PostgresStore {
             .await
             .map_err(unavailable)?;
         Ok(done.rows_affected())
+    }
+
+    async fn record_milestone(
+        &self,
+        key: &ScopedKey,
+        token: FencingToken,
+        milestone: &Milestone,
+    ) -> Result<(), StoreError> {
+        let query = match milestone {
+            Milestone::EffectStarted => sqlx::query(AssertSqlSafe(self.sql.effect_started.clone())),
+            Milestone::DownstreamId(_) => {
+                sqlx::query(AssertSqlSafe(self.sql.downstream_id.clone()))
+            }
+        };
+        let mut query = query
+            .bind(key.scope().as_bytes())
+            .bind(key.key().as_bytes())
+            .bind(sql::token(token));
+        if let Milestone::DownstreamId(id) = milestone {
+            query = query.bind(id.as_str());
+        }
+        let done = query.execute(&self.pool).await.map_err(unavailable)?;
+        fenced(done.rows_affected())
+    }
+
+    async fn list_uncertain(&self, limit: usize) -> Result<Vec<Record>, StoreError> {
+        let rows = sqlx::query(AssertSqlSafe(self.sql.list_uncertain.clone()))
+            .bind(i64::try_from(limit).unwrap_or(i64::MAX))
+            .fetch_all(&self.pool)
+            .await
+            .map_err(unavailable)?;
+        rows.iter()
+            .map(|row| raw(row).map_err(unavailable)?.0.into_record())
+            .collect()
+    }
+
+    async fn resolve(
+        &self,
+        key: &ScopedKey,
+        token: FencingToken,
+        resolution: &Resolution,
+        ttl: Duration,
+    ) -> Result<(), StoreError> {
+        let (status, response) = match resolution {
+            Resolution::Applied(response) => (RecordStatus::Completed, Some(response.to_bytes())),
+            Resolution::NotApplied => (RecordStatus::Released, None),
+        };
+        let done = sqlx::query(AssertSqlSafe(self.sql.resolve.clone()))
+            .bind(key.scope().as_bytes())
+            .bind(key.key().as_bytes())
+            .bind(sql::token(token))
+            .bind(status.as_str())
+            .bind(response)
+            .bind(millis(ttl))
+            .execute(&self.pool)
+            .await
+            .map_err(unavailable)?;
+        fenced(done.rows_affected())
     }
 }

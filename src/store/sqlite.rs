@@ -13,8 +13,8 @@ use sqlx::{AssertSqlSafe, Row};
 use super::codec::fresh_token;
 use super::sql::{self, InvalidIdentifier, RawRecord, millis, unavailable};
 use super::{
-    Claim, ClaimRequest, FencingToken, IdempotencyStore, Lease, LeaseExpiry, Record, RecordStatus,
-    ScopedKey, StoreError, StoredResponse,
+    Claim, ClaimRequest, FencingToken, IdempotencyStore, Lease, LeaseExpiry, Milestone, Record,
+    RecordStatus, Resolution, ScopedKey, StoreError, StoredResponse,
 };
 
 /// Records in a SQLite file: they survive restarts, and every process on the host that opens
@@ -55,6 +55,10 @@ struct Statements {
     lookup: Arc<str>,
     remove: Arc<str>,
     purge: Arc<str>,
+    effect_started: Arc<str>,
+    downstream_id: Arc<str>,
+    list_uncertain: Arc<str>,
+    resolve: Arc<str>,
 }
 
 /// Milliseconds since the Unix epoch on SQLite's clock; fixed within one statement.
@@ -94,6 +98,9 @@ impl Statements {
              RETURNING {COLUMNS}, {NOW}"
         );
         let fenced = "scope = ?1 AND key = ?2 AND lease_token = ?3 AND status = 'in_progress'";
+        let uncertain = format!(
+            "r.status = 'needs_reconciliation' OR (r.status = 'in_progress' AND r.lease_until <= {NOW})"
+        );
         Self {
             table: table.to_owned(),
             upsert: upsert.into(),
@@ -117,6 +124,26 @@ impl Statements {
             .into(),
             remove: format!("DELETE FROM {t} WHERE scope = ?1 AND key = ?2").into(),
             purge: format!("DELETE FROM {t} WHERE expires_at <= {NOW}").into(),
+            effect_started: format!(
+                "UPDATE {t} SET effect_started = 1, updated_at = {NOW} WHERE {fenced}"
+            )
+            .into(),
+            downstream_id: format!(
+                "UPDATE {t} SET downstream_id = ?4, updated_at = {NOW} WHERE {fenced}"
+            )
+            .into(),
+            list_uncertain: format!(
+                "SELECT {COLUMNS}, {NOW} FROM {t} r WHERE ({uncertain}) AND r.expires_at > {NOW}
+                 ORDER BY r.updated_at LIMIT ?1"
+            )
+            .into(),
+            resolve: format!(
+                "UPDATE {t} AS r SET status = ?4, response = COALESCE(?5, r.response),
+                   expires_at = CASE WHEN ?4 = 'completed' THEN {NOW} + ?6 ELSE r.expires_at END,
+                   updated_at = {NOW}
+                 WHERE r.scope = ?1 AND r.key = ?2 AND r.lease_token = ?3 AND ({uncertain})"
+            )
+            .into(),
         }
     }
 }
@@ -373,5 +400,63 @@ impl IdempotencyStore for SqliteStore {
             .await
             .map_err(unavailable)?;
         Ok(done.rows_affected())
+    }
+
+    async fn record_milestone(
+        &self,
+        key: &ScopedKey,
+        token: FencingToken,
+        milestone: &Milestone,
+    ) -> Result<(), StoreError> {
+        let query = match milestone {
+            Milestone::EffectStarted => sqlx::query(AssertSqlSafe(self.sql.effect_started.clone())),
+            Milestone::DownstreamId(_) => {
+                sqlx::query(AssertSqlSafe(self.sql.downstream_id.clone()))
+            }
+        };
+        let mut query = query
+            .bind(key.scope().as_bytes())
+            .bind(key.key().as_bytes())
+            .bind(sql::token(token));
+        if let Milestone::DownstreamId(id) = milestone {
+            query = query.bind(id.as_str());
+        }
+        let done = query.execute(&self.pool).await.map_err(unavailable)?;
+        fenced(done.rows_affected())
+    }
+
+    async fn list_uncertain(&self, limit: usize) -> Result<Vec<Record>, StoreError> {
+        let rows = sqlx::query(AssertSqlSafe(self.sql.list_uncertain.clone()))
+            .bind(i64::try_from(limit).unwrap_or(i64::MAX))
+            .fetch_all(&self.pool)
+            .await
+            .map_err(unavailable)?;
+        rows.iter()
+            .map(|row| raw(row).map_err(unavailable)?.0.into_record())
+            .collect()
+    }
+
+    async fn resolve(
+        &self,
+        key: &ScopedKey,
+        token: FencingToken,
+        resolution: &Resolution,
+        ttl: Duration,
+    ) -> Result<(), StoreError> {
+        let (status, response) = match resolution {
+            Resolution::Applied(response) => (RecordStatus::Completed, Some(response.to_bytes())),
+            Resolution::NotApplied => (RecordStatus::Released, None),
+        };
+        let done = sqlx::query(AssertSqlSafe(self.sql.resolve.clone()))
+            .bind(key.scope().as_bytes())
+            .bind(key.key().as_bytes())
+            .bind(sql::token(token))
+            .bind(status.as_str())
+            .bind(response)
+            .bind(millis(ttl))
+            .execute(&self.pool)
+            .await
+            .map_err(unavailable)?;
+        fenced(done.rows_affected())
     }
 }

@@ -13,7 +13,8 @@ use axum::Router;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tower_idempotency::store::{
-    Claim, ClaimRequest, FencingToken, Record, ScopedKey, StoreError, StoredResponse,
+    Claim, ClaimRequest, FencingToken, Milestone, Record, Resolution, ScopedKey, StoreError,
+    StoredResponse,
 };
 use tower_idempotency::{IdempotencyStore, MemoryStore};
 
@@ -144,6 +145,32 @@ impl IdempotencyStore for FlakyStore {
     async fn purge_expired(&self) -> Result<u64, StoreError> {
         self.check()?;
         self.inner.purge_expired().await
+    }
+
+    async fn record_milestone(
+        &self,
+        key: &ScopedKey,
+        token: FencingToken,
+        milestone: &Milestone,
+    ) -> Result<(), StoreError> {
+        self.check()?;
+        self.inner.record_milestone(key, token, milestone).await
+    }
+
+    async fn list_uncertain(&self, limit: usize) -> Result<Vec<Record>, StoreError> {
+        self.check()?;
+        self.inner.list_uncertain(limit).await
+    }
+
+    async fn resolve(
+        &self,
+        key: &ScopedKey,
+        token: FencingToken,
+        resolution: &Resolution,
+        ttl: Duration,
+    ) -> Result<(), StoreError> {
+        self.check()?;
+        self.inner.resolve(key, token, resolution, ttl).await
     }
 }
 
