@@ -461,7 +461,12 @@ pub async fn uncertain_records_are_listed_and_resolved<S: IdempotencyStore>(stor
         "resolve of a live holder's record",
     );
     store
-        .resolve(&marked, lease.token, &Resolution::Applied(response()), LONG)
+        .resolve(
+            &marked,
+            lease.token,
+            &Resolution::Applied(Box::new(response())),
+            LONG,
+        )
         .await
         .expect("resolve applied");
     let (record, _) = existing(store, &request(&marked, 1, LONG, LONG), "a resolved key").await;

@@ -343,7 +343,7 @@ impl IdempotencyStore for MemoryStore {
                 match resolution {
                     Resolution::Applied(response) => {
                         r.status = RecordStatus::Completed;
-                        r.response = Some(response.clone());
+                        r.response = Some((**response).clone());
                         r.expires_at = now + ttl;
                     }
                     Resolution::NotApplied => r.status = RecordStatus::Released,

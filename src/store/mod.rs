@@ -153,7 +153,7 @@ pub enum Milestone {
 #[non_exhaustive]
 pub enum Resolution {
     /// The effect happened; this is the response retries get from now on.
-    Applied(StoredResponse),
+    Applied(Box<StoredResponse>),
     /// The effect did not happen; the key may run again.
     NotApplied,
 }
