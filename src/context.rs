@@ -1,11 +1,38 @@
 //! What a handler learns about the operation it runs: [`IdempotencyContext`].
 
+use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
 
 use sha2::{Digest, Sha256};
 
 use crate::key::{ScopedKey, hex};
-use crate::store::Lease;
+use crate::store::{FencingToken, IdempotencyStore, Lease, Milestone, StoreError};
+
+type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+
+/// The store, as the context needs it: an object-safe view of [`IdempotencyStore`] that only
+/// writes milestones.
+pub(crate) trait MilestoneSink: Send + Sync {
+    fn record<'a>(
+        &'a self,
+        key: &'a ScopedKey,
+        token: FencingToken,
+        milestone: &'a Milestone,
+    ) -> BoxFuture<'a, Result<(), StoreError>>;
+}
+
+impl<St: IdempotencyStore> MilestoneSink for St {
+    fn record<'a>(
+        &'a self,
+        key: &'a ScopedKey,
+        token: FencingToken,
+        milestone: &'a Milestone,
+    ) -> BoxFuture<'a, Result<(), StoreError>> {
+        Box::pin(self.record_milestone(key, token, milestone))
+    }
+}
 
 /// The operation a guarded handler is running, found in the request's extensions (and, with the
 /// `axum` feature, an extractor).
@@ -18,27 +45,75 @@ use crate::store::Lease;
 ///     format!("attempt {} for {}", ctx.attempt(), ctx.downstream_key())
 /// }
 /// ```
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct IdempotencyContext {
     inner: Arc<Inner>,
 }
 
-#[derive(Debug)]
 struct Inner {
     key: ScopedKey,
     attempt: u32,
+    token: FencingToken,
     attempt_id: String,
+    store: Arc<dyn MilestoneSink>,
+}
+
+impl fmt::Debug for IdempotencyContext {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("IdempotencyContext")
+            .field("key", &self.inner.key)
+            .field("attempt", &self.inner.attempt)
+            .field("attempt_id", &self.inner.attempt_id)
+            .finish_non_exhaustive()
+    }
 }
 
 impl IdempotencyContext {
-    pub(crate) fn new(key: ScopedKey, lease: &Lease) -> Self {
+    pub(crate) fn new(key: ScopedKey, lease: &Lease, store: Arc<dyn MilestoneSink>) -> Self {
         Self {
             inner: Arc::new(Inner {
                 key,
                 attempt: lease.attempt,
+                token: lease.token,
                 attempt_id: format!("{:016x}", lease.token.get()),
+                store,
             }),
         }
+    }
+
+    /// Records, durably and before returning, that the external effect is about to begin.
+    ///
+    /// Call it right before the first call that changes the world (the payment request, the
+    /// email send). From then on a failure of this attempt, or its death, leaves the key
+    /// `needs_reconciliation` instead of letting a retry run it again. If it fails (the store is
+    /// down, or this attempt lost its lease), do not start the effect.
+    pub async fn effect_started(&self) -> Result<(), StoreError> {
+        self.milestone(Milestone::EffectStarted).await
+    }
+
+    /// Records, durably, the effect's identifier downstream (a payment id, a ticket number), so
+    /// a [`Reconciler`](crate::reconcile::Reconciler) can look it up.
+    pub async fn set_downstream_id(&self, id: impl Into<String>) -> Result<(), StoreError> {
+        self.milestone(Milestone::DownstreamId(id.into())).await
+    }
+
+    async fn milestone(&self, milestone: Milestone) -> Result<(), StoreError> {
+        let inner = &self.inner;
+        inner
+            .store
+            .record(&inner.key, inner.token, &milestone)
+            .await
+    }
+
+    /// The key with its scope, as the store keeps it: for recording a milestone inside your own
+    /// database transaction (see `PostgresStore::record_milestone_in`).
+    pub fn scoped_key(&self) -> &ScopedKey {
+        &self.inner.key
+    }
+
+    /// This attempt's fencing token: writes carrying it are refused once the lease is lost.
+    pub fn fencing_token(&self) -> FencingToken {
+        self.inner.token
     }
 
     /// The client's idempotency key.
@@ -66,13 +141,18 @@ impl IdempotencyContext {
     /// (it reveals neither): pass it to a provider's own idempotency contract so a retried
     /// attempt cannot repeat the provider's effect.
     pub fn downstream_key(&self) -> String {
-        let mut h = Sha256::new();
-        for part in [self.scope(), self.key()] {
-            h.update((part.len() as u64).to_le_bytes());
-            h.update(part.as_bytes());
-        }
-        hex(&h.finalize()[..16])
+        derive_downstream_key(&self.inner.key)
     }
+}
+
+/// SHA-256 over scope and key, length-prefixed, first 16 bytes in hex.
+pub(crate) fn derive_downstream_key(key: &ScopedKey) -> String {
+    let mut h = Sha256::new();
+    for part in [key.scope(), key.key()] {
+        h.update((part.len() as u64).to_le_bytes());
+        h.update(part.as_bytes());
+    }
+    hex(&h.finalize()[..16])
 }
 
 #[cfg(feature = "axum")]

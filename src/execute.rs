@@ -23,7 +23,9 @@ use crate::policy::Outcome;
 use crate::problem::{Problem, ProblemKind, Protocol};
 use crate::replay::{Captured, Presentation, capture, present, storable_headers};
 use crate::route::RouteConfig;
-use crate::store::{BoxError, IdempotencyStore, Lease, ScopedKey, StoreError, StoredResponse};
+use crate::store::{
+    BoxError, IdempotencyStore, Lease, RecordStatus, ScopedKey, StoreError, StoredResponse,
+};
 
 /// Everything an execution needs, owned, so it can outlive the request's future.
 pub(crate) struct Execution<St> {
@@ -59,9 +61,10 @@ impl<St: IdempotencyStore> Execution<St> {
         match outcome {
             Err(_panic) => {
                 tracing::error!("the idempotent handler panicked; releasing the key");
-                self.release().await;
+                let state = self.release().await;
                 Ok(failed(
                     "the handler panicked; nothing was recorded",
+                    state,
                     self.protocol,
                 ))
             }
@@ -72,9 +75,10 @@ impl<St: IdempotencyStore> Execution<St> {
             }
             Ok(Ok(Err(body_error))) => {
                 tracing::warn!(error = %body_error, "the response body failed; releasing the key");
-                self.release().await;
+                let state = self.release().await;
                 Ok(failed(
                     "the response body failed mid-stream; nothing was recorded",
+                    state,
                     self.protocol,
                 ))
             }
@@ -149,7 +153,8 @@ impl<St: IdempotencyStore> Execution<St> {
             trailers,
         };
         if !self.route.cache_policy.records(&outcome) {
-            return self.release().await;
+            self.release().await;
+            return;
         }
         let stored = StoredResponse {
             status: parts.status,
@@ -174,19 +179,31 @@ impl<St: IdempotencyStore> Execution<St> {
                 .await
                 .is_ok()
             {
-                observe::count(Event::Unknown);
+                observe::count(Event::MovedToReconciliation);
             }
         }
         settle(result, "record the outcome");
     }
 
-    async fn release(&self) {
-        observe::count(Event::Release);
-        // If this fails the lease simply runs out, and the next claim takes the key over.
-        settle(
-            self.store.release(&self.key, self.lease.token).await,
-            "release the key",
-        );
+    /// Gives the key back; the store keeps it for reconciliation instead if the effect had
+    /// started. Returns the state the key is left in, for the client's answer.
+    async fn release(&self) -> &'static str {
+        match self.store.release(&self.key, self.lease.token).await {
+            Ok(RecordStatus::NeedsReconciliation) => {
+                observe::count(Event::MovedToReconciliation);
+                tracing::warn!("the effect had started: the key awaits reconciliation");
+                RecordStatus::NeedsReconciliation.as_str()
+            }
+            Ok(status) => {
+                observe::count(Event::Release);
+                status.as_str()
+            }
+            // If this fails the lease simply runs out, and the next claim decides.
+            Err(error) => {
+                settle(Err(error), "release the key");
+                "in_progress"
+            }
+        }
     }
 }
 
@@ -206,9 +223,9 @@ fn settle(result: Result<(), StoreError>, what: &str) {
     }
 }
 
-fn failed<B>(detail: &str, protocol: Protocol) -> Response<ResponseBody<B>> {
+fn failed<B>(detail: &str, state: &'static str, protocol: Protocol) -> Response<ResponseBody<B>> {
     Problem::new(ProblemKind::ExecutionFailed, detail)
-        .state("released")
+        .state(state)
         .respond(protocol)
 }
 

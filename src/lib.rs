@@ -64,8 +64,10 @@
 //! `idempotency_conflicts_total`, `idempotency_mismatches_total`,
 //! `idempotency_key_rejections_total`, `idempotency_body_rejections_total`,
 //! `idempotency_store_errors_total`, `idempotency_releases_total`,
-//! `idempotency_uncertain_total`, `idempotency_lease_lost_total` and
-//! `idempotency_stale_writes_total`. Each guarded request also runs in a `tracing` span named
+//! `idempotency_outcome_unknown_total`, `idempotency_moved_to_reconciliation_total`,
+//! `idempotency_reconciled_applied_total`, `idempotency_reconciled_not_applied_total`,
+//! `idempotency_lease_lost_total` and `idempotency_stale_writes_total`, and the gauge
+//! `idempotency_awaiting_reconciliation`. Each guarded request also runs in a `tracing` span named
 //! `idempotency` whose `outcome` field says what happened.
 //!
 //! # Features
@@ -90,6 +92,7 @@ mod layer;
 mod observe;
 mod policy;
 pub mod problem;
+pub mod reconcile;
 mod replay;
 mod route;
 mod service;

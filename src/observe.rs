@@ -11,7 +11,11 @@
 //! | `idempotency_body_rejections_total` | bodies too large, malformed or unreadable |
 //! | `idempotency_store_errors_total` | store operations that failed |
 //! | `idempotency_releases_total` | claims released after a retryable failure |
-//! | `idempotency_uncertain_total` | requests refused because the outcome is unknown, and records moved to reconciliation |
+//! | `idempotency_outcome_unknown_total` | requests refused because the key's outcome is unknown |
+//! | `idempotency_moved_to_reconciliation_total` | records that became `needs_reconciliation` (effect started, then failure; response write failed) |
+//! | `idempotency_reconciled_applied_total` | uncertain records resolved as applied |
+//! | `idempotency_reconciled_not_applied_total` | uncertain records resolved as not applied |
+//! | `idempotency_awaiting_reconciliation` (gauge) | uncertain records the sweeper saw on its last pass |
 //! | `idempotency_lease_lost_total` | holders that lost their lease while running |
 //! | `idempotency_stale_writes_total` | writes refused because the writer's lease was taken over |
 
@@ -28,6 +32,9 @@ pub(crate) enum Event {
     StoreError,
     Release,
     Unknown,
+    MovedToReconciliation,
+    ReconciledApplied,
+    ReconciledNotApplied,
     LeaseLost,
     StaleWrite,
 }
@@ -44,7 +51,10 @@ impl Event {
             Self::BodyRejected => "idempotency_body_rejections_total",
             Self::StoreError => "idempotency_store_errors_total",
             Self::Release => "idempotency_releases_total",
-            Self::Unknown => "idempotency_uncertain_total",
+            Self::Unknown => "idempotency_outcome_unknown_total",
+            Self::MovedToReconciliation => "idempotency_moved_to_reconciliation_total",
+            Self::ReconciledApplied => "idempotency_reconciled_applied_total",
+            Self::ReconciledNotApplied => "idempotency_reconciled_not_applied_total",
             Self::LeaseLost => "idempotency_lease_lost_total",
             Self::StaleWrite => "idempotency_stale_writes_total",
         }
@@ -53,4 +63,9 @@ impl Event {
 
 pub(crate) fn count(event: Event) {
     metrics::counter!(event.name()).increment(1);
+}
+
+/// Sets the gauge of records awaiting reconciliation.
+pub(crate) fn awaiting_reconciliation(count: usize) {
+    metrics::gauge!("idempotency_awaiting_reconciliation").set(count as f64);
 }

@@ -197,8 +197,8 @@ impl<St: IdempotencyStore, M: MakeScope> Pipeline<St, M> {
 
         // 7–9. Execute to completion, record, respond.
         let mut req = Request::from_parts(parts, RequestBody::buffered(bytes));
-        req.extensions_mut()
-            .insert(IdempotencyContext::new(key.clone(), &lease));
+        let context = IdempotencyContext::new(key.clone(), &lease, self.store.clone());
+        req.extensions_mut().insert(context);
         let execution = Execution {
             store: self.store.clone(),
             key,

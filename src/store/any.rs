@@ -9,8 +9,8 @@ use std::fmt;
 use std::time::{Duration, SystemTime};
 
 use super::{
-    BoxError, Claim, ClaimRequest, FencingToken, IdempotencyStore, Milestone, Record, Resolution,
-    ScopedKey, StoreError, StoredResponse,
+    BoxError, Claim, ClaimRequest, FencingToken, IdempotencyStore, Milestone, Record, RecordStatus,
+    Resolution, ScopedKey, StoreError, StoredResponse,
 };
 
 /// Any of the stores compiled into this build, picked from a URL at run time.
@@ -158,7 +158,11 @@ impl IdempotencyStore for AnyStore {
         each!(self, s => s.complete(key, token, response, ttl).await)
     }
 
-    async fn release(&self, key: &ScopedKey, token: FencingToken) -> Result<(), StoreError> {
+    async fn release(
+        &self,
+        key: &ScopedKey,
+        token: FencingToken,
+    ) -> Result<RecordStatus, StoreError> {
         each!(self, s => s.release(key, token).await)
     }
 

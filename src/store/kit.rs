@@ -217,7 +217,8 @@ pub async fn release_lets_the_next_claim_take_over<S: IdempotencyStore>(store: &
     let key = unique_key("release");
     let req = request(&key, 1, LONG, LONG);
     let first = acquire(store, &req, "a fresh key").await;
-    store.release(&key, first.token).await.expect("release");
+    let status = store.release(&key, first.token).await.expect("release");
+    assert_eq!(status, RecordStatus::Released);
     let second = acquire(store, &req, "a released key").await;
     assert_eq!(second.attempt, 2, "a takeover counts the attempt");
     assert_ne!(second.token, first.token, "a takeover gets a new token");
@@ -405,6 +406,9 @@ pub async fn milestones_are_fenced_and_durable<S: IdempotencyStore>(store: &S) {
         .expect("downstream id");
     let record = store.lookup(&key).await.expect("lookup").expect("record");
     assert!(record.effect_started, "the milestone is durable");
+    // A failure after the effect started cannot give the key back: nobody knows what happened.
+    let status = store.release(&key, lease.token).await.expect("release");
+    assert_eq!(status, RecordStatus::NeedsReconciliation);
     assert_eq!(record.downstream_id.as_deref(), Some("pay_123"));
     let stale = super::FencingToken::new(lease.token.get() ^ 1);
     assert_fenced(

@@ -259,8 +259,19 @@ impl IdempotencyStore for MemoryStore {
         })
     }
 
-    async fn release(&self, key: &ScopedKey, token: FencingToken) -> Result<(), StoreError> {
-        self.fenced(key, token, |r, _| r.status = RecordStatus::Released)
+    async fn release(
+        &self,
+        key: &ScopedKey,
+        token: FencingToken,
+    ) -> Result<RecordStatus, StoreError> {
+        self.fenced(key, token, |r, _| {
+            r.status = if r.effect_started {
+                RecordStatus::NeedsReconciliation
+            } else {
+                RecordStatus::Released
+            };
+            r.status
+        })
     }
 
     async fn mark_uncertain(&self, key: &ScopedKey, token: FencingToken) -> Result<(), StoreError> {

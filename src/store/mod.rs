@@ -294,12 +294,16 @@ pub trait IdempotencyStore: Send + Sync + 'static {
         ttl: Duration,
     ) -> impl Future<Output = Result<(), StoreError>> + Send;
 
-    /// Gives the key back after a retryable failure: the record becomes `released`.
+    /// Gives the key back after a retryable failure: the record becomes `released`, unless a
+    /// holder recorded [`Milestone::EffectStarted`], in which case nobody knows what happened and
+    /// it becomes `needs_reconciliation`. Returns the status it ended in. Deciding on the stored
+    /// milestone, not the caller's memory, keeps this right when the milestone was written in
+    /// the handler's own transaction.
     fn release(
         &self,
         key: &ScopedKey,
         token: FencingToken,
-    ) -> impl Future<Output = Result<(), StoreError>> + Send;
+    ) -> impl Future<Output = Result<RecordStatus, StoreError>> + Send;
 
     /// Declares the outcome unknown: the record becomes `needs_reconciliation`.
     fn mark_uncertain(
@@ -380,7 +384,7 @@ impl<S: IdempotencyStore> IdempotencyStore for Arc<S> {
         &self,
         key: &ScopedKey,
         token: FencingToken,
-    ) -> impl Future<Output = Result<(), StoreError>> + Send {
+    ) -> impl Future<Output = Result<RecordStatus, StoreError>> + Send {
         (**self).release(key, token)
     }
 

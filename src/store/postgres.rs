@@ -52,6 +52,7 @@ struct Statements {
     renew: Arc<str>,
     complete: Arc<str>,
     settle: Arc<str>,
+    release: Arc<str>,
     lookup: Arc<str>,
     remove: Arc<str>,
     purge: Arc<str>,
@@ -136,6 +137,12 @@ impl Statements {
             )
             .into(),
             settle: format!("UPDATE {t} SET status = $4, updated_at = now() WHERE {fenced}").into(),
+            release: format!(
+                "UPDATE {t} SET status = CASE WHEN effect_started THEN 'needs_reconciliation'
+                   ELSE 'released' END, updated_at = now()
+                 WHERE {fenced} RETURNING status"
+            )
+            .into(),
             lookup: format!(
                 "SELECT {} FROM {t} r WHERE r.scope = $1 AND r.key = $2 AND r.expires_at > now()",
                 cols("r")
@@ -271,6 +278,59 @@ impl PostgresStore {
             .map_err(unavailable)?;
         fenced(done.rows_affected())
     }
+
+    /// Records a milestone on `connection`, typically inside the handler's own transaction, so
+    /// the business write and the milestone commit or roll back together:
+    ///
+    /// ```no_run
+    /// # async fn handler(store: tower_idempotency::store::PostgresStore, ctx: tower_idempotency::IdempotencyContext)
+    /// # -> Result<(), Box<dyn std::error::Error>> {
+    /// use tower_idempotency::store::Milestone;
+    ///
+    /// let mut tx = store.pool().begin().await?;
+    /// sqlx::query("INSERT INTO orders (id) VALUES (1)").execute(&mut *tx).await?;
+    /// store
+    ///     .record_milestone_in(&mut tx, ctx.scoped_key(), ctx.fencing_token(), &Milestone::EffectStarted)
+    ///     .await?;
+    /// tx.commit().await?;
+    /// # Ok(()) }
+    /// ```
+    pub async fn record_milestone_in(
+        &self,
+        connection: &mut sqlx::PgConnection,
+        key: &ScopedKey,
+        token: FencingToken,
+        milestone: &Milestone,
+    ) -> Result<(), StoreError> {
+        self.milestone_on(connection, key, token, milestone).await
+    }
+
+    async fn milestone_on<'c, E>(
+        &self,
+        executor: E,
+        key: &ScopedKey,
+        token: FencingToken,
+        milestone: &Milestone,
+    ) -> Result<(), StoreError>
+    where
+        E: sqlx::Executor<'c, Database = sqlx::Postgres>,
+    {
+        let query = match milestone {
+            Milestone::EffectStarted => sqlx::query(AssertSqlSafe(self.sql.effect_started.clone())),
+            Milestone::DownstreamId(_) => {
+                sqlx::query(AssertSqlSafe(self.sql.downstream_id.clone()))
+            }
+        };
+        let mut query = query
+            .bind(key.scope().as_bytes())
+            .bind(key.key().as_bytes())
+            .bind(sql::token(token));
+        if let Milestone::DownstreamId(id) = milestone {
+            query = query.bind(id.as_str());
+        }
+        let done = query.execute(executor).await.map_err(unavailable)?;
+        fenced(done.rows_affected())
+    }
 }
 
 fn fenced(rows: u64) -> Result<(), StoreError> {
@@ -374,8 +434,23 @@ impl IdempotencyStore for PostgresStore {
         fenced(done.rows_affected())
     }
 
-    async fn release(&self, key: &ScopedKey, token: FencingToken) -> Result<(), StoreError> {
-        self.settle(key, token, RecordStatus::Released).await
+    async fn release(
+        &self,
+        key: &ScopedKey,
+        token: FencingToken,
+    ) -> Result<RecordStatus, StoreError> {
+        let status: Option<String> = sqlx::query_scalar(AssertSqlSafe(self.sql.release.clone()))
+            .bind(key.scope().as_bytes())
+            .bind(key.key().as_bytes())
+            .bind(sql::token(token))
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(unavailable)?;
+        match status.as_deref() {
+            Some("needs_reconciliation") => Ok(RecordStatus::NeedsReconciliation),
+            Some(_) => Ok(RecordStatus::Released),
+            None => Err(StoreError::Fenced),
+        }
     }
 
     async fn mark_uncertain(&self, key: &ScopedKey, token: FencingToken) -> Result<(), StoreError> {
@@ -420,21 +495,7 @@ impl IdempotencyStore for PostgresStore {
         token: FencingToken,
         milestone: &Milestone,
     ) -> Result<(), StoreError> {
-        let query = match milestone {
-            Milestone::EffectStarted => sqlx::query(AssertSqlSafe(self.sql.effect_started.clone())),
-            Milestone::DownstreamId(_) => {
-                sqlx::query(AssertSqlSafe(self.sql.downstream_id.clone()))
-            }
-        };
-        let mut query = query
-            .bind(key.scope().as_bytes())
-            .bind(key.key().as_bytes())
-            .bind(sql::token(token));
-        if let Milestone::DownstreamId(id) = milestone {
-            query = query.bind(id.as_str());
-        }
-        let done = query.execute(&self.pool).await.map_err(unavailable)?;
-        fenced(done.rows_affected())
+        self.milestone_on(&self.pool, key, token, milestone).await
     }
 
     async fn list_uncertain(&self, limit: usize) -> Result<Vec<Record>, StoreError> {

@@ -51,6 +51,7 @@ struct Statements {
     renew: Arc<str>,
     complete: Arc<str>,
     settle: Arc<str>,
+    release: Arc<str>,
     current: Arc<str>,
     lookup: Arc<str>,
     remove: Arc<str>,
@@ -117,6 +118,12 @@ impl Statements {
             )
             .into(),
             settle: format!("UPDATE {t} SET status = ?4, updated_at = {NOW} WHERE {fenced}").into(),
+            release: format!(
+                "UPDATE {t} SET status = CASE WHEN effect_started THEN 'needs_reconciliation'
+                   ELSE 'released' END, updated_at = {NOW}
+                 WHERE {fenced} RETURNING status"
+            )
+            .into(),
             current: format!("SELECT {COLUMNS}, {NOW} FROM {t} WHERE scope = ?1 AND key = ?2").into(),
             lookup: format!(
                 "SELECT {COLUMNS}, {NOW} FROM {t} WHERE scope = ?1 AND key = ?2 AND expires_at > {NOW}"
@@ -290,6 +297,59 @@ impl SqliteStore {
             now,
         })
     }
+
+    /// Records a milestone on `connection`, typically inside the handler's own transaction, so
+    /// the business write and the milestone commit or roll back together:
+    ///
+    /// ```no_run
+    /// # async fn handler(store: tower_idempotency::store::SqliteStore, ctx: tower_idempotency::IdempotencyContext)
+    /// # -> Result<(), Box<dyn std::error::Error>> {
+    /// use tower_idempotency::store::Milestone;
+    ///
+    /// let mut tx = store.pool().begin().await?;
+    /// sqlx::query("INSERT INTO orders (id) VALUES (1)").execute(&mut *tx).await?;
+    /// store
+    ///     .record_milestone_in(&mut tx, ctx.scoped_key(), ctx.fencing_token(), &Milestone::EffectStarted)
+    ///     .await?;
+    /// tx.commit().await?;
+    /// # Ok(()) }
+    /// ```
+    pub async fn record_milestone_in(
+        &self,
+        connection: &mut sqlx::SqliteConnection,
+        key: &ScopedKey,
+        token: FencingToken,
+        milestone: &Milestone,
+    ) -> Result<(), StoreError> {
+        self.milestone_on(connection, key, token, milestone).await
+    }
+
+    async fn milestone_on<'c, E>(
+        &self,
+        executor: E,
+        key: &ScopedKey,
+        token: FencingToken,
+        milestone: &Milestone,
+    ) -> Result<(), StoreError>
+    where
+        E: sqlx::Executor<'c, Database = sqlx::Sqlite>,
+    {
+        let query = match milestone {
+            Milestone::EffectStarted => sqlx::query(AssertSqlSafe(self.sql.effect_started.clone())),
+            Milestone::DownstreamId(_) => {
+                sqlx::query(AssertSqlSafe(self.sql.downstream_id.clone()))
+            }
+        };
+        let mut query = query
+            .bind(key.scope().as_bytes())
+            .bind(key.key().as_bytes())
+            .bind(sql::token(token));
+        if let Milestone::DownstreamId(id) = milestone {
+            query = query.bind(id.as_str());
+        }
+        let done = query.execute(executor).await.map_err(unavailable)?;
+        fenced(done.rows_affected())
+    }
 }
 
 fn fenced(rows: u64) -> Result<(), StoreError> {
@@ -362,8 +422,23 @@ impl IdempotencyStore for SqliteStore {
         fenced(done.rows_affected())
     }
 
-    async fn release(&self, key: &ScopedKey, token: FencingToken) -> Result<(), StoreError> {
-        self.settle(key, token, RecordStatus::Released).await
+    async fn release(
+        &self,
+        key: &ScopedKey,
+        token: FencingToken,
+    ) -> Result<RecordStatus, StoreError> {
+        let status: Option<String> = sqlx::query_scalar(AssertSqlSafe(self.sql.release.clone()))
+            .bind(key.scope().as_bytes())
+            .bind(key.key().as_bytes())
+            .bind(sql::token(token))
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(unavailable)?;
+        match status.as_deref() {
+            Some("needs_reconciliation") => Ok(RecordStatus::NeedsReconciliation),
+            Some(_) => Ok(RecordStatus::Released),
+            None => Err(StoreError::Fenced),
+        }
     }
 
     async fn mark_uncertain(&self, key: &ScopedKey, token: FencingToken) -> Result<(), StoreError> {
@@ -408,21 +483,7 @@ impl IdempotencyStore for SqliteStore {
         token: FencingToken,
         milestone: &Milestone,
     ) -> Result<(), StoreError> {
-        let query = match milestone {
-            Milestone::EffectStarted => sqlx::query(AssertSqlSafe(self.sql.effect_started.clone())),
-            Milestone::DownstreamId(_) => {
-                sqlx::query(AssertSqlSafe(self.sql.downstream_id.clone()))
-            }
-        };
-        let mut query = query
-            .bind(key.scope().as_bytes())
-            .bind(key.key().as_bytes())
-            .bind(sql::token(token));
-        if let Milestone::DownstreamId(id) = milestone {
-            query = query.bind(id.as_str());
-        }
-        let done = query.execute(&self.pool).await.map_err(unavailable)?;
-        fenced(done.rows_affected())
+        self.milestone_on(&self.pool, key, token, milestone).await
     }
 
     async fn list_uncertain(&self, limit: usize) -> Result<Vec<Record>, StoreError> {

@@ -122,7 +122,11 @@ impl IdempotencyStore for FlakyStore {
         self.inner.complete(key, token, response, ttl).await
     }
 
-    async fn release(&self, key: &ScopedKey, token: FencingToken) -> Result<(), StoreError> {
+    async fn release(
+        &self,
+        key: &ScopedKey,
+        token: FencingToken,
+    ) -> Result<tower_idempotency::store::RecordStatus, StoreError> {
         self.check()?;
         self.inner.release(key, token).await
     }
