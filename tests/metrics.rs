@@ -11,7 +11,8 @@ use axum::http::StatusCode;
 use axum::routing::post;
 use common::{Effects, FlakyStore, client, serve};
 use metrics::{
-    Counter, CounterFn, Gauge, Histogram, Key, KeyName, Metadata, Recorder, SharedString, Unit,
+    Counter, CounterFn, Gauge, GaugeFn, Histogram, Key, KeyName, Metadata, Recorder, SharedString,
+    Unit,
 };
 use tower_idempotency::IdempotencyLayer;
 
@@ -27,6 +28,20 @@ impl CounterFn for Cell {
 
     fn absolute(&self, value: u64) {
         self.0.store(value, Ordering::SeqCst);
+    }
+}
+
+impl GaugeFn for Cell {
+    fn increment(&self, value: f64) {
+        self.0.fetch_add(value as u64, Ordering::SeqCst);
+    }
+
+    fn decrement(&self, value: f64) {
+        self.0.fetch_sub(value as u64, Ordering::SeqCst);
+    }
+
+    fn set(&self, value: f64) {
+        self.0.store(value as u64, Ordering::SeqCst);
     }
 }
 
@@ -48,8 +63,10 @@ impl Recorder for Counts {
         Counter::from_arc(Arc::new(Cell(cell)))
     }
 
-    fn register_gauge(&self, _: &Key, _: &Metadata<'_>) -> Gauge {
-        Gauge::noop()
+    fn register_gauge(&self, key: &Key, _: &Metadata<'_>) -> Gauge {
+        let mut map = self.0.lock().expect("lock");
+        let cell = map.entry(key.name().to_owned()).or_default().clone();
+        Gauge::from_arc(Arc::new(Cell(cell)))
     }
 
     fn register_histogram(&self, _: &Key, _: &Metadata<'_>) -> Histogram {
@@ -124,5 +141,142 @@ async fn s6_each_outcome_has_its_own_counter() {
     assert_eq!(
         effects.count() as u64,
         counts.get("idempotency_executions_total")
+    );
+
+    uncertain_outcomes_move_their_own_counters(&counts).await;
+}
+
+/// DESIGN §4 and §6: the safety counters, scenario by scenario (run after the first phase, in
+/// the same test, because the recorder is global).
+async fn uncertain_outcomes_move_their_own_counters(counts: &Counts) {
+    use std::time::Duration;
+    use tower_idempotency::reconcile::{Reconciler, Reconciliation, Sweeper};
+    use tower_idempotency::store::{Claim, ClaimRequest, LeaseExpiry, Record, ScopedKey};
+    use tower_idempotency::{IdempotencyContext, IdempotencyStore};
+
+    let store = FlakyStore::default();
+    let gate = Arc::new(tokio::sync::Notify::new());
+    let g = gate.clone();
+    let app = Router::new()
+        .route(
+            "/effect",
+            post(move |ctx: IdempotencyContext, body: String| {
+                let g = g.clone();
+                async move {
+                    ctx.effect_started().await.expect("milestone");
+                    if body == "wait" {
+                        g.notified().await;
+                    }
+                    if body == "fail" {
+                        return (StatusCode::BAD_GATEWAY, "reply lost");
+                    }
+                    (StatusCode::OK, "done")
+                }
+            }),
+        )
+        .layer(IdempotencyLayer::new(store.clone()).lease(Duration::from_millis(300)));
+    let addr = serve(app).await;
+    let send = |key: &'static str, body: &'static str| {
+        client()
+            .post(format!("http://{addr}/effect"))
+            .header("idempotency-key", key)
+            .body(body)
+            .send()
+    };
+    let delta = |name: &str, before: u64| counts.get(name) - before;
+
+    // A failure after the effect started moves the key to reconciliation, not back to claimable.
+    let moved = counts.get("idempotency_moved_to_reconciliation_total");
+    let releases = counts.get("idempotency_releases_total");
+    assert_eq!(
+        send("m-fail", "fail").await.expect("r").status(),
+        StatusCode::BAD_GATEWAY
+    );
+    assert_eq!(delta("idempotency_moved_to_reconciliation_total", moved), 1);
+    assert_eq!(delta("idempotency_releases_total", releases), 0);
+
+    // Its retries are refused as unknown.
+    let unknown = counts.get("idempotency_outcome_unknown_total");
+    assert_eq!(
+        send("m-fail", "fail").await.expect("r").status(),
+        StatusCode::CONFLICT
+    );
+    assert_eq!(delta("idempotency_outcome_unknown_total", unknown), 1);
+
+    // The sweeper sees it awaiting, and a reconciler that finds nothing releases it.
+    struct NothingHappened;
+    impl Reconciler for NothingHappened {
+        async fn reconcile(&self, _: &Record) -> Reconciliation {
+            Reconciliation::NotApplied
+        }
+    }
+    let not_applied = counts.get("idempotency_reconciled_not_applied_total");
+    let report = Sweeper::new(store.clone(), NothingHappened)
+        .run_once()
+        .await
+        .expect("sweep");
+    assert_eq!(report.not_applied, 1);
+    assert_eq!(
+        counts.get("idempotency_awaiting_reconciliation"),
+        1,
+        "the gauge saw one"
+    );
+    assert_eq!(
+        delta("idempotency_reconciled_not_applied_total", not_applied),
+        1
+    );
+
+    // A stale holder: its key is taken over while it runs, so its renewals and its completion
+    // are refused, and counted.
+    let lost = counts.get("idempotency_lease_lost_total");
+    let stale = counts.get("idempotency_stale_writes_total");
+    let first = tokio::spawn(send("m-stale", "wait"));
+    let key = ScopedKey::new("", "m-stale");
+    let mut record = None;
+    for _ in 0..200 {
+        record = store.lookup(&key).await.expect("lookup");
+        if record.as_ref().is_some_and(|r| r.effect_started) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let record = record.expect("the first holder claimed");
+    store.remove(&key).await.expect("remove");
+    let takeover = ClaimRequest {
+        key: key.clone(),
+        fingerprint: record.fingerprint,
+        lease: Duration::from_secs(60),
+        ttl: Duration::from_secs(60),
+        on_lease_expiry: LeaseExpiry::Reclaim,
+    };
+    assert!(matches!(
+        store.claim(&takeover).await,
+        Ok(Claim::Acquired(_))
+    ));
+    for _ in 0..500 {
+        if delta("idempotency_lease_lost_total", lost) > 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(
+        delta("idempotency_lease_lost_total", lost),
+        1,
+        "the renewal was refused"
+    );
+    gate.notify_one();
+    assert_eq!(
+        first.await.expect("task").expect("r").status(),
+        StatusCode::OK
+    );
+    assert_eq!(
+        delta("idempotency_stale_writes_total", stale),
+        1,
+        "the completion was refused"
+    );
+    let now = store.lookup(&key).await.expect("lookup").expect("record");
+    assert_ne!(
+        now.lease_token, record.lease_token,
+        "the new holder's record stands"
     );
 }

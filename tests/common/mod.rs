@@ -77,6 +77,8 @@ pub struct FlakyStore {
     pub down: Arc<AtomicBool>,
     /// When set, only `complete` fails (the response write of DESIGN §7.7).
     pub fail_complete: Arc<AtomicBool>,
+    /// Keys whose next `complete` fails, once each.
+    pub fail_complete_once: Arc<std::sync::Mutex<std::collections::HashSet<String>>>,
 }
 
 impl FlakyStore {
@@ -116,7 +118,12 @@ impl IdempotencyStore for FlakyStore {
         ttl: Duration,
     ) -> Result<(), StoreError> {
         self.check()?;
-        if self.fail_complete.load(Ordering::SeqCst) {
+        let once = self
+            .fail_complete_once
+            .lock()
+            .expect("lock")
+            .remove(key.key());
+        if once || self.fail_complete.load(Ordering::SeqCst) {
             return Err(StoreError::unavailable("response write failed (injected)"));
         }
         self.inner.complete(key, token, response, ttl).await
