@@ -170,6 +170,10 @@ impl<St, M> IdempotencyLayer<St, M> {
         mark_first_response(on: bool);
         /// The `Retry-After` sent with 503 when the store fails.
         unavailable_retry_after(after: Duration);
+        /// Whether a dead holder's key needs reconciliation rather than a takeover.
+        external_effects(external: bool);
+        /// Whether refusals are written into the key's history.
+        record_refusals(on: bool);
     }
 
     /// The methods guarded (default `POST` and `PATCH`).

@@ -35,6 +35,7 @@ pub struct RouteConfig {
     pub(crate) envelope: bool,
     pub(crate) mark_first_response: bool,
     pub(crate) unavailable_retry_after: Duration,
+    pub(crate) record_refusals: bool,
 }
 
 impl Default for RouteConfig {
@@ -51,6 +52,7 @@ impl Default for RouteConfig {
             envelope: false,
             mark_first_response: false,
             unavailable_retry_after: Duration::from_secs(1),
+            record_refusals: false,
         }
     }
 }
@@ -127,6 +129,25 @@ impl RouteConfig {
     /// The `Retry-After` sent with 503 when the store fails (default 1 s).
     pub fn unavailable_retry_after(mut self, after: Duration) -> Self {
         self.unavailable_retry_after = after;
+        self
+    }
+
+    /// Declares that the route's handler has external effects (it charges, sends, deploys):
+    /// a holder that dies leaves its key `needs_reconciliation` instead of letting a retry take
+    /// it over. The same as `on_lease_expiry(LeaseExpiry::Reconcile)`.
+    pub fn external_effects(self, external: bool) -> Self {
+        self.on_lease_expiry(if external {
+            LeaseExpiry::Reconcile
+        } else {
+            LeaseExpiry::Reclaim
+        })
+    }
+
+    /// Also writes replays, conflicts, mismatches and "outcome unknown" refusals into the key's
+    /// history (default off). Executions are always in it; these cost one extra write each on
+    /// what is otherwise a read, so turn them on where an audit trail of every retry is worth it.
+    pub fn record_refusals(mut self, on: bool) -> Self {
+        self.record_refusals = on;
         self
     }
 

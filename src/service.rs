@@ -23,7 +23,7 @@ use crate::observe::{self, Event};
 use crate::problem::{Problem, ProblemKind, Protocol};
 use crate::replay::replay;
 use crate::route::RouteConfig;
-use crate::store::{BoxError, ClaimRequest, IdempotencyStore};
+use crate::store::{BoxError, ClaimRequest, HistoryEvent, IdempotencyStore};
 
 /// The middleware service made by [`IdempotencyLayer`](crate::IdempotencyLayer).
 ///
@@ -182,7 +182,11 @@ impl<St: IdempotencyStore, M: MakeScope> Pipeline<St, M> {
         };
 
         // 6. Decide.
-        let lease = match decide(claim, &fingerprint) {
+        let decision = decide(claim, &fingerprint);
+        if route.record_refusals {
+            self.note_refusal(&key, &decision).await;
+        }
+        let lease = match decision {
             Decision::Run(lease) => lease,
             Decision::Replay(stored) => {
                 self.outcome("replayed");
@@ -238,6 +242,27 @@ where
 impl<St, M> Pipeline<St, M> {
     fn outcome(&self, name: &str) {
         self.span.record("outcome", name);
+    }
+}
+
+impl<St: IdempotencyStore, M> Pipeline<St, M> {
+    /// Writes what this request was told into the key's history (routes that ask for it).
+    async fn note_refusal(&self, key: &ScopedKey, decision: &Decision) {
+        let event = match decision {
+            Decision::Run(_) => return,
+            Decision::Replay(_) => HistoryEvent::Replayed,
+            Decision::Refuse(problem) => match problem.kind {
+                ProblemKind::FingerprintMismatch => HistoryEvent::Mismatch,
+                ProblemKind::InFlight => HistoryEvent::Conflict,
+                ProblemKind::OutcomeUnknown => HistoryEvent::OutcomeUnknown,
+                _ => HistoryEvent::Replayed,
+            },
+        };
+        if let Err(error) = self.store.append_history(key, event).await {
+            // The answer stands; only its trace in the history is missing.
+            observe::count(Event::StoreError);
+            tracing::warn!(%error, "could not write the refusal into the key's history");
+        }
     }
 }
 

@@ -373,7 +373,10 @@ fn doomed_server(
     (addr_rx.recv().expect("addr"), kill_tx)
 }
 
-async fn killed_holder(started: bool) -> (MemoryStore, TestClock, Provider, SocketAddr) {
+async fn killed_holder(
+    started: bool,
+    external_effects: bool,
+) -> (MemoryStore, TestClock, Provider, SocketAddr) {
     let clock = TestClock::default();
     let store = clock.store();
     let provider = Provider::default();
@@ -401,7 +404,11 @@ async fn killed_holder(started: bool) -> (MemoryStore, TestClock, Provider, Sock
                     receipt(charge)
                 }),
             )
-            .layer(IdempotencyLayer::new(store.clone()).lease(Duration::from_secs(10))),
+            .layer(
+                IdempotencyLayer::new(store.clone())
+                    .lease(Duration::from_secs(10))
+                    .external_effects(external_effects),
+            ),
     )
     .await;
     assert_eq!(
@@ -415,7 +422,7 @@ async fn killed_holder(started: bool) -> (MemoryStore, TestClock, Provider, Sock
 
 #[tokio::test]
 async fn s4_holder_killed_after_effect_started_needs_reconciliation_never_a_rerun() {
-    let (store, _clock, provider, live) = killed_holder(true).await;
+    let (store, _clock, provider, live) = killed_holder(true, false).await;
     for _ in 0..3 {
         let res = pay(live, "k-killed").await;
         assert_eq!(res.status(), StatusCode::CONFLICT);
@@ -458,7 +465,7 @@ async fn s4_holder_killed_after_effect_started_needs_reconciliation_never_a_reru
 
 #[tokio::test]
 async fn s4_holder_killed_before_effect_started_is_taken_over_once() {
-    let (_store, _clock, provider, live) = killed_holder(false).await;
+    let (_store, _clock, provider, live) = killed_holder(false, false).await;
     let res = pay(live, "k-killed").await;
     assert_eq!(
         res.status(),
@@ -603,4 +610,91 @@ async fn s4_transactional_milestone_on_postgres_commits_and_rolls_back_with_the_
         )
         .await;
     }
+}
+
+#[tokio::test]
+async fn s4_a_route_with_external_effects_never_takes_a_dead_holders_key_over() {
+    let (store, _clock, provider, live) = killed_holder(false, true).await;
+    let res = pay(live, "k-killed").await;
+    assert_eq!(res.status(), StatusCode::CONFLICT);
+    assert_eq!(problem(res).await["type"], problem_type("outcome-unknown"));
+    assert_eq!(
+        provider.invocations(),
+        1,
+        "no takeover without knowing what happened"
+    );
+    let record = store
+        .lookup(&ScopedKey::new("", "k-killed"))
+        .await
+        .expect("lookup");
+    assert_eq!(
+        record.map(|r| r.status),
+        Some(RecordStatus::NeedsReconciliation)
+    );
+}
+
+#[tokio::test]
+async fn s6_the_key_history_records_attempts_and_refusals_for_review() {
+    use tower_idempotency::store::HistoryEvent;
+    let store = MemoryStore::new();
+    let calls = Provider::default();
+    let p = calls.clone();
+    let app = Router::new()
+        .route(
+            "/charge",
+            post(move |ctx: IdempotencyContext, body: String| async move {
+                if body == "slow" {
+                    tokio::time::sleep(Duration::from_millis(300)).await;
+                }
+                receipt(p.charge(&ctx.downstream_key()))
+            }),
+        )
+        .layer(IdempotencyLayer::new(store.clone()).record_refusals(true));
+    let addr = serve(app).await;
+    let send = |body: &'static str| {
+        client()
+            .post(format!("http://{addr}/charge"))
+            .header("idempotency-key", "k-history")
+            .body(body)
+            .send()
+    };
+    let first = tokio::spawn(send("slow"));
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(
+        send("slow").await.expect("r").status(),
+        StatusCode::CONFLICT
+    );
+    assert_eq!(
+        first.await.expect("task").expect("r").status(),
+        StatusCode::CREATED
+    );
+    assert_eq!(send("slow").await.expect("r").status(), StatusCode::CREATED);
+    assert_eq!(
+        send("other").await.expect("r").status(),
+        StatusCode::UNPROCESSABLE_ENTITY
+    );
+
+    let record = store
+        .lookup(&ScopedKey::new("", "k-history"))
+        .await
+        .expect("lookup")
+        .expect("record");
+    let events: Vec<_> = record.history.iter().map(|e| e.event).collect();
+    assert_eq!(
+        events,
+        [
+            HistoryEvent::Claimed,
+            HistoryEvent::Conflict,
+            HistoryEvent::Completed,
+            HistoryEvent::Replayed,
+            HistoryEvent::Mismatch,
+        ]
+    );
+    assert!(
+        record
+            .history
+            .iter()
+            .all(|e| e.attempt == 1 && e.token == record.lease_token)
+    );
+    assert_eq!(calls.invocations(), 1);
 }

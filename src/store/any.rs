@@ -9,8 +9,8 @@ use std::fmt;
 use std::time::{Duration, SystemTime};
 
 use super::{
-    BoxError, Claim, ClaimRequest, FencingToken, IdempotencyStore, Milestone, Record, RecordStatus,
-    Resolution, ScopedKey, StoreError, StoredResponse,
+    BoxError, Claim, ClaimRequest, FencingToken, HistoryEvent, IdempotencyStore, Milestone, Record,
+    RecordStatus, Resolution, ScopedKey, StoreError, StoredResponse,
 };
 
 /// Any of the stores compiled into this build, picked from a URL at run time.
@@ -203,6 +203,10 @@ impl IdempotencyStore for AnyStore {
         ttl: Duration,
     ) -> Result<(), StoreError> {
         each!(self, s => s.resolve(key, token, resolution, ttl).await)
+    }
+
+    async fn append_history(&self, key: &ScopedKey, event: HistoryEvent) -> Result<(), StoreError> {
+        each!(self, s => s.append_history(key, event).await)
     }
 }
 

@@ -26,8 +26,8 @@ use bytes::Bytes;
 use http::{HeaderMap, HeaderValue, StatusCode};
 
 use super::{
-    Claim, ClaimRequest, Fingerprint, IdempotencyStore, Lease, LeaseExpiry, Milestone,
-    RecordStatus, Resolution, ScopedKey, StoreError, StoredResponse,
+    Claim, ClaimRequest, Fingerprint, HistoryEvent, IdempotencyStore, Lease, LeaseExpiry,
+    Milestone, RecordStatus, Resolution, ScopedKey, StoreError, StoredResponse,
 };
 
 const LONG: Duration = Duration::from_secs(60);
@@ -52,6 +52,7 @@ pub async fn run_all<S: IdempotencyStore>(store: Arc<S>) {
     milestones_are_fenced_and_durable(&store).await;
     effect_started_turns_an_expired_lease_into_reconciliation(&store).await;
     uncertain_records_are_listed_and_resolved(&store).await;
+    history_tells_what_happened(&store).await;
 }
 
 fn unique_key(name: &str) -> ScopedKey {
@@ -494,4 +495,54 @@ pub async fn uncertain_records_are_listed_and_resolved<S: IdempotencyStore>(stor
     )
     .await;
     assert_eq!(again.attempt, 2, "it runs again as the next attempt");
+}
+
+/// The record's history lists every attempt and what became of it, in order, with each
+/// attempt's number and token, on the store's clock.
+pub async fn history_tells_what_happened<S: IdempotencyStore>(store: &S) {
+    let key = unique_key("history");
+    let req = request(&key, 1, LONG, LONG);
+    let first = acquire(store, &req, "a fresh key").await;
+    store.release(&key, first.token).await.expect("release");
+    let second = acquire(store, &req, "a released key").await;
+    store
+        .record_milestone(&key, second.token, &Milestone::DownstreamId("t-1".into()))
+        .await
+        .expect("downstream id");
+    store
+        .complete(&key, second.token, &response(), LONG)
+        .await
+        .expect("complete");
+    store
+        .append_history(&key, HistoryEvent::Replayed)
+        .await
+        .expect("append");
+    let record = store.lookup(&key).await.expect("lookup").expect("record");
+    let got: Vec<_> = record
+        .history
+        .iter()
+        .map(|e| (e.attempt, e.token, e.event))
+        .collect();
+    assert_eq!(
+        got,
+        [
+            (1, first.token, HistoryEvent::Claimed),
+            (1, first.token, HistoryEvent::Released),
+            (2, second.token, HistoryEvent::Claimed),
+            (2, second.token, HistoryEvent::DownstreamId),
+            (2, second.token, HistoryEvent::Completed),
+            (2, second.token, HistoryEvent::Replayed),
+        ],
+        "the history, in order"
+    );
+    assert!(
+        record.history.windows(2).all(|w| w[0].at <= w[1].at),
+        "entries are in time order"
+    );
+    assert!(record.history.iter().all(|e| e.at >= record.created_at));
+    // Appending to a key that has no record does nothing, and is no error.
+    store
+        .append_history(&unique_key("absent"), HistoryEvent::Conflict)
+        .await
+        .expect("append to nothing");
 }

@@ -8,8 +8,9 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, SystemTime};
 
 use super::{
-    Claim, ClaimRequest, FencingToken, IdempotencyStore, Lease, LeaseExpiry, Milestone, Record,
-    RecordStatus, Resolution, ScopedKey, StoreError, StoredResponse,
+    Claim, ClaimRequest, FencingToken, HistoryEntry, HistoryEvent, IdempotencyStore, Lease,
+    LeaseExpiry, Milestone, Record, RecordStatus, Resolution, ScopedKey, StoreError,
+    StoredResponse,
 };
 
 const SHARDS: usize = 64;
@@ -173,6 +174,7 @@ impl IdempotencyStore for MemoryStore {
                             if req.on_lease_expiry == LeaseExpiry::Reclaim && !r.effect_started {
                                 true
                             } else {
+                                log(r, now, HistoryEvent::LeaseExpired);
                                 r.status = RecordStatus::NeedsReconciliation;
                                 r.updated_at = now;
                                 false
@@ -193,6 +195,7 @@ impl IdempotencyStore for MemoryStore {
                 r.attempts += 1;
                 r.updated_at = now;
                 r.expires_at = r.expires_at.max(now + req.ttl).max(lease_until);
+                log(r, now, HistoryEvent::Claimed);
                 return Ok(Claim::Acquired(Lease {
                     token,
                     attempt: r.attempts,
@@ -223,6 +226,12 @@ impl IdempotencyStore for MemoryStore {
                 created_at: now,
                 updated_at: now,
                 expires_at: (now + req.ttl).max(lease_until),
+                history: vec![HistoryEntry {
+                    attempt: 1,
+                    token,
+                    at: now,
+                    event: HistoryEvent::Claimed,
+                }],
             },
         );
         Ok(Claim::Acquired(Lease {
@@ -256,6 +265,7 @@ impl IdempotencyStore for MemoryStore {
             r.status = RecordStatus::Completed;
             r.response = Some(response.clone());
             r.expires_at = now + ttl;
+            log(r, now, HistoryEvent::Completed);
         })
     }
 
@@ -264,19 +274,25 @@ impl IdempotencyStore for MemoryStore {
         key: &ScopedKey,
         token: FencingToken,
     ) -> Result<RecordStatus, StoreError> {
-        self.fenced(key, token, |r, _| {
-            r.status = if r.effect_started {
-                RecordStatus::NeedsReconciliation
+        self.fenced(key, token, |r, now| {
+            let (status, event) = if r.effect_started {
+                (
+                    RecordStatus::NeedsReconciliation,
+                    HistoryEvent::NeedsReconciliation,
+                )
             } else {
-                RecordStatus::Released
+                (RecordStatus::Released, HistoryEvent::Released)
             };
-            r.status
+            r.status = status;
+            log(r, now, event);
+            status
         })
     }
 
     async fn mark_uncertain(&self, key: &ScopedKey, token: FencingToken) -> Result<(), StoreError> {
-        self.fenced(key, token, |r, _| {
+        self.fenced(key, token, |r, now| {
             r.status = RecordStatus::NeedsReconciliation;
+            log(r, now, HistoryEvent::NeedsReconciliation);
         })
     }
 
@@ -315,9 +331,15 @@ impl IdempotencyStore for MemoryStore {
         token: FencingToken,
         milestone: &Milestone,
     ) -> Result<(), StoreError> {
-        self.fenced(key, token, |r, _| match milestone {
-            Milestone::EffectStarted => r.effect_started = true,
-            Milestone::DownstreamId(id) => r.downstream_id = Some(id.clone()),
+        self.fenced(key, token, |r, now| match milestone {
+            Milestone::EffectStarted => {
+                r.effect_started = true;
+                log(r, now, HistoryEvent::EffectStarted);
+            }
+            Milestone::DownstreamId(id) => {
+                r.downstream_id = Some(id.clone());
+                log(r, now, HistoryEvent::DownstreamId);
+            }
         })
     }
 
@@ -356,14 +378,38 @@ impl IdempotencyStore for MemoryStore {
                         r.status = RecordStatus::Completed;
                         r.response = Some((**response).clone());
                         r.expires_at = now + ttl;
+                        log(r, now, HistoryEvent::ReconciledApplied);
                     }
-                    Resolution::NotApplied => r.status = RecordStatus::Released,
+                    Resolution::NotApplied => {
+                        r.status = RecordStatus::Released;
+                        log(r, now, HistoryEvent::ReconciledNotApplied);
+                    }
                 }
                 Ok(())
             }
             _ => Err(StoreError::Fenced),
         }
     }
+
+    async fn append_history(&self, key: &ScopedKey, event: HistoryEvent) -> Result<(), StoreError> {
+        let now = self.now();
+        if let Some(r) = self.shard(key).records.get_mut(key)
+            && r.expires_at > now
+        {
+            log(r, now, event);
+        }
+        Ok(())
+    }
+}
+
+/// Appends `event` to the record's history as its current attempt.
+fn log(r: &mut Record, now: SystemTime, event: HistoryEvent) {
+    r.history.push(HistoryEntry {
+        attempt: r.attempts,
+        token: r.lease_token,
+        at: now,
+        event,
+    });
 }
 
 /// Whether nobody knows the record's outcome: marked so, or its holder's lease ran out.

@@ -8,6 +8,7 @@
 
 mod any;
 mod codec;
+mod history;
 #[cfg(feature = "test-kit")]
 pub mod kit;
 #[cfg(feature = "memory")]
@@ -31,6 +32,7 @@ pub use crate::fingerprint::Fingerprint;
 pub use crate::key::ScopedKey;
 pub use any::{AnyStore, ConnectError};
 pub use codec::CorruptRecord;
+pub use history::{HistoryEntry, HistoryEvent};
 #[cfg(feature = "memory")]
 pub use memory::MemoryStore;
 #[cfg(feature = "postgres")]
@@ -136,6 +138,8 @@ pub struct Record {
     pub updated_at: SystemTime,
     /// When the record stops counting and may be purged.
     pub expires_at: SystemTime,
+    /// What happened to the key, oldest first.
+    pub history: Vec<HistoryEntry>,
 }
 
 /// A durable fact a holder records about its execution before going on.
@@ -351,6 +355,14 @@ pub trait IdempotencyStore: Send + Sync + 'static {
         resolution: &Resolution,
         ttl: Duration,
     ) -> impl Future<Output = Result<(), StoreError>> + Send;
+
+    /// Appends `event` to the history of the unexpired record for `key`, as its current
+    /// attempt; does nothing if there is none. Unfenced: it records what a request saw.
+    fn append_history(
+        &self,
+        key: &ScopedKey,
+        event: HistoryEvent,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send;
 }
 
 impl<S: IdempotencyStore> IdempotencyStore for Arc<S> {
@@ -435,5 +447,13 @@ impl<S: IdempotencyStore> IdempotencyStore for Arc<S> {
         ttl: Duration,
     ) -> impl Future<Output = Result<(), StoreError>> + Send {
         (**self).resolve(key, token, resolution, ttl)
+    }
+
+    fn append_history(
+        &self,
+        key: &ScopedKey,
+        event: HistoryEvent,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send {
+        (**self).append_history(key, event)
     }
 }

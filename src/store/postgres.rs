@@ -9,8 +9,8 @@ use sqlx::{AssertSqlSafe, Row};
 use super::codec::fresh_token;
 use super::sql::{self, InvalidIdentifier, RawRecord, millis, unavailable};
 use super::{
-    Claim, ClaimRequest, FencingToken, IdempotencyStore, Lease, LeaseExpiry, Milestone, Record,
-    RecordStatus, Resolution, ScopedKey, StoreError, StoredResponse,
+    Claim, ClaimRequest, FencingToken, HistoryEvent, IdempotencyStore, Lease, LeaseExpiry,
+    Milestone, Record, RecordStatus, Resolution, ScopedKey, StoreError, StoredResponse,
 };
 
 /// Records in a PostgreSQL table, shared by every replica that uses the same database.
@@ -60,12 +60,21 @@ struct Statements {
     downstream_id: Arc<str>,
     list_uncertain: Arc<str>,
     resolve: Arc<str>,
+    append_history: Arc<str>,
 }
 
 const EXPIRED: &str = "r.expires_at <= now()";
 /// Nobody knows the outcome: marked so, or the holder's lease ran out.
 const UNCERTAIN: &str = "r.status = 'needs_reconciliation' \
     OR (r.status = 'in_progress' AND r.lease_until <= now())";
+
+/// A history entry written on the database's clock (see [`super::HistoryEntry`]).
+fn entry(attempt: &str, token: &str, event: &str) -> String {
+    format!(
+        "({attempt})::text || ' ' || ({token})::text || ' ' || \
+         ((extract(epoch from now()) * 1000)::int8)::text || ' ' || ({event}) || ';'"
+    )
+}
 
 impl Statements {
     fn new(schema: &str, table: &str) -> Self {
@@ -75,7 +84,7 @@ impl Statements {
             format!(
                 "{a}.scope, {a}.key, {a}.fingerprint, {a}.status, {a}.lease_token, {}, \
                  {a}.attempts::int8, {a}.effect_started, {a}.downstream_id, {a}.response, {}, {}, {}, \
-                 (extract(epoch from now()) * 1000)::int8",
+                 {a}.history, (extract(epoch from now()) * 1000)::int8",
                 ms("lease_until"),
                 ms("created_at"),
                 ms("updated_at"),
@@ -91,10 +100,11 @@ impl Statements {
         let claim = format!(
             "WITH claimed AS (
                INSERT INTO {t} AS r (scope, key, fingerprint, status, lease_token, lease_until,
-                   attempts, effect_started, downstream_id, response, created_at, updated_at, expires_at)
+                   attempts, effect_started, downstream_id, response, created_at, updated_at, expires_at,
+                   history)
                VALUES ($1, $2, $3, 'in_progress', $4, now() + make_interval(secs => $5::float8 / 1000),
                    1, false, NULL, NULL, now(), now(),
-                   now() + make_interval(secs => GREATEST($5, $7)::float8 / 1000))
+                   now() + make_interval(secs => GREATEST($5, $7)::float8 / 1000), {claimed_first})
                ON CONFLICT (scope, key) DO UPDATE SET
                  fingerprint = CASE WHEN {EXPIRED} THEN excluded.fingerprint ELSE r.fingerprint END,
                  status = CASE WHEN {fresh_or_takeover} THEN 'in_progress' ELSE 'needs_reconciliation' END,
@@ -108,7 +118,10 @@ impl Statements {
                  updated_at = now(),
                  expires_at = CASE WHEN {EXPIRED} THEN excluded.expires_at
                                    WHEN {takeover} THEN GREATEST(r.expires_at, excluded.expires_at)
-                                   ELSE r.expires_at END
+                                   ELSE r.expires_at END,
+                 history = CASE WHEN {EXPIRED} THEN excluded.history
+                                WHEN {takeover} THEN r.history || {claimed_again}
+                                ELSE r.history || {lease_expired} END
                WHERE {EXPIRED} OR ({same} AND (r.status = 'released' OR ({lease_over})))
                RETURNING {cols_r}
              )
@@ -117,7 +130,16 @@ impl Statements {
              SELECT {cols_r}, false FROM {t} r
               WHERE r.scope = $1 AND r.key = $2 AND NOT EXISTS (SELECT 1 FROM claimed)",
             cols_r = cols("r"),
+            claimed_first = entry("1", "$4", "'claimed'"),
+            claimed_again = entry("r.attempts + 1", "excluded.lease_token", "'claimed'"),
+            lease_expired = entry("r.attempts", "r.lease_token", "'lease_expired'"),
         );
+        let log = |event: &str| {
+            format!(
+                "history = history || {}",
+                entry("attempts", "lease_token", event)
+            )
+        };
         let fenced = "scope = $1 AND key = $2 AND lease_token = $3 AND status = 'in_progress'";
         Self {
             schema: schema.to_owned(),
@@ -132,15 +154,22 @@ impl Statements {
             .into(),
             complete: format!(
                 "UPDATE {t} SET status = 'completed', response = $4,
-                   expires_at = now() + make_interval(secs => $5::float8 / 1000), updated_at = now()
-                 WHERE {fenced}"
+                   expires_at = now() + make_interval(secs => $5::float8 / 1000), updated_at = now(),
+                   {}
+                 WHERE {fenced}",
+                log("'completed'")
             )
             .into(),
-            settle: format!("UPDATE {t} SET status = $4, updated_at = now() WHERE {fenced}").into(),
+            settle: format!(
+                "UPDATE {t} SET status = $4, updated_at = now(), {} WHERE {fenced}",
+                log("$4")
+            )
+            .into(),
             release: format!(
                 "UPDATE {t} SET status = CASE WHEN effect_started THEN 'needs_reconciliation'
-                   ELSE 'released' END, updated_at = now()
-                 WHERE {fenced} RETURNING status"
+                   ELSE 'released' END, updated_at = now(), {}
+                 WHERE {fenced} RETURNING status",
+                log("CASE WHEN effect_started THEN 'needs_reconciliation' ELSE 'released' END")
             )
             .into(),
             lookup: format!(
@@ -151,11 +180,13 @@ impl Statements {
             remove: format!("DELETE FROM {t} WHERE scope = $1 AND key = $2").into(),
             purge: format!("DELETE FROM {t} WHERE expires_at <= now()").into(),
             effect_started: format!(
-                "UPDATE {t} SET effect_started = true, updated_at = now() WHERE {fenced}"
+                "UPDATE {t} SET effect_started = true, updated_at = now(), {} WHERE {fenced}",
+                log("'effect_started'")
             )
             .into(),
             downstream_id: format!(
-                "UPDATE {t} SET downstream_id = $4, updated_at = now() WHERE {fenced}"
+                "UPDATE {t} SET downstream_id = $4, updated_at = now(), {} WHERE {fenced}",
+                log("'downstream_id'")
             )
             .into(),
             list_uncertain: format!(
@@ -169,8 +200,19 @@ impl Statements {
                 "UPDATE {t} r SET status = $4, response = COALESCE($5, r.response),
                    expires_at = CASE WHEN $4 = 'completed'
                      THEN now() + make_interval(secs => $6::float8 / 1000) ELSE r.expires_at END,
-                   updated_at = now()
-                 WHERE r.scope = $1 AND r.key = $2 AND r.lease_token = $3 AND ({UNCERTAIN})"
+                   updated_at = now(),
+                   history = r.history || {}
+                 WHERE r.scope = $1 AND r.key = $2 AND r.lease_token = $3 AND ({UNCERTAIN})",
+                entry(
+                    "r.attempts",
+                    "r.lease_token",
+                    "CASE WHEN $4 = 'completed' THEN 'reconciled_applied' ELSE 'reconciled_not_applied' END"
+                )
+            )
+            .into(),
+            append_history: format!(
+                "UPDATE {t} SET {} WHERE scope = $1 AND key = $2 AND expires_at > now()",
+                log("$3")
             )
             .into(),
         }
@@ -235,9 +277,12 @@ impl PostgresStore {
                    created_at timestamptz NOT NULL,
                    updated_at timestamptz NOT NULL,
                    expires_at timestamptz NOT NULL,
+                   history text NOT NULL DEFAULT '',
                    PRIMARY KEY (scope, key)
                  )"
             ),
+            // Tables created before the history column existed.
+            format!("ALTER TABLE {t} ADD COLUMN IF NOT EXISTS history text NOT NULL DEFAULT ''"),
             // Purging deletes by expiry: an index keeps it from scanning the table.
             format!("CREATE INDEX IF NOT EXISTS \"{table}_expires_at\" ON {t} (expires_at)"),
             format!(
@@ -356,8 +401,9 @@ fn raw(row: &PgRow) -> Result<(RawRecord, SystemTime), sqlx::Error> {
         created_at_ms: row.try_get(10)?,
         updated_at_ms: row.try_get(11)?,
         expires_at_ms: row.try_get(12)?,
+        history: row.try_get(13)?,
     };
-    Ok((record, sql::from_millis(row.try_get(13)?)))
+    Ok((record, sql::from_millis(row.try_get(14)?)))
 }
 
 impl IdempotencyStore for PostgresStore {
@@ -378,7 +424,7 @@ impl IdempotencyStore for PostgresStore {
                 .await
                 .map_err(unavailable)?;
             let Some(row) = row else { continue };
-            let written: bool = row.try_get(14).map_err(unavailable)?;
+            let written: bool = row.try_get(15).map_err(unavailable)?;
             let (raw, now) = raw(&row).map_err(unavailable)?;
             let record = raw.into_record()?;
             if written && record.lease_token == token && record.status == RecordStatus::InProgress {
@@ -531,5 +577,16 @@ impl IdempotencyStore for PostgresStore {
             .await
             .map_err(unavailable)?;
         fenced(done.rows_affected())
+    }
+
+    async fn append_history(&self, key: &ScopedKey, event: HistoryEvent) -> Result<(), StoreError> {
+        sqlx::query(AssertSqlSafe(self.sql.append_history.clone()))
+            .bind(key.scope().as_bytes())
+            .bind(key.key().as_bytes())
+            .bind(event.as_str())
+            .execute(&self.pool)
+            .await
+            .map_err(unavailable)?;
+        Ok(())
     }
 }

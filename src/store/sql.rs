@@ -5,7 +5,8 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use super::codec::CorruptRecord;
 use super::{
-    FencingToken, Fingerprint, Record, RecordStatus, ScopedKey, StoreError, StoredResponse,
+    FencingToken, Fingerprint, HistoryEntry, Record, RecordStatus, ScopedKey, StoreError,
+    StoredResponse,
 };
 
 /// A schema or table name that is not a plain SQL identifier.
@@ -55,6 +56,7 @@ pub(crate) struct RawRecord {
     pub(crate) created_at_ms: i64,
     pub(crate) updated_at_ms: i64,
     pub(crate) expires_at_ms: i64,
+    pub(crate) history: String,
 }
 
 impl RawRecord {
@@ -92,6 +94,7 @@ impl RawRecord {
             created_at: from_millis(self.created_at_ms),
             updated_at: from_millis(self.updated_at_ms),
             expires_at: from_millis(self.expires_at_ms),
+            history: HistoryEntry::parse_all(&self.history),
         })
     }
 }

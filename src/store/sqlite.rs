@@ -13,8 +13,8 @@ use sqlx::{AssertSqlSafe, Row};
 use super::codec::fresh_token;
 use super::sql::{self, InvalidIdentifier, RawRecord, millis, unavailable};
 use super::{
-    Claim, ClaimRequest, FencingToken, IdempotencyStore, Lease, LeaseExpiry, Milestone, Record,
-    RecordStatus, Resolution, ScopedKey, StoreError, StoredResponse,
+    Claim, ClaimRequest, FencingToken, HistoryEvent, IdempotencyStore, Lease, LeaseExpiry,
+    Milestone, Record, RecordStatus, Resolution, ScopedKey, StoreError, StoredResponse,
 };
 
 /// Records in a SQLite file: they survive restarts, and every process on the host that opens
@@ -60,12 +60,19 @@ struct Statements {
     downstream_id: Arc<str>,
     list_uncertain: Arc<str>,
     resolve: Arc<str>,
+    append_history: Arc<str>,
 }
 
 /// Milliseconds since the Unix epoch on SQLite's clock; fixed within one statement.
 const NOW: &str = "CAST(ROUND((julianday('now') - 2440587.5) * 86400000) AS INTEGER)";
 const COLUMNS: &str = "scope, key, fingerprint, status, lease_token, lease_until, attempts, \
-                       effect_started, downstream_id, response, created_at, updated_at, expires_at";
+                       effect_started, downstream_id, response, created_at, updated_at, expires_at, \
+                       history";
+
+/// A history entry written on SQLite's clock (see [`super::HistoryEntry`]).
+fn entry(attempt: &str, token: &str, event: &str) -> String {
+    format!("({attempt}) || ' ' || ({token}) || ' ' || {NOW} || ' ' || ({event}) || ';'")
+}
 
 impl Statements {
     fn new(table: &str) -> Self {
@@ -80,7 +87,7 @@ impl Statements {
         let upsert = format!(
             "INSERT INTO {t} AS r ({COLUMNS})
              VALUES (?1, ?2, ?3, 'in_progress', ?4, {NOW} + ?5, 1, 0, NULL, NULL, {NOW}, {NOW},
-                     {NOW} + MAX(?5, ?7))
+                     {NOW} + MAX(?5, ?7), {claimed_first})
              ON CONFLICT (scope, key) DO UPDATE SET
                fingerprint = CASE WHEN {expired} THEN excluded.fingerprint ELSE r.fingerprint END,
                status = CASE WHEN {fresh_or_takeover} THEN 'in_progress' ELSE 'needs_reconciliation' END,
@@ -94,10 +101,22 @@ impl Statements {
                updated_at = {NOW},
                expires_at = CASE WHEN {expired} THEN excluded.expires_at
                                  WHEN {takeover} THEN MAX(r.expires_at, excluded.expires_at)
-                                 ELSE r.expires_at END
+                                 ELSE r.expires_at END,
+               history = CASE WHEN {expired} THEN excluded.history
+                              WHEN {takeover} THEN r.history || {claimed_again}
+                              ELSE r.history || {lease_expired} END
              WHERE {expired} OR ({same} AND (r.status = 'released' OR ({lease_over})))
-             RETURNING {COLUMNS}, {NOW}"
+             RETURNING {COLUMNS}, {NOW}",
+            claimed_first = entry("1", "?4", "'claimed'"),
+            claimed_again = entry("r.attempts + 1", "excluded.lease_token", "'claimed'"),
+            lease_expired = entry("r.attempts", "r.lease_token", "'lease_expired'"),
         );
+        let log = |event: &str| {
+            format!(
+                "history = history || {}",
+                entry("attempts", "lease_token", event)
+            )
+        };
         let fenced = "scope = ?1 AND key = ?2 AND lease_token = ?3 AND status = 'in_progress'";
         let uncertain = format!(
             "r.status = 'needs_reconciliation' OR (r.status = 'in_progress' AND r.lease_until <= {NOW})"
@@ -113,15 +132,21 @@ impl Statements {
             .into(),
             complete: format!(
                 "UPDATE {t} SET status = 'completed', response = ?4, expires_at = {NOW} + ?5,
-                   updated_at = {NOW}
-                 WHERE {fenced}"
+                   updated_at = {NOW}, {}
+                 WHERE {fenced}",
+                log("'completed'")
             )
             .into(),
-            settle: format!("UPDATE {t} SET status = ?4, updated_at = {NOW} WHERE {fenced}").into(),
+            settle: format!(
+                "UPDATE {t} SET status = ?4, updated_at = {NOW}, {} WHERE {fenced}",
+                log("?4")
+            )
+            .into(),
             release: format!(
                 "UPDATE {t} SET status = CASE WHEN effect_started THEN 'needs_reconciliation'
-                   ELSE 'released' END, updated_at = {NOW}
-                 WHERE {fenced} RETURNING status"
+                   ELSE 'released' END, updated_at = {NOW}, {}
+                 WHERE {fenced} RETURNING status",
+                log("CASE WHEN effect_started THEN 'needs_reconciliation' ELSE 'released' END")
             )
             .into(),
             current: format!("SELECT {COLUMNS}, {NOW} FROM {t} WHERE scope = ?1 AND key = ?2").into(),
@@ -132,11 +157,13 @@ impl Statements {
             remove: format!("DELETE FROM {t} WHERE scope = ?1 AND key = ?2").into(),
             purge: format!("DELETE FROM {t} WHERE expires_at <= {NOW}").into(),
             effect_started: format!(
-                "UPDATE {t} SET effect_started = 1, updated_at = {NOW} WHERE {fenced}"
+                "UPDATE {t} SET effect_started = 1, updated_at = {NOW}, {} WHERE {fenced}",
+                log("'effect_started'")
             )
             .into(),
             downstream_id: format!(
-                "UPDATE {t} SET downstream_id = ?4, updated_at = {NOW} WHERE {fenced}"
+                "UPDATE {t} SET downstream_id = ?4, updated_at = {NOW}, {} WHERE {fenced}",
+                log("'downstream_id'")
             )
             .into(),
             list_uncertain: format!(
@@ -147,8 +174,19 @@ impl Statements {
             resolve: format!(
                 "UPDATE {t} AS r SET status = ?4, response = COALESCE(?5, r.response),
                    expires_at = CASE WHEN ?4 = 'completed' THEN {NOW} + ?6 ELSE r.expires_at END,
-                   updated_at = {NOW}
-                 WHERE r.scope = ?1 AND r.key = ?2 AND r.lease_token = ?3 AND ({uncertain})"
+                   updated_at = {NOW},
+                   history = r.history || {}
+                 WHERE r.scope = ?1 AND r.key = ?2 AND r.lease_token = ?3 AND ({uncertain})",
+                entry(
+                    "r.attempts",
+                    "r.lease_token",
+                    "CASE WHEN ?4 = 'completed' THEN 'reconciled_applied' ELSE 'reconciled_not_applied' END"
+                )
+            )
+            .into(),
+            append_history: format!(
+                "UPDATE {t} SET {} WHERE scope = ?1 AND key = ?2 AND expires_at > {NOW}",
+                log("?3")
             )
             .into(),
         }
@@ -214,6 +252,7 @@ impl SqliteStore {
                    created_at INTEGER NOT NULL,
                    updated_at INTEGER NOT NULL,
                    expires_at INTEGER NOT NULL,
+                   history TEXT NOT NULL DEFAULT '',
                    PRIMARY KEY (scope, key)
                  ) WITHOUT ROWID"
             ),
@@ -375,8 +414,9 @@ fn raw(row: &SqliteRow) -> Result<(RawRecord, SystemTime), sqlx::Error> {
         created_at_ms: row.try_get(10)?,
         updated_at_ms: row.try_get(11)?,
         expires_at_ms: row.try_get(12)?,
+        history: row.try_get(13)?,
     };
-    Ok((record, sql::from_millis(row.try_get(13)?)))
+    Ok((record, sql::from_millis(row.try_get(14)?)))
 }
 
 impl IdempotencyStore for SqliteStore {
@@ -519,5 +559,16 @@ impl IdempotencyStore for SqliteStore {
             .await
             .map_err(unavailable)?;
         fenced(done.rows_affected())
+    }
+
+    async fn append_history(&self, key: &ScopedKey, event: HistoryEvent) -> Result<(), StoreError> {
+        sqlx::query(AssertSqlSafe(self.sql.append_history.clone()))
+            .bind(key.scope().as_bytes())
+            .bind(key.key().as_bytes())
+            .bind(event.as_str())
+            .execute(&self.pool)
+            .await
+            .map_err(unavailable)?;
+        Ok(())
     }
 }

@@ -183,6 +183,15 @@ impl IdempotencyStore for FlakyStore {
         self.check()?;
         self.inner.resolve(key, token, resolution, ttl).await
     }
+
+    async fn append_history(
+        &self,
+        key: &ScopedKey,
+        event: tower_idempotency::store::HistoryEvent,
+    ) -> Result<(), StoreError> {
+        self.check()?;
+        self.inner.append_history(key, event).await
+    }
 }
 
 /// Sends raw bytes over a new TCP connection and returns the status code of the answer:
