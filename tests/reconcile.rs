@@ -486,6 +486,16 @@ async fn s4_holder_killed_before_effect_started_is_taken_over_once() {
     );
 }
 
+fn order_receipt() -> StoredResponse {
+    let (status, headers, body) = receipt(42);
+    StoredResponse {
+        status,
+        headers,
+        body: Some(body),
+        trailers: None,
+    }
+}
+
 async fn transactional_milestone<St: IdempotencyStore>(
     store: &St,
     commit: bool,
@@ -523,7 +533,8 @@ async fn transactional_milestone<St: IdempotencyStore>(
 }
 
 #[tokio::test]
-async fn s4_transactional_milestone_on_sqlite_commits_and_rolls_back_with_the_business_write() {
+async fn s4_transactional_milestone_and_result_on_sqlite_commit_and_roll_back_with_the_business_write()
+ {
     let (store, _) = common::sqlite("tx").await;
     sqlx::query("CREATE TABLE orders (key TEXT PRIMARY KEY)")
         .execute(store.pool())
@@ -546,6 +557,15 @@ async fn s4_transactional_milestone_on_sqlite_commits_and_rolls_back_with_the_bu
                 s.record_milestone_in(&mut tx, key, token, &Milestone::EffectStarted)
                     .await
                     .expect("milestone");
+                s.complete_in(
+                    &mut tx,
+                    key,
+                    token,
+                    &order_receipt(),
+                    Duration::from_secs(60),
+                )
+                .await
+                .expect("complete");
                 if commit {
                     tx.commit().await.expect("commit")
                 } else {
@@ -565,7 +585,8 @@ async fn s4_transactional_milestone_on_sqlite_commits_and_rolls_back_with_the_bu
 }
 
 #[tokio::test]
-async fn s4_transactional_milestone_on_postgres_commits_and_rolls_back_with_the_business_write() {
+async fn s4_transactional_milestone_and_result_on_postgres_commit_and_roll_back_with_the_business_write()
+ {
     let Some(store) = common::postgres("tower_idempotency_tx").await else {
         return;
     };
@@ -594,6 +615,15 @@ async fn s4_transactional_milestone_on_postgres_commits_and_rolls_back_with_the_
                 s.record_milestone_in(&mut tx, key, token, &Milestone::EffectStarted)
                     .await
                     .expect("milestone");
+                s.complete_in(
+                    &mut tx,
+                    key,
+                    token,
+                    &order_receipt(),
+                    Duration::from_secs(60),
+                )
+                .await
+                .expect("complete");
                 if commit {
                     tx.commit().await.expect("commit")
                 } else {

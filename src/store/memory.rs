@@ -261,12 +261,23 @@ impl IdempotencyStore for MemoryStore {
         response: &StoredResponse,
         ttl: Duration,
     ) -> Result<(), StoreError> {
-        self.fenced(key, token, |r, now| {
-            r.status = RecordStatus::Completed;
-            r.response = Some(response.clone());
-            r.expires_at = now + ttl;
-            log(r, now, HistoryEvent::Completed);
-        })
+        let now = self.now();
+        let mut shard = self.shard(key);
+        match shard.records.get_mut(key) {
+            // The holder may complete again what it already completed.
+            Some(r)
+                if r.lease_token == token
+                    && matches!(r.status, RecordStatus::InProgress | RecordStatus::Completed) =>
+            {
+                r.status = RecordStatus::Completed;
+                r.response = Some(response.clone());
+                r.expires_at = now + ttl;
+                r.updated_at = now;
+                log(r, now, HistoryEvent::Completed);
+                Ok(())
+            }
+            _ => Err(StoreError::Fenced),
+        }
     }
 
     async fn release(

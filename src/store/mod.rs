@@ -270,9 +270,9 @@ impl std::error::Error for StoreError {
 ///    [`LeaseExpiry::Reclaim`] and no effect was marked started; otherwise the record moves to
 ///    `needs_reconciliation` and is returned as `Existing`.
 ///
-/// Writes after the claim (`renew`, `complete`, `release`, `mark_uncertain`) succeed only while
-/// the record is `in_progress` with the caller's token, and fail with [`StoreError::Fenced`]
-/// otherwise.
+/// Writes after the claim (`renew`, `complete`, `release`, `mark_uncertain`, `record_milestone`)
+/// succeed only while the record is `in_progress` with the caller's token (`complete` also when
+/// that same holder already completed it), and fail with [`StoreError::Fenced`] otherwise.
 pub trait IdempotencyStore: Send + Sync + 'static {
     /// Claims `request.key`, or returns what stands (see the trait docs for the rules).
     fn claim(

@@ -141,6 +141,9 @@ impl Statements {
             )
         };
         let fenced = "scope = $1 AND key = $2 AND lease_token = $3 AND status = 'in_progress'";
+        // The holder may complete again what it completed in its own transaction.
+        let completer = "scope = $1 AND key = $2 AND lease_token = $3 \
+                         AND status IN ('in_progress', 'completed')";
         Self {
             schema: schema.to_owned(),
             table: table.to_owned(),
@@ -156,7 +159,7 @@ impl Statements {
                 "UPDATE {t} SET status = 'completed', response = $4,
                    expires_at = now() + make_interval(secs => $5::float8 / 1000), updated_at = now(),
                    {}
-                 WHERE {fenced}",
+                 WHERE {completer}",
                 log("'completed'")
             )
             .into(),
@@ -350,6 +353,44 @@ impl PostgresStore {
         self.milestone_on(connection, key, token, milestone).await
     }
 
+    /// Records the outcome on `connection`, typically inside the handler's own transaction, so
+    /// the business write and the recorded response commit or roll back together. The layer
+    /// records the live response again afterwards, with the same token; that is allowed.
+    pub async fn complete_in(
+        &self,
+        connection: &mut sqlx::PgConnection,
+        key: &ScopedKey,
+        token: FencingToken,
+        response: &StoredResponse,
+        ttl: Duration,
+    ) -> Result<(), StoreError> {
+        self.complete_on(connection, key, token, response, ttl)
+            .await
+    }
+
+    async fn complete_on<'c, E>(
+        &self,
+        executor: E,
+        key: &ScopedKey,
+        token: FencingToken,
+        response: &StoredResponse,
+        ttl: Duration,
+    ) -> Result<(), StoreError>
+    where
+        E: sqlx::Executor<'c, Database = sqlx::Postgres>,
+    {
+        let done = sqlx::query(AssertSqlSafe(self.sql.complete.clone()))
+            .bind(key.scope().as_bytes())
+            .bind(key.key().as_bytes())
+            .bind(sql::token(token))
+            .bind(response.to_bytes())
+            .bind(millis(ttl))
+            .execute(executor)
+            .await
+            .map_err(unavailable)?;
+        fenced(done.rows_affected())
+    }
+
     async fn milestone_on<'c, E>(
         &self,
         executor: E,
@@ -468,16 +509,8 @@ impl IdempotencyStore for PostgresStore {
         response: &StoredResponse,
         ttl: Duration,
     ) -> Result<(), StoreError> {
-        let done = sqlx::query(AssertSqlSafe(self.sql.complete.clone()))
-            .bind(key.scope().as_bytes())
-            .bind(key.key().as_bytes())
-            .bind(sql::token(token))
-            .bind(response.to_bytes())
-            .bind(millis(ttl))
-            .execute(&self.pool)
+        self.complete_on(&self.pool, key, token, response, ttl)
             .await
-            .map_err(unavailable)?;
-        fenced(done.rows_affected())
     }
 
     async fn release(

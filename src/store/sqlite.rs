@@ -118,6 +118,9 @@ impl Statements {
             )
         };
         let fenced = "scope = ?1 AND key = ?2 AND lease_token = ?3 AND status = 'in_progress'";
+        // The holder may complete again what it completed in its own transaction.
+        let completer = "scope = ?1 AND key = ?2 AND lease_token = ?3 \
+                         AND status IN ('in_progress', 'completed')";
         let uncertain = format!(
             "r.status = 'needs_reconciliation' OR (r.status = 'in_progress' AND r.lease_until <= {NOW})"
         );
@@ -133,7 +136,7 @@ impl Statements {
             complete: format!(
                 "UPDATE {t} SET status = 'completed', response = ?4, expires_at = {NOW} + ?5,
                    updated_at = {NOW}, {}
-                 WHERE {fenced}",
+                 WHERE {completer}",
                 log("'completed'")
             )
             .into(),
@@ -363,6 +366,44 @@ impl SqliteStore {
         self.milestone_on(connection, key, token, milestone).await
     }
 
+    /// Records the outcome on `connection`, typically inside the handler's own transaction, so
+    /// the business write and the recorded response commit or roll back together. The layer
+    /// records the live response again afterwards, with the same token; that is allowed.
+    pub async fn complete_in(
+        &self,
+        connection: &mut sqlx::SqliteConnection,
+        key: &ScopedKey,
+        token: FencingToken,
+        response: &StoredResponse,
+        ttl: Duration,
+    ) -> Result<(), StoreError> {
+        self.complete_on(connection, key, token, response, ttl)
+            .await
+    }
+
+    async fn complete_on<'c, E>(
+        &self,
+        executor: E,
+        key: &ScopedKey,
+        token: FencingToken,
+        response: &StoredResponse,
+        ttl: Duration,
+    ) -> Result<(), StoreError>
+    where
+        E: sqlx::Executor<'c, Database = sqlx::Sqlite>,
+    {
+        let done = sqlx::query(AssertSqlSafe(self.sql.complete.clone()))
+            .bind(key.scope().as_bytes())
+            .bind(key.key().as_bytes())
+            .bind(sql::token(token))
+            .bind(response.to_bytes())
+            .bind(millis(ttl))
+            .execute(executor)
+            .await
+            .map_err(unavailable)?;
+        fenced(done.rows_affected())
+    }
+
     async fn milestone_on<'c, E>(
         &self,
         executor: E,
@@ -450,16 +491,8 @@ impl IdempotencyStore for SqliteStore {
         response: &StoredResponse,
         ttl: Duration,
     ) -> Result<(), StoreError> {
-        let done = sqlx::query(AssertSqlSafe(self.sql.complete.clone()))
-            .bind(key.scope().as_bytes())
-            .bind(key.key().as_bytes())
-            .bind(sql::token(token))
-            .bind(response.to_bytes())
-            .bind(millis(ttl))
-            .execute(&self.pool)
+        self.complete_on(&self.pool, key, token, response, ttl)
             .await
-            .map_err(unavailable)?;
-        fenced(done.rows_affected())
     }
 
     async fn release(
