@@ -84,7 +84,7 @@ mod body;
 mod context;
 mod decide;
 mod execute;
-mod fingerprint;
+pub mod fingerprint;
 mod future;
 pub mod grpc;
 mod key;

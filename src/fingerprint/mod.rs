@@ -33,6 +33,12 @@ use sha2::{Digest, Sha256};
 pub struct Fingerprint([u8; 32]);
 
 impl Fingerprint {
+    /// The fingerprint of a request with these parts and body, as the layer computes it with
+    /// its default settings (no extra headers, no custom canonicalisers).
+    pub fn of(parts: &Parts, body: &[u8]) -> Result<Self, MalformedBody> {
+        fingerprint(parts, body, &FingerprintOptions::default())
+    }
+
     /// A fingerprint from its 32 bytes (as a store reads it back).
     pub const fn from_bytes(bytes: [u8; 32]) -> Self {
         Self(bytes)
@@ -86,6 +92,18 @@ where
 {
     fn canonicalize(&self, body: &[u8]) -> Result<Vec<u8>, MalformedBody> {
         self(body)
+    }
+}
+
+/// The RFC 8785 canonical form of a JSON document: `Ok(Some(bytes))`; `Ok(None)` for valid JSON
+/// that has no canonical form (duplicate member names, numbers beyond double range: such
+/// bodies are fingerprinted by their raw bytes); `Err` for malformed JSON.
+pub fn canonical_json(body: &[u8]) -> Result<Option<Vec<u8>>, MalformedBody> {
+    let mut out = Vec::with_capacity(body.len());
+    match json::canonicalize(body, &mut out) {
+        Ok(()) => Ok(Some(out)),
+        Err(json::JsonError::NotCanonical) => Ok(None),
+        Err(json::JsonError::Malformed(reason)) => Err(MalformedBody::new(reason)),
     }
 }
 
@@ -296,7 +314,7 @@ mod tests {
             any::<bool>().prop_map(Value::Bool),
             any::<i64>().prop_map(Value::from),
             (-1e300f64..1e300).prop_map(Value::from),
-            "[a-z\u{e9}\u{1f600}\"\\\\\n ]{0,8}".prop_map(Value::String),
+            "[a-z\u{e9}\u{1f600}\u{7f}\u{2028}\u{0}-\u{1f}\"\\\\\n ]{0,8}".prop_map(Value::String),
         ];
         leaf.prop_recursive(4, 48, 6, |inner| {
             prop_oneof![
@@ -351,6 +369,14 @@ mod tests {
             let a = fp("POST", "/t", "application/json", &compact).expect("fp");
             let b = fp("POST", "/t", "application/json", reorder(&v).as_bytes()).expect("fp");
             prop_assert_eq!(a, b);
+        }
+
+        #[test]
+        fn canonical_json_matches_the_reference_implementation(v in json_value()) {
+            let compact = serde_json::to_vec(&v).expect("serialize");
+            let ours = canonical_json(&compact).expect("valid").expect("canonical");
+            let reference = serde_json_canonicalizer::to_vec(&v).expect("reference");
+            prop_assert_eq!(String::from_utf8_lossy(&ours), String::from_utf8_lossy(&reference));
         }
 
         #[test]
