@@ -114,6 +114,12 @@ impl<St: IdempotencyStore> Execution<St> {
     /// holder keeps its claim and only a dead one loses it.
     async fn renewing<F: Future>(&self, work: F) -> F::Output {
         let mut work = std::pin::pin!(work);
+        // Work done on its first poll needs no renewal timer.
+        if let Poll::Ready(out) =
+            std::future::poll_fn(|cx| Poll::Ready(work.as_mut().poll(cx))).await
+        {
+            return out;
+        }
         let period = self.route.lease / 3;
         let renew = async {
             loop {

@@ -1,6 +1,8 @@
 //! [`Idempotency`]: the pipeline of DESIGN §1, one step after another.
 
 use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
@@ -211,9 +213,14 @@ impl<St: IdempotencyStore, M: MakeScope> Pipeline<St, M> {
             denied_headers: self.config.denied_headers.clone(),
             protocol,
         };
-        let task = tokio::spawn(execution.run(inner, req).in_current_span());
         self.outcome("executed");
-        match task.await {
+        let mut execution = Box::pin(execution.run(inner, req).in_current_span());
+        // Handlers that finish on their first poll need no task of their own. Any other moves
+        // to one before this future can be dropped, so a client hanging up cannot cancel it.
+        if let Poll::Ready(answer) = poll_once(execution.as_mut()).await {
+            return answer;
+        }
+        match tokio::spawn(execution).await {
             Ok(answer) => answer,
             // Only a runtime shutting down cancels the task; panics are caught inside it.
             Err(error) => {
@@ -237,6 +244,11 @@ where
 {
     let res = inner.call(req.map(RequestBody::passthrough)).await?;
     Ok(res.map(ResponseBody::passthrough))
+}
+
+/// Polls `future` once, from inside an async fn.
+async fn poll_once<F: Future + ?Sized>(mut future: Pin<&mut F>) -> Poll<F::Output> {
+    std::future::poll_fn(|cx| Poll::Ready(future.as_mut().poll(cx))).await
 }
 
 impl<St, M> Pipeline<St, M> {

@@ -146,6 +146,11 @@ impl<'a> Parser<'a> {
                 Some(b',') => self.i += 1,
                 Some(b'}') => {
                     self.i += 1;
+                    // Sort now, in place: the writer then walks members in order.
+                    members.sort_unstable_by(|a, b| utf16_cmp(&a.0, &b.0));
+                    if members.windows(2).any(|w| w[0].0 == w[1].0) {
+                        return Err(JsonError::NotCanonical);
+                    }
                     return Ok(Value::Object(members));
                 }
                 _ => return Err(SYNTAX),
@@ -199,17 +204,19 @@ impl<'a> Parser<'a> {
         self.i += 1;
         let start = self.i;
         // Fast path: no escapes, borrow straight from the body.
-        loop {
-            match self.s.get(self.i) {
-                Some(b'"') => {
-                    let s = &self.text[start..self.i];
-                    self.i += 1;
-                    return Ok(Cow::Borrowed(s));
-                }
-                Some(b'\\') => break,
-                Some(0x00..=0x1f) | None => return Err(SYNTAX),
-                Some(_) => self.i += 1,
+        let run = self.s[start..]
+            .iter()
+            .position(|&b| b == b'"' || b == b'\\' || b < 0x20)
+            .ok_or(SYNTAX)?;
+        self.i = start + run;
+        match self.s[self.i] {
+            b'"' => {
+                let s = &self.text[start..self.i];
+                self.i += 1;
+                return Ok(Cow::Borrowed(s));
             }
+            b'\\' => {}
+            _ => return Err(SYNTAX),
         }
         let mut out = String::from(&self.text[start..self.i]);
         loop {
@@ -300,13 +307,9 @@ fn write_value(value: &Value<'_>, out: &mut impl Sink) -> Result<(), JsonError> 
             out.put(b"]");
         }
         Value::Object(members) => {
-            let mut sorted: Vec<&(Cow<'_, str>, Value<'_>)> = members.iter().collect();
-            sorted.sort_by(|a, b| utf16_cmp(&a.0, &b.0));
-            if sorted.windows(2).any(|w| w[0].0 == w[1].0) {
-                return Err(JsonError::NotCanonical);
-            }
+            // Members were sorted, and checked for duplicates, as they were parsed.
             out.put(b"{");
-            for (i, (name, member)) in sorted.into_iter().enumerate() {
+            for (i, (name, member)) in members.iter().enumerate() {
                 if i > 0 {
                     out.put(b",");
                 }
@@ -343,19 +346,23 @@ fn write_number(n: f64, out: &mut impl Sink) {
 /// has them, `\u00xx` in lower-case hex otherwise.
 fn write_string(s: &str, out: &mut impl Sink) {
     out.put(b"\"");
-    let bytes = s.as_bytes();
-    let mut run = 0;
-    for (i, &b) in bytes.iter().enumerate() {
-        let escaped: &[u8] = match b {
-            b'"' => b"\\\"",
-            b'\\' => b"\\\\",
-            0x08 => b"\\b",
-            0x09 => b"\\t",
-            0x0a => b"\\n",
-            0x0c => b"\\f",
-            0x0d => b"\\r",
-            0x00..=0x1f => {
-                out.put(&bytes[run..i]);
+    let mut rest = s.as_bytes();
+    // Copy runs that need no escape in one piece.
+    while let Some(at) = rest
+        .iter()
+        .position(|&b| b == b'"' || b == b'\\' || b < 0x20)
+    {
+        out.put(&rest[..at]);
+        let b = rest[at];
+        match b {
+            b'"' => out.put(b"\\\""),
+            b'\\' => out.put(b"\\\\"),
+            0x08 => out.put(b"\\b"),
+            0x09 => out.put(b"\\t"),
+            0x0a => out.put(b"\\n"),
+            0x0c => out.put(b"\\f"),
+            0x0d => out.put(b"\\r"),
+            _ => {
                 const HEX: &[u8; 16] = b"0123456789abcdef";
                 out.put(&[
                     b'\\',
@@ -365,16 +372,11 @@ fn write_string(s: &str, out: &mut impl Sink) {
                     HEX[(b >> 4) as usize],
                     HEX[(b & 15) as usize],
                 ]);
-                run = i + 1;
-                continue;
             }
-            _ => continue,
-        };
-        out.put(&bytes[run..i]);
-        out.put(escaped);
-        run = i + 1;
+        }
+        rest = &rest[at + 1..];
     }
-    out.put(&bytes[run..]);
+    out.put(rest);
     out.put(b"\"");
 }
 

@@ -153,6 +153,14 @@ fn put_field(out: &mut impl Sink, bytes: &[u8]) {
     out.put(bytes);
 }
 
+thread_local! {
+    /// The canonical form of the JSON body being fingerprinted on this thread.
+    static SCRATCH: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// The largest scratch buffer kept between requests.
+const SCRATCH_KEEP: usize = 64 * 1024;
+
 /// The media type of a `Content-Type` value: lower-cased, parameters dropped.
 pub(crate) fn media_type(content_type: &str) -> String {
     content_type
@@ -215,14 +223,23 @@ fn body_into(
         return Ok(());
     }
     if is_json(media) {
-        // Canonicalise into a scratch hasher so a refusal half-way leaves `h` untouched.
-        let mut canonical = Sha256::new();
-        match json::canonicalize(body, &mut canonical) {
-            Ok(()) => {
+        // Canonicalise into a reused buffer, then hash it in one pass: many small hasher
+        // updates cost more than one copy, and a refusal half-way leaves `h` untouched.
+        let canonical = SCRATCH.with_borrow_mut(|buf| {
+            buf.clear();
+            let result = json::canonicalize(body, buf);
+            if result.is_ok() {
                 put_field(h, b"json");
-                h.update(canonical.finalize());
-                return Ok(());
+                put_field(h, buf);
             }
+            // Do not let one huge body pin its buffer for the thread's lifetime.
+            if buf.capacity() > SCRATCH_KEEP {
+                *buf = Vec::new();
+            }
+            result
+        });
+        match canonical {
+            Ok(()) => return Ok(()),
             Err(json::JsonError::Malformed(reason)) => return Err(MalformedBody::new(reason)),
             Err(json::JsonError::NotCanonical) => {}
         }

@@ -1,0 +1,242 @@
+//! Throughput and latency over loopback HTTP: a bare axum handler against the same handler
+//! behind the layer, on each store and on the replay path. 64 keep-alive connections send 1 KiB
+//! JSON bodies for a fixed time per scenario; every row is a ratio against the bare handler
+//! measured in the same run.
+//!
+//! `cargo bench --all-features --bench http` (PostgreSQL from `TOWER_IDEMPOTENCY_POSTGRES_URL`,
+//! default `postgres://postgres@127.0.0.1:5432/test`; its rows are skipped if it is down).
+//! `BENCH_SECONDS` sets the time per scenario (default 5); `BENCH_ONLY=memory` stops after the
+//! MemoryStore rows.
+
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use axum::Router;
+use axum::routing::post;
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper_util::rt::TokioIo;
+use tokio::net::{TcpListener, TcpStream};
+use tower_idempotency::store::{PostgresStore, SqliteStore};
+use tower_idempotency::{IdempotencyLayer, IdempotencyStore, MemoryStore};
+
+const CONNECTIONS: usize = 64;
+
+fn handler_app() -> Router {
+    Router::new().route(
+        "/tools/create_ticket",
+        post(|body: Bytes| async move {
+            axum::Json(serde_json::json!({ "ticket": 1, "received": body.len() }))
+        }),
+    )
+}
+
+async fn serve(app: Router) -> SocketAddr {
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    tokio::spawn(async move { axum::serve(listener, app).await.expect("serve") });
+    addr
+}
+
+/// A 1 KiB JSON body.
+fn body() -> Bytes {
+    let title = "x".repeat(1024 - 60);
+    Bytes::from(
+        serde_json::to_vec(&serde_json::json!({ "title": title, "priority": 2 })).expect("json"),
+    )
+}
+
+#[derive(Clone, Copy, PartialEq)]
+enum Keys {
+    None,
+    /// A new key per request: every request claims, runs and records.
+    Unique,
+    /// Each connection repeats one key: after its first request, every request is a replay.
+    Repeated,
+}
+
+struct Result {
+    rps: f64,
+    p50: Duration,
+    p99: Duration,
+    errors: usize,
+}
+
+async fn load(addr: SocketAddr, keys: Keys, seconds: u64, run: &str) -> Result {
+    let body = body();
+    let deadline = Instant::now() + Duration::from_secs(seconds);
+    let start = Instant::now();
+    let tasks: Vec<_> = (0..CONNECTIONS)
+        .map(|c| {
+            let (body, run) = (body.clone(), run.to_owned());
+            tokio::spawn(async move {
+                let stream = TcpStream::connect(addr).await.expect("connect");
+                stream.set_nodelay(true).expect("nodelay");
+                let (mut sender, conn) =
+                    hyper::client::conn::http1::handshake(TokioIo::new(stream))
+                        .await
+                        .expect("handshake");
+                tokio::spawn(conn);
+                let mut latencies = Vec::with_capacity(100_000);
+                let mut errors = 0;
+                let mut i = 0u64;
+                while Instant::now() < deadline {
+                    let mut request =
+                        http::Request::post(format!("http://{addr}/tools/create_ticket"))
+                            .header("content-type", "application/json");
+                    match keys {
+                        Keys::None => {}
+                        Keys::Unique => {
+                            request = request.header("idempotency-key", format!("{run}-{c}-{i}"))
+                        }
+                        Keys::Repeated => {
+                            request = request.header("idempotency-key", format!("{run}-{c}"))
+                        }
+                    }
+                    let request = request.body(Full::new(body.clone())).expect("request");
+                    let t = Instant::now();
+                    sender.ready().await.expect("ready");
+                    match sender.send_request(request).await {
+                        Ok(res) => {
+                            let ok = res.status().is_success();
+                            res.into_body().collect().await.expect("body");
+                            if ok {
+                                latencies.push(t.elapsed())
+                            } else {
+                                errors += 1
+                            }
+                        }
+                        Err(_) => errors += 1,
+                    }
+                    i += 1;
+                }
+                (latencies, errors)
+            })
+        })
+        .collect();
+    let mut all = Vec::new();
+    let mut errors = 0;
+    for task in tasks {
+        let (latencies, e) = task.await.expect("load task");
+        all.extend(latencies);
+        errors += e;
+    }
+    let elapsed = start.elapsed().as_secs_f64();
+    all.sort();
+    let pick = |q: f64| {
+        all.get(((all.len() as f64 * q) as usize).min(all.len().saturating_sub(1)))
+            .copied()
+            .unwrap_or_default()
+    };
+    Result {
+        rps: all.len() as f64 / elapsed,
+        p50: pick(0.50),
+        p99: pick(0.99),
+        errors,
+    }
+}
+
+async fn scenario<St: IdempotencyStore>(store: St, keys: Keys, seconds: u64, run: &str) -> Result {
+    let addr = serve(handler_app().layer(IdempotencyLayer::new(store))).await;
+    load(addr, keys, seconds, run).await
+}
+
+fn main() {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    runtime.block_on(run());
+}
+
+async fn run() {
+    let seconds = std::env::var("BENCH_SECONDS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(5);
+    let run_id = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis())
+        .to_string();
+    println!(
+        "{} cores, {CONNECTIONS} connections, 1 KiB JSON bodies, {seconds} s per scenario",
+        std::thread::available_parallelism().map_or(1, |n| n.get())
+    );
+    println!(
+        "\n{:<36} {:>10} {:>9} {:>9} {:>8} {:>7}",
+        "scenario", "req/s", "p50 µs", "p99 µs", "vs bare", "errors"
+    );
+
+    let bare_addr = serve(handler_app()).await;
+    // Warm up the machine and the connection path before the baseline.
+    load(bare_addr, Keys::None, 1, "warm").await;
+    let bare = load(bare_addr, Keys::None, seconds, "bare").await;
+    let row = |name: &str, r: &Result| {
+        println!(
+            "{:<36} {:>10.0} {:>9} {:>9} {:>7.2}x {:>7}",
+            name,
+            r.rps,
+            r.p50.as_micros(),
+            r.p99.as_micros(),
+            r.rps / bare.rps,
+            r.errors
+        );
+    };
+    row("bare handler", &bare);
+
+    let memory = scenario(
+        MemoryStore::new(),
+        Keys::Unique,
+        seconds,
+        &format!("{run_id}-m"),
+    )
+    .await;
+    row("layer + MemoryStore, unique keys", &memory);
+    let replay = scenario(
+        MemoryStore::new(),
+        Keys::Repeated,
+        seconds,
+        &format!("{run_id}-r"),
+    )
+    .await;
+    row("layer + MemoryStore, replays", &replay);
+
+    if std::env::var("BENCH_ONLY").is_ok_and(|v| v == "memory") {
+        return;
+    }
+    let path = std::env::temp_dir().join(format!("tower-idempotency-bench-{run_id}.db"));
+    let sqlite = SqliteStore::connect(&format!("sqlite://{}", path.display()))
+        .await
+        .expect("sqlite");
+    sqlite.migrate().await.expect("migrate");
+    let r = scenario(sqlite, Keys::Unique, seconds, &format!("{run_id}-s")).await;
+    row("layer + SqliteStore, unique keys", &r);
+    let _ = std::fs::remove_file(&path);
+
+    let url = std::env::var("TOWER_IDEMPOTENCY_POSTGRES_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".to_owned());
+    match sqlx::postgres::PgPoolOptions::new()
+        .max_connections(32)
+        .connect(&url)
+        .await
+    {
+        Ok(pool) => {
+            let store = PostgresStore::new(pool)
+                .with_table("public", "tower_idempotency_bench")
+                .expect("table");
+            store.migrate().await.expect("migrate");
+            sqlx::query("TRUNCATE tower_idempotency_bench")
+                .execute(store.pool())
+                .await
+                .expect("truncate");
+            let r = scenario(store.clone(), Keys::Unique, seconds, &format!("{run_id}-p")).await;
+            row("layer + PostgresStore, unique keys", &r);
+            let r = scenario(store, Keys::Repeated, seconds, &format!("{run_id}-pr")).await;
+            row("layer + PostgresStore, replays", &r);
+        }
+        Err(e) => println!(
+            "{:<36} skipped: PostgreSQL unreachable ({e})",
+            "layer + PostgresStore"
+        ),
+    }
+}
