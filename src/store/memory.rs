@@ -7,9 +7,11 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, SystemTime};
 
+use bytes::Bytes;
+
 use super::{
-    Claim, ClaimRequest, FencingToken, HistoryEntry, HistoryEvent, IdempotencyStore, Lease,
-    LeaseExpiry, Milestone, Record, RecordStatus, Resolution, ScopedKey, StoreError,
+    Claim, ClaimRequest, FencingToken, Fingerprint, HistoryEntry, HistoryEvent, IdempotencyStore,
+    Lease, LeaseExpiry, Milestone, Record, RecordStatus, Resolution, ScopedKey, StoreError,
     StoredResponse,
 };
 
@@ -46,8 +48,52 @@ struct Inner {
 
 #[derive(Default)]
 struct Shard {
-    records: HashMap<ScopedKey, Record>,
+    records: HashMap<ScopedKey, Box<Entry>>,
     claims: u64,
+}
+
+/// A record as this store keeps it: its key only in the map, and its response encoded (a
+/// `HeaderMap` costs hundreds of bytes; its encoded form costs its content). Boxed, so the
+/// map's slack slots stay small.
+struct Entry {
+    fingerprint: Fingerprint,
+    status: RecordStatus,
+    lease_token: FencingToken,
+    lease_until: SystemTime,
+    attempts: u32,
+    effect_started: bool,
+    downstream_id: Option<String>,
+    response: Option<Bytes>,
+    created_at: SystemTime,
+    updated_at: SystemTime,
+    expires_at: SystemTime,
+    history: Vec<HistoryEntry>,
+}
+
+impl Entry {
+    fn to_record(&self, key: &ScopedKey) -> Result<Record, StoreError> {
+        let response = match &self.response {
+            Some(bytes) => {
+                Some(StoredResponse::from_bytes(bytes).map_err(StoreError::unavailable)?)
+            }
+            None => None,
+        };
+        Ok(Record {
+            key: key.clone(),
+            fingerprint: self.fingerprint,
+            status: self.status,
+            lease_token: self.lease_token,
+            lease_until: self.lease_until,
+            attempts: self.attempts,
+            effect_started: self.effect_started,
+            downstream_id: self.downstream_id.clone(),
+            response,
+            created_at: self.created_at,
+            updated_at: self.updated_at,
+            expires_at: self.expires_at,
+            history: self.history.clone(),
+        })
+    }
 }
 
 impl fmt::Debug for MemoryStore {
@@ -139,7 +185,7 @@ impl MemoryStore {
         &self,
         key: &ScopedKey,
         token: FencingToken,
-        f: impl FnOnce(&mut Record, SystemTime) -> T,
+        f: impl FnOnce(&mut Entry, SystemTime) -> T,
     ) -> Result<T, StoreError> {
         let now = self.now();
         let mut shard = self.shard(key);
@@ -185,7 +231,7 @@ impl IdempotencyStore for MemoryStore {
                 };
                 if !takeover {
                     return Ok(Claim::Existing {
-                        record: Box::new(r.clone()),
+                        record: Box::new(r.to_record(&req.key)?),
                         now,
                     });
                 }
@@ -211,10 +257,16 @@ impl IdempotencyStore for MemoryStore {
             }
             self.inner.len.fetch_add(1, Ordering::Relaxed);
         }
+        let mut history = Vec::with_capacity(2);
+        history.push(HistoryEntry {
+            attempt: 1,
+            token,
+            at: now,
+            event: HistoryEvent::Claimed,
+        });
         shard.records.insert(
             req.key.clone(),
-            Record {
-                key: req.key.clone(),
+            Box::new(Entry {
                 fingerprint: req.fingerprint,
                 status: RecordStatus::InProgress,
                 lease_token: token,
@@ -226,13 +278,8 @@ impl IdempotencyStore for MemoryStore {
                 created_at: now,
                 updated_at: now,
                 expires_at: (now + req.ttl).max(lease_until),
-                history: vec![HistoryEntry {
-                    attempt: 1,
-                    token,
-                    at: now,
-                    event: HistoryEvent::Claimed,
-                }],
-            },
+                history,
+            }),
         );
         Ok(Claim::Acquired(Lease {
             token,
@@ -270,7 +317,7 @@ impl IdempotencyStore for MemoryStore {
                     && matches!(r.status, RecordStatus::InProgress | RecordStatus::Completed) =>
             {
                 r.status = RecordStatus::Completed;
-                r.response = Some(response.clone());
+                r.response = Some(Bytes::from(response.to_bytes()));
                 r.expires_at = now + ttl;
                 r.updated_at = now;
                 log(r, now, HistoryEvent::Completed);
@@ -310,11 +357,12 @@ impl IdempotencyStore for MemoryStore {
     async fn lookup(&self, key: &ScopedKey) -> Result<Option<Record>, StoreError> {
         let now = self.now();
         let shard = self.shard(key);
-        Ok(shard
+        shard
             .records
             .get(key)
             .filter(|r| r.expires_at > now)
-            .cloned())
+            .map(|r| r.to_record(key))
+            .transpose()
     }
 
     async fn remove(&self, key: &ScopedKey) -> Result<bool, StoreError> {
@@ -359,13 +407,11 @@ impl IdempotencyStore for MemoryStore {
         let mut found = Vec::new();
         for shard in &self.inner.shards {
             let shard = shard.lock().unwrap_or_else(|p| p.into_inner());
-            found.extend(
-                shard
-                    .records
-                    .values()
-                    .filter(|r| r.expires_at > now && uncertain(r, now))
-                    .cloned(),
-            );
+            for (key, r) in &shard.records {
+                if r.expires_at > now && uncertain(r, now) {
+                    found.push(r.to_record(key)?);
+                }
+            }
         }
         found.sort_by_key(|r| r.updated_at);
         found.truncate(limit);
@@ -387,7 +433,7 @@ impl IdempotencyStore for MemoryStore {
                 match resolution {
                     Resolution::Applied(response) => {
                         r.status = RecordStatus::Completed;
-                        r.response = Some((**response).clone());
+                        r.response = Some(Bytes::from(response.to_bytes()));
                         r.expires_at = now + ttl;
                         log(r, now, HistoryEvent::ReconciledApplied);
                     }
@@ -414,7 +460,7 @@ impl IdempotencyStore for MemoryStore {
 }
 
 /// Appends `event` to the record's history as its current attempt.
-fn log(r: &mut Record, now: SystemTime, event: HistoryEvent) {
+fn log(r: &mut Entry, now: SystemTime, event: HistoryEvent) {
     r.history.push(HistoryEntry {
         attempt: r.attempts,
         token: r.lease_token,
@@ -424,7 +470,7 @@ fn log(r: &mut Record, now: SystemTime, event: HistoryEvent) {
 }
 
 /// Whether nobody knows the record's outcome: marked so, or its holder's lease ran out.
-fn uncertain(r: &Record, now: SystemTime) -> bool {
+fn uncertain(r: &Entry, now: SystemTime) -> bool {
     r.status == RecordStatus::NeedsReconciliation
         || (r.status == RecordStatus::InProgress && r.lease_until <= now)
 }

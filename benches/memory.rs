@@ -1,0 +1,149 @@
+//! MemoryStore memory: heap bytes per stored record for one million records (a key and a 200 B
+//! response each), against the raw bytes they hold; and the heap back at its baseline once the
+//! records expire and the purge runs. Heap bytes are counted by an instrumented allocator
+//! (exact, unlike RSS, which allocators keep); RSS is shown for reference.
+//!
+//! `cargo bench --bench memory` (`BENCH_RECORDS` sets the count, default 1 000 000)
+
+use std::alloc::System;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, SystemTime};
+
+use bytes::Bytes;
+use http::{HeaderMap, HeaderValue, StatusCode};
+use stats_alloc::{INSTRUMENTED_SYSTEM, Region, StatsAlloc};
+use tower_idempotency::store::{
+    Claim, ClaimRequest, Fingerprint, LeaseExpiry, ScopedKey, StoredResponse,
+};
+use tower_idempotency::{IdempotencyStore, MemoryStore};
+
+#[global_allocator]
+static GLOBAL: &StatsAlloc<System> = &INSTRUMENTED_SYSTEM;
+
+fn live_heap(region: &Region<'_, System>) -> i64 {
+    // stats_alloc adds a realloc's growth to bytes_allocated (and its shrink to
+    // bytes_deallocated), so the difference is the live heap.
+    let stats = region.change();
+    stats.bytes_allocated as i64 - stats.bytes_deallocated as i64
+}
+
+fn rss_kib() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmRSS:"))
+                .and_then(|l| l.split_whitespace().nth(1)?.parse().ok())
+        })
+        .unwrap_or(0)
+}
+
+fn main() {
+    let records: usize = std::env::var("BENCH_RECORDS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(1_000_000);
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let offset = Arc::new(AtomicU64::new(0));
+    let clock = offset.clone();
+    let store = MemoryStore::with_clock(move || {
+        SystemTime::now() + Duration::from_secs(clock.load(Ordering::SeqCst))
+    });
+    let mut headers = HeaderMap::new();
+    headers.insert("content-type", HeaderValue::from_static("application/json"));
+    let body = Bytes::from(vec![b'x'; 200]);
+
+    let region = Region::new(GLOBAL);
+    let rss_before = rss_kib();
+    let mut raw = 0usize;
+    runtime.block_on(async {
+        for i in 0..records {
+            let key = ScopedKey::new("tenant-a", format!("8e03978e-40d5-43e8-bc93-{i:012}"));
+            raw += key.scope().len() + key.key().len() + 32 + body.len();
+            let request = ClaimRequest {
+                key: key.clone(),
+                fingerprint: Fingerprint::from_bytes([7; 32]),
+                lease: Duration::from_secs(30),
+                ttl: Duration::from_secs(3600),
+                on_lease_expiry: LeaseExpiry::Reclaim,
+            };
+            let Ok(Claim::Acquired(lease)) = store.claim(&request).await else {
+                panic!("claim")
+            };
+            // Each response owns its body, as one read off the wire would.
+            let response = StoredResponse {
+                status: StatusCode::CREATED,
+                headers: headers.clone(),
+                body: Some(Bytes::copy_from_slice(&body)),
+                trailers: None,
+            };
+            store
+                .complete(&key, lease.token, &response, Duration::from_secs(3600))
+                .await
+                .expect("complete");
+        }
+    });
+    let held = live_heap(&region);
+    let rss_held = rss_kib();
+    let per_record = held as f64 / records as f64;
+    let raw_per_record = raw as f64 / records as f64;
+    println!(
+        "{records} records (scope + key + fingerprint + 200 B body = {raw_per_record:.0} raw bytes each)"
+    );
+    println!(
+        "{:<44} {:>14}",
+        "heap held",
+        format!("{:.1} MiB", held as f64 / 1048576.0)
+    );
+    println!(
+        "{:<44} {:>14}",
+        "heap per record",
+        format!("{per_record:.0} B")
+    );
+    println!(
+        "{:<44} {:>14}",
+        "overhead per record (heap - raw)",
+        format!("{:.0} B", per_record - raw_per_record)
+    );
+    println!(
+        "{:<44} {:>14}",
+        "ratio heap / raw",
+        format!("{:.2}x", per_record / raw_per_record)
+    );
+    println!(
+        "{:<44} {:>14}",
+        "RSS growth",
+        format!(
+            "{:.1} MiB",
+            (rss_held.saturating_sub(rss_before)) as f64 / 1024.0
+        )
+    );
+
+    offset.store(7200, Ordering::SeqCst); // past the TTL
+    let purged = runtime.block_on(store.purge_expired()).expect("purge");
+    let after = live_heap(&region);
+    println!("{:<44} {:>14}", "purged", purged);
+    println!(
+        "{:<44} {:>14}",
+        "heap after purge (vs before the records)",
+        format!("{:+} B", after)
+    );
+    println!(
+        "{:<44} {:>14}",
+        "RSS after purge (allocator may keep pages)",
+        format!(
+            "{:.1} MiB",
+            (rss_kib().saturating_sub(rss_before)) as f64 / 1024.0
+        )
+    );
+    drop(store);
+    println!(
+        "{:<44} {:>14}",
+        "heap after dropping the store",
+        format!("{:+} B", live_heap(&region))
+    );
+}
