@@ -257,6 +257,19 @@ impl PostgresStore {
         &self.pool
     }
 
+    /// The claim statement, for `EXPLAIN` and for benchmarks against raw SQL. Parameters:
+    /// `$1` scope, `$2` key (bytea), `$3` fingerprint, `$4` token (int8), `$5` lease ms,
+    /// `$6` reclaim on lease expiry (bool), `$7` TTL ms.
+    pub fn claim_statement(&self) -> &str {
+        &self.sql.claim
+    }
+
+    /// The completion statement. Parameters: `$1` scope, `$2` key, `$3` token, `$4` encoded
+    /// response, `$5` TTL ms.
+    pub fn complete_statement(&self) -> &str {
+        &self.sql.complete
+    }
+
     /// The DDL [`migrate`](Self::migrate) runs, one statement per entry, each idempotent: for
     /// teams that apply schema changes with their own tooling.
     pub fn migration_sql(&self) -> Vec<String> {
