@@ -63,7 +63,13 @@ fn main() {
     runtime.block_on(async {
         for i in 0..records {
             let key = ScopedKey::new("tenant-a", format!("8e03978e-40d5-43e8-bc93-{i:012}"));
-            raw += key.scope().len() + key.key().len() + 32 + body.len();
+            // What the record must hold: scope, key, fingerprint, and the response (status,
+            // header names and values, body).
+            let header_bytes: usize = headers
+                .iter()
+                .map(|(n, v)| n.as_str().len() + v.len())
+                .sum();
+            raw += key.scope().len() + key.key().len() + 32 + 2 + header_bytes + body.len();
             let request = ClaimRequest {
                 key: key.clone(),
                 fingerprint: Fingerprint::from_bytes([7; 32]),
@@ -92,7 +98,7 @@ fn main() {
     let per_record = held as f64 / records as f64;
     let raw_per_record = raw as f64 / records as f64;
     println!(
-        "{records} records (scope + key + fingerprint + 200 B body = {raw_per_record:.0} raw bytes each)"
+        "{records} records (scope, key, fingerprint, status, Content-Type, 200 B body: {raw_per_record:.0} raw bytes each)"
     );
     println!(
         "{:<44} {:>14}",

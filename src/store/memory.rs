@@ -7,8 +7,6 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, SystemTime};
 
-use bytes::Bytes;
-
 use super::{
     Claim, ClaimRequest, FencingToken, Fingerprint, HistoryEntry, HistoryEvent, IdempotencyStore,
     Lease, LeaseExpiry, Milestone, Record, RecordStatus, Resolution, ScopedKey, StoreError,
@@ -48,30 +46,66 @@ struct Inner {
 
 #[derive(Default)]
 struct Shard {
-    records: HashMap<ScopedKey, Box<Entry>>,
+    records: HashMap<PackedKey, Box<Entry>>,
     claims: u64,
 }
 
-/// A record as this store keeps it: its key only in the map, and its response encoded (a
-/// `HeaderMap` costs hundreds of bytes; its encoded form costs its content). Boxed, so the
-/// map's slack slots stay small.
+/// A key as this store keeps it: scope and key in one allocation (`u32` scope length, scope,
+/// key), hashed and compared as bytes.
+#[derive(PartialEq, Eq, Hash)]
+struct PackedKey(Box<[u8]>);
+
+impl PackedKey {
+    fn new(key: &ScopedKey) -> Self {
+        let (scope, key) = (key.scope().as_bytes(), key.key().as_bytes());
+        let mut packed = Vec::with_capacity(4 + scope.len() + key.len());
+        packed.extend_from_slice(&(scope.len() as u32).to_le_bytes());
+        packed.extend_from_slice(scope);
+        packed.extend_from_slice(key);
+        Self(packed.into_boxed_slice())
+    }
+
+    fn unpack(&self) -> ScopedKey {
+        let mut len = [0u8; 4];
+        len.copy_from_slice(&self.0[..4]);
+        let split = 4 + u32::from_le_bytes(len) as usize;
+        // Both parts were `String`s when packed.
+        ScopedKey::new(
+            String::from_utf8_lossy(&self.0[4..split]).into_owned(),
+            String::from_utf8_lossy(&self.0[split..]).into_owned(),
+        )
+    }
+}
+
+/// A record as this store keeps it: times in milliseconds, its key only in the map, its
+/// response encoded (a `HeaderMap` costs hundreds of bytes; its encoded form, its content).
+/// Boxed, so the map's slack slots stay small.
 struct Entry {
     fingerprint: Fingerprint,
-    status: RecordStatus,
     lease_token: FencingToken,
-    lease_until: SystemTime,
+    lease_until: u64,
+    created_at: u64,
+    updated_at: u64,
+    expires_at: u64,
     attempts: u32,
+    status: RecordStatus,
     effect_started: bool,
-    downstream_id: Option<String>,
-    response: Option<Bytes>,
-    created_at: SystemTime,
-    updated_at: SystemTime,
-    expires_at: SystemTime,
-    history: Vec<HistoryEntry>,
+    downstream_id: Option<Box<str>>,
+    response: Option<Box<[u8]>>,
+    history: Vec<Event>,
+}
+
+/// One history entry, compactly.
+#[derive(Clone, Copy)]
+struct Event {
+    at: u64,
+    token: FencingToken,
+    attempt: u32,
+    event: HistoryEvent,
 }
 
 impl Entry {
-    fn to_record(&self, key: &ScopedKey) -> Result<Record, StoreError> {
+    fn to_record(&self, key: ScopedKey) -> Result<Record, StoreError> {
         let response = match &self.response {
             Some(bytes) => {
                 Some(StoredResponse::from_bytes(bytes).map_err(StoreError::unavailable)?)
@@ -79,21 +113,44 @@ impl Entry {
             None => None,
         };
         Ok(Record {
-            key: key.clone(),
+            key,
             fingerprint: self.fingerprint,
             status: self.status,
             lease_token: self.lease_token,
-            lease_until: self.lease_until,
+            lease_until: time(self.lease_until),
             attempts: self.attempts,
             effect_started: self.effect_started,
-            downstream_id: self.downstream_id.clone(),
+            downstream_id: self.downstream_id.as_deref().map(str::to_owned),
             response,
-            created_at: self.created_at,
-            updated_at: self.updated_at,
-            expires_at: self.expires_at,
-            history: self.history.clone(),
+            created_at: time(self.created_at),
+            updated_at: time(self.updated_at),
+            expires_at: time(self.expires_at),
+            history: self
+                .history
+                .iter()
+                .map(|e| HistoryEntry {
+                    attempt: e.attempt,
+                    token: e.token,
+                    at: time(e.at),
+                    event: e.event,
+                })
+                .collect(),
         })
     }
+}
+
+/// Milliseconds since the Unix epoch.
+fn ms(t: SystemTime) -> u64 {
+    t.duration_since(SystemTime::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+fn time(ms: u64) -> SystemTime {
+    SystemTime::UNIX_EPOCH + Duration::from_millis(ms)
+}
+
+fn span(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX / 2)
 }
 
 impl fmt::Debug for MemoryStore {
@@ -154,7 +211,7 @@ impl MemoryStore {
         self.len() == 0
     }
 
-    fn shard(&self, key: &ScopedKey) -> MutexGuard<'_, Shard> {
+    fn shard(&self, key: &PackedKey) -> MutexGuard<'_, Shard> {
         let i = self.inner.hasher.hash_one(key) as usize % SHARDS;
         // A panic while holding a shard cannot leave a record half-written (every update is a
         // single assignment), so a poisoned lock is safe to keep using.
@@ -163,8 +220,9 @@ impl MemoryStore {
             .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
-    fn now(&self) -> SystemTime {
-        (self.inner.clock)()
+    /// The store's clock, in milliseconds.
+    fn now(&self) -> u64 {
+        ms((self.inner.clock)())
     }
 
     fn token(&self) -> FencingToken {
@@ -172,7 +230,7 @@ impl MemoryStore {
     }
 
     /// Removes expired, settled records from one shard; returns how many.
-    fn sweep(&self, shard: &mut Shard, now: SystemTime) -> u64 {
+    fn sweep(&self, shard: &mut Shard, now: u64) -> u64 {
         let before = shard.records.len();
         shard.records.retain(|_, r| r.expires_at > now);
         let removed = before - shard.records.len();
@@ -185,11 +243,12 @@ impl MemoryStore {
         &self,
         key: &ScopedKey,
         token: FencingToken,
-        f: impl FnOnce(&mut Entry, SystemTime) -> T,
+        f: impl FnOnce(&mut Entry, u64) -> T,
     ) -> Result<T, StoreError> {
         let now = self.now();
-        let mut shard = self.shard(key);
-        match shard.records.get_mut(key) {
+        let key = PackedKey::new(key);
+        let mut shard = self.shard(&key);
+        match shard.records.get_mut(&key) {
             Some(r) if r.lease_token == token && r.status == RecordStatus::InProgress => {
                 r.updated_at = now;
                 Ok(f(r, now))
@@ -202,14 +261,15 @@ impl MemoryStore {
 impl IdempotencyStore for MemoryStore {
     async fn claim(&self, req: &ClaimRequest) -> Result<Claim, StoreError> {
         let now = self.now();
-        let mut shard = self.shard(&req.key);
+        let packed = PackedKey::new(&req.key);
+        let mut shard = self.shard(&packed);
         shard.claims += 1;
         if shard.claims.is_multiple_of(SWEEP_EVERY) {
             self.sweep(&mut shard, now);
         }
-        let lease_until = now + req.lease;
+        let lease_until = now + span(req.lease);
         let token = self.token();
-        if let Some(r) = shard.records.get_mut(&req.key) {
+        if let Some(r) = shard.records.get_mut(&packed) {
             if r.expires_at > now {
                 let takeover = if r.fingerprint != req.fingerprint {
                     false
@@ -231,8 +291,8 @@ impl IdempotencyStore for MemoryStore {
                 };
                 if !takeover {
                     return Ok(Claim::Existing {
-                        record: Box::new(r.to_record(&req.key)?),
-                        now,
+                        record: Box::new(r.to_record(req.key.clone())?),
+                        now: time(now),
                     });
                 }
                 r.status = RecordStatus::InProgress;
@@ -240,12 +300,12 @@ impl IdempotencyStore for MemoryStore {
                 r.lease_until = lease_until;
                 r.attempts += 1;
                 r.updated_at = now;
-                r.expires_at = r.expires_at.max(now + req.ttl).max(lease_until);
+                r.expires_at = r.expires_at.max(now + span(req.ttl)).max(lease_until);
                 log(r, now, HistoryEvent::Claimed);
                 return Ok(Claim::Acquired(Lease {
                     token,
                     attempt: r.attempts,
-                    until: lease_until,
+                    until: time(lease_until),
                 }));
             }
             // Expired: counts as absent, and is overwritten below.
@@ -258,14 +318,14 @@ impl IdempotencyStore for MemoryStore {
             self.inner.len.fetch_add(1, Ordering::Relaxed);
         }
         let mut history = Vec::with_capacity(2);
-        history.push(HistoryEntry {
-            attempt: 1,
-            token,
+        history.push(Event {
             at: now,
+            token,
+            attempt: 1,
             event: HistoryEvent::Claimed,
         });
         shard.records.insert(
-            req.key.clone(),
+            packed,
             Box::new(Entry {
                 fingerprint: req.fingerprint,
                 status: RecordStatus::InProgress,
@@ -277,14 +337,14 @@ impl IdempotencyStore for MemoryStore {
                 response: None,
                 created_at: now,
                 updated_at: now,
-                expires_at: (now + req.ttl).max(lease_until),
+                expires_at: (now + span(req.ttl)).max(lease_until),
                 history,
             }),
         );
         Ok(Claim::Acquired(Lease {
             token,
             attempt: 1,
-            until: lease_until,
+            until: time(lease_until),
         }))
     }
 
@@ -295,9 +355,9 @@ impl IdempotencyStore for MemoryStore {
         lease: Duration,
     ) -> Result<SystemTime, StoreError> {
         self.fenced(key, token, |r, now| {
-            r.lease_until = now + lease;
+            r.lease_until = now + span(lease);
             r.expires_at = r.expires_at.max(r.lease_until);
-            r.lease_until
+            time(r.lease_until)
         })
     }
 
@@ -309,16 +369,17 @@ impl IdempotencyStore for MemoryStore {
         ttl: Duration,
     ) -> Result<(), StoreError> {
         let now = self.now();
-        let mut shard = self.shard(key);
-        match shard.records.get_mut(key) {
+        let key = PackedKey::new(key);
+        let mut shard = self.shard(&key);
+        match shard.records.get_mut(&key) {
             // The holder may complete again what it already completed.
             Some(r)
                 if r.lease_token == token
                     && matches!(r.status, RecordStatus::InProgress | RecordStatus::Completed) =>
             {
                 r.status = RecordStatus::Completed;
-                r.response = Some(Bytes::from(response.to_bytes()));
-                r.expires_at = now + ttl;
+                r.response = Some(response.to_bytes().into_boxed_slice());
+                r.expires_at = now + span(ttl);
                 r.updated_at = now;
                 log(r, now, HistoryEvent::Completed);
                 Ok(())
@@ -356,17 +417,19 @@ impl IdempotencyStore for MemoryStore {
 
     async fn lookup(&self, key: &ScopedKey) -> Result<Option<Record>, StoreError> {
         let now = self.now();
-        let shard = self.shard(key);
+        let packed = PackedKey::new(key);
+        let shard = self.shard(&packed);
         shard
             .records
-            .get(key)
+            .get(&packed)
             .filter(|r| r.expires_at > now)
-            .map(|r| r.to_record(key))
+            .map(|r| r.to_record(key.clone()))
             .transpose()
     }
 
     async fn remove(&self, key: &ScopedKey) -> Result<bool, StoreError> {
-        let removed = self.shard(key).records.remove(key).is_some();
+        let key = PackedKey::new(key);
+        let removed = self.shard(&key).records.remove(&key).is_some();
         if removed {
             self.inner.len.fetch_sub(1, Ordering::Relaxed);
         }
@@ -396,7 +459,7 @@ impl IdempotencyStore for MemoryStore {
                 log(r, now, HistoryEvent::EffectStarted);
             }
             Milestone::DownstreamId(id) => {
-                r.downstream_id = Some(id.clone());
+                r.downstream_id = Some(id.as_str().into());
                 log(r, now, HistoryEvent::DownstreamId);
             }
         })
@@ -409,7 +472,7 @@ impl IdempotencyStore for MemoryStore {
             let shard = shard.lock().unwrap_or_else(|p| p.into_inner());
             for (key, r) in &shard.records {
                 if r.expires_at > now && uncertain(r, now) {
-                    found.push(r.to_record(key)?);
+                    found.push(r.to_record(key.unpack())?);
                 }
             }
         }
@@ -426,15 +489,16 @@ impl IdempotencyStore for MemoryStore {
         ttl: Duration,
     ) -> Result<(), StoreError> {
         let now = self.now();
-        let mut shard = self.shard(key);
-        match shard.records.get_mut(key) {
+        let key = PackedKey::new(key);
+        let mut shard = self.shard(&key);
+        match shard.records.get_mut(&key) {
             Some(r) if r.lease_token == token && uncertain(r, now) => {
                 r.updated_at = now;
                 match resolution {
                     Resolution::Applied(response) => {
                         r.status = RecordStatus::Completed;
-                        r.response = Some(Bytes::from(response.to_bytes()));
-                        r.expires_at = now + ttl;
+                        r.response = Some(response.to_bytes().into_boxed_slice());
+                        r.expires_at = now + span(ttl);
                         log(r, now, HistoryEvent::ReconciledApplied);
                     }
                     Resolution::NotApplied => {
@@ -450,7 +514,8 @@ impl IdempotencyStore for MemoryStore {
 
     async fn append_history(&self, key: &ScopedKey, event: HistoryEvent) -> Result<(), StoreError> {
         let now = self.now();
-        if let Some(r) = self.shard(key).records.get_mut(key)
+        let key = PackedKey::new(key);
+        if let Some(r) = self.shard(&key).records.get_mut(&key)
             && r.expires_at > now
         {
             log(r, now, event);
@@ -460,17 +525,17 @@ impl IdempotencyStore for MemoryStore {
 }
 
 /// Appends `event` to the record's history as its current attempt.
-fn log(r: &mut Entry, now: SystemTime, event: HistoryEvent) {
-    r.history.push(HistoryEntry {
-        attempt: r.attempts,
-        token: r.lease_token,
+fn log(r: &mut Entry, now: u64, event: HistoryEvent) {
+    r.history.push(Event {
         at: now,
+        token: r.lease_token,
+        attempt: r.attempts,
         event,
     });
 }
 
 /// Whether nobody knows the record's outcome: marked so, or its holder's lease ran out.
-fn uncertain(r: &Entry, now: SystemTime) -> bool {
+fn uncertain(r: &Entry, now: u64) -> bool {
     r.status == RecordStatus::NeedsReconciliation
         || (r.status == RecordStatus::InProgress && r.lease_until <= now)
 }
