@@ -54,6 +54,16 @@ impl StoredResponse {
 
     /// Decodes what [`to_bytes`](Self::to_bytes) wrote.
     pub fn from_bytes(bytes: &[u8]) -> Result<Self, CorruptRecord> {
+        Self::decode(bytes, Bytes::copy_from_slice)
+    }
+
+    /// Decodes what [`to_bytes`](Self::to_bytes) wrote, sharing `bytes` for the body instead
+    /// of copying it.
+    pub fn from_shared(bytes: &Bytes) -> Result<Self, CorruptRecord> {
+        Self::decode(bytes, |body| bytes.slice_ref(body))
+    }
+
+    fn decode(bytes: &[u8], body_of: impl FnOnce(&[u8]) -> Bytes) -> Result<Self, CorruptRecord> {
         let mut buf = bytes;
         if buf.len() < MAGIC.len() || &buf[..MAGIC.len()] != MAGIC {
             return Err(CorruptRecord("unknown format"));
@@ -67,7 +77,7 @@ impl StoredResponse {
             _ => {
                 let len = usize::try_from(get_u64(&mut buf)?)
                     .map_err(|_| CorruptRecord("body length"))?;
-                Some(Bytes::copy_from_slice(take(&mut buf, len)?))
+                Some(body_of(take(&mut buf, len)?))
             }
         };
         let trailers = match get_u8(&mut buf)? {
@@ -182,7 +192,11 @@ mod tests {
                 trailers,
             };
             let bytes = response.to_bytes();
-            assert_eq!(StoredResponse::from_bytes(&bytes), Ok(response));
+            assert_eq!(StoredResponse::from_bytes(&bytes), Ok(response.clone()));
+            assert_eq!(
+                StoredResponse::from_shared(&Bytes::from(bytes.clone())),
+                Ok(response)
+            );
             for cut in [0, 3, 5, bytes.len() - 1] {
                 assert!(
                     StoredResponse::from_bytes(&bytes[..cut]).is_err(),

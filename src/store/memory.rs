@@ -7,6 +7,8 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, SystemTime};
 
+use bytes::Bytes;
+
 use super::{
     Claim, ClaimRequest, FencingToken, Fingerprint, HistoryEntry, HistoryEvent, IdempotencyStore,
     Lease, LeaseExpiry, Milestone, Record, RecordStatus, Resolution, ScopedKey, StoreError,
@@ -91,7 +93,7 @@ struct Entry {
     status: RecordStatus,
     effect_started: bool,
     downstream_id: Option<Box<str>>,
-    response: Option<Box<[u8]>>,
+    response: Option<Bytes>,
     history: Vec<Event>,
 }
 
@@ -378,7 +380,7 @@ impl IdempotencyStore for MemoryStore {
                     && matches!(r.status, RecordStatus::InProgress | RecordStatus::Completed) =>
             {
                 r.status = RecordStatus::Completed;
-                r.response = Some(response.to_bytes().into_boxed_slice());
+                r.response = Some(Bytes::from(response.to_bytes()));
                 r.expires_at = now + span(ttl);
                 r.updated_at = now;
                 log(r, now, HistoryEvent::Completed);
@@ -497,7 +499,7 @@ impl IdempotencyStore for MemoryStore {
                 match resolution {
                     Resolution::Applied(response) => {
                         r.status = RecordStatus::Completed;
-                        r.response = Some(response.to_bytes().into_boxed_slice());
+                        r.response = Some(Bytes::from(response.to_bytes()));
                         r.expires_at = now + span(ttl);
                         log(r, now, HistoryEvent::ReconciledApplied);
                     }
