@@ -5,8 +5,8 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use super::codec::CorruptRecord;
 use super::{
-    FencingToken, Fingerprint, HistoryEntry, Record, RecordStatus, ScopedKey, StoreError,
-    StoredResponse,
+    Claim, FencingToken, Fingerprint, HistoryEntry, Lease, Record, RecordStatus, ScopedKey,
+    StoreError, StoredResponse,
 };
 
 /// A schema or table name that is not a plain SQL identifier.
@@ -99,6 +99,27 @@ impl RawRecord {
     }
 }
 
+/// What a claim statement's row means: the caller's claim won if the row was written with the
+/// caller's token and is in progress; otherwise it is the record that stands.
+pub(crate) fn claim_outcome(
+    record: Record,
+    now: SystemTime,
+    written: bool,
+    token: FencingToken,
+) -> Claim {
+    if written && record.lease_token == token && record.status == RecordStatus::InProgress {
+        return Claim::Acquired(Lease {
+            token,
+            attempt: record.attempts,
+            until: record.lease_until,
+        });
+    }
+    Claim::Existing {
+        record: Box::new(record),
+        now,
+    }
+}
+
 pub(crate) fn from_millis(ms: i64) -> SystemTime {
     UNIX_EPOCH + Duration::from_millis(ms.max(0) as u64)
 }
@@ -117,6 +138,297 @@ pub(crate) fn token(t: FencingToken) -> i64 {
 pub(crate) fn unavailable(e: sqlx::Error) -> StoreError {
     StoreError::unavailable(e)
 }
+
+/// Implements everything of a sqlx store except its claim (`claim_record`, which each database
+/// does its own way): the fenced writes, the reads and the history appends run the same
+/// statements, prepared in the store's `Statements`, on any database.
+macro_rules! sql_store {
+    ($store:ident, $db:ty, $conn:ty, $row:ty) => {
+impl $store {
+    async fn settle(
+        &self,
+        key: &ScopedKey,
+        token: FencingToken,
+        status: RecordStatus,
+    ) -> Result<(), StoreError> {
+        let done = sqlx::query(AssertSqlSafe(self.sql.settle.clone()))
+            .bind(key.scope().as_bytes())
+            .bind(key.key().as_bytes())
+            .bind(sql::token(token))
+            .bind(status.as_str())
+            .execute(&self.pool)
+            .await
+            .map_err(unavailable)?;
+        fenced(done.rows_affected())
+    }
+
+    /// Records a milestone on `connection`, typically inside the handler's own transaction, so
+    /// the business write and the milestone commit or roll back together:
+    ///
+    /// ```no_run
+    #[doc = concat!(" # async fn handler(store: tower_idempotency::store::", stringify!($store), ", ctx: tower_idempotency::IdempotencyContext)")]
+    /// # -> Result<(), Box<dyn std::error::Error>> {
+    /// use tower_idempotency::store::Milestone;
+    ///
+    /// let mut tx = store.pool().begin().await?;
+    /// sqlx::query("INSERT INTO orders (id) VALUES (1)").execute(&mut *tx).await?;
+    /// store
+    ///     .record_milestone_in(&mut tx, ctx.scoped_key(), ctx.fencing_token(), &Milestone::EffectStarted)
+    ///     .await?;
+    /// tx.commit().await?;
+    /// # Ok(()) }
+    /// ```
+    pub async fn record_milestone_in(
+        &self,
+        connection: &mut $conn,
+        key: &ScopedKey,
+        token: FencingToken,
+        milestone: &Milestone,
+    ) -> Result<(), StoreError> {
+        self.milestone_on(connection, key, token, milestone).await
+    }
+
+    /// Records the outcome on `connection`, typically inside the handler's own transaction, so
+    /// the business write and the recorded response commit or roll back together. The layer
+    /// records the live response again afterwards, with the same token; that is allowed.
+    pub async fn complete_in(
+        &self,
+        connection: &mut $conn,
+        key: &ScopedKey,
+        token: FencingToken,
+        response: &StoredResponse,
+        ttl: Duration,
+    ) -> Result<(), StoreError> {
+        self.complete_on(connection, key, token, response, ttl)
+            .await
+    }
+
+    async fn complete_on<'c, E>(
+        &self,
+        executor: E,
+        key: &ScopedKey,
+        token: FencingToken,
+        response: &StoredResponse,
+        ttl: Duration,
+    ) -> Result<(), StoreError>
+    where
+        E: sqlx::Executor<'c, Database = $db>,
+    {
+        let done = sqlx::query(AssertSqlSafe(self.sql.complete.clone()))
+            .bind(key.scope().as_bytes())
+            .bind(key.key().as_bytes())
+            .bind(sql::token(token))
+            .bind(response.to_bytes())
+            .bind(millis(ttl))
+            .execute(executor)
+            .await
+            .map_err(unavailable)?;
+        fenced(done.rows_affected())
+    }
+
+    async fn milestone_on<'c, E>(
+        &self,
+        executor: E,
+        key: &ScopedKey,
+        token: FencingToken,
+        milestone: &Milestone,
+    ) -> Result<(), StoreError>
+    where
+        E: sqlx::Executor<'c, Database = $db>,
+    {
+        let query = match milestone {
+            Milestone::EffectStarted => sqlx::query(AssertSqlSafe(self.sql.effect_started.clone())),
+            Milestone::DownstreamId(_) => {
+                sqlx::query(AssertSqlSafe(self.sql.downstream_id.clone()))
+            }
+        };
+        let mut query = query
+            .bind(key.scope().as_bytes())
+            .bind(key.key().as_bytes())
+            .bind(sql::token(token));
+        if let Milestone::DownstreamId(id) = milestone {
+            query = query.bind(id.as_str());
+        }
+        let done = query.execute(executor).await.map_err(unavailable)?;
+        fenced(done.rows_affected())
+    }
+}
+
+fn fenced(rows: u64) -> Result<(), StoreError> {
+    if rows == 1 {
+        Ok(())
+    } else {
+        Err(StoreError::Fenced)
+    }
+}
+
+fn raw(row: &$row) -> Result<(RawRecord, SystemTime), sqlx::Error> {
+    let record = RawRecord {
+        scope: row.try_get(0)?,
+        key: row.try_get(1)?,
+        fingerprint: row.try_get(2)?,
+        status: row.try_get(3)?,
+        lease_token: row.try_get(4)?,
+        lease_until_ms: row.try_get(5)?,
+        attempts: row.try_get(6)?,
+        effect_started: row.try_get(7)?,
+        downstream_id: row.try_get(8)?,
+        response: row.try_get(9)?,
+        created_at_ms: row.try_get(10)?,
+        updated_at_ms: row.try_get(11)?,
+        expires_at_ms: row.try_get(12)?,
+        history: row.try_get(13)?,
+    };
+    Ok((record, sql::from_millis(row.try_get(14)?)))
+}
+
+impl IdempotencyStore for $store {
+    async fn claim(&self, req: &ClaimRequest) -> Result<Claim, StoreError> {
+        self.claim_record(req).await
+    }
+
+    async fn renew(
+        &self,
+        key: &ScopedKey,
+        token: FencingToken,
+        lease: Duration,
+    ) -> Result<SystemTime, StoreError> {
+        let until: Option<i64> = sqlx::query_scalar(AssertSqlSafe(self.sql.renew.clone()))
+            .bind(key.scope().as_bytes())
+            .bind(key.key().as_bytes())
+            .bind(sql::token(token))
+            .bind(millis(lease))
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(unavailable)?;
+        until.map(sql::from_millis).ok_or(StoreError::Fenced)
+    }
+
+    async fn complete(
+        &self,
+        key: &ScopedKey,
+        token: FencingToken,
+        response: &StoredResponse,
+        ttl: Duration,
+    ) -> Result<(), StoreError> {
+        self.complete_on(&self.pool, key, token, response, ttl)
+            .await
+    }
+
+    async fn release(
+        &self,
+        key: &ScopedKey,
+        token: FencingToken,
+    ) -> Result<RecordStatus, StoreError> {
+        let status: Option<String> = sqlx::query_scalar(AssertSqlSafe(self.sql.release.clone()))
+            .bind(key.scope().as_bytes())
+            .bind(key.key().as_bytes())
+            .bind(sql::token(token))
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(unavailable)?;
+        match status.as_deref() {
+            Some("needs_reconciliation") => Ok(RecordStatus::NeedsReconciliation),
+            Some(_) => Ok(RecordStatus::Released),
+            None => Err(StoreError::Fenced),
+        }
+    }
+
+    async fn mark_uncertain(&self, key: &ScopedKey, token: FencingToken) -> Result<(), StoreError> {
+        self.settle(key, token, RecordStatus::NeedsReconciliation)
+            .await
+    }
+
+    async fn lookup(&self, key: &ScopedKey) -> Result<Option<Record>, StoreError> {
+        let row = sqlx::query(AssertSqlSafe(self.sql.lookup.clone()))
+            .bind(key.scope().as_bytes())
+            .bind(key.key().as_bytes())
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(unavailable)?;
+        match row {
+            Some(row) => Ok(Some(raw(&row).map_err(unavailable)?.0.into_record()?)),
+            None => Ok(None),
+        }
+    }
+
+    async fn remove(&self, key: &ScopedKey) -> Result<bool, StoreError> {
+        let done = sqlx::query(AssertSqlSafe(self.sql.remove.clone()))
+            .bind(key.scope().as_bytes())
+            .bind(key.key().as_bytes())
+            .execute(&self.pool)
+            .await
+            .map_err(unavailable)?;
+        Ok(done.rows_affected() > 0)
+    }
+
+    async fn purge_expired(&self) -> Result<u64, StoreError> {
+        let done = sqlx::query(AssertSqlSafe(self.sql.purge.clone()))
+            .execute(&self.pool)
+            .await
+            .map_err(unavailable)?;
+        Ok(done.rows_affected())
+    }
+
+    async fn record_milestone(
+        &self,
+        key: &ScopedKey,
+        token: FencingToken,
+        milestone: &Milestone,
+    ) -> Result<(), StoreError> {
+        self.milestone_on(&self.pool, key, token, milestone).await
+    }
+
+    async fn list_uncertain(&self, limit: usize) -> Result<Vec<Record>, StoreError> {
+        let rows = sqlx::query(AssertSqlSafe(self.sql.list_uncertain.clone()))
+            .bind(i64::try_from(limit).unwrap_or(i64::MAX))
+            .fetch_all(&self.pool)
+            .await
+            .map_err(unavailable)?;
+        rows.iter()
+            .map(|row| raw(row).map_err(unavailable)?.0.into_record())
+            .collect()
+    }
+
+    async fn resolve(
+        &self,
+        key: &ScopedKey,
+        token: FencingToken,
+        resolution: &Resolution,
+        ttl: Duration,
+    ) -> Result<(), StoreError> {
+        let (status, response) = match resolution {
+            Resolution::Applied(response) => (RecordStatus::Completed, Some(response.to_bytes())),
+            Resolution::NotApplied => (RecordStatus::Released, None),
+        };
+        let done = sqlx::query(AssertSqlSafe(self.sql.resolve.clone()))
+            .bind(key.scope().as_bytes())
+            .bind(key.key().as_bytes())
+            .bind(sql::token(token))
+            .bind(status.as_str())
+            .bind(response)
+            .bind(millis(ttl))
+            .execute(&self.pool)
+            .await
+            .map_err(unavailable)?;
+        fenced(done.rows_affected())
+    }
+
+    async fn append_history(&self, key: &ScopedKey, event: HistoryEvent) -> Result<(), StoreError> {
+        sqlx::query(AssertSqlSafe(self.sql.append_history.clone()))
+            .bind(key.scope().as_bytes())
+            .bind(key.key().as_bytes())
+            .bind(event.as_str())
+            .execute(&self.pool)
+            .await
+            .map_err(unavailable)?;
+        Ok(())
+    }
+}
+    };
+}
+
+pub(crate) use sql_store;
 
 #[cfg(test)]
 mod tests {
