@@ -18,8 +18,9 @@ use pin_project_lite::pin_project;
 use tower_service::Service;
 
 use crate::body::{RequestBody, ResponseBody};
+use crate::jsonrpc;
 use crate::observe::{self, Event};
-use crate::policy::Outcome;
+use crate::policy::{CachePolicy, Outcome};
 use crate::problem::{Problem, ProblemKind, Protocol};
 use crate::replay::{Captured, Presentation, capture, present, storable_headers};
 use crate::route::RouteConfig;
@@ -65,7 +66,7 @@ impl<St: IdempotencyStore> Execution<St> {
                 Ok(failed(
                     "the handler panicked; nothing was recorded",
                     state,
-                    self.protocol,
+                    &self.protocol,
                 ))
             }
             Ok(Err(service_error)) => {
@@ -79,7 +80,7 @@ impl<St: IdempotencyStore> Execution<St> {
                 Ok(failed(
                     "the response body failed mid-stream; nothing was recorded",
                     state,
-                    self.protocol,
+                    &self.protocol,
                 ))
             }
             Ok(Ok(Ok(Captured::Complete {
@@ -153,6 +154,9 @@ impl<St: IdempotencyStore> Execution<St> {
 
     /// Step 8: records the outcome if the route's policy keeps it, else releases the key.
     async fn record(&self, parts: &Parts, body: Option<&Bytes>, trailers: Option<&HeaderMap>) {
+        if let Protocol::JsonRpc(id) = &self.protocol {
+            return self.record_jsonrpc(parts, body, id).await;
+        }
         let outcome = Outcome {
             status: parts.status,
             headers: &parts.headers,
@@ -169,6 +173,49 @@ impl<St: IdempotencyStore> Execution<St> {
             trailers: trailers.cloned(),
         };
         self.complete(&stored).await;
+    }
+
+    /// JSON-RPC: the outcome is the final response to the call (from JSON or SSE); without
+    /// one (an interim answer) there is nothing to record and the key is released.
+    async fn record_jsonrpc(&self, parts: &Parts, body: Option<&Bytes>, id: &serde_json::Value) {
+        let Some(body) = body else {
+            // Too large to keep: consumed, like any oversized response.
+            return self
+                .complete(&StoredResponse {
+                    status: jsonrpc::REPLAY_STATUS,
+                    headers: jsonrpc::stored_headers(),
+                    body: None,
+                    trailers: None,
+                })
+                .await;
+        };
+        let Some(message) = jsonrpc::final_response(&parts.headers, body, id) else {
+            self.release().await;
+            return;
+        };
+        let stored = StoredResponse {
+            status: jsonrpc::REPLAY_STATUS,
+            headers: jsonrpc::stored_headers(),
+            body: Some(message),
+            trailers: None,
+        };
+        let outcome = Outcome {
+            status: stored.status,
+            headers: &stored.headers,
+            trailers: None,
+        };
+        let records = match &self.route.cache_policy {
+            CachePolicy::DefinitiveOnly => {
+                parts.status.is_success()
+                    && stored.body.as_deref().is_some_and(jsonrpc::is_definitive)
+            }
+            policy => policy.records(&outcome),
+        };
+        if records {
+            self.complete(&stored).await;
+        } else {
+            self.release().await;
+        }
     }
 
     async fn complete(&self, stored: &StoredResponse) {
@@ -229,7 +276,7 @@ fn settle(result: Result<(), StoreError>, what: &str) {
     }
 }
 
-fn failed<B>(detail: &str, state: &'static str, protocol: Protocol) -> Response<ResponseBody<B>> {
+fn failed<B>(detail: &str, state: &'static str, protocol: &Protocol) -> Response<ResponseBody<B>> {
     Problem::new(ProblemKind::ExecutionFailed, detail)
         .state(state)
         .respond(protocol)

@@ -174,6 +174,8 @@ impl<St, M> IdempotencyLayer<St, M> {
         external_effects(external: bool);
         /// Whether refusals are written into the key's history.
         record_refusals(on: bool);
+        /// Guards JSON-RPC calls (MCP `tools/call`) instead of plain HTTP requests.
+        jsonrpc(settings: crate::jsonrpc::JsonRpc);
     }
 
     /// The methods guarded (default `POST` and `PATCH`).

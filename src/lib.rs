@@ -87,6 +87,7 @@ mod execute;
 pub mod fingerprint;
 mod future;
 pub mod grpc;
+pub mod jsonrpc;
 mod key;
 mod layer;
 mod observe;

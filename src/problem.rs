@@ -124,12 +124,14 @@ impl ProblemKind {
 }
 
 /// The wire form a request expects its refusals in.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) enum Protocol {
     /// `application/problem+json`.
     Http,
     /// A trailers-only gRPC status (see [`crate::grpc`]).
     Grpc,
+    /// A JSON-RPC error answering the call with this `id` (see [`crate::jsonrpc`]).
+    JsonRpc(std::sync::Arc<serde_json::Value>),
 }
 
 impl Protocol {
@@ -187,10 +189,11 @@ impl Problem {
     }
 
     /// The response in the form `protocol` expects.
-    pub(crate) fn respond<B>(self, protocol: Protocol) -> Response<ResponseBody<B>> {
+    pub(crate) fn respond<B>(self, protocol: &Protocol) -> Response<ResponseBody<B>> {
         match protocol {
             Protocol::Http => self.into_response(),
             Protocol::Grpc => crate::grpc::status_response(&self),
+            Protocol::JsonRpc(id) => crate::jsonrpc::error_response(&self, id),
         }
     }
 

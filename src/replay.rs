@@ -148,14 +148,20 @@ pub(crate) fn present<B>(
 pub(crate) fn replay<B>(
     stored: StoredResponse,
     envelope: bool,
-    protocol: Protocol,
+    mark_in_meta: bool,
+    protocol: &Protocol,
 ) -> Response<ResponseBody<B>> {
     let how = Presentation {
         replayed: true,
         mark: true,
         envelope,
     };
-    match stored.body {
+    // A JSON-RPC replay answers the new request's id.
+    let body = match (stored.body, protocol) {
+        (Some(body), Protocol::JsonRpc(id)) => crate::jsonrpc::readdress(&body, id, mark_in_meta),
+        (body, _) => body,
+    };
+    match body {
         Some(body) => present(stored.status, stored.headers, body, stored.trailers, how),
         None => {
             let mut res = Problem::new(

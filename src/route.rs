@@ -5,6 +5,9 @@ use std::time::Duration;
 
 use http::Method;
 
+use std::sync::Arc;
+
+use crate::jsonrpc::JsonRpc;
 use crate::policy::CachePolicy;
 use crate::store::LeaseExpiry;
 
@@ -36,6 +39,7 @@ pub struct RouteConfig {
     pub(crate) mark_first_response: bool,
     pub(crate) unavailable_retry_after: Duration,
     pub(crate) record_refusals: bool,
+    pub(crate) jsonrpc: Option<Arc<JsonRpc>>,
 }
 
 impl Default for RouteConfig {
@@ -53,6 +57,7 @@ impl Default for RouteConfig {
             mark_first_response: false,
             unavailable_retry_after: Duration::from_secs(1),
             record_refusals: false,
+            jsonrpc: None,
         }
     }
 }
@@ -148,6 +153,13 @@ impl RouteConfig {
     /// what is otherwise a read, so turn them on where an audit trail of every retry is worth it.
     pub fn record_refusals(mut self, on: bool) -> Self {
         self.record_refusals = on;
+        self
+    }
+
+    /// Guards the route in JSON-RPC mode (MCP `tools/call` and the like): see
+    /// [`jsonrpc`](crate::jsonrpc) for what it changes.
+    pub fn jsonrpc(mut self, settings: JsonRpc) -> Self {
+        self.jsonrpc = Some(Arc::new(settings));
         self
     }
 

@@ -19,7 +19,8 @@ use crate::decide::{Decision, ceil_secs, decide};
 use crate::execute::Execution;
 use crate::fingerprint::fingerprint;
 use crate::future::ResponseFuture;
-use crate::key::{DefaultScope, MakeScope, ScopedKey, parse_key};
+use crate::jsonrpc::{self, JsonRpc};
+use crate::key::{DefaultScope, KeyError, MakeScope, ScopedKey, parse_key};
 use crate::layer::Resolved;
 use crate::observe::{self, Event};
 use crate::problem::{Problem, ProblemKind, Protocol};
@@ -127,40 +128,29 @@ impl<St: IdempotencyStore, M: MakeScope> Pipeline<St, M> {
         ResBody::Error: Into<BoxError>,
     {
         let route = self.route.clone();
-        let protocol = Protocol::of(req.headers());
-        // The JSON envelope is for JSON callers; gRPC replies keep their own framing.
-        let envelope = route.envelope && protocol == Protocol::Http;
 
-        // 1. Key.
-        let key = match parse_key(req.headers(), &self.config.header) {
-            Ok(Some(key)) => key,
-            Ok(None) if !route.require_key => {
+        // 1–4. Key, scope, buffered body and fingerprint, the HTTP way or the JSON-RPC way.
+        let prepared = match &route.jsonrpc {
+            Some(settings) => self.prepare_jsonrpc(req, settings).await,
+            None => self.prepare(req).await,
+        };
+        let Guarded {
+            parts,
+            bytes,
+            key,
+            fingerprint,
+            protocol,
+        } = match prepared {
+            Prepared::Guard(guarded) => guarded,
+            Prepared::Answer(response) => return Ok(response),
+            Prepared::PassThrough(req) => {
                 self.outcome("pass_through");
-                return pass_through(inner, req).await;
-            }
-            Ok(None) => return Ok(self.refuse_key(&crate::key::KeyError::Missing, protocol)),
-            Err(error) => return Ok(self.refuse_key(&error, protocol)),
-        };
-        observe::count(Event::Attempt);
-
-        // 2. Scope.
-        let (parts, body) = req.into_parts();
-        let key = ScopedKey::new(self.make_scope.make_scope(&parts), key);
-
-        // 3. Buffer.
-        let bytes = match buffer(&parts, body, route.body_limit).await {
-            Ok(bytes) => bytes,
-            Err(problem) => return Ok(self.refuse_body(problem, protocol)),
-        };
-
-        // 4. Fingerprint.
-        let fingerprint = match fingerprint(&parts, &bytes, &self.config.fingerprint) {
-            Ok(fingerprint) => fingerprint,
-            Err(error) => {
-                let problem = Problem::new(ProblemKind::BodyMalformed, error.to_string());
-                return Ok(self.refuse_body(problem, protocol));
+                let res = { inner }.call(req).await?;
+                return Ok(res.map(ResponseBody::passthrough));
             }
         };
+        // The JSON envelope is for plain JSON callers; gRPC and JSON-RPC keep their framing.
+        let envelope = route.envelope && protocol == Protocol::Http;
 
         // 5. Claim.
         let claim = self
@@ -179,7 +169,7 @@ impl<St: IdempotencyStore, M: MakeScope> Pipeline<St, M> {
                 observe::count(Event::StoreError);
                 tracing::error!(%error, "claim failed; refusing to run (fail closed)");
                 self.outcome("store_unavailable");
-                return Ok(unavailable(&route, protocol));
+                return Ok(unavailable(&route, &protocol));
             }
         };
 
@@ -192,11 +182,15 @@ impl<St: IdempotencyStore, M: MakeScope> Pipeline<St, M> {
             Decision::Run(lease) => lease,
             Decision::Replay(stored) => {
                 self.outcome("replayed");
-                return Ok(replay(stored, envelope, protocol));
+                let mark = route
+                    .jsonrpc
+                    .as_ref()
+                    .is_some_and(|j| j.mark_replay_in_meta);
+                return Ok(replay(stored, envelope, mark, &protocol));
             }
             Decision::Refuse(problem) => {
                 self.outcome(problem.kind.slug());
-                return Ok(problem.respond(protocol));
+                return Ok(problem.respond(&protocol));
             }
         };
         self.span.record("attempt", lease.attempt);
@@ -211,7 +205,7 @@ impl<St: IdempotencyStore, M: MakeScope> Pipeline<St, M> {
             lease,
             route,
             denied_headers: self.config.denied_headers.clone(),
-            protocol,
+            protocol: protocol.clone(),
         };
         self.outcome("executed");
         let mut execution = Box::pin(execution.run(inner, req).in_current_span());
@@ -228,7 +222,7 @@ impl<St: IdempotencyStore, M: MakeScope> Pipeline<St, M> {
                 Ok(
                     Problem::new(ProblemKind::ExecutionFailed, "the execution was cancelled")
                         .state("in_progress")
-                        .respond(protocol),
+                        .respond(&protocol),
                 )
             }
         }
@@ -244,6 +238,114 @@ where
 {
     let res = inner.call(req.map(RequestBody::passthrough)).await?;
     Ok(res.map(ResponseBody::passthrough))
+}
+
+/// A request the pipeline guards, after steps 1–4.
+struct Guarded {
+    parts: http::request::Parts,
+    bytes: Bytes,
+    key: ScopedKey,
+    fingerprint: crate::fingerprint::Fingerprint,
+    protocol: Protocol,
+}
+
+/// What steps 1–4 decided.
+enum Prepared<B, ResBody> {
+    Guard(Guarded),
+    Answer(Response<ResponseBody<ResBody>>),
+    PassThrough(Request<RequestBody<B>>),
+}
+
+impl<St: IdempotencyStore, M: MakeScope> Pipeline<St, M> {
+    /// Steps 1–4 for HTTP and gRPC: the key from its header, then scope, body, fingerprint.
+    async fn prepare<B, ResBody>(&self, req: Request<B>) -> Prepared<B, ResBody>
+    where
+        B: Body<Data = Bytes>,
+        B::Error: Into<BoxError>,
+    {
+        let protocol = Protocol::of(req.headers());
+        // 1. Key.
+        let key = match parse_key(req.headers(), &self.config.header) {
+            Ok(Some(key)) => key,
+            Ok(None) if !self.route.require_key => {
+                return Prepared::PassThrough(req.map(RequestBody::passthrough));
+            }
+            Ok(None) => {
+                return Prepared::Answer(self.refuse_key(&KeyError::Missing, &protocol));
+            }
+            Err(error) => return Prepared::Answer(self.refuse_key(&error, &protocol)),
+        };
+        observe::count(Event::Attempt);
+        // 2. Scope.
+        let (parts, body) = req.into_parts();
+        let key = ScopedKey::new(self.make_scope.make_scope(&parts), key);
+        // 3. Buffer.
+        let bytes = match buffer(&parts, body, self.route.body_limit).await {
+            Ok(bytes) => bytes,
+            Err(problem) => return Prepared::Answer(self.refuse_body(problem, &protocol)),
+        };
+        // 4. Fingerprint.
+        match fingerprint(&parts, &bytes, &self.config.fingerprint) {
+            Ok(fingerprint) => Prepared::Guard(Guarded {
+                parts,
+                bytes,
+                key,
+                fingerprint,
+                protocol,
+            }),
+            Err(error) => {
+                let problem = Problem::new(ProblemKind::BodyMalformed, error.to_string());
+                Prepared::Answer(self.refuse_body(problem, &protocol))
+            }
+        }
+    }
+
+    /// Steps 1–4 for JSON-RPC: the body first (the method decides what is guarded), then the
+    /// key from the header or `params._meta`, the scope plus the method, and a fingerprint of
+    /// method and params that ignores the `id` (see [`crate::jsonrpc`]).
+    async fn prepare_jsonrpc<B, ResBody>(
+        &self,
+        req: Request<B>,
+        settings: &JsonRpc,
+    ) -> Prepared<B, ResBody>
+    where
+        B: Body<Data = Bytes>,
+        B::Error: Into<BoxError>,
+    {
+        let (parts, body) = req.into_parts();
+        let bytes = match buffer(&parts, body, self.route.body_limit).await {
+            Ok(bytes) => bytes,
+            Err(problem) => return Prepared::Answer(self.refuse_body(problem, &Protocol::Http)),
+        };
+        let Some(call) = jsonrpc::parse(&bytes, settings) else {
+            let req = Request::from_parts(parts, RequestBody::buffered(bytes));
+            return Prepared::PassThrough(req);
+        };
+        let protocol = Protocol::JsonRpc(call.id.clone());
+        let key = match parse_key(&parts.headers, &self.config.header) {
+            Ok(Some(key)) => key,
+            Ok(None) => match call.meta_key.clone() {
+                Some(key) if !key.is_empty() && key.len() <= crate::key::MAX_KEY_LEN => key,
+                Some(_) => return Prepared::Answer(self.refuse_key(&KeyError::TooLong, &protocol)),
+                None => {
+                    let req = Request::from_parts(parts, RequestBody::buffered(bytes));
+                    return Prepared::PassThrough(req);
+                }
+            },
+            Err(error) => return Prepared::Answer(self.refuse_key(&error, &protocol)),
+        };
+        observe::count(Event::Attempt);
+        // The method joins the scope: a key names one operation of one tool method.
+        let scope = format!("{}\u{0}{}", self.make_scope.make_scope(&parts), call.method);
+        let fingerprint = jsonrpc::fingerprint(&parts, &call);
+        Prepared::Guard(Guarded {
+            parts,
+            bytes,
+            key: ScopedKey::new(scope, key),
+            fingerprint,
+            protocol,
+        })
+    }
 }
 
 /// Polls `future` once, from inside an async fn.
@@ -308,28 +410,24 @@ where
 }
 
 impl<St, M> Pipeline<St, M> {
-    fn refuse_key<B>(
-        &self,
-        error: &crate::key::KeyError,
-        protocol: Protocol,
-    ) -> Response<ResponseBody<B>> {
+    fn refuse_key<B>(&self, error: &KeyError, protocol: &Protocol) -> Response<ResponseBody<B>> {
         observe::count(Event::KeyRejected);
         let kind = match error {
-            crate::key::KeyError::Missing => ProblemKind::KeyMissing,
+            KeyError::Missing => ProblemKind::KeyMissing,
             _ => ProblemKind::KeyInvalid,
         };
         self.outcome(kind.slug());
         Problem::new(kind, error.to_string()).respond(protocol)
     }
 
-    fn refuse_body<B>(&self, problem: Problem, protocol: Protocol) -> Response<ResponseBody<B>> {
+    fn refuse_body<B>(&self, problem: Problem, protocol: &Protocol) -> Response<ResponseBody<B>> {
         observe::count(Event::BodyRejected);
         self.outcome(problem.kind.slug());
         problem.respond(protocol)
     }
 }
 
-fn unavailable<B>(route: &RouteConfig, protocol: Protocol) -> Response<ResponseBody<B>> {
+fn unavailable<B>(route: &RouteConfig, protocol: &Protocol) -> Response<ResponseBody<B>> {
     Problem::new(
         ProblemKind::StoreUnavailable,
         "the idempotency store is unavailable, so the request was not run; retry with the same key",
