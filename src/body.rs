@@ -36,6 +36,7 @@ pin_project! {
         Full { data: Option<Bytes>, trailers: Option<HeaderMap> },
         Inner { #[pin] body: B },
         Resumed { prefix: Option<Bytes>, rest: Pin<Box<B>> },
+        Channel { rx: tokio::sync::mpsc::Receiver<Result<Frame<Bytes>, BoxError>> },
     }
 }
 
@@ -76,6 +77,15 @@ impl<B> ResponseBody<B> {
     }
 }
 
+impl<B> ResponseBody<B> {
+    /// Frames forwarded from a task that reads the inner body (a stream being teed).
+    pub(crate) fn channel(rx: tokio::sync::mpsc::Receiver<Result<Frame<Bytes>, BoxError>>) -> Self {
+        Self {
+            kind: Kind::Channel { rx },
+        }
+    }
+}
+
 impl<B> Kind<B> {
     fn full(data: Bytes, trailers: Option<HeaderMap>) -> Self {
         Kind::Full {
@@ -107,6 +117,7 @@ where
                 Some(data) => Poll::Ready(Some(Ok(Frame::data(data)))),
                 None => rest.as_mut().poll_frame(cx).map_err(Into::into),
             },
+            KindProj::Channel { rx } => rx.poll_recv(cx),
         }
     }
 
@@ -115,6 +126,7 @@ where
             Kind::Full { data, trailers } => data.is_none() && trailers.is_none(),
             Kind::Inner { body } => body.is_end_stream(),
             Kind::Resumed { prefix, rest } => prefix.is_none() && rest.is_end_stream(),
+            Kind::Channel { .. } => false,
         }
     }
 
@@ -134,6 +146,7 @@ where
                 }
                 hint
             }
+            Kind::Channel { .. } => SizeHint::new(),
         }
     }
 }
@@ -170,6 +183,7 @@ macro_rules! delegate_body {
                     Kind::Full { .. } => "Full",
                     Kind::Inner { .. } => "Inner",
                     Kind::Resumed { .. } => "Resumed",
+                    Kind::Channel { .. } => "Channel",
                 };
                 f.debug_struct(stringify!($ty))
                     .field("kind", &kind)

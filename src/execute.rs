@@ -16,6 +16,7 @@ use http::{HeaderMap, HeaderName, Request, Response, response::Parts};
 use http_body::Body;
 use pin_project_lite::pin_project;
 use tower_service::Service;
+use tracing::Instrument;
 
 use crate::body::{RequestBody, ResponseBody};
 use crate::jsonrpc;
@@ -47,15 +48,17 @@ impl<St: IdempotencyStore> Execution<St> {
     ) -> Result<Response<ResponseBody<ResBody>>, S::Error>
     where
         S: Service<Request<RequestBody<ReqBody>>, Response = Response<ResBody>>,
-        ResBody: Body<Data = Bytes>,
+        ResBody: Body<Data = Bytes> + Send + 'static,
         ResBody::Error: Into<BoxError>,
     {
         observe::count(Event::Execution);
         let limit = self.route.response_limit;
+        // JSON-RPC event streams go to the client as they arrive (progress notifications).
+        let tee = matches!(self.protocol, Protocol::JsonRpc(_));
         let work = CatchUnwind {
             inner: async move {
                 let res = inner.call(req).await?;
-                Ok(capture(res, limit).await)
+                Ok(capture(res, limit, tee).await)
             },
         };
         let outcome = self.renewing(work).await;
@@ -96,6 +99,12 @@ impl<St: IdempotencyStore> Execution<St> {
                 };
                 Ok(present(parts.status, parts.headers, body, trailers, how))
             }
+            Ok(Ok(Ok(Captured::Streaming { parts, body }))) => {
+                let (tx, rx) = tokio::sync::mpsc::channel(16);
+                let head = head_of(&parts);
+                tokio::spawn(self.tee(head, body, tx).in_current_span());
+                Ok(Response::from_parts(parts, ResponseBody::channel(rx)))
+            }
             Ok(Ok(Ok(Captured::TooLarge {
                 parts,
                 prefix,
@@ -107,6 +116,54 @@ impl<St: IdempotencyStore> Execution<St> {
                     parts,
                     ResponseBody::resumed(prefix, rest),
                 ))
+            }
+        }
+    }
+
+    /// Forwards an event stream to the client as it arrives while keeping a copy, then records
+    /// it. A client that hangs up stops receiving, not the reading: the stream runs to its end
+    /// and is recorded all the same.
+    async fn tee<B>(
+        self,
+        head: Parts,
+        mut body: Pin<Box<B>>,
+        tx: tokio::sync::mpsc::Sender<Result<http_body::Frame<Bytes>, BoxError>>,
+    ) where
+        B: Body<Data = Bytes>,
+        B::Error: Into<BoxError>,
+    {
+        let limit = self.route.response_limit;
+        let drain = async {
+            let mut copy = bytes::BytesMut::new();
+            let mut over = false;
+            loop {
+                // Convert the error at once: the inner body's own error type need not be Send.
+                let next = http_body_util::BodyExt::frame(&mut body)
+                    .await
+                    .map(|frame| frame.map_err(Into::<BoxError>::into));
+                let Some(frame) = next else { break };
+                let frame = match frame {
+                    Ok(frame) => frame,
+                    Err(error) => {
+                        let _ = tx.send(Err(error)).await;
+                        return Err(());
+                    }
+                };
+                if let Some(data) = frame.data_ref() {
+                    over |= copy.len() + data.len() > limit;
+                    if !over {
+                        copy.extend_from_slice(data);
+                    }
+                }
+                // A closed receiver only means the client left.
+                let _ = tx.send(Ok(frame)).await;
+            }
+            Ok((!over).then(|| copy.freeze()))
+        };
+        match self.renewing(drain).await {
+            Ok(copy) => self.record(&head, copy.as_ref(), None).await,
+            Err(()) => {
+                self.release().await;
             }
         }
     }
@@ -274,6 +331,14 @@ fn settle(result: Result<(), StoreError>, what: &str) {
             tracing::error!(%error, "could not {what}");
         }
     }
+}
+
+/// A copy of a response head (status and headers) for recording after the head is sent.
+fn head_of(parts: &Parts) -> Parts {
+    let mut head = Response::new(());
+    *head.status_mut() = parts.status;
+    *head.headers_mut() = parts.headers.clone();
+    head.into_parts().0
 }
 
 fn failed<B>(detail: &str, state: &'static str, protocol: &Protocol) -> Response<ResponseBody<B>> {

@@ -13,8 +13,10 @@
 //! - the fingerprint is the route, the `method` and the canonical `params` without `_meta`;
 //!   never the `id`; the scope is the layer's scope plus the method;
 //! - the recorded outcome is the final JSON-RPC response (from a JSON body, or the last response
-//!   event of an SSE stream); progress notifications and event ids are never recorded. A
-//!   response with no final JSON-RPC outcome is not recorded and the key is released;
+//!   event of an SSE stream); progress notifications and event ids are never recorded. An SSE
+//!   answer is teed: the client receives it as it streams, and a client that hangs up does not
+//!   stop it being read to its end and recorded. A response with no final JSON-RPC outcome is
+//!   not recorded and the key is released;
 //! - replays are `200 application/json` with the stored `result` or `error` under the new
 //!   request's `id`, and `Idempotency-Replayed: true`;
 //! - the middleware's own answers are JSON-RPC errors echoing the request's `id`, with the HTTP

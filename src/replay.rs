@@ -61,6 +61,8 @@ pub(crate) enum Captured<B> {
         body: Bytes,
         trailers: Option<HeaderMap>,
     },
+    /// A stream to pass on as it arrives (an SSE answer in JSON-RPC mode), read by no one yet.
+    Streaming { parts: Parts, body: Pin<Box<B>> },
     /// The body outgrew the limit: what was read, and the rest still to stream.
     TooLarge {
         parts: Parts,
@@ -69,14 +71,26 @@ pub(crate) enum Captured<B> {
     },
 }
 
-/// Reads a response body to its end, or until it outgrows `limit`.
-pub(crate) async fn capture<B>(res: Response<B>, limit: usize) -> Result<Captured<B>, BoxError>
+/// Reads a response body to its end, or until it outgrows `limit`; with `tee_streams`, an
+/// event stream is handed back unread, to be forwarded as it arrives.
+pub(crate) async fn capture<B>(
+    res: Response<B>,
+    limit: usize,
+    tee_streams: bool,
+) -> Result<Captured<B>, BoxError>
 where
     B: Body<Data = Bytes>,
     B::Error: Into<BoxError>,
 {
     let (parts, body) = res.into_parts();
     let mut body = Box::pin(body);
+    let is_stream = parts
+        .headers
+        .get(header::CONTENT_TYPE)
+        .is_some_and(|ct| ct.as_bytes().starts_with(b"text/event-stream"));
+    if tee_streams && is_stream {
+        return Ok(Captured::Streaming { parts, body });
+    }
     let mut data = BytesMut::new();
     let mut trailers: Option<HeaderMap> = None;
     while let Some(frame) = body.frame().await {

@@ -5,6 +5,7 @@
 mod common;
 
 use std::net::SocketAddr;
+use std::sync::Arc;
 use std::time::Duration;
 
 use axum::Router;
@@ -15,6 +16,7 @@ use axum::routing::post;
 use bytes::Bytes;
 use common::{Effects, client, serve};
 use serde_json::{Value, json};
+use tokio::sync::Notify;
 use tower_idempotency::jsonrpc::{JsonRpc, REPLAY_META};
 use tower_idempotency::{IdempotencyLayer, MemoryStore};
 
@@ -315,5 +317,91 @@ async fn s8_key_from_params_meta_and_replay_marked_in_meta() {
     assert_eq!(second["id"], 2);
     assert_eq!(second["result"]["_meta"][REPLAY_META], true);
     assert_eq!(second["result"]["content"], first["result"]["content"]);
+    assert_eq!(effects.count(), 1);
+}
+
+/// A tool that streams: a progress event at once, the final response only when the test says.
+async fn gated_server() -> (SocketAddr, Effects, Arc<Notify>) {
+    let effects = Effects::default();
+    let gate = Arc::new(Notify::new());
+    let (e, g) = (effects.clone(), gate.clone());
+    let app = Router::new()
+        .route(
+            "/mcp",
+            post(move |body: Bytes| {
+                let (e, g) = (e.clone(), g.clone());
+                async move {
+                    let message: Value = serde_json::from_slice(&body).expect("json");
+                    let id = message["id"].clone();
+                    let progress = json!({"jsonrpc":"2.0","method":"notifications/progress","params":{"progress":1}});
+                    let first = Bytes::from(format!("data: {progress}\n\n"));
+                    let stream = futures_util::stream::unfold(0, move |step| {
+                        let (e, g, id, first) = (e.clone(), g.clone(), id.clone(), first.clone());
+                        async move {
+                            match step {
+                                0 => Some((Ok::<_, std::io::Error>(first), 1)),
+                                1 => {
+                                    g.notified().await;
+                                    let n = e.hit();
+                                    let done = json!({"jsonrpc":"2.0","id":id,"result":{"content":[{"type":"text","text":format!("ticket {n}")}]}});
+                                    Some((Ok(Bytes::from(format!("data: {done}\n\n"))), 2))
+                                }
+                                _ => None,
+                            }
+                        }
+                    });
+                    ([(header::CONTENT_TYPE, "text/event-stream")], axum::body::Body::from_stream(stream))
+                }
+            }),
+        )
+        .layer(IdempotencyLayer::new(MemoryStore::new()).jsonrpc(JsonRpc::new()));
+    (serve(app).await, effects, gate)
+}
+
+#[tokio::test]
+async fn s8_sse_is_teed_live_and_recorded_at_its_end() {
+    let (addr, effects, gate) = gated_server().await;
+    let mut live = send(addr, Some("k-tee"), &tool_call(json!(1), "p", json!({}))).await;
+    assert_eq!(live.headers()["content-type"], "text/event-stream");
+    // The progress event arrives while the tool is still working: nothing is held back.
+    let first = tokio::time::timeout(Duration::from_secs(5), live.chunk())
+        .await
+        .expect("the first event arrives before the tool finishes")
+        .expect("chunk")
+        .expect("data");
+    assert!(String::from_utf8_lossy(&first).contains("notifications/progress"));
+    assert_eq!(effects.count(), 0);
+    gate.notify_one();
+    let rest = live.text().await.expect("rest");
+    assert!(rest.contains("ticket 1"));
+    let replay = json(send(addr, Some("k-tee"), &tool_call(json!(2), "p", json!({}))).await).await;
+    assert_eq!(replay["id"], 2);
+    assert_eq!(replay["result"]["content"][0]["text"], "ticket 1");
+    assert_eq!(effects.count(), 1);
+}
+
+#[tokio::test]
+async fn s8_a_client_leaving_mid_stream_does_not_stop_the_recording() {
+    let (addr, effects, gate) = gated_server().await;
+    let mut live = send(addr, Some("k-left"), &tool_call(json!(1), "p", json!({}))).await;
+    live.chunk().await.expect("chunk").expect("data");
+    drop(live); // the client hangs up mid-stream
+    gate.notify_one();
+    let mut replay = None;
+    for i in 0..100 {
+        let res = send(
+            addr,
+            Some("k-left"),
+            &tool_call(json!(10 + i), "p", json!({})),
+        )
+        .await;
+        if res.status() == StatusCode::OK {
+            replay = Some(json(res).await);
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let replay = replay.expect("the stream ran to its end and was recorded");
+    assert_eq!(replay["result"]["content"][0]["text"], "ticket 1");
     assert_eq!(effects.count(), 1);
 }
