@@ -16,7 +16,9 @@
 //!   event of an SSE stream); progress notifications and event ids are never recorded. An SSE
 //!   answer is teed: the client receives it as it streams, and a client that hangs up does not
 //!   stop it being read to its end and recorded. A response with no final JSON-RPC outcome is
-//!   not recorded and the key is released;
+//!   not recorded and the key is released: that includes MCP's interim results
+//!   (`resultType: "input_required"`), whose continuation (with `inputResponses` and
+//!   `requestState`, which the fingerprint leaves out) then runs under the same key;
 //! - replays are `200 application/json` with the stored `result` or `error` under the new
 //!   request's `id`, and `Idempotency-Replayed: true`;
 //! - the middleware's own answers are JSON-RPC errors echoing the request's `id`, with the HTTP
@@ -95,6 +97,10 @@ impl JsonRpc {
     }
 }
 
+/// `params` fields that change from one round trip of the same call to the next (MCP's
+/// multi-round-trip requests), left out of the fingerprint with `_meta`.
+const PER_ATTEMPT: &[&str] = &["inputResponses", "requestState"];
+
 /// A guarded JSON-RPC call.
 #[derive(Debug, Clone)]
 pub(crate) struct Call {
@@ -116,7 +122,13 @@ pub(crate) fn parse(body: &[u8], settings: &JsonRpc) -> Option<Call> {
     };
     let mut params = message.remove("params").unwrap_or(Value::Null);
     let meta = match &mut params {
-        Value::Object(params) => params.remove("_meta"),
+        Value::Object(params) => {
+            // Per-attempt fields of a multi-round-trip call are not part of the operation.
+            for field in PER_ATTEMPT {
+                params.remove(*field);
+            }
+            params.remove("_meta")
+        }
         _ => None,
     };
     let meta_key = settings
@@ -223,13 +235,23 @@ pub(crate) fn final_response(headers: &HeaderMap, body: &[u8], id: &Value) -> Op
     last
 }
 
-/// A response (not a notification or a request) to `id`, with a result or an error.
+/// A final response (not a notification, a request or an interim result) to `id`.
 fn is_response(message: Value, id: &Value) -> bool {
     let Value::Object(message) = message else {
         return false;
     };
-    message.get("id") == Some(id)
-        && (message.contains_key("result") || message.contains_key("error"))
+    if message.get("id") != Some(id) {
+        return false;
+    }
+    match message.get("result") {
+        // MCP: a result asking for more input (`resultType: "input_required"`) is a step, not
+        // the outcome; only "complete" (or no type, for older peers) is final.
+        Some(result) => match result.get("resultType") {
+            None => true,
+            Some(kind) => kind == "complete",
+        },
+        None => message.contains_key("error"),
+    }
 }
 
 /// Whether a final response is definitive (DESIGN §3 for JSON-RPC): results are, tool errors
@@ -361,6 +383,26 @@ mod tests {
         let v: Value = serde_json::from_slice(&out).expect("json");
         assert_eq!(v["id"], "new");
         assert_eq!(v["result"]["_meta"][REPLAY_META], true);
+    }
+
+    #[test]
+    fn interim_results_are_not_outcomes_and_continuations_match() {
+        let headers = HeaderMap::new();
+        let interim = br#"{"jsonrpc":"2.0","id":1,"result":{"resultType":"input_required","inputRequests":{}}}"#;
+        assert!(final_response(&headers, interim, &json!(1)).is_none());
+        let done = br#"{"jsonrpc":"2.0","id":1,"result":{"resultType":"complete","content":[]}}"#;
+        assert!(final_response(&headers, done, &json!(1)).is_some());
+        let (parts, ()) = http::Request::post("/mcp")
+            .body(())
+            .expect("req")
+            .into_parts();
+        let first =
+            call(json!({"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"t"}}))
+                .expect("call");
+        let next = call(json!({"jsonrpc":"2.0","id":2,"method":"tools/call",
+            "params":{"name":"t","inputResponses":{"a":1},"requestState":"opaque"}}))
+        .expect("call");
+        assert_eq!(fingerprint(&parts, &first), fingerprint(&parts, &next));
     }
 
     #[test]
