@@ -1,0 +1,176 @@
+//! DESIGN §8 with rmcp's own server and client: an MCP tool server (`StreamableHttpService`
+//! mounted in axum) behind the layer in JSON-RPC mode, called by rmcp's Streamable HTTP client,
+//! in both response modes (JSON and SSE). Effects are counted in the tool.
+
+mod common;
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use axum::http::{HeaderName, HeaderValue};
+use common::{Effects, serve};
+use rmcp::model::{
+    CallToolRequestParams, CallToolResponse, CallToolResult, ContentBlock, ServerCapabilities,
+    ServerConfig,
+};
+use rmcp::service::{RequestContext, RunningService};
+use rmcp::transport::StreamableHttpClientTransport;
+use rmcp::transport::streamable_http_client::StreamableHttpClientTransportConfig;
+use rmcp::transport::streamable_http_server::session::local::LocalSessionManager;
+use rmcp::transport::streamable_http_server::{StreamableHttpServerConfig, StreamableHttpService};
+use rmcp::{ErrorData as McpError, RoleClient, RoleServer, ServerHandler, ServiceExt};
+use serde_json::json;
+use tower_idempotency::jsonrpc::JsonRpc;
+use tower_idempotency::{IdempotencyLayer, MemoryStore};
+
+/// One tool, `create_ticket`, whose every run is an effect.
+#[derive(Clone)]
+struct Tickets {
+    effects: Effects,
+}
+
+impl ServerHandler for Tickets {
+    #[allow(deprecated)]
+    fn get_info(&self) -> ServerConfig {
+        ServerConfig::new(ServerCapabilities::builder().enable_tools().build())
+    }
+
+    async fn call_tool(
+        &self,
+        request: CallToolRequestParams,
+        _: RequestContext<RoleServer>,
+    ) -> Result<CallToolResponse, McpError> {
+        let title = request
+            .arguments
+            .as_ref()
+            .and_then(|args| args.get("title"))
+            .and_then(|title| title.as_str())
+            .unwrap_or_default()
+            .to_owned();
+        let n = self.effects.hit();
+        Ok(
+            CallToolResult::success(vec![ContentBlock::text(format!("ticket {n}: {title}"))])
+                .into(),
+        )
+    }
+}
+
+async fn mcp_server(json_response: bool) -> (SocketAddr, Effects) {
+    let effects = Effects::default();
+    let tickets = Tickets {
+        effects: effects.clone(),
+    };
+    let service: StreamableHttpService<Tickets, LocalSessionManager> = StreamableHttpService::new(
+        move || Ok(tickets.clone()),
+        Arc::new(LocalSessionManager::default()),
+        StreamableHttpServerConfig::default().with_json_response(json_response),
+    );
+    let app = axum::Router::new()
+        .nest_service("/mcp", service)
+        .layer(IdempotencyLayer::new(MemoryStore::new()).jsonrpc(JsonRpc::new()));
+    (serve(app).await, effects)
+}
+
+/// rmcp's client, its requests carrying `key` as the orchestrator would set it.
+async fn mcp_client(addr: SocketAddr, key: Option<&str>) -> RunningService<RoleClient, ()> {
+    let mut headers = HashMap::new();
+    if let Some(key) = key {
+        headers.insert(
+            HeaderName::from_static("idempotency-key"),
+            HeaderValue::from_str(key).expect("key"),
+        );
+    }
+    let config = StreamableHttpClientTransportConfig::with_uri(format!("http://{addr}/mcp"))
+        .custom_headers(headers);
+    ().serve(StreamableHttpClientTransport::from_config(config))
+        .await
+        .expect("rmcp client connects")
+}
+
+fn create_ticket(title: &str) -> CallToolRequestParams {
+    let args = json!({ "title": title });
+    let serde_json::Value::Object(args) = args else {
+        unreachable!("an object literal")
+    };
+    CallToolRequestParams::new("create_ticket").with_arguments(args)
+}
+
+fn text(result: &CallToolResult) -> String {
+    serde_json::to_value(&result.content)
+        .expect("content")
+        .to_string()
+}
+
+async fn same_key_runs_once(json_response: bool) {
+    let (addr, effects) = mcp_server(json_response).await;
+
+    let first = mcp_client(addr, Some("mcp-1")).await;
+    let a = first
+        .call_tool(create_ticket("printer"))
+        .await
+        .expect("first call");
+    // A retry is a new client session with the same key: new request id, new progress token.
+    let retry = mcp_client(addr, Some("mcp-1")).await;
+    let b = retry
+        .call_tool(create_ticket("printer"))
+        .await
+        .expect("the replay is accepted");
+    assert_eq!(
+        text(&a),
+        text(&b),
+        "both results are the one effect's result"
+    );
+    assert_eq!(effects.count(), 1, "the tool ran once");
+
+    // A new key runs; tools/list and keyless calls pass through.
+    let other = mcp_client(addr, Some("mcp-2")).await;
+    other
+        .call_tool(create_ticket("scanner"))
+        .await
+        .expect("new key");
+    assert_eq!(effects.count(), 2);
+    let keyless = mcp_client(addr, None).await;
+    keyless
+        .list_all_tools()
+        .await
+        .expect("tools/list passes through");
+    keyless
+        .call_tool(create_ticket("x"))
+        .await
+        .expect("keyless call");
+    keyless
+        .call_tool(create_ticket("x"))
+        .await
+        .expect("keyless call");
+    assert_eq!(effects.count(), 4, "calls without a key run every time");
+
+    // Same key, different arguments: an error at the client, and no effect.
+    let changed = retry.call_tool(create_ticket("a different ticket")).await;
+    match changed {
+        Err(rmcp::ServiceError::McpError(error)) => {
+            assert_eq!(error.code.0, -31002, "a typed conflict: {error:?}");
+            let data = error.data.expect("problem details in error.data");
+            assert_eq!(
+                data["type"],
+                "urn:tower-idempotency:problem:fingerprint-mismatch"
+            );
+            assert_eq!(data["safe_new_key"], true);
+        }
+        other => panic!("expected a JSON-RPC error at the client, got {other:?}"),
+    }
+    assert_eq!(effects.count(), 4);
+    for client in [first, retry, other, keyless] {
+        let _ = client.cancel().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s8_rmcp_json_responses_same_key_runs_once() {
+    same_key_runs_once(true).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s8_rmcp_sse_responses_same_key_runs_once_and_replays_as_json() {
+    same_key_runs_once(false).await;
+}
