@@ -176,6 +176,8 @@ impl<St, M> IdempotencyLayer<St, M> {
         record_refusals(on: bool);
         /// Guards JSON-RPC calls (MCP `tools/call`) instead of plain HTTP requests.
         jsonrpc(settings: crate::jsonrpc::JsonRpc);
+        /// Whether a client hanging up cancels the handler (and releases the key).
+        cancel_on_disconnect(on: bool);
     }
 
     /// The methods guarded (default `POST` and `PATCH`).

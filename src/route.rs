@@ -40,6 +40,7 @@ pub struct RouteConfig {
     pub(crate) unavailable_retry_after: Duration,
     pub(crate) record_refusals: bool,
     pub(crate) jsonrpc: Option<Arc<JsonRpc>>,
+    pub(crate) cancel_on_disconnect: bool,
 }
 
 impl Default for RouteConfig {
@@ -58,6 +59,7 @@ impl Default for RouteConfig {
             unavailable_retry_after: Duration::from_secs(1),
             record_refusals: false,
             jsonrpc: None,
+            cancel_on_disconnect: false,
         }
     }
 }
@@ -160,6 +162,16 @@ impl RouteConfig {
     /// [`jsonrpc`](crate::jsonrpc) for what it changes.
     pub fn jsonrpc(mut self, settings: JsonRpc) -> Self {
         self.jsonrpc = Some(Arc::new(settings));
+        self
+    }
+
+    /// For servers that treat a client hanging up as cancellation (default off): the handler
+    /// runs on the request's own future, so a disconnect cancels it, and the key is released,
+    /// so a retry runs it again. Off, the handler runs to completion and its outcome is
+    /// recorded whatever the client does (DESIGN §1 step 7). Only turn it on when cancelling
+    /// the handler cannot leave a half-done effect behind.
+    pub fn cancel_on_disconnect(mut self, on: bool) -> Self {
+        self.cancel_on_disconnect = on;
         self
     }
 

@@ -208,6 +208,18 @@ impl<St: IdempotencyStore, M: MakeScope> Pipeline<St, M> {
             protocol: protocol.clone(),
         };
         self.outcome("executed");
+        if execution.route.cancel_on_disconnect {
+            // The server treats a hang-up as cancellation: run on this request's future, and
+            // give the key back if that future is dropped before the outcome is recorded.
+            let guard = ReleaseOnDrop {
+                store: Some(self.store.clone()),
+                key: execution.key.clone(),
+                token: execution.lease.token,
+            };
+            let answer = execution.run(inner, req).await;
+            guard.disarm();
+            return answer;
+        }
         let mut execution = Box::pin(execution.run(inner, req).in_current_span());
         // Handlers that finish on their first poll need no task of their own. Any other moves
         // to one before this future can be dropped, so a client hanging up cannot cancel it.
@@ -238,6 +250,37 @@ where
 {
     let res = inner.call(req.map(RequestBody::passthrough)).await?;
     Ok(res.map(ResponseBody::passthrough))
+}
+
+/// Releases a claim whose execution was dropped unfinished (routes that cancel on disconnect).
+struct ReleaseOnDrop<St: IdempotencyStore> {
+    store: Option<Arc<St>>,
+    key: ScopedKey,
+    token: crate::store::FencingToken,
+}
+
+impl<St: IdempotencyStore> ReleaseOnDrop<St> {
+    fn disarm(mut self) {
+        self.store = None;
+    }
+}
+
+impl<St: IdempotencyStore> Drop for ReleaseOnDrop<St> {
+    fn drop(&mut self) {
+        let Some(store) = self.store.take() else {
+            return;
+        };
+        let (key, token) = (self.key.clone(), self.token);
+        // Without a runtime (shutting down) the lease simply runs out instead.
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            runtime.spawn(async move {
+                observe::count(Event::Release);
+                if let Err(error) = store.release(&key, token).await {
+                    tracing::warn!(%error, "could not release a cancelled execution's key");
+                }
+            });
+        }
+    }
 }
 
 /// A request the pipeline guards, after steps 1–4.

@@ -873,3 +873,60 @@ async fn a_dead_holder_is_taken_over_or_sent_to_reconciliation() {
     assert_eq!(problem(res).await["type"], problem_type("outcome-unknown"));
     assert_eq!(effects.count(), 2, "the probe and the takeover");
 }
+
+#[tokio::test]
+async fn s1_a_route_that_cancels_on_disconnect_releases_the_key() {
+    let effects = Effects::default();
+    let calls = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let counter = effects.clone();
+    let app = Router::new()
+        .route(
+            "/search",
+            post(move |ctx: IdempotencyContext| async move {
+                // The first call outlives its client; the retry is quick.
+                if calls.fetch_add(1, Ordering::SeqCst) == 0 {
+                    tokio::time::sleep(Duration::from_secs(10)).await;
+                }
+                format!("done {} (attempt {})", counter.hit(), ctx.attempt())
+            }),
+        )
+        .layer(IdempotencyLayer::new(MemoryStore::new()).cancel_on_disconnect(true));
+    let addr = serve(app).await;
+
+    let hung_up = client()
+        .post(format!("http://{addr}/search"))
+        .header("idempotency-key", "k-cancel")
+        .timeout(Duration::from_millis(200))
+        .send()
+        .await;
+    assert!(hung_up.is_err(), "the client gave up");
+    // The cancelled execution released the key: the retry runs (attempt 2), no 409.
+    let mut retry = None;
+    for _ in 0..100 {
+        let res = client()
+            .post(format!("http://{addr}/search"))
+            .header("idempotency-key", "k-cancel")
+            .send()
+            .await
+            .expect("retry");
+        if res.status() == StatusCode::OK {
+            retry = Some(res.text().await.expect("body"));
+            break;
+        }
+        assert_eq!(
+            res.status(),
+            StatusCode::CONFLICT,
+            "only while the release lands"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(
+        retry.expect("the key was released").as_str(),
+        "done 1 (attempt 2)"
+    );
+    assert_eq!(
+        effects.count(),
+        1,
+        "the cancelled handler never finished its effect"
+    );
+}
