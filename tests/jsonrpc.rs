@@ -14,7 +14,7 @@ use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use bytes::Bytes;
-use common::{Effects, client, serve};
+use common::{Effects, FlakyStore, client, serve};
 use serde_json::{Value, json};
 use tokio::sync::Notify;
 use tower_idempotency::jsonrpc::{JsonRpc, REPLAY_META};
@@ -404,4 +404,47 @@ async fn s8_a_client_leaving_mid_stream_does_not_stop_the_recording() {
     let replay = replay.expect("the stream ran to its end and was recorded");
     assert_eq!(replay["result"]["content"][0]["text"], "ticket 1");
     assert_eq!(effects.count(), 1);
+}
+
+#[tokio::test]
+async fn s8_store_down_and_unknown_outcomes_answer_in_jsonrpc_form() {
+    let effects = Effects::default();
+    let store = FlakyStore::default();
+    let app = Router::new()
+        .route("/mcp", post(tool_server))
+        .with_state(effects.clone())
+        .layer(IdempotencyLayer::new(store.clone()).jsonrpc(JsonRpc::new()));
+    let addr = serve(app).await;
+    let call = |id: i64| tool_call(json!(id), "p", json!({ "title": "x" }));
+
+    store.down.store(true, std::sync::atomic::Ordering::SeqCst);
+    let down = send(addr, Some("k-down"), &call(1)).await;
+    assert_eq!(down.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert!(down.headers().contains_key("retry-after"));
+    let body = json(down).await;
+    assert_eq!(
+        (body["id"].clone(), body["error"]["code"].clone()),
+        (json!(1), json!(-31004))
+    );
+    assert_eq!(effects.count(), 0, "nothing runs while the store is down");
+    store.down.store(false, std::sync::atomic::Ordering::SeqCst);
+
+    // The tool runs but its outcome cannot be written: retries are told it is unknown.
+    store
+        .fail_complete
+        .store(true, std::sync::atomic::Ordering::SeqCst);
+    assert_eq!(
+        send(addr, Some("k-unknown"), &call(2)).await.status(),
+        StatusCode::OK
+    );
+    store
+        .fail_complete
+        .store(false, std::sync::atomic::Ordering::SeqCst);
+    let unknown = send(addr, Some("k-unknown"), &call(3)).await;
+    assert_eq!(unknown.status(), StatusCode::CONFLICT);
+    let body = json(unknown).await;
+    assert_eq!(body["id"], 3);
+    assert_eq!(body["error"]["code"], -31003);
+    assert_eq!(body["error"]["data"]["state"], "needs_reconciliation");
+    assert_eq!(effects.count(), 1, "never run twice");
 }

@@ -48,6 +48,9 @@ impl ServerHandler for Tickets {
             .and_then(|title| title.as_str())
             .unwrap_or_default()
             .to_owned();
+        if title == "slow" {
+            tokio::time::sleep(std::time::Duration::from_millis(600)).await;
+        }
         let n = self.effects.hit();
         Ok(
             CallToolResult::success(vec![ContentBlock::text(format!("ticket {n}: {title}"))])
@@ -173,4 +176,38 @@ async fn s8_rmcp_json_responses_same_key_runs_once() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn s8_rmcp_sse_responses_same_key_runs_once_and_replays_as_json() {
     same_key_runs_once(false).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s8_rmcp_concurrent_duplicate_gets_an_in_flight_error_and_no_effect() {
+    let (addr, effects) = mcp_server(true).await;
+    let first = mcp_client(addr, Some("mcp-slow")).await;
+    let duplicate = mcp_client(addr, Some("mcp-slow")).await;
+    let running = tokio::spawn(async move {
+        let result = first.call_tool(create_ticket("slow")).await;
+        let _ = first.cancel().await;
+        result
+    });
+    tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    match duplicate.call_tool(create_ticket("slow")).await {
+        Err(rmcp::ServiceError::McpError(error)) => {
+            assert_eq!(error.code.0, -31001, "in flight: {error:?}");
+            let data = error.data.expect("problem details");
+            assert_eq!(data["safe_new_key"], false);
+        }
+        other => panic!("expected an in-flight error, got {other:?}"),
+    }
+    assert_eq!(effects.count(), 0, "the duplicate ran nothing");
+    running
+        .await
+        .expect("task")
+        .expect("the first call completes");
+    assert_eq!(effects.count(), 1);
+    let replay = duplicate
+        .call_tool(create_ticket("slow"))
+        .await
+        .expect("then it replays");
+    assert!(text(&replay).contains("ticket 1"));
+    assert_eq!(effects.count(), 1);
+    let _ = duplicate.cancel().await;
 }
