@@ -60,6 +60,10 @@ impl ServerHandler for Tickets {
 }
 
 async fn mcp_server(json_response: bool) -> (SocketAddr, Effects) {
+    mcp_server_with(StreamableHttpServerConfig::default().with_json_response(json_response)).await
+}
+
+async fn mcp_server_with(config: StreamableHttpServerConfig) -> (SocketAddr, Effects) {
     let effects = Effects::default();
     let tickets = Tickets {
         effects: effects.clone(),
@@ -67,7 +71,7 @@ async fn mcp_server(json_response: bool) -> (SocketAddr, Effects) {
     let service: StreamableHttpService<Tickets, LocalSessionManager> = StreamableHttpService::new(
         move || Ok(tickets.clone()),
         Arc::new(LocalSessionManager::default()),
-        StreamableHttpServerConfig::default().with_json_response(json_response),
+        config,
     );
     let app = axum::Router::new()
         .nest_service("/mcp", service)
@@ -210,4 +214,45 @@ async fn s8_rmcp_concurrent_duplicate_gets_an_in_flight_error_and_no_effect() {
     assert!(text(&replay).contains("ticket 1"));
     assert_eq!(effects.count(), 1);
     let _ = duplicate.cancel().await;
+}
+
+/// The wire, seen with a plain client: rmcp's SSE answer goes out as SSE, and its replay as
+/// JSON under the new id.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s8_rmcp_sse_answer_is_streamed_then_replayed_as_json() {
+    let config = StreamableHttpServerConfig::default()
+        .with_legacy_session_mode(false)
+        .with_json_response(false);
+    let (addr, effects) = mcp_server_with(config).await;
+    let call = |id: i64| {
+        json!({"jsonrpc":"2.0","id":id,"method":"tools/call",
+            "params":{"name":"create_ticket","arguments":{"title":"wire"}}})
+        .to_string()
+    };
+    let post = |body: String| {
+        common::client()
+            .post(format!("http://{addr}/mcp"))
+            .header("content-type", "application/json")
+            .header("accept", "application/json, text/event-stream")
+            .header("mcp-protocol-version", "2025-03-26")
+            .header("idempotency-key", "mcp-wire")
+            .body(body)
+            .send()
+    };
+    let first = post(call(1)).await.expect("first");
+    assert!(first.status().is_success(), "{:?}", first.status());
+    assert_eq!(first.headers()["content-type"], "text/event-stream");
+    let stream = first.text().await.expect("stream");
+    assert!(stream.contains("ticket 1: wire"));
+    let replay = post(call(2)).await.expect("replay");
+    assert_eq!(replay.headers()["content-type"], "application/json");
+    assert_eq!(replay.headers()["idempotency-replayed"], "true");
+    let replay: serde_json::Value = replay.json().await.expect("json");
+    assert_eq!(replay["id"], 2);
+    assert!(
+        replay["result"]["content"][0]["text"]
+            .as_str()
+            .is_some_and(|t| t.contains("ticket 1: wire"))
+    );
+    assert_eq!(effects.count(), 1);
 }
