@@ -256,3 +256,49 @@ async fn s8_rmcp_sse_answer_is_streamed_then_replayed_as_json() {
     );
     assert_eq!(effects.count(), 1);
 }
+
+/// rmcp's stateless mode cancels a handler when its client disconnects; behind the layer the
+/// handler runs to completion, once, and the retry replays it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s8_rmcp_client_disconnect_mid_call_runs_once_and_the_retry_replays() {
+    let config = StreamableHttpServerConfig::default()
+        .with_legacy_session_mode(false)
+        .with_json_response(true);
+    let (addr, effects) = mcp_server_with(config).await;
+    let post = |id: i64, timeout: std::time::Duration| {
+        let body = json!({"jsonrpc":"2.0","id":id,"method":"tools/call",
+            "params":{"name":"create_ticket","arguments":{"title":"slow"}}});
+        common::client()
+            .post(format!("http://{addr}/mcp"))
+            .header("content-type", "application/json")
+            .header("accept", "application/json, text/event-stream")
+            .header("mcp-protocol-version", "2025-03-26")
+            .header("idempotency-key", "mcp-hangup")
+            .timeout(timeout)
+            .body(body.to_string())
+            .send()
+    };
+    let hung_up = post(1, std::time::Duration::from_millis(150)).await;
+    assert!(hung_up.is_err(), "the client hung up mid-call");
+    let mut replay = None;
+    for i in 0..100 {
+        let res = post(10 + i, std::time::Duration::from_secs(30))
+            .await
+            .expect("retry");
+        if res.status().is_success() {
+            replay = Some(res);
+            break;
+        }
+        assert_eq!(res.status(), 409);
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    let replay = replay.expect("the tool finished and was recorded");
+    assert_eq!(replay.headers()["idempotency-replayed"], "true");
+    let body: serde_json::Value = replay.json().await.expect("json");
+    assert!(
+        body["result"]["content"][0]["text"]
+            .as_str()
+            .is_some_and(|t| t.contains("ticket 1: slow"))
+    );
+    assert_eq!(effects.count(), 1, "run once, not cancelled, not repeated");
+}
