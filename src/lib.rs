@@ -54,7 +54,10 @@
 //! | expired | as none |
 //! | store failing | 503 `store-unavailable` with `Retry-After`, nothing run |
 //!
-//! Every refusal is an RFC 9457 problem: see [`problem`] for the types. Backends are chosen in
+//! Every refusal is an RFC 9457 problem: see [`problem`] for the types. gRPC requests get gRPC
+//! statuses ([`grpc`]); routes in JSON-RPC mode (MCP `tools/call`) get JSON-RPC errors and
+//! replays under the new request's `id` ([`jsonrpc`]). Uncertain outcomes are settled with
+//! [`reconcile`]. Backends are chosen in
 //! [`store`]; [`store::AnyStore`] picks one from a URL at run time.
 //!
 //! # Metrics
