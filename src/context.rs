@@ -54,7 +54,6 @@ struct Inner {
     key: ScopedKey,
     attempt: u32,
     token: FencingToken,
-    attempt_id: String,
     store: Arc<dyn MilestoneSink>,
 }
 
@@ -63,7 +62,7 @@ impl fmt::Debug for IdempotencyContext {
         f.debug_struct("IdempotencyContext")
             .field("key", &self.inner.key)
             .field("attempt", &self.inner.attempt)
-            .field("attempt_id", &self.inner.attempt_id)
+            .field("attempt_id", &self.attempt_id())
             .finish_non_exhaustive()
     }
 }
@@ -75,7 +74,6 @@ impl IdempotencyContext {
                 key,
                 attempt: lease.attempt,
                 token: lease.token,
-                attempt_id: format!("{:016x}", lease.token.get()),
                 store,
             }),
         }
@@ -133,8 +131,8 @@ impl IdempotencyContext {
     }
 
     /// An identifier unique to this attempt (its fencing token, in hex): for logs.
-    pub fn attempt_id(&self) -> &str {
-        &self.inner.attempt_id
+    pub fn attempt_id(&self) -> String {
+        format!("{:016x}", self.inner.token.get())
     }
 
     /// A key derived from scope and key, stable across attempts and safe to send downstream

@@ -45,6 +45,9 @@ struct LayerConfig {
     overrides: Vec<(String, Override)>,
     fingerprint: FingerprintOptions,
     denied_headers: Vec<HeaderName>,
+    /// The configuration services run with, made once: axum applies a router's layers to
+    /// handler routes on every request, so `layer` must be cheap.
+    resolved: std::sync::OnceLock<Arc<Resolved>>,
 }
 
 /// The configuration a service runs with, resolved once per [`Layer::layer`].
@@ -96,6 +99,7 @@ impl<St> IdempotencyLayer<St> {
                 overrides: Vec::new(),
                 fingerprint: FingerprintOptions::default(),
                 denied_headers: default_denied_headers(),
+                resolved: std::sync::OnceLock::new(),
             }),
         }
     }
@@ -114,7 +118,10 @@ macro_rules! route_setting {
 
 impl<St, M> IdempotencyLayer<St, M> {
     fn config_mut(&mut self) -> &mut LayerConfig {
-        Arc::make_mut(&mut self.config)
+        let config = Arc::make_mut(&mut self.config);
+        // Any change makes the cached resolution stale.
+        config.resolved = std::sync::OnceLock::new();
+        config
     }
 
     /// Changes the default settings of every route.
@@ -264,7 +271,10 @@ impl<S, St, M: Clone> Layer<S> for IdempotencyLayer<St, M> {
             inner,
             self.store.clone(),
             self.make_scope.clone(),
-            Arc::new(self.resolve()),
+            self.config
+                .resolved
+                .get_or_init(|| Arc::new(self.resolve()))
+                .clone(),
         )
     }
 }

@@ -49,7 +49,7 @@ impl StoredResponse {
             }
             None => out.put_u8(0),
         }
-        out.to_vec()
+        Vec::from(out)
     }
 
     /// Decodes what [`to_bytes`](Self::to_bytes) wrote.
