@@ -104,18 +104,21 @@ fn unquote(raw: &[u8]) -> Result<Vec<u8>, KeyError> {
 }
 
 /// A key together with the scope it belongs to: the unit a store keeps one record for.
+///
+/// Cheap to clone: a request's key passes through the claim, the execution and the handler's
+/// context, and each holds it.
 #[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct ScopedKey {
-    scope: String,
-    key: String,
+    scope: std::sync::Arc<str>,
+    key: std::sync::Arc<str>,
 }
 
 impl ScopedKey {
     /// A key in a scope. Scopes partition keys: equal keys in two scopes never meet.
     pub fn new(scope: impl Into<String>, key: impl Into<String>) -> Self {
         Self {
-            scope: scope.into(),
-            key: key.into(),
+            scope: scope.into().into(),
+            key: key.into().into(),
         }
     }
 
