@@ -204,10 +204,7 @@ impl<'a> Parser<'a> {
         self.i += 1;
         let start = self.i;
         // Fast path: no escapes, borrow straight from the body.
-        let run = self.s[start..]
-            .iter()
-            .position(|&b| b == b'"' || b == b'\\' || b < 0x20)
-            .ok_or(SYNTAX)?;
+        let run = special(&self.s[start..]).ok_or(SYNTAX)?;
         self.i = start + run;
         match self.s[self.i] {
             b'"' => {
@@ -221,12 +218,7 @@ impl<'a> Parser<'a> {
         let mut out = String::from(&self.text[start..self.i]);
         loop {
             let run = self.i;
-            while let Some(&b) = self.s.get(self.i) {
-                if b == b'"' || b == b'\\' || b < 0x20 {
-                    break;
-                }
-                self.i += 1;
-            }
+            self.i += special(&self.s[run..]).unwrap_or(self.s.len() - run);
             out.push_str(&self.text[run..self.i]);
             match self.s.get(self.i) {
                 Some(b'"') => {
@@ -323,6 +315,32 @@ fn write_value(value: &Value<'_>, out: &mut impl Sink) -> Result<(), JsonError> 
     Ok(())
 }
 
+/// The index of the first byte that ends a plain run inside a JSON string: `"`, `\\` or a
+/// control character. Eight bytes at a time (SWAR), since strings are most of most bodies.
+fn special(bytes: &[u8]) -> Option<usize> {
+    const ONES: u64 = 0x0101_0101_0101_0101;
+    const HIGH: u64 = 0x8080_8080_8080_8080;
+    // Nonzero iff some byte of `v` is zero / below `n` (n <= 128).
+    let zero = |v: u64| v.wrapping_sub(ONES) & !v & HIGH;
+    let below = |v: u64, n: u64| v.wrapping_sub(ONES * n) & !v & HIGH;
+    let mut at = 0;
+    for chunk in bytes.chunks_exact(8) {
+        let mut word = [0u8; 8];
+        word.copy_from_slice(chunk);
+        let x = u64::from_le_bytes(word);
+        if zero(x ^ (ONES * u64::from(b'"'))) | zero(x ^ (ONES * u64::from(b'\\'))) | below(x, 0x20)
+            != 0
+        {
+            break;
+        }
+        at += 8;
+    }
+    bytes[at..]
+        .iter()
+        .position(|&b| b == b'"' || b == b'\\' || b < 0x20)
+        .map(|i| at + i)
+}
+
 /// RFC 8785 §3.2.3: members sort by the UTF-16 code units of their names.
 fn utf16_cmp(a: &str, b: &str) -> Ordering {
     if a.is_ascii() && b.is_ascii() {
@@ -348,10 +366,7 @@ fn write_string(s: &str, out: &mut impl Sink) {
     out.put(b"\"");
     let mut rest = s.as_bytes();
     // Copy runs that need no escape in one piece.
-    while let Some(at) = rest
-        .iter()
-        .position(|&b| b == b'"' || b == b'\\' || b < 0x20)
-    {
+    while let Some(at) = special(rest) {
         out.put(&rest[..at]);
         let b = rest[at];
         match b {
@@ -388,6 +403,29 @@ mod tests {
         let mut out = Vec::new();
         canonicalize(s.as_bytes(), &mut out)?;
         Ok(String::from_utf8(out).expect("canonical JSON is UTF-8"))
+    }
+
+    #[test]
+    fn special_finds_the_first_quote_backslash_or_control() {
+        for (input, want) in [
+            (&b""[..], None),
+            (b"abcdefgh", None),
+            (b"abcdefghijklmnop\"", Some(16)),
+            (b"abc\\", Some(3)),
+            (b"0123456789\x1f", Some(10)),
+            (b"\x7f\x80\xffplain text\"", Some(13)),
+            (b"x", None),
+        ] {
+            assert_eq!(special(input), want, "{input:?}");
+        }
+        // Every position, every special byte, in a longer run.
+        for len in 0..40 {
+            for b in [b'"', b'\\', 0x00, 0x1f] {
+                let mut v = vec![b'a'; len + 1];
+                v[len] = b;
+                assert_eq!(special(&v), Some(len));
+            }
+        }
     }
 
     #[test]
