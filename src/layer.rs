@@ -185,6 +185,8 @@ impl<St, M> IdempotencyLayer<St, M> {
         jsonrpc(settings: crate::jsonrpc::JsonRpc);
         /// Whether a client hanging up cancels the handler (and releases the key).
         cancel_on_disconnect(on: bool);
+        /// How long a retry waits for an in-flight first request before answering 409.
+        wait_for_in_flight(wait: Duration);
     }
 
     /// The methods guarded (default `POST` and `PATCH`).

@@ -41,6 +41,7 @@ pub struct RouteConfig {
     pub(crate) record_refusals: bool,
     pub(crate) jsonrpc: Option<Arc<JsonRpc>>,
     pub(crate) cancel_on_disconnect: bool,
+    pub(crate) wait_for_in_flight: Option<Duration>,
 }
 
 impl Default for RouteConfig {
@@ -60,6 +61,7 @@ impl Default for RouteConfig {
             record_refusals: false,
             jsonrpc: None,
             cancel_on_disconnect: false,
+            wait_for_in_flight: None,
         }
     }
 }
@@ -172,6 +174,14 @@ impl RouteConfig {
     /// the handler cannot leave a half-done effect behind.
     pub fn cancel_on_disconnect(mut self, on: bool) -> Self {
         self.cancel_on_disconnect = on;
+        self
+    }
+
+    /// Instead of answering `409 in-flight` at once, waits up to `wait` for the request holding
+    /// the key to finish, then replays its outcome (or runs, if it gave the key back); after the
+    /// wait, answers 409 as usual (default: no wait). For callers that cannot handle 409 well.
+    pub fn wait_for_in_flight(mut self, wait: Duration) -> Self {
+        self.wait_for_in_flight = Some(wait);
         self
     }
 

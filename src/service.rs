@@ -5,6 +5,7 @@ use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
+use std::time::Duration;
 
 use bytes::Bytes;
 use http::{Request, Response, header};
@@ -152,45 +153,55 @@ impl<St: IdempotencyStore, M: MakeScope> Pipeline<St, M> {
         // The JSON envelope is for plain JSON callers; gRPC and JSON-RPC keep their framing.
         let envelope = route.envelope && protocol == Protocol::Http;
 
-        // 5. Claim.
-        let claim = self
-            .store
-            .claim(&ClaimRequest {
-                key: key.clone(),
-                fingerprint,
-                lease: route.lease,
-                ttl: route.ttl,
-                on_lease_expiry: route.on_lease_expiry,
-            })
-            .await;
-        let claim = match claim {
-            Ok(claim) => claim,
-            Err(error) => {
-                observe::count(Event::StoreError);
-                tracing::error!(%error, "claim failed; refusing to run (fail closed)");
-                self.outcome("store_unavailable");
-                return Ok(unavailable(&route, &protocol));
-            }
+        // 5–6. Claim, and decide; on routes that wait, an in-flight key is claimed again as
+        // its holder finishes, until it replays, runs here (released) or the wait is over.
+        let request = ClaimRequest {
+            key: key.clone(),
+            fingerprint,
+            lease: route.lease,
+            ttl: route.ttl,
+            on_lease_expiry: route.on_lease_expiry,
         };
-
-        // 6. Decide.
-        let decision = decide(claim, &fingerprint);
-        if route.record_refusals {
-            self.note_refusal(&key, &decision).await;
-        }
-        let lease = match decision {
-            Decision::Run(lease) => lease,
-            Decision::Replay(stored) => {
-                self.outcome("replayed");
-                let mark = route
-                    .jsonrpc
-                    .as_ref()
-                    .is_some_and(|j| j.mark_replay_in_meta);
-                return Ok(replay(stored, envelope, mark, &protocol));
+        let wait_until = route
+            .wait_for_in_flight
+            .map(|wait| tokio::time::Instant::now() + wait);
+        let mut backoff = Duration::from_millis(10);
+        let lease = loop {
+            let claim = match self.store.claim(&request).await {
+                Ok(claim) => claim,
+                Err(error) => {
+                    observe::count(Event::StoreError);
+                    tracing::error!(%error, "claim failed; refusing to run (fail closed)");
+                    self.outcome("store_unavailable");
+                    return Ok(unavailable(&route, &protocol));
+                }
+            };
+            let decision = decide(claim, &fingerprint);
+            if let (Decision::Refuse(problem), Some(until)) = (&decision, wait_until)
+                && problem.kind == ProblemKind::InFlight
+                && tokio::time::Instant::now() + backoff < until
+            {
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(Duration::from_millis(250));
+                continue;
             }
-            Decision::Refuse(problem) => {
-                self.outcome(problem.kind.slug());
-                return Ok(problem.respond(&protocol));
+            if route.record_refusals {
+                self.note_refusal(&key, &decision).await;
+            }
+            match decision {
+                Decision::Run(lease) => break lease,
+                Decision::Replay(stored) => {
+                    self.outcome("replayed");
+                    let mark = route
+                        .jsonrpc
+                        .as_ref()
+                        .is_some_and(|j| j.mark_replay_in_meta);
+                    return Ok(replay(stored, envelope, mark, &protocol));
+                }
+                Decision::Refuse(problem) => {
+                    self.outcome(problem.kind.slug());
+                    return Ok(problem.respond(&protocol));
+                }
             }
         };
         self.span.record("attempt", lease.attempt);

@@ -930,3 +930,40 @@ async fn s1_a_route_that_cancels_on_disconnect_releases_the_key() {
         "the cancelled handler never finished its effect"
     );
 }
+
+#[tokio::test]
+async fn s1_a_route_that_waits_replays_the_first_outcome_instead_of_409() {
+    let effects = Effects::default();
+    let layer =
+        IdempotencyLayer::new(MemoryStore::new()).wait_for_in_flight(Duration::from_secs(10));
+    let addr = serve(tickets(effects.clone(), Duration::from_millis(500)).layer(layer)).await;
+
+    let first = tokio::spawn(post_ticket(addr, "k-wait", "{}"));
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let waiting = post_ticket(addr, "k-wait", "{}").await;
+    assert_eq!(
+        waiting.status(),
+        StatusCode::CREATED,
+        "waited for the first, no 409"
+    );
+    assert_eq!(waiting.headers()["idempotency-replayed"], "true");
+    let first = first.await.expect("task");
+    assert_eq!(
+        waiting.bytes().await.expect("body"),
+        first.bytes().await.expect("body")
+    );
+    assert_eq!(effects.count(), 1);
+
+    // A wait shorter than the work still ends in 409.
+    let layer =
+        IdempotencyLayer::new(MemoryStore::new()).wait_for_in_flight(Duration::from_millis(100));
+    let addr = serve(tickets(effects.clone(), Duration::from_millis(800)).layer(layer)).await;
+    let first = tokio::spawn(post_ticket(addr, "k-short", "{}"));
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(
+        post_ticket(addr, "k-short", "{}").await.status(),
+        StatusCode::CONFLICT
+    );
+    assert_eq!(first.await.expect("task").status(), StatusCode::CREATED);
+    assert_eq!(effects.count(), 2);
+}
