@@ -136,6 +136,7 @@ impl<St: IdempotencyStore> Execution<St> {
         let drain = async {
             let mut copy = bytes::BytesMut::new();
             let mut over = false;
+            let mut recorded = false;
             loop {
                 // Convert the error at once: the inner body's own error type need not be Send.
                 let next = http_body_util::BodyExt::frame(&mut body)
@@ -146,7 +147,7 @@ impl<St: IdempotencyStore> Execution<St> {
                     Ok(frame) => frame,
                     Err(error) => {
                         let _ = tx.send(Err(error)).await;
-                        return Err(());
+                        return if recorded { Ok(None) } else { Err(()) };
                     }
                 };
                 if let Some(data) = frame.data_ref() {
@@ -155,13 +156,24 @@ impl<St: IdempotencyStore> Execution<St> {
                         copy.extend_from_slice(data);
                     }
                 }
+                // Record the final response before it leaves, so a client that has it can
+                // count on its retry being a replay.
+                if !recorded
+                    && !over
+                    && let Protocol::JsonRpc(id) = &self.protocol
+                    && jsonrpc::final_response(&head.headers, &copy, id).is_some()
+                {
+                    self.record(&head, Some(&copy.clone().freeze()), None).await;
+                    recorded = true;
+                }
                 // A closed receiver only means the client left.
                 let _ = tx.send(Ok(frame)).await;
             }
-            Ok((!over).then(|| copy.freeze()))
+            Ok((!recorded).then(|| (!over).then(|| copy.freeze())))
         };
         match self.renewing(drain).await {
-            Ok(copy) => self.record(&head, copy.as_ref(), None).await,
+            Ok(Some(copy)) => self.record(&head, copy.as_ref(), None).await,
+            Ok(None) => {}
             Err(()) => {
                 self.release().await;
             }
