@@ -788,12 +788,13 @@ async fn handler_panic_releases_the_key() {
 #[tokio::test]
 async fn a_live_handler_keeps_its_lease_past_the_lease_length() {
     let effects = Effects::default();
-    let layer = IdempotencyLayer::new(MemoryStore::new()).lease(Duration::from_millis(300));
-    let addr = serve(tickets(effects.clone(), Duration::from_millis(1_200)).layer(layer)).await;
+    // Renewed every 200 ms; a busy machine would have to stall it for 600 ms to lose it.
+    let layer = IdempotencyLayer::new(MemoryStore::new()).lease(Duration::from_millis(600));
+    let addr = serve(tickets(effects.clone(), Duration::from_millis(2_500)).layer(layer)).await;
 
     let first = tokio::spawn(post_ticket(addr, "k-renew", "{}"));
-    // Well past the lease: without renewal this retry would take the key over and run again.
-    tokio::time::sleep(Duration::from_millis(800)).await;
+    // Twice the lease: without renewal this retry would take the key over and run again.
+    tokio::time::sleep(Duration::from_millis(1_300)).await;
     let retry = post_ticket(addr, "k-renew", "{}").await;
     assert_eq!(retry.status(), StatusCode::CONFLICT);
     assert_eq!(first.await.expect("first").status(), StatusCode::CREATED);
