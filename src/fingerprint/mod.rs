@@ -153,6 +153,29 @@ fn put_field(out: &mut impl Sink, bytes: &[u8]) {
     out.put(bytes);
 }
 
+/// Canonicalises into this thread's reused buffer and, if that succeeds, hashes the result as
+/// one tagged field: a refusal half-way leaves `h` untouched, and one hasher update costs less
+/// than many small ones.
+fn canonical_field<E>(
+    h: &mut Sha256,
+    tag: &[u8],
+    canonicalize: impl FnOnce(&mut Vec<u8>) -> Result<(), E>,
+) -> Result<(), E> {
+    SCRATCH.with_borrow_mut(|buf| {
+        buf.clear();
+        let result = canonicalize(buf);
+        if result.is_ok() {
+            put_field(h, tag);
+            put_field(h, buf);
+        }
+        // Do not let one huge body pin its buffer for the thread's lifetime.
+        if buf.capacity() > SCRATCH_KEEP {
+            *buf = Vec::new();
+        }
+        result
+    })
+}
+
 thread_local! {
     /// The canonical form of the JSON body being fingerprinted on this thread.
     static SCRATCH: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
@@ -223,22 +246,7 @@ fn body_into(
         return Ok(());
     }
     if is_json(media) {
-        // Canonicalise into a reused buffer, then hash it in one pass: many small hasher
-        // updates cost more than one copy, and a refusal half-way leaves `h` untouched.
-        let canonical = SCRATCH.with_borrow_mut(|buf| {
-            buf.clear();
-            let result = json::canonicalize(body, buf);
-            if result.is_ok() {
-                put_field(h, b"json");
-                put_field(h, buf);
-            }
-            // Do not let one huge body pin its buffer for the thread's lifetime.
-            if buf.capacity() > SCRATCH_KEEP {
-                *buf = Vec::new();
-            }
-            result
-        });
-        match canonical {
+        match canonical_field(h, b"json", |buf| json::canonicalize(body, buf)) {
             Ok(()) => return Ok(()),
             Err(json::JsonError::Malformed(reason)) => return Err(MalformedBody::new(reason)),
             Err(json::JsonError::NotCanonical) => {}
@@ -248,11 +256,9 @@ fn body_into(
         form::canonicalize(body, h);
         return Ok(());
     } else if media == "multipart/form-data" {
-        let mut canonical = Sha256::new();
-        multipart::canonicalize(content_type, body, &mut canonical)?;
-        put_field(h, b"multipart");
-        h.update(canonical.finalize());
-        return Ok(());
+        return canonical_field(h, b"multipart", |buf| {
+            multipart::canonicalize(content_type, body, buf)
+        });
     }
     put_field(h, b"raw");
     put_field(h, body);
