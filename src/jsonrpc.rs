@@ -41,10 +41,9 @@ use std::sync::Arc;
 use bytes::Bytes;
 use http::{HeaderMap, HeaderValue, Response, StatusCode, header, request::Parts};
 use serde_json::{Map, Value};
-use sha2::{Digest, Sha256};
 
 use crate::body::ResponseBody;
-use crate::fingerprint::{Fingerprint, canonical_json};
+use crate::fingerprint::Fingerprint;
 use crate::problem::{Problem, ProblemKind};
 
 /// The `_meta` entry set on replayed results when [`JsonRpc::mark_replay_in_meta`] is on.
@@ -148,22 +147,7 @@ pub(crate) fn parse(body: &[u8], settings: &JsonRpc) -> Option<Call> {
 
 /// Route, method and canonical params: never the id, never `_meta`.
 pub(crate) fn fingerprint(parts: &Parts, call: &Call) -> Fingerprint {
-    let params = serde_json::to_vec(&call.params).unwrap_or_default();
-    let mut h = Sha256::new();
-    for field in [
-        b"tower-idempotency/jsonrpc/v1".as_slice(),
-        parts.uri.path().as_bytes(),
-        call.method.as_bytes(),
-    ] {
-        h.update((field.len() as u64).to_le_bytes());
-        h.update(field);
-    }
-    // serde_json wrote the params, so they are valid JSON; duplicate names cannot survive a
-    // `Map`, so the canonical form always exists.
-    let canonical = canonical_json(&params).ok().flatten().unwrap_or(params);
-    h.update((canonical.len() as u64).to_le_bytes());
-    h.update(&canonical);
-    Fingerprint::from_bytes(h.finalize().into())
+    crate::fingerprint::jsonrpc(parts, &call.method, &call.params)
 }
 
 /// The JSON-RPC error code for a problem: outside the reserved −32768..−32000 range.

@@ -107,6 +107,22 @@ pub fn canonical_json(body: &[u8]) -> Result<Option<Vec<u8>>, MalformedBody> {
     }
 }
 
+/// The fingerprint of a JSON-RPC call: route, method and the canonical params (already
+/// stripped of `_meta` and per-attempt fields); never the request's `id`.
+pub(crate) fn jsonrpc(parts: &Parts, method: &str, params: &serde_json::Value) -> Fingerprint {
+    let mut h = Sha256::new();
+    put_field(&mut h, b"tower-idempotency/jsonrpc/v1");
+    put_field(&mut h, parts.uri.path().as_bytes());
+    put_field(&mut h, method.as_bytes());
+    // Written straight from the parsed params: no second serialisation and parse.
+    let written: Result<(), std::convert::Infallible> = canonical_field(&mut h, b"params", |buf| {
+        json::write_parsed(params, buf);
+        Ok(())
+    });
+    let Ok(()) = written;
+    Fingerprint(h.finalize().into())
+}
+
 /// What goes into a fingerprint besides method, path, query and body.
 #[derive(Clone, Default)]
 pub(crate) struct FingerprintOptions {
@@ -400,6 +416,14 @@ mod tests {
             let ours = canonical_json(&compact).expect("valid").expect("canonical");
             let reference = serde_json_canonicalizer::to_vec(&v).expect("reference");
             prop_assert_eq!(String::from_utf8_lossy(&ours), String::from_utf8_lossy(&reference));
+        }
+
+        #[test]
+        fn parsed_values_canonicalise_like_their_text(v in json_value()) {
+            let text = serde_json::to_vec(&v).expect("serialize");
+            let mut parsed = Vec::new();
+            json::write_parsed(&v, &mut parsed);
+            prop_assert_eq!(Some(parsed), canonical_json(&text).expect("valid"));
         }
 
         #[test]
