@@ -247,11 +247,23 @@ impl MemoryStore {
         token: FencingToken,
         f: impl FnOnce(&mut Entry, u64) -> T,
     ) -> Result<T, StoreError> {
+        self.write_if(key, token, |r, _| r.status == RecordStatus::InProgress, f)
+    }
+
+    /// Applies `f` to the record if it carries `token` and `allowed` says it may be written;
+    /// otherwise the write is refused as fenced.
+    fn write_if<T>(
+        &self,
+        key: &ScopedKey,
+        token: FencingToken,
+        allowed: impl FnOnce(&Entry, u64) -> bool,
+        f: impl FnOnce(&mut Entry, u64) -> T,
+    ) -> Result<T, StoreError> {
         let now = self.now();
         let key = PackedKey::new(key);
         let mut shard = self.shard(&key);
         match shard.records.get_mut(&key) {
-            Some(r) if r.lease_token == token && r.status == RecordStatus::InProgress => {
+            Some(r) if r.lease_token == token && allowed(r, now) => {
                 r.updated_at = now;
                 Ok(f(r, now))
             }
@@ -370,24 +382,15 @@ impl IdempotencyStore for MemoryStore {
         response: &StoredResponse,
         ttl: Duration,
     ) -> Result<(), StoreError> {
-        let now = self.now();
-        let key = PackedKey::new(key);
-        let mut shard = self.shard(&key);
-        match shard.records.get_mut(&key) {
-            // The holder may complete again what it already completed.
-            Some(r)
-                if r.lease_token == token
-                    && matches!(r.status, RecordStatus::InProgress | RecordStatus::Completed) =>
-            {
-                r.status = RecordStatus::Completed;
-                r.response = Some(Bytes::from(response.to_bytes()));
-                r.expires_at = now + span(ttl);
-                r.updated_at = now;
-                log(r, now, HistoryEvent::Completed);
-                Ok(())
-            }
-            _ => Err(StoreError::Fenced),
-        }
+        // The holder may complete again what it already completed.
+        let may =
+            |r: &Entry, _| matches!(r.status, RecordStatus::InProgress | RecordStatus::Completed);
+        self.write_if(key, token, may, |r, now| {
+            r.status = RecordStatus::Completed;
+            r.response = Some(Bytes::from(response.to_bytes()));
+            r.expires_at = now + span(ttl);
+            log(r, now, HistoryEvent::Completed);
+        })
     }
 
     async fn release(
@@ -490,28 +493,18 @@ impl IdempotencyStore for MemoryStore {
         resolution: &Resolution,
         ttl: Duration,
     ) -> Result<(), StoreError> {
-        let now = self.now();
-        let key = PackedKey::new(key);
-        let mut shard = self.shard(&key);
-        match shard.records.get_mut(&key) {
-            Some(r) if r.lease_token == token && uncertain(r, now) => {
-                r.updated_at = now;
-                match resolution {
-                    Resolution::Applied(response) => {
-                        r.status = RecordStatus::Completed;
-                        r.response = Some(Bytes::from(response.to_bytes()));
-                        r.expires_at = now + span(ttl);
-                        log(r, now, HistoryEvent::ReconciledApplied);
-                    }
-                    Resolution::NotApplied => {
-                        r.status = RecordStatus::Released;
-                        log(r, now, HistoryEvent::ReconciledNotApplied);
-                    }
-                }
-                Ok(())
+        self.write_if(key, token, uncertain, |r, now| match resolution {
+            Resolution::Applied(response) => {
+                r.status = RecordStatus::Completed;
+                r.response = Some(Bytes::from(response.to_bytes()));
+                r.expires_at = now + span(ttl);
+                log(r, now, HistoryEvent::ReconciledApplied);
             }
-            _ => Err(StoreError::Fenced),
-        }
+            Resolution::NotApplied => {
+                r.status = RecordStatus::Released;
+                log(r, now, HistoryEvent::ReconciledNotApplied);
+            }
+        })
     }
 
     async fn append_history(&self, key: &ScopedKey, event: HistoryEvent) -> Result<(), StoreError> {
