@@ -84,7 +84,7 @@ where
         // An outer idempotency layer already guards this request: one claim per request.
         let nested = req.extensions().get::<IdempotencyContext>().is_some();
         if nested || !route.guards(req.method()) {
-            return ResponseFuture::new(pass_through(inner, req));
+            return ResponseFuture::new(pass_through(inner, req.map(RequestBody::passthrough)));
         }
         let span = tracing::info_span!(
             "idempotency",
@@ -146,8 +146,7 @@ impl<St: IdempotencyStore, M: MakeScope> Pipeline<St, M> {
             Prepared::Answer(response) => return Ok(response),
             Prepared::PassThrough(req) => {
                 self.outcome("pass_through");
-                let res = { inner }.call(req).await?;
-                return Ok(res.map(ResponseBody::passthrough));
+                return pass_through(inner, req).await;
             }
         };
         // The JSON envelope is for plain JSON callers; gRPC and JSON-RPC keep their framing.
@@ -252,14 +251,15 @@ impl<St: IdempotencyStore, M: MakeScope> Pipeline<St, M> {
     }
 }
 
+/// Hands a request the layer does not guard to the inner service, untouched.
 async fn pass_through<S, ReqBody, ResBody>(
     mut inner: S,
-    req: Request<ReqBody>,
+    req: Request<RequestBody<ReqBody>>,
 ) -> Result<Response<ResponseBody<ResBody>>, S::Error>
 where
     S: Service<Request<RequestBody<ReqBody>>, Response = Response<ResBody>>,
 {
-    let res = inner.call(req.map(RequestBody::passthrough)).await?;
+    let res = inner.call(req).await?;
     Ok(res.map(ResponseBody::passthrough))
 }
 
