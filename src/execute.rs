@@ -21,7 +21,7 @@ use tracing::Instrument;
 use crate::body::{RequestBody, ResponseBody};
 use crate::jsonrpc;
 use crate::observe::{self, Event};
-use crate::policy::{CachePolicy, Outcome};
+use crate::policy::Outcome;
 use crate::problem::{Problem, ProblemKind, Protocol};
 use crate::replay::{Captured, Presentation, capture, present, storable_headers};
 use crate::route::RouteConfig;
@@ -223,64 +223,45 @@ impl<St: IdempotencyStore> Execution<St> {
 
     /// Step 8: records the outcome if the route's policy keeps it, else releases the key.
     async fn record(&self, parts: &Parts, body: Option<&Bytes>, trailers: Option<&HeaderMap>) {
-        if let Protocol::JsonRpc(id) = &self.protocol {
-            return self.record_jsonrpc(parts, body, id).await;
-        }
+        let stored = match &self.protocol {
+            // JSON-RPC records the call's final response, whatever framing carried it.
+            Protocol::JsonRpc(id) => {
+                let message = match body {
+                    Some(body) => match jsonrpc::final_response(&parts.headers, body, id) {
+                        Some(message) => Some(message),
+                        // An interim answer, or none at all: nothing to record.
+                        None => {
+                            self.release().await;
+                            return;
+                        }
+                    },
+                    // Too large to keep: recorded without a body, like any oversized response.
+                    None => None,
+                };
+                StoredResponse {
+                    status: jsonrpc::REPLAY_STATUS,
+                    headers: jsonrpc::stored_headers(),
+                    body: message,
+                    trailers: None,
+                }
+            }
+            _ => StoredResponse {
+                status: parts.status,
+                headers: storable_headers(&parts.headers, &self.denied_headers),
+                body: body.cloned(),
+                trailers: trailers.cloned(),
+            },
+        };
         let outcome = Outcome {
             status: parts.status,
             headers: &parts.headers,
             trailers,
+            jsonrpc: match self.protocol {
+                Protocol::JsonRpc(_) => stored.body.as_deref(),
+                _ => None,
+            },
         };
-        if !self.route.cache_policy.records(&outcome) {
-            self.release().await;
-            return;
-        }
-        let stored = StoredResponse {
-            status: parts.status,
-            headers: storable_headers(&parts.headers, &self.denied_headers),
-            body: body.cloned(),
-            trailers: trailers.cloned(),
-        };
-        self.complete(&stored).await;
-    }
-
-    /// JSON-RPC: the outcome is the final response to the call (from JSON or SSE); without
-    /// one (an interim answer) there is nothing to record and the key is released.
-    async fn record_jsonrpc(&self, parts: &Parts, body: Option<&Bytes>, id: &serde_json::Value) {
-        let Some(body) = body else {
-            // Too large to keep: consumed, like any oversized response.
-            return self
-                .complete(&StoredResponse {
-                    status: jsonrpc::REPLAY_STATUS,
-                    headers: jsonrpc::stored_headers(),
-                    body: None,
-                    trailers: None,
-                })
-                .await;
-        };
-        let Some(message) = jsonrpc::final_response(&parts.headers, body, id) else {
-            self.release().await;
-            return;
-        };
-        let stored = StoredResponse {
-            status: jsonrpc::REPLAY_STATUS,
-            headers: jsonrpc::stored_headers(),
-            body: Some(message),
-            trailers: None,
-        };
-        let outcome = Outcome {
-            status: stored.status,
-            headers: &stored.headers,
-            trailers: None,
-        };
-        let records = match &self.route.cache_policy {
-            CachePolicy::DefinitiveOnly => {
-                parts.status.is_success()
-                    && stored.body.as_deref().is_some_and(jsonrpc::is_definitive)
-            }
-            policy => policy.records(&outcome),
-        };
-        if records {
+        if self.route.cache_policy.records(&outcome) {
             self.complete(&stored).await;
         } else {
             self.release().await;

@@ -14,6 +14,8 @@ pub struct Outcome<'a> {
     pub headers: &'a HeaderMap,
     /// The trailers, if the response had any.
     pub trailers: Option<&'a HeaderMap>,
+    /// On routes in JSON-RPC mode, the call's final JSON-RPC response.
+    pub jsonrpc: Option<&'a [u8]>,
 }
 
 impl Outcome<'_> {
@@ -24,8 +26,12 @@ impl Outcome<'_> {
     }
 
     /// Whether this outcome is definitive: an answer about the operation rather than a
-    /// technical failure that a retry may get past (DESIGN §3).
+    /// technical failure that a retry may get past (DESIGN §3). For JSON-RPC, results are
+    /// (tool errors included) and protocol errors are, except internal and server errors.
     pub fn is_definitive(&self) -> bool {
+        if let Some(message) = self.jsonrpc {
+            return self.status.is_success() && crate::jsonrpc::is_definitive(message);
+        }
         if let Some(code) = self.grpc_status() {
             // OK, INVALID_ARGUMENT, NOT_FOUND, ALREADY_EXISTS, PERMISSION_DENIED,
             // FAILED_PRECONDITION, OUT_OF_RANGE, UNIMPLEMENTED, UNAUTHENTICATED.
@@ -95,6 +101,7 @@ mod tests {
             status: StatusCode::from_u16(status).expect("status"),
             headers: &headers,
             trailers: None,
+            jsonrpc: None,
         }
         .is_definitive()
     }
@@ -112,8 +119,27 @@ mod tests {
             status: StatusCode::OK,
             headers,
             trailers,
+            jsonrpc: None,
         }
         .is_definitive()
+    }
+
+    #[test]
+    fn definitive_jsonrpc_outcomes_follow_the_message_not_the_status() {
+        let headers = HeaderMap::new();
+        let outcome = |status: u16, message: &'static [u8]| Outcome {
+            status: StatusCode::from_u16(status).expect("status"),
+            headers: &headers,
+            trailers: None,
+            jsonrpc: Some(message),
+        };
+        let result = br#"{"jsonrpc":"2.0","id":1,"result":{"isError":true}}"#;
+        let internal = br#"{"jsonrpc":"2.0","id":1,"error":{"code":-32603,"message":"x"}}"#;
+        assert!(outcome(200, result).is_definitive());
+        assert!(!outcome(200, internal).is_definitive());
+        assert!(!outcome(500, result).is_definitive());
+        assert!(!CachePolicy::DefinitiveOnly.records(&outcome(200, internal)));
+        assert!(CachePolicy::Everything.records(&outcome(200, internal)));
     }
 
     #[test]
