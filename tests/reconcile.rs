@@ -496,40 +496,86 @@ fn order_receipt() -> StoredResponse {
     }
 }
 
-async fn transactional_milestone<St: IdempotencyStore>(
-    store: &St,
-    commit: bool,
-    write: impl AsyncFnOnce(&ScopedKey, tower_idempotency::store::FencingToken, bool),
-    business_rows: impl AsyncFnOnce() -> i64,
-) {
-    let key = ScopedKey::new("tx", format!("tx-{commit}-{}", std::process::id()));
-    let _ = store.remove(&key).await;
-    let claim = ClaimRequest {
-        key: key.clone(),
-        fingerprint: Fingerprint::from_bytes([7; 32]),
-        lease: Duration::from_secs(30),
-        ttl: Duration::from_secs(300),
-        on_lease_expiry: LeaseExpiry::Reclaim,
-    };
-    let Ok(Claim::Acquired(lease)) = store.claim(&claim).await else {
-        panic!("claim")
-    };
-    write(&key, lease.token, commit).await;
-    let record = store.lookup(&key).await.expect("lookup").expect("record");
-    let rows = business_rows().await;
-    if commit {
-        assert!(
-            record.effect_started,
-            "the milestone committed with the business write"
-        );
-        assert_eq!(rows, 1);
-    } else {
-        assert!(
-            !record.effect_started,
-            "the milestone rolled back with the business write"
-        );
-        assert_eq!(rows, 0);
-    }
+/// One business transaction: it inserts an order and records the milestone and the result with
+/// it, then commits or rolls back; order, milestone and result must stand or fall together.
+/// A macro because the two databases' connection types differ.
+macro_rules! business_transaction {
+    ($store:expr, $commit:expr, $order:expr, $insert:literal, $count:literal) => {{
+        let (store, commit, order): (_, bool, &str) = (&$store, $commit, $order);
+        let key = ScopedKey::new("tx", format!("tx-{order}"));
+        let _ = store.remove(&key).await;
+        let claim = ClaimRequest {
+            key: key.clone(),
+            fingerprint: Fingerprint::from_bytes([7; 32]),
+            lease: Duration::from_secs(30),
+            ttl: Duration::from_secs(300),
+            on_lease_expiry: LeaseExpiry::Reclaim,
+        };
+        let Ok(Claim::Acquired(lease)) = store.claim(&claim).await else {
+            panic!("claim")
+        };
+        let mut tx = store.pool().begin().await.expect("begin");
+        sqlx::query($insert)
+            .bind(order)
+            .execute(&mut *tx)
+            .await
+            .expect("insert");
+        store
+            .record_milestone_in(&mut tx, &key, lease.token, &Milestone::EffectStarted)
+            .await
+            .expect("milestone");
+        store
+            .complete_in(
+                &mut tx,
+                &key,
+                lease.token,
+                &order_receipt(),
+                Duration::from_secs(60),
+            )
+            .await
+            .expect("complete");
+        if commit {
+            tx.commit().await.expect("commit");
+        } else {
+            tx.rollback().await.expect("rollback");
+        }
+        let record = store.lookup(&key).await.expect("lookup").expect("record");
+        let rows: i64 = sqlx::query_scalar($count)
+            .bind(order)
+            .fetch_one(store.pool())
+            .await
+            .expect("count");
+        if commit {
+            assert_eq!(rows, 1);
+            assert!(
+                record.effect_started,
+                "the milestone committed with the business write"
+            );
+            assert_eq!(
+                record.status,
+                RecordStatus::Completed,
+                "and so did the result"
+            );
+            assert_eq!(record.response, Some(order_receipt()));
+            // The layer records the live response afterwards, with the same token: allowed.
+            store
+                .complete(&key, lease.token, &order_receipt(), Duration::from_secs(60))
+                .await
+                .expect("the holder completes again");
+        } else {
+            assert_eq!(rows, 0);
+            assert!(
+                !record.effect_started,
+                "the milestone rolled back with the business write"
+            );
+            assert_eq!(
+                record.status,
+                RecordStatus::InProgress,
+                "and so did the result"
+            );
+            assert_eq!(record.response, None);
+        }
+    }};
 }
 
 #[tokio::test]
@@ -541,46 +587,19 @@ async fn s4_transactional_milestone_and_result_on_sqlite_commit_and_roll_back_wi
         .await
         .expect("orders table");
     for commit in [true, false] {
-        let s = store.clone();
         let order = format!("order-{commit}");
-        let o = order.clone();
-        transactional_milestone(
-            &store,
-            commit,
-            async move |key: &ScopedKey, token, commit: bool| {
-                let mut tx = s.pool().begin().await.expect("begin");
-                sqlx::query("INSERT INTO orders (key) VALUES (?1)")
-                    .bind(&o)
-                    .execute(&mut *tx)
-                    .await
-                    .expect("insert");
-                s.record_milestone_in(&mut tx, key, token, &Milestone::EffectStarted)
-                    .await
-                    .expect("milestone");
-                s.complete_in(
-                    &mut tx,
-                    key,
-                    token,
-                    &order_receipt(),
-                    Duration::from_secs(60),
-                )
-                .await
-                .expect("complete");
-                if commit {
-                    tx.commit().await.expect("commit")
-                } else {
-                    tx.rollback().await.expect("rollback")
-                }
-            },
-            async || {
-                sqlx::query_scalar("SELECT COUNT(*) FROM orders WHERE key = ?1")
-                    .bind(&order)
-                    .fetch_one(store.pool())
-                    .await
-                    .expect("count")
-            },
-        )
-        .await;
+        // A write that escaped the transaction would wait on its lock: fail, do not hang.
+        tokio::time::timeout(Duration::from_secs(30), async {
+            business_transaction!(
+                store,
+                commit,
+                &order,
+                "INSERT INTO orders (key) VALUES (?1)",
+                "SELECT COUNT(*) FROM orders WHERE key = ?1"
+            );
+        })
+        .await
+        .expect("the business transaction finished");
     }
 }
 
@@ -601,44 +620,18 @@ async fn s4_transactional_milestone_and_result_on_postgres_commit_and_roll_back_
             .execute(store.pool())
             .await
             .expect("clean");
-        let (s, o) = (store.clone(), order.clone());
-        transactional_milestone(
-            &store,
-            commit,
-            async move |key: &ScopedKey, token, commit: bool| {
-                let mut tx = s.pool().begin().await.expect("begin");
-                sqlx::query("INSERT INTO tower_idempotency_orders (key) VALUES ($1)")
-                    .bind(&o)
-                    .execute(&mut *tx)
-                    .await
-                    .expect("insert");
-                s.record_milestone_in(&mut tx, key, token, &Milestone::EffectStarted)
-                    .await
-                    .expect("milestone");
-                s.complete_in(
-                    &mut tx,
-                    key,
-                    token,
-                    &order_receipt(),
-                    Duration::from_secs(60),
-                )
-                .await
-                .expect("complete");
-                if commit {
-                    tx.commit().await.expect("commit")
-                } else {
-                    tx.rollback().await.expect("rollback")
-                }
-            },
-            async || {
-                sqlx::query_scalar("SELECT COUNT(*) FROM tower_idempotency_orders WHERE key = $1")
-                    .bind(&order)
-                    .fetch_one(store.pool())
-                    .await
-                    .expect("count")
-            },
-        )
-        .await;
+        // A write that escaped the transaction would wait on its lock: fail, do not hang.
+        tokio::time::timeout(Duration::from_secs(30), async {
+            business_transaction!(
+                store,
+                commit,
+                &order,
+                "INSERT INTO tower_idempotency_orders (key) VALUES ($1)",
+                "SELECT COUNT(*) FROM tower_idempotency_orders WHERE key = $1"
+            );
+        })
+        .await
+        .expect("the business transaction finished");
     }
 }
 
