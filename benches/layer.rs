@@ -1,9 +1,11 @@
 //! The layer's own cost, without sockets: an axum router called in-process with 1 KiB JSON
 //! bodies, bare and behind the layer (unique keys, replays). Reported as microseconds per
-//! request and as the layer's added cost, measured in the same run.
+//! request, allocations per request, and the layer's added cost, measured in the same run.
 //!
-//! `cargo bench --bench layer`
+//! `cargo bench --bench layer`; `BENCH_ONLY=bare|unique|replay BENCH_REQUESTS=N` runs N
+//! requests of one scenario and nothing else, for `valgrind --tool=callgrind`.
 
+use std::alloc::System;
 use std::hint::black_box;
 use std::time::{Duration, Instant};
 
@@ -12,8 +14,18 @@ use axum::body::Body;
 use axum::routing::post;
 use bytes::Bytes;
 use http_body_util::BodyExt;
+use stats_alloc::{INSTRUMENTED_SYSTEM, Region, StatsAlloc};
 use tower::ServiceExt;
 use tower_idempotency::{IdempotencyLayer, MemoryStore};
+
+#[global_allocator]
+static GLOBAL: &StatsAlloc<System> = &INSTRUMENTED_SYSTEM;
+
+/// Microseconds and heap allocations per request.
+struct Cost {
+    micros: f64,
+    allocations: f64,
+}
 
 fn app() -> Router {
     Router::new().route(
@@ -31,7 +43,7 @@ fn body() -> Bytes {
     )
 }
 
-async fn per_request(router: Router, key: impl Fn(u64) -> Option<String>) -> f64 {
+async fn per_request(router: Router, key: impl Fn(u64) -> Option<String>) -> Cost {
     let body = body();
     let run = |n: u64| {
         let (router, body) = (router.clone(), body.clone());
@@ -50,6 +62,22 @@ async fn per_request(router: Router, key: impl Fn(u64) -> Option<String>) -> f64
         }
     };
     let mut n = 0;
+    // Under callgrind (`BENCH_REQUESTS=N`): run N requests and nothing else, so instruction
+    // counts per request are repeatable.
+    if let Some(count) = std::env::var("BENCH_REQUESTS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+    {
+        let start = Instant::now();
+        for _ in 0..count {
+            run(n).await;
+            n += 1;
+        }
+        return Cost {
+            micros: start.elapsed().as_secs_f64() * 1e6 / count as f64,
+            allocations: 0.0,
+        };
+    }
     let warm = Instant::now();
     while warm.elapsed() < Duration::from_millis(300) {
         run(n).await;
@@ -66,7 +94,16 @@ async fn per_request(router: Router, key: impl Fn(u64) -> Option<String>) -> f64
         samples.push(start.elapsed().as_secs_f64() * 1e6 / count as f64);
     }
     samples.sort_by(f64::total_cmp);
-    samples[samples.len() / 2]
+    let count = 1_000;
+    let region = Region::new(GLOBAL);
+    for _ in 0..count {
+        run(n).await;
+        n += 1;
+    }
+    Cost {
+        micros: samples[samples.len() / 2],
+        allocations: region.change().allocations as f64 / count as f64,
+    }
 }
 
 fn main() {
@@ -75,6 +112,22 @@ fn main() {
         .build()
         .expect("runtime");
     runtime.block_on(async {
+        // `BENCH_ONLY=bare|unique|replay` runs one scenario (for profiling).
+        let only = std::env::var("BENCH_ONLY").ok();
+        if only.is_some() {
+            let router = app().layer(IdempotencyLayer::new(MemoryStore::new()));
+            let cost = match only.as_deref() {
+                Some("unique") => per_request(router, |n| Some(format!("k-{n}"))).await,
+                Some("replay") => per_request(router, |_| Some("same".to_owned())).await,
+                _ => per_request(app(), |_| None).await,
+            };
+            println!(
+                "{}: {:.2} µs/request",
+                only.unwrap_or_default(),
+                cost.micros
+            );
+            return;
+        }
         let bare = per_request(app(), |_| None).await;
         let unique = per_request(
             app().layer(IdempotencyLayer::new(MemoryStore::new())),
@@ -87,21 +140,22 @@ fn main() {
         )
         .await;
         println!(
-            "{:<34} {:>10} {:>12}",
-            "in-process, 1 KiB JSON", "µs/request", "layer adds"
+            "{:<34} {:>10} {:>12} {:>12}",
+            "in-process, 1 KiB JSON", "µs/request", "layer adds", "allocations"
         );
-        println!("{:<34} {:>10.2} {:>12}", "bare router", bare, "");
-        println!(
-            "{:<34} {:>10.2} {:>10.2} µs",
-            "layer + MemoryStore, unique keys",
-            unique,
-            unique - bare
-        );
-        println!(
-            "{:<34} {:>10.2} {:>10.2} µs",
-            "layer + MemoryStore, replays",
-            replay,
-            replay - bare
-        );
+        let row = |name: &str, cost: &Cost| {
+            let adds = if std::ptr::eq(cost, &bare) {
+                String::new()
+            } else {
+                format!("{:.2} µs", cost.micros - bare.micros)
+            };
+            println!(
+                "{name:<34} {:>10.2} {adds:>12} {:>12.1}",
+                cost.micros, cost.allocations
+            );
+        };
+        row("bare router", &bare);
+        row("layer + MemoryStore, unique keys", &unique);
+        row("layer + MemoryStore, replays", &replay);
     });
 }
