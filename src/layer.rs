@@ -213,7 +213,7 @@ impl<St, M> IdempotencyLayer<St, M> {
     /// Fingerprints bodies of `media_type` (for example `application/cbor`) by what
     /// `canonicalizer` returns, instead of their raw bytes.
     pub fn canonicalize(mut self, media_type: &str, canonicalizer: impl Canonicalize) -> Self {
-        let media = crate::fingerprint::media_type(media_type);
+        let media = crate::fingerprint::media_type(media_type).into_owned();
         self.config_mut()
             .fingerprint
             .custom

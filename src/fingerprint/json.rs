@@ -287,7 +287,7 @@ fn write_value(value: &Value<'_>, out: &mut impl Sink) -> Result<(), JsonError> 
         Value::Bool(true) => out.put(b"true"),
         Value::Bool(false) => out.put(b"false"),
         Value::Number(n) => write_number(*n, out),
-        Value::String(s) => write_string(s, out),
+        Value::String(s) => write_text(s, out),
         Value::Array(items) => {
             out.put(b"[");
             for (i, item) in items.iter().enumerate() {
@@ -305,7 +305,7 @@ fn write_value(value: &Value<'_>, out: &mut impl Sink) -> Result<(), JsonError> 
                 if i > 0 {
                     out.put(b",");
                 }
-                write_string(name, out);
+                write_text(name, out);
                 out.put(b":");
                 write_value(member, out)?;
             }
@@ -315,27 +315,294 @@ fn write_value(value: &Value<'_>, out: &mut impl Sink) -> Result<(), JsonError> 
     Ok(())
 }
 
+/// Whether `body` is already its own RFC 8785 form, so its bytes can be hashed as they are.
+///
+/// Most clients send compact JSON, and many (`serde_json` with sorted maps, canonicalising
+/// SDKs, every retry of a body the client stored) send exactly the canonical form: checking
+/// that in one pass costs a fraction of parsing, sorting and writing it again. `false` means
+/// only "not proven canonical": the caller takes the full path, which also reports malformed
+/// input. Conservative on purpose: escaped member names, and numbers that are not plain short
+/// integers unless they print back to the same text, send the body the long way.
+pub(crate) fn verbatim(body: &[u8]) -> bool {
+    if std::str::from_utf8(body).is_err() {
+        return false;
+    }
+    let mut check = Verbatim { s: body, i: 0 };
+    check.value(0) && check.i == body.len()
+}
+
+/// The state of [`verbatim`]: a position in the body, which is valid UTF-8.
+struct Verbatim<'a> {
+    s: &'a [u8],
+    i: usize,
+}
+
+impl<'a> Verbatim<'a> {
+    fn value(&mut self, depth: usize) -> bool {
+        match self.s.get(self.i) {
+            Some(b'n') => self.literal(b"null"),
+            Some(b't') => self.literal(b"true"),
+            Some(b'f') => self.literal(b"false"),
+            Some(b'"') => self.string().is_some(),
+            Some(b'[') => depth < MAX_DEPTH && self.array(depth + 1),
+            Some(b'{') => depth < MAX_DEPTH && self.object(depth + 1),
+            Some(b'-' | b'0'..=b'9') => self.number(),
+            _ => false,
+        }
+    }
+
+    fn literal(&mut self, lit: &[u8]) -> bool {
+        let ok = self.s[self.i..].starts_with(lit);
+        self.i += lit.len();
+        ok
+    }
+
+    fn array(&mut self, depth: usize) -> bool {
+        self.i += 1;
+        if self.s.get(self.i) == Some(&b']') {
+            self.i += 1;
+            return true;
+        }
+        loop {
+            if !self.value(depth) {
+                return false;
+            }
+            match self.s.get(self.i) {
+                Some(b',') => self.i += 1,
+                Some(b']') => {
+                    self.i += 1;
+                    return true;
+                }
+                _ => return false,
+            }
+        }
+    }
+
+    /// Members must come in strictly ascending order (so no name repeats), names unescaped.
+    fn object(&mut self, depth: usize) -> bool {
+        self.i += 1;
+        if self.s.get(self.i) == Some(&b'}') {
+            self.i += 1;
+            return true;
+        }
+        let mut previous: Option<&'a [u8]> = None;
+        loop {
+            let Some((name, false)) = self.string() else {
+                return false;
+            };
+            if previous.is_some_and(|p| utf16_cmp_bytes(p, name) != Ordering::Less) {
+                return false;
+            }
+            previous = Some(name);
+            if self.s.get(self.i) != Some(&b':') {
+                return false;
+            }
+            self.i += 1;
+            if !self.value(depth) {
+                return false;
+            }
+            match self.s.get(self.i) {
+                Some(b',') => self.i += 1,
+                Some(b'}') => {
+                    self.i += 1;
+                    return true;
+                }
+                _ => return false,
+            }
+        }
+    }
+
+    /// A string whose escapes are exactly the ones RFC 8785 writes: its contents and whether
+    /// it had any escape.
+    fn string(&mut self) -> Option<(&'a [u8], bool)> {
+        if self.s.get(self.i) != Some(&b'"') {
+            return None;
+        }
+        self.i += 1;
+        let start = self.i;
+        let mut escaped = false;
+        loop {
+            self.i += special(&self.s[self.i..])?;
+            match self.s[self.i] {
+                b'"' => {
+                    self.i += 1;
+                    return Some((&self.s[start..self.i - 1], escaped));
+                }
+                b'\\' => {
+                    escaped = true;
+                    let len = canonical_escape(&self.s[self.i + 1..])?;
+                    self.i += 1 + len;
+                }
+                _ => return None,
+            }
+        }
+    }
+
+    /// Canonical numbers print back to their own text: short integers do by construction
+    /// (below 2^53, no leading zeros, never `-0`); anything else is checked by printing it.
+    fn number(&mut self) -> bool {
+        let start = self.i;
+        let negative = self.s[self.i] == b'-';
+        self.i += usize::from(negative);
+        let digits = self.i;
+        while let Some(b'0'..=b'9') = self.s.get(self.i) {
+            self.i += 1;
+        }
+        let count = self.i - digits;
+        let first = self.s.get(digits).copied();
+        let plain = !matches!(self.s.get(self.i), Some(b'.' | b'e' | b'E'));
+        if plain && (1..=15).contains(&count) && (first != Some(b'0') || (count == 1 && !negative))
+        {
+            return true;
+        }
+        if self.s.get(self.i) == Some(&b'.') && self.short_decimal(digits) {
+            return true;
+        }
+        // Anything else: find the number's end, then compare it with its ECMAScript form.
+        while let Some(b'0'..=b'9' | b'.' | b'e' | b'E' | b'+' | b'-') = self.s.get(self.i) {
+            self.i += 1;
+        }
+        let Ok(text) = std::str::from_utf8(&self.s[start..self.i]) else {
+            return false;
+        };
+        // Only valid JSON numbers may pass: Rust's parser also takes "1.", ".5", "+1", "inf".
+        if count == 0 || (first == Some(b'0') && count > 1) || !json_number_grammar(text) {
+            return false;
+        }
+        match text.parse::<f64>() {
+            Ok(n) if n.is_finite() && n != 0.0 => {
+                ryu_js::Buffer::new().format_finite(n).as_bytes() == text.as_bytes()
+            }
+            _ => false,
+        }
+    }
+}
+
+impl Verbatim<'_> {
+    /// After the integer part at `digits..self.i`, a fraction that ECMAScript prints exactly
+    /// as written: at most 15 significant digits (so no other decimal that short is the same
+    /// double, and the text is the shortest form), no trailing zero, no exponent, and a value
+    /// of at least 1e-6 (smaller ones print in exponent form). Consumes it if so.
+    fn short_decimal(&mut self, digits: usize) -> bool {
+        let int = &self.s[digits..self.i];
+        if int.is_empty() || (int[0] == b'0' && int.len() > 1) {
+            return false;
+        }
+        let start = self.i + 1;
+        let mut end = start;
+        while let Some(b'0'..=b'9') = self.s.get(end) {
+            end += 1;
+        }
+        let frac = &self.s[start..end];
+        if frac.last().is_none_or(|&d| d == b'0') || matches!(self.s.get(end), Some(b'e' | b'E')) {
+            return false;
+        }
+        let significant = if int == b"0" {
+            let zeros = frac.iter().take_while(|&&d| d == b'0').count();
+            if zeros > 5 {
+                return false;
+            }
+            frac.len() - zeros
+        } else {
+            int.len() + frac.len()
+        };
+        if significant > 15 {
+            return false;
+        }
+        self.i = end;
+        true
+    }
+}
+
+/// The length of an escape (after its backslash) if it is the one RFC 8785 writes for its
+/// character: the short forms, and `\u00xx` in lower-case hex for the other control characters.
+fn canonical_escape(rest: &[u8]) -> Option<usize> {
+    match rest.first()? {
+        b'"' | b'\\' | b'b' | b'f' | b'n' | b'r' | b't' => Some(1),
+        b'u' => {
+            let hex = rest.get(1..5)?;
+            let lower = |b: &u8| matches!(b, b'0'..=b'9' | b'a'..=b'f');
+            if hex[0] != b'0' || hex[1] != b'0' || !matches!(hex[2], b'0' | b'1') || !lower(&hex[3])
+            {
+                return None;
+            }
+            let value = (hex[2] - b'0') * 16 + (hex[3] as char).to_digit(16)? as u8;
+            // These five have short forms, which the canonical writer uses instead.
+            (!matches!(value, 0x08 | 0x09 | 0x0a | 0x0c | 0x0d)).then_some(5)
+        }
+        _ => None,
+    }
+}
+
+/// `-? (0 | [1-9][0-9]*) (. [0-9]+)? ([eE] [+-]? [0-9]+)?`, the whole of `text`.
+fn json_number_grammar(text: &str) -> bool {
+    let mut s = text.as_bytes();
+    let digits = |s: &mut &[u8]| {
+        let n = s.iter().take_while(|b| b.is_ascii_digit()).count();
+        *s = &s[n..];
+        n
+    };
+    if let [b'-', rest @ ..] = s {
+        s = rest;
+    }
+    if digits(&mut s) == 0 {
+        return false;
+    }
+    if let [b'.', rest @ ..] = s {
+        s = rest;
+        if digits(&mut s) == 0 {
+            return false;
+        }
+    }
+    if let [b'e' | b'E', rest @ ..] = s {
+        s = rest;
+        if let [b'+' | b'-', rest @ ..] = s {
+            s = rest;
+        }
+        if digits(&mut s) == 0 {
+            return false;
+        }
+    }
+    s.is_empty()
+}
+
+/// [`utf16_cmp`] on the raw bytes of two unescaped names (both valid UTF-8).
+fn utf16_cmp_bytes(a: &[u8], b: &[u8]) -> Ordering {
+    if a.is_ascii() && b.is_ascii() {
+        return a.cmp(b);
+    }
+    match (std::str::from_utf8(a), std::str::from_utf8(b)) {
+        (Ok(a), Ok(b)) => utf16_cmp(a, b),
+        // Unreachable for a body that passed the UTF-8 check; never claims an order then.
+        _ => Ordering::Equal,
+    }
+}
+
 /// The index of the first byte that ends a plain run inside a JSON string: `"`, `\\` or a
 /// control character. Eight bytes at a time (SWAR), since strings are most of most bodies.
 fn special(bytes: &[u8]) -> Option<usize> {
     const ONES: u64 = 0x0101_0101_0101_0101;
     const HIGH: u64 = 0x8080_8080_8080_8080;
-    // Nonzero iff some byte of `v` is zero / below `n` (n <= 128).
+    // The high bit of each byte of `v` that is zero / below `n` (n <= 128). A borrow can also
+    // flag bytes above a true hit, never below one, so the lowest flag is exact.
     let zero = |v: u64| v.wrapping_sub(ONES) & !v & HIGH;
     let below = |v: u64, n: u64| v.wrapping_sub(ONES * n) & !v & HIGH;
+    let mut chunks = bytes.chunks_exact(8);
     let mut at = 0;
-    for chunk in bytes.chunks_exact(8) {
+    for chunk in &mut chunks {
         let mut word = [0u8; 8];
         word.copy_from_slice(chunk);
         let x = u64::from_le_bytes(word);
-        if zero(x ^ (ONES * u64::from(b'"'))) | zero(x ^ (ONES * u64::from(b'\\'))) | below(x, 0x20)
-            != 0
-        {
-            break;
+        let hits = zero(x ^ (ONES * u64::from(b'"')))
+            | zero(x ^ (ONES * u64::from(b'\\')))
+            | below(x, 0x20);
+        if hits != 0 {
+            return Some(at + (hits.trailing_zeros() / 8) as usize);
         }
         at += 8;
     }
-    bytes[at..]
+    chunks
+        .remainder()
         .iter()
         .position(|&b| b == b'"' || b == b'\\' || b < 0x20)
         .map(|i| at + i)
@@ -396,6 +663,20 @@ fn write_number(n: f64, out: &mut impl Sink) {
     }
     let mut buf = ryu_js::Buffer::new();
     out.put(buf.format_finite(n).as_bytes());
+}
+
+/// A parsed string: one borrowed from the body had no escape, no quote and no control
+/// character, so its canonical form is its own bytes.
+#[expect(clippy::ptr_arg, reason = "the variant says whether the text needs escaping")]
+fn write_text(s: &Cow<'_, str>, out: &mut impl Sink) {
+    match s {
+        Cow::Borrowed(plain) => {
+            out.put(b"\"");
+            out.put(plain.as_bytes());
+            out.put(b"\"");
+        }
+        Cow::Owned(s) => write_string(s, out),
+    }
 }
 
 /// RFC 8785 §3.2.2.2: escape only `"`, `\` and control characters, the short forms where JSON
@@ -464,6 +745,82 @@ mod tests {
                 assert_eq!(special(&v), Some(len));
             }
         }
+    }
+
+    #[test]
+    fn verbatim_accepts_exactly_the_canonical_form() {
+        // Each of these is its own RFC 8785 form.
+        for canonical in [
+            "{}",
+            "[]",
+            "0",
+            "-1",
+            "123456789012345",
+            "1234567890123456",
+            "1e+21",
+            "5e-324",
+            "-1.5",
+            "0.000001",
+            "0.1",
+            "-0.5",
+            "123456789.012345",
+            "1e-7",
+            r#""""#,
+            r#""\"\\\b\f\n\r\t\u0000\u001f""#,
+            "\"\u{e9}\u{2028}\u{1f600}\"",
+            r#"{"a":[null,true,false],"b":{"":1,"x":"y"}}"#,
+            "{\"\\r\":4,\"a\":3,\"\u{1f600}\":2,\"\u{fb33}\":1}",
+        ] {
+            let canon = canon(canonical).expect(canonical);
+            // Names with escapes are left to the full path; everything else here is accepted.
+            let want = !canonical.starts_with("{\"\\r");
+            assert_eq!(verbatim(canonical.as_bytes()), want, "{canonical}");
+            assert_eq!(canon, canonical, "the full path agrees: {canonical}");
+        }
+        // Each of these differs from its canonical form, or is not JSON at all.
+        for other in [
+            " {}",
+            "{} ",
+            "[1, 2]",
+            "{\"a\" :1}",
+            r#"{"b":1,"a":2}"#,
+            r#"{"a":1,"a":1}"#,
+            "-0",
+            "1.0",
+            "1e21",
+            "1E+21",
+            "01",
+            "1.",
+            "9007199254740993",
+            "0.1e1",
+            "0.10",
+            "0.0000001",
+            "1234567890.12345678",
+            "00.5",
+            "-.5",
+            r#""\/""#,
+            r#""\u001F""#,
+            r#""\u000a""#,
+            r#""\u00e9""#,
+            r#""\u007f""#,
+            "\"\u{1f600}\"x",
+            "{\"\u{fb33}\":1,\"\u{1f600}\":2}",
+            "[1-2]",
+            "nul",
+            "\"a\u{1}\"",
+            "",
+            "[",
+        ] {
+            assert!(!verbatim(other.as_bytes()), "{other:?}");
+            if let Ok(canon) = canon(other) {
+                assert_ne!(canon, other, "the full path rewrites it");
+            }
+        }
+        assert!(!verbatim(b"\"\xff\""));
+        let deep = "[".repeat(129) + &"]".repeat(129);
+        assert!(!verbatim(deep.as_bytes()));
+        let deep = "[".repeat(128) + &"]".repeat(128);
+        assert!(verbatim(deep.as_bytes()));
     }
 
     #[test]

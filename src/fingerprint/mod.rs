@@ -201,13 +201,13 @@ thread_local! {
 const SCRATCH_KEEP: usize = 64 * 1024;
 
 /// The media type of a `Content-Type` value: lower-cased, parameters dropped.
-pub(crate) fn media_type(content_type: &str) -> String {
-    content_type
-        .split(';')
-        .next()
-        .unwrap_or_default()
-        .trim()
-        .to_ascii_lowercase()
+pub(crate) fn media_type(content_type: &str) -> std::borrow::Cow<'_, str> {
+    let media = content_type.split(';').next().unwrap_or_default().trim();
+    if media.bytes().any(|b| b.is_ascii_uppercase()) {
+        media.to_ascii_lowercase().into()
+    } else {
+        media.into()
+    }
 }
 
 pub(crate) fn is_json(media_type: &str) -> bool {
@@ -262,6 +262,12 @@ fn body_into(
         return Ok(());
     }
     if is_json(media) {
+        // A body already in canonical form is its own canonical form: hash it as it is.
+        if json::verbatim(body) {
+            put_field(h, b"json");
+            put_field(h, body);
+            return Ok(());
+        }
         match canonical_field(h, b"json", |buf| json::canonicalize(body, buf)) {
             Ok(()) => return Ok(()),
             Err(json::JsonError::Malformed(reason)) => return Err(MalformedBody::new(reason)),
@@ -416,6 +422,52 @@ mod tests {
             let ours = canonical_json(&compact).expect("valid").expect("canonical");
             let reference = serde_json_canonicalizer::to_vec(&v).expect("reference");
             prop_assert_eq!(String::from_utf8_lossy(&ours), String::from_utf8_lossy(&reference));
+        }
+
+        #[test]
+        fn verbatim_fast_path_takes_only_canonical_bodies(v in json_value()) {
+            // serde_json writes compact JSON with members in UTF-8 order: canonical unless a
+            // name outside the BMP meets one above U+E000, or a number prints differently.
+            let compact = serde_json::to_vec(&v).expect("serialize");
+            let reference = serde_json_canonicalizer::to_vec(&v).expect("reference");
+            if json::verbatim(&compact) {
+                prop_assert_eq!(&compact, &reference);
+            }
+            prop_assert!(json::verbatim(&reference));
+            // Either path, the same fingerprint.
+            let a = fp("POST", "/t", "application/json", &compact).expect("fp");
+            let b = fp("POST", "/t", "application/json", &reference).expect("fp");
+            prop_assert_eq!(a, b);
+        }
+
+        #[test]
+        fn verbatim_numbers_are_exactly_the_canonical_ones(
+            negative in any::<bool>(),
+            mantissa in 0u64..10_000_000_000_000_000,
+            point in 0usize..20,
+            zeros in 0usize..8,
+            exponent in prop::option::of(-30i32..30),
+        ) {
+            // Decimals of every length, point position and leading or trailing zeros.
+            let digits = mantissa.to_string();
+            let point = point.min(digits.len());
+            let mut text = String::from(if negative { "-" } else { "" });
+            if point == 0 {
+                text += "0.";
+                text += &"0".repeat(zeros);
+                text += &digits;
+            } else if point == digits.len() {
+                text += &digits;
+            } else {
+                text += &digits[..point];
+                text += ".";
+                text += &digits[point..];
+            }
+            if let Some(e) = exponent {
+                text += &format!("e{e}");
+            }
+            let canonical = canonical_json(text.as_bytes()).expect("valid").expect("finite");
+            prop_assert_eq!(json::verbatim(text.as_bytes()), canonical == text.as_bytes(), "{}", text);
         }
 
         #[test]
