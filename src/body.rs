@@ -5,7 +5,7 @@ use std::fmt;
 use std::pin::Pin;
 use std::task::{Context, Poll};
 
-use bytes::Bytes;
+use bytes::{Bytes, BytesMut};
 use http::HeaderMap;
 use http_body::{Body, Frame, SizeHint};
 use pin_project_lite::pin_project;
@@ -37,6 +37,37 @@ pin_project! {
         Inner { #[pin] body: B },
         Resumed { prefix: Option<Bytes>, rest: Pin<Box<B>> },
         Channel { rx: tokio::sync::mpsc::Receiver<Result<Frame<Bytes>, BoxError>> },
+    }
+}
+
+/// A body's bytes read so far. Most bodies arrive in one chunk, which is kept as it came; a
+/// copy is made only once a second chunk arrives.
+#[derive(Default)]
+pub(crate) struct Gathered {
+    one: Bytes,
+    many: Option<BytesMut>,
+}
+
+impl Gathered {
+    pub(crate) fn push(&mut self, chunk: Bytes) {
+        match &mut self.many {
+            Some(buf) => buf.extend_from_slice(&chunk),
+            None if self.one.is_empty() => self.one = chunk,
+            None => {
+                let mut buf = BytesMut::with_capacity(self.one.len() + chunk.len());
+                buf.extend_from_slice(&self.one);
+                buf.extend_from_slice(&chunk);
+                self.many = Some(buf);
+            }
+        }
+    }
+
+    pub(crate) fn len(&self) -> usize {
+        self.many.as_ref().map_or(self.one.len(), BytesMut::len)
+    }
+
+    pub(crate) fn freeze(self) -> Bytes {
+        self.many.map_or(self.one, BytesMut::freeze)
     }
 }
 

@@ -91,7 +91,10 @@ impl<St: IdempotencyStore> Execution<St> {
                 body,
                 trailers,
             }))) => {
-                self.record(&parts, Some(&body), trailers.as_ref()).await;
+                let body = self
+                    .record(&parts, Some(body), trailers.as_ref())
+                    .await
+                    .unwrap_or_default();
                 let how = Presentation {
                     replayed: false,
                     mark: self.route.mark_first_response,
@@ -163,7 +166,7 @@ impl<St: IdempotencyStore> Execution<St> {
                     && let Protocol::JsonRpc(id) = &self.protocol
                     && jsonrpc::final_response(&head.headers, &copy, id).is_some()
                 {
-                    self.record(&head, Some(&copy.clone().freeze()), None).await;
+                    self.record(&head, Some(copy.clone().freeze()), None).await;
                     recorded = true;
                 }
                 // A closed receiver only means the client left.
@@ -172,7 +175,9 @@ impl<St: IdempotencyStore> Execution<St> {
             Ok((!recorded).then(|| (!over).then(|| copy.freeze())))
         };
         match self.renewing(drain).await {
-            Ok(Some(copy)) => self.record(&head, copy.as_ref(), None).await,
+            Ok(Some(copy)) => {
+                self.record(&head, copy, None).await;
+            }
             Ok(None) => {}
             Err(()) => {
                 self.release().await;
@@ -222,35 +227,46 @@ impl<St: IdempotencyStore> Execution<St> {
     }
 
     /// Step 8: records the outcome if the route's policy keeps it, else releases the key.
-    async fn record(&self, parts: &Parts, body: Option<&Bytes>, trailers: Option<&HeaderMap>) {
-        let stored = match &self.protocol {
+    /// Hands `body` back: it moves through the record rather than being shared with it.
+    async fn record(
+        &self,
+        parts: &Parts,
+        body: Option<Bytes>,
+        trailers: Option<&HeaderMap>,
+    ) -> Option<Bytes> {
+        // The stored response, and the body to hand back if it is not the stored one.
+        let (stored, kept) = match &self.protocol {
             // JSON-RPC records the call's final response, whatever framing carried it.
             Protocol::JsonRpc(id) => {
-                let message = match body {
-                    Some(body) => match jsonrpc::final_response(&parts.headers, body, id) {
+                let message = match &body {
+                    Some(bytes) => match jsonrpc::final_response(&parts.headers, bytes, id) {
                         Some(message) => Some(message),
                         // An interim answer, or none at all: nothing to record.
                         None => {
                             self.release().await;
-                            return;
+                            return body;
                         }
                     },
                     // Too large to keep: recorded without a body, like any oversized response.
                     None => None,
                 };
-                StoredResponse {
+                let stored = StoredResponse {
                     status: jsonrpc::REPLAY_STATUS,
                     headers: jsonrpc::stored_headers(),
                     body: message,
                     trailers: None,
-                }
+                };
+                (stored, body)
             }
-            _ => StoredResponse {
-                status: parts.status,
-                headers: storable_headers(&parts.headers, &self.denied_headers),
-                body: body.cloned(),
-                trailers: trailers.cloned(),
-            },
+            _ => {
+                let stored = StoredResponse {
+                    status: parts.status,
+                    headers: storable_headers(&parts.headers, &self.denied_headers),
+                    body,
+                    trailers: trailers.cloned(),
+                };
+                (stored, None)
+            }
         };
         let outcome = Outcome {
             status: parts.status,
@@ -266,6 +282,7 @@ impl<St: IdempotencyStore> Execution<St> {
         } else {
             self.release().await;
         }
+        kept.or(stored.body)
     }
 
     async fn complete(&self, stored: &StoredResponse) {

@@ -1,6 +1,8 @@
 //! Steps 1–2 of the pipeline: read and validate the `Idempotency-Key`, then scope it.
 
+use std::borrow::Cow;
 use std::fmt;
+use std::sync::Arc;
 
 use http::{HeaderMap, HeaderName, request::Parts};
 use sha2::{Digest, Sha256};
@@ -48,10 +50,10 @@ impl std::error::Error for KeyError {}
 /// Accepts an RFC 8941 sf-string (`"abc"`, with `\"` and `\\` escapes) or a bare value of
 /// visible ASCII (`0x21..=0x7E`). Bare values are looser than an sf-token on purpose: UUIDs,
 /// which begin with a digit, are the most common key and are not sf-tokens.
-pub(crate) fn parse_key(
-    headers: &HeaderMap,
+pub(crate) fn parse_key<'h>(
+    headers: &'h HeaderMap,
     name: &HeaderName,
-) -> Result<Option<String>, KeyError> {
+) -> Result<Option<Cow<'h, str>>, KeyError> {
     let mut values = headers.get_all(name).iter();
     let Some(value) = values.next() else {
         return Ok(None);
@@ -61,12 +63,12 @@ pub(crate) fn parse_key(
     }
     let raw = value.as_bytes();
     let key = match raw.first() {
-        Some(b'"') => unquote(raw)?,
+        Some(b'"') => Cow::Owned(unquote(raw)?),
         _ => {
             if raw.iter().any(|b| !(0x21..=0x7e).contains(b)) {
                 return Err(KeyError::InvalidCharacter);
             }
-            raw.to_vec()
+            Cow::Borrowed(raw)
         }
     };
     if key.is_empty() {
@@ -76,9 +78,14 @@ pub(crate) fn parse_key(
         return Err(KeyError::TooLong);
     }
     // Only ASCII bytes got through both branches.
-    String::from_utf8(key)
-        .map(Some)
-        .map_err(|_| KeyError::InvalidCharacter)
+    match key {
+        Cow::Borrowed(raw) => std::str::from_utf8(raw).map(Cow::Borrowed),
+        Cow::Owned(raw) => String::from_utf8(raw)
+            .map(Cow::Owned)
+            .map_err(|e| e.utf8_error()),
+    }
+    .map(Some)
+    .map_err(|_| KeyError::InvalidCharacter)
 }
 
 /// Decodes an RFC 8941 sf-string (section 3.3.3): printable ASCII, `\"` and `\\` escapes.
@@ -106,37 +113,85 @@ fn unquote(raw: &[u8]) -> Result<Vec<u8>, KeyError> {
 /// A key together with the scope it belongs to: the unit a store keeps one record for.
 ///
 /// Cheap to clone: a request's key passes through the claim, the execution and the handler's
-/// context, and each holds it.
-#[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+/// context, and each holds it. Scope and key share one allocation.
+#[derive(Clone)]
 pub struct ScopedKey {
-    scope: std::sync::Arc<str>,
-    key: std::sync::Arc<str>,
+    /// The scope followed by the key.
+    joined: Arc<str>,
+    /// Where the key begins in `joined`.
+    split: usize,
 }
 
 impl ScopedKey {
     /// A key in a scope. Scopes partition keys: equal keys in two scopes never meet.
-    pub fn new(scope: impl Into<String>, key: impl Into<String>) -> Self {
-        Self {
-            scope: scope.into().into(),
-            key: key.into().into(),
-        }
+    pub fn new(scope: impl AsRef<str>, key: impl AsRef<str>) -> Self {
+        let (scope, key) = (scope.as_ref(), key.as_ref());
+        // One buffer per thread, so the shared allocation is the only one.
+        JOIN.with_borrow_mut(|buf| {
+            buf.clear();
+            buf.push_str(scope);
+            buf.push_str(key);
+            let joined = Arc::from(buf.as_str());
+            if buf.capacity() > 1024 {
+                *buf = String::new();
+            }
+            Self {
+                joined,
+                split: scope.len(),
+            }
+        })
     }
 
     /// The scope (tenant, account, principal).
     pub fn scope(&self) -> &str {
-        &self.scope
+        &self.joined[..self.split]
     }
 
     /// The client's key.
     pub fn key(&self) -> &str {
-        &self.key
+        &self.joined[self.split..]
+    }
+
+    fn parts(&self) -> (&str, &str) {
+        self.joined.split_at(self.split)
+    }
+}
+
+thread_local! {
+    static JOIN: std::cell::RefCell<String> = const { std::cell::RefCell::new(String::new()) };
+}
+
+impl PartialEq for ScopedKey {
+    fn eq(&self, other: &Self) -> bool {
+        self.parts() == other.parts()
+    }
+}
+
+impl Eq for ScopedKey {}
+
+impl std::hash::Hash for ScopedKey {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        self.parts().hash(state);
+    }
+}
+
+impl PartialOrd for ScopedKey {
+    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(other))
+    }
+}
+
+impl Ord for ScopedKey {
+    /// By scope, then by key.
+    fn cmp(&self, other: &Self) -> std::cmp::Ordering {
+        self.parts().cmp(&other.parts())
     }
 }
 
 impl fmt::Debug for ScopedKey {
     // Keys are not secrets, but scopes may be derived from credentials: keep both short.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "ScopedKey({:?}, {:?})", self.scope, self.key)
+        write!(f, "ScopedKey({:?}, {:?})", self.scope(), self.key())
     }
 }
 
@@ -202,7 +257,7 @@ mod tests {
                 HeaderValue::from_bytes(v).expect("header value"),
             );
         }
-        parse_key(&headers, &IDEMPOTENCY_KEY)
+        parse_key(&headers, &IDEMPOTENCY_KEY).map(|k| k.map(Cow::into_owned))
     }
 
     #[test]

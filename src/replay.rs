@@ -3,12 +3,12 @@
 
 use std::pin::Pin;
 
-use bytes::{Bytes, BytesMut};
+use bytes::Bytes;
 use http::{HeaderMap, HeaderName, HeaderValue, Response, header, response::Parts};
 use http_body::Body;
 use http_body_util::BodyExt;
 
-use crate::body::ResponseBody;
+use crate::body::{Gathered, ResponseBody};
 use crate::problem::{Problem, ProblemKind, Protocol};
 use crate::store::{BoxError, StoredResponse};
 
@@ -91,13 +91,13 @@ where
     if tee_streams && is_stream {
         return Ok(Captured::Streaming { parts, body });
     }
-    let mut data = BytesMut::new();
+    let mut data = Gathered::default();
     let mut trailers: Option<HeaderMap> = None;
     while let Some(frame) = body.frame().await {
         let frame = frame.map_err(Into::into)?;
         match frame.into_data() {
             Ok(chunk) => {
-                data.extend_from_slice(&chunk);
+                data.push(chunk);
                 if data.len() > limit {
                     return Ok(Captured::TooLarge {
                         parts,

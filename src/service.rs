@@ -10,11 +10,11 @@ use std::time::Duration;
 use bytes::Bytes;
 use http::{Request, Response, header};
 use http_body::Body;
-use http_body_util::{BodyExt, LengthLimitError, Limited};
+use http_body_util::BodyExt;
 use tower_service::Service;
 use tracing::Instrument;
 
-use crate::body::{RequestBody, ResponseBody};
+use crate::body::{Gathered, RequestBody, ResponseBody};
 use crate::context::IdempotencyContext;
 use crate::decide::{Decision, ceil_secs, decide};
 use crate::execute::Execution;
@@ -318,10 +318,12 @@ impl<St: IdempotencyStore, M: MakeScope> Pipeline<St, M> {
         B::Error: Into<BoxError>,
     {
         let protocol = Protocol::of(req.headers());
+        let (parts, body) = req.into_parts();
         // 1. Key.
-        let key = match parse_key(req.headers(), &self.config.header) {
+        let key = match parse_key(&parts.headers, &self.config.header) {
             Ok(Some(key)) => key,
             Ok(None) if !self.route.require_key => {
+                let req = Request::from_parts(parts, body);
                 return Prepared::PassThrough(req.map(RequestBody::passthrough));
             }
             Ok(None) => {
@@ -331,7 +333,6 @@ impl<St: IdempotencyStore, M: MakeScope> Pipeline<St, M> {
         };
         observe::count(Event::Attempt);
         // 2. Scope.
-        let (parts, body) = req.into_parts();
         let key = ScopedKey::new(self.make_scope.make_scope(&parts), key);
         // 3. Buffer.
         let bytes = match buffer(&parts, body, self.route.body_limit).await {
@@ -377,7 +378,7 @@ impl<St: IdempotencyStore, M: MakeScope> Pipeline<St, M> {
         };
         let protocol = Protocol::JsonRpc(call.id.clone());
         let key = match parse_key(&parts.headers, &self.config.header) {
-            Ok(Some(key)) => key,
+            Ok(Some(key)) => key.into_owned(),
             Ok(None) => match call.meta_key.clone() {
                 Some(key) if !key.is_empty() && key.len() <= crate::key::MAX_KEY_LEN => key,
                 Some(_) => return Prepared::Answer(self.refuse_key(&KeyError::TooLong, &protocol)),
@@ -453,14 +454,23 @@ where
     if declared.is_some_and(|len| len > limit as u64) {
         return Err(too_large());
     }
-    match Limited::new(body, limit).collect().await {
-        Ok(collected) => Ok(collected.to_bytes()),
-        Err(error) if error.is::<LengthLimitError>() => Err(too_large()),
-        Err(error) => Err(Problem::new(
-            ProblemKind::BodyUnreadable,
-            format!("the request body could not be read: {error}"),
-        )),
+    let mut body = std::pin::pin!(body);
+    let mut data = Gathered::default();
+    while let Some(frame) = body.frame().await {
+        let frame = frame.map_err(|error| {
+            Problem::new(
+                ProblemKind::BodyUnreadable,
+                format!("the request body could not be read: {}", error.into()),
+            )
+        })?;
+        if let Ok(chunk) = frame.into_data() {
+            if data.len() + chunk.len() > limit {
+                return Err(too_large());
+            }
+            data.push(chunk);
+        }
     }
+    Ok(data.freeze())
 }
 
 impl<St, M> Pipeline<St, M> {
