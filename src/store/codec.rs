@@ -29,8 +29,21 @@ impl StoredResponse {
     /// The response as bytes, exactly: status, every header (repeats and opaque bytes kept, in
     /// order), body, trailers.
     pub fn to_bytes(&self) -> Vec<u8> {
-        let body_len = self.body.as_ref().map_or(0, Bytes::len);
-        let mut out = BytesMut::with_capacity(64 + body_len);
+        // Sized exactly, so turning it into `Bytes` needs no second allocation.
+        let headers_len = |h: &HeaderMap| {
+            4 + h
+                .iter()
+                .map(|(n, v)| 8 + n.as_str().len() + v.len())
+                .sum::<usize>()
+        };
+        let len = MAGIC.len()
+            + 2
+            + headers_len(&self.headers)
+            + 1
+            + self.body.as_ref().map_or(0, |b| 8 + b.len())
+            + 1
+            + self.trailers.as_ref().map_or(0, headers_len);
+        let mut out = BytesMut::with_capacity(len);
         out.put_slice(MAGIC);
         out.put_u16(self.status.as_u16());
         put_headers(&mut out, &self.headers);
@@ -57,13 +70,13 @@ impl StoredResponse {
         Self::decode(bytes, Bytes::copy_from_slice)
     }
 
-    /// Decodes what [`to_bytes`](Self::to_bytes) wrote, sharing `bytes` for the body instead
-    /// of copying it.
+    /// Decodes what [`to_bytes`](Self::to_bytes) wrote, sharing `bytes` for the body and the
+    /// header values instead of copying them.
     pub fn from_shared(bytes: &Bytes) -> Result<Self, CorruptRecord> {
-        Self::decode(bytes, |body| bytes.slice_ref(body))
+        Self::decode(bytes, |part| bytes.slice_ref(part))
     }
 
-    fn decode(bytes: &[u8], body_of: impl FnOnce(&[u8]) -> Bytes) -> Result<Self, CorruptRecord> {
+    fn decode(bytes: &[u8], share: impl Fn(&[u8]) -> Bytes) -> Result<Self, CorruptRecord> {
         let mut buf = bytes;
         if buf.len() < MAGIC.len() || &buf[..MAGIC.len()] != MAGIC {
             return Err(CorruptRecord("unknown format"));
@@ -71,18 +84,18 @@ impl StoredResponse {
         buf.advance(MAGIC.len());
         let status = StatusCode::from_u16(get_u16(&mut buf)?)
             .map_err(|_| CorruptRecord("invalid status"))?;
-        let headers = get_headers(&mut buf)?;
+        let headers = get_headers(&mut buf, &share)?;
         let body = match get_u8(&mut buf)? {
             0 => None,
             _ => {
                 let len = usize::try_from(get_u64(&mut buf)?)
                     .map_err(|_| CorruptRecord("body length"))?;
-                Some(body_of(take(&mut buf, len)?))
+                Some(share(take(&mut buf, len)?))
             }
         };
         let trailers = match get_u8(&mut buf)? {
             0 => None,
-            _ => Some(get_headers(&mut buf)?),
+            _ => Some(get_headers(&mut buf, &share)?),
         };
         if !buf.is_empty() {
             return Err(CorruptRecord("trailing bytes"));
@@ -106,7 +119,10 @@ fn put_headers(out: &mut BytesMut, headers: &HeaderMap) {
     }
 }
 
-fn get_headers(buf: &mut &[u8]) -> Result<HeaderMap, CorruptRecord> {
+fn get_headers(
+    buf: &mut &[u8],
+    share: &impl Fn(&[u8]) -> Bytes,
+) -> Result<HeaderMap, CorruptRecord> {
     let count = get_u32(buf)? as usize;
     let mut headers = HeaderMap::with_capacity(count.min(64));
     for _ in 0..count {
@@ -114,7 +130,7 @@ fn get_headers(buf: &mut &[u8]) -> Result<HeaderMap, CorruptRecord> {
         let name = HeaderName::from_bytes(take(buf, len)?)
             .map_err(|_| CorruptRecord("invalid header name"))?;
         let len = get_u32(buf)? as usize;
-        let value = HeaderValue::from_bytes(take(buf, len)?)
+        let value = HeaderValue::from_maybe_shared(share(take(buf, len)?))
             .map_err(|_| CorruptRecord("invalid header value"))?;
         headers.append(name, value);
     }

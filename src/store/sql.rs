@@ -76,9 +76,11 @@ impl RawRecord {
             _ => return Err(corrupt("unknown status")),
         };
         let response = match self.response {
-            Some(bytes) => {
-                Some(StoredResponse::from_bytes(&bytes).map_err(StoreError::unavailable)?)
-            }
+            // The row's bytes become the body and header values, uncopied.
+            Some(bytes) => Some(
+                StoredResponse::from_shared(&bytes::Bytes::from(bytes))
+                    .map_err(StoreError::unavailable)?,
+            ),
             None => None,
         };
         Ok(Record {
