@@ -116,3 +116,82 @@ async fn memory_store_is_bounded_and_never_evicts_in_flight_keys() {
         Ok(Claim::Acquired(_))
     ));
 }
+
+/// DESIGN §5 (memory store): claims alone sweep what expired, so memory stays bounded without
+/// `purge_expired`: records claimed with a short TTL after the shards last swept...
+#[tokio::test]
+async fn memory_store_sweeps_short_lived_claims_as_claims_arrive() {
+    sweeps_as_claims_arrive(false).await;
+}
+
+/// ...and a record whose expiry a later write brought forward (completed with a TTL shorter
+/// than its lease).
+#[tokio::test]
+async fn memory_store_sweeps_records_whose_expiry_came_forward() {
+    sweeps_as_claims_arrive(true).await;
+}
+
+async fn sweeps_as_claims_arrive(shorten_by_completion: bool) {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::time::{Duration, SystemTime};
+    use tower_idempotency::IdempotencyStore;
+    use tower_idempotency::store::{
+        Claim, ClaimRequest, Fingerprint, LeaseExpiry, ScopedKey, StoredResponse,
+    };
+
+    let offset = Arc::new(AtomicU64::new(0));
+    let clock = offset.clone();
+    let store = MemoryStore::with_clock(move || {
+        SystemTime::now() + Duration::from_secs(clock.load(Ordering::SeqCst))
+    });
+    let claim = |key: String, ttl: u64| ClaimRequest {
+        key: ScopedKey::new("", key),
+        fingerprint: Fingerprint::from_bytes([0; 32]),
+        lease: Duration::from_secs(ttl),
+        ttl: Duration::from_secs(ttl),
+        on_lease_expiry: LeaseExpiry::Reclaim,
+    };
+    // Claims sweep every shard once, so each knows its next expiry is an hour away.
+    let Ok(Claim::Acquired(lease)) = store.claim(&claim("shortened".into(), 3600)).await else {
+        panic!("claim");
+    };
+    let fresh = 100_000;
+    for i in 0..fresh {
+        let key = format!("early-{i}");
+        store.claim(&claim(key, 3600)).await.expect("claim");
+    }
+    let expiring = if shorten_by_completion {
+        let response = StoredResponse {
+            status: http::StatusCode::OK,
+            headers: http::HeaderMap::new(),
+            body: Some(bytes::Bytes::from_static(b"done")),
+            trailers: None,
+        };
+        let key = ScopedKey::new("", "shortened");
+        let ttl = Duration::from_secs(1);
+        store
+            .complete(&key, lease.token, &response, ttl)
+            .await
+            .expect("complete");
+        1
+    } else {
+        for i in 0..100 {
+            let key = format!("short-{i}");
+            store.claim(&claim(key, 1)).await.expect("claim");
+        }
+        100
+    };
+    assert_eq!(
+        store.len(),
+        1 + fresh + expiring - usize::from(shorten_by_completion)
+    );
+    offset.store(5, Ordering::SeqCst);
+    // Enough claims that every shard passes another sweep interval.
+    for i in 0..fresh {
+        let key = format!("late-{i}");
+        store.claim(&claim(key, 3600)).await.expect("claim");
+    }
+    let kept = 2 * fresh + usize::from(!shorten_by_completion);
+    assert_eq!(store.len(), kept, "every expired record was swept");
+    assert_eq!(store.purge_expired().await.expect("purge"), 0);
+}

@@ -1,8 +1,9 @@
 //! The embedded, in-process store.
 
+use std::borrow::Borrow;
 use std::collections::HashMap;
 use std::fmt;
-use std::hash::{BuildHasher, RandomState};
+use std::hash::{BuildHasher, Hash, Hasher, RandomState};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, SystemTime};
@@ -50,11 +51,19 @@ struct Inner {
 struct Shard {
     records: HashMap<PackedKey, Box<Entry>>,
     claims: u64,
+    /// No record of this shard expires before this time (ms), so sweeping earlier would find
+    /// nothing: a lower bound, lowered by every write that sets an expiry.
+    next_expiry: u64,
+}
+
+impl Shard {
+    fn expires(&mut self, at: u64) {
+        self.next_expiry = self.next_expiry.min(at);
+    }
 }
 
 /// A key as this store keeps it: scope and key in one allocation (`u32` scope length, scope,
-/// key), hashed and compared as bytes.
-#[derive(PartialEq, Eq, Hash)]
+/// key). Looked up by any [`KeyParts`], so finding a record allocates nothing.
 struct PackedKey(Box<[u8]>);
 
 impl PackedKey {
@@ -68,14 +77,63 @@ impl PackedKey {
     }
 
     fn unpack(&self) -> ScopedKey {
+        let (scope, key) = self.parts();
+        // Both parts were `str`s when packed.
+        ScopedKey::new(String::from_utf8_lossy(scope), String::from_utf8_lossy(key))
+    }
+}
+
+/// Scope and key as bytes: what the map hashes and compares, whoever holds them.
+trait KeyParts {
+    fn parts(&self) -> (&[u8], &[u8]);
+}
+
+impl KeyParts for PackedKey {
+    fn parts(&self) -> (&[u8], &[u8]) {
         let mut len = [0u8; 4];
         len.copy_from_slice(&self.0[..4]);
-        let split = 4 + u32::from_le_bytes(len) as usize;
-        // Both parts were `String`s when packed.
-        ScopedKey::new(
-            String::from_utf8_lossy(&self.0[4..split]).into_owned(),
-            String::from_utf8_lossy(&self.0[split..]).into_owned(),
-        )
+        self.0[4..].split_at(u32::from_le_bytes(len) as usize)
+    }
+}
+
+impl KeyParts for ScopedKey {
+    fn parts(&self) -> (&[u8], &[u8]) {
+        (self.scope().as_bytes(), self.key().as_bytes())
+    }
+}
+
+impl Hash for dyn KeyParts + '_ {
+    fn hash<H: Hasher>(&self, state: &mut H) {
+        self.parts().hash(state);
+    }
+}
+
+impl PartialEq for dyn KeyParts + '_ {
+    fn eq(&self, other: &Self) -> bool {
+        self.parts() == other.parts()
+    }
+}
+
+impl Eq for dyn KeyParts + '_ {}
+
+// The map's key hashes and compares exactly as its borrowed form, as `Borrow` requires.
+impl Hash for PackedKey {
+    fn hash<H: Hasher>(&self, state: &mut H) {
+        (self as &dyn KeyParts).hash(state);
+    }
+}
+
+impl PartialEq for PackedKey {
+    fn eq(&self, other: &Self) -> bool {
+        self.parts() == other.parts()
+    }
+}
+
+impl Eq for PackedKey {}
+
+impl<'a> Borrow<dyn KeyParts + 'a> for PackedKey {
+    fn borrow(&self) -> &(dyn KeyParts + 'a) {
+        self
     }
 }
 
@@ -110,7 +168,7 @@ impl Entry {
     fn to_record(&self, key: ScopedKey) -> Result<Record, StoreError> {
         let response = match &self.response {
             Some(bytes) => {
-                Some(StoredResponse::from_bytes(bytes).map_err(StoreError::unavailable)?)
+                Some(StoredResponse::from_shared(bytes).map_err(StoreError::unavailable)?)
             }
             None => None,
         };
@@ -213,7 +271,7 @@ impl MemoryStore {
         self.len() == 0
     }
 
-    fn shard(&self, key: &PackedKey) -> MutexGuard<'_, Shard> {
+    fn shard(&self, key: &dyn KeyParts) -> MutexGuard<'_, Shard> {
         let i = self.inner.hasher.hash_one(key) as usize % SHARDS;
         // A panic while holding a shard cannot leave a record half-written (every update is a
         // single assignment), so a poisoned lock is safe to keep using.
@@ -233,8 +291,20 @@ impl MemoryStore {
 
     /// Removes expired, settled records from one shard; returns how many.
     fn sweep(&self, shard: &mut Shard, now: u64) -> u64 {
+        // Walking every record is the cost; skip it while nothing can have expired.
+        if now < shard.next_expiry {
+            return 0;
+        }
         let before = shard.records.len();
-        shard.records.retain(|_, r| r.expires_at > now);
+        let mut next = u64::MAX;
+        shard.records.retain(|_, r| {
+            let keep = r.expires_at > now;
+            if keep {
+                next = next.min(r.expires_at);
+            }
+            keep
+        });
+        shard.next_expiry = next;
         let removed = before - shard.records.len();
         self.inner.len.fetch_sub(removed, Ordering::Relaxed);
         removed as u64
@@ -260,12 +330,15 @@ impl MemoryStore {
         f: impl FnOnce(&mut Entry, u64) -> T,
     ) -> Result<T, StoreError> {
         let now = self.now();
-        let key = PackedKey::new(key);
-        let mut shard = self.shard(&key);
-        match shard.records.get_mut(&key) {
+        let key = key as &dyn KeyParts;
+        let mut shard = self.shard(key);
+        match shard.records.get_mut(key) {
             Some(r) if r.lease_token == token && allowed(r, now) => {
                 r.updated_at = now;
-                Ok(f(r, now))
+                let out = f(r, now);
+                let expires_at = r.expires_at;
+                shard.expires(expires_at);
+                Ok(out)
             }
             _ => Err(StoreError::Fenced),
         }
@@ -275,15 +348,14 @@ impl MemoryStore {
 impl IdempotencyStore for MemoryStore {
     async fn claim(&self, req: &ClaimRequest) -> Result<Claim, StoreError> {
         let now = self.now();
-        let packed = PackedKey::new(&req.key);
-        let mut shard = self.shard(&packed);
+        let mut shard = self.shard(&req.key);
         shard.claims += 1;
         if shard.claims.is_multiple_of(SWEEP_EVERY) {
             self.sweep(&mut shard, now);
         }
         let lease_until = now + span(req.lease);
         let token = self.token();
-        if let Some(r) = shard.records.get_mut(&packed) {
+        if let Some(r) = shard.records.get_mut(&req.key as &dyn KeyParts) {
             if r.expires_at > now {
                 let takeover = if r.fingerprint != req.fingerprint {
                     false
@@ -314,6 +386,7 @@ impl IdempotencyStore for MemoryStore {
                 r.lease_until = lease_until;
                 r.attempts += 1;
                 r.updated_at = now;
+                // Only ever later: the shard's next expiry stays a lower bound.
                 r.expires_at = r.expires_at.max(now + span(req.ttl)).max(lease_until);
                 log(r, now, HistoryEvent::Claimed);
                 return Ok(Claim::Acquired(Lease {
@@ -338,8 +411,10 @@ impl IdempotencyStore for MemoryStore {
             attempt: 1,
             event: HistoryEvent::Claimed,
         });
+        let expires_at = (now + span(req.ttl)).max(lease_until);
+        shard.expires(expires_at);
         shard.records.insert(
-            packed,
+            PackedKey::new(&req.key),
             Box::new(Entry {
                 fingerprint: req.fingerprint,
                 status: RecordStatus::InProgress,
@@ -351,7 +426,7 @@ impl IdempotencyStore for MemoryStore {
                 response: None,
                 created_at: now,
                 updated_at: now,
-                expires_at: (now + span(req.ttl)).max(lease_until),
+                expires_at,
                 history,
             }),
         );
@@ -422,19 +497,18 @@ impl IdempotencyStore for MemoryStore {
 
     async fn lookup(&self, key: &ScopedKey) -> Result<Option<Record>, StoreError> {
         let now = self.now();
-        let packed = PackedKey::new(key);
-        let shard = self.shard(&packed);
+        let shard = self.shard(key);
         shard
             .records
-            .get(&packed)
+            .get(key as &dyn KeyParts)
             .filter(|r| r.expires_at > now)
             .map(|r| r.to_record(key.clone()))
             .transpose()
     }
 
     async fn remove(&self, key: &ScopedKey) -> Result<bool, StoreError> {
-        let key = PackedKey::new(key);
-        let removed = self.shard(&key).records.remove(&key).is_some();
+        let key = key as &dyn KeyParts;
+        let removed = self.shard(key).records.remove(key).is_some();
         if removed {
             self.inner.len.fetch_sub(1, Ordering::Relaxed);
         }
@@ -509,8 +583,8 @@ impl IdempotencyStore for MemoryStore {
 
     async fn append_history(&self, key: &ScopedKey, event: HistoryEvent) -> Result<(), StoreError> {
         let now = self.now();
-        let key = PackedKey::new(key);
-        if let Some(r) = self.shard(&key).records.get_mut(&key)
+        let key = key as &dyn KeyParts;
+        if let Some(r) = self.shard(key).records.get_mut(key)
             && r.expires_at > now
         {
             log(r, now, event);
