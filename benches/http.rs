@@ -150,6 +150,21 @@ fn main() {
 }
 
 async fn run() {
+    // `BENCH_SERVE=1`: serve the bare handler on 127.0.0.1:3001 and the layer on MemoryStore
+    // on :3002 until killed, for an external load generator (see BENCHMARKS.md).
+    if std::env::var("BENCH_SERVE").is_ok() {
+        let bare = TcpListener::bind("127.0.0.1:3001")
+            .await
+            .expect("bind 3001");
+        let layered = TcpListener::bind("127.0.0.1:3002")
+            .await
+            .expect("bind 3002");
+        let app = handler_app().layer(IdempotencyLayer::new(MemoryStore::new()));
+        tokio::spawn(async move { axum::serve(bare, handler_app()).await.expect("serve") });
+        println!("bare on http://127.0.0.1:3001, layer + MemoryStore on http://127.0.0.1:3002");
+        axum::serve(layered, app).await.expect("serve");
+        return;
+    }
     let seconds = std::env::var("BENCH_SECONDS")
         .ok()
         .and_then(|s| s.parse().ok())
