@@ -61,7 +61,7 @@ impl<St: IdempotencyStore> Execution<St> {
                 Ok(capture(res, limit, tee).await)
             },
         };
-        let outcome = self.renewing(work).await;
+        let outcome = self.renewing(std::pin::pin!(work)).await;
         match outcome {
             Err(_panic) => {
                 tracing::error!("the idempotent handler panicked; releasing the key");
@@ -174,7 +174,7 @@ impl<St: IdempotencyStore> Execution<St> {
             }
             Ok((!recorded).then(|| (!over).then(|| copy.freeze())))
         };
-        match self.renewing(drain).await {
+        match self.renewing(std::pin::pin!(drain)).await {
             Ok(Some(copy)) => {
                 self.record(&head, copy, None).await;
             }
@@ -187,8 +187,8 @@ impl<St: IdempotencyStore> Execution<St> {
 
     /// Drives `work` while renewing the lease every third of its length, so a slow but live
     /// holder keeps its claim and only a dead one loses it.
-    async fn renewing<F: Future>(&self, work: F) -> F::Output {
-        let mut work = std::pin::pin!(work);
+    /// Takes `work` pinned by the caller: moved in by value, it would be stored twice.
+    async fn renewing<F: Future>(&self, mut work: Pin<&mut F>) -> F::Output {
         // Work done on its first poll needs no renewal timer.
         if let Poll::Ready(out) =
             std::future::poll_fn(|cx| Poll::Ready(work.as_mut().poll(cx))).await
@@ -196,7 +196,8 @@ impl<St: IdempotencyStore> Execution<St> {
             return out;
         }
         let period = self.route.lease / 3;
-        let renew = async {
+        // Boxed: only slow work gets here, and every request's future would carry it otherwise.
+        let renew = Box::pin(async {
             loop {
                 tokio::time::sleep(period).await;
                 match self
@@ -218,7 +219,7 @@ impl<St: IdempotencyStore> Execution<St> {
                     }
                 }
             }
-        };
+        });
         tokio::select! {
             out = &mut work => return out,
             () = renew => {}

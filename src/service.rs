@@ -131,9 +131,26 @@ impl<St: IdempotencyStore, M: MakeScope> Pipeline<St, M> {
         let route = self.route.clone();
 
         // 1–4. Key, scope, buffered body and fingerprint, the HTTP way or the JSON-RPC way.
+        // Rarer paths are boxed: every byte of this future is allocated and moved per request.
         let prepared = match &route.jsonrpc {
-            Some(settings) => self.prepare_jsonrpc(req, settings).await,
-            None => self.prepare(req).await,
+            Some(settings) => Box::pin(self.prepare_jsonrpc(req, settings)).await,
+            None => {
+                // Inline rather than a nested future: a nested one would hold the request twice.
+                let (parts, body) = req.into_parts();
+                match self.admit(&parts) {
+                    Admitted::Key(key, protocol) => {
+                        match buffer(&parts, body, route.body_limit).await {
+                            Ok(bytes) => self.fingerprinted(parts, bytes, key, protocol),
+                            Err(problem) => Prepared::Answer(self.refuse_body(problem, &protocol)),
+                        }
+                    }
+                    Admitted::Unguarded => Prepared::PassThrough(Request::from_parts(
+                        parts,
+                        RequestBody::passthrough(body),
+                    )),
+                    Admitted::Refused(response) => Prepared::Answer(response),
+                }
+            }
         };
         let Guarded {
             parts,
@@ -185,7 +202,7 @@ impl<St: IdempotencyStore, M: MakeScope> Pipeline<St, M> {
                 continue;
             }
             if route.record_refusals {
-                self.note_refusal(&key, &decision).await;
+                Box::pin(self.note_refusal(&key, &decision)).await;
             }
             match decision {
                 Decision::Run(lease) => break lease,
@@ -206,31 +223,33 @@ impl<St: IdempotencyStore, M: MakeScope> Pipeline<St, M> {
         self.span.record("attempt", lease.attempt);
 
         // 7–9. Execute to completion, record, respond.
-        let mut req = Request::from_parts(parts, RequestBody::buffered(bytes));
-        let context = IdempotencyContext::new(key.clone(), &lease, self.store.clone());
-        req.extensions_mut().insert(context);
-        let execution = Execution {
-            store: self.store.clone(),
-            key,
-            lease,
-            route,
-            denied_headers: self.config.denied_headers.clone(),
-            protocol: protocol.clone(),
-        };
         self.outcome("executed");
-        if execution.route.cancel_on_disconnect {
-            // The server treats a hang-up as cancellation: run on this request's future, and
-            // give the key back if that future is dropped before the outcome is recorded.
-            let guard = ReleaseOnDrop {
+        // Built in a block, so none of its parts take room in this future's state.
+        let (mut execution, guard) = {
+            let mut req = Request::from_parts(parts, RequestBody::buffered(bytes));
+            let context = IdempotencyContext::new(key.clone(), &lease, self.store.clone());
+            req.extensions_mut().insert(context);
+            // Routes that treat a hang-up as cancellation give the key back if dropped.
+            let guard = route.cancel_on_disconnect.then(|| ReleaseOnDrop {
                 store: Some(self.store.clone()),
-                key: execution.key.clone(),
-                token: execution.lease.token,
+                key: key.clone(),
+                token: lease.token,
+            });
+            let execution = Execution {
+                store: self.store.clone(),
+                key,
+                lease,
+                route,
+                denied_headers: self.config.denied_headers.clone(),
+                protocol: protocol.clone(),
             };
-            let answer = execution.run(inner, req).await;
+            (Box::pin(execution.run(inner, req).in_current_span()), guard)
+        };
+        if let Some(guard) = guard {
+            let answer = execution.await;
             guard.disarm();
             return answer;
         }
-        let mut execution = Box::pin(execution.run(inner, req).in_current_span());
         // Handlers that finish on their first poll need no task of their own. Any other moves
         // to one before this future can be dropped, so a client hanging up cannot cancel it.
         if let Poll::Ready(answer) = poll_once(execution.as_mut()).await {
@@ -303,6 +322,14 @@ struct Guarded {
     protocol: Protocol,
 }
 
+/// What steps 1–2 decided for an HTTP or gRPC request.
+enum Admitted<ResBody> {
+    Key(ScopedKey, Protocol),
+    /// No key, on a route that lets such requests through.
+    Unguarded,
+    Refused(Response<ResponseBody<ResBody>>),
+}
+
 /// What steps 1–4 decided.
 enum Prepared<B, ResBody> {
     Guard(Guarded),
@@ -311,35 +338,31 @@ enum Prepared<B, ResBody> {
 }
 
 impl<St: IdempotencyStore, M: MakeScope> Pipeline<St, M> {
-    /// Steps 1–4 for HTTP and gRPC: the key from its header, then scope, body, fingerprint.
-    async fn prepare<B, ResBody>(&self, req: Request<B>) -> Prepared<B, ResBody>
-    where
-        B: Body<Data = Bytes>,
-        B::Error: Into<BoxError>,
-    {
-        let protocol = Protocol::of(req.headers());
-        let (parts, body) = req.into_parts();
+    /// Steps 1–2 for HTTP and gRPC: the key from its header, in its scope; `None` when the
+    /// request has no key and the route lets it through unguarded.
+    fn admit<ResBody>(&self, parts: &http::request::Parts) -> Admitted<ResBody> {
+        let protocol = Protocol::of(&parts.headers);
         // 1. Key.
         let key = match parse_key(&parts.headers, &self.config.header) {
             Ok(Some(key)) => key,
-            Ok(None) if !self.route.require_key => {
-                let req = Request::from_parts(parts, body);
-                return Prepared::PassThrough(req.map(RequestBody::passthrough));
-            }
-            Ok(None) => {
-                return Prepared::Answer(self.refuse_key(&KeyError::Missing, &protocol));
-            }
-            Err(error) => return Prepared::Answer(self.refuse_key(&error, &protocol)),
+            Ok(None) if !self.route.require_key => return Admitted::Unguarded,
+            Ok(None) => return Admitted::Refused(self.refuse_key(&KeyError::Missing, &protocol)),
+            Err(error) => return Admitted::Refused(self.refuse_key(&error, &protocol)),
         };
         observe::count(Event::Attempt);
         // 2. Scope.
-        let key = ScopedKey::new(self.make_scope.make_scope(&parts), key);
-        // 3. Buffer.
-        let bytes = match buffer(&parts, body, self.route.body_limit).await {
-            Ok(bytes) => bytes,
-            Err(problem) => return Prepared::Answer(self.refuse_body(problem, &protocol)),
-        };
-        // 4. Fingerprint.
+        let key = ScopedKey::new(self.make_scope.make_scope(parts), key);
+        Admitted::Key(key, protocol)
+    }
+
+    /// Step 4 for HTTP and gRPC, once step 3 buffered the body.
+    fn fingerprinted<B, ResBody>(
+        &self,
+        parts: http::request::Parts,
+        bytes: Bytes,
+        key: ScopedKey,
+        protocol: Protocol,
+    ) -> Prepared<B, ResBody> {
         match fingerprint(&parts, &bytes, &self.config.fingerprint) {
             Ok(fingerprint) => Prepared::Guard(Guarded {
                 parts,

@@ -667,7 +667,10 @@ fn write_number(n: f64, out: &mut impl Sink) {
 
 /// A parsed string: one borrowed from the body had no escape, no quote and no control
 /// character, so its canonical form is its own bytes.
-#[expect(clippy::ptr_arg, reason = "the variant says whether the text needs escaping")]
+#[expect(
+    clippy::ptr_arg,
+    reason = "the variant says whether the text needs escaping"
+)]
 fn write_text(s: &Cow<'_, str>, out: &mut impl Sink) {
     match s {
         Cow::Borrowed(plain) => {
