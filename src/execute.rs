@@ -1,8 +1,10 @@
 //! Steps 7–8 of the pipeline: run the inner service to completion under a renewed lease, then
 //! record its outcome (or release the key), fenced by the lease's token.
 //!
-//! All of it runs in a spawned task: hyper drops the service future when the client hangs up,
-//! and a half-done side effect must neither be cancelled nor left unrecorded.
+//! It runs on the request's own future; hyper drops that future when the client hangs up, and
+//! a half-done side effect must neither be cancelled nor left unrecorded, so from the moment
+//! the inner service begins a dropped future is handed to a task of its own
+//! ([`ResponseFuture`](crate::future::ResponseFuture)).
 
 use std::any::Any;
 use std::future::Future;

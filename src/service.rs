@@ -1,9 +1,8 @@
 //! [`Idempotency`]: the pipeline of DESIGN §1, one step after another.
 
 use std::fmt;
-use std::future::Future;
-use std::pin::Pin;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -93,14 +92,16 @@ where
             outcome = tracing::field::Empty,
             attempt = tracing::field::Empty,
         );
+        let started = Arc::new(AtomicBool::new(false));
         let pipeline = Pipeline {
             span: span.clone(),
             route: route.clone(),
             store: self.store.clone(),
             make_scope: self.make_scope.clone(),
             config: self.config.clone(),
+            started: started.clone(),
         };
-        ResponseFuture::new(pipeline.run(inner, req).instrument(span))
+        ResponseFuture::detachable(pipeline.run(inner, req).instrument(span), started)
     }
 }
 
@@ -111,6 +112,9 @@ struct Pipeline<St, M> {
     store: Arc<St>,
     make_scope: M,
     config: Arc<Resolved>,
+    /// Set when the inner service begins: from then on, a dropped response future hands this
+    /// one to a task of its own (see [`ResponseFuture`]) instead of cancelling it.
+    started: Arc<AtomicBool>,
 }
 
 impl<St: IdempotencyStore, M: MakeScope> Pipeline<St, M> {
@@ -224,8 +228,8 @@ impl<St: IdempotencyStore, M: MakeScope> Pipeline<St, M> {
 
         // 7–9. Execute to completion, record, respond.
         self.outcome("executed");
-        // Built in a block, so none of its parts take room in this future's state.
-        let (mut execution, guard) = {
+        // Built in a block, so its parts are not kept beside the future they move into.
+        let (work, guard) = {
             let mut req = Request::from_parts(parts, RequestBody::buffered(bytes));
             let context = IdempotencyContext::new(key.clone(), &lease, self.store.clone());
             req.extensions_mut().insert(context);
@@ -241,32 +245,20 @@ impl<St: IdempotencyStore, M: MakeScope> Pipeline<St, M> {
                 lease,
                 route,
                 denied_headers: self.config.denied_headers.clone(),
-                protocol: protocol.clone(),
+                protocol,
             };
-            (Box::pin(execution.run(inner, req).in_current_span()), guard)
+            (execution.run(inner, req), guard)
         };
+        if guard.is_none() {
+            // Run to completion: from here on, a client hanging up detaches this future
+            // instead of cancelling it.
+            self.started.store(true, Ordering::Release);
+        }
+        let answer = work.await;
         if let Some(guard) = guard {
-            let answer = execution.await;
             guard.disarm();
-            return answer;
         }
-        // Handlers that finish on their first poll need no task of their own. Any other moves
-        // to one before this future can be dropped, so a client hanging up cannot cancel it.
-        if let Poll::Ready(answer) = poll_once(execution.as_mut()).await {
-            return answer;
-        }
-        match tokio::spawn(execution).await {
-            Ok(answer) => answer,
-            // Only a runtime shutting down cancels the task; panics are caught inside it.
-            Err(error) => {
-                tracing::error!(%error, "the execution task did not finish");
-                Ok(
-                    Problem::new(ProblemKind::ExecutionFailed, "the execution was cancelled")
-                        .state("in_progress")
-                        .respond(&protocol),
-                )
-            }
-        }
+        answer
     }
 }
 
@@ -424,11 +416,6 @@ impl<St: IdempotencyStore, M: MakeScope> Pipeline<St, M> {
             protocol,
         })
     }
-}
-
-/// Polls `future` once, from inside an async fn.
-async fn poll_once<F: Future + ?Sized>(mut future: Pin<&mut F>) -> Poll<F::Output> {
-    std::future::poll_fn(|cx| Poll::Ready(future.as_mut().poll(cx))).await
 }
 
 impl<St, M> Pipeline<St, M> {
