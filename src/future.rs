@@ -3,72 +3,89 @@
 use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::task::{Context, Poll};
 
 use http::Response;
 
 use crate::body::ResponseBody;
 
-type BoxFuture<B, E> = Pin<Box<dyn Future<Output = Result<Response<ResponseBody<B>>, E>> + Send>>;
+pub(crate) type BoxFuture<B, E> =
+    Pin<Box<dyn Future<Output = Result<Response<ResponseBody<B>>, E>> + Send>>;
+
+/// Where steps 1–6 of the pipeline lead.
+#[expect(
+    clippy::large_enum_variant,
+    reason = "a value moved once, right away; boxing would allocate for every replay"
+)]
+pub(crate) enum Step<B, E> {
+    /// The answer, without running the inner service (a replay, a refusal).
+    Answer(Result<Response<ResponseBody<B>>, E>),
+    /// Running the inner service: to completion (`detach`) or cancelled with the request.
+    Run { run: BoxFuture<B, E>, detach: bool },
+}
+
+type BoxStep<B, E> = Pin<Box<dyn Future<Output = Step<B, E>> + Send>>;
 
 /// The response future of [`Idempotency`](crate::Idempotency).
 ///
 /// Dropping it (a client hanging up) does not cancel an execution that has begun: the rest
 /// runs on in a task of its own and records its outcome.
 pub struct ResponseFuture<B, E> {
-    inner: Option<BoxFuture<B, E>>,
-    detach: Option<Detach<B, E>>,
-}
-
-/// How a dropped response future hands its execution on.
-struct Detach<B, E> {
-    /// Set by the pipeline once the inner service has begun.
-    started: Arc<AtomicBool>,
-    /// Spawns the rest; a function made where the bounds a task needs are known.
+    state: State<B, E>,
+    /// Spawns an execution whose client left; made where the bounds a task needs are known.
     spawn: fn(BoxFuture<B, E>),
+    /// Entered while polling, so the boxed futures need not carry it.
+    span: tracing::Span,
 }
 
-impl<B, E> ResponseFuture<B, E> {
-    /// A future that is simply cancelled when dropped.
+/// Two futures rather than one: replays and refusals, which never run the inner service,
+/// allocate only the small first one.
+enum State<B, E> {
+    Deciding(BoxStep<B, E>),
+    Running { run: BoxFuture<B, E>, detach: bool },
+    Done,
+}
+
+impl<B, E> ResponseFuture<B, E>
+where
+    B: Send + 'static,
+    E: Send + 'static,
+{
+    /// A future that runs `future` and is cancelled with the request.
     pub(crate) fn new(
         future: impl Future<Output = Result<Response<ResponseBody<B>>, E>> + Send + 'static,
     ) -> Self {
         Self {
-            inner: Some(Box::pin(future)),
-            detach: None,
+            state: State::Running {
+                run: Box::pin(future),
+                detach: false,
+            },
+            spawn: spawn_rest::<B, E>,
+            span: tracing::Span::none(),
         }
     }
 
-    /// A future that, dropped after `started` is set, runs to its end in its own task. The
-    /// future is already on the heap, so handing it on moves a pointer: an execution needs no
-    /// allocation of its own for the case where the client leaves.
-    pub(crate) fn detachable(
-        future: impl Future<Output = Result<Response<ResponseBody<B>>, E>> + Send + 'static,
-        started: Arc<AtomicBool>,
-    ) -> Self
-    where
-        B: Send + 'static,
-        E: Send + 'static,
-    {
+    /// A future that decides with `decide`, then answers or runs what it says to run; both
+    /// are polled inside `span`.
+    pub(crate) fn deciding(
+        decide: impl Future<Output = Step<B, E>> + Send + 'static,
+        span: tracing::Span,
+    ) -> Self {
         Self {
-            inner: Some(Box::pin(future)),
-            detach: Some(Detach {
-                started,
-                spawn: spawn_rest::<B, E>,
-            }),
+            state: State::Deciding(Box::pin(decide)),
+            spawn: spawn_rest::<B, E>,
+            span,
         }
     }
 }
 
-fn spawn_rest<B: Send + 'static, E: Send + 'static>(future: BoxFuture<B, E>) {
+fn spawn_rest<B: Send + 'static, E: Send + 'static>(run: BoxFuture<B, E>) {
     // Without a runtime (it is shutting down) there is nothing to run on: the lease runs out
     // and the next claim decides, as for a process that died.
     if let Ok(runtime) = tokio::runtime::Handle::try_current() {
         runtime.spawn(async move {
             // The answer has no one left to go to; the outcome is recorded inside.
-            drop(future.await);
+            drop(run.await);
         });
     }
 }
@@ -76,31 +93,53 @@ fn spawn_rest<B: Send + 'static, E: Send + 'static>(future: BoxFuture<B, E>) {
 impl<B, E> Future for ResponseFuture<B, E> {
     type Output = Result<Response<ResponseBody<B>>, E>;
 
-    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        let Some(inner) = self.inner.as_mut() else {
-            // Polled after it finished: a caller bug that must not panic in a server.
-            return Poll::Pending;
-        };
-        let out = inner.as_mut().poll(cx);
-        if out.is_ready() {
-            self.inner = None;
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let this = self.get_mut();
+        let _entered = this.span.enter();
+        loop {
+            match &mut this.state {
+                State::Deciding(decide) => match decide.as_mut().poll(cx) {
+                    Poll::Pending => return Poll::Pending,
+                    Poll::Ready(Step::Answer(answer)) => {
+                        this.state = State::Done;
+                        return Poll::Ready(answer);
+                    }
+                    Poll::Ready(Step::Run { run, detach }) => {
+                        this.state = State::Running { run, detach };
+                    }
+                },
+                State::Running { run, .. } => {
+                    let answer = std::task::ready!(run.as_mut().poll(cx));
+                    this.state = State::Done;
+                    return Poll::Ready(answer);
+                }
+                // Polled after it finished: a caller bug that must not panic in a server.
+                State::Done => return Poll::Pending,
+            }
         }
-        out
     }
 }
 
 impl<B, E> Drop for ResponseFuture<B, E> {
     fn drop(&mut self) {
-        if let (Some(inner), Some(detach)) = (self.inner.take(), self.detach.take())
-            && detach.started.load(Ordering::Acquire)
+        // The future is already on the heap: handing it on moves a pointer, nothing else.
+        if let State::Running { run, detach: true } =
+            std::mem::replace(&mut self.state, State::Done)
         {
-            (detach.spawn)(inner);
+            (self.spawn)(run);
         }
     }
 }
 
 impl<B, E> fmt::Debug for ResponseFuture<B, E> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("ResponseFuture").finish_non_exhaustive()
+        let state = match self.state {
+            State::Deciding(_) => "deciding",
+            State::Running { .. } => "running",
+            State::Done => "done",
+        };
+        f.debug_struct("ResponseFuture")
+            .field("state", &state)
+            .finish_non_exhaustive()
     }
 }

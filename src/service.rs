@@ -2,7 +2,6 @@
 
 use std::fmt;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -18,7 +17,7 @@ use crate::context::IdempotencyContext;
 use crate::decide::{Decision, ceil_secs, decide};
 use crate::execute::Execution;
 use crate::fingerprint::fingerprint;
-use crate::future::ResponseFuture;
+use crate::future::{ResponseFuture, Step};
 use crate::jsonrpc::{self, JsonRpc};
 use crate::key::{DefaultScope, KeyError, MakeScope, ScopedKey, parse_key};
 use crate::layer::Resolved;
@@ -92,16 +91,16 @@ where
             outcome = tracing::field::Empty,
             attempt = tracing::field::Empty,
         );
-        let started = Arc::new(AtomicBool::new(false));
         let pipeline = Pipeline {
             span: span.clone(),
             route: route.clone(),
             store: self.store.clone(),
             make_scope: self.make_scope.clone(),
             config: self.config.clone(),
-            started: started.clone(),
         };
-        ResponseFuture::detachable(pipeline.run(inner, req).instrument(span), started)
+        let (parts, body) = req.into_parts();
+        // The response future enters the span while it polls: one span fewer in the box.
+        ResponseFuture::deciding(pipeline.run(inner, parts, body), span)
     }
 }
 
@@ -112,17 +111,17 @@ struct Pipeline<St, M> {
     store: Arc<St>,
     make_scope: M,
     config: Arc<Resolved>,
-    /// Set when the inner service begins: from then on, a dropped response future hands this
-    /// one to a task of its own (see [`ResponseFuture`]) instead of cancelling it.
-    started: Arc<AtomicBool>,
 }
 
 impl<St: IdempotencyStore, M: MakeScope> Pipeline<St, M> {
+    /// Steps 1–6, and the future that runs steps 7–9. Every byte of this future is allocated
+    /// per request: what waits across an `.await` is kept small, rare paths are boxed.
     async fn run<S, ReqBody, ResBody>(
         self,
         inner: S,
-        req: Request<ReqBody>,
-    ) -> Result<Response<ResponseBody<ResBody>>, S::Error>
+        parts: http::request::Parts,
+        body: ReqBody,
+    ) -> Step<ResBody, S::Error>
     where
         S: Service<Request<RequestBody<ReqBody>>, Response = Response<ResBody>> + Send + 'static,
         S::Future: Send + 'static,
@@ -135,39 +134,43 @@ impl<St: IdempotencyStore, M: MakeScope> Pipeline<St, M> {
         let route = self.route.clone();
 
         // 1–4. Key, scope, buffered body and fingerprint, the HTTP way or the JSON-RPC way.
-        // Rarer paths are boxed: every byte of this future is allocated and moved per request.
-        let prepared = match &route.jsonrpc {
-            Some(settings) => Box::pin(self.prepare_jsonrpc(req, settings)).await,
-            None => {
-                // Inline rather than a nested future: a nested one would hold the request twice.
-                let (parts, body) = req.into_parts();
-                match self.admit(&parts) {
-                    Admitted::Key(key, protocol) => {
-                        match buffer(&parts, body, route.body_limit).await {
-                            Ok(bytes) => self.fingerprinted(parts, bytes, key, protocol),
-                            Err(problem) => Prepared::Answer(self.refuse_body(problem, &protocol)),
-                        }
-                    }
-                    Admitted::Unguarded => Prepared::PassThrough(Request::from_parts(
-                        parts,
-                        RequestBody::passthrough(body),
-                    )),
-                    Admitted::Refused(response) => Prepared::Answer(response),
-                }
-            }
-        };
+        // A block, so the preparation's result is not kept in this future's state later on.
         let Guarded {
-            parts,
             bytes,
             key,
             fingerprint,
             protocol,
-        } = match prepared {
-            Prepared::Guard(guarded) => guarded,
-            Prepared::Answer(response) => return Ok(response),
-            Prepared::PassThrough(req) => {
-                self.outcome("pass_through");
-                return pass_through(inner, req).await;
+        } = {
+            let prepared = match &route.jsonrpc {
+                Some(settings) => Box::pin(self.prepare_jsonrpc(&parts, body, settings)).await,
+                None => {
+                    // A matched value lives to the end of its `match`: awaiting inside one would
+                    // keep it in this future's state, so each `.await` here stands on its own.
+                    let (key, protocol) = match self.admit(&parts) {
+                        Admitted::Key(key, protocol) => (key, protocol),
+                        Admitted::Unguarded => {
+                            self.outcome("pass_through");
+                            let req = Request::from_parts(parts, RequestBody::passthrough(body));
+                            let run = Box::pin(pass_through(inner, req));
+                            return Step::Run { run, detach: false };
+                        }
+                        Admitted::Refused(response) => return Step::Answer(Ok(response)),
+                    };
+                    let buffered = buffer(&parts, body, route.body_limit).await;
+                    match buffered {
+                        Ok(bytes) => self.fingerprinted(&parts, bytes, key, protocol),
+                        Err(problem) => Prepared::Answer(self.refuse_body(problem, &protocol)),
+                    }
+                }
+            };
+            match prepared {
+                Prepared::Guard(guarded) => guarded,
+                Prepared::Answer(response) => return Step::Answer(Ok(response)),
+                Prepared::PassThrough(body) => {
+                    self.outcome("pass_through");
+                    let run = Box::pin(pass_through(inner, Request::from_parts(parts, body)));
+                    return Step::Run { run, detach: false };
+                }
             }
         };
         // The JSON envelope is for plain JSON callers; gRPC and JSON-RPC keep their framing.
@@ -176,7 +179,7 @@ impl<St: IdempotencyStore, M: MakeScope> Pipeline<St, M> {
         // 5–6. Claim, and decide; on routes that wait, an in-flight key is claimed again as
         // its holder finishes, until it replays, runs here (released) or the wait is over.
         let request = ClaimRequest {
-            key: key.clone(),
+            key,
             fingerprint,
             lease: route.lease,
             ttl: route.ttl,
@@ -193,34 +196,29 @@ impl<St: IdempotencyStore, M: MakeScope> Pipeline<St, M> {
                     observe::count(Event::StoreError);
                     tracing::error!(%error, "claim failed; refusing to run (fail closed)");
                     self.outcome("store_unavailable");
-                    return Ok(unavailable(&route, &protocol));
+                    return Step::Answer(Ok(unavailable(&route, &protocol)));
                 }
             };
-            let decision = decide(claim, &fingerprint);
-            if let (Decision::Refuse(problem), Some(until)) = (&decision, wait_until)
-                && problem.kind == ProblemKind::InFlight
-                && tokio::time::Instant::now() + backoff < until
-            {
-                tokio::time::sleep(backoff).await;
-                backoff = (backoff * 2).min(Duration::from_millis(250));
-                continue;
-            }
-            if route.record_refusals {
-                Box::pin(self.note_refusal(&key, &decision)).await;
-            }
-            match decision {
-                Decision::Run(lease) => break lease,
-                Decision::Replay(stored) => {
-                    self.outcome("replayed");
-                    let mark = route
-                        .jsonrpc
-                        .as_ref()
-                        .is_some_and(|j| j.mark_replay_in_meta);
-                    return Ok(replay(stored, envelope, mark, &protocol));
+            let can_wait =
+                wait_until.is_some_and(|until| tokio::time::Instant::now() + backoff < until);
+            let noting = match self.next(
+                decide(claim, &request.fingerprint),
+                can_wait,
+                envelope,
+                &protocol,
+            ) {
+                Next::Run(lease) => break lease,
+                Next::Wait => None,
+                Next::Answer(response, None) => return Step::Answer(Ok(response)),
+                Next::Answer(response, Some(event)) => {
+                    Some(Box::pin(self.noted(&request.key, event, response)))
                 }
-                Decision::Refuse(problem) => {
-                    self.outcome(problem.kind.slug());
-                    return Ok(problem.respond(&protocol));
+            };
+            match noting {
+                Some(noting) => return Step::Answer(Ok(noting.await)),
+                None => {
+                    Box::pin(tokio::time::sleep(backoff)).await;
+                    backoff = (backoff * 2).min(Duration::from_millis(250));
                 }
             }
         };
@@ -228,37 +226,45 @@ impl<St: IdempotencyStore, M: MakeScope> Pipeline<St, M> {
 
         // 7–9. Execute to completion, record, respond.
         self.outcome("executed");
-        // Built in a block, so its parts are not kept beside the future they move into.
-        let (work, guard) = {
-            let mut req = Request::from_parts(parts, RequestBody::buffered(bytes));
-            let context = IdempotencyContext::new(key.clone(), &lease, self.store.clone());
-            req.extensions_mut().insert(context);
-            // Routes that treat a hang-up as cancellation give the key back if dropped.
-            let guard = route.cancel_on_disconnect.then(|| ReleaseOnDrop {
-                store: Some(self.store.clone()),
-                key: key.clone(),
-                token: lease.token,
-            });
-            let execution = Execution {
-                store: self.store.clone(),
-                key,
-                lease,
-                route,
-                denied_headers: self.config.denied_headers.clone(),
-                protocol,
-            };
-            (execution.run(inner, req), guard)
+        let mut req = Request::from_parts(parts, RequestBody::buffered(bytes));
+        // The key moves on from the claim request: no second copy waits in this future.
+        let key = request.key;
+        let context = IdempotencyContext::new(key.clone(), &lease, self.store.clone());
+        req.extensions_mut().insert(context);
+        let cancel_on_disconnect = route.cancel_on_disconnect;
+        let token = lease.token;
+        let execution = Execution {
+            store: self.store.clone(),
+            key,
+            lease,
+            route,
+            denied_headers: self.config.denied_headers.clone(),
+            protocol,
         };
-        if guard.is_none() {
-            // Run to completion: from here on, a client hanging up detaches this future
-            // instead of cancelling it.
-            self.started.store(true, Ordering::Release);
+        if cancel_on_disconnect {
+            // The server treats a hang-up as cancellation: give the key back if this future
+            // is dropped before the outcome is recorded.
+            let guard = ReleaseOnDrop {
+                store: Some(self.store.clone()),
+                key: execution.key.clone(),
+                token,
+            };
+            let run = async move {
+                let answer = execution.run(inner, req).await;
+                guard.disarm();
+                answer
+            };
+            return Step::Run {
+                run: Box::pin(run.in_current_span()),
+                detach: false,
+            };
         }
-        let answer = work.await;
-        if let Some(guard) = guard {
-            guard.disarm();
+        // Run to completion: a client hanging up from here on detaches this future instead
+        // of cancelling it.
+        Step::Run {
+            run: Box::pin(execution.run(inner, req).in_current_span()),
+            detach: true,
         }
-        answer
     }
 }
 
@@ -307,7 +313,6 @@ impl<St: IdempotencyStore> Drop for ReleaseOnDrop<St> {
 
 /// A request the pipeline guards, after steps 1–4.
 struct Guarded {
-    parts: http::request::Parts,
     bytes: Bytes,
     key: ScopedKey,
     fingerprint: crate::fingerprint::Fingerprint,
@@ -322,11 +327,25 @@ enum Admitted<ResBody> {
     Refused(Response<ResponseBody<ResBody>>),
 }
 
+/// What step 6 decided, for the pipeline to act on: nothing of the decision itself is kept
+/// while the pipeline waits.
+#[expect(
+    clippy::large_enum_variant,
+    reason = "a value moved once, right away; boxing would allocate for every replay"
+)]
+enum Next<ResBody> {
+    Run(crate::store::Lease),
+    /// In flight, on a route that waits for it: claim again after a pause.
+    Wait,
+    /// The answer, and what to write into the key's history first (routes that ask).
+    Answer(Response<ResponseBody<ResBody>>, Option<HistoryEvent>),
+}
+
 /// What steps 1–4 decided.
 enum Prepared<B, ResBody> {
     Guard(Guarded),
     Answer(Response<ResponseBody<ResBody>>),
-    PassThrough(Request<RequestBody<B>>),
+    PassThrough(RequestBody<B>),
 }
 
 impl<St: IdempotencyStore, M: MakeScope> Pipeline<St, M> {
@@ -350,14 +369,13 @@ impl<St: IdempotencyStore, M: MakeScope> Pipeline<St, M> {
     /// Step 4 for HTTP and gRPC, once step 3 buffered the body.
     fn fingerprinted<B, ResBody>(
         &self,
-        parts: http::request::Parts,
+        parts: &http::request::Parts,
         bytes: Bytes,
         key: ScopedKey,
         protocol: Protocol,
     ) -> Prepared<B, ResBody> {
-        match fingerprint(&parts, &bytes, &self.config.fingerprint) {
+        match fingerprint(parts, &bytes, &self.config.fingerprint) {
             Ok(fingerprint) => Prepared::Guard(Guarded {
-                parts,
                 bytes,
                 key,
                 fingerprint,
@@ -375,21 +393,20 @@ impl<St: IdempotencyStore, M: MakeScope> Pipeline<St, M> {
     /// method and params that ignores the `id` (see [`crate::jsonrpc`]).
     async fn prepare_jsonrpc<B, ResBody>(
         &self,
-        req: Request<B>,
+        parts: &http::request::Parts,
+        body: B,
         settings: &JsonRpc,
     ) -> Prepared<B, ResBody>
     where
         B: Body<Data = Bytes>,
         B::Error: Into<BoxError>,
     {
-        let (parts, body) = req.into_parts();
-        let bytes = match buffer(&parts, body, self.route.body_limit).await {
+        let bytes = match buffer(parts, body, self.route.body_limit).await {
             Ok(bytes) => bytes,
             Err(problem) => return Prepared::Answer(self.refuse_body(problem, &Protocol::Http)),
         };
         let Some(call) = jsonrpc::parse(&bytes, settings) else {
-            let req = Request::from_parts(parts, RequestBody::buffered(bytes));
-            return Prepared::PassThrough(req);
+            return Prepared::PassThrough(RequestBody::buffered(bytes));
         };
         let protocol = Protocol::JsonRpc(call.id.clone());
         let key = match parse_key(&parts.headers, &self.config.header) {
@@ -397,19 +414,15 @@ impl<St: IdempotencyStore, M: MakeScope> Pipeline<St, M> {
             Ok(None) => match call.meta_key.clone() {
                 Some(key) if !key.is_empty() && key.len() <= crate::key::MAX_KEY_LEN => key,
                 Some(_) => return Prepared::Answer(self.refuse_key(&KeyError::TooLong, &protocol)),
-                None => {
-                    let req = Request::from_parts(parts, RequestBody::buffered(bytes));
-                    return Prepared::PassThrough(req);
-                }
+                None => return Prepared::PassThrough(RequestBody::buffered(bytes)),
             },
             Err(error) => return Prepared::Answer(self.refuse_key(&error, &protocol)),
         };
         observe::count(Event::Attempt);
         // The method joins the scope: a key names one operation of one tool method.
-        let scope = format!("{}\u{0}{}", self.make_scope.make_scope(&parts), call.method);
-        let fingerprint = jsonrpc::fingerprint(&parts, &call);
+        let scope = format!("{}\u{0}{}", self.make_scope.make_scope(parts), call.method);
+        let fingerprint = jsonrpc::fingerprint(parts, &call);
         Prepared::Guard(Guarded {
-            parts,
             bytes,
             key: ScopedKey::new(scope, key),
             fingerprint,
@@ -424,24 +437,60 @@ impl<St, M> Pipeline<St, M> {
     }
 }
 
+impl<St, M> Pipeline<St, M> {
+    /// Step 6 turned into what to do: run, wait, or answer (a replay or a refusal).
+    fn next<B>(
+        &self,
+        decision: Decision,
+        can_wait: bool,
+        envelope: bool,
+        protocol: &Protocol,
+    ) -> Next<B> {
+        let note = |event| self.route.record_refusals.then_some(event);
+        match decision {
+            Decision::Run(lease) => Next::Run(lease),
+            Decision::Refuse(problem) if can_wait && problem.kind == ProblemKind::InFlight => {
+                Next::Wait
+            }
+            Decision::Replay(stored) => {
+                self.outcome("replayed");
+                let mark = self
+                    .route
+                    .jsonrpc
+                    .as_ref()
+                    .is_some_and(|j| j.mark_replay_in_meta);
+                let response = replay(stored, envelope, mark, protocol);
+                Next::Answer(response, note(HistoryEvent::Replayed))
+            }
+            Decision::Refuse(problem) => {
+                self.outcome(problem.kind.slug());
+                let event = match problem.kind {
+                    ProblemKind::FingerprintMismatch => HistoryEvent::Mismatch,
+                    ProblemKind::InFlight => HistoryEvent::Conflict,
+                    ProblemKind::OutcomeUnknown => HistoryEvent::OutcomeUnknown,
+                    _ => HistoryEvent::Replayed,
+                };
+                Next::Answer(problem.respond(protocol), note(event))
+            }
+        }
+    }
+}
+
 impl<St: IdempotencyStore, M> Pipeline<St, M> {
-    /// Writes what this request was told into the key's history (routes that ask for it).
-    async fn note_refusal(&self, key: &ScopedKey, decision: &Decision) {
-        let event = match decision {
-            Decision::Run(_) => return,
-            Decision::Replay(_) => HistoryEvent::Replayed,
-            Decision::Refuse(problem) => match problem.kind {
-                ProblemKind::FingerprintMismatch => HistoryEvent::Mismatch,
-                ProblemKind::InFlight => HistoryEvent::Conflict,
-                ProblemKind::OutcomeUnknown => HistoryEvent::OutcomeUnknown,
-                _ => HistoryEvent::Replayed,
-            },
-        };
+    /// Writes what this request was told into the key's history (routes that ask for it),
+    /// then hands the answer back.
+    async fn noted<B>(
+        &self,
+        key: &ScopedKey,
+        event: HistoryEvent,
+        response: Response<ResponseBody<B>>,
+    ) -> Response<ResponseBody<B>> {
         if let Err(error) = self.store.append_history(key, event).await {
             // The answer stands; only its trace in the history is missing.
             observe::count(Event::StoreError);
             tracing::warn!(%error, "could not write the refusal into the key's history");
         }
+        response
     }
 }
 
