@@ -25,7 +25,7 @@ use crate::jsonrpc;
 use crate::observe::{self, Event};
 use crate::policy::Outcome;
 use crate::problem::{Problem, ProblemKind, Protocol};
-use crate::replay::{Captured, Presentation, capture, present, storable_headers};
+use crate::replay::{Captured, Presentation, capture, present, restore, withhold};
 use crate::route::RouteConfig;
 use crate::store::{
     BoxError, IdempotencyStore, Lease, RecordStatus, ScopedKey, StoreError, StoredResponse,
@@ -89,12 +89,12 @@ impl<St: IdempotencyStore> Execution<St> {
                 ))
             }
             Ok(Ok(Ok(Captured::Complete {
-                parts,
+                mut parts,
                 body,
                 trailers,
             }))) => {
                 let body = self
-                    .record(&parts, Some(body), trailers.as_ref())
+                    .record(&mut parts, Some(body), trailers.as_ref())
                     .await
                     .unwrap_or_default();
                 let how = Presentation {
@@ -111,12 +111,12 @@ impl<St: IdempotencyStore> Execution<St> {
                 Ok(Response::from_parts(parts, ResponseBody::channel(rx)))
             }
             Ok(Ok(Ok(Captured::TooLarge {
-                parts,
+                mut parts,
                 prefix,
                 rest,
             }))) => {
                 // Recorded without a body: the key stays consumed, never a second run.
-                self.record(&parts, None, None).await;
+                self.record(&mut parts, None, None).await;
                 Ok(Response::from_parts(
                     parts,
                     ResponseBody::resumed(prefix, rest),
@@ -168,7 +168,8 @@ impl<St: IdempotencyStore> Execution<St> {
                     && let Protocol::JsonRpc(id) = &self.protocol
                     && jsonrpc::final_response(&head.headers, &copy, id).is_some()
                 {
-                    self.record(&head, Some(copy.clone().freeze()), None).await;
+                    self.record_jsonrpc(&head, Some(copy.clone().freeze()), None, id)
+                        .await;
                     recorded = true;
                 }
                 // A closed receiver only means the client left.
@@ -178,7 +179,9 @@ impl<St: IdempotencyStore> Execution<St> {
         };
         match self.renewing(std::pin::pin!(drain)).await {
             Ok(Some(copy)) => {
-                self.record(&head, copy, None).await;
+                if let Protocol::JsonRpc(id) = &self.protocol {
+                    self.record_jsonrpc(&head, copy, None, id).await;
+                }
             }
             Ok(None) => {}
             Err(()) => {
@@ -233,59 +236,79 @@ impl<St: IdempotencyStore> Execution<St> {
     /// Hands `body` back: it moves through the record rather than being shared with it.
     async fn record(
         &self,
-        parts: &Parts,
+        parts: &mut Parts,
         body: Option<Bytes>,
         trailers: Option<&HeaderMap>,
     ) -> Option<Bytes> {
-        // The stored response, and the body to hand back if it is not the stored one.
-        let (stored, kept) = match &self.protocol {
-            // JSON-RPC records the call's final response, whatever framing carried it.
-            Protocol::JsonRpc(id) => {
-                let message = match &body {
-                    Some(bytes) => match jsonrpc::final_response(&parts.headers, bytes, id) {
-                        Some(message) => Some(message),
-                        // An interim answer, or none at all: nothing to record.
-                        None => {
-                            self.release().await;
-                            return body;
-                        }
-                    },
-                    // Too large to keep: recorded without a body, like any oversized response.
-                    None => None,
-                };
-                let stored = StoredResponse {
-                    status: jsonrpc::REPLAY_STATUS,
-                    headers: jsonrpc::stored_headers(),
-                    body: message,
-                    trailers: None,
-                };
-                (stored, body)
-            }
-            _ => {
-                let stored = StoredResponse {
-                    status: parts.status,
-                    headers: storable_headers(&parts.headers, &self.denied_headers),
-                    body,
-                    trailers: trailers.cloned(),
-                };
-                (stored, None)
-            }
+        if let Protocol::JsonRpc(id) = &self.protocol {
+            return self.record_jsonrpc(parts, body, trailers, id).await;
+        }
+        let outcome = Outcome {
+            status: parts.status,
+            headers: &parts.headers,
+            trailers,
+            jsonrpc: None,
+        };
+        if !self.route.cache_policy.records(&outcome) {
+            self.release().await;
+            return body;
+        }
+        // The live headers are lent to the record, not copied; the ones never recorded step
+        // aside meanwhile.
+        let mut headers = std::mem::take(&mut parts.headers);
+        // A whole body's length is recomputed by the server, as for replays; a body too large
+        // to keep streams on with the length its handler gave.
+        let withheld = withhold(&mut headers, &self.denied_headers, body.is_some());
+        let stored = StoredResponse {
+            status: parts.status,
+            headers,
+            body,
+            trailers: trailers.cloned(),
+        };
+        self.complete(&stored).await;
+        parts.headers = stored.headers;
+        restore(&mut parts.headers, withheld);
+        stored.body
+    }
+
+    /// Step 8 for JSON-RPC: records the call's final response, whatever framing carried it.
+    async fn record_jsonrpc(
+        &self,
+        parts: &Parts,
+        body: Option<Bytes>,
+        trailers: Option<&HeaderMap>,
+        id: &serde_json::Value,
+    ) -> Option<Bytes> {
+        let message = match &body {
+            Some(bytes) => match jsonrpc::final_response(&parts.headers, bytes, id) {
+                Some(message) => Some(message),
+                // An interim answer, or none at all: nothing to record.
+                None => {
+                    self.release().await;
+                    return body;
+                }
+            },
+            // Too large to keep: recorded without a body, like any oversized response.
+            None => None,
         };
         let outcome = Outcome {
             status: parts.status,
             headers: &parts.headers,
             trailers,
-            jsonrpc: match self.protocol {
-                Protocol::JsonRpc(_) => stored.body.as_deref(),
-                _ => None,
-            },
+            jsonrpc: message.as_deref(),
         };
         if self.route.cache_policy.records(&outcome) {
+            let stored = StoredResponse {
+                status: jsonrpc::REPLAY_STATUS,
+                headers: jsonrpc::stored_headers(),
+                body: message,
+                trailers: None,
+            };
             self.complete(&stored).await;
         } else {
             self.release().await;
         }
-        kept.or(stored.body)
+        body
     }
 
     async fn complete(&self, stored: &StoredResponse) {

@@ -42,15 +42,35 @@ pub(crate) fn default_denied_headers() -> Vec<HeaderName> {
     .collect()
 }
 
-/// The headers of `headers` that may be recorded, repeated ones kept in order.
-pub(crate) fn storable_headers(headers: &HeaderMap, denied: &[HeaderName]) -> HeaderMap {
-    let mut kept = HeaderMap::with_capacity(headers.len());
-    for (name, value) in headers {
-        if !denied.contains(name) {
-            kept.append(name.clone(), value.clone());
+/// Takes the headers never recorded out of `headers`, to be put back with [`restore`] once
+/// the rest is recorded, so a response's headers are lent to its record rather than copied.
+/// With `drop_length`, `Content-Length` is dropped instead of kept: the server recomputes it
+/// from the whole body, as it does for every replay.
+pub(crate) fn withhold(
+    headers: &mut HeaderMap,
+    denied: &[HeaderName],
+    drop_length: bool,
+) -> Vec<(HeaderName, HeaderValue)> {
+    if drop_length {
+        headers.remove(header::CONTENT_LENGTH);
+    }
+    let mut withheld = Vec::new();
+    if headers.keys().any(|name| denied.contains(name)) {
+        for name in denied {
+            if let header::Entry::Occupied(entry) = headers.entry(name) {
+                let (name, values) = entry.remove_entry_mult();
+                withheld.extend(values.map(|value| (name.clone(), value)));
+            }
         }
     }
-    kept
+    withheld
+}
+
+/// Puts back what [`withhold`] took out.
+pub(crate) fn restore(headers: &mut HeaderMap, withheld: Vec<(HeaderName, HeaderValue)>) {
+    for (name, value) in withheld {
+        headers.append(name, value);
+    }
 }
 
 /// A response read off the inner service.
@@ -230,20 +250,37 @@ mod tests {
     use super::*;
 
     #[test]
-    fn storable_headers_drop_secrets_and_keep_repeats() {
+    fn withheld_headers_are_not_recorded_and_come_back() {
         let mut h = HeaderMap::new();
         h.append("set-cookie", "a=1".parse().expect("v"));
         h.append("location", "/t/1".parse().expect("v"));
         h.append("x-tag", "one".parse().expect("v"));
+        h.append("set-cookie", "b=2".parse().expect("v"));
         h.append("x-tag", "two".parse().expect("v"));
         h.append("date", "now".parse().expect("v"));
-        let kept = storable_headers(&h, &default_denied_headers());
-        assert!(kept.get("set-cookie").is_none());
-        assert!(kept.get("date").is_none());
+        h.append("content-length", "3".parse().expect("v"));
+        let mut kept = h.clone();
+        let withheld = withhold(&mut kept, &default_denied_headers(), false);
+        restore(&mut kept, withheld);
+        assert_eq!(kept["content-length"], "3", "kept unless the body is whole");
+        let withheld = withhold(&mut h, &default_denied_headers(), true);
+        // What is recorded: no secrets, no per-response values, repeats in order.
+        assert!(h.get("set-cookie").is_none());
+        assert!(h.get("date").is_none());
+        assert!(h.get("content-length").is_none());
         assert_eq!(
-            kept.get_all("x-tag").iter().collect::<Vec<_>>(),
+            h.get_all("x-tag").iter().collect::<Vec<_>>(),
             ["one", "two"]
         );
-        assert_eq!(kept["location"], "/t/1");
+        assert_eq!(h["location"], "/t/1");
+        // What the live response keeps: all of it but the length the server recomputes.
+        restore(&mut h, withheld);
+        assert_eq!(
+            h.get_all("set-cookie").iter().collect::<Vec<_>>(),
+            ["a=1", "b=2"]
+        );
+        assert_eq!(h["date"], "now");
+        assert!(h.get("content-length").is_none());
+        assert_eq!(h.len(), 6);
     }
 }

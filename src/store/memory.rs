@@ -152,7 +152,28 @@ struct Entry {
     effect_started: bool,
     downstream_id: Option<Box<str>>,
     response: Option<Bytes>,
-    history: Vec<Event>,
+    history: History,
+}
+
+/// A record's history: its first two events (a claim and its outcome, for most records) in
+/// place, any later ones in a vector that most records never allocate.
+#[derive(Default)]
+struct History {
+    head: [Option<Event>; 2],
+    rest: Vec<Event>,
+}
+
+impl History {
+    fn push(&mut self, event: Event) {
+        match self.head.iter_mut().find(|slot| slot.is_none()) {
+            Some(slot) => *slot = Some(event),
+            None => self.rest.push(event),
+        }
+    }
+
+    fn iter(&self) -> impl Iterator<Item = &Event> {
+        self.head.iter().flatten().chain(&self.rest)
+    }
 }
 
 /// One history entry, compactly.
@@ -404,7 +425,7 @@ impl IdempotencyStore for MemoryStore {
             }
             self.inner.len.fetch_add(1, Ordering::Relaxed);
         }
-        let mut history = Vec::with_capacity(2);
+        let mut history = History::default();
         history.push(Event {
             at: now,
             token,
