@@ -29,6 +29,8 @@ enum Value<'a> {
     Null,
     Bool(bool),
     Number(f64),
+    /// A number whose text is already its ECMAScript form.
+    Text(&'a str),
     String(Cow<'a, str>),
     Array(Vec<Value<'a>>),
     Object(Vec<(Cow<'a, str>, Value<'a>)>),
@@ -185,8 +187,13 @@ impl<'a> Parser<'a> {
             }
             self.digits();
         }
+        let text = &self.text[start..self.i];
+        // Most numbers already print as written: keep their text, skip parsing and printing.
+        if short_number(text.as_bytes()) == Some(text.len()) {
+            return Ok(Value::Text(text));
+        }
         // The grammar above only admits what Rust's correctly rounded parser accepts.
-        let n: f64 = self.text[start..self.i].parse().map_err(|_| SYNTAX)?;
+        let n: f64 = text.parse().map_err(|_| SYNTAX)?;
         if n.is_finite() {
             Ok(Value::Number(n))
         } else {
@@ -287,6 +294,7 @@ fn write_value(value: &Value<'_>, out: &mut impl Sink) -> Result<(), JsonError> 
         Value::Bool(true) => out.put(b"true"),
         Value::Bool(false) => out.put(b"false"),
         Value::Number(n) => write_number(*n, out),
+        Value::Text(text) => out.put(text.as_bytes()),
         Value::String(s) => write_text(s, out),
         Value::Array(items) => {
             out.put(b"[");
@@ -442,20 +450,8 @@ impl<'a> Verbatim<'a> {
     /// (below 2^53, no leading zeros, never `-0`); anything else is checked by printing it.
     fn number(&mut self) -> bool {
         let start = self.i;
-        let negative = self.s[self.i] == b'-';
-        self.i += usize::from(negative);
-        let digits = self.i;
-        while let Some(b'0'..=b'9') = self.s.get(self.i) {
-            self.i += 1;
-        }
-        let count = self.i - digits;
-        let first = self.s.get(digits).copied();
-        let plain = !matches!(self.s.get(self.i), Some(b'.' | b'e' | b'E'));
-        if plain && (1..=15).contains(&count) && (first != Some(b'0') || (count == 1 && !negative))
-        {
-            return true;
-        }
-        if self.s.get(self.i) == Some(&b'.') && self.short_decimal(digits) {
+        if let Some(len) = short_number(&self.s[start..]) {
+            self.i += len;
             return true;
         }
         // Anything else: find the number's end, then compare it with its ECMAScript form.
@@ -466,7 +462,7 @@ impl<'a> Verbatim<'a> {
             return false;
         };
         // Only valid JSON numbers may pass: Rust's parser also takes "1.", ".5", "+1", "inf".
-        if count == 0 || (first == Some(b'0') && count > 1) || !json_number_grammar(text) {
+        if !json_number_grammar(text) {
             return false;
         }
         match text.parse::<f64>() {
@@ -478,40 +474,46 @@ impl<'a> Verbatim<'a> {
     }
 }
 
-impl Verbatim<'_> {
-    /// After the integer part at `digits..self.i`, a fraction that ECMAScript prints exactly
-    /// as written: at most 15 significant digits (so no other decimal that short is the same
-    /// double, and the text is the shortest form), no trailing zero, no exponent, and a value
-    /// of at least 1e-6 (smaller ones print in exponent form). Consumes it if so.
-    fn short_decimal(&mut self, digits: usize) -> bool {
-        let int = &self.s[digits..self.i];
-        if int.is_empty() || (int[0] == b'0' && int.len() > 1) {
-            return false;
-        }
-        let start = self.i + 1;
-        let mut end = start;
-        while let Some(b'0'..=b'9') = self.s.get(end) {
-            end += 1;
-        }
-        let frac = &self.s[start..end];
-        if frac.last().is_none_or(|&d| d == b'0') || matches!(self.s.get(end), Some(b'e' | b'E')) {
-            return false;
-        }
-        let significant = if int == b"0" {
-            let zeros = frac.iter().take_while(|&&d| d == b'0').count();
-            if zeros > 5 {
-                return false;
-            }
-            frac.len() - zeros
-        } else {
-            int.len() + frac.len()
-        };
-        if significant > 15 {
-            return false;
-        }
-        self.i = end;
-        true
+/// The length of the number at the start of `s` if ECMAScript prints it exactly as written,
+/// by construction: a plain integer of at most 15 digits without leading zeros (never `-0`),
+/// or a decimal with at most 15 significant digits (so no other decimal that short is the
+/// same double, and the text is the shortest form), no trailing zero, no exponent and a value
+/// of at least 1e-6 (smaller ones print in exponent form). `None` says only "not proven".
+fn short_number(s: &[u8]) -> Option<usize> {
+    let negative = s.first() == Some(&b'-');
+    let digits = usize::from(negative);
+    let mut i = digits;
+    while let Some(b'0'..=b'9') = s.get(i) {
+        i += 1;
     }
+    let int = &s[digits..i];
+    if int.is_empty() || (int[0] == b'0' && int.len() > 1) {
+        return None;
+    }
+    match s.get(i) {
+        Some(b'.') => {}
+        Some(b'e' | b'E') => return None,
+        _ => return (int.len() <= 15 && !(negative && int == b"0")).then_some(i),
+    }
+    let start = i + 1;
+    let mut end = start;
+    while let Some(b'0'..=b'9') = s.get(end) {
+        end += 1;
+    }
+    let frac = &s[start..end];
+    if frac.last().is_none_or(|&d| d == b'0') || matches!(s.get(end), Some(b'e' | b'E')) {
+        return None;
+    }
+    let significant = if int == b"0" {
+        let zeros = frac.iter().take_while(|&&d| d == b'0').count();
+        if zeros > 5 {
+            return None;
+        }
+        frac.len() - zeros
+    } else {
+        int.len() + frac.len()
+    };
+    (significant <= 15).then_some(end)
 }
 
 /// The length of an escape (after its backslash) if it is the one RFC 8785 writes for its
@@ -564,18 +566,6 @@ fn json_number_grammar(text: &str) -> bool {
         }
     }
     s.is_empty()
-}
-
-/// [`utf16_cmp`] on the raw bytes of two unescaped names (both valid UTF-8).
-fn utf16_cmp_bytes(a: &[u8], b: &[u8]) -> Ordering {
-    if a.is_ascii() && b.is_ascii() {
-        return a.cmp(b);
-    }
-    match (std::str::from_utf8(a), std::str::from_utf8(b)) {
-        (Ok(a), Ok(b)) => utf16_cmp(a, b),
-        // Unreachable for a body that passed the UTF-8 check; never claims an order then.
-        _ => Ordering::Equal,
-    }
 }
 
 /// The index of the first byte that ends a plain run inside a JSON string: `"`, `\\` or a
@@ -647,11 +637,29 @@ pub(crate) fn write_parsed(value: &serde_json::Value, out: &mut impl Sink) {
 }
 
 /// RFC 8785 §3.2.3: members sort by the UTF-16 code units of their names.
+///
+/// UTF-8 byte order is code point order, which UTF-16 order follows except between U+E000..U+FFFF
+/// (lead bytes `EE`, `EF`) and the supplementary planes (lead bytes `F0`..`F4`, surrogates in
+/// UTF-16, which sort first). Up to the first differing byte the texts agree, so that byte
+/// either leads a character in both or continues characters with the same lead byte.
 fn utf16_cmp(a: &str, b: &str) -> Ordering {
-    if a.is_ascii() && b.is_ascii() {
-        return a.cmp(b);
+    utf16_cmp_bytes(a.as_bytes(), b.as_bytes())
+}
+
+/// [`utf16_cmp`] on the bytes of two valid UTF-8 texts.
+fn utf16_cmp_bytes(a: &[u8], b: &[u8]) -> Ordering {
+    let Some(i) = a.iter().zip(b).position(|(x, y)| x != y) else {
+        return a.len().cmp(&b.len());
+    };
+    let (x, y) = (a[i], b[i]);
+    let high_bmp = |b: u8| b == 0xee || b == 0xef;
+    if x >= 0xf0 && high_bmp(y) {
+        Ordering::Less
+    } else if y >= 0xf0 && high_bmp(x) {
+        Ordering::Greater
+    } else {
+        x.cmp(&y)
     }
-    a.encode_utf16().cmp(b.encode_utf16())
 }
 
 /// ECMAScript `Number.prototype.toString`, which RFC 8785 §3.2.2.3 adopts.
@@ -835,6 +843,43 @@ mod tests {
             String::from_utf8(from_parsed).expect("utf8"),
             canon(text).expect("valid")
         );
+    }
+
+    #[test]
+    fn utf16_order_agrees_with_encode_utf16() {
+        let chars = [
+            'a',
+            '~',
+            '\u{7f}',
+            '\u{80}',
+            '\u{7ff}',
+            '\u{800}',
+            '\u{d7ff}',
+            '\u{e000}',
+            '\u{fb33}',
+            '\u{ffff}',
+            '\u{10000}',
+            '\u{1f600}',
+            '\u{10ffff}',
+        ];
+        let texts: Vec<String> = chars
+            .iter()
+            .flat_map(|&c| {
+                chars
+                    .iter()
+                    .map(move |&d| format!("{c}{d}"))
+                    .chain([c.to_string(), format!("x{c}")])
+            })
+            .collect();
+        for a in &texts {
+            for b in &texts {
+                assert_eq!(
+                    utf16_cmp(a, b),
+                    a.encode_utf16().cmp(b.encode_utf16()),
+                    "{a:?} vs {b:?}"
+                );
+            }
+        }
     }
 
     #[test]

@@ -468,6 +468,10 @@ mod tests {
             }
             let canonical = canonical_json(text.as_bytes()).expect("valid").expect("finite");
             prop_assert_eq!(json::verbatim(text.as_bytes()), canonical == text.as_bytes(), "{}", text);
+            // And the full path writes what the reference writes, by either route.
+            let value: Value = serde_json::from_str(&text).expect("json");
+            let reference = serde_json_canonicalizer::to_vec(&value).expect("reference");
+            prop_assert_eq!(String::from_utf8_lossy(&canonical), String::from_utf8_lossy(&reference), "{}", text);
         }
 
         #[test]
