@@ -785,6 +785,47 @@ async fn handler_panic_releases_the_key() {
     assert_eq!(effects.count(), 1);
 }
 
+/// A service that panics in `call` itself, before any future exists (tower services may do
+/// work there), is treated like a handler that panics: the key is released, never recorded.
+#[tokio::test]
+async fn a_panic_in_the_services_call_releases_the_key() {
+    use http_body_util::{BodyExt, Full};
+    use tower::{Layer, ServiceExt};
+
+    let effects = Effects::default();
+    let counter = effects.clone();
+    let calls = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let inner = tower::service_fn(move |_req: http::Request<_>| {
+        if calls.fetch_add(1, Ordering::SeqCst) == 0 {
+            panic!("injected panic in call");
+        }
+        let hit = counter.hit();
+        async move {
+            Ok::<_, std::convert::Infallible>(http::Response::new(Full::new(bytes::Bytes::from(
+                format!("done {hit}"),
+            ))))
+        }
+    });
+    let service = IdempotencyLayer::new(MemoryStore::new()).layer(inner);
+    let request = || {
+        http::Request::post("/fragile")
+            .header("idempotency-key", "k-call-panic")
+            .body(Full::new(bytes::Bytes::new()))
+            .expect("request")
+    };
+
+    let first = service.clone().oneshot(request()).await.expect("answer");
+    assert_eq!(first.status(), StatusCode::INTERNAL_SERVER_ERROR);
+    let body = first.into_body().collect().await.expect("body").to_bytes();
+    let p: Value = serde_json::from_slice(&body).expect("problem");
+    assert_eq!(p["type"], problem_type("execution-failed"));
+    let retry = service.oneshot(request()).await.expect("answer");
+    assert_eq!(retry.status(), StatusCode::OK);
+    let body = retry.into_body().collect().await.expect("body").to_bytes();
+    assert_eq!(&body[..], b"done 1");
+    assert_eq!(effects.count(), 1);
+}
+
 #[tokio::test]
 async fn a_live_handler_keeps_its_lease_past_the_lease_length() {
     let effects = Effects::default();
