@@ -41,30 +41,13 @@ pub(crate) struct Execution<St> {
     pub(crate) protocol: Protocol,
 }
 
-/// What the handler's work ends in: its captured response, or its error, or its panic.
-type Worked<B, E> = Result<Result<Result<Captured<B>, BoxError>, E>, Box<dyn Any + Send>>;
-
-/// Work that produced no response to record.
-enum Failure<E> {
-    Panic,
-    /// The inner service's own error, handed back as it is.
-    Service(E),
-    /// The response body failed mid-stream.
-    Body(BoxError),
-}
-
 impl<St: IdempotencyStore> Execution<St> {
     /// Runs `inner` on `req` and records the outcome; the answer for the client.
-    ///
-    /// The handler is called here, at once (its synchronous part under the same panic guard
-    /// as its future), and its work is boxed on its own: held inline, it and the recording
-    /// would make one future too large for the allocator's per-thread cache, and two small
-    /// allocations cost less than one large one.
-    pub(crate) fn run<S, ReqBody, ResBody>(
+    pub(crate) async fn run<S, ReqBody, ResBody>(
         self,
         mut inner: S,
         req: Request<RequestBody<ReqBody>>,
-    ) -> impl Future<Output = Result<Response<ResponseBody<ResBody>>, S::Error>>
+    ) -> Result<Response<ResponseBody<ResBody>>, S::Error>
     where
         S: Service<Request<RequestBody<ReqBody>>, Response = Response<ResBody>>,
         ResBody: Body<Data = Bytes> + Send + 'static,
@@ -74,95 +57,72 @@ impl<St: IdempotencyStore> Execution<St> {
         let limit = self.route.response_limit;
         // JSON-RPC event streams go to the client as they arrive (progress notifications).
         let tee = matches!(self.protocol, Protocol::JsonRpc(_));
-        let call = std::panic::catch_unwind(AssertUnwindSafe(move || inner.call(req)));
-        let work = Box::pin(CatchUnwind {
+        let work = CatchUnwind {
             inner: async move {
-                let call = match call {
-                    Ok(call) => call,
-                    // Raised again inside the guard, so both kinds of panic take one path.
-                    Err(panic) => std::panic::resume_unwind(panic),
-                };
-                let (parts, body) = call.await?.into_parts();
-                Ok(capture(parts, body, limit, tee).await)
+                let res = inner.call(req).await?;
+                Ok(capture(res, limit, tee).await)
             },
-        });
-        self.finish(work)
-    }
-
-    async fn finish<W, ResBody, E>(
-        self,
-        mut work: Pin<Box<W>>,
-    ) -> Result<Response<ResponseBody<ResBody>>, E>
-    where
-        W: Future<Output = Worked<ResBody, E>>,
-        ResBody: Body<Data = Bytes> + Send + 'static,
-        ResBody::Error: Into<BoxError>,
-    {
-        let outcome = self.renewing(work.as_mut()).await;
-        drop(work);
-        // The common end inline; the others boxed, so they take no room in this future.
-        let captured = match outcome {
-            Ok(Ok(Ok(captured))) => captured,
-            Ok(Ok(Err(error))) => return Box::pin(self.fail(Failure::Body(error))).await,
-            Ok(Err(error)) => return Box::pin(self.fail(Failure::Service(error))).await,
-            Err(_panic) => return Box::pin(self.fail(Failure::Panic)).await,
         };
-        let (mut parts, body, trailers) = match captured {
-            Captured::Complete {
-                parts,
+        let outcome = self.renewing(std::pin::pin!(work)).await;
+        match outcome {
+            Err(_panic) => {
+                tracing::error!("the idempotent handler panicked; releasing the key");
+                let state = self.release().await;
+                Ok(failed(
+                    "the handler panicked; nothing was recorded",
+                    state,
+                    &self.protocol,
+                ))
+            }
+            Ok(Err(service_error)) => {
+                // No response exists to record, whatever the policy: give the key back.
+                self.release().await;
+                Err(service_error)
+            }
+            Ok(Ok(Err(body_error))) => {
+                tracing::warn!(error = %body_error, "the response body failed; releasing the key");
+                let state = self.release().await;
+                Ok(failed(
+                    "the response body failed mid-stream; nothing was recorded",
+                    state,
+                    &self.protocol,
+                ))
+            }
+            Ok(Ok(Ok(Captured::Complete {
+                mut parts,
                 body,
                 trailers,
-            } => (parts, body, trailers),
-            Captured::Streaming { parts, body } => {
+            }))) => {
+                let body = self
+                    .record(&mut parts, Some(body), trailers.as_ref())
+                    .await
+                    .unwrap_or_default();
+                let how = Presentation {
+                    replayed: false,
+                    mark: self.route.mark_first_response,
+                    envelope: self.route.envelope && self.protocol == Protocol::Http,
+                };
+                Ok(present(parts.status, parts.headers, body, trailers, how))
+            }
+            Ok(Ok(Ok(Captured::Streaming { parts, body }))) => {
                 let (tx, rx) = tokio::sync::mpsc::channel(16);
                 let head = head_of(&parts);
                 tokio::spawn(self.tee(head, body, tx).in_current_span());
-                return Ok(Response::from_parts(parts, ResponseBody::channel(rx)));
+                Ok(Response::from_parts(parts, ResponseBody::channel(rx)))
             }
-            Captured::TooLarge {
+            Ok(Ok(Ok(Captured::TooLarge {
                 mut parts,
                 prefix,
                 rest,
-            } => {
+            }))) => {
                 // Recorded without a body: the key stays consumed, never a second run.
-                Box::pin(self.record(&mut parts, None, None)).await;
-                return Ok(Response::from_parts(
+                self.record(&mut parts, None, None).await;
+                Ok(Response::from_parts(
                     parts,
                     ResponseBody::resumed(prefix, rest),
-                ));
+                ))
             }
-        };
-        // Boxed too: every future here stays within the allocator's per-thread cache.
-        let body = Box::pin(self.record(&mut parts, Some(body), trailers.as_ref()))
-            .await
-            .unwrap_or_default();
-        let how = Presentation {
-            replayed: false,
-            mark: self.route.mark_first_response,
-            envelope: self.route.envelope && self.protocol == Protocol::Http,
-        };
-        Ok(present(parts.status, parts.headers, body, trailers, how))
-    }
-
-    /// Work that ended without a response to record: the key is given back.
-    async fn fail<B, E>(&self, failure: Failure<E>) -> Result<Response<ResponseBody<B>>, E> {
-        let detail = match failure {
-            Failure::Panic => {
-                tracing::error!("the idempotent handler panicked; releasing the key");
-                "the handler panicked; nothing was recorded"
-            }
-            Failure::Body(error) => {
-                tracing::warn!(%error, "the response body failed; releasing the key");
-                "the response body failed mid-stream; nothing was recorded"
-            }
-            Failure::Service(error) => {
-                // No response exists to record, whatever the policy: give the key back.
-                self.release().await;
-                return Err(error);
-            }
-        };
-        let state = self.release().await;
-        Ok(failed(detail, state, &self.protocol))
+        }
     }
 
     /// Forwards an event stream to the client as it arrives while keeping a copy, then records
@@ -281,7 +241,7 @@ impl<St: IdempotencyStore> Execution<St> {
         trailers: Option<&HeaderMap>,
     ) -> Option<Bytes> {
         if let Protocol::JsonRpc(id) = &self.protocol {
-            return Box::pin(self.record_jsonrpc(parts, body, trailers, id)).await;
+            return self.record_jsonrpc(parts, body, trailers, id).await;
         }
         let outcome = Outcome {
             status: parts.status,

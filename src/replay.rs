@@ -94,8 +94,7 @@ pub(crate) enum Captured<B> {
 /// Reads a response body to its end, or until it outgrows `limit`; with `tee_streams`, an
 /// event stream is handed back unread, to be forwarded as it arrives.
 pub(crate) async fn capture<B>(
-    parts: Parts,
-    body: B,
+    res: Response<B>,
     limit: usize,
     tee_streams: bool,
 ) -> Result<Captured<B>, BoxError>
@@ -103,6 +102,7 @@ where
     B: Body<Data = Bytes>,
     B::Error: Into<BoxError>,
 {
+    let (parts, body) = res.into_parts();
     let mut body = Box::pin(body);
     let is_stream = parts
         .headers
