@@ -1,11 +1,13 @@
 //! RFC 8785 (JSON Canonicalization Scheme) for fingerprints.
 //!
-//! The document is parsed once into a borrowed tree and written out in canonical form straight
-//! into the hasher: object members sorted by their UTF-16 code units, no whitespace, numbers in
-//! ECMAScript's shortest form, strings with the minimal escapes. Nesting is capped at
-//! [`MAX_DEPTH`] so hostile input cannot exhaust the stack.
+//! A body already in canonical form is recognised in one pass ([`verbatim`]) and hashed as it
+//! is. Any other is parsed once into a flat tree (nodes in preorder, strings as ranges of the
+//! body, buffers reused per thread) and written out in canonical form: object members sorted
+//! by their UTF-16 code units, no whitespace, numbers in ECMAScript's shortest form, strings
+//! with the minimal escapes. Nesting is capped at [`MAX_DEPTH`] so hostile input cannot
+//! exhaust the stack.
 
-use std::borrow::Cow;
+use std::cell::RefCell;
 use std::cmp::Ordering;
 
 use super::Sink;
@@ -24,46 +26,141 @@ pub(crate) enum JsonError {
     NotCanonical,
 }
 
-#[derive(Debug)]
-enum Value<'a> {
+/// One node of a parsed document, in preorder. Ranges are byte offsets (bodies past 4 GiB are
+/// hashed raw).
+#[derive(Clone, Copy)]
+enum Node {
     Null,
-    Bool(bool),
+    True,
+    False,
+    /// A number to print in ECMAScript form.
     Number(f64),
-    /// A number whose text is already its ECMAScript form.
-    Text(&'a str),
-    String(Cow<'a, str>),
-    Array(Vec<Value<'a>>),
-    Object(Vec<(Cow<'a, str>, Value<'a>)>),
+    /// A number whose text in the body is already its ECMAScript form.
+    Raw {
+        start: u32,
+        end: u32,
+    },
+    /// A string with no escape in the body: its contents are already canonical.
+    Plain {
+        start: u32,
+        end: u32,
+    },
+    /// A string with escapes, decoded into the tree's text.
+    Decoded {
+        start: u32,
+        end: u32,
+    },
+    /// `len` items follow; `next` is the index after the last of them.
+    Array {
+        len: u32,
+        next: u32,
+    },
+    /// `len` members follow, each a name node then its value; `next` as for arrays.
+    Object {
+        len: u32,
+        next: u32,
+    },
 }
+
+/// A parsed document, reused by each thread: once its buffers have grown to the documents a
+/// thread sees, canonicalising allocates nothing.
+struct Tree {
+    nodes: Vec<Node>,
+    /// The decoded text of strings with escapes.
+    decoded: String,
+    /// Members being sorted, one object's run above the next's.
+    order: Vec<Member>,
+}
+
+/// An object member while its object is written: where its name is, and its name node.
+#[derive(Clone, Copy)]
+struct Member {
+    start: u32,
+    end: u32,
+    /// Whether the name is in the decoded text rather than the body.
+    decoded: bool,
+    node: u32,
+}
+
+thread_local! {
+    static TREE: RefCell<Tree> = const {
+        RefCell::new(Tree {
+            nodes: Vec::new(),
+            decoded: String::new(),
+            order: Vec::new(),
+        })
+    };
+}
+
+/// The most nodes a thread keeps room for between documents.
+const KEEP_NODES: usize = 16 * 1024;
 
 /// Writes the RFC 8785 form of `body` into `out`.
 pub(crate) fn canonicalize(body: &[u8], out: &mut impl Sink) -> Result<(), JsonError> {
     let text = std::str::from_utf8(body).map_err(|_| JsonError::Malformed("body is not UTF-8"))?;
+    if u32::try_from(text.len()).is_err() {
+        return Err(JsonError::NotCanonical);
+    }
+    TREE.with_borrow_mut(|tree| {
+        tree.nodes.clear();
+        tree.decoded.clear();
+        tree.order.clear();
+        let result = canonicalize_into(text, tree, out);
+        if tree.nodes.capacity() > KEEP_NODES {
+            tree.nodes = Vec::new();
+            tree.decoded = String::new();
+            tree.order = Vec::new();
+        }
+        result
+    })
+}
+
+fn canonicalize_into(text: &str, tree: &mut Tree, out: &mut impl Sink) -> Result<(), JsonError> {
+    let Tree {
+        nodes,
+        decoded,
+        order,
+    } = tree;
     let mut parser = Parser {
         s: text.as_bytes(),
         text,
         i: 0,
+        nodes,
+        decoded,
     };
     parser.skip_ws();
-    let value = parser.value(0)?;
+    parser.value(0)?;
     parser.skip_ws();
     if parser.i != parser.s.len() {
         return Err(JsonError::Malformed(
             "trailing characters after the JSON document",
         ));
     }
-    write_value(&value, out)
+    let mut writer = Writer {
+        nodes,
+        body: text,
+        decoded,
+        order,
+    };
+    writer.write(0, out).map(|_| ())
 }
 
-struct Parser<'a> {
+struct Parser<'a, 't> {
     s: &'a [u8],
     text: &'a str,
     i: usize,
+    nodes: &'t mut Vec<Node>,
+    decoded: &'t mut String,
 }
 
 const SYNTAX: JsonError = JsonError::Malformed("body is not valid JSON");
 
-impl<'a> Parser<'a> {
+/// An offset into a body already known to fit `u32`.
+fn at(i: usize) -> u32 {
+    i as u32
+}
+
+impl Parser<'_, '_> {
     fn skip_ws(&mut self) {
         while let Some(b' ' | b'\t' | b'\n' | b'\r') = self.s.get(self.i) {
             self.i += 1;
@@ -79,88 +176,72 @@ impl<'a> Parser<'a> {
         }
     }
 
-    fn value(&mut self, depth: usize) -> Result<Value<'a>, JsonError> {
-        match self.s.get(self.i) {
-            Some(b'n') => self.eat(b"null").map(|()| Value::Null),
-            Some(b't') => self.eat(b"true").map(|()| Value::Bool(true)),
-            Some(b'f') => self.eat(b"false").map(|()| Value::Bool(false)),
-            Some(b'"') => self.string().map(Value::String),
-            Some(b'[') => self.array(depth + 1),
-            Some(b'{') => self.object(depth + 1),
-            Some(b'-' | b'0'..=b'9') => self.number(),
-            _ => Err(SYNTAX),
-        }
+    fn value(&mut self, depth: usize) -> Result<(), JsonError> {
+        let node = match self.s.get(self.i) {
+            Some(b'n') => self.eat(b"null").map(|()| Node::Null)?,
+            Some(b't') => self.eat(b"true").map(|()| Node::True)?,
+            Some(b'f') => self.eat(b"false").map(|()| Node::False)?,
+            Some(b'"') => self.string()?,
+            Some(b'[') => return self.container(depth + 1, b']'),
+            Some(b'{') => return self.container(depth + 1, b'}'),
+            Some(b'-' | b'0'..=b'9') => self.number()?,
+            _ => return Err(SYNTAX),
+        };
+        self.nodes.push(node);
+        Ok(())
     }
 
-    fn array(&mut self, depth: usize) -> Result<Value<'a>, JsonError> {
+    /// An array (`close` is `]`) or an object (`}`): its node, then its items or members.
+    fn container(&mut self, depth: usize, close: u8) -> Result<(), JsonError> {
         if depth > MAX_DEPTH {
             return Err(JsonError::Malformed(
                 "JSON nesting is deeper than 128 levels",
             ));
         }
+        let object = close == b'}';
         self.i += 1;
-        let mut items = Vec::new();
+        let at_node = self.nodes.len();
+        self.nodes.push(Node::Null);
+        let mut len = 0u32;
         self.skip_ws();
-        if self.s.get(self.i) == Some(&b']') {
+        if self.s.get(self.i) == Some(&close) {
             self.i += 1;
-            return Ok(Value::Array(items));
-        }
-        loop {
-            self.skip_ws();
-            items.push(self.value(depth)?);
-            self.skip_ws();
-            match self.s.get(self.i) {
-                Some(b',') => self.i += 1,
-                Some(b']') => {
-                    self.i += 1;
-                    return Ok(Value::Array(items));
-                }
-                _ => return Err(SYNTAX),
-            }
-        }
-    }
-
-    fn object(&mut self, depth: usize) -> Result<Value<'a>, JsonError> {
-        if depth > MAX_DEPTH {
-            return Err(JsonError::Malformed(
-                "JSON nesting is deeper than 128 levels",
-            ));
-        }
-        self.i += 1;
-        let mut members = Vec::new();
-        self.skip_ws();
-        if self.s.get(self.i) == Some(&b'}') {
-            self.i += 1;
-            return Ok(Value::Object(members));
-        }
-        loop {
-            self.skip_ws();
-            if self.s.get(self.i) != Some(&b'"') {
-                return Err(SYNTAX);
-            }
-            let name = self.string()?;
-            self.skip_ws();
-            self.eat(b":")?;
-            self.skip_ws();
-            members.push((name, self.value(depth)?));
-            self.skip_ws();
-            match self.s.get(self.i) {
-                Some(b',') => self.i += 1,
-                Some(b'}') => {
-                    self.i += 1;
-                    // Sort now, in place: the writer then walks members in order.
-                    members.sort_unstable_by(|a, b| utf16_cmp(&a.0, &b.0));
-                    if members.windows(2).any(|w| w[0].0 == w[1].0) {
-                        return Err(JsonError::NotCanonical);
+        } else {
+            loop {
+                self.skip_ws();
+                if object {
+                    if self.s.get(self.i) != Some(&b'"') {
+                        return Err(SYNTAX);
                     }
-                    return Ok(Value::Object(members));
+                    let name = self.string()?;
+                    self.nodes.push(name);
+                    self.skip_ws();
+                    self.eat(b":")?;
+                    self.skip_ws();
                 }
-                _ => return Err(SYNTAX),
+                self.value(depth)?;
+                len += 1;
+                self.skip_ws();
+                match self.s.get(self.i) {
+                    Some(b',') => self.i += 1,
+                    Some(&b) if b == close => {
+                        self.i += 1;
+                        break;
+                    }
+                    _ => return Err(SYNTAX),
+                }
             }
         }
+        let next = at(self.nodes.len());
+        self.nodes[at_node] = if object {
+            Node::Object { len, next }
+        } else {
+            Node::Array { len, next }
+        };
+        Ok(())
     }
 
-    fn number(&mut self) -> Result<Value<'a>, JsonError> {
+    fn number(&mut self) -> Result<Node, JsonError> {
         let start = self.i;
         if self.s.get(self.i) == Some(&b'-') {
             self.i += 1;
@@ -190,12 +271,15 @@ impl<'a> Parser<'a> {
         let text = &self.text[start..self.i];
         // Most numbers already print as written: keep their text, skip parsing and printing.
         if short_number(text.as_bytes()) == Some(text.len()) {
-            return Ok(Value::Text(text));
+            return Ok(Node::Raw {
+                start: at(start),
+                end: at(self.i),
+            });
         }
         // The grammar above only admits what Rust's correctly rounded parser accepts.
         let n: f64 = text.parse().map_err(|_| SYNTAX)?;
         if n.is_finite() {
-            Ok(Value::Number(n))
+            Ok(Node::Number(n))
         } else {
             Err(JsonError::NotCanonical)
         }
@@ -207,35 +291,42 @@ impl<'a> Parser<'a> {
         }
     }
 
-    fn string(&mut self) -> Result<Cow<'a, str>, JsonError> {
+    fn string(&mut self) -> Result<Node, JsonError> {
         self.i += 1;
         let start = self.i;
-        // Fast path: no escapes, borrow straight from the body.
+        // Fast path: no escapes, the body's bytes are the string.
         let run = special(&self.s[start..]).ok_or(SYNTAX)?;
         self.i = start + run;
         match self.s[self.i] {
             b'"' => {
-                let s = &self.text[start..self.i];
                 self.i += 1;
-                return Ok(Cow::Borrowed(s));
+                return Ok(Node::Plain {
+                    start: at(start),
+                    end: at(self.i - 1),
+                });
             }
             b'\\' => {}
             _ => return Err(SYNTAX),
         }
-        let mut out = String::from(&self.text[start..self.i]);
+        let from = self.decoded.len();
+        self.decoded.push_str(&self.text[start..self.i]);
         loop {
             let run = self.i;
             self.i += special(&self.s[run..]).unwrap_or(self.s.len() - run);
-            out.push_str(&self.text[run..self.i]);
+            self.decoded.push_str(&self.text[run..self.i]);
             match self.s.get(self.i) {
                 Some(b'"') => {
                     self.i += 1;
-                    return Ok(Cow::Owned(out));
+                    // Decoded text is never longer than the body it came from.
+                    return Ok(Node::Decoded {
+                        start: at(from),
+                        end: at(self.decoded.len()),
+                    });
                 }
                 Some(b'\\') => {
                     self.i += 1;
                     let c = self.escape()?;
-                    out.push(c);
+                    self.decoded.push(c);
                 }
                 _ => return Err(SYNTAX),
             }
@@ -288,39 +379,111 @@ impl<'a> Parser<'a> {
     }
 }
 
-fn write_value(value: &Value<'_>, out: &mut impl Sink) -> Result<(), JsonError> {
-    match value {
-        Value::Null => out.put(b"null"),
-        Value::Bool(true) => out.put(b"true"),
-        Value::Bool(false) => out.put(b"false"),
-        Value::Number(n) => write_number(*n, out),
-        Value::Text(text) => out.put(text.as_bytes()),
-        Value::String(s) => write_text(s, out),
-        Value::Array(items) => {
-            out.put(b"[");
-            for (i, item) in items.iter().enumerate() {
-                if i > 0 {
-                    out.put(b",");
-                }
-                write_value(item, out)?;
+/// Writes a parsed document: object members sorted by name as each object is written.
+struct Writer<'t> {
+    nodes: &'t [Node],
+    body: &'t str,
+    decoded: &'t str,
+    order: &'t mut Vec<Member>,
+}
+
+impl Writer<'_> {
+    /// Writes the value at `i`; returns the index after it.
+    fn write(&mut self, i: usize, out: &mut impl Sink) -> Result<usize, JsonError> {
+        match self.nodes[i] {
+            Node::Null => out.put(b"null"),
+            Node::True => out.put(b"true"),
+            Node::False => out.put(b"false"),
+            Node::Number(n) => write_number(n, out),
+            Node::Raw { start, end } => {
+                out.put(&self.body.as_bytes()[start as usize..end as usize])
             }
-            out.put(b"]");
+            Node::Plain { .. } | Node::Decoded { .. } => self.write_text(i, out),
+            Node::Array { len, next } => {
+                out.put(b"[");
+                let mut item = i + 1;
+                for k in 0..len {
+                    if k > 0 {
+                        out.put(b",");
+                    }
+                    item = self.write(item, out)?;
+                }
+                out.put(b"]");
+                return Ok(next as usize);
+            }
+            Node::Object { len, next } => {
+                self.write_object(i, len as usize, out)?;
+                return Ok(next as usize);
+            }
         }
-        Value::Object(members) => {
-            // Members were sorted, and checked for duplicates, as they were parsed.
-            out.put(b"{");
-            for (i, (name, member)) in members.iter().enumerate() {
-                if i > 0 {
-                    out.put(b",");
-                }
-                write_text(name, out);
-                out.put(b":");
-                write_value(member, out)?;
+        Ok(i + 1)
+    }
+
+    fn write_object(&mut self, i: usize, len: usize, out: &mut impl Sink) -> Result<(), JsonError> {
+        // This object's names go above whatever the enclosing objects are sorting.
+        let base = self.order.len();
+        let mut member = i + 1;
+        for _ in 0..len {
+            let (start, end, decoded) = match self.nodes[member] {
+                Node::Plain { start, end } => (start, end, false),
+                Node::Decoded { start, end } => (start, end, true),
+                _ => (0, 0, false),
+            };
+            self.order.push(Member {
+                start,
+                end,
+                decoded,
+                node: at(member),
+            });
+            member = self.skip(member + 1);
+        }
+        let (body, decoded) = (self.body.as_bytes(), self.decoded.as_bytes());
+        let name = |m: &Member| {
+            let text = if m.decoded { decoded } else { body };
+            &text[m.start as usize..m.end as usize]
+        };
+        let names = &mut self.order[base..];
+        names.sort_unstable_by(|a, b| utf16_cmp_bytes(name(a), name(b)));
+        if names.windows(2).any(|w| name(&w[0]) == name(&w[1])) {
+            return Err(JsonError::NotCanonical);
+        }
+        out.put(b"{");
+        for m in 0..len {
+            if m > 0 {
+                out.put(b",");
             }
-            out.put(b"}");
+            let k = self.order[base + m].node as usize;
+            self.write_text(k, out);
+            out.put(b":");
+            self.write(k + 1, out)?;
+        }
+        out.put(b"}");
+        self.order.truncate(base);
+        Ok(())
+    }
+
+    /// The index after the value at `i`.
+    fn skip(&self, i: usize) -> usize {
+        match self.nodes[i] {
+            Node::Array { next, .. } | Node::Object { next, .. } => next as usize,
+            _ => i + 1,
         }
     }
-    Ok(())
+
+    /// A string node: one with no escape in the body is already canonical.
+    fn write_text(&self, i: usize, out: &mut impl Sink) {
+        match self.nodes[i] {
+            Node::Plain { start, end } => {
+                out.put(b"\"");
+                out.put(&self.body.as_bytes()[start as usize..end as usize]);
+                out.put(b"\"");
+            }
+            Node::Decoded { start, end } => {
+                write_string(&self.decoded[start as usize..end as usize], out);
+            }
+            _ => {}
+        }
+    }
 }
 
 /// Whether `body` is already its own RFC 8785 form, so its bytes can be hashed as they are.
@@ -671,23 +834,6 @@ fn write_number(n: f64, out: &mut impl Sink) {
     }
     let mut buf = ryu_js::Buffer::new();
     out.put(buf.format_finite(n).as_bytes());
-}
-
-/// A parsed string: one borrowed from the body had no escape, no quote and no control
-/// character, so its canonical form is its own bytes.
-#[expect(
-    clippy::ptr_arg,
-    reason = "the variant says whether the text needs escaping"
-)]
-fn write_text(s: &Cow<'_, str>, out: &mut impl Sink) {
-    match s {
-        Cow::Borrowed(plain) => {
-            out.put(b"\"");
-            out.put(plain.as_bytes());
-            out.put(b"\"");
-        }
-        Cow::Owned(s) => write_string(s, out),
-    }
 }
 
 /// RFC 8785 §3.2.2.2: escape only `"`, `\` and control characters, the short forms where JSON

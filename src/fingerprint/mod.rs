@@ -391,7 +391,7 @@ mod tests {
         }
     }
 
-    /// Changes one leaf (the first found, depth first), or returns false if there is none.
+    /// Changes one leaf (the first found, depth first), or adds one where there is none.
     fn perturb(v: &mut Value) -> bool {
         match v {
             Value::Null => *v = Value::Bool(false),
@@ -401,8 +401,17 @@ mod tests {
                 *v = Value::from(if x.abs() > 1e15 { x * 2.0 } else { x + 1.0 });
             }
             Value::String(s) => s.push('x'),
-            Value::Array(items) => return items.iter_mut().any(perturb),
-            Value::Object(m) => return m.values_mut().any(perturb),
+            // A container without leaves changes by gaining one.
+            Value::Array(items) => {
+                if !items.iter_mut().any(perturb) {
+                    items.push(Value::Null);
+                }
+            }
+            Value::Object(m) => {
+                if !m.values_mut().any(perturb) {
+                    m.insert("added".into(), Value::Null);
+                }
+            }
         }
         true
     }
