@@ -39,8 +39,8 @@
 //!    the canonical body (RFC 8785 JSON, sorted form pairs, multipart by parts).
 //! 5. **Claim** ([`IdempotencyStore::claim`]): one atomic store operation.
 //! 6. **Decide**: run, replay, or refuse (see the table below).
-//! 7. **Execute** in a spawned task, to completion even if the client hangs up, renewing the
-//!    lease while it runs.
+//! 7. **Execute** to completion even if the client hangs up (the request's future moves to a
+//!    task of its own when dropped), renewing the lease while it runs.
 //! 8. **Record** by [`CachePolicy`], fenced by the lease's token.
 //! 9. **Respond** with the same bytes a replay will return.
 //!
