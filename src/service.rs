@@ -143,16 +143,13 @@ impl<St: IdempotencyStore, M: MakeScope> Pipeline<St, M> {
         } = {
             let prepared = match &route.jsonrpc {
                 Some(settings) => Box::pin(self.prepare_jsonrpc(&parts, body, settings)).await,
-                None => {
+                None => 'http: {
                     // A matched value lives to the end of its `match`: awaiting inside one would
                     // keep it in this future's state, so each `.await` here stands on its own.
                     let (key, protocol) = match self.admit(&parts) {
                         Admitted::Key(key, protocol) => (key, protocol),
                         Admitted::Unguarded => {
-                            self.outcome("pass_through");
-                            let req = Request::from_parts(parts, RequestBody::passthrough(body));
-                            let run = Box::pin(pass_through(inner, req));
-                            return Step::Run { run, detach: false };
+                            break 'http Prepared::PassThrough(RequestBody::passthrough(body));
                         }
                         Admitted::Refused(response) => return Step::Answer(Ok(response)),
                     };
