@@ -1,7 +1,8 @@
 //! Throughput and latency over loopback HTTP: a bare axum handler against the same handler
 //! behind the layer, on each store and on the replay path. 64 keep-alive connections send 1 KiB
 //! JSON bodies for a fixed time per scenario; every row is a ratio against the bare handler
-//! measured in the same run.
+//! measured in the same run. The MemoryStore rows are repeated against a handler that parses
+//! its body, the least a real one does.
 //!
 //! `cargo bench --all-features --bench http` (PostgreSQL from `TOWER_IDEMPOTENCY_POSTGRES_URL`,
 //! default `postgres://postgres@127.0.0.1:5432/test`; its rows are skipped if it is down).
@@ -28,6 +29,19 @@ fn handler_app() -> Router {
         post(|body: Bytes| async move {
             axum::Json(serde_json::json!({ "ticket": 1, "received": body.len() }))
         }),
+    )
+}
+
+/// A handler that does a little of what real ones do: it parses its JSON body.
+fn parsing_app() -> Router {
+    Router::new().route(
+        "/tools/create_ticket",
+        post(
+            |axum::Json(ticket): axum::Json<serde_json::Value>| async move {
+                let title = ticket["title"].as_str().map_or(0, str::len);
+                axum::Json(serde_json::json!({ "ticket": 1, "title": title }))
+            },
+        ),
     )
 }
 
@@ -137,8 +151,31 @@ async fn load(addr: SocketAddr, keys: Keys, seconds: u64, run: &str) -> Result {
 }
 
 async fn scenario<St: IdempotencyStore>(store: St, keys: Keys, seconds: u64, run: &str) -> Result {
-    let addr = serve(handler_app().layer(IdempotencyLayer::new(store))).await;
+    scenario_on(handler_app(), store, keys, seconds, run).await
+}
+
+async fn scenario_on<St: IdempotencyStore>(
+    app: Router,
+    store: St,
+    keys: Keys,
+    seconds: u64,
+    run: &str,
+) -> Result {
+    let addr = serve(app.layer(IdempotencyLayer::new(store))).await;
     load(addr, keys, seconds, run).await
+}
+
+/// One row: `r` and its ratio to `base`.
+fn print_row(name: &str, r: &Result, base: &Result) {
+    println!(
+        "{:<36} {:>10.0} {:>9} {:>9} {:>7.2}x {:>7}",
+        name,
+        r.rps,
+        r.p50.as_micros(),
+        r.p99.as_micros(),
+        r.rps / base.rps,
+        r.errors
+    );
 }
 
 fn main() {
@@ -186,17 +223,7 @@ async fn run() {
     // Warm up the machine and the connection path before the baseline.
     load(bare_addr, Keys::None, 1, "warm").await;
     let bare = load(bare_addr, Keys::None, seconds, "bare").await;
-    let row = |name: &str, r: &Result| {
-        println!(
-            "{:<36} {:>10.0} {:>9} {:>9} {:>7.2}x {:>7}",
-            name,
-            r.rps,
-            r.p50.as_micros(),
-            r.p99.as_micros(),
-            r.rps / bare.rps,
-            r.errors
-        );
-    };
+    let row = |name: &str, r: &Result| print_row(name, r, &bare);
     row("bare handler", &bare);
 
     let memory = scenario(
@@ -215,6 +242,21 @@ async fn run() {
     )
     .await;
     row("layer + MemoryStore, replays", &replay);
+
+    // The same against a handler that parses its body: a replay skips that work.
+    let parsing_addr = serve(parsing_app()).await;
+    let parsing = load(parsing_addr, Keys::None, seconds, "parsing").await;
+    let against = |name: &str, r: &Result| print_row(name, r, &parsing);
+    println!("\nagainst a handler that parses its JSON body (ratios to its bare row):");
+    against("bare parsing handler", &parsing);
+    for (name, keys, tag) in [
+        ("layer + MemoryStore, unique keys", Keys::Unique, "pm"),
+        ("layer + MemoryStore, replays", Keys::Repeated, "pr"),
+    ] {
+        let run = format!("{run_id}-{tag}");
+        let r = scenario_on(parsing_app(), MemoryStore::new(), keys, seconds, &run).await;
+        against(name, &r);
+    }
 
     if std::env::var("BENCH_ONLY").is_ok_and(|v| v == "memory") {
         return;
