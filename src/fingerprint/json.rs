@@ -97,7 +97,15 @@ const KEEP_NODES: usize = 16 * 1024;
 
 /// Writes the RFC 8785 form of `body` into `out`.
 pub(crate) fn canonicalize(body: &[u8], out: &mut impl Sink) -> Result<(), JsonError> {
-    let text = std::str::from_utf8(body).map_err(|_| JsonError::Malformed("body is not UTF-8"))?;
+    let text = std::str::from_utf8(body).map_err(|_| JsonError::Malformed(NOT_UTF8))?;
+    canonicalize_text(text, out)
+}
+
+/// Why a JSON body that is not UTF-8 is refused.
+pub(crate) const NOT_UTF8: &str = "body is not UTF-8";
+
+/// [`canonicalize`] for a body already checked to be UTF-8.
+pub(crate) fn canonicalize_text(text: &str, out: &mut impl Sink) -> Result<(), JsonError> {
     if u32::try_from(text.len()).is_err() {
         return Err(JsonError::NotCanonical);
     }
@@ -494,12 +502,12 @@ impl Writer<'_> {
 /// only "not proven canonical": the caller takes the full path, which also reports malformed
 /// input. Conservative on purpose: escaped member names, and numbers that are not plain short
 /// integers unless they print back to the same text, send the body the long way.
-pub(crate) fn verbatim(body: &[u8]) -> bool {
-    if std::str::from_utf8(body).is_err() {
-        return false;
-    }
-    let mut check = Verbatim { s: body, i: 0 };
-    check.value(0) && check.i == body.len()
+pub(crate) fn verbatim(text: &str) -> bool {
+    let mut check = Verbatim {
+        s: text.as_bytes(),
+        i: 0,
+    };
+    check.value(0) && check.i == text.len()
 }
 
 /// The state of [`verbatim`]: a position in the body, which is valid UTF-8.
@@ -931,7 +939,7 @@ mod tests {
             let canon = canon(canonical).expect(canonical);
             // Names with escapes are left to the full path; everything else here is accepted.
             let want = !canonical.starts_with("{\"\\r");
-            assert_eq!(verbatim(canonical.as_bytes()), want, "{canonical}");
+            assert_eq!(verbatim(canonical), want, "{canonical}");
             assert_eq!(canon, canonical, "the full path agrees: {canonical}");
         }
         // Each of these differs from its canonical form, or is not JSON at all.
@@ -968,16 +976,15 @@ mod tests {
             "",
             "[",
         ] {
-            assert!(!verbatim(other.as_bytes()), "{other:?}");
+            assert!(!verbatim(other), "{other:?}");
             if let Ok(canon) = canon(other) {
                 assert_ne!(canon, other, "the full path rewrites it");
             }
         }
-        assert!(!verbatim(b"\"\xff\""));
         let deep = "[".repeat(129) + &"]".repeat(129);
-        assert!(!verbatim(deep.as_bytes()));
+        assert!(!verbatim(&deep));
         let deep = "[".repeat(128) + &"]".repeat(128);
-        assert!(verbatim(deep.as_bytes()));
+        assert!(verbatim(&deep));
     }
 
     #[test]
