@@ -56,11 +56,14 @@ impl<St: IdempotencyStore> Execution<St> {
         observe::count(Event::Execution);
         let limit = self.route.response_limit;
         // JSON-RPC event streams go to the client as they arrive (progress notifications).
-        let tee = matches!(self.protocol, Protocol::JsonRpc(_));
+        let stream_for = match &self.protocol {
+            Protocol::JsonRpc(id) => Some(id.clone()),
+            _ => None,
+        };
         let work = CatchUnwind {
             inner: async move {
                 let res = inner.call(req).await?;
-                Ok(capture(res, limit, tee).await)
+                Ok(capture(res, limit, stream_for).await)
             },
         };
         let outcome = self.renewing(std::pin::pin!(work)).await;
@@ -104,10 +107,10 @@ impl<St: IdempotencyStore> Execution<St> {
                 };
                 Ok(present(parts.status, parts.headers, body, trailers, how))
             }
-            Ok(Ok(Ok(Captured::Streaming { parts, body }))) => {
+            Ok(Ok(Ok(Captured::Streaming { parts, body, id }))) => {
                 let (tx, rx) = tokio::sync::mpsc::channel(16);
                 let head = head_of(&parts);
-                tokio::spawn(self.tee(head, body, tx).in_current_span());
+                tokio::spawn(self.tee(id, head, body, tx).in_current_span());
                 Ok(Response::from_parts(parts, ResponseBody::channel(rx)))
             }
             Ok(Ok(Ok(Captured::TooLarge {
@@ -130,6 +133,7 @@ impl<St: IdempotencyStore> Execution<St> {
     /// and is recorded all the same.
     async fn tee<B>(
         self,
+        id: Arc<serde_json::Value>,
         head: Parts,
         mut body: Pin<Box<B>>,
         tx: tokio::sync::mpsc::Sender<Result<http_body::Frame<Bytes>, BoxError>>,
@@ -165,10 +169,9 @@ impl<St: IdempotencyStore> Execution<St> {
                 // count on its retry being a replay.
                 if !recorded
                     && !over
-                    && let Protocol::JsonRpc(id) = &self.protocol
-                    && jsonrpc::final_response(&head.headers, &copy, id).is_some()
+                    && jsonrpc::final_response(&head.headers, &copy, &id).is_some()
                 {
-                    self.record_jsonrpc(&head, Some(copy.clone().freeze()), None, id)
+                    self.record_jsonrpc(&head, Some(copy.clone().freeze()), None, &id)
                         .await;
                     recorded = true;
                 }
@@ -179,9 +182,7 @@ impl<St: IdempotencyStore> Execution<St> {
         };
         match self.renewing(std::pin::pin!(drain)).await {
             Ok(Some(copy)) => {
-                if let Protocol::JsonRpc(id) = &self.protocol {
-                    self.record_jsonrpc(&head, copy, None, id).await;
-                }
+                self.record_jsonrpc(&head, copy, None, &id).await;
             }
             Ok(None) => {}
             Err(()) => {

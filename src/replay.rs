@@ -2,6 +2,7 @@
 //! rebuild responses (live ones and replays) with identical bytes.
 
 use std::pin::Pin;
+use std::sync::Arc;
 
 use bytes::Bytes;
 use http::{HeaderMap, HeaderName, HeaderValue, Response, header, response::Parts};
@@ -81,8 +82,13 @@ pub(crate) enum Captured<B> {
         body: Bytes,
         trailers: Option<HeaderMap>,
     },
-    /// A stream to pass on as it arrives (an SSE answer in JSON-RPC mode), read by no one yet.
-    Streaming { parts: Parts, body: Pin<Box<B>> },
+    /// A stream to pass on as it arrives (an SSE answer to the JSON-RPC call `id`), read by
+    /// no one yet.
+    Streaming {
+        parts: Parts,
+        body: Pin<Box<B>>,
+        id: Arc<serde_json::Value>,
+    },
     /// The body outgrew the limit: what was read, and the rest still to stream.
     TooLarge {
         parts: Parts,
@@ -91,12 +97,12 @@ pub(crate) enum Captured<B> {
     },
 }
 
-/// Reads a response body to its end, or until it outgrows `limit`; with `tee_streams`, an
-/// event stream is handed back unread, to be forwarded as it arrives.
+/// Reads a response body to its end, or until it outgrows `limit`; for a JSON-RPC call
+/// (`stream_for`), an event stream is handed back unread, to be forwarded as it arrives.
 pub(crate) async fn capture<B>(
     res: Response<B>,
     limit: usize,
-    tee_streams: bool,
+    stream_for: Option<Arc<serde_json::Value>>,
 ) -> Result<Captured<B>, BoxError>
 where
     B: Body<Data = Bytes>,
@@ -108,8 +114,10 @@ where
         .headers
         .get(header::CONTENT_TYPE)
         .is_some_and(|ct| ct.as_bytes().starts_with(b"text/event-stream"));
-    if tee_streams && is_stream {
-        return Ok(Captured::Streaming { parts, body });
+    if let Some(id) = stream_for
+        && is_stream
+    {
+        return Ok(Captured::Streaming { parts, body, id });
     }
     let mut data = Gathered::default();
     let mut trailers: Option<HeaderMap> = None;
