@@ -208,6 +208,8 @@ mod tests {
                 trailers,
             };
             let bytes = response.to_bytes();
+            // Sized exactly: it becomes `Bytes` without a second allocation.
+            assert_eq!(bytes.len(), bytes.capacity());
             assert_eq!(StoredResponse::from_bytes(&bytes), Ok(response.clone()));
             assert_eq!(
                 StoredResponse::from_shared(&Bytes::from(bytes.clone())),
