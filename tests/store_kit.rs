@@ -195,3 +195,69 @@ async fn sweeps_as_claims_arrive(shorten_by_completion: bool) {
     assert_eq!(store.len(), kept, "every expired record was swept");
     assert_eq!(store.purge_expired().await.expect("purge"), 0);
 }
+
+/// DESIGN §5 (memory store): a key whose record expired is claimed anew in the same place, so
+/// the store holds one record per key: the new one, which is what lookups and writes find.
+#[tokio::test]
+async fn memory_store_reclaims_an_expired_key_in_place() {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::time::{Duration, SystemTime};
+    use tower_idempotency::IdempotencyStore;
+    use tower_idempotency::store::{
+        Claim, ClaimRequest, Fingerprint, LeaseExpiry, RecordStatus, ScopedKey, StoredResponse,
+    };
+
+    let offset = Arc::new(AtomicU64::new(0));
+    let clock = offset.clone();
+    let store = MemoryStore::with_clock(move || {
+        SystemTime::now() + Duration::from_secs(clock.load(Ordering::SeqCst))
+    });
+    let key = ScopedKey::new("tenant", "expires");
+    let claim = |fingerprint: u8, ttl: u64| ClaimRequest {
+        key: key.clone(),
+        fingerprint: Fingerprint::from_bytes([fingerprint; 32]),
+        lease: Duration::from_secs(1),
+        ttl: Duration::from_secs(ttl),
+        on_lease_expiry: LeaseExpiry::Reclaim,
+    };
+    let response = StoredResponse {
+        status: http::StatusCode::CREATED,
+        headers: http::HeaderMap::new(),
+        body: Some(bytes::Bytes::from_static(b"first")),
+        trailers: None,
+    };
+    let Ok(Claim::Acquired(first)) = store.claim(&claim(1, 10)).await else {
+        panic!("first claim");
+    };
+    store
+        .complete(&key, first.token, &response, Duration::from_secs(10))
+        .await
+        .expect("complete");
+
+    offset.store(60, Ordering::SeqCst);
+    // A different request under the same key: the expired record does not answer it.
+    let Ok(Claim::Acquired(second)) = store.claim(&claim(2, 3600)).await else {
+        panic!("an expired record counts as absent");
+    };
+    assert_eq!(second.attempt, 1);
+    assert_eq!(store.len(), 1, "one record per key");
+    let record = store.lookup(&key).await.expect("lookup").expect("record");
+    assert_eq!(record.fingerprint, Fingerprint::from_bytes([2; 32]));
+    assert_eq!(record.status, RecordStatus::InProgress);
+    assert_eq!(record.history.len(), 1, "the old history went with it");
+    assert!(
+        store
+            .complete(&key, first.token, &response, Duration::from_secs(10))
+            .await
+            .is_err(),
+        "the expired holder is fenced out"
+    );
+    store
+        .complete(&key, second.token, &response, Duration::from_secs(3600))
+        .await
+        .expect("complete");
+    assert_eq!(store.purge_expired().await.expect("purge"), 0);
+    assert!(store.remove(&key).await.expect("remove"));
+    assert!(store.lookup(&key).await.expect("lookup").is_none());
+    assert!(store.is_empty());
+}

@@ -1,14 +1,13 @@
 //! The embedded, in-process store.
 
-use std::borrow::Borrow;
-use std::collections::HashMap;
 use std::fmt;
-use std::hash::{BuildHasher, Hash, Hasher, RandomState};
+use std::hash::{BuildHasher, RandomState};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, SystemTime};
 
 use bytes::Bytes;
+use hashbrown::HashTable;
 
 use super::{
     Claim, ClaimRequest, FencingToken, Fingerprint, HistoryEntry, HistoryEvent, IdempotencyStore,
@@ -49,7 +48,7 @@ struct Inner {
 
 #[derive(Default)]
 struct Shard {
-    records: HashMap<PackedKey, Box<Entry>>,
+    records: HashTable<Slot>,
     claims: u64,
     /// No record of this shard expires before this time (ms), so sweeping earlier would find
     /// nothing: a lower bound, lowered by every write that sets an expiry.
@@ -60,10 +59,35 @@ impl Shard {
     fn expires(&mut self, at: u64) {
         self.next_expiry = self.next_expiry.min(at);
     }
+
+    fn find(&self, hash: u64, key: &ScopedKey) -> Option<&Entry> {
+        self.records
+            .find(hash, |s| s.is(hash, key))
+            .map(|s| &*s.entry)
+    }
+
+    fn find_mut(&mut self, hash: u64, key: &ScopedKey) -> Option<&mut Entry> {
+        self.records
+            .find_mut(hash, |s| s.is(hash, key))
+            .map(|s| &mut *s.entry)
+    }
+}
+
+/// One record in a shard's table, with its key's hash: the hash picked the shard and places
+/// the slot, so a key is hashed once per operation and growing the table reads no keys.
+struct Slot {
+    hash: u64,
+    entry: Box<Entry>,
+}
+
+impl Slot {
+    fn is(&self, hash: u64, key: &ScopedKey) -> bool {
+        self.hash == hash && self.entry.key.is(key)
+    }
 }
 
 /// A key as this store keeps it: scope and key in one allocation (`u32` scope length, scope,
-/// key). Looked up by any [`KeyParts`], so finding a record allocates nothing.
+/// key).
 struct PackedKey(Box<[u8]>);
 
 impl PackedKey {
@@ -76,6 +100,16 @@ impl PackedKey {
         Self(packed.into_boxed_slice())
     }
 
+    fn parts(&self) -> (&[u8], &[u8]) {
+        let mut len = [0u8; 4];
+        len.copy_from_slice(&self.0[..4]);
+        self.0[4..].split_at(u32::from_le_bytes(len) as usize)
+    }
+
+    fn is(&self, key: &ScopedKey) -> bool {
+        self.parts() == (key.scope().as_bytes(), key.key().as_bytes())
+    }
+
     fn unpack(&self) -> ScopedKey {
         let (scope, key) = self.parts();
         // Both parts were `str`s when packed.
@@ -83,64 +117,11 @@ impl PackedKey {
     }
 }
 
-/// Scope and key as bytes: what the map hashes and compares, whoever holds them.
-trait KeyParts {
-    fn parts(&self) -> (&[u8], &[u8]);
-}
-
-impl KeyParts for PackedKey {
-    fn parts(&self) -> (&[u8], &[u8]) {
-        let mut len = [0u8; 4];
-        len.copy_from_slice(&self.0[..4]);
-        self.0[4..].split_at(u32::from_le_bytes(len) as usize)
-    }
-}
-
-impl KeyParts for ScopedKey {
-    fn parts(&self) -> (&[u8], &[u8]) {
-        (self.scope().as_bytes(), self.key().as_bytes())
-    }
-}
-
-impl Hash for dyn KeyParts + '_ {
-    fn hash<H: Hasher>(&self, state: &mut H) {
-        self.parts().hash(state);
-    }
-}
-
-impl PartialEq for dyn KeyParts + '_ {
-    fn eq(&self, other: &Self) -> bool {
-        self.parts() == other.parts()
-    }
-}
-
-impl Eq for dyn KeyParts + '_ {}
-
-// The map's key hashes and compares exactly as its borrowed form, as `Borrow` requires.
-impl Hash for PackedKey {
-    fn hash<H: Hasher>(&self, state: &mut H) {
-        (self as &dyn KeyParts).hash(state);
-    }
-}
-
-impl PartialEq for PackedKey {
-    fn eq(&self, other: &Self) -> bool {
-        self.parts() == other.parts()
-    }
-}
-
-impl Eq for PackedKey {}
-
-impl<'a> Borrow<dyn KeyParts + 'a> for PackedKey {
-    fn borrow(&self) -> &(dyn KeyParts + 'a) {
-        self
-    }
-}
-
-/// A record as this store keeps it: times in milliseconds, its key only in the map, its
-/// response encoded (a `HeaderMap` costs hundreds of bytes; its encoded form, its content).
+/// A record as this store keeps it: times in milliseconds, its key packed, its response
+/// encoded (a `HeaderMap` costs hundreds of bytes; its encoded form, its content).
 /// Boxed, so the map's slack slots stay small.
 struct Entry {
+    key: PackedKey,
     fingerprint: Fingerprint,
     lease_token: FencingToken,
     lease_until: u64,
@@ -186,6 +167,38 @@ struct Event {
 }
 
 impl Entry {
+    /// A record just claimed by `req`'s first attempt.
+    fn claimed(
+        key: PackedKey,
+        req: &ClaimRequest,
+        token: FencingToken,
+        now: u64,
+        lease_until: u64,
+    ) -> Self {
+        let mut history = History::default();
+        history.push(Event {
+            at: now,
+            token,
+            attempt: 1,
+            event: HistoryEvent::Claimed,
+        });
+        Entry {
+            key,
+            fingerprint: req.fingerprint,
+            status: RecordStatus::InProgress,
+            lease_token: token,
+            lease_until,
+            attempts: 1,
+            effect_started: false,
+            downstream_id: None,
+            response: None,
+            created_at: now,
+            updated_at: now,
+            expires_at: (now + span(req.ttl)).max(lease_until),
+            history,
+        }
+    }
+
     fn to_record(&self, key: ScopedKey) -> Result<Record, StoreError> {
         let response = match &self.response {
             Some(bytes) => {
@@ -292,13 +305,18 @@ impl MemoryStore {
         self.len() == 0
     }
 
-    fn shard(&self, key: &dyn KeyParts) -> MutexGuard<'_, Shard> {
-        let i = self.inner.hasher.hash_one(key) as usize % SHARDS;
+    /// The key's hash, and its shard locked.
+    fn shard(&self, key: &ScopedKey) -> (u64, MutexGuard<'_, Shard>) {
+        let hash = self.inner.hasher.hash_one((key.scope(), key.key()));
+        // The table places slots by the hash's low bits and tags them with its top seven, so
+        // the shard comes from bits in between: within a shard, the low bits still vary.
+        let i = (hash >> 40) as usize % SHARDS;
         // A panic while holding a shard cannot leave a record half-written (every update is a
         // single assignment), so a poisoned lock is safe to keep using.
-        self.inner.shards[i]
+        let shard = self.inner.shards[i]
             .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        (hash, shard)
     }
 
     /// The store's clock, in milliseconds.
@@ -318,10 +336,10 @@ impl MemoryStore {
         }
         let before = shard.records.len();
         let mut next = u64::MAX;
-        shard.records.retain(|_, r| {
-            let keep = r.expires_at > now;
+        shard.records.retain(|s| {
+            let keep = s.entry.expires_at > now;
             if keep {
-                next = next.min(r.expires_at);
+                next = next.min(s.entry.expires_at);
             }
             keep
         });
@@ -351,9 +369,8 @@ impl MemoryStore {
         f: impl FnOnce(&mut Entry, u64) -> T,
     ) -> Result<T, StoreError> {
         let now = self.now();
-        let key = key as &dyn KeyParts;
-        let mut shard = self.shard(key);
-        match shard.records.get_mut(key) {
+        let (hash, mut shard) = self.shard(key);
+        match shard.find_mut(hash, key) {
             Some(r) if r.lease_token == token && allowed(r, now) => {
                 r.updated_at = now;
                 let out = f(r, now);
@@ -369,14 +386,14 @@ impl MemoryStore {
 impl IdempotencyStore for MemoryStore {
     async fn claim(&self, req: &ClaimRequest) -> Result<Claim, StoreError> {
         let now = self.now();
-        let mut shard = self.shard(&req.key);
+        let (hash, mut shard) = self.shard(&req.key);
         shard.claims += 1;
         if shard.claims.is_multiple_of(SWEEP_EVERY) {
             self.sweep(&mut shard, now);
         }
         let lease_until = now + span(req.lease);
         let token = self.token();
-        if let Some(r) = shard.records.get_mut(&req.key as &dyn KeyParts) {
+        if let Some(r) = shard.find_mut(hash, &req.key) {
             if r.expires_at > now {
                 let takeover = if r.fingerprint != req.fingerprint {
                     false
@@ -416,7 +433,11 @@ impl IdempotencyStore for MemoryStore {
                     until: time(lease_until),
                 }));
             }
-            // Expired: counts as absent, and is overwritten below.
+            // Expired: counts as absent; its slot takes the new claim.
+            let key = std::mem::replace(&mut r.key, PackedKey(Box::default()));
+            *r = Entry::claimed(key, req, token, now, lease_until);
+            let expires_at = r.expires_at;
+            shard.expires(expires_at);
         } else {
             let full = self.inner.len.load(Ordering::Relaxed)
                 >= self.inner.max_records.load(Ordering::Relaxed);
@@ -424,33 +445,18 @@ impl IdempotencyStore for MemoryStore {
                 return Err(StoreError::Full);
             }
             self.inner.len.fetch_add(1, Ordering::Relaxed);
-        }
-        let mut history = History::default();
-        history.push(Event {
-            at: now,
-            token,
-            attempt: 1,
-            event: HistoryEvent::Claimed,
-        });
-        let expires_at = (now + span(req.ttl)).max(lease_until);
-        shard.expires(expires_at);
-        shard.records.insert(
-            PackedKey::new(&req.key),
-            Box::new(Entry {
-                fingerprint: req.fingerprint,
-                status: RecordStatus::InProgress,
-                lease_token: token,
+            let entry = Box::new(Entry::claimed(
+                PackedKey::new(&req.key),
+                req,
+                token,
+                now,
                 lease_until,
-                attempts: 1,
-                effect_started: false,
-                downstream_id: None,
-                response: None,
-                created_at: now,
-                updated_at: now,
-                expires_at,
-                history,
-            }),
-        );
+            ));
+            shard.expires(entry.expires_at);
+            shard
+                .records
+                .insert_unique(hash, Slot { hash, entry }, |s| s.hash);
+        }
         Ok(Claim::Acquired(Lease {
             token,
             attempt: 1,
@@ -518,18 +524,23 @@ impl IdempotencyStore for MemoryStore {
 
     async fn lookup(&self, key: &ScopedKey) -> Result<Option<Record>, StoreError> {
         let now = self.now();
-        let shard = self.shard(key);
+        let (hash, shard) = self.shard(key);
         shard
-            .records
-            .get(key as &dyn KeyParts)
+            .find(hash, key)
             .filter(|r| r.expires_at > now)
             .map(|r| r.to_record(key.clone()))
             .transpose()
     }
 
     async fn remove(&self, key: &ScopedKey) -> Result<bool, StoreError> {
-        let key = key as &dyn KeyParts;
-        let removed = self.shard(key).records.remove(key).is_some();
+        let (hash, mut shard) = self.shard(key);
+        let removed = match shard.records.find_entry(hash, |s| s.is(hash, key)) {
+            Ok(slot) => {
+                slot.remove();
+                true
+            }
+            Err(_) => false,
+        };
         if removed {
             self.inner.len.fetch_sub(1, Ordering::Relaxed);
         }
@@ -542,7 +553,7 @@ impl IdempotencyStore for MemoryStore {
         for shard in &self.inner.shards {
             let mut shard = shard.lock().unwrap_or_else(|p| p.into_inner());
             removed += self.sweep(&mut shard, now);
-            shard.records.shrink_to_fit();
+            shard.records.shrink_to_fit(|s| s.hash);
         }
         Ok(removed)
     }
@@ -570,9 +581,9 @@ impl IdempotencyStore for MemoryStore {
         let mut found = Vec::new();
         for shard in &self.inner.shards {
             let shard = shard.lock().unwrap_or_else(|p| p.into_inner());
-            for (key, r) in &shard.records {
+            for r in shard.records.iter().map(|s| &s.entry) {
                 if r.expires_at > now && uncertain(r, now) {
-                    found.push(r.to_record(key.unpack())?);
+                    found.push(r.to_record(r.key.unpack())?);
                 }
             }
         }
@@ -604,8 +615,8 @@ impl IdempotencyStore for MemoryStore {
 
     async fn append_history(&self, key: &ScopedKey, event: HistoryEvent) -> Result<(), StoreError> {
         let now = self.now();
-        let key = key as &dyn KeyParts;
-        if let Some(r) = self.shard(key).records.get_mut(key)
+        let (hash, mut shard) = self.shard(key);
+        if let Some(r) = shard.find_mut(hash, key)
             && r.expires_at > now
         {
             log(r, now, event);
