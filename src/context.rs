@@ -47,9 +47,11 @@ impl<St: IdempotencyStore> MilestoneSink for St {
 /// ```
 #[derive(Clone)]
 pub struct IdempotencyContext {
-    inner: Arc<Inner>,
+    // Held by value: the request's extensions box it once, and a clone is two reference counts.
+    inner: Inner,
 }
 
+#[derive(Clone)]
 struct Inner {
     key: ScopedKey,
     attempt: u32,
@@ -70,12 +72,12 @@ impl fmt::Debug for IdempotencyContext {
 impl IdempotencyContext {
     pub(crate) fn new(key: ScopedKey, lease: &Lease, store: Arc<dyn MilestoneSink>) -> Self {
         Self {
-            inner: Arc::new(Inner {
+            inner: Inner {
                 key,
                 attempt: lease.attempt,
                 token: lease.token,
                 store,
-            }),
+            },
         }
     }
 
