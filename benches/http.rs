@@ -4,10 +4,16 @@
 //! measured in the same run. The MemoryStore rows are repeated against a handler that parses
 //! its body, the least a real one does.
 //!
+//! The MemoryStore scenarios run in interleaved rounds (each round runs every scenario once, in
+//! a rotating order) and each round's ratio is taken against that round's bare handler: load
+//! from elsewhere on a shared host then moves both sides of a ratio alike. Their rows give the
+//! median over rounds and the range of the ratio.
+//!
 //! `cargo bench --all-features --bench http` (PostgreSQL from `TOWER_IDEMPOTENCY_POSTGRES_URL`,
 //! default `postgres://postgres@127.0.0.1:5432/test`; its rows are skipped if it is down).
-//! `BENCH_SECONDS` sets the time per scenario (default 5); `BENCH_ONLY=memory` stops after the
-//! MemoryStore rows.
+//! `BENCH_SECONDS` sets the time per scenario and round (default 5 for the SQL stores, 1 for a
+//! MemoryStore round), `BENCH_ROUNDS` the number of rounds (default 11); `BENCH_ONLY=memory`
+//! stops after the MemoryStore rows.
 
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
@@ -178,6 +184,82 @@ fn print_row(name: &str, r: &Result, base: &Result) {
     );
 }
 
+/// A number from the environment.
+fn setting<T: std::str::FromStr>(name: &str) -> Option<T> {
+    std::env::var(name).ok().and_then(|s| s.parse().ok())
+}
+
+/// The median of `values` (sorted in place).
+fn median<T: Copy + PartialOrd>(values: &mut [T]) -> T {
+    values.sort_by(|a, b| a.partial_cmp(b).expect("comparable"));
+    values[values.len() / 2]
+}
+
+/// One interleaved row: medians over rounds, and the ratio to `base` taken round by round.
+fn print_rounds(name: &str, rounds: &[Result], base: &[Result]) {
+    let mut rps: Vec<f64> = rounds.iter().map(|r| r.rps).collect();
+    let mut p50: Vec<Duration> = rounds.iter().map(|r| r.p50).collect();
+    let mut p99: Vec<Duration> = rounds.iter().map(|r| r.p99).collect();
+    let mut ratios: Vec<f64> = rounds
+        .iter()
+        .zip(base)
+        .map(|(r, b)| r.rps / b.rps)
+        .collect();
+    let errors: usize = rounds.iter().map(|r| r.errors).sum();
+    let ratio = median(&mut ratios);
+    println!(
+        "{:<36} {:>10.0} {:>9} {:>9} {:>7.2}x {:>7}   {:.2}-{:.2}",
+        name,
+        median(&mut rps),
+        median(&mut p50).as_micros(),
+        median(&mut p99).as_micros(),
+        ratio,
+        errors,
+        ratios[0],
+        ratios[ratios.len() - 1],
+    );
+}
+
+/// The MemoryStore scenarios, each on its own server: (row name, address, keys).
+struct Interleaved {
+    scenarios: Vec<(&'static str, SocketAddr, Keys)>,
+    rounds: Vec<Vec<Result>>,
+}
+
+impl Interleaved {
+    async fn run(
+        scenarios: Vec<(&'static str, SocketAddr, Keys)>,
+        rounds: usize,
+        seconds: u64,
+        run: &str,
+    ) -> Self {
+        let mut results: Vec<Vec<Result>> = scenarios.iter().map(|_| Vec::new()).collect();
+        for round in 0..rounds {
+            for i in 0..scenarios.len() {
+                // Rotate the order, so no scenario always follows the same one.
+                let i = (i + round) % scenarios.len();
+                let (_, addr, keys) = scenarios[i];
+                // Repeated keys stay the same across rounds (replays from the first request
+                // on); unique ones are new every round.
+                let tag = match keys {
+                    Keys::Unique => format!("{run}-{i}-{round}"),
+                    _ => format!("{run}-{i}"),
+                };
+                results[i].push(load(addr, keys, seconds, &tag).await);
+            }
+        }
+        Self {
+            scenarios,
+            rounds: results,
+        }
+    }
+
+    /// Prints scenario `i`'s row against scenario `base`.
+    fn print(&self, i: usize, base: usize) {
+        print_rounds(self.scenarios[i].0, &self.rounds[i], &self.rounds[base]);
+    }
+}
+
 fn main() {
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -202,65 +284,60 @@ async fn run() {
         axum::serve(layered, app).await.expect("serve");
         return;
     }
-    let seconds = std::env::var("BENCH_SECONDS")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(5);
+    let rounds: usize = setting("BENCH_ROUNDS").unwrap_or(11);
+    let round_seconds: u64 = setting("BENCH_SECONDS").unwrap_or(1);
+    let seconds: u64 = setting("BENCH_SECONDS").unwrap_or(5);
     let run_id = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_millis())
         .to_string();
     println!(
-        "{} cores, {CONNECTIONS} connections, 1 KiB JSON bodies, {seconds} s per scenario",
+        "{} cores, {CONNECTIONS} connections, 1 KiB JSON bodies",
         std::thread::available_parallelism().map_or(1, |n| n.get())
     );
     println!(
-        "\n{:<36} {:>10} {:>9} {:>9} {:>8} {:>7}",
+        "MemoryStore: {rounds} interleaved rounds of {round_seconds} s per scenario; \
+         medians over rounds, and the range of the ratio"
+    );
+    println!(
+        "\n{:<36} {:>10} {:>9} {:>9} {:>8} {:>7}   range",
         "scenario", "req/s", "p50 µs", "p99 µs", "vs bare", "errors"
     );
 
-    let bare_addr = serve(handler_app()).await;
+    // Each handler bare, then behind the layer with unique keys and with replays.
+    let mut scenarios = Vec::new();
+    for (bare, app) in [
+        ("bare handler", handler_app as fn() -> Router),
+        ("bare parsing handler", parsing_app),
+    ] {
+        scenarios.push((bare, serve(app()).await, Keys::None));
+        for (name, keys) in [
+            ("layer + MemoryStore, unique keys", Keys::Unique),
+            ("layer + MemoryStore, replays", Keys::Repeated),
+        ] {
+            let layered = app().layer(IdempotencyLayer::new(MemoryStore::new()));
+            scenarios.push((name, serve(layered).await, keys));
+        }
+    }
+    let bare_addr = scenarios[0].1;
     // Warm up the machine and the connection path before the baseline.
     load(bare_addr, Keys::None, 1, "warm").await;
-    let bare = load(bare_addr, Keys::None, seconds, "bare").await;
-    let row = |name: &str, r: &Result| print_row(name, r, &bare);
-    row("bare handler", &bare);
-
-    let memory = scenario(
-        MemoryStore::new(),
-        Keys::Unique,
-        seconds,
-        &format!("{run_id}-m"),
-    )
-    .await;
-    row("layer + MemoryStore, unique keys", &memory);
-    let replay = scenario(
-        MemoryStore::new(),
-        Keys::Repeated,
-        seconds,
-        &format!("{run_id}-r"),
-    )
-    .await;
-    row("layer + MemoryStore, replays", &replay);
-
-    // The same against a handler that parses its body: a replay skips that work.
-    let parsing_addr = serve(parsing_app()).await;
-    let parsing = load(parsing_addr, Keys::None, seconds, "parsing").await;
-    let against = |name: &str, r: &Result| print_row(name, r, &parsing);
+    let memory = Interleaved::run(scenarios, rounds, round_seconds, &format!("{run_id}-m")).await;
+    for i in 0..3 {
+        memory.print(i, 0);
+    }
     println!("\nagainst a handler that parses its JSON body (ratios to its bare row):");
-    against("bare parsing handler", &parsing);
-    for (name, keys, tag) in [
-        ("layer + MemoryStore, unique keys", Keys::Unique, "pm"),
-        ("layer + MemoryStore, replays", Keys::Repeated, "pr"),
-    ] {
-        let run = format!("{run_id}-{tag}");
-        let r = scenario_on(parsing_app(), MemoryStore::new(), keys, seconds, &run).await;
-        against(name, &r);
+    for i in 3..6 {
+        memory.print(i, 3);
     }
 
     if std::env::var("BENCH_ONLY").is_ok_and(|v| v == "memory") {
         return;
     }
+    println!("\nSQL stores: one run of {seconds} s each, against a bare run just before them:");
+    let bare = load(bare_addr, Keys::None, seconds, "bare").await;
+    let row = |name: &str, r: &Result| print_row(name, r, &bare);
+    row("bare handler", &bare);
     let path = std::env::temp_dir().join(format!("tower-idempotency-bench-{run_id}.db"));
     let sqlite = SqliteStore::connect(&format!("sqlite://{}", path.display()))
         .await
