@@ -124,7 +124,10 @@ fn get_headers(
     share: &impl Fn(&[u8]) -> Bytes,
 ) -> Result<HeaderMap, CorruptRecord> {
     let count = get_u32(buf)? as usize;
-    let mut headers = HeaderMap::with_capacity(count.min(64));
+    // Room for what a replay adds (its mark), and never less than a map's first allocation
+    // (six entries): hyper keeps a response's map for the next request's headers, and a
+    // smaller one would be grown there, while the allocator's thread caches are busiest.
+    let mut headers = HeaderMap::with_capacity((count.min(64) + 1).max(6));
     for _ in 0..count {
         let len = get_u32(buf)? as usize;
         let name = HeaderName::from_bytes(take(buf, len)?)
