@@ -9,6 +9,11 @@
 //! from elsewhere on a shared host then moves both sides of a ratio alike. Their rows give the
 //! median over rounds and the range of the ratio.
 //!
+//! The servers run on a runtime of their own (two workers), the load generator on another, so
+//! the kernel's per-thread accounting gives the server's CPU time per request: a measure that
+//! does not depend on how the two cores were shared with the load generator. Four busy threads
+//! on two cores lengthen the latency tail (p99) for every row alike.
+//!
 //! `cargo bench --all-features --bench http` (PostgreSQL from `TOWER_IDEMPOTENCY_POSTGRES_URL`,
 //! default `postgres://postgres@127.0.0.1:5432/test`; its rows are skipped if it is down).
 //! `BENCH_SECONDS` sets the time per scenario and round (default 5 for the SQL stores, 1 for a
@@ -51,10 +56,46 @@ fn parsing_app() -> Router {
     )
 }
 
+/// The servers' own runtime (two workers, as the machine has two cores), apart from the load
+/// generator's: what its threads spend is what the requests cost the server.
+fn server_runtime() -> &'static tokio::runtime::Runtime {
+    static SERVER: std::sync::OnceLock<tokio::runtime::Runtime> = std::sync::OnceLock::new();
+    SERVER.get_or_init(|| {
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .thread_name(SERVER_THREADS)
+            .enable_all()
+            .build()
+            .expect("server runtime")
+    })
+}
+
+const SERVER_THREADS: &str = "bench-server";
+
+/// CPU time the server runtime's threads have used so far, from the kernel's per-thread
+/// accounting (`/proc/self/task/*/schedstat`, in nanoseconds); `None` where it is missing.
+fn server_cpu() -> Option<Duration> {
+    let mut total = 0u64;
+    for task in std::fs::read_dir("/proc/self/task").ok()? {
+        let path = task.ok()?.path();
+        let comm = std::fs::read_to_string(path.join("comm")).unwrap_or_default();
+        if comm.trim_end() != SERVER_THREADS {
+            continue;
+        }
+        let stat = std::fs::read_to_string(path.join("schedstat")).ok()?;
+        total += stat.split_whitespace().next()?.parse::<u64>().ok()?;
+    }
+    Some(Duration::from_nanos(total))
+}
+
 async fn serve(app: Router) -> SocketAddr {
-    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    listener.set_nonblocking(true).expect("nonblocking");
     let addr = listener.local_addr().expect("addr");
-    tokio::spawn(async move { axum::serve(listener, app).await.expect("serve") });
+    server_runtime().spawn(async move {
+        let listener = TcpListener::from_std(listener).expect("listener");
+        axum::serve(listener, app).await.expect("serve")
+    });
     addr
 }
 
@@ -77,6 +118,8 @@ enum Keys {
 
 struct Result {
     rps: f64,
+    /// Server CPU time per request.
+    cpu: Option<Duration>,
     p50: Duration,
     p99: Duration,
     errors: usize,
@@ -84,6 +127,7 @@ struct Result {
 
 async fn load(addr: SocketAddr, keys: Keys, seconds: u64, run: &str) -> Result {
     let body = body();
+    let cpu_before = server_cpu();
     let deadline = Instant::now() + Duration::from_secs(seconds);
     let start = Instant::now();
     let tasks: Vec<_> = (0..CONNECTIONS)
@@ -142,6 +186,10 @@ async fn load(addr: SocketAddr, keys: Keys, seconds: u64, run: &str) -> Result {
         errors += e;
     }
     let elapsed = start.elapsed().as_secs_f64();
+    let served = (all.len() + errors).max(1) as u32;
+    let cpu = server_cpu()
+        .zip(cpu_before)
+        .map(|(after, before)| after.saturating_sub(before) / served);
     all.sort();
     let pick = |q: f64| {
         all.get(((all.len() as f64 * q) as usize).min(all.len().saturating_sub(1)))
@@ -150,6 +198,7 @@ async fn load(addr: SocketAddr, keys: Keys, seconds: u64, run: &str) -> Result {
     };
     Result {
         rps: all.len() as f64 / elapsed,
+        cpu,
         p50: pick(0.50),
         p99: pick(0.99),
         errors,
@@ -205,18 +254,34 @@ fn print_rounds(name: &str, rounds: &[Result], base: &[Result]) {
         .zip(base)
         .map(|(r, b)| r.rps / b.rps)
         .collect();
+    let micros = |d: Duration| d.as_secs_f64() * 1e6;
+    let mut cpu: Vec<f64> = rounds.iter().filter_map(|r| r.cpu.map(micros)).collect();
+    // What the server spent per request beyond the bare handler, round by round.
+    let mut added: Vec<f64> = rounds
+        .iter()
+        .zip(base)
+        .filter_map(|(r, b)| Some(micros(r.cpu?) - micros(b.cpu?)))
+        .collect();
     let errors: usize = rounds.iter().map(|r| r.errors).sum();
     let ratio = median(&mut ratios);
+    let (cpu, added) = match (cpu.is_empty(), added.is_empty()) {
+        (false, false) => (
+            format!("{:.1}", median(&mut cpu)),
+            format!("{:+.1}", median(&mut added)),
+        ),
+        _ => ("-".to_owned(), "-".to_owned()),
+    };
     println!(
-        "{:<36} {:>10.0} {:>9} {:>9} {:>7.2}x {:>7}   {:.2}-{:.2}",
+        "{:<36} {:>8.0} {:>7} {:>7} {:>6.2}x {:>10} {:>9} {:>8} {:>6}",
         name,
         median(&mut rps),
         median(&mut p50).as_micros(),
         median(&mut p99).as_micros(),
         ratio,
+        format!("{:.2}-{:.2}", ratios[0], ratios[ratios.len() - 1]),
+        cpu,
+        added,
         errors,
-        ratios[0],
-        ratios[ratios.len() - 1],
     );
 }
 
@@ -300,8 +365,11 @@ async fn run() {
          medians over rounds, and the range of the ratio"
     );
     println!(
-        "\n{:<36} {:>10} {:>9} {:>9} {:>8} {:>7}   range",
-        "scenario", "req/s", "p50 µs", "p99 µs", "vs bare", "errors"
+        "server µs: the server runtime's CPU time per request; +µs: beyond the bare handler's"
+    );
+    println!(
+        "\n{:<36} {:>8} {:>7} {:>7} {:>7} {:>10} {:>9} {:>8} {:>6}",
+        "scenario", "req/s", "p50 µs", "p99 µs", "vs bare", "range", "server µs", "+µs", "errors"
     );
 
     // Each handler bare, then behind the layer with unique keys and with replays.
@@ -335,6 +403,10 @@ async fn run() {
         return;
     }
     println!("\nSQL stores: one run of {seconds} s each, against a bare run just before them:");
+    println!(
+        "\n{:<36} {:>10} {:>9} {:>9} {:>8} {:>7}",
+        "scenario", "req/s", "p50 µs", "p99 µs", "vs bare", "errors"
+    );
     let bare = load(bare_addr, Keys::None, seconds, "bare").await;
     let row = |name: &str, r: &Result| print_row(name, r, &bare);
     row("bare handler", &bare);
