@@ -82,46 +82,16 @@ struct Slot {
 
 impl Slot {
     fn is(&self, hash: u64, key: &ScopedKey) -> bool {
-        self.hash == hash && self.entry.key.is(key)
+        self.hash == hash && self.entry.key == *key
     }
 }
 
-/// A key as this store keeps it: scope and key in one allocation (`u32` scope length, scope,
-/// key).
-struct PackedKey(Box<[u8]>);
-
-impl PackedKey {
-    fn new(key: &ScopedKey) -> Self {
-        let (scope, key) = (key.scope().as_bytes(), key.key().as_bytes());
-        let mut packed = Vec::with_capacity(4 + scope.len() + key.len());
-        packed.extend_from_slice(&(scope.len() as u32).to_le_bytes());
-        packed.extend_from_slice(scope);
-        packed.extend_from_slice(key);
-        Self(packed.into_boxed_slice())
-    }
-
-    fn parts(&self) -> (&[u8], &[u8]) {
-        let mut len = [0u8; 4];
-        len.copy_from_slice(&self.0[..4]);
-        self.0[4..].split_at(u32::from_le_bytes(len) as usize)
-    }
-
-    fn is(&self, key: &ScopedKey) -> bool {
-        self.parts() == (key.scope().as_bytes(), key.key().as_bytes())
-    }
-
-    fn unpack(&self) -> ScopedKey {
-        let (scope, key) = self.parts();
-        // Both parts were `str`s when packed.
-        ScopedKey::new(String::from_utf8_lossy(scope), String::from_utf8_lossy(key))
-    }
-}
-
-/// A record as this store keeps it: times in milliseconds, its key packed, its response
-/// encoded (a `HeaderMap` costs hundreds of bytes; its encoded form, its content).
-/// Boxed, so the map's slack slots stay small.
+/// A record as this store keeps it: times in milliseconds, its key shared with the request
+/// that claimed it (scope and key in one allocation already), its response encoded (a
+/// `HeaderMap` costs hundreds of bytes; its encoded form, its content), what few records need
+/// set apart. Boxed, so the table's slack slots stay small.
 struct Entry {
-    key: PackedKey,
+    key: ScopedKey,
     fingerprint: Fingerprint,
     lease_token: FencingToken,
     lease_until: u64,
@@ -131,30 +101,17 @@ struct Entry {
     attempts: u32,
     status: RecordStatus,
     effect_started: bool,
-    downstream_id: Option<Box<str>>,
     response: Option<Bytes>,
-    history: History,
+    /// The first two history events (a claim and its outcome, for most records).
+    history: [Option<Event>; 2],
+    /// A downstream id, history beyond two events: most records have neither.
+    extra: Option<Box<Extra>>,
 }
 
-/// A record's history: its first two events (a claim and its outcome, for most records) in
-/// place, any later ones in a vector that most records never allocate.
 #[derive(Default)]
-struct History {
-    head: [Option<Event>; 2],
-    rest: Vec<Event>,
-}
-
-impl History {
-    fn push(&mut self, event: Event) {
-        match self.head.iter_mut().find(|slot| slot.is_none()) {
-            Some(slot) => *slot = Some(event),
-            None => self.rest.push(event),
-        }
-    }
-
-    fn iter(&self) -> impl Iterator<Item = &Event> {
-        self.head.iter().flatten().chain(&self.rest)
-    }
+struct Extra {
+    downstream_id: Option<Box<str>>,
+    history: Vec<Event>,
 }
 
 /// One history entry, compactly.
@@ -168,38 +125,47 @@ struct Event {
 
 impl Entry {
     /// A record just claimed by `req`'s first attempt.
-    fn claimed(
-        key: PackedKey,
-        req: &ClaimRequest,
-        token: FencingToken,
-        now: u64,
-        lease_until: u64,
-    ) -> Self {
-        let mut history = History::default();
-        history.push(Event {
+    fn claimed(req: &ClaimRequest, token: FencingToken, now: u64, lease_until: u64) -> Self {
+        let claimed = Event {
             at: now,
             token,
             attempt: 1,
             event: HistoryEvent::Claimed,
-        });
+        };
         Entry {
-            key,
+            key: req.key.clone(),
             fingerprint: req.fingerprint,
             status: RecordStatus::InProgress,
             lease_token: token,
             lease_until,
             attempts: 1,
             effect_started: false,
-            downstream_id: None,
             response: None,
             created_at: now,
             updated_at: now,
             expires_at: (now + span(req.ttl)).max(lease_until),
-            history,
+            history: [Some(claimed), None],
+            extra: None,
         }
     }
 
-    fn to_record(&self, key: ScopedKey) -> Result<Record, StoreError> {
+    fn push_history(&mut self, event: Event) {
+        match self.history.iter_mut().find(|slot| slot.is_none()) {
+            Some(slot) => *slot = Some(event),
+            None => self.extra.get_or_insert_default().history.push(event),
+        }
+    }
+
+    fn history(&self) -> impl Iterator<Item = &Event> {
+        let rest = self.extra.iter().flat_map(|extra| &extra.history);
+        self.history.iter().flatten().chain(rest)
+    }
+
+    fn downstream_id(&self) -> Option<&str> {
+        self.extra.as_ref()?.downstream_id.as_deref()
+    }
+
+    fn to_record(&self) -> Result<Record, StoreError> {
         let response = match &self.response {
             Some(bytes) => {
                 Some(StoredResponse::from_shared(bytes).map_err(StoreError::unavailable)?)
@@ -207,21 +173,20 @@ impl Entry {
             None => None,
         };
         Ok(Record {
-            key,
+            key: self.key.clone(),
             fingerprint: self.fingerprint,
             status: self.status,
             lease_token: self.lease_token,
             lease_until: time(self.lease_until),
             attempts: self.attempts,
             effect_started: self.effect_started,
-            downstream_id: self.downstream_id.as_deref().map(str::to_owned),
+            downstream_id: self.downstream_id().map(str::to_owned),
             response,
             created_at: time(self.created_at),
             updated_at: time(self.updated_at),
             expires_at: time(self.expires_at),
             history: self
-                .history
-                .iter()
+                .history()
                 .map(|e| HistoryEntry {
                     attempt: e.attempt,
                     token: e.token,
@@ -415,7 +380,7 @@ impl IdempotencyStore for MemoryStore {
                 };
                 if !takeover {
                     return Ok(Claim::Existing {
-                        record: Box::new(r.to_record(req.key.clone())?),
+                        record: Box::new(r.to_record()?),
                         now: time(now),
                     });
                 }
@@ -434,8 +399,7 @@ impl IdempotencyStore for MemoryStore {
                 }));
             }
             // Expired: counts as absent; its slot takes the new claim.
-            let key = std::mem::replace(&mut r.key, PackedKey(Box::default()));
-            *r = Entry::claimed(key, req, token, now, lease_until);
+            *r = Entry::claimed(req, token, now, lease_until);
             let expires_at = r.expires_at;
             shard.expires(expires_at);
         } else {
@@ -445,13 +409,7 @@ impl IdempotencyStore for MemoryStore {
                 return Err(StoreError::Full);
             }
             self.inner.len.fetch_add(1, Ordering::Relaxed);
-            let entry = Box::new(Entry::claimed(
-                PackedKey::new(&req.key),
-                req,
-                token,
-                now,
-                lease_until,
-            ));
+            let entry = Box::new(Entry::claimed(req, token, now, lease_until));
             shard.expires(entry.expires_at);
             shard
                 .records
@@ -528,7 +486,7 @@ impl IdempotencyStore for MemoryStore {
         shard
             .find(hash, key)
             .filter(|r| r.expires_at > now)
-            .map(|r| r.to_record(key.clone()))
+            .map(Entry::to_record)
             .transpose()
     }
 
@@ -570,7 +528,7 @@ impl IdempotencyStore for MemoryStore {
                 log(r, now, HistoryEvent::EffectStarted);
             }
             Milestone::DownstreamId(id) => {
-                r.downstream_id = Some(id.as_str().into());
+                r.extra.get_or_insert_default().downstream_id = Some(id.as_str().into());
                 log(r, now, HistoryEvent::DownstreamId);
             }
         })
@@ -583,7 +541,7 @@ impl IdempotencyStore for MemoryStore {
             let shard = shard.lock().unwrap_or_else(|p| p.into_inner());
             for r in shard.records.iter().map(|s| &s.entry) {
                 if r.expires_at > now && uncertain(r, now) {
-                    found.push(r.to_record(r.key.unpack())?);
+                    found.push(r.to_record()?);
                 }
             }
         }
@@ -627,7 +585,7 @@ impl IdempotencyStore for MemoryStore {
 
 /// Appends `event` to the record's history as its current attempt.
 fn log(r: &mut Entry, now: u64, event: HistoryEvent) {
-    r.history.push(Event {
+    r.push_history(Event {
         at: now,
         token: r.lease_token,
         attempt: r.attempts,
