@@ -905,6 +905,27 @@ mod tests {
         Ok(String::from_utf8(out).expect("canonical JSON is UTF-8"))
     }
 
+    proptest::proptest! {
+        /// The word-at-a-time scan agrees with a byte-at-a-time one on any bytes: runs of
+        /// every length, several special bytes, bytes above 0x7f that could fool a borrow.
+        #[test]
+        fn special_agrees_with_a_plain_scan(
+            bytes in proptest::collection::vec(
+                proptest::prop_oneof![
+                    4 => 0x20u8..0x7f,
+                    1 => proptest::prelude::Just(b'"'),
+                    1 => proptest::prelude::Just(b'\\'),
+                    1 => 0u8..0x20,
+                    2 => 0x80u8..=0xff,
+                ],
+                0..80,
+            ),
+        ) {
+            let plain = bytes.iter().position(|&b| b == b'"' || b == b'\\' || b < 0x20);
+            proptest::prop_assert_eq!(special(&bytes), plain);
+        }
+    }
+
     #[test]
     fn special_finds_the_first_quote_backslash_or_control() {
         for (input, want) in [
