@@ -51,7 +51,7 @@ fn document(size: usize) -> Vec<u8> {
         let bytes = serde_json::to_vec(&doc).expect("serialize");
         if bytes.len() >= size || size < 200 {
             return if size < 200 {
-                serde_json::to_vec(&serde_json::json!({"tool": "create_ticket", "title": "printer on fire", "priority": 2, "ok": true}))
+                serde_json::to_vec(&serde_json::json!({"tool": "create_ticket", "title": "printer on fire", "priority": 2, "ok": true, "requester": "ops@example.com"}))
                     .expect("serialize")
             } else {
                 bytes
