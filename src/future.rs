@@ -143,3 +143,54 @@ impl<B, E> fmt::Debug for ResponseFuture<B, E> {
             .finish_non_exhaustive()
     }
 }
+
+#[cfg(test)]
+impl<B, E> ResponseFuture<B, E> {
+    /// Bytes of the state machine this future keeps on the heap in its current state.
+    fn heap_size(&self) -> usize {
+        match &self.state {
+            State::Deciding(decide) => std::mem::size_of_val(&**decide),
+            State::Running { run, .. } => std::mem::size_of_val(&**run),
+            State::Done => 0,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::convert::Infallible;
+
+    use axum::body::Body;
+    use tower::util::BoxCloneSyncService;
+    use tower::{Layer, Service, ServiceExt};
+
+    use crate::body::RequestBody;
+    use crate::{IdempotencyLayer, MemoryStore};
+
+    type Inner =
+        BoxCloneSyncService<http::Request<RequestBody<Body>>, http::Response<Body>, Infallible>;
+
+    /// The cost of a replay (BENCHMARKS.md): a request answered without running its handler
+    /// allocates one future, which must stay within glibc's per-thread cache (requests of at
+    /// most 1032 bytes); anything held across an `.await` in `Pipeline::run` grows it. The
+    /// inner service is boxed as axum boxes each route (`Router::layer` wraps routes), and
+    /// this future's layout comes out the same in debug and release builds.
+    #[tokio::test]
+    async fn the_deciding_future_fits_the_allocators_thread_cache() {
+        let app = axum::Router::new().route(
+            "/t",
+            axum::routing::post(|body: bytes::Bytes| async move { body.len().to_string() }),
+        );
+        let mut service = IdempotencyLayer::new(MemoryStore::new()).layer(Inner::new(app));
+        let request = http::Request::post("/t")
+            .header("idempotency-key", "k")
+            .header("content-type", "application/json")
+            .body(Body::from(r#"{"a":1}"#))
+            .expect("request");
+        let ready = ServiceExt::<http::Request<Body>>::ready(&mut service);
+        let future = ready.await.expect("ready").call(request);
+        let size = future.heap_size();
+        assert!(size <= 1032, "the deciding future takes {size} bytes");
+        assert!(future.await.expect("response").status().is_success());
+    }
+}
