@@ -349,7 +349,7 @@ async fn run() {
         axum::serve(layered, app).await.expect("serve");
         return;
     }
-    let rounds: usize = setting("BENCH_ROUNDS").unwrap_or(11);
+    let rounds: usize = setting("BENCH_ROUNDS").unwrap_or(11).max(1);
     let round_seconds: u64 = setting("BENCH_SECONDS").unwrap_or(1);
     let seconds: u64 = setting("BENCH_SECONDS").unwrap_or(5);
     let run_id = std::time::SystemTime::now()
