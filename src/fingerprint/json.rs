@@ -523,8 +523,8 @@ impl<'a> Verbatim<'a> {
             Some(b't') => self.literal(b"true"),
             Some(b'f') => self.literal(b"false"),
             Some(b'"') => self.string().is_some(),
-            Some(b'[') => depth < MAX_DEPTH && self.array(depth + 1),
-            Some(b'{') => depth < MAX_DEPTH && self.object(depth + 1),
+            Some(b'[') => depth < MAX_DEPTH && self.container(depth + 1, b']'),
+            Some(b'{') => depth < MAX_DEPTH && self.container(depth + 1, b'}'),
             Some(b'-' | b'0'..=b'9') => self.number(),
             _ => false,
         }
@@ -536,53 +536,36 @@ impl<'a> Verbatim<'a> {
         ok
     }
 
-    fn array(&mut self, depth: usize) -> bool {
+    /// An array (`close` is `]`) or an object (`}`), whose members must come in strictly
+    /// ascending order (so no name repeats), names unescaped.
+    fn container(&mut self, depth: usize, close: u8) -> bool {
+        let object = close == b'}';
         self.i += 1;
-        if self.s.get(self.i) == Some(&b']') {
-            self.i += 1;
-            return true;
-        }
-        loop {
-            if !self.value(depth) {
-                return false;
-            }
-            match self.s.get(self.i) {
-                Some(b',') => self.i += 1,
-                Some(b']') => {
-                    self.i += 1;
-                    return true;
-                }
-                _ => return false,
-            }
-        }
-    }
-
-    /// Members must come in strictly ascending order (so no name repeats), names unescaped.
-    fn object(&mut self, depth: usize) -> bool {
-        self.i += 1;
-        if self.s.get(self.i) == Some(&b'}') {
+        if self.s.get(self.i) == Some(&close) {
             self.i += 1;
             return true;
         }
         let mut previous: Option<&'a [u8]> = None;
         loop {
-            let Some((name, false)) = self.string() else {
-                return false;
-            };
-            if previous.is_some_and(|p| utf16_cmp_bytes(p, name) != Ordering::Less) {
-                return false;
+            if object {
+                let Some((name, false)) = self.string() else {
+                    return false;
+                };
+                if previous.is_some_and(|p| utf16_cmp_bytes(p, name) != Ordering::Less) {
+                    return false;
+                }
+                previous = Some(name);
+                if self.s.get(self.i) != Some(&b':') {
+                    return false;
+                }
+                self.i += 1;
             }
-            previous = Some(name);
-            if self.s.get(self.i) != Some(&b':') {
-                return false;
-            }
-            self.i += 1;
             if !self.value(depth) {
                 return false;
             }
             match self.s.get(self.i) {
                 Some(b',') => self.i += 1,
-                Some(b'}') => {
+                Some(&b) if b == close => {
                     self.i += 1;
                     return true;
                 }
