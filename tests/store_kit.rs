@@ -3,9 +3,14 @@
 mod common;
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, SystemTime};
 
-use tower_idempotency::MemoryStore;
-use tower_idempotency::store::kit;
+use tower_idempotency::store::{
+    Claim, ClaimRequest, Fingerprint, LeaseExpiry, RecordStatus, ScopedKey, StoreError,
+    StoredResponse, kit,
+};
+use tower_idempotency::{IdempotencyStore, MemoryStore};
 
 macro_rules! conformance {
     ($backend:ident, $make:expr; $($check:ident),* $(,)?) => {
@@ -73,22 +78,41 @@ async fn run_all_on_one_shared_store() {
     kit::run_all(Arc::new(MemoryStore::new())).await;
 }
 
+/// A claim of `key` by the request with fingerprint `[fingerprint; 32]`, times in seconds.
+fn claim(key: &ScopedKey, fingerprint: u8, lease: u64, ttl: u64) -> ClaimRequest {
+    ClaimRequest {
+        key: key.clone(),
+        fingerprint: Fingerprint::from_bytes([fingerprint; 32]),
+        lease: Duration::from_secs(lease),
+        ttl: Duration::from_secs(ttl),
+        on_lease_expiry: LeaseExpiry::Reclaim,
+    }
+}
+
+/// A memory store on a clock the test moves forward: the seconds in the returned cell are
+/// added to the time.
+fn store_on_a_moving_clock() -> (MemoryStore, Arc<AtomicU64>) {
+    let offset = Arc::new(AtomicU64::new(0));
+    let clock = offset.clone();
+    let store = MemoryStore::with_clock(move || {
+        SystemTime::now() + Duration::from_secs(clock.load(Ordering::SeqCst))
+    });
+    (store, offset)
+}
+
+fn response(body: &'static [u8]) -> StoredResponse {
+    StoredResponse {
+        status: http::StatusCode::OK,
+        headers: http::HeaderMap::new(),
+        body: Some(bytes::Bytes::from_static(body)),
+        trailers: None,
+    }
+}
+
 #[tokio::test]
 async fn memory_store_is_bounded_and_never_evicts_in_flight_keys() {
-    use std::time::Duration;
-    use tower_idempotency::IdempotencyStore;
-    use tower_idempotency::store::{
-        Claim, ClaimRequest, Fingerprint, LeaseExpiry, ScopedKey, StoreError,
-    };
-
     let store = MemoryStore::new().max_records(3);
-    let claim = |key: &str| ClaimRequest {
-        key: ScopedKey::new("", key),
-        fingerprint: Fingerprint::from_bytes([0; 32]),
-        lease: Duration::from_secs(60),
-        ttl: Duration::from_secs(60),
-        on_lease_expiry: LeaseExpiry::Reclaim,
-    };
+    let claim = |key: &str| claim(&ScopedKey::new("", key), 0, 60, 60);
     for key in ["a", "b", "c"] {
         assert!(matches!(
             store.claim(&claim(key)).await,
@@ -132,25 +156,8 @@ async fn memory_store_sweeps_records_whose_expiry_came_forward() {
 }
 
 async fn sweeps_as_claims_arrive(shorten_by_completion: bool) {
-    use std::sync::atomic::{AtomicU64, Ordering};
-    use std::time::{Duration, SystemTime};
-    use tower_idempotency::IdempotencyStore;
-    use tower_idempotency::store::{
-        Claim, ClaimRequest, Fingerprint, LeaseExpiry, ScopedKey, StoredResponse,
-    };
-
-    let offset = Arc::new(AtomicU64::new(0));
-    let clock = offset.clone();
-    let store = MemoryStore::with_clock(move || {
-        SystemTime::now() + Duration::from_secs(clock.load(Ordering::SeqCst))
-    });
-    let claim = |key: String, ttl: u64| ClaimRequest {
-        key: ScopedKey::new("", key),
-        fingerprint: Fingerprint::from_bytes([0; 32]),
-        lease: Duration::from_secs(ttl),
-        ttl: Duration::from_secs(ttl),
-        on_lease_expiry: LeaseExpiry::Reclaim,
-    };
+    let (store, offset) = store_on_a_moving_clock();
+    let claim = |key: String, ttl: u64| claim(&ScopedKey::new("", key), 0, ttl, ttl);
     // Claims sweep every shard once, so each knows its next expiry is an hour away.
     let Ok(Claim::Acquired(lease)) = store.claim(&claim("shortened".into(), 3600)).await else {
         panic!("claim");
@@ -161,16 +168,10 @@ async fn sweeps_as_claims_arrive(shorten_by_completion: bool) {
         store.claim(&claim(key, 3600)).await.expect("claim");
     }
     let expiring = if shorten_by_completion {
-        let response = StoredResponse {
-            status: http::StatusCode::OK,
-            headers: http::HeaderMap::new(),
-            body: Some(bytes::Bytes::from_static(b"done")),
-            trailers: None,
-        };
         let key = ScopedKey::new("", "shortened");
         let ttl = Duration::from_secs(1);
         store
-            .complete(&key, lease.token, &response, ttl)
+            .complete(&key, lease.token, &response(b"done"), ttl)
             .await
             .expect("complete");
         1
@@ -200,33 +201,10 @@ async fn sweeps_as_claims_arrive(shorten_by_completion: bool) {
 /// the store holds one record per key: the new one, which is what lookups and writes find.
 #[tokio::test]
 async fn memory_store_reclaims_an_expired_key_in_place() {
-    use std::sync::atomic::{AtomicU64, Ordering};
-    use std::time::{Duration, SystemTime};
-    use tower_idempotency::IdempotencyStore;
-    use tower_idempotency::store::{
-        Claim, ClaimRequest, Fingerprint, LeaseExpiry, RecordStatus, ScopedKey, StoredResponse,
-    };
-
-    let offset = Arc::new(AtomicU64::new(0));
-    let clock = offset.clone();
-    let store = MemoryStore::with_clock(move || {
-        SystemTime::now() + Duration::from_secs(clock.load(Ordering::SeqCst))
-    });
+    let (store, offset) = store_on_a_moving_clock();
     let key = ScopedKey::new("tenant", "expires");
-    let claim = |fingerprint: u8, ttl: u64| ClaimRequest {
-        key: key.clone(),
-        fingerprint: Fingerprint::from_bytes([fingerprint; 32]),
-        lease: Duration::from_secs(1),
-        ttl: Duration::from_secs(ttl),
-        on_lease_expiry: LeaseExpiry::Reclaim,
-    };
-    let response = StoredResponse {
-        status: http::StatusCode::CREATED,
-        headers: http::HeaderMap::new(),
-        body: Some(bytes::Bytes::from_static(b"first")),
-        trailers: None,
-    };
-    let Ok(Claim::Acquired(first)) = store.claim(&claim(1, 10)).await else {
+    let response = response(b"first");
+    let Ok(Claim::Acquired(first)) = store.claim(&claim(&key, 1, 1, 10)).await else {
         panic!("first claim");
     };
     store
@@ -236,7 +214,7 @@ async fn memory_store_reclaims_an_expired_key_in_place() {
 
     offset.store(60, Ordering::SeqCst);
     // A different request under the same key: the expired record does not answer it.
-    let Ok(Claim::Acquired(second)) = store.claim(&claim(2, 3600)).await else {
+    let Ok(Claim::Acquired(second)) = store.claim(&claim(&key, 2, 1, 3600)).await else {
         panic!("an expired record counts as absent");
     };
     assert_eq!(second.attempt, 1);
