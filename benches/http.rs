@@ -14,11 +14,18 @@
 //! does not depend on how the two cores were shared with the load generator. Four busy threads
 //! on two cores lengthen the latency tail (p99) for every row alike.
 //!
+//! Two more rows put the targets in proportion: the same handler behind the floor
+//! (`support/floor.rs`), the least an idempotency middleware can do (buffer, SHA-256, a map
+//! under a mutex, buffer the response), with unique keys and replays.
+//!
 //! `cargo bench --all-features --bench http` (PostgreSQL from `TOWER_IDEMPOTENCY_POSTGRES_URL`,
 //! default `postgres://postgres@127.0.0.1:5432/test`; its rows are skipped if it is down).
 //! `BENCH_SECONDS` sets the time per scenario and round (default 5 for the SQL stores, 1 for a
 //! MemoryStore round), `BENCH_ROUNDS` the number of rounds (default 11); `BENCH_ONLY=memory`
 //! stops after the MemoryStore rows.
+
+#[path = "support/floor.rs"]
+mod floor;
 
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
@@ -334,8 +341,8 @@ fn main() {
 }
 
 async fn run() {
-    // `BENCH_SERVE=1`: serve the bare handler on 127.0.0.1:3001 and the layer on MemoryStore
-    // on :3002 until killed, for an external load generator (see BENCHMARKS.md).
+    // `BENCH_SERVE=1`: serve the bare handler on 127.0.0.1:3001, the layer on MemoryStore on
+    // :3002 and the floor on :3003 until killed, for an external load generator (see BENCHMARKS.md).
     if std::env::var("BENCH_SERVE").is_ok() {
         let bare = TcpListener::bind("127.0.0.1:3001")
             .await
@@ -343,9 +350,14 @@ async fn run() {
         let layered = TcpListener::bind("127.0.0.1:3002")
             .await
             .expect("bind 3002");
+        let floor = TcpListener::bind("127.0.0.1:3003")
+            .await
+            .expect("bind 3003");
         let app = handler_app().layer(IdempotencyLayer::new(MemoryStore::new()));
         tokio::spawn(async move { axum::serve(bare, handler_app()).await.expect("serve") });
-        println!("bare on http://127.0.0.1:3001, layer + MemoryStore on http://127.0.0.1:3002");
+        let floor_app = handler_app().layer(floor::FloorLayer::new());
+        tokio::spawn(async move { axum::serve(floor, floor_app).await.expect("serve") });
+        println!("bare on http://127.0.0.1:3001, layer + MemoryStore on :3002, the floor on :3003");
         axum::serve(layered, app).await.expect("serve");
         return;
     }
@@ -387,6 +399,13 @@ async fn run() {
             scenarios.push((name, serve(layered).await, keys));
         }
     }
+    for (name, keys) in [
+        ("floor middleware, unique keys", Keys::Unique),
+        ("floor middleware, replays", Keys::Repeated),
+    ] {
+        let floor = handler_app().layer(floor::FloorLayer::new());
+        scenarios.push((name, serve(floor).await, keys));
+    }
     let bare_addr = scenarios[0].1;
     // Warm up the machine and the connection path before the baseline.
     load(bare_addr, Keys::None, 1, "warm").await;
@@ -397,6 +416,12 @@ async fn run() {
     println!("\nagainst a handler that parses its JSON body (ratios to its bare row):");
     for i in 3..6 {
         memory.print(i, 3);
+    }
+    println!(
+        "\nthe floor: the least an idempotency middleware can do (ratios to the bare handler):"
+    );
+    for i in 6..8 {
+        memory.print(i, 0);
     }
 
     if std::env::var("BENCH_ONLY").is_ok_and(|v| v == "memory") {

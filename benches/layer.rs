@@ -1,9 +1,14 @@
 //! The layer's own cost, without sockets: an axum router called in-process with 1 KiB JSON
-//! bodies, bare and behind the layer (unique keys, replays). Reported as microseconds per
-//! request, allocations per request, and the layer's added cost, measured in the same run.
+//! bodies, bare, behind the layer (unique keys, replays) and behind the floor (the least an
+//! idempotency middleware can do, `support/floor.rs`). Reported as microseconds per request,
+//! allocations per request, and the added cost, measured in the same run.
 //!
-//! `cargo bench --bench layer`; `BENCH_ONLY=bare|unique|replay BENCH_REQUESTS=N` runs N
-//! requests of one scenario and nothing else, for `valgrind --tool=callgrind`.
+//! `cargo bench --bench layer`; `BENCH_ONLY=bare|unique|replay|floor-unique|floor-replay
+//! BENCH_REQUESTS=N` runs N requests of one scenario and nothing else, for
+//! `valgrind --tool=callgrind`.
+
+#[path = "support/floor.rs"]
+mod floor;
 
 use std::alloc::System;
 use std::hint::black_box;
@@ -13,6 +18,7 @@ use axum::Router;
 use axum::body::Body;
 use axum::routing::post;
 use bytes::Bytes;
+use floor::FloorLayer;
 use http_body_util::BodyExt;
 use stats_alloc::{INSTRUMENTED_SYSTEM, Region, StatsAlloc};
 use tower::ServiceExt;
@@ -116,9 +122,12 @@ fn main() {
         let only = std::env::var("BENCH_ONLY").ok();
         if only.is_some() {
             let router = app().layer(IdempotencyLayer::new(MemoryStore::new()));
+            let floor = app().layer(FloorLayer::new());
             let cost = match only.as_deref() {
                 Some("unique") => per_request(router, |n| Some(format!("k-{n}"))).await,
                 Some("replay") => per_request(router, |_| Some("same".to_owned())).await,
+                Some("floor-unique") => per_request(floor, |n| Some(format!("k-{n}"))).await,
+                Some("floor-replay") => per_request(floor, |_| Some("same".to_owned())).await,
                 _ => per_request(app(), |_| None).await,
             };
             println!(
@@ -139,9 +148,13 @@ fn main() {
             |_| Some("same".to_owned()),
         )
         .await;
+        let floor_unique =
+            per_request(app().layer(FloorLayer::new()), |n| Some(format!("k-{n}"))).await;
+        let floor_replay =
+            per_request(app().layer(FloorLayer::new()), |_| Some("same".to_owned())).await;
         println!(
             "{:<34} {:>10} {:>12} {:>12}",
-            "in-process, 1 KiB JSON", "µs/request", "layer adds", "allocations"
+            "in-process, 1 KiB JSON", "µs/request", "adds", "allocations"
         );
         let row = |name: &str, cost: &Cost| {
             let adds = if std::ptr::eq(cost, &bare) {
@@ -157,5 +170,7 @@ fn main() {
         row("bare router", &bare);
         row("layer + MemoryStore, unique keys", &unique);
         row("layer + MemoryStore, replays", &replay);
+        row("floor, unique keys", &floor_unique);
+        row("floor, replays", &floor_replay);
     });
 }
