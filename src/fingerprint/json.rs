@@ -502,18 +502,26 @@ impl Writer<'_> {
 /// only "not proven canonical": the caller takes the full path, which also reports malformed
 /// input. Conservative on purpose: escaped member names, and numbers that are not plain short
 /// integers unless they print back to the same text, send the body the long way.
-pub(crate) fn verbatim(text: &str) -> bool {
+///
+/// `true` also proves `body` is UTF-8: outside strings only ASCII passes, and the first byte
+/// past ASCII in a string has the rest of the body checked, once. A body of ASCII, the common
+/// case, is then read once instead of twice.
+pub(crate) fn verbatim(body: &[u8]) -> bool {
     let mut check = Verbatim {
-        s: text.as_bytes(),
+        s: body,
         i: 0,
+        utf8: false,
     };
-    check.value(0) && check.i == text.len()
+    check.value(0) && check.i == body.len()
 }
 
-/// The state of [`verbatim`]: a position in the body, which is valid UTF-8.
+/// The state of [`verbatim`]: a position in the body.
 struct Verbatim<'a> {
     s: &'a [u8],
     i: usize,
+    /// Whether the body from the first non-ASCII byte on is known to be UTF-8 (everything
+    /// before that byte is ASCII).
+    utf8: bool,
 }
 
 impl<'a> Verbatim<'a> {
@@ -584,7 +592,12 @@ impl<'a> Verbatim<'a> {
         let start = self.i;
         let mut escaped = false;
         loop {
-            self.i += special(&self.s[self.i..])?;
+            let rest = &self.s[self.i..];
+            self.i += if self.utf8 {
+                special(rest)?
+            } else {
+                special_or_non_ascii(rest)?
+            };
             match self.s[self.i] {
                 b'"' => {
                     self.i += 1;
@@ -594,6 +607,11 @@ impl<'a> Verbatim<'a> {
                     escaped = true;
                     let len = canonical_escape(&self.s[self.i + 1..])?;
                     self.i += 1 + len;
+                }
+                0x80.. => {
+                    // All before is ASCII: the rest decides, checked once.
+                    std::str::from_utf8(&self.s[self.i..]).ok()?;
+                    self.utf8 = true;
                 }
                 _ => return None,
             }
@@ -726,6 +744,17 @@ fn json_number_grammar(text: &str) -> bool {
 /// control character. Sixteen bytes at a time (SWAR on two words, one branch), since strings
 /// are most of most bodies.
 fn special(bytes: &[u8]) -> Option<usize> {
+    find::<false>(bytes)
+}
+
+/// [`special`], or the first byte past ASCII: a string scan that checks UTF-8 only where
+/// there is something to check.
+fn special_or_non_ascii(bytes: &[u8]) -> Option<usize> {
+    find::<true>(bytes)
+}
+
+/// The scan behind [`special`] and (`NON_ASCII`) [`special_or_non_ascii`].
+fn find<const NON_ASCII: bool>(bytes: &[u8]) -> Option<usize> {
     const ONES: u64 = 0x0101_0101_0101_0101;
     const HIGH: u64 = 0x8080_8080_8080_8080;
     // The high bit of each byte of `v` that is zero / below `n` (n <= 128). A borrow can also
@@ -736,7 +765,11 @@ fn special(bytes: &[u8]) -> Option<usize> {
         let mut word = [0u8; 8];
         word.copy_from_slice(chunk);
         let x = u64::from_le_bytes(word);
-        zero(x ^ (ONES * u64::from(b'"'))) | zero(x ^ (ONES * u64::from(b'\\'))) | below(x, 0x20)
+        let high = if NON_ASCII { x & HIGH } else { 0 };
+        zero(x ^ (ONES * u64::from(b'"')))
+            | zero(x ^ (ONES * u64::from(b'\\')))
+            | below(x, 0x20)
+            | high
     };
     let first = |hits: u64| (hits.trailing_zeros() / 8) as usize;
     let mut pairs = bytes.chunks_exact(16);
@@ -764,7 +797,7 @@ fn special(bytes: &[u8]) -> Option<usize> {
         at += 8;
     }
     rest.iter()
-        .position(|&b| b == b'"' || b == b'\\' || b < 0x20)
+        .position(|&b| b == b'"' || b == b'\\' || b < 0x20 || (NON_ASCII && b >= 0x80))
         .map(|i| at + i)
 }
 
@@ -906,6 +939,8 @@ mod tests {
         ) {
             let plain = bytes.iter().position(|&b| b == b'"' || b == b'\\' || b < 0x20);
             proptest::prop_assert_eq!(special(&bytes), plain);
+            let or_high = bytes.iter().position(|&b| b == b'"' || b == b'\\' || !(0x20..0x80).contains(&b));
+            proptest::prop_assert_eq!(special_or_non_ascii(&bytes), or_high);
         }
     }
 
@@ -959,7 +994,7 @@ mod tests {
             let canon = canon(canonical).expect(canonical);
             // Names with escapes are left to the full path; everything else here is accepted.
             let want = !canonical.starts_with("{\"\\r");
-            assert_eq!(verbatim(canonical), want, "{canonical}");
+            assert_eq!(verbatim(canonical.as_bytes()), want, "{canonical}");
             assert_eq!(canon, canonical, "the full path agrees: {canonical}");
         }
         // Each of these differs from its canonical form, or is not JSON at all.
@@ -996,15 +1031,45 @@ mod tests {
             "",
             "[",
         ] {
-            assert!(!verbatim(other), "{other:?}");
+            assert!(!verbatim(other.as_bytes()), "{other:?}");
             if let Ok(canon) = canon(other) {
                 assert_ne!(canon, other, "the full path rewrites it");
             }
         }
         let deep = "[".repeat(129) + &"]".repeat(129);
-        assert!(!verbatim(&deep));
+        assert!(!verbatim(deep.as_bytes()));
         let deep = "[".repeat(128) + &"]".repeat(128);
-        assert!(verbatim(&deep));
+        assert!(verbatim(deep.as_bytes()));
+    }
+
+    #[test]
+    fn verbatim_accepts_only_utf8() {
+        let long = "x".repeat(40);
+        for (body, utf8) in [
+            (
+                format!("[\"{long}\u{e9}{long}\",\"\u{1f600}\"]").into_bytes(),
+                true,
+            ),
+            (b"[\"\xff\"]".to_vec(), false),
+            // Overlong, a surrogate, beyond U+10FFFF, cut short at the end.
+            (b"[\"\xc0\xaf\"]".to_vec(), false),
+            (b"[\"\xed\xa0\x80\"]".to_vec(), false),
+            (b"[\"\xf4\x90\x80\x80\"]".to_vec(), false),
+            (b"[\"\xc3".to_vec(), false),
+            // Valid where the first byte past ASCII is, not further on.
+            (
+                [&b"[\"\xc3\xa9\",\""[..], long.as_bytes(), b"\xe9\"]"].concat(),
+                false,
+            ),
+            // Outside strings, no byte past ASCII passes.
+            (b"[1,\xc3\xa9]".to_vec(), false),
+        ] {
+            assert_eq!(verbatim(&body), utf8, "{}", String::from_utf8_lossy(&body));
+            assert_eq!(
+                std::str::from_utf8(&body).is_ok(),
+                utf8 || body.starts_with(b"[1,")
+            );
+        }
     }
 
     #[test]

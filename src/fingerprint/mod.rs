@@ -262,14 +262,14 @@ fn body_into(
         return Ok(());
     }
     if is_json(media) {
-        // Checked once, for both paths.
-        let text = std::str::from_utf8(body).map_err(|_| MalformedBody::new(json::NOT_UTF8))?;
-        // A body already in canonical form is its own canonical form: hash it as it is.
-        if json::verbatim(text) {
+        // A body already in canonical form is its own canonical form: hash it as it is (the
+        // check also proves it UTF-8).
+        if json::verbatim(body) {
             put_field(h, b"json");
             put_field(h, body);
             return Ok(());
         }
+        let text = std::str::from_utf8(body).map_err(|_| MalformedBody::new(json::NOT_UTF8))?;
         match canonical_field(h, b"json", |buf| json::canonicalize_text(text, buf)) {
             Ok(()) => return Ok(()),
             Err(json::JsonError::Malformed(reason)) => return Err(MalformedBody::new(reason)),
@@ -441,14 +441,36 @@ mod tests {
             // name outside the BMP meets one above U+E000, or a number prints differently.
             let compact = serde_json::to_vec(&v).expect("serialize");
             let reference = serde_json_canonicalizer::to_vec(&v).expect("reference");
-            if json::verbatim(std::str::from_utf8(&compact).expect("utf8")) {
+            if json::verbatim(&compact) {
                 prop_assert_eq!(&compact, &reference);
             }
-            prop_assert!(json::verbatim(std::str::from_utf8(&reference).expect("utf8")));
+            prop_assert!(json::verbatim(&reference));
             // Either path, the same fingerprint.
             let a = fp("POST", "/t", "application/json", &compact).expect("fp");
             let b = fp("POST", "/t", "application/json", &reference).expect("fp");
             prop_assert_eq!(a, b);
+        }
+
+        #[test]
+        fn verbatim_passes_no_body_that_is_not_utf8(
+            v in json_value(),
+            at in any::<prop::sample::Index>(),
+            byte in 0x80u8..=0xff,
+        ) {
+            // A canonical body with one byte past ASCII written over any of its bytes: where
+            // the check still says canonical, the body must be UTF-8, and the fingerprint is
+            // then that of the bytes; otherwise a body that is not UTF-8 is malformed.
+            let mut body = serde_json_canonicalizer::to_vec(&v).expect("reference");
+            let i = at.index(body.len());
+            body[i] = byte;
+            let utf8 = std::str::from_utf8(&body).is_ok();
+            if json::verbatim(&body) {
+                prop_assert!(utf8, "{:?}", String::from_utf8_lossy(&body));
+            }
+            let fingerprinted = fp("POST", "/t", "application/json", &body);
+            if !utf8 {
+                prop_assert!(fingerprinted.is_err());
+            }
         }
 
         #[test]
@@ -478,7 +500,7 @@ mod tests {
                 text += &format!("e{e}");
             }
             let canonical = canonical_json(text.as_bytes()).expect("valid").expect("finite");
-            prop_assert_eq!(json::verbatim(&text), canonical == text.as_bytes(), "{}", text);
+            prop_assert_eq!(json::verbatim(text.as_bytes()), canonical == text.as_bytes(), "{}", text);
             // And the full path writes what the reference writes, by either route.
             let value: Value = serde_json::from_str(&text).expect("json");
             let reference = serde_json_canonicalizer::to_vec(&value).expect("reference");
