@@ -249,6 +249,22 @@ mod tests {
     use super::*;
     use http::HeaderValue;
 
+    /// §1 step 2: the stored key is `(scope, key)`; equal text split differently is another key.
+    #[test]
+    fn scoped_keys_are_equal_by_scope_and_key() {
+        let key = ScopedKey::new("tenant", "k-1");
+        assert_eq!(key, key.clone());
+        assert_eq!(key, ScopedKey::new("tenant", "k-1"));
+        assert_ne!(key, ScopedKey::new("tenant", "k-2"));
+        assert_ne!(key, ScopedKey::new("tenan", "tk-1"));
+        // Equal keys hash alike, whichever allocation holds them.
+        let state = std::hash::RandomState::new();
+        assert_eq!(
+            std::hash::BuildHasher::hash_one(&state, &key),
+            std::hash::BuildHasher::hash_one(&state, ScopedKey::new("tenant", "k-1")),
+        );
+    }
+
     fn parse(values: &[&[u8]]) -> Result<Option<String>, KeyError> {
         let mut headers = HeaderMap::new();
         for v in values {
