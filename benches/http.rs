@@ -16,7 +16,8 @@
 //!
 //! Two more rows put the targets in proportion: the same handler behind the floor
 //! (`support/floor.rs`), the least an idempotency middleware can do (buffer, SHA-256, a map
-//! under a mutex, buffer the response), with unique keys and replays.
+//! under a mutex, buffer the response), with unique keys and replays; the layer's MemoryStore
+//! rows are then shown once more, as ratios to the floor's.
 //!
 //! `cargo bench --all-features --bench http` (PostgreSQL from `TOWER_IDEMPOTENCY_POSTGRES_URL`,
 //! default `postgres://postgres@127.0.0.1:5432/test`; its rows are skipped if it is down).
@@ -328,7 +329,12 @@ impl Interleaved {
 
     /// Prints scenario `i`'s row against scenario `base`.
     fn print(&self, i: usize, base: usize) {
-        print_rounds(self.scenarios[i].0, &self.rounds[i], &self.rounds[base]);
+        self.print_as(self.scenarios[i].0, i, base);
+    }
+
+    /// [`print`](Self::print) under another name.
+    fn print_as(&self, name: &str, i: usize, base: usize) {
+        print_rounds(name, &self.rounds[i], &self.rounds[base]);
     }
 }
 
@@ -423,6 +429,9 @@ async fn run() {
     for i in 6..8 {
         memory.print(i, 0);
     }
+    println!("\nthe layer against the floor (ratios to the floor's row; +µs beyond its CPU):");
+    memory.print_as("layer + MemoryStore, unique keys", 1, 6);
+    memory.print_as("layer + MemoryStore, replays", 2, 7);
 
     if std::env::var("BENCH_ONLY").is_ok_and(|v| v == "memory") {
         return;
