@@ -458,8 +458,8 @@ mod tests {
             byte in 0x80u8..=0xff,
         ) {
             // A canonical body with one byte past ASCII written over any of its bytes: where
-            // the check still says canonical, the body must be UTF-8, and the fingerprint is
-            // then that of the bytes; otherwise a body that is not UTF-8 is malformed.
+            // the check still says canonical the body must be UTF-8, and a body that is not
+            // UTF-8 must fail to fingerprint, whichever path sees it.
             let mut body = serde_json_canonicalizer::to_vec(&v).expect("reference");
             let i = at.index(body.len());
             body[i] = byte;
