@@ -38,12 +38,30 @@ pub struct MemoryStore {
 }
 
 struct Inner {
-    shards: Vec<Mutex<Shard>>,
+    shards: Vec<Padded<Mutex<Shard>>>,
     hasher: RandomState,
     clock: Clock,
+    max_records: AtomicUsize,
+    /// Written by claims; apart from what every operation reads.
+    counts: Padded<Counts>,
+}
+
+struct Counts {
     next_token: AtomicU64,
     len: AtomicUsize,
-    max_records: AtomicUsize,
+}
+
+/// A value on cache lines of its own (two, as x86 fetches them in pairs): what one thread
+/// writes does not evict what another reads nearby, as with neighbouring shards' locks.
+#[repr(align(128))]
+struct Padded<T>(T);
+
+impl<T> std::ops::Deref for Padded<T> {
+    type Target = T;
+
+    fn deref(&self) -> &T {
+        &self.0
+    }
 }
 
 #[derive(Default)]
@@ -215,7 +233,7 @@ fn span(d: Duration) -> u64 {
 impl fmt::Debug for MemoryStore {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("MemoryStore")
-            .field("records", &self.inner.len.load(Ordering::Relaxed))
+            .field("records", &self.inner.counts.len.load(Ordering::Relaxed))
             .field(
                 "max_records",
                 &self.inner.max_records.load(Ordering::Relaxed),
@@ -243,12 +261,14 @@ impl MemoryStore {
             .map_or(1, |d| d.as_nanos() as u64);
         Self {
             inner: Arc::new(Inner {
-                shards: (0..SHARDS).map(|_| Mutex::default()).collect(),
+                shards: (0..SHARDS).map(|_| Padded(Mutex::default())).collect(),
                 hasher: RandomState::new(),
                 clock: Arc::new(clock),
-                next_token: AtomicU64::new(seed),
-                len: AtomicUsize::new(0),
                 max_records: AtomicUsize::new(usize::MAX),
+                counts: Padded(Counts {
+                    next_token: AtomicU64::new(seed),
+                    len: AtomicUsize::new(0),
+                }),
             }),
         }
     }
@@ -262,7 +282,7 @@ impl MemoryStore {
 
     /// How many records the store holds, expired ones not yet purged included.
     pub fn len(&self) -> usize {
-        self.inner.len.load(Ordering::Relaxed)
+        self.inner.counts.len.load(Ordering::Relaxed)
     }
 
     /// Whether the store holds no records.
@@ -290,7 +310,7 @@ impl MemoryStore {
     }
 
     fn token(&self) -> FencingToken {
-        FencingToken(self.inner.next_token.fetch_add(1, Ordering::Relaxed))
+        FencingToken(self.inner.counts.next_token.fetch_add(1, Ordering::Relaxed))
     }
 
     /// Removes expired, settled records from one shard; returns how many.
@@ -310,7 +330,7 @@ impl MemoryStore {
         });
         shard.next_expiry = next;
         let removed = before - shard.records.len();
-        self.inner.len.fetch_sub(removed, Ordering::Relaxed);
+        self.inner.counts.len.fetch_sub(removed, Ordering::Relaxed);
         removed as u64
     }
 
@@ -357,7 +377,15 @@ impl IdempotencyStore for MemoryStore {
             self.sweep(&mut shard, now);
         }
         let lease_until = now + span(req.lease);
-        let token = self.token();
+        let acquired = |token, attempt| {
+            Ok(Claim::Acquired(Lease {
+                token,
+                attempt,
+                until: time(lease_until),
+            }))
+        };
+        // Tokens only for claims that acquire: a replay takes none, so it writes nothing the
+        // other threads read.
         if let Some(r) = shard.find_mut(hash, &req.key) {
             if r.expires_at > now {
                 let takeover = if r.fingerprint != req.fingerprint {
@@ -384,6 +412,7 @@ impl IdempotencyStore for MemoryStore {
                         now: time(now),
                     });
                 }
+                let token = self.token();
                 r.status = RecordStatus::InProgress;
                 r.lease_token = token;
                 r.lease_until = lease_until;
@@ -392,34 +421,28 @@ impl IdempotencyStore for MemoryStore {
                 // Only ever later: the shard's next expiry stays a lower bound.
                 r.expires_at = r.expires_at.max(now + span(req.ttl)).max(lease_until);
                 log(r, now, HistoryEvent::Claimed);
-                return Ok(Claim::Acquired(Lease {
-                    token,
-                    attempt: r.attempts,
-                    until: time(lease_until),
-                }));
+                return acquired(token, r.attempts);
             }
             // Expired: counts as absent; its slot takes the new claim.
+            let token = self.token();
             *r = Entry::claimed(req, token, now, lease_until);
             let expires_at = r.expires_at;
             shard.expires(expires_at);
-        } else {
-            let full = self.inner.len.load(Ordering::Relaxed)
-                >= self.inner.max_records.load(Ordering::Relaxed);
-            if full && self.sweep(&mut shard, now) == 0 {
-                return Err(StoreError::Full);
-            }
-            self.inner.len.fetch_add(1, Ordering::Relaxed);
-            let entry = Box::new(Entry::claimed(req, token, now, lease_until));
-            shard.expires(entry.expires_at);
-            shard
-                .records
-                .insert_unique(hash, Slot { hash, entry }, |s| s.hash);
+            return acquired(token, 1);
         }
-        Ok(Claim::Acquired(Lease {
-            token,
-            attempt: 1,
-            until: time(lease_until),
-        }))
+        let full = self.inner.counts.len.load(Ordering::Relaxed)
+            >= self.inner.max_records.load(Ordering::Relaxed);
+        if full && self.sweep(&mut shard, now) == 0 {
+            return Err(StoreError::Full);
+        }
+        self.inner.counts.len.fetch_add(1, Ordering::Relaxed);
+        let token = self.token();
+        let entry = Box::new(Entry::claimed(req, token, now, lease_until));
+        shard.expires(entry.expires_at);
+        shard
+            .records
+            .insert_unique(hash, Slot { hash, entry }, |s| s.hash);
+        acquired(token, 1)
     }
 
     async fn renew(
@@ -500,7 +523,7 @@ impl IdempotencyStore for MemoryStore {
             Err(_) => false,
         };
         if removed {
-            self.inner.len.fetch_sub(1, Ordering::Relaxed);
+            self.inner.counts.len.fetch_sub(1, Ordering::Relaxed);
         }
         Ok(removed)
     }
