@@ -14,7 +14,7 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 
 use bytes::Bytes;
-use http::{HeaderMap, HeaderName, Request, Response, response::Parts};
+use http::{HeaderMap, Request, Response, response::Parts};
 use http_body::Body;
 use pin_project_lite::pin_project;
 use tower_service::Service;
@@ -22,6 +22,7 @@ use tracing::Instrument;
 
 use crate::body::{RequestBody, ResponseBody};
 use crate::jsonrpc;
+use crate::layer::Resolved;
 use crate::observe::{self, Event};
 use crate::policy::Outcome;
 use crate::problem::{Problem, ProblemKind, Protocol};
@@ -37,7 +38,7 @@ pub(crate) struct Execution<St> {
     pub(crate) key: ScopedKey,
     pub(crate) lease: Lease,
     pub(crate) route: Arc<RouteConfig>,
-    pub(crate) denied_headers: Arc<[HeaderName]>,
+    pub(crate) config: Arc<Resolved>,
     pub(crate) protocol: Protocol,
 }
 
@@ -259,7 +260,7 @@ impl<St: IdempotencyStore> Execution<St> {
         let mut headers = std::mem::take(&mut parts.headers);
         // A whole body's length is recomputed by the server, as for replays; a body too large
         // to keep streams on with the length its handler gave.
-        let withheld = withhold(&mut headers, &self.denied_headers, body.is_some());
+        let withheld = withhold(&mut headers, &self.config.denied_headers, body.is_some());
         let stored = StoredResponse {
             status: parts.status,
             headers,

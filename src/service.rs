@@ -131,7 +131,7 @@ impl<St: IdempotencyStore, M: MakeScope> Pipeline<St, M> {
         ResBody: Body<Data = Bytes> + Send + 'static,
         ResBody::Error: Into<BoxError>,
     {
-        let route = self.route.clone();
+        let route = &self.route;
 
         // 1–4. Key, scope, buffered body and fingerprint, the HTTP way or the JSON-RPC way.
         // A block, so the preparation's result is not kept in this future's state later on.
@@ -193,7 +193,7 @@ impl<St: IdempotencyStore, M: MakeScope> Pipeline<St, M> {
                     observe::count(Event::StoreError);
                     tracing::error!(%error, "claim failed; refusing to run (fail closed)");
                     self.outcome("store_unavailable");
-                    return Step::Answer(Ok(unavailable(&route, &protocol)));
+                    return Step::Answer(Ok(unavailable(route, &protocol)));
                 }
             };
             let can_wait =
@@ -230,19 +230,26 @@ impl<St: IdempotencyStore, M: MakeScope> Pipeline<St, M> {
         req.extensions_mut().insert(context);
         let cancel_on_disconnect = route.cancel_on_disconnect;
         let token = lease.token;
+        // The pipeline's shared handles move on to the execution: no clone per request.
+        let Pipeline {
+            store,
+            route,
+            config,
+            ..
+        } = self;
         let execution = Execution {
-            store: self.store.clone(),
+            store,
             key,
             lease,
             route,
-            denied_headers: self.config.denied_headers.clone(),
+            config,
             protocol,
         };
         if cancel_on_disconnect {
             // The server treats a hang-up as cancellation: give the key back if this future
             // is dropped before the outcome is recorded.
             let guard = ReleaseOnDrop {
-                store: Some(self.store.clone()),
+                store: Some(execution.store.clone()),
                 key: execution.key.clone(),
                 token,
             };
