@@ -292,16 +292,11 @@ impl MemoryStore {
 
     /// The key's hash, and its shard locked.
     fn shard(&self, key: &ScopedKey) -> (u64, MutexGuard<'_, Shard>) {
-        let hash = self.inner.hasher.hash_one((key.scope(), key.key()));
+        let hash = self.inner.hasher.hash_one(key);
         // The table places slots by the hash's low bits and tags them with its top seven, so
         // the shard comes from bits in between: within a shard, the low bits still vary.
         let i = (hash >> 40) as usize % SHARDS;
-        // A panic while holding a shard cannot leave a record half-written (every update is a
-        // single assignment), so a poisoned lock is safe to keep using.
-        let shard = self.inner.shards[i]
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner());
-        (hash, shard)
+        (hash, lock(&self.inner.shards[i]))
     }
 
     /// The store's clock, in milliseconds.
@@ -532,7 +527,7 @@ impl IdempotencyStore for MemoryStore {
         let now = self.now();
         let mut removed = 0;
         for shard in &self.inner.shards {
-            let mut shard = shard.lock().unwrap_or_else(|p| p.into_inner());
+            let mut shard = lock(shard);
             removed += self.sweep(&mut shard, now);
             shard.records.shrink_to_fit(|s| s.hash);
         }
@@ -561,7 +556,7 @@ impl IdempotencyStore for MemoryStore {
         let now = self.now();
         let mut found = Vec::new();
         for shard in &self.inner.shards {
-            let shard = shard.lock().unwrap_or_else(|p| p.into_inner());
+            let shard = lock(shard);
             for r in shard.records.iter().map(|s| &s.entry) {
                 if r.expires_at > now && uncertain(r, now) {
                     found.push(r.to_record()?);
@@ -604,6 +599,12 @@ impl IdempotencyStore for MemoryStore {
         }
         Ok(())
     }
+}
+
+/// Locks a shard. A panic while holding one cannot leave a record half-written (every update
+/// is a single assignment), so a poisoned lock is safe to keep using.
+fn lock(shard: &Mutex<Shard>) -> MutexGuard<'_, Shard> {
+    shard.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 /// Appends `event` to the record's history as its current attempt.
