@@ -112,65 +112,105 @@ async fn per_request(router: Router, key: impl Fn(u64) -> Option<String>) -> Cos
     }
 }
 
+/// Each request's key: none, a new one, or always the same (every request after the first
+/// replays).
+fn no_key(_: u64) -> Option<String> {
+    None
+}
+
+fn unique_key(n: u64) -> Option<String> {
+    Some(format!("k-{n}"))
+}
+
+fn same_key(_: u64) -> Option<String> {
+    Some("same".to_owned())
+}
+
+/// One way of serving the requests.
+struct Scenario {
+    /// Its `BENCH_ONLY` name.
+    only: &'static str,
+    /// Its row in the table.
+    name: &'static str,
+    router: Router,
+    key: fn(u64) -> Option<String>,
+}
+
+/// The scenarios, the bare router first.
+fn scenarios() -> Vec<Scenario> {
+    let scenario = |only, name, router, key| Scenario {
+        only,
+        name,
+        router,
+        key,
+    };
+    let layer = || IdempotencyLayer::new(MemoryStore::new());
+    vec![
+        scenario("bare", "bare router", app(), no_key),
+        scenario(
+            "unique",
+            "layer + MemoryStore, unique keys",
+            app().layer(layer()),
+            unique_key,
+        ),
+        scenario(
+            "replay",
+            "layer + MemoryStore, replays",
+            app().layer(layer()),
+            same_key,
+        ),
+        scenario(
+            "floor-unique",
+            "floor, unique keys",
+            app().layer(FloorLayer::new()),
+            unique_key,
+        ),
+        scenario(
+            "floor-replay",
+            "floor, replays",
+            app().layer(FloorLayer::new()),
+            same_key,
+        ),
+    ]
+}
+
 fn main() {
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
         .expect("runtime");
     runtime.block_on(async {
-        // `BENCH_ONLY=bare|unique|replay` runs one scenario (for profiling).
-        let only = std::env::var("BENCH_ONLY").ok();
-        if only.is_some() {
-            let router = app().layer(IdempotencyLayer::new(MemoryStore::new()));
-            let floor = app().layer(FloorLayer::new());
-            let cost = match only.as_deref() {
-                Some("unique") => per_request(router, |n| Some(format!("k-{n}"))).await,
-                Some("replay") => per_request(router, |_| Some("same".to_owned())).await,
-                Some("floor-unique") => per_request(floor, |n| Some(format!("k-{n}"))).await,
-                Some("floor-replay") => per_request(floor, |_| Some("same".to_owned())).await,
-                _ => per_request(app(), |_| None).await,
+        // `BENCH_ONLY=<scenario>` runs one scenario (for profiling).
+        if let Ok(only) = std::env::var("BENCH_ONLY") {
+            let Some(scenario) = scenarios().into_iter().find(|s| s.only == only) else {
+                panic!("BENCH_ONLY: no scenario {only:?}");
             };
-            println!(
-                "{}: {:.2} µs/request",
-                only.unwrap_or_default(),
-                cost.micros
-            );
+            let cost = per_request(scenario.router, scenario.key).await;
+            println!("{only}: {:.2} µs/request", cost.micros);
             return;
         }
-        let bare = per_request(app(), |_| None).await;
-        let unique = per_request(
-            app().layer(IdempotencyLayer::new(MemoryStore::new())),
-            |n| Some(format!("k-{n}")),
-        )
-        .await;
-        let replay = per_request(
-            app().layer(IdempotencyLayer::new(MemoryStore::new())),
-            |_| Some("same".to_owned()),
-        )
-        .await;
-        let floor_unique =
-            per_request(app().layer(FloorLayer::new()), |n| Some(format!("k-{n}"))).await;
-        let floor_replay =
-            per_request(app().layer(FloorLayer::new()), |_| Some("same".to_owned())).await;
+        let mut costs = Vec::new();
+        for scenario in scenarios() {
+            costs.push((
+                scenario.name,
+                per_request(scenario.router, scenario.key).await,
+            ));
+        }
+        let bare = costs[0].1.micros;
         println!(
             "{:<34} {:>10} {:>12} {:>12}",
             "in-process, 1 KiB JSON", "µs/request", "adds", "allocations"
         );
-        let row = |name: &str, cost: &Cost| {
-            let adds = if std::ptr::eq(cost, &bare) {
+        for (i, (name, cost)) in costs.iter().enumerate() {
+            let adds = if i == 0 {
                 String::new()
             } else {
-                format!("{:.2} µs", cost.micros - bare.micros)
+                format!("{:.2} µs", cost.micros - bare)
             };
             println!(
                 "{name:<34} {:>10.2} {adds:>12} {:>12.1}",
                 cost.micros, cost.allocations
             );
-        };
-        row("bare router", &bare);
-        row("layer + MemoryStore, unique keys", &unique);
-        row("layer + MemoryStore, replays", &replay);
-        row("floor, unique keys", &floor_unique);
-        row("floor, replays", &floor_replay);
+        }
     });
 }

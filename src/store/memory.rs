@@ -604,7 +604,9 @@ impl IdempotencyStore for MemoryStore {
 /// Locks a shard. A panic while holding one cannot leave a record half-written (every update
 /// is a single assignment), so a poisoned lock is safe to keep using.
 fn lock(shard: &Mutex<Shard>) -> MutexGuard<'_, Shard> {
-    shard.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    shard
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 /// Appends `event` to the record's history as its current attempt.
