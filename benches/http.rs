@@ -350,22 +350,22 @@ async fn run() {
     // `BENCH_SERVE=1`: serve the bare handler on 127.0.0.1:3001, the layer on MemoryStore on
     // :3002 and the floor on :3003 until killed, for an external load generator (see BENCHMARKS.md).
     if std::env::var("BENCH_SERVE").is_ok() {
-        let bare = TcpListener::bind("127.0.0.1:3001")
-            .await
-            .expect("bind 3001");
-        let layered = TcpListener::bind("127.0.0.1:3002")
-            .await
-            .expect("bind 3002");
-        let floor = TcpListener::bind("127.0.0.1:3003")
-            .await
-            .expect("bind 3003");
-        let app = handler_app().layer(IdempotencyLayer::new(MemoryStore::new()));
-        tokio::spawn(async move { axum::serve(bare, handler_app()).await.expect("serve") });
-        let floor_app = handler_app().layer(floor::FloorLayer::new());
-        tokio::spawn(async move { axum::serve(floor, floor_app).await.expect("serve") });
+        let apps = [
+            (3001, handler_app()),
+            (
+                3002,
+                handler_app().layer(IdempotencyLayer::new(MemoryStore::new())),
+            ),
+            (3003, handler_app().layer(floor::FloorLayer::new())),
+        ];
+        for (port, app) in apps {
+            let listener = TcpListener::bind(("127.0.0.1", port))
+                .await
+                .unwrap_or_else(|e| panic!("bind {port}: {e}"));
+            tokio::spawn(async move { axum::serve(listener, app).await.expect("serve") });
+        }
         println!("bare on http://127.0.0.1:3001, layer + MemoryStore on :3002, the floor on :3003");
-        axum::serve(layered, app).await.expect("serve");
-        return;
+        std::future::pending::<()>().await;
     }
     let rounds: usize = setting("BENCH_ROUNDS").unwrap_or(11).max(1);
     let round_seconds: u64 = setting("BENCH_SECONDS").unwrap_or(1);
