@@ -6,12 +6,15 @@ use std::hash::{BuildHasher, RandomState};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::SystemTime;
 
-use bytes::{Buf, BufMut, Bytes, BytesMut};
+use bytes::{Buf, BufMut, Bytes};
 use http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
 
 use super::{FencingToken, StoredResponse};
 
-const MAGIC: &[u8; 4] = b"TIR1";
+/// The format written: lengths as varints. Stores keep what they wrote, so [`LEGACY`]
+/// (fixed-width lengths, 15 bytes more for a typical response) still decodes.
+const MAGIC: &[u8; 4] = b"TIR2";
+const LEGACY: &[u8; 4] = b"TIR1";
 
 /// Stored bytes that do not decode: written by something else, or damaged.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -29,28 +32,35 @@ impl StoredResponse {
     /// The response as bytes, exactly: status, every header (repeats and opaque bytes kept, in
     /// order), body, trailers.
     pub fn to_bytes(&self) -> Vec<u8> {
-        // Sized exactly, so turning it into `Bytes` needs no second allocation.
+        // Sized exactly, so turning it into `Bytes` or a boxed slice needs no second
+        // allocation.
         let headers_len = |h: &HeaderMap| {
-            4 + h
-                .iter()
-                .map(|(n, v)| 8 + n.as_str().len() + v.len())
-                .sum::<usize>()
+            varint_len(h.len())
+                + h.iter()
+                    .map(|(n, v)| {
+                        let (n, v) = (n.as_str().len(), v.len());
+                        varint_len(n) + n + varint_len(v) + v
+                    })
+                    .sum::<usize>()
         };
         let len = MAGIC.len()
             + 2
             + headers_len(&self.headers)
             + 1
-            + self.body.as_ref().map_or(0, |b| 8 + b.len())
+            + self
+                .body
+                .as_ref()
+                .map_or(0, |b| varint_len(b.len()) + b.len())
             + 1
             + self.trailers.as_ref().map_or(0, headers_len);
-        let mut out = BytesMut::with_capacity(len);
+        let mut out = Vec::with_capacity(len);
         out.put_slice(MAGIC);
         out.put_u16(self.status.as_u16());
         put_headers(&mut out, &self.headers);
         match &self.body {
             Some(body) => {
                 out.put_u8(1);
-                out.put_u64(body.len() as u64);
+                put_varint(&mut out, body.len());
                 out.put_slice(body);
             }
             None => out.put_u8(0),
@@ -62,10 +72,11 @@ impl StoredResponse {
             }
             None => out.put_u8(0),
         }
-        Vec::from(out)
+        debug_assert_eq!(out.len(), len);
+        out
     }
 
-    /// Decodes what [`to_bytes`](Self::to_bytes) wrote.
+    /// Decodes what [`to_bytes`](Self::to_bytes) wrote, in this version or an earlier one.
     pub fn from_bytes(bytes: &[u8]) -> Result<Self, CorruptRecord> {
         Self::decode(bytes, Bytes::copy_from_slice)
     }
@@ -78,24 +89,25 @@ impl StoredResponse {
 
     fn decode(bytes: &[u8], share: impl Fn(&[u8]) -> Bytes) -> Result<Self, CorruptRecord> {
         let mut buf = bytes;
-        if buf.len() < MAGIC.len() || &buf[..MAGIC.len()] != MAGIC {
-            return Err(CorruptRecord("unknown format"));
-        }
+        let lengths = match buf.get(..MAGIC.len()) {
+            Some(m) if m == MAGIC => Lengths::Varint,
+            Some(m) if m == LEGACY => Lengths::Fixed,
+            _ => return Err(CorruptRecord("unknown format")),
+        };
         buf.advance(MAGIC.len());
         let status = StatusCode::from_u16(get_u16(&mut buf)?)
             .map_err(|_| CorruptRecord("invalid status"))?;
-        let headers = get_headers(&mut buf, &share)?;
+        let headers = get_headers(&mut buf, lengths, &share)?;
         let body = match get_u8(&mut buf)? {
             0 => None,
             _ => {
-                let len = usize::try_from(get_u64(&mut buf)?)
-                    .map_err(|_| CorruptRecord("body length"))?;
+                let len = lengths.get(&mut buf, 8)?;
                 Some(share(take(&mut buf, len)?))
             }
         };
         let trailers = match get_u8(&mut buf)? {
             0 => None,
-            _ => Some(get_headers(&mut buf, &share)?),
+            _ => Some(get_headers(&mut buf, lengths, &share)?),
         };
         if !buf.is_empty() {
             return Err(CorruptRecord("trailing bytes"));
@@ -109,30 +121,85 @@ impl StoredResponse {
     }
 }
 
-fn put_headers(out: &mut BytesMut, headers: &HeaderMap) {
-    out.put_u32(headers.len() as u32);
+/// How a format writes counts and lengths.
+#[derive(Clone, Copy)]
+enum Lengths {
+    /// `TIR1`: big-endian, 4 bytes wide (8 for the body's length).
+    Fixed,
+    /// `TIR2`: LEB128, seven bits a byte, low bits first; one byte below 128.
+    Varint,
+}
+
+impl Lengths {
+    /// Reads one length; `width` is its fixed width in the legacy format.
+    fn get(self, buf: &mut &[u8], width: usize) -> Result<usize, CorruptRecord> {
+        let n = match self {
+            Lengths::Fixed => take(buf, width)?
+                .iter()
+                .fold(0u64, |n, &b| n << 8 | u64::from(b)),
+            Lengths::Varint => get_varint(buf)?,
+        };
+        usize::try_from(n).map_err(|_| CorruptRecord("length"))
+    }
+}
+
+fn put_varint(out: &mut Vec<u8>, n: usize) {
+    let mut n = n as u64;
+    while n >= 0x80 {
+        out.put_u8(n as u8 | 0x80);
+        n >>= 7;
+    }
+    out.put_u8(n as u8);
+}
+
+fn varint_len(n: usize) -> usize {
+    // Bits needed (at least one), seven to a byte.
+    (usize::BITS - (n | 1).leading_zeros()).div_ceil(7) as usize
+}
+
+fn get_varint(buf: &mut &[u8]) -> Result<u64, CorruptRecord> {
+    let mut n = 0u64;
+    for shift in (0..64).step_by(7) {
+        let b = get_u8(buf)?;
+        let bits = u64::from(b & 0x7f);
+        // The tenth byte holds the 64th bit only; a final zero byte would be a longer
+        // spelling of a shorter number: neither is something `to_bytes` writes.
+        if (shift == 63 && bits > 1) || (b == 0 && shift > 0) {
+            return Err(CorruptRecord("length"));
+        }
+        n |= bits << shift;
+        if b & 0x80 == 0 {
+            return Ok(n);
+        }
+    }
+    Err(CorruptRecord("length"))
+}
+
+fn put_headers(out: &mut Vec<u8>, headers: &HeaderMap) {
+    put_varint(out, headers.len());
     for (name, value) in headers {
-        out.put_u32(name.as_str().len() as u32);
+        put_varint(out, name.as_str().len());
         out.put_slice(name.as_str().as_bytes());
-        out.put_u32(value.len() as u32);
+        put_varint(out, value.len());
         out.put_slice(value.as_bytes());
     }
 }
 
 fn get_headers(
     buf: &mut &[u8],
+    lengths: Lengths,
     share: &impl Fn(&[u8]) -> Bytes,
 ) -> Result<HeaderMap, CorruptRecord> {
-    let count = get_u32(buf)? as usize;
+    let count = lengths.get(buf, 4)?;
     // Room for what a replay adds (its mark), and never less than a map's first allocation
     // (six entries): hyper keeps a response's map for the next request's headers, and a
     // smaller one would be grown there, while the allocator's thread caches are busiest.
     let mut headers = HeaderMap::with_capacity((count.min(64) + 1).max(6));
     for _ in 0..count {
-        let len = get_u32(buf)? as usize;
+        let len = lengths.get(buf, 4)?;
         let name = HeaderName::from_bytes(take(buf, len)?)
             .map_err(|_| CorruptRecord("invalid header name"))?;
-        let len = get_u32(buf)? as usize;
+        let len = lengths.get(buf, 4)?;
         let value = HeaderValue::from_maybe_shared(share(take(buf, len)?))
             .map_err(|_| CorruptRecord("invalid header value"))?;
         headers.append(name, value);
@@ -156,16 +223,6 @@ fn get_u8(buf: &mut &[u8]) -> Result<u8, CorruptRecord> {
 fn get_u16(buf: &mut &[u8]) -> Result<u16, CorruptRecord> {
     let b = take(buf, 2)?;
     Ok(u16::from_be_bytes([b[0], b[1]]))
-}
-
-fn get_u32(buf: &mut &[u8]) -> Result<u32, CorruptRecord> {
-    let mut b = take(buf, 4)?;
-    Ok(b.get_u32())
-}
-
-fn get_u64(buf: &mut &[u8]) -> Result<u64, CorruptRecord> {
-    let mut b = take(buf, 8)?;
-    Ok(b.get_u64())
 }
 
 /// A fencing token no other claim is expected to draw: 63 random-seeded bits (positive, so it
@@ -224,6 +281,135 @@ mod tests {
                     "cut at {cut}"
                 );
             }
+        }
+    }
+
+    fn json(body: Option<Bytes>, trailers: Option<HeaderMap>) -> StoredResponse {
+        let mut headers = HeaderMap::new();
+        headers.insert("content-type", HeaderValue::from_static("application/json"));
+        StoredResponse {
+            status: StatusCode::CREATED,
+            headers,
+            body,
+            trailers,
+        }
+    }
+
+    /// Records written before lengths became varints still replay (SQL stores keep them).
+    #[test]
+    fn decodes_the_legacy_fixed_width_format() {
+        // As 0.1 wrote it: status 201, one header, body "{}", one trailer.
+        let v1 = [
+            &b"TIR1\x00\xc9\x00\x00\x00\x01"[..],
+            b"\x00\x00\x00\x0ccontent-type\x00\x00\x00\x10application/json",
+            b"\x01\x00\x00\x00\x00\x00\x00\x00\x02{}",
+            b"\x01\x00\x00\x00\x01\x00\x00\x00\x0bgrpc-status\x00\x00\x00\x010",
+        ]
+        .concat();
+        let mut trailers = HeaderMap::new();
+        trailers.insert("grpc-status", HeaderValue::from_static("0"));
+        let expected = json(Some(Bytes::from_static(b"{}")), Some(trailers));
+        assert_eq!(StoredResponse::from_bytes(&v1), Ok(expected.clone()));
+        assert_eq!(StoredResponse::from_shared(&Bytes::from(v1)), Ok(expected));
+    }
+
+    /// The memory bound per record (issue 5) counts on this size: a JSON response of 200 B
+    /// takes 11 bytes of framing beside its 230 bytes of status, header and body (it took 26).
+    #[test]
+    fn a_typical_response_takes_eleven_bytes_of_framing() {
+        let response = json(Some(Bytes::from(vec![b'x'; 200])), None);
+        assert_eq!(response.to_bytes().len(), 2 + 12 + 16 + 200 + 11);
+    }
+
+    #[test]
+    fn lengths_round_trip_across_varint_widths() {
+        for len in [0, 1, 127, 128, 129, 16_383, 16_384, 2_097_152] {
+            let mut headers = HeaderMap::new();
+            for i in 0..(len.min(300)) {
+                headers.append("x-n", HeaderValue::from(i));
+            }
+            let response = StoredResponse {
+                status: StatusCode::OK,
+                headers,
+                body: Some(Bytes::from(vec![7; len])),
+                trailers: None,
+            };
+            let bytes = response.to_bytes();
+            assert_eq!(bytes.len(), bytes.capacity(), "length {len}");
+            assert_eq!(
+                StoredResponse::from_bytes(&bytes),
+                Ok(response),
+                "length {len}"
+            );
+        }
+    }
+
+    #[test]
+    fn malformed_varints_are_corrupt() {
+        for varint in [
+            &[0x80, 0x00][..],                                             // overlong zero
+            &[0x81, 0x80, 0x00],                                           // overlong one
+            &[0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0x02], // past 64 bits
+            &[0x80; 11],                                                   // never ends
+            &[0x80],                                                       // truncated
+        ] {
+            let mut bytes = b"TIR2\x00\xc8".to_vec();
+            bytes.extend_from_slice(varint);
+            assert_eq!(
+                StoredResponse::from_bytes(&bytes),
+                Err(CorruptRecord(if varint.len() == 1 {
+                    "truncated"
+                } else {
+                    "length"
+                })),
+                "{varint:x?}"
+            );
+        }
+        // The largest length decodes, and then is more than the bytes there are.
+        let mut bytes = b"TIR2\x00\xc8".to_vec();
+        bytes.extend_from_slice(&[0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0x01]);
+        assert_eq!(
+            StoredResponse::from_bytes(&bytes),
+            Err(CorruptRecord("truncated"))
+        );
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn any_response_round_trips_exactly(
+            status in 100u16..1000,
+            headers in proptest::collection::vec(
+                ("[a-z][a-z0-9-]{0,20}", proptest::collection::vec(0x20u8..0x7f, 0..300)),
+                0..8,
+            ),
+            body in proptest::option::of(proptest::collection::vec(proptest::num::u8::ANY, 0..600)),
+            trailer in proptest::option::of("[a-z]{1,10}"),
+        ) {
+            let mut map = HeaderMap::new();
+            for (name, value) in &headers {
+                map.append(
+                    HeaderName::from_bytes(name.as_bytes()).expect("name"),
+                    HeaderValue::from_bytes(value).expect("value"),
+                );
+            }
+            let trailers = trailer.map(|t| {
+                let mut m = HeaderMap::new();
+                m.insert("grpc-message", HeaderValue::from_str(&t).expect("value"));
+                m
+            });
+            let response = StoredResponse {
+                status: StatusCode::from_u16(status).expect("status"),
+                headers: map,
+                body: body.map(Bytes::from),
+                trailers,
+            };
+            let bytes = response.to_bytes();
+            proptest::prop_assert_eq!(bytes.len(), bytes.capacity());
+            proptest::prop_assert_eq!(StoredResponse::from_bytes(&bytes), Ok(response.clone()));
+            proptest::prop_assert_eq!(
+                StoredResponse::from_shared(&Bytes::from(bytes)),
+                Ok(response)
+            );
         }
     }
 
