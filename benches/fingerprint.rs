@@ -121,12 +121,13 @@ fn main() {
         write_reversed(&value, &mut reversed);
         let pretty = serde_json::to_vec_pretty(&value).expect("serialize");
         [
-            ("canonical", compact),
-            ("unsorted", reversed),
-            ("pretty", pretty),
+            (size, "canonical", compact),
+            (size, "unsorted", reversed),
+            (size, "pretty", pretty),
         ]
     });
-    for (form, doc) in docs {
+    let mut verdicts = Vec::new();
+    for (size, form, doc) in docs {
         let ours = measure(|| {
             black_box(Fingerprint::of(&json_parts, black_box(&doc)).expect("fingerprint"));
         });
@@ -149,7 +150,20 @@ fn main() {
             ours / parse,
             reference / ours
         );
+        if size == 1024 {
+            let met = ours <= 6e3 && reference / ours >= 3.0;
+            verdicts.push(format!(
+                "{form} {:.2} µs {:.1}x {}",
+                ours / 1e3,
+                reference / ours,
+                if met { "met" } else { "missed" }
+            ));
+        }
     }
+    println!(
+        "target: 1 KiB in at most 6 µs and at least 3x the reference: {}",
+        verdicts.join("; ")
+    );
 
     println!(
         "\n{:<34} {:>10} {:>10} {:>12}",

@@ -252,16 +252,21 @@ fn median<T: Copy + PartialOrd>(values: &mut [T]) -> T {
     values[values.len() / 2]
 }
 
+/// Throughput over `base`'s, round by round.
+fn ratios(rounds: &[Result], base: &[Result]) -> Vec<f64> {
+    rounds
+        .iter()
+        .zip(base)
+        .map(|(r, b)| r.rps / b.rps)
+        .collect()
+}
+
 /// One interleaved row: medians over rounds, and the ratio to `base` taken round by round.
 fn print_rounds(name: &str, rounds: &[Result], base: &[Result]) {
     let mut rps: Vec<f64> = rounds.iter().map(|r| r.rps).collect();
     let mut p50: Vec<Duration> = rounds.iter().map(|r| r.p50).collect();
     let mut p99: Vec<Duration> = rounds.iter().map(|r| r.p99).collect();
-    let mut ratios: Vec<f64> = rounds
-        .iter()
-        .zip(base)
-        .map(|(r, b)| r.rps / b.rps)
-        .collect();
+    let mut ratios = ratios(rounds, base);
     let micros = |d: Duration| d.as_secs_f64() * 1e6;
     let mut cpu: Vec<f64> = rounds.iter().filter_map(|r| r.cpu.map(micros)).collect();
     // What the server spent per request beyond the bare handler, round by round.
@@ -335,6 +340,11 @@ impl Interleaved {
     /// [`print`](Self::print) under another name.
     fn print_as(&self, name: &str, i: usize, base: usize) {
         print_rounds(name, &self.rounds[i], &self.rounds[base]);
+    }
+
+    /// Scenario `i`'s throughput over scenario `base`'s: the median over rounds.
+    fn ratio(&self, i: usize, base: usize) -> f64 {
+        median(&mut ratios(&self.rounds[i], &self.rounds[base]))
     }
 }
 
@@ -432,6 +442,16 @@ async fn run() {
     println!("\nthe layer against the floor (ratios to the floor's row; +µs beyond its CPU):");
     memory.print_as("layer + MemoryStore, unique keys", 1, 6);
     memory.print_as("layer + MemoryStore, replays", 2, 7);
+    println!();
+    for (what, i, floor, target) in [("unique keys", 1, 6, 0.92), ("replays", 2, 7, 1.0)] {
+        let ratio = memory.ratio(i, 0);
+        println!(
+            "target: layer + MemoryStore, {what}, at least {target:.2}x bare: {ratio:.2}x, {} \
+             (the floor: {:.2}x)",
+            if ratio >= target { "met" } else { "missed" },
+            memory.ratio(floor, 0)
+        );
+    }
 
     if std::env::var("BENCH_ONLY").is_ok_and(|v| v == "memory") {
         return;

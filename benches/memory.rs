@@ -167,4 +167,16 @@ fn main() {
         "heap after dropping the store",
         format!("{:+} B", live_heap(&region))
     );
+    let met = |ok: bool| if ok { "met" } else { "missed" };
+    let (heap_over, rss_over) = (per_record - raw_per_record, rss_per_record - raw_per_record);
+    println!(
+        "\ntarget: at most raw + 256 B per record: heap {heap_over:+.0} B {}, resident {rss_over:+.0} B {}",
+        met(heap_over <= 256.0),
+        met(rss_over <= 256.0)
+    );
+    // Back to baseline: what is left is this thread's key buffer, not one byte per record.
+    println!(
+        "target: heap back to baseline after the purge: {after:+} B, {}",
+        met(after.unsigned_abs() < 4096)
+    );
 }
