@@ -109,8 +109,9 @@ struct Entry {
     attempts: u32,
     status: RecordStatus,
     effect_started: bool,
-    /// Owned, not `Bytes` (16 bytes smaller): a replay copies the parts it sends, which costs
-    /// less than the space on every record.
+    /// Owned, not `Bytes` (16 bytes smaller, and no shared-count header added by the first
+    /// replay): a replay copies the parts it sends, one pass over bytes it then writes to the
+    /// socket anyway, and most records are never replayed at all.
     response: Option<Box<[u8]>>,
     /// The first two history events (a claim and its outcome, for most records).
     history: [Option<Event>; 2],
