@@ -3,8 +3,9 @@
 mod common;
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::{Duration, SystemTime};
+use std::time::Duration;
+
+use common::TestClock;
 
 use tower_idempotency::store::{
     Claim, ClaimRequest, Fingerprint, LeaseExpiry, RecordStatus, ScopedKey, StoreError,
@@ -89,17 +90,6 @@ fn claim(key: &ScopedKey, fingerprint: u8, lease: u64, ttl: u64) -> ClaimRequest
     }
 }
 
-/// A memory store on a clock the test moves forward: the seconds in the returned cell are
-/// added to the time.
-fn store_on_a_moving_clock() -> (MemoryStore, Arc<AtomicU64>) {
-    let offset = Arc::new(AtomicU64::new(0));
-    let clock = offset.clone();
-    let store = MemoryStore::with_clock(move || {
-        SystemTime::now() + Duration::from_secs(clock.load(Ordering::SeqCst))
-    });
-    (store, offset)
-}
-
 fn response(body: &'static [u8]) -> StoredResponse {
     StoredResponse {
         status: http::StatusCode::OK,
@@ -156,7 +146,8 @@ async fn memory_store_sweeps_records_whose_expiry_came_forward() {
 }
 
 async fn sweeps_as_claims_arrive(shorten_by_completion: bool) {
-    let (store, offset) = store_on_a_moving_clock();
+    let clock = TestClock::default();
+    let store = clock.store();
     let claim = |key: String, ttl: u64| claim(&ScopedKey::new("", key), 0, ttl, ttl);
     // Claims sweep every shard once, so each knows its next expiry is an hour away.
     let Ok(Claim::Acquired(lease)) = store.claim(&claim("shortened".into(), 3600)).await else {
@@ -186,7 +177,7 @@ async fn sweeps_as_claims_arrive(shorten_by_completion: bool) {
         store.len(),
         1 + fresh + expiring - usize::from(shorten_by_completion)
     );
-    offset.store(5, Ordering::SeqCst);
+    clock.advance(Duration::from_secs(5));
     // Enough claims that every shard passes another sweep interval.
     for i in 0..fresh {
         let key = format!("late-{i}");
@@ -201,7 +192,8 @@ async fn sweeps_as_claims_arrive(shorten_by_completion: bool) {
 /// the store holds one record per key: the new one, which is what lookups and writes find.
 #[tokio::test]
 async fn memory_store_reclaims_an_expired_key_in_place() {
-    let (store, offset) = store_on_a_moving_clock();
+    let clock = TestClock::default();
+    let store = clock.store();
     let key = ScopedKey::new("tenant", "expires");
     let response = response(b"first");
     let Ok(Claim::Acquired(first)) = store.claim(&claim(&key, 1, 1, 10)).await else {
@@ -212,7 +204,7 @@ async fn memory_store_reclaims_an_expired_key_in_place() {
         .await
         .expect("complete");
 
-    offset.store(60, Ordering::SeqCst);
+    clock.advance(Duration::from_secs(60));
     // A different request under the same key: the expired record does not answer it.
     let Ok(Claim::Acquired(second)) = store.claim(&claim(&key, 2, 1, 3600)).await else {
         panic!("an expired record counts as absent");
