@@ -346,22 +346,23 @@ mod tests {
 
     #[test]
     fn malformed_varints_are_corrupt() {
-        for varint in [
-            &[0x80, 0x00][..],                                             // overlong zero
-            &[0x81, 0x80, 0x00],                                           // overlong one
-            &[0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0x02], // past 64 bits
-            &[0x80; 11],                                                   // never ends
-            &[0x80],                                                       // truncated
+        for (varint, error) in [
+            // Overlong: zero, and one, spelled longer than needed.
+            (&[0x80, 0x00][..], "length"),
+            (&[0x81, 0x80, 0x00], "length"),
+            // Past 64 bits; never ending; cut short.
+            (
+                &[0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0x02],
+                "length",
+            ),
+            (&[0x80; 11], "length"),
+            (&[0x80], "truncated"),
         ] {
             let mut bytes = b"TIR2\x00\xc8".to_vec();
             bytes.extend_from_slice(varint);
             assert_eq!(
                 StoredResponse::from_bytes(&bytes),
-                Err(CorruptRecord(if varint.len() == 1 {
-                    "truncated"
-                } else {
-                    "length"
-                })),
+                Err(CorruptRecord(error)),
                 "{varint:x?}"
             );
         }
