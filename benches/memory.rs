@@ -98,7 +98,8 @@ fn main() {
         }
     });
     let held = live_heap(&region);
-    let rss_held = rss_kib();
+    // Resident growth while the records were added, in KiB.
+    let rss_growth = rss_kib().saturating_sub(rss_before);
     let per_record = held as f64 / records as f64;
     let raw_per_record = raw as f64 / records as f64;
     println!(
@@ -127,14 +128,11 @@ fn main() {
     println!(
         "{:<44} {:>14}",
         "RSS growth",
-        format!(
-            "{:.1} MiB",
-            (rss_held.saturating_sub(rss_before)) as f64 / 1024.0
-        )
+        format!("{:.1} MiB", rss_growth as f64 / 1024.0)
     );
     // Resident memory counts what the allocator adds to each allocation (glibc: a header and
     // rounding to 16 bytes) and whatever it has not handed out yet.
-    let rss_per_record = (rss_held.saturating_sub(rss_before) * 1024) as f64 / records as f64;
+    let rss_per_record = (rss_growth * 1024) as f64 / records as f64;
     println!(
         "{:<44} {:>14}",
         "RSS growth per record (over raw)",
@@ -183,13 +181,12 @@ fn main() {
     // glibc keeps freed memory for reuse: a few chunks cached per thread, high in the heap,
     // keep it from shrinking. A second run with those caches off shows whether the memory
     // itself came back, as resident memory.
-    let growth = (rss_held.saturating_sub(rss_before)) as f64 / 1024.0;
     match uncached_rss_after_purge(records) {
         Some(uncached) => println!(
             "target: resident memory back to baseline after the purge: {uncached:.1} MiB with \
              glibc's thread caches and fastbins off ({TUNABLES}), {}; {rss_after:.1} MiB with its \
              defaults (free, kept by the allocator for reuse)",
-            met(uncached <= growth / 100.0)
+            met(uncached <= rss_growth as f64 / 1024.0 / 100.0)
         ),
         None => println!("the run with glibc's caches off did not report (not glibc?)"),
     }
