@@ -116,7 +116,8 @@ struct Counted {
     raw_complete: f64,
 }
 
-async fn count_statements(url: &str, claim_sql: &str, complete_sql: &str) -> Counted {
+/// `run` keeps this run's keys apart from earlier runs' rows.
+async fn count_statements(url: &str, claim_sql: &str, complete_sql: &str, run: u128) -> Counted {
     let options: PgConnectOptions = url.parse().expect("postgres url");
     let upstream = tokio::net::lookup_host((options.get_host(), options.get_port()))
         .await
@@ -132,9 +133,6 @@ async fn count_statements(url: &str, claim_sql: &str, complete_sql: &str) -> Cou
     let store = PostgresStore::new(pool.clone())
         .with_table("public", "tower_idempotency_ceiling")
         .expect("table");
-    let run = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis());
     let keys: Vec<_> = (0..=COUNTED)
         .map(|i| ScopedKey::new("bench", format!("counted-{run}-{i}")))
         .collect();
@@ -232,7 +230,13 @@ async fn main() {
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_millis());
     let encoded = response().to_bytes();
-    let counted = count_statements(&url, store.claim_statement(), store.complete_statement()).await;
+    let counted = count_statements(
+        &url,
+        store.claim_statement(),
+        store.complete_statement(),
+        run,
+    )
+    .await;
     println!(
         "statements per operation, counted on the wire over {COUNTED} operations each \
          (target: claim 1, complete 1, replay 1):"
