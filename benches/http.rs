@@ -17,7 +17,9 @@
 //! Two more rows put the targets in proportion: the same handler behind the floor
 //! (`support/floor.rs`), the least an idempotency middleware can do (buffer, SHA-256, a map
 //! under a mutex, buffer the response), with unique keys and replays; the layer's MemoryStore
-//! rows are then shown once more, as ratios to the floor's.
+//! rows are then shown once more, as ratios to the floor's. Two more rows run the floor with
+//! fingerprinting made free (`FloorLayer::unhashed`: the request kept and compared), to show
+//! which targets SHA-256 alone puts out of reach.
 //!
 //! `cargo bench --all-features --bench http` (PostgreSQL from `TOWER_IDEMPOTENCY_POSTGRES_URL`,
 //! default `postgres://postgres@127.0.0.1:5432/test`; its rows are skipped if it is down).
@@ -415,12 +417,29 @@ async fn run() {
             scenarios.push((name, serve(layered).await, keys));
         }
     }
-    for (name, keys) in [
-        ("floor middleware, unique keys", Keys::Unique),
-        ("floor middleware, replays", Keys::Repeated),
+    for (name, keys, floor) in [
+        (
+            "floor middleware, unique keys",
+            Keys::Unique,
+            floor::FloorLayer::new as fn() -> _,
+        ),
+        (
+            "floor middleware, replays",
+            Keys::Repeated,
+            floor::FloorLayer::new,
+        ),
+        (
+            "floor, unhashed, unique keys",
+            Keys::Unique,
+            floor::FloorLayer::unhashed,
+        ),
+        (
+            "floor, unhashed, replays",
+            Keys::Repeated,
+            floor::FloorLayer::unhashed,
+        ),
     ] {
-        let floor = handler_app().layer(floor::FloorLayer::new());
-        scenarios.push((name, serve(floor).await, keys));
+        scenarios.push((name, serve(handler_app().layer(floor())).await, keys));
     }
     let bare_addr = scenarios[0].1;
     // Warm up the machine and the connection path before the baseline.
@@ -439,6 +458,10 @@ async fn run() {
     for i in 6..8 {
         memory.print(i, 0);
     }
+    println!("the floor with fingerprinting made free (the request kept and compared):");
+    for i in 8..10 {
+        memory.print(i, 0);
+    }
     println!("\nthe layer against the floor (ratios to the floor's row; +µs beyond its CPU):");
     memory.print_as("layer + MemoryStore, unique keys", 1, 6);
     memory.print_as("layer + MemoryStore, replays", 2, 7);
@@ -447,9 +470,10 @@ async fn run() {
         let ratio = memory.ratio(i, 0);
         println!(
             "target: layer + MemoryStore, {what}, at least {target:.2}x bare: {ratio:.2}x, {} \
-             (the floor: {:.2}x)",
+             (the floor: {:.2}x; unhashed: {:.2}x)",
             if ratio >= target { "met" } else { "missed" },
-            memory.ratio(floor, 0)
+            memory.ratio(floor, 0),
+            memory.ratio(floor + 2, 0)
         );
     }
 

@@ -1,10 +1,11 @@
 //! The layer's own cost, without sockets: an axum router called in-process with 1 KiB JSON
 //! bodies, bare, behind the layer (unique keys, replays) and behind the floor (the least an
-//! idempotency middleware can do, `support/floor.rs`). Reported as microseconds per request,
-//! allocations per request, and the added cost, measured in the same run.
+//! idempotency middleware can do, `support/floor.rs`), hashed and unhashed. Reported as
+//! microseconds per request, allocations per request, and the added cost, measured in the same
+//! run.
 //!
-//! `cargo bench --bench layer`; `BENCH_ONLY=bare|unique|replay|floor-unique|floor-replay
-//! BENCH_REQUESTS=N` runs N requests of one scenario and nothing else, for
+//! `cargo bench --bench layer`; `BENCH_ONLY=bare|unique|replay|floor-unique|floor-replay|
+//! unhashed-unique|unhashed-replay BENCH_REQUESTS=N` runs N requests of one scenario and nothing else, for
 //! `valgrind --tool=callgrind`.
 
 #[path = "support/floor.rs"]
@@ -169,6 +170,18 @@ fn scenarios() -> Vec<Scenario> {
             "floor-replay",
             "floor, replays",
             app().layer(FloorLayer::new()),
+            same_key,
+        ),
+        scenario(
+            "unhashed-unique",
+            "floor unhashed, unique keys",
+            app().layer(FloorLayer::unhashed()),
+            unique_key,
+        ),
+        scenario(
+            "unhashed-replay",
+            "floor unhashed, replays",
+            app().layer(FloorLayer::unhashed()),
             same_key,
         ),
     ]

@@ -6,6 +6,11 @@
 //! type and body for replays. Nothing else: no expiry, no leases or fencing, no policy, no
 //! problem documents, no replay mark, no metrics or tracing, no canonical JSON, no protocol
 //! detection. It is a measuring stick, not something to deploy.
+//!
+//! [`FloorLayer::unhashed`] is the same floor with fingerprinting made (nearly) free: it keeps
+//! a copy of the request's method, path and body and compares them on a retry, as a middleware
+//! could that spends a kilobyte of memory per record instead of SHA-256. It shows which targets
+//! hashing alone puts out of reach.
 
 use std::collections::HashMap;
 use std::convert::Infallible;
@@ -24,10 +29,41 @@ use tower::{Layer, Service, ServiceExt};
 
 const SHARDS: usize = 64;
 
+/// What a retry is compared with.
+enum Print {
+    Sha256([u8; 32]),
+    Request(http::Method, Box<str>, Bytes),
+}
+
+impl Print {
+    fn of(sha: Option<[u8; 32]>, parts: &http::request::Parts, body: &Bytes) -> Self {
+        match sha {
+            Some(sha) => Self::Sha256(sha),
+            // Copies: the body and the URI share the connection's read buffer, which a record
+            // must not pin.
+            None => Self::Request(
+                parts.method.clone(),
+                parts.uri.path().into(),
+                Bytes::copy_from_slice(body),
+            ),
+        }
+    }
+
+    fn matches(&self, sha: Option<&[u8; 32]>, parts: &http::request::Parts, body: &[u8]) -> bool {
+        match (self, sha) {
+            (Self::Sha256(kept), Some(sha)) => kept == sha,
+            (Self::Request(method, path, kept), None) => {
+                *method == parts.method && **path == *parts.uri.path() && kept[..] == *body
+            }
+            _ => false,
+        }
+    }
+}
+
 enum Slot {
     Running,
     Done {
-        fingerprint: [u8; 32],
+        fingerprint: Print,
         status: StatusCode,
         content_type: Option<HeaderValue>,
         body: Bytes,
@@ -49,15 +85,27 @@ impl Table {
 #[derive(Clone)]
 pub(crate) struct FloorLayer {
     table: Arc<Table>,
+    hash: bool,
 }
 
 impl FloorLayer {
+    /// The floor: requests fingerprinted with SHA-256.
     pub(crate) fn new() -> Self {
+        Self::with(true)
+    }
+
+    /// The floor without hashing: each record keeps a copy of its request to compare retries with.
+    pub(crate) fn unhashed() -> Self {
+        Self::with(false)
+    }
+
+    fn with(hash: bool) -> Self {
         Self {
             table: Arc::new(Table {
                 hasher: RandomState::new(),
                 shards: (0..SHARDS).map(|_| Mutex::default()).collect(),
             }),
+            hash,
         }
     }
 }
@@ -69,6 +117,7 @@ impl<S> Layer<S> for FloorLayer {
         Floor {
             inner,
             table: self.table.clone(),
+            hash: self.hash,
         }
     }
 }
@@ -78,6 +127,7 @@ impl<S> Layer<S> for FloorLayer {
 pub(crate) struct Floor<S> {
     inner: S,
     table: Arc<Table>,
+    hash: bool,
 }
 
 fn status(status: StatusCode) -> Response<Body> {
@@ -106,7 +156,7 @@ where
         // The ready clone serves this call (tower's usual swap).
         let clone = self.inner.clone();
         let inner = std::mem::replace(&mut self.inner, clone);
-        let table = self.table.clone();
+        let (table, hash) = (self.table.clone(), self.hash);
         Box::pin(async move {
             let Some(key) = request
                 .headers()
@@ -120,17 +170,21 @@ where
             let Ok(body) = body.collect().await.map(|b| b.to_bytes()) else {
                 return Ok(status(StatusCode::BAD_REQUEST));
             };
-            let mut sha = Sha256::new();
-            sha.update(parts.method.as_str());
-            sha.update(parts.uri.path());
-            sha.update(&body);
-            let fingerprint: [u8; 32] = sha.finalize().into();
+            let sha = hash.then(|| {
+                let mut sha = Sha256::new();
+                sha.update(parts.method.as_str());
+                sha.update(parts.uri.path());
+                sha.update(&body);
+                sha.finalize().into()
+            });
             let shard = table.shard(&key);
             {
                 let mut map = shard.lock().expect("shard");
                 match map.get(&key) {
                     Some(Slot::Running) => return Ok(status(StatusCode::CONFLICT)),
-                    Some(Slot::Done { fingerprint: f, .. }) if *f != fingerprint => {
+                    Some(Slot::Done { fingerprint, .. })
+                        if !fingerprint.matches(sha.as_ref(), &parts, &body) =>
+                    {
                         return Ok(status(StatusCode::UNPROCESSABLE_ENTITY));
                     }
                     Some(Slot::Done {
@@ -153,6 +207,7 @@ where
                     }
                 }
             }
+            let fingerprint = Print::of(sha, &parts, &body);
             let response = inner
                 .oneshot(Request::from_parts(parts, Body::from(body)))
                 .await?;
