@@ -466,14 +466,16 @@ async fn run() {
     memory.print_as("layer + MemoryStore, unique keys", 1, 6);
     memory.print_as("layer + MemoryStore, replays", 2, 7);
     println!();
-    for (what, i, floor, target) in [("unique keys", 1, 6, 0.92), ("replays", 2, 7, 1.0)] {
+    for (what, i, floor, unhashed, target) in
+        [("unique keys", 1, 6, 8, 0.92), ("replays", 2, 7, 9, 1.0)]
+    {
         let ratio = memory.ratio(i, 0);
         println!(
             "target: layer + MemoryStore, {what}, at least {target:.2}x bare: {ratio:.2}x, {} \
              (the floor: {:.2}x; unhashed: {:.2}x)",
             if ratio >= target { "met" } else { "missed" },
             memory.ratio(floor, 0),
-            memory.ratio(floor + 2, 0)
+            memory.ratio(unhashed, 0)
         );
     }
 

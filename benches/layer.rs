@@ -5,8 +5,8 @@
 //! run.
 //!
 //! `cargo bench --bench layer`; `BENCH_ONLY=bare|unique|replay|floor-unique|floor-replay|
-//! unhashed-unique|unhashed-replay BENCH_REQUESTS=N` runs N requests of one scenario and nothing else, for
-//! `valgrind --tool=callgrind`.
+//! unhashed-unique|unhashed-replay BENCH_REQUESTS=N` runs N requests of one scenario and nothing
+//! else, for `valgrind --tool=callgrind`.
 
 #[path = "support/floor.rs"]
 mod floor;
