@@ -73,6 +73,8 @@ enum Slot {
 struct Table {
     hasher: RandomState,
     shards: Vec<Mutex<HashMap<Arc<str>, Slot>>>,
+    /// SHA-256 fingerprints, or copies of the requests ([`FloorLayer::unhashed`]).
+    hash: bool,
 }
 
 impl Table {
@@ -85,7 +87,6 @@ impl Table {
 #[derive(Clone)]
 pub(crate) struct FloorLayer {
     table: Arc<Table>,
-    hash: bool,
 }
 
 impl FloorLayer {
@@ -94,7 +95,8 @@ impl FloorLayer {
         Self::with(true)
     }
 
-    /// The floor without hashing: each record keeps a copy of its request to compare retries with.
+    /// The floor without hashing: each record keeps a copy of its request to compare retries
+    /// with.
     pub(crate) fn unhashed() -> Self {
         Self::with(false)
     }
@@ -104,8 +106,8 @@ impl FloorLayer {
             table: Arc::new(Table {
                 hasher: RandomState::new(),
                 shards: (0..SHARDS).map(|_| Mutex::default()).collect(),
+                hash,
             }),
-            hash,
         }
     }
 }
@@ -117,7 +119,6 @@ impl<S> Layer<S> for FloorLayer {
         Floor {
             inner,
             table: self.table.clone(),
-            hash: self.hash,
         }
     }
 }
@@ -127,7 +128,6 @@ impl<S> Layer<S> for FloorLayer {
 pub(crate) struct Floor<S> {
     inner: S,
     table: Arc<Table>,
-    hash: bool,
 }
 
 fn status(status: StatusCode) -> Response<Body> {
@@ -156,7 +156,7 @@ where
         // The ready clone serves this call (tower's usual swap).
         let clone = self.inner.clone();
         let inner = std::mem::replace(&mut self.inner, clone);
-        let (table, hash) = (self.table.clone(), self.hash);
+        let table = self.table.clone();
         Box::pin(async move {
             let Some(key) = request
                 .headers()
@@ -170,7 +170,7 @@ where
             let Ok(body) = body.collect().await.map(|b| b.to_bytes()) else {
                 return Ok(status(StatusCode::BAD_REQUEST));
             };
-            let sha = hash.then(|| {
+            let sha = table.hash.then(|| {
                 let mut sha = Sha256::new();
                 sha.update(parts.method.as_str());
                 sha.update(parts.uri.path());
