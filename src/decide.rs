@@ -81,6 +81,21 @@ pub(crate) fn decide(claim: Claim, fingerprint: &Fingerprint) -> Decision {
     }
 }
 
+/// A claim that found the key's record locked by a transaction in flight: answered as in
+/// flight, without waiting for the lock.
+pub(crate) fn busy() -> Decision {
+    observe::count(Event::Conflict);
+    Decision::Refuse(
+        Problem::new(
+            ProblemKind::InFlight,
+            "a request with this idempotency key is still being processed; retry with the same \
+             key after the indicated delay",
+        )
+        .state(RecordStatus::InProgress.as_str())
+        .retry_after(1),
+    )
+}
+
 /// Whole seconds, rounded up, at least 1: `Retry-After: 0` would invite a busy loop.
 pub(crate) fn ceil_secs(d: Duration) -> u64 {
     (d.as_secs() + u64::from(d.subsec_nanos() > 0)).max(1)

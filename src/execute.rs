@@ -4,7 +4,9 @@
 //! It runs on the request's own future; hyper drops that future when the client hangs up, and
 //! a half-done side effect must neither be cancelled nor left unrecorded, so from the moment
 //! the inner service begins a dropped future is handed to a task of its own
-//! ([`ResponseFuture`](crate::future::ResponseFuture)).
+//! ([`ResponseFuture`](crate::future::ResponseFuture)). The lease is renewed by the layer's
+//! keeper ([`crate::hold`]) from before the handler starts until its outcome is recorded; a
+//! record the store refuses is retried in the background, under the same lease, until it lands.
 
 use std::any::Any;
 use std::future::Future;
@@ -12,6 +14,7 @@ use std::panic::AssertUnwindSafe;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
+use std::time::Duration;
 
 use bytes::Bytes;
 use http::{HeaderMap, Request, Response, response::Parts};
@@ -21,6 +24,7 @@ use tower_service::Service;
 use tracing::Instrument;
 
 use crate::body::{RequestBody, ResponseBody};
+use crate::hold::{Hold, Keeper};
 use crate::jsonrpc;
 use crate::layer::Resolved;
 use crate::observe::{self, Event};
@@ -29,12 +33,14 @@ use crate::problem::{Problem, ProblemKind, Protocol};
 use crate::replay::{Captured, Presentation, capture, present, restore, withhold};
 use crate::route::RouteConfig;
 use crate::store::{
-    BoxError, IdempotencyStore, Lease, RecordStatus, ScopedKey, StoreError, StoredResponse,
+    BoxError, FencingToken, IdempotencyStore, Lease, RecordStatus, ScopedKey, StoreError,
+    StoredResponse,
 };
 
 /// Everything an execution needs, owned, so it can outlive the request's future.
 pub(crate) struct Execution<St> {
-    pub(crate) store: Arc<St>,
+    /// The store, and the keeper that renews this execution's lease while it holds it.
+    pub(crate) keeper: Keeper<St>,
     pub(crate) key: ScopedKey,
     pub(crate) lease: Lease,
     pub(crate) route: Arc<RouteConfig>,
@@ -43,6 +49,16 @@ pub(crate) struct Execution<St> {
 }
 
 impl<St: IdempotencyStore> Execution<St> {
+    fn store(&self) -> &Arc<St> {
+        self.keeper.store()
+    }
+
+    /// Keeps this execution's lease renewed while the returned value lives.
+    fn hold(&self) -> Hold<St> {
+        self.keeper
+            .hold(&self.key, self.lease.token, self.route.lease)
+    }
+
     /// Runs `inner` on `req` and records the outcome; the answer for the client.
     pub(crate) async fn run<S, ReqBody, ResBody>(
         self,
@@ -55,6 +71,9 @@ impl<St: IdempotencyStore> Execution<St> {
         ResBody::Error: Into<BoxError>,
     {
         observe::count(Event::Execution);
+        // From before the handler's first poll to the recorded outcome: renewed on the
+        // keeper's task, which a handler blocking its own thread cannot starve.
+        let hold = self.hold();
         let limit = self.route.response_limit;
         // JSON-RPC event streams go to the client as they arrive (progress notifications).
         let stream_for = match &self.protocol {
@@ -67,8 +86,7 @@ impl<St: IdempotencyStore> Execution<St> {
                 Ok(capture(res, limit, stream_for).await)
             },
         };
-        let outcome = self.renewing(std::pin::pin!(work)).await;
-        match outcome {
+        match work.await {
             Err(_panic) => {
                 tracing::error!("the idempotent handler panicked; releasing the key");
                 let state = self.release().await;
@@ -83,20 +101,25 @@ impl<St: IdempotencyStore> Execution<St> {
                 self.release().await;
                 Err(service_error)
             }
-            Ok(Ok(Err(body_error))) => {
-                tracing::warn!(error = %body_error, "the response body failed; releasing the key");
-                let state = self.release().await;
-                Ok(failed(
-                    "the response body failed mid-stream; nothing was recorded",
-                    state,
-                    &self.protocol,
-                ))
+            Ok(Ok(Captured::Broken { mut parts, error })) => {
+                // The handler answered: its effect is taken as done (DESIGN §3). Only a head
+                // the policy would not record (a 5xx under DefinitiveOnly) gives the key back.
+                tracing::warn!(%error, "the response body failed after the handler answered");
+                let state = self.record_lost(&mut parts).await;
+                let detail = if state == RecordStatus::Completed.as_str() {
+                    "the handler answered but its response body failed; the operation is taken \
+                     as done and will not run again, and its response is not available"
+                } else {
+                    "the handler answered with a failure and its response body failed; nothing \
+                     was recorded"
+                };
+                Ok(failed(detail, state, &self.protocol))
             }
-            Ok(Ok(Ok(Captured::Complete {
+            Ok(Ok(Captured::Complete {
                 mut parts,
                 body,
                 trailers,
-            }))) => {
+            })) => {
                 let body = self
                     .record(&mut parts, Some(body), trailers.as_ref())
                     .await
@@ -108,17 +131,18 @@ impl<St: IdempotencyStore> Execution<St> {
                 };
                 Ok(present(parts.status, parts.headers, body, trailers, how))
             }
-            Ok(Ok(Ok(Captured::Streaming { parts, body, id }))) => {
+            Ok(Ok(Captured::Streaming { parts, body, id })) => {
                 let (tx, rx) = tokio::sync::mpsc::channel(16);
                 let head = head_of(&parts);
-                tokio::spawn(self.tee(id, head, body, tx).in_current_span());
+                // The stream's own task keeps the lease until it is recorded.
+                tokio::spawn(self.tee(id, head, body, tx, hold).in_current_span());
                 Ok(Response::from_parts(parts, ResponseBody::channel(rx)))
             }
-            Ok(Ok(Ok(Captured::TooLarge {
+            Ok(Ok(Captured::TooLarge {
                 mut parts,
                 prefix,
                 rest,
-            }))) => {
+            })) => {
                 // Recorded without a body: the key stays consumed, never a second run.
                 self.record(&mut parts, None, None).await;
                 Ok(Response::from_parts(
@@ -138,100 +162,86 @@ impl<St: IdempotencyStore> Execution<St> {
         head: Parts,
         mut body: Pin<Box<B>>,
         tx: tokio::sync::mpsc::Sender<Result<http_body::Frame<Bytes>, BoxError>>,
+        _hold: Hold<St>,
     ) where
         B: Body<Data = Bytes>,
         B::Error: Into<BoxError>,
     {
         let limit = self.route.response_limit;
-        let drain = async {
-            let mut copy = bytes::BytesMut::new();
-            let mut over = false;
-            let mut recorded = false;
-            loop {
-                // Convert the error at once: the inner body's own error type need not be Send.
-                let next = http_body_util::BodyExt::frame(&mut body)
-                    .await
-                    .map(|frame| frame.map_err(Into::<BoxError>::into));
-                let Some(frame) = next else { break };
-                let frame = match frame {
-                    Ok(frame) => frame,
-                    Err(error) => {
-                        let _ = tx.send(Err(error)).await;
-                        return if recorded { Ok(None) } else { Err(()) };
+        let mut copy = bytes::BytesMut::new();
+        let mut over = false;
+        let mut recorded = false;
+        loop {
+            // Convert the error at once: the inner body's own error type need not be Send.
+            let next = http_body_util::BodyExt::frame(&mut body)
+                .await
+                .map(|frame| frame.map_err(Into::<BoxError>::into));
+            let Some(frame) = next else { break };
+            let frame = match frame {
+                Ok(frame) => frame,
+                Err(error) => {
+                    let _ = tx.send(Err(error)).await;
+                    if !recorded {
+                        // The handler answered: the call is taken as done, its answer lost.
+                        self.record_jsonrpc(&head, None, None, &id).await;
                     }
-                };
-                if let Some(data) = frame.data_ref() {
-                    over |= copy.len() + data.len() > limit;
-                    if !over {
-                        copy.extend_from_slice(data);
-                    }
+                    return;
                 }
-                // Record the final response before it leaves, so a client that has it can
-                // count on its retry being a replay.
-                if !recorded
-                    && !over
-                    && jsonrpc::final_response(&head.headers, &copy, &id).is_some()
-                {
-                    self.record_jsonrpc(&head, Some(copy.clone().freeze()), None, &id)
-                        .await;
+            };
+            if let Some(data) = frame.data_ref() {
+                over |= copy.len() + data.len() > limit;
+                if !over {
+                    copy.extend_from_slice(data);
+                } else if !recorded {
+                    // Past the limit the answer can no longer be kept: record that at once, so
+                    // a stream that never ends neither holds its lease nor grows its copy.
+                    self.record_jsonrpc(&head, None, None, &id).await;
                     recorded = true;
+                    copy = bytes::BytesMut::new();
                 }
-                // A closed receiver only means the client left.
-                let _ = tx.send(Ok(frame)).await;
             }
-            Ok((!recorded).then(|| (!over).then(|| copy.freeze())))
-        };
-        match self.renewing(std::pin::pin!(drain)).await {
-            Ok(Some(copy)) => {
-                self.record_jsonrpc(&head, copy, None, &id).await;
+            // Record the final response before it leaves, so a client that has it can
+            // count on its retry being a replay.
+            if !recorded && !over && jsonrpc::final_response(&head.headers, &copy, &id).is_some() {
+                self.record_jsonrpc(&head, Some(copy.clone().freeze()), None, &id)
+                    .await;
+                recorded = true;
             }
-            Ok(None) => {}
-            Err(()) => {
-                self.release().await;
-            }
+            // A closed receiver only means the client left.
+            let _ = tx.send(Ok(frame)).await;
+        }
+        if !recorded {
+            self.record_jsonrpc(&head, Some(copy.freeze()), None, &id)
+                .await;
         }
     }
 
-    /// Drives `work` while renewing the lease every third of its length, so a slow but live
-    /// holder keeps its claim and only a dead one loses it.
-    /// Takes `work` pinned by the caller: moved in by value, it would be stored twice.
-    async fn renewing<F: Future>(&self, mut work: Pin<&mut F>) -> F::Output {
-        // Work done on its first poll needs no renewal timer.
-        if let Poll::Ready(out) =
-            std::future::poll_fn(|cx| Poll::Ready(work.as_mut().poll(cx))).await
-        {
-            return out;
+    /// Records a response whose body was lost after its head: as completed without a body
+    /// when the policy records its head, else gives the key back. Returns the key's state.
+    async fn record_lost(&self, parts: &mut Parts) -> &'static str {
+        let records = match &self.protocol {
+            // The call's own outcome travels in the lost body: the head says nothing.
+            Protocol::JsonRpc(_) => true,
+            _ => self.route.cache_policy.records(&Outcome {
+                status: parts.status,
+                headers: &parts.headers,
+                trailers: None,
+                jsonrpc: None,
+            }),
+        };
+        if !records {
+            return self.release().await;
         }
-        let period = self.route.lease / 3;
-        // Boxed: only slow work gets here, and every request's future would carry it otherwise.
-        let renew = Box::pin(async {
-            loop {
-                tokio::time::sleep(period).await;
-                match self
-                    .store
-                    .renew(&self.key, self.lease.token, self.route.lease)
-                    .await
-                {
-                    Ok(_) => {}
-                    Err(StoreError::Fenced) => {
-                        observe::count(Event::LeaseLost);
-                        tracing::warn!(
-                            "lease lost while the handler runs; its outcome will not be recorded"
-                        );
-                        return;
-                    }
-                    Err(error) => {
-                        observe::count(Event::StoreError);
-                        tracing::warn!(%error, "lease renewal failed; trying again");
-                    }
-                }
-            }
-        });
-        tokio::select! {
-            out = &mut work => return out,
-            () = renew => {}
-        }
-        work.await
+        let mut headers = std::mem::take(&mut parts.headers);
+        withhold(&mut headers, &self.config.denied_headers, true);
+        let stored = StoredResponse {
+            status: parts.status,
+            headers,
+            body: None,
+            trailers: None,
+        };
+        self.complete(&stored).await;
+        RecordStatus::Completed.as_str()
     }
 
     /// Step 8: records the outcome if the route's policy keeps it, else releases the key.
@@ -313,30 +323,51 @@ impl<St: IdempotencyStore> Execution<St> {
         body
     }
 
+    /// Records `stored`, fenced. When the store fails, the outcome is not dropped: the record
+    /// is marked uncertain if the store takes that, and a task of its own keeps the lease
+    /// renewed and retries the write with bounded backoff until it lands or is fenced (another
+    /// holder's, or a resolved, outcome stands). Retries meanwhile get 409, never a second run.
     async fn complete(&self, stored: &StoredResponse) {
-        let result = self
-            .store
+        let store = self.store();
+        let result = store
             .complete(&self.key, self.lease.token, stored, self.route.ttl)
             .await;
-        if let Err(StoreError::Unavailable(_) | StoreError::Full) = &result {
-            // The effect happened but the store does not know it. Say the outcome is unknown,
-            // so retries are refused instead of running again once the lease expires.
-            if self
-                .store
-                .mark_uncertain(&self.key, self.lease.token)
-                .await
-                .is_ok()
-            {
-                observe::count(Event::MovedToReconciliation);
-            }
+        let error = match result {
+            Err(error @ (StoreError::Unavailable(_) | StoreError::Full)) => error,
+            other => return settle(other, "record the outcome"),
+        };
+        observe::count(Event::StoreError);
+        tracing::error!(
+            %error,
+            "could not record the outcome; keeping the lease and retrying until it lands"
+        );
+        // Should this process die before the write lands, the key stays "outcome unknown"
+        // instead of running again when the lease expires.
+        if store
+            .mark_uncertain(&self.key, self.lease.token)
+            .await
+            .is_ok()
+        {
+            observe::count(Event::MovedToReconciliation);
         }
-        settle(result, "record the outcome");
+        let recorder = Recorder {
+            hold: self.hold(),
+            store: store.clone(),
+            key: self.key.clone(),
+            token: self.lease.token,
+            stored: stored.clone(),
+            ttl: self.route.ttl,
+        };
+        // Without a runtime (shutting down) the record stays as the store has it.
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            runtime.spawn(recorder.run().in_current_span());
+        }
     }
 
     /// Gives the key back; the store keeps it for reconciliation instead if the effect had
     /// started. Returns the state the key is left in, for the client's answer.
     async fn release(&self) -> &'static str {
-        match self.store.release(&self.key, self.lease.token).await {
+        match self.store().release(&self.key, self.lease.token).await {
             Ok(RecordStatus::NeedsReconciliation) => {
                 observe::count(Event::MovedToReconciliation);
                 tracing::warn!("the effect had started: the key awaits reconciliation");
@@ -368,6 +399,49 @@ fn settle(result: Result<(), StoreError>, what: &str) {
             observe::count(Event::StoreError);
             tracing::error!(%error, "could not {what}");
         }
+    }
+}
+
+/// Retries a failed record until it lands, holding the lease meanwhile.
+struct Recorder<St> {
+    hold: Hold<St>,
+    store: Arc<St>,
+    key: ScopedKey,
+    token: FencingToken,
+    stored: StoredResponse,
+    ttl: Duration,
+}
+
+/// The longest pause between two tries of a failed record.
+const MAX_BACKOFF: Duration = Duration::from_secs(1);
+
+impl<St: IdempotencyStore> Recorder<St> {
+    async fn run(self) {
+        let mut backoff = Duration::from_millis(10);
+        let mut tries = 1u32;
+        loop {
+            tokio::time::sleep(backoff).await;
+            backoff = (backoff * 2).min(MAX_BACKOFF);
+            tries += 1;
+            let result = self
+                .store
+                .complete(&self.key, self.token, &self.stored, self.ttl)
+                .await;
+            match result {
+                Ok(()) => {
+                    tracing::info!(tries, "the outcome is recorded after the store recovered");
+                    break;
+                }
+                Err(StoreError::Unavailable(_) | StoreError::Full) => {
+                    observe::count(Event::StoreError);
+                }
+                fenced => {
+                    settle(fenced, "record the outcome");
+                    break;
+                }
+            }
+        }
+        drop(self.hold);
     }
 }
 

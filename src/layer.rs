@@ -9,6 +9,7 @@ use http::{HeaderName, Method};
 use tower_layer::Layer;
 
 use crate::fingerprint::{Canonicalize, FingerprintOptions};
+use crate::hold::Keeper;
 use crate::key::{DefaultScope, IDEMPOTENCY_KEY, MakeScope};
 use crate::policy::CachePolicy;
 use crate::replay::default_denied_headers;
@@ -33,7 +34,8 @@ type Override = Arc<dyn Fn(RouteConfig) -> RouteConfig + Send + Sync>;
 ///     .for_path("/tools/search", |route| route.require_key(false));
 /// ```
 pub struct IdempotencyLayer<St, M = DefaultScope> {
-    store: Arc<St>,
+    /// The store, and the task that renews the leases its requests hold.
+    keeper: Keeper<St>,
     make_scope: M,
     config: Arc<LayerConfig>,
 }
@@ -91,7 +93,7 @@ impl<St> IdempotencyLayer<St> {
     /// A layer sharing an existing `Arc` of a store.
     pub fn from_arc(store: Arc<St>) -> Self {
         Self {
-            store,
+            keeper: Keeper::new(store),
             make_scope: DefaultScope,
             config: Arc::new(LayerConfig {
                 header: IDEMPOTENCY_KEY.clone(),
@@ -243,7 +245,7 @@ impl<St, M> IdempotencyLayer<St, M> {
     /// ```
     pub fn scope_with<M2: MakeScope>(self, make_scope: M2) -> IdempotencyLayer<St, M2> {
         IdempotencyLayer {
-            store: self.store,
+            keeper: self.keeper,
             make_scope,
             config: self.config,
         }
@@ -271,7 +273,7 @@ impl<S, St, M: Clone> Layer<S> for IdempotencyLayer<St, M> {
     fn layer(&self, inner: S) -> Self::Service {
         Idempotency::new(
             inner,
-            self.store.clone(),
+            self.keeper.clone(),
             self.make_scope.clone(),
             self.config
                 .resolved
@@ -284,7 +286,7 @@ impl<S, St, M: Clone> Layer<S> for IdempotencyLayer<St, M> {
 impl<St, M: Clone> Clone for IdempotencyLayer<St, M> {
     fn clone(&self) -> Self {
         Self {
-            store: self.store.clone(),
+            keeper: self.keeper.clone(),
             make_scope: self.make_scope.clone(),
             config: self.config.clone(),
         }
@@ -295,7 +297,7 @@ impl<St: fmt::Debug, M: fmt::Debug> fmt::Debug for IdempotencyLayer<St, M> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let c = &self.config;
         f.debug_struct("IdempotencyLayer")
-            .field("store", &self.store)
+            .field("store", self.keeper.store())
             .field("make_scope", &self.make_scope)
             .field("header", &c.header)
             .field("default", &c.default)

@@ -90,6 +90,7 @@ mod execute;
 pub mod fingerprint;
 mod future;
 pub mod grpc;
+mod hold;
 pub mod jsonrpc;
 mod key;
 mod layer;

@@ -89,6 +89,9 @@ pub(crate) enum Captured<B> {
         body: Pin<Box<B>>,
         id: Arc<serde_json::Value>,
     },
+    /// The body failed after the head arrived: the handler answered, so its effect is taken
+    /// as done, but the response is lost.
+    Broken { parts: Parts, error: BoxError },
     /// The body outgrew the limit: what was read, and the rest still to stream.
     TooLarge {
         parts: Parts,
@@ -103,7 +106,7 @@ pub(crate) async fn capture<B>(
     res: Response<B>,
     limit: usize,
     stream_for: Option<Arc<serde_json::Value>>,
-) -> Result<Captured<B>, BoxError>
+) -> Captured<B>
 where
     B: Body<Data = Bytes>,
     B::Error: Into<BoxError>,
@@ -117,21 +120,27 @@ where
     if let Some(id) = stream_for
         && is_stream
     {
-        return Ok(Captured::Streaming { parts, body, id });
+        return Captured::Streaming { parts, body, id };
     }
     let mut data = Gathered::default();
     let mut trailers: Option<HeaderMap> = None;
     while let Some(frame) = body.frame().await {
-        let frame = frame.map_err(Into::into)?;
+        let frame = match frame {
+            Ok(frame) => frame,
+            Err(error) => {
+                let error = error.into();
+                return Captured::Broken { parts, error };
+            }
+        };
         match frame.into_data() {
             Ok(chunk) => {
                 data.push(chunk);
                 if data.len() > limit {
-                    return Ok(Captured::TooLarge {
+                    return Captured::TooLarge {
                         parts,
                         prefix: data.freeze(),
                         rest: body,
-                    });
+                    };
                 }
             }
             Err(frame) => {
@@ -141,11 +150,11 @@ where
             }
         }
     }
-    Ok(Captured::Complete {
+    Captured::Complete {
         parts,
         body: data.freeze(),
         trailers,
-    })
+    }
 }
 
 /// How a response leaves the middleware: the replay marker, and the optional envelope.
@@ -209,8 +218,9 @@ pub(crate) fn replay<B>(
             let mut res = Problem::new(
                 ProblemKind::ResponseNotStored,
                 format!(
-                    "the operation completed with status {}, but its response was larger than the \
-                 limit for recorded responses and cannot be replayed; it will not run again",
+                    "the operation completed with status {}, but its response was not recorded \
+                     (it was larger than the limit for recorded responses, or its body failed \
+                     after the handler answered), so it cannot be replayed; it will not run again",
                     stored.status.as_u16()
                 ),
             )

@@ -1,6 +1,7 @@
 //! [`Idempotency`]: the pipeline of DESIGN §1, one step after another.
 
 use std::fmt;
+use std::future::Future;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -14,10 +15,11 @@ use tracing::Instrument;
 
 use crate::body::{Gathered, RequestBody, ResponseBody};
 use crate::context::IdempotencyContext;
-use crate::decide::{Decision, ceil_secs, decide};
+use crate::decide::{Decision, busy, ceil_secs, decide};
 use crate::execute::Execution;
 use crate::fingerprint::fingerprint;
 use crate::future::{ResponseFuture, Step};
+use crate::hold::Keeper;
 use crate::jsonrpc::{self, JsonRpc};
 use crate::key::{DefaultScope, KeyError, MakeScope, ScopedKey, parse_key};
 use crate::layer::Resolved;
@@ -25,7 +27,7 @@ use crate::observe::{self, Event};
 use crate::problem::{Problem, ProblemKind, Protocol};
 use crate::replay::replay;
 use crate::route::RouteConfig;
-use crate::store::{BoxError, ClaimRequest, HistoryEvent, IdempotencyStore};
+use crate::store::{BoxError, Claim, ClaimRequest, HistoryEvent, IdempotencyStore, StoreError};
 
 /// The middleware service made by [`IdempotencyLayer`](crate::IdempotencyLayer).
 ///
@@ -35,16 +37,16 @@ use crate::store::{BoxError, ClaimRequest, HistoryEvent, IdempotencyStore};
 /// inner service did not.
 pub struct Idempotency<S, St, M = DefaultScope> {
     inner: S,
-    store: Arc<St>,
+    keeper: Keeper<St>,
     make_scope: M,
     config: Arc<Resolved>,
 }
 
 impl<S, St, M> Idempotency<S, St, M> {
-    pub(crate) fn new(inner: S, store: Arc<St>, make_scope: M, config: Arc<Resolved>) -> Self {
+    pub(crate) fn new(inner: S, keeper: Keeper<St>, make_scope: M, config: Arc<Resolved>) -> Self {
         Self {
             inner,
-            store,
+            keeper,
             make_scope,
             config,
         }
@@ -94,7 +96,7 @@ where
         let pipeline = Pipeline {
             span: span.clone(),
             route: route.clone(),
-            store: self.store.clone(),
+            keeper: self.keeper.clone(),
             make_scope: self.make_scope.clone(),
             config: self.config.clone(),
         };
@@ -108,7 +110,7 @@ where
 struct Pipeline<St, M> {
     span: tracing::Span,
     route: Arc<RouteConfig>,
-    store: Arc<St>,
+    keeper: Keeper<St>,
     make_scope: M,
     config: Arc<Resolved>,
 }
@@ -187,8 +189,10 @@ impl<St: IdempotencyStore, M: MakeScope> Pipeline<St, M> {
             .map(|wait| tokio::time::Instant::now() + wait);
         let mut backoff = Duration::from_millis(10);
         let lease = loop {
-            let claim = match self.store.claim(&request).await {
-                Ok(claim) => claim,
+            // Seen to its end even if this request is dropped meanwhile (see `ClaimToEnd`).
+            let decision = match ClaimToEnd::new(self.keeper.store(), &request).await {
+                Ok(claim) => decide(claim, &request.fingerprint),
+                Err(StoreError::Busy) => busy(),
                 Err(error) => {
                     observe::count(Event::StoreError);
                     tracing::error!(%error, "claim failed; refusing to run (fail closed)");
@@ -198,12 +202,7 @@ impl<St: IdempotencyStore, M: MakeScope> Pipeline<St, M> {
             };
             let can_wait =
                 wait_until.is_some_and(|until| tokio::time::Instant::now() + backoff < until);
-            let noting = match self.next(
-                decide(claim, &request.fingerprint),
-                can_wait,
-                envelope,
-                &protocol,
-            ) {
+            let noting = match self.next(decision, can_wait, envelope, &protocol) {
                 Next::Run(lease) => break lease,
                 Next::Wait => None,
                 Next::Answer(response, None) => return Step::Answer(Ok(response)),
@@ -226,19 +225,19 @@ impl<St: IdempotencyStore, M: MakeScope> Pipeline<St, M> {
         let mut req = Request::from_parts(parts, RequestBody::buffered(bytes));
         // The key moves on from the claim request: no second copy waits in this future.
         let key = request.key;
-        let context = IdempotencyContext::new(key.clone(), &lease, self.store.clone());
+        let context = IdempotencyContext::new(key.clone(), &lease, self.keeper.store().clone());
         req.extensions_mut().insert(context);
         let cancel_on_disconnect = route.cancel_on_disconnect;
         let token = lease.token;
         // The pipeline's shared handles move on to the execution: no clone per request.
         let Pipeline {
-            store,
+            keeper,
             route,
             config,
             ..
         } = self;
         let execution = Execution {
-            store,
+            keeper,
             key,
             lease,
             route,
@@ -249,7 +248,7 @@ impl<St: IdempotencyStore, M: MakeScope> Pipeline<St, M> {
             // The server treats a hang-up as cancellation: give the key back if this future
             // is dropped before the outcome is recorded.
             let guard = ReleaseOnDrop {
-                store: Some(execution.store.clone()),
+                store: Some(execution.keeper.store().clone()),
                 key: execution.key.clone(),
                 token,
             };
@@ -309,6 +308,64 @@ impl<St: IdempotencyStore> Drop for ReleaseOnDrop<St> {
                 observe::count(Event::Release);
                 if let Err(error) = store.release(&key, token).await {
                     tracing::warn!(%error, "could not release a cancelled execution's key");
+                }
+            });
+        }
+    }
+}
+
+type ClaimFuture = std::pin::Pin<Box<dyn Future<Output = Result<Claim, StoreError>> + Send>>;
+
+/// A claim seen to its end even if the request is dropped while it is in flight (a client
+/// hanging up during a PostgreSQL round trip): dropped unfinished, it finishes on a task of its
+/// own and gives back a key it won, since no handler ever ran under it. Nothing is left in
+/// progress, nor awaiting reconciliation, for a request that ran nothing.
+struct ClaimToEnd<St: IdempotencyStore> {
+    claim: Option<ClaimFuture>,
+    store: Arc<St>,
+    key: ScopedKey,
+}
+
+impl<St: IdempotencyStore> ClaimToEnd<St> {
+    fn new(store: &Arc<St>, request: &ClaimRequest) -> Self {
+        let (owned, key) = (store.clone(), request.key.clone());
+        let request = request.clone();
+        Self {
+            claim: Some(Box::pin(async move { owned.claim(&request).await })),
+            store: store.clone(),
+            key,
+        }
+    }
+}
+
+impl<St: IdempotencyStore> Future for ClaimToEnd<St> {
+    type Output = Result<Claim, StoreError>;
+
+    fn poll(mut self: std::pin::Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let Some(claim) = self.claim.as_mut() else {
+            // Polled after it finished: a caller bug that must not panic in a server.
+            return Poll::Pending;
+        };
+        let out = std::task::ready!(claim.as_mut().poll(cx));
+        self.claim = None;
+        Poll::Ready(out)
+    }
+}
+
+impl<St: IdempotencyStore> Drop for ClaimToEnd<St> {
+    fn drop(&mut self) {
+        let Some(claim) = self.claim.take() else {
+            return;
+        };
+        let (store, key) = (self.store.clone(), self.key.clone());
+        // Without a runtime (shutting down) a won claim's lease runs out instead.
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            runtime.spawn(async move {
+                if let Ok(Claim::Acquired(lease)) = claim.await {
+                    observe::count(Event::Release);
+                    if let Err(error) = store.release(&key, lease.token).await {
+                        tracing::warn!(%error, "could not give back a claim nobody ran under");
+                    }
                 }
             });
         }
@@ -489,7 +546,7 @@ impl<St: IdempotencyStore, M> Pipeline<St, M> {
         event: HistoryEvent,
         response: Response<ResponseBody<B>>,
     ) -> Response<ResponseBody<B>> {
-        if let Err(error) = self.store.append_history(key, event).await {
+        if let Err(error) = self.keeper.store().append_history(key, event).await {
             // The answer stands; only its trace in the history is missing.
             observe::count(Event::StoreError);
             tracing::warn!(%error, "could not write the refusal into the key's history");
@@ -568,7 +625,7 @@ impl<S: Clone, St, M: Clone> Clone for Idempotency<S, St, M> {
     fn clone(&self) -> Self {
         Self {
             inner: self.inner.clone(),
-            store: self.store.clone(),
+            keeper: self.keeper.clone(),
             make_scope: self.make_scope.clone(),
             config: self.config.clone(),
         }
@@ -579,7 +636,7 @@ impl<S: fmt::Debug, St: fmt::Debug, M: fmt::Debug> fmt::Debug for Idempotency<S,
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Idempotency")
             .field("inner", &self.inner)
-            .field("store", &self.store)
+            .field("store", self.keeper.store())
             .field("make_scope", &self.make_scope)
             .field("config", &self.config)
             .finish()

@@ -46,7 +46,9 @@ macro_rules! all_checks {
             milestones_are_fenced_and_durable,
             effect_started_turns_an_expired_lease_into_reconciliation,
             uncertain_records_are_listed_and_resolved,
+            resolution_fences_out_the_old_holder,
             history_tells_what_happened,
+            history_is_bounded,
         );
     };
 }

@@ -6,6 +6,16 @@
 //! each costs a write on what is otherwise a read.
 
 use std::fmt;
+
+/// A key's history keeps at most this many entries: claims, milestones and outcomes are
+/// written until it holds them, so the first attempts of a key that is retried without end
+/// stay readable and no record grows without bound.
+pub const HISTORY_LIMIT: usize = 256;
+
+/// What requests were told (replays, conflicts, mismatches, outcome unknown) is written only
+/// while the history holds fewer entries than this: a key replayed a million times keeps a
+/// few dozen such entries, and every store's record stays small.
+pub const HISTORY_REFUSALS: usize = 64;
 use std::time::SystemTime;
 
 use super::FencingToken;

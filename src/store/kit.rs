@@ -52,7 +52,9 @@ pub async fn run_all<S: IdempotencyStore>(store: Arc<S>) {
     milestones_are_fenced_and_durable(&store).await;
     effect_started_turns_an_expired_lease_into_reconciliation(&store).await;
     uncertain_records_are_listed_and_resolved(&store).await;
+    resolution_fences_out_the_old_holder(&store).await;
     history_tells_what_happened(&store).await;
+    history_is_bounded(&store).await;
 }
 
 fn unique_key(name: &str) -> ScopedKey {
@@ -226,7 +228,9 @@ pub async fn release_lets_the_next_claim_take_over<S: IdempotencyStore>(store: &
     assert_fenced(store.release(&key, first.token).await, "release");
 }
 
-/// After `mark_uncertain` claims return the record as `needs_reconciliation`.
+/// After `mark_uncertain` claims return the record as `needs_reconciliation`; the holder that
+/// marked it may still settle it with its outcome (a record it could not write at first), but
+/// can no longer release it or renew its lease.
 pub async fn mark_uncertain_blocks_claims<S: IdempotencyStore>(store: &S) {
     let key = unique_key("uncertain");
     let req = request(&key, 1, LONG, LONG);
@@ -238,9 +242,68 @@ pub async fn mark_uncertain_blocks_claims<S: IdempotencyStore>(store: &S) {
     let (record, _) = existing(store, &req, "an uncertain key").await;
     assert_eq!(record.status, RecordStatus::NeedsReconciliation);
     assert_fenced(
-        store.complete(&key, lease.token, &response(), LONG).await,
-        "complete after mark_uncertain",
+        store.release(&key, lease.token).await.map(drop),
+        "release after mark_uncertain",
     );
+    assert_fenced(
+        store.renew(&key, lease.token, LONG).await.map(drop),
+        "renew after mark_uncertain",
+    );
+    store
+        .complete(&key, lease.token, &response(), LONG)
+        .await
+        .expect("the holder settles its uncertain record with its outcome");
+    let (record, _) = existing(store, &req, "a settled key").await;
+    assert_eq!(record.status, RecordStatus::Completed);
+    assert_eq!(record.response, Some(response()));
+}
+
+/// Issue 15 §5: a resolution is final. Resolving an uncertain record gives it a new token, so
+/// a late `complete` from the holder it overrules (whose lease expired) is refused and the
+/// resolved outcome stands, applied or not.
+pub async fn resolution_fences_out_the_old_holder<S: IdempotencyStore>(store: &S) {
+    for applied in [true, false] {
+        let key = unique_key(if applied {
+            "resolved-applied"
+        } else {
+            "resolved-not"
+        });
+        let req = ClaimRequest {
+            on_lease_expiry: LeaseExpiry::Reconcile,
+            ..request(&key, 1, SHORT, LONG)
+        };
+        let holder = acquire(store, &req, "a fresh key").await;
+        tokio::time::sleep(PAST_SHORT).await;
+        let (record, _) = existing(store, &req, "a dead holder's key").await;
+        assert_eq!(record.status, RecordStatus::NeedsReconciliation);
+        let resolution = if applied {
+            Resolution::Applied(Box::new(response()))
+        } else {
+            Resolution::NotApplied
+        };
+        store
+            .resolve(&key, record.lease_token, &resolution, LONG)
+            .await
+            .expect("resolve");
+        let mut late = response();
+        late.body = Some(bytes::Bytes::from_static(b"the late holder's answer"));
+        assert_fenced(
+            store.complete(&key, holder.token, &late, LONG).await,
+            "a late complete after the key was resolved",
+        );
+        let record = store
+            .lookup(&key)
+            .await
+            .expect("lookup")
+            .expect("the record");
+        if applied {
+            assert_eq!(record.status, RecordStatus::Completed);
+            assert_eq!(record.response, Some(response()), "the resolution stands");
+        } else {
+            assert_eq!(record.status, RecordStatus::Released);
+            assert_ne!(record.lease_token, holder.token, "a new token fences it");
+        }
+    }
 }
 
 /// When a lease runs out the next claim takes over, and the old holder can no longer renew,
@@ -283,9 +346,16 @@ pub async fn expired_lease_with_reconcile_needs_reconciliation<S: IdempotencySto
     assert_eq!(record.status, RecordStatus::NeedsReconciliation);
     assert_eq!(record.attempts, 1, "nothing was taken over");
     assert_fenced(
-        store.complete(&key, lease.token, &response(), LONG).await,
-        "complete after the move to reconciliation",
+        store.release(&key, lease.token).await.map(drop),
+        "release after the move to reconciliation",
     );
+    // The slow holder that really ran settles the uncertainty with its outcome.
+    store
+        .complete(&key, lease.token, &response(), LONG)
+        .await
+        .expect("the holder completes its record awaiting reconciliation");
+    let (record, _) = existing(store, &req, "a settled key").await;
+    assert_eq!(record.status, RecordStatus::Completed);
 }
 
 /// A renewed lease is not taken over when its first length passes.
@@ -495,6 +565,37 @@ pub async fn uncertain_records_are_listed_and_resolved<S: IdempotencyStore>(stor
     )
     .await;
     assert_eq!(again.attempt, 2, "it runs again as the next attempt");
+}
+
+/// Issue 15 §6: a key's history is bounded. Replays written by routes that record refusals
+/// stop at [`HISTORY_REFUSALS`](super::HISTORY_REFUSALS) entries, and what came first (the
+/// claim and its outcome) stays.
+pub async fn history_is_bounded<S: IdempotencyStore>(store: &S) {
+    let key = unique_key("bounded-history");
+    let req = request(&key, 1, LONG, LONG);
+    let lease = acquire(store, &req, "a fresh key").await;
+    store
+        .complete(&key, lease.token, &response(), LONG)
+        .await
+        .expect("complete");
+    for _ in 0..super::HISTORY_REFUSALS + 40 {
+        store
+            .append_history(&key, HistoryEvent::Replayed)
+            .await
+            .expect("append_history");
+    }
+    let record = store
+        .lookup(&key)
+        .await
+        .expect("lookup")
+        .expect("the record");
+    assert_eq!(
+        record.history.len(),
+        super::HISTORY_REFUSALS,
+        "the history stops growing at its bound"
+    );
+    assert_eq!(record.history[0].event, HistoryEvent::Claimed);
+    assert_eq!(record.history[1].event, HistoryEvent::Completed);
 }
 
 /// The record's history lists every attempt and what became of it, in order, with each

@@ -8,6 +8,7 @@ use std::time::{Duration, SystemTime};
 
 use hashbrown::HashTable;
 
+use super::history::{HISTORY_LIMIT, HISTORY_REFUSALS};
 use super::{
     Claim, ClaimRequest, FencingToken, Fingerprint, HistoryEntry, HistoryEvent, IdempotencyStore,
     Lease, LeaseExpiry, Milestone, Record, RecordStatus, Resolution, ScopedKey, StoreError,
@@ -26,8 +27,11 @@ type Clock = Arc<dyn Fn() -> SystemTime + Send + Sync>;
 /// Records live in 64 independently locked shards, so concurrent requests on different keys
 /// rarely contend and no lock is held across an `.await`. Expired records are swept as claims
 /// arrive (and by [`purge_expired`](IdempotencyStore::purge_expired)); records under a live
-/// lease never expire, so in-flight keys are never evicted. With [`max_records`](Self::max_records) set, a claim that would exceed the
-/// bound fails with [`StoreError::Full`] (answered 503) instead of growing without limit.
+/// lease never expire, so in-flight keys are never evicted. The store is bounded by default, in
+/// records ([`max_records`](Self::max_records)) and in bytes ([`max_bytes`](Self::max_bytes)):
+/// a claim of a new key that does not fit fails with [`StoreError::Full`] (answered 503,
+/// nothing runs) instead of growing without limit or evicting live and completed records.
+/// Leases and TTLs run on a monotonic clock.
 ///
 /// Cloning is cheap and shares the records. Records do not survive the process: use a durable
 /// store when a restart must not forget in-flight or completed keys.
@@ -41,6 +45,7 @@ struct Inner {
     hasher: RandomState,
     clock: Clock,
     max_records: AtomicUsize,
+    max_bytes: AtomicUsize,
     /// Written by claims; apart from what every operation reads.
     counts: Padded<Counts>,
 }
@@ -48,6 +53,8 @@ struct Inner {
 struct Counts {
     next_token: AtomicU64,
     len: AtomicUsize,
+    /// What the records weigh (see [`Entry::weight`]).
+    bytes: AtomicUsize,
 }
 
 /// A value on cache lines of its own (two, as x86 fetches them in pairs): what one thread
@@ -165,11 +172,31 @@ impl Entry {
         }
     }
 
+    /// What this record counts toward the byte bound: its own size, its key and its response.
+    fn weight(&self) -> usize {
+        size_of::<Self>()
+            + self.key.scope().len()
+            + self.key.key().len()
+            + self.response.as_ref().map_or(0, |r| r.len())
+            + self.extra.as_ref().map_or(0, |e| {
+                size_of::<Extra>()
+                    + e.history.capacity() * size_of::<Event>()
+                    + e.downstream_id.as_ref().map_or(0, |d| d.len())
+            })
+    }
+
     fn is(&self, hash: u64, key: &ScopedKey) -> bool {
         self.hash == hash && self.key == *key
     }
 
-    fn push_history(&mut self, event: Event) {
+    /// Appends `event` while the history holds fewer than `cap` entries.
+    fn push_history(&mut self, event: Event, cap: usize) {
+        let held = 1
+            + usize::from(self.next.is_some())
+            + self.extra.as_ref().map_or(0, |e| e.history.len());
+        if held >= cap {
+            return;
+        }
         match &mut self.next {
             slot @ None => *slot = Some(event),
             Some(_) => self.extra.get_or_insert_default().history.push(event),
@@ -260,12 +287,25 @@ impl Default for MemoryStore {
 }
 
 impl MemoryStore {
-    /// An empty store on the system clock, without a record limit.
+    /// The default bound on the number of records: a million.
+    pub const DEFAULT_MAX_RECORDS: usize = 1_000_000;
+    /// The default bound on what records weigh (keys, responses and the records themselves):
+    /// 256 MiB.
+    pub const DEFAULT_MAX_BYTES: usize = 256 << 20;
+
+    /// An empty store on a monotonic clock, bounded by [`DEFAULT_MAX_RECORDS`](Self::DEFAULT_MAX_RECORDS)
+    /// and [`DEFAULT_MAX_BYTES`](Self::DEFAULT_MAX_BYTES).
+    ///
+    /// Leases and TTLs are measured on a monotonic clock that starts at the wall-clock time of
+    /// this call: a wall-clock step (NTP, an operator) can neither hand a live lease to a retry
+    /// nor expire records early. Times reported in records read as wall-clock times.
     pub fn new() -> Self {
-        Self::with_clock(SystemTime::now)
+        let (base, start) = (SystemTime::now(), std::time::Instant::now());
+        Self::with_clock(move || base + start.elapsed())
     }
 
-    /// An empty store reading time from `clock` (tests move time forward with it).
+    /// An empty store reading time from `clock` (tests move time forward with it), with the
+    /// default bounds.
     pub fn with_clock(clock: impl Fn() -> SystemTime + Send + Sync + 'static) -> Self {
         let seed = SystemTime::now()
             .duration_since(SystemTime::UNIX_EPOCH)
@@ -275,20 +315,67 @@ impl MemoryStore {
                 shards: (0..SHARDS).map(|_| Padded(Mutex::default())).collect(),
                 hasher: RandomState::new(),
                 clock: Arc::new(clock),
-                max_records: AtomicUsize::new(usize::MAX),
+                max_records: AtomicUsize::new(Self::DEFAULT_MAX_RECORDS),
+                max_bytes: AtomicUsize::new(Self::DEFAULT_MAX_BYTES),
                 counts: Padded(Counts {
                     next_token: AtomicU64::new(seed),
                     len: AtomicUsize::new(0),
+                    bytes: AtomicUsize::new(0),
                 }),
             }),
         }
     }
 
-    /// Caps the number of records held; claims beyond it fail with [`StoreError::Full`].
+    /// Caps the number of records held (default [`DEFAULT_MAX_RECORDS`](Self::DEFAULT_MAX_RECORDS)).
     /// The bound is shared by every clone of this store.
+    ///
+    /// When the store is full, a claim of a new key first purges expired records (in every
+    /// shard); if live records still fill it, the claim fails with [`StoreError::Full`] and the
+    /// request is answered like one to an unavailable store (503, nothing runs). Live and
+    /// completed records are never evicted to make room.
     pub fn max_records(self, max: usize) -> Self {
         self.inner.max_records.store(max, Ordering::Relaxed);
         self
+    }
+
+    /// Caps what the records weigh: their keys, recorded responses and own size (default
+    /// [`DEFAULT_MAX_BYTES`](Self::DEFAULT_MAX_BYTES)). Claims of new keys are refused as for
+    /// [`max_records`](Self::max_records) once the weight reaches it. A key already claimed
+    /// always records its outcome, so the weight may pass the bound by what requests in
+    /// flight then record (at most their response limit each).
+    pub fn max_bytes(self, max: usize) -> Self {
+        self.inner.max_bytes.store(max, Ordering::Relaxed);
+        self
+    }
+
+    /// What the records weigh now, in bytes (see [`max_bytes`](Self::max_bytes)).
+    pub fn bytes(&self) -> usize {
+        self.inner.counts.bytes.load(Ordering::Relaxed)
+    }
+
+    fn full(&self) -> bool {
+        self.inner.counts.len.load(Ordering::Relaxed)
+            >= self.inner.max_records.load(Ordering::Relaxed)
+            || self.inner.counts.bytes.load(Ordering::Relaxed)
+                >= self.inner.max_bytes.load(Ordering::Relaxed)
+    }
+
+    fn weigh(&self, before: usize, after: usize) {
+        let bytes = &self.inner.counts.bytes;
+        if after >= before {
+            bytes.fetch_add(after - before, Ordering::Relaxed);
+        } else {
+            bytes.fetch_sub(before - after, Ordering::Relaxed);
+        }
+    }
+
+    /// Sweeps every shard, one lock at a time; returns how many records went.
+    fn sweep_all(&self, now: u64) -> u64 {
+        self.inner
+            .shards
+            .iter()
+            .map(|shard| self.sweep(&mut lock(shard), now))
+            .sum()
     }
 
     /// How many records the store holds, expired ones not yet purged included.
@@ -327,16 +414,20 @@ impl MemoryStore {
         }
         let before = shard.records.len();
         let mut next = u64::MAX;
+        let mut freed = 0;
         shard.records.retain(|e| {
             let keep = e.expires_at > now;
             if keep {
                 next = next.min(e.expires_at);
+            } else {
+                freed += e.weight();
             }
             keep
         });
         shard.next_expiry = next;
         let removed = before - shard.records.len();
         self.inner.counts.len.fetch_sub(removed, Ordering::Relaxed);
+        self.inner.counts.bytes.fetch_sub(freed, Ordering::Relaxed);
         removed as u64
     }
 
@@ -364,7 +455,9 @@ impl MemoryStore {
         match shard.find_mut(hash, key) {
             Some(r) if r.lease_token == token && allowed(r, now) => {
                 r.updated_at = now;
+                let before = r.weight();
                 let out = f(r, now);
+                self.weigh(before, r.weight());
                 let expires_at = r.expires_at;
                 shard.expires(expires_at);
                 Ok(out)
@@ -374,8 +467,9 @@ impl MemoryStore {
     }
 }
 
-impl IdempotencyStore for MemoryStore {
-    async fn claim(&self, req: &ClaimRequest) -> Result<Claim, StoreError> {
+impl MemoryStore {
+    /// One claim under one shard lock; [`StoreError::Full`] when a new record does not fit.
+    fn claim_now(&self, req: &ClaimRequest) -> Result<Claim, StoreError> {
         let now = self.now();
         let (hash, mut shard) = self.shard(&req.key);
         shard.claims += 1;
@@ -403,7 +497,9 @@ impl IdempotencyStore for MemoryStore {
                             if req.on_lease_expiry == LeaseExpiry::Reclaim && !r.effect_started {
                                 true
                             } else {
+                                let before = r.weight();
                                 log(r, now, HistoryEvent::LeaseExpired);
+                                self.weigh(before, r.weight());
                                 r.status = RecordStatus::NeedsReconciliation;
                                 r.updated_at = now;
                                 false
@@ -426,27 +522,45 @@ impl IdempotencyStore for MemoryStore {
                 r.updated_at = now;
                 // Only ever later: the shard's next expiry stays a lower bound.
                 r.expires_at = r.expires_at.max(now + span(req.ttl)).max(lease_until);
+                let before = r.weight();
                 log(r, now, HistoryEvent::Claimed);
+                self.weigh(before, r.weight());
                 return acquired(token, r.attempts);
             }
             // Expired: counts as absent; its slot takes the new claim.
             let token = self.token();
+            let before = r.weight();
             *r = Entry::claimed(req, hash, token, now, lease_until);
+            self.weigh(before, r.weight());
             let expires_at = r.expires_at;
             shard.expires(expires_at);
             return acquired(token, 1);
         }
-        let full = self.inner.counts.len.load(Ordering::Relaxed)
-            >= self.inner.max_records.load(Ordering::Relaxed);
-        if full && self.sweep(&mut shard, now) == 0 {
+        if self.full() {
             return Err(StoreError::Full);
         }
         self.inner.counts.len.fetch_add(1, Ordering::Relaxed);
         let token = self.token();
         let entry = Box::new(Entry::claimed(req, hash, token, now, lease_until));
+        self.weigh(0, entry.weight());
         shard.expires(entry.expires_at);
         shard.records.insert_unique(hash, entry, |e| e.hash);
         acquired(token, 1)
+    }
+}
+
+impl IdempotencyStore for MemoryStore {
+    async fn claim(&self, req: &ClaimRequest) -> Result<Claim, StoreError> {
+        match self.claim_now(req) {
+            // Expired records anywhere make room, not only the claiming shard's: sweep them
+            // all, one lock at a time (never two at once), then claim afresh. Full only when
+            // live records fill the store.
+            Err(StoreError::Full) => {
+                self.sweep_all(self.now());
+                self.claim_now(req)
+            }
+            other => other,
+        }
     }
 
     async fn renew(
@@ -469,9 +583,16 @@ impl IdempotencyStore for MemoryStore {
         response: &StoredResponse,
         ttl: Duration,
     ) -> Result<(), StoreError> {
-        // The holder may complete again what it already completed.
-        let may =
-            |r: &Entry, _| matches!(r.status, RecordStatus::InProgress | RecordStatus::Completed);
+        // The holder may complete again what it already completed, and settle with the truth
+        // what it marked uncertain when an earlier write failed (a resolution bumps the token).
+        let may = |r: &Entry, _| {
+            matches!(
+                r.status,
+                RecordStatus::InProgress
+                    | RecordStatus::Completed
+                    | RecordStatus::NeedsReconciliation
+            )
+        };
         self.write_if(key, token, may, |r, now| {
             r.status = RecordStatus::Completed;
             r.response = Some(response.to_bytes().into_boxed_slice());
@@ -522,12 +643,13 @@ impl IdempotencyStore for MemoryStore {
         let removed = shard
             .records
             .find_entry(hash, |e| e.is(hash, key))
-            .map(|slot| slot.remove())
-            .is_ok();
-        if removed {
+            .map(|slot| slot.remove().0)
+            .ok();
+        if let Some(entry) = &removed {
             self.inner.counts.len.fetch_sub(1, Ordering::Relaxed);
+            self.weigh(entry.weight(), 0);
         }
-        Ok(removed)
+        Ok(removed.is_some())
     }
 
     async fn purge_expired(&self) -> Result<u64, StoreError> {
@@ -582,14 +704,18 @@ impl IdempotencyStore for MemoryStore {
         resolution: &Resolution,
         ttl: Duration,
     ) -> Result<(), StoreError> {
+        // A resolution is final: a new token fences out the holder it overrules.
+        let fresh = self.token();
         self.write_if(key, token, uncertain, |r, now| match resolution {
             Resolution::Applied(response) => {
+                r.lease_token = fresh;
                 r.status = RecordStatus::Completed;
                 r.response = Some(response.to_bytes().into_boxed_slice());
                 r.expires_at = now + span(ttl);
                 log(r, now, HistoryEvent::ReconciledApplied);
             }
             Resolution::NotApplied => {
+                r.lease_token = fresh;
                 r.status = RecordStatus::Released;
                 log(r, now, HistoryEvent::ReconciledNotApplied);
             }
@@ -602,7 +728,10 @@ impl IdempotencyStore for MemoryStore {
         if let Some(r) = shard.find_mut(hash, key)
             && r.expires_at > now
         {
-            log(r, now, event);
+            let before = r.weight();
+            log_capped(r, now, event, HISTORY_REFUSALS);
+            let after = r.weight();
+            self.weigh(before, after);
         }
         Ok(())
     }
@@ -618,12 +747,19 @@ fn lock(shard: &Mutex<Shard>) -> MutexGuard<'_, Shard> {
 
 /// Appends `event` to the record's history as its current attempt.
 fn log(r: &mut Entry, now: u64, event: HistoryEvent) {
-    r.push_history(Event {
-        at: now,
-        token: r.lease_token,
-        attempt: r.attempts,
-        event,
-    });
+    log_capped(r, now, event, HISTORY_LIMIT);
+}
+
+fn log_capped(r: &mut Entry, now: u64, event: HistoryEvent, cap: usize) {
+    r.push_history(
+        Event {
+            at: now,
+            token: r.lease_token,
+            attempt: r.attempts,
+            event,
+        },
+        cap,
+    );
 }
 
 /// Whether nobody knows the record's outcome: marked so, or its holder's lease ran out.

@@ -32,7 +32,7 @@ pub use crate::fingerprint::Fingerprint;
 pub use crate::key::ScopedKey;
 pub use any::{AnyStore, ConnectError};
 pub use codec::CorruptRecord;
-pub use history::{HistoryEntry, HistoryEvent};
+pub use history::{HISTORY_LIMIT, HISTORY_REFUSALS, HistoryEntry, HistoryEvent};
 #[cfg(feature = "memory")]
 pub use memory::MemoryStore;
 #[cfg(feature = "postgres")]
@@ -225,6 +225,10 @@ pub enum StoreError {
     Fenced,
     /// The store cannot take more records right now.
     Full,
+    /// The key's record is locked by a transaction that did not let go at once (a handler
+    /// recording its milestone inside its own transaction): its holder is in flight. A claim
+    /// answers this at once instead of queueing behind the lock.
+    Busy,
     /// The store could not be reached or failed.
     Unavailable(BoxError),
 }
@@ -241,6 +245,7 @@ impl fmt::Display for StoreError {
         match self {
             Self::Fenced => f.write_str("the lease was taken over; the write was refused"),
             Self::Full => f.write_str("the store is full"),
+            Self::Busy => f.write_str("the record is locked by a transaction in flight"),
             Self::Unavailable(e) => write!(f, "the store is unavailable: {e}"),
         }
     }
@@ -357,7 +362,11 @@ pub trait IdempotencyStore: Send + Sync + 'static {
     ) -> impl Future<Output = Result<(), StoreError>> + Send;
 
     /// Appends `event` to the history of the unexpired record for `key`, as its current
-    /// attempt; does nothing if there is none. Unfenced: it records what a request saw.
+    /// attempt; does nothing if there is none, or if its history already holds
+    /// [`HISTORY_REFUSALS`] entries. Unfenced: it records what a request saw.
+    ///
+    /// Every other write appends its own event while the history holds fewer than
+    /// [`HISTORY_LIMIT`] entries, so no record's history grows without bound.
     fn append_history(
         &self,
         key: &ScopedKey,

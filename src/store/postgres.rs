@@ -3,10 +3,11 @@
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
-use sqlx::postgres::{PgPool, PgPoolOptions, PgRow};
+use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions, PgRow};
 use sqlx::{AssertSqlSafe, Row};
 
 use super::codec::fresh_token;
+use super::history::{HISTORY_LIMIT, HISTORY_REFUSALS};
 use super::sql::{self, InvalidIdentifier, RawRecord, millis, unavailable};
 use super::{
     Claim, ClaimRequest, FencingToken, HistoryEvent, IdempotencyStore, LeaseExpiry, Milestone,
@@ -64,6 +65,16 @@ struct Statements {
 }
 
 const EXPIRED: &str = "r.expires_at <= now()";
+
+/// How long a claim waits for a record locked by another transaction (a handler recording its
+/// milestone in its own transaction) before answering "in flight". Set per claim, inside its
+/// own statement (`set_config(.., true)` lasts one transaction), before the row is locked: a
+/// claim never queues behind a long transaction holding a pooled connection.
+const CLAIM_LOCK_WAIT_MS: u64 = 100;
+
+/// Session limits on the connections [`PostgresStore::connect`] opens: no statement of the
+/// store waits on a lock, or runs, without bound.
+const SESSION_LIMITS: [(&str, &str); 2] = [("lock_timeout", "5s"), ("statement_timeout", "30s")];
 /// Nobody knows the outcome: marked so, or the holder's lease ran out.
 const UNCERTAIN: &str = "r.status = 'needs_reconciliation' \
     OR (r.status = 'in_progress' AND r.lease_until <= now())";
@@ -102,9 +113,11 @@ impl Statements {
                INSERT INTO {t} AS r (scope, key, fingerprint, status, lease_token, lease_until,
                    attempts, effect_started, downstream_id, response, created_at, updated_at, expires_at,
                    history)
-               VALUES ($1, $2, $3, 'in_progress', $4, now() + make_interval(secs => $5::float8 / 1000),
+               SELECT $1, $2, $3, 'in_progress', $4, now() + make_interval(secs => $5::float8 / 1000),
                    1, false, NULL, NULL, now(), now(),
-                   now() + make_interval(secs => GREATEST($5, $7)::float8 / 1000), {claimed_first})
+                   now() + make_interval(secs => GREATEST($5, $7)::float8 / 1000), {claimed_first}
+               FROM (SELECT set_config('lock_timeout', '{CLAIM_LOCK_WAIT_MS}ms', true) AS wait) AS bounded
+               WHERE bounded.wait IS NOT NULL
                ON CONFLICT (scope, key) DO UPDATE SET
                  fingerprint = CASE WHEN {EXPIRED} THEN excluded.fingerprint ELSE r.fingerprint END,
                  status = CASE WHEN {fresh_or_takeover} THEN 'in_progress' ELSE 'needs_reconciliation' END,
@@ -120,8 +133,8 @@ impl Statements {
                                    WHEN {takeover} THEN GREATEST(r.expires_at, excluded.expires_at)
                                    ELSE r.expires_at END,
                  history = CASE WHEN {EXPIRED} THEN excluded.history
-                                WHEN {takeover} THEN r.history || {claimed_again}
-                                ELSE r.history || {lease_expired} END
+                                WHEN {takeover} THEN {claimed_again}
+                                ELSE {lease_expired} END
                WHERE {EXPIRED} OR ({same} AND (r.status = 'released' OR ({lease_over})))
                RETURNING {cols_r}
              )
@@ -131,19 +144,28 @@ impl Statements {
               WHERE r.scope = $1 AND r.key = $2 AND NOT EXISTS (SELECT 1 FROM claimed)",
             cols_r = cols("r"),
             claimed_first = entry("1", "$4", "'claimed'"),
-            claimed_again = entry("r.attempts + 1", "excluded.lease_token", "'claimed'"),
-            lease_expired = entry("r.attempts", "r.lease_token", "'lease_expired'"),
+            claimed_again = sql::appended(
+                "r.history",
+                &entry("r.attempts + 1", "excluded.lease_token", "'claimed'"),
+                HISTORY_LIMIT
+            ),
+            lease_expired = sql::appended(
+                "r.history",
+                &entry("r.attempts", "r.lease_token", "'lease_expired'"),
+                HISTORY_LIMIT
+            ),
         );
-        let log = |event: &str| {
+        let log_capped = |event: &str, cap: usize| {
             format!(
-                "history = history || {}",
-                entry("attempts", "lease_token", event)
+                "history = {}",
+                sql::appended("history", &entry("attempts", "lease_token", event), cap)
             )
         };
+        let log = |event: &str| log_capped(event, HISTORY_LIMIT);
         let fenced = "scope = $1 AND key = $2 AND lease_token = $3 AND status = 'in_progress'";
         // The holder may complete again what it completed in its own transaction.
         let completer = "scope = $1 AND key = $2 AND lease_token = $3 \
-                         AND status IN ('in_progress', 'completed')";
+                         AND status IN ('in_progress', 'completed', 'needs_reconciliation')";
         Self {
             schema: schema.to_owned(),
             table: table.to_owned(),
@@ -200,22 +222,26 @@ impl Statements {
             )
             .into(),
             resolve: format!(
-                "UPDATE {t} r SET status = $4, response = COALESCE($5, r.response),
+                "UPDATE {t} r SET status = $4, response = COALESCE($5, r.response), lease_token = $7,
                    expires_at = CASE WHEN $4 = 'completed'
                      THEN now() + make_interval(secs => $6::float8 / 1000) ELSE r.expires_at END,
                    updated_at = now(),
-                   history = r.history || {}
+                   history = {}
                  WHERE r.scope = $1 AND r.key = $2 AND r.lease_token = $3 AND ({UNCERTAIN})",
-                entry(
+                sql::appended(
+                    "r.history",
+                    &entry(
                     "r.attempts",
-                    "r.lease_token",
+                    "$7",
                     "CASE WHEN $4 = 'completed' THEN 'reconciled_applied' ELSE 'reconciled_not_applied' END"
+                ),
+                    HISTORY_LIMIT
                 )
             )
             .into(),
             append_history: format!(
                 "UPDATE {t} SET {} WHERE scope = $1 AND key = $2 AND expires_at > now()",
-                log("$3")
+                log_capped("$3", HISTORY_REFUSALS)
             )
             .into(),
         }
@@ -235,10 +261,17 @@ impl PostgresStore {
     }
 
     /// Connects a pool to `url` (`postgres://user@host/db`) for a store in the default table.
+    ///
+    /// Its connections wait at most 5 s for a lock and run a statement for at most 30 s
+    /// (`lock_timeout`, `statement_timeout`), so a stuck transaction elsewhere cannot hold the
+    /// store's connections without bound; a claim waits at most 100 ms for a locked record and
+    /// then answers "in flight". A pool you pass to [`new`](Self::new) keeps its own settings;
+    /// claims are bounded on it all the same.
     pub async fn connect(url: &str) -> Result<Self, sqlx::Error> {
+        let options = url.parse::<PgConnectOptions>()?.options(SESSION_LIMITS);
         let pool = PgPoolOptions::new()
             .acquire_timeout(Duration::from_secs(5))
-            .connect(url)
+            .connect_with(options)
             .await?;
         Ok(Self::new(pool))
     }
@@ -300,10 +333,14 @@ impl PostgresStore {
             // Tables created before the history column existed.
             format!("ALTER TABLE {t} ADD COLUMN IF NOT EXISTS history text NOT NULL DEFAULT ''"),
             // Purging deletes by expiry: an index keeps it from scanning the table.
-            format!("CREATE INDEX IF NOT EXISTS \"{table}_expires_at\" ON {t} (expires_at)"),
             format!(
-                "CREATE INDEX IF NOT EXISTS \"{table}_needs_reconciliation\" ON {t} (updated_at)
-                 WHERE status = 'needs_reconciliation'"
+                "CREATE INDEX IF NOT EXISTS \"{}\" ON {t} (expires_at)",
+                sql::derived_name(table, "_expires_at")
+            ),
+            format!(
+                "CREATE INDEX IF NOT EXISTS \"{}\" ON {t} (updated_at)
+                 WHERE status = 'needs_reconciliation'",
+                sql::derived_name(table, "_needs_reconciliation")
             ),
         ]
     }
@@ -338,7 +375,7 @@ impl PostgresStore {
                 .bind(millis(req.ttl))
                 .fetch_optional(&self.pool)
                 .await
-                .map_err(unavailable)?;
+                .map_err(claim_failed)?;
             let Some(row) = row else { continue };
             let written: bool = row.try_get(15).map_err(unavailable)?;
             let (raw, now) = raw(&row).map_err(unavailable)?;
@@ -347,6 +384,19 @@ impl PostgresStore {
         Err(StoreError::unavailable(
             "claim kept racing with concurrent deletes",
         ))
+    }
+}
+
+/// A claim that gave up waiting for a locked record is in flight, not failed.
+fn claim_failed(error: sqlx::Error) -> StoreError {
+    let lock_not_available = error
+        .as_database_error()
+        .and_then(|e| e.code())
+        .is_some_and(|code| code == "55P03");
+    if lock_not_available {
+        StoreError::Busy
+    } else {
+        unavailable(error)
     }
 }
 

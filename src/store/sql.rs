@@ -41,6 +41,24 @@ pub(crate) fn identifier(name: &str) -> Result<&str, InvalidIdentifier> {
     }
 }
 
+/// The name of an object derived from a table's (an index), within the 63 bytes PostgreSQL
+/// keeps: a long table name is shortened and followed by a hash of the whole name, so the
+/// derived name never collapses into the table's own, nor into another table's.
+pub(crate) fn derived_name(table: &str, suffix: &str) -> String {
+    const MAX: usize = 63;
+    if table.len() + suffix.len() <= MAX {
+        return format!("{table}{suffix}");
+    }
+    // FNV-1a: stable across builds and platforms, unlike std's hasher.
+    let hash = table.bytes().fold(0xcbf2_9ce4_8422_2325_u64, |h, b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+    });
+    let tag = format!("_{:08x}", hash as u32);
+    // Identifiers are ASCII (see `identifier`), so any byte index is a char boundary.
+    let keep = MAX - suffix.len() - tag.len();
+    format!("{}{tag}{suffix}", &table[..keep])
+}
+
 /// The columns every claim or lookup reads, in this order.
 pub(crate) struct RawRecord {
     pub(crate) scope: Vec<u8>,
@@ -120,6 +138,15 @@ pub(crate) fn claim_outcome(
         record: Box::new(record),
         now,
     }
+}
+
+/// `history` with `entry` appended while it holds fewer than `cap` entries (each ends in `;`),
+/// in SQL both databases speak.
+pub(crate) fn appended(history: &str, entry: &str, cap: usize) -> String {
+    format!(
+        "(CASE WHEN length({history}) - length(replace({history}, ';', '')) < {cap} \
+         THEN {history} || {entry} ELSE {history} END)"
+    )
 }
 
 pub(crate) fn from_millis(ms: i64) -> SystemTime {
@@ -410,6 +437,8 @@ impl IdempotencyStore for $store {
             .bind(status.as_str())
             .bind(response)
             .bind(millis(ttl))
+            // A resolution is final: a new token fences out the holder it overrules.
+            .bind(sql::token(super::codec::fresh_token()))
             .execute(&self.pool)
             .await
             .map_err(unavailable)?;
@@ -435,6 +464,25 @@ pub(crate) use sql_store;
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Issue 15 §8: an index name derived from a 63-byte table name fits PostgreSQL's limit
+    /// and differs from the table's own name and from another long table's.
+    #[test]
+    fn derived_names_fit_and_stay_distinct() {
+        let long = "t".repeat(63);
+        let other = format!("{}u", "t".repeat(62));
+        for table in [long.as_str(), other.as_str(), "short"] {
+            let name = derived_name(table, "_expires_at");
+            assert!(name.len() <= 63, "{name} is {} bytes", name.len());
+            assert_ne!(name, table);
+            assert!(name.ends_with("_expires_at"));
+        }
+        assert_ne!(
+            derived_name(&long, "_expires_at"),
+            derived_name(&other, "_expires_at")
+        );
+        assert_eq!(derived_name("short", "_expires_at"), "short_expires_at");
+    }
 
     #[test]
     fn hostile_identifiers_are_refused() {

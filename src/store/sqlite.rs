@@ -11,6 +11,7 @@ use sqlx::sqlite::{
 use sqlx::{AssertSqlSafe, Row};
 
 use super::codec::fresh_token;
+use super::history::{HISTORY_LIMIT, HISTORY_REFUSALS};
 use super::sql::{self, InvalidIdentifier, RawRecord, millis, unavailable};
 use super::{
     Claim, ClaimRequest, FencingToken, HistoryEvent, IdempotencyStore, LeaseExpiry, Milestone,
@@ -103,24 +104,33 @@ impl Statements {
                                  WHEN {takeover} THEN MAX(r.expires_at, excluded.expires_at)
                                  ELSE r.expires_at END,
                history = CASE WHEN {expired} THEN excluded.history
-                              WHEN {takeover} THEN r.history || {claimed_again}
-                              ELSE r.history || {lease_expired} END
+                              WHEN {takeover} THEN {claimed_again}
+                              ELSE {lease_expired} END
              WHERE {expired} OR ({same} AND (r.status = 'released' OR ({lease_over})))
              RETURNING {COLUMNS}, {NOW}",
             claimed_first = entry("1", "?4", "'claimed'"),
-            claimed_again = entry("r.attempts + 1", "excluded.lease_token", "'claimed'"),
-            lease_expired = entry("r.attempts", "r.lease_token", "'lease_expired'"),
+            claimed_again = sql::appended(
+                "r.history",
+                &entry("r.attempts + 1", "excluded.lease_token", "'claimed'"),
+                HISTORY_LIMIT
+            ),
+            lease_expired = sql::appended(
+                "r.history",
+                &entry("r.attempts", "r.lease_token", "'lease_expired'"),
+                HISTORY_LIMIT
+            ),
         );
-        let log = |event: &str| {
+        let log_capped = |event: &str, cap: usize| {
             format!(
-                "history = history || {}",
-                entry("attempts", "lease_token", event)
+                "history = {}",
+                sql::appended("history", &entry("attempts", "lease_token", event), cap)
             )
         };
+        let log = |event: &str| log_capped(event, HISTORY_LIMIT);
         let fenced = "scope = ?1 AND key = ?2 AND lease_token = ?3 AND status = 'in_progress'";
         // The holder may complete again what it completed in its own transaction.
         let completer = "scope = ?1 AND key = ?2 AND lease_token = ?3 \
-                         AND status IN ('in_progress', 'completed')";
+                         AND status IN ('in_progress', 'completed', 'needs_reconciliation')";
         let uncertain = format!(
             "r.status = 'needs_reconciliation' OR (r.status = 'in_progress' AND r.lease_until <= {NOW})"
         );
@@ -175,21 +185,25 @@ impl Statements {
             )
             .into(),
             resolve: format!(
-                "UPDATE {t} AS r SET status = ?4, response = COALESCE(?5, r.response),
+                "UPDATE {t} AS r SET status = ?4, response = COALESCE(?5, r.response), lease_token = ?7,
                    expires_at = CASE WHEN ?4 = 'completed' THEN {NOW} + ?6 ELSE r.expires_at END,
                    updated_at = {NOW},
-                   history = r.history || {}
+                   history = {}
                  WHERE r.scope = ?1 AND r.key = ?2 AND r.lease_token = ?3 AND ({uncertain})",
-                entry(
+                sql::appended(
+                    "r.history",
+                    &entry(
                     "r.attempts",
-                    "r.lease_token",
+                    "?7",
                     "CASE WHEN ?4 = 'completed' THEN 'reconciled_applied' ELSE 'reconciled_not_applied' END"
+                ),
+                    HISTORY_LIMIT
                 )
             )
             .into(),
             append_history: format!(
                 "UPDATE {t} SET {} WHERE scope = ?1 AND key = ?2 AND expires_at > {NOW}",
-                log("?3")
+                log_capped("?3", HISTORY_REFUSALS)
             )
             .into(),
         }
@@ -260,7 +274,8 @@ impl SqliteStore {
                  ) WITHOUT ROWID"
             ),
             format!(
-                "CREATE INDEX IF NOT EXISTS \"{table}_expires_at\" ON \"{table}\" (expires_at)"
+                "CREATE INDEX IF NOT EXISTS \"{}\" ON \"{table}\" (expires_at)",
+                sql::derived_name(table, "_expires_at")
             ),
         ]
     }

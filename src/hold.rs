@@ -1,0 +1,243 @@
+//! The holder keeps its lease for as long as its process lives (DESIGN §4).
+//!
+//! A [`Keeper`], one per layer, renews every lease held longer than a third of its length from
+//! a task of its own. Renewal never runs on the handler's task, so on a multi-threaded runtime a
+//! handler that blocks its thread (synchronous I/O, a CPU-bound step) cannot starve it: the
+//! keeper's timer fires on another worker. On a current-thread runtime there is no other worker:
+//! a handler that blocks the thread for longer than its lease loses it, as a crashed holder
+//! would, so such handlers belong in `spawn_blocking`.
+//!
+//! Holding costs one short lock to take a slot and one to give it back; the keeper wakes every
+//! sixth of the shortest lease it has seen and touches only leases due for renewal.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+use crate::observe::{self, Event};
+use crate::store::{FencingToken, IdempotencyStore, ScopedKey, StoreError};
+
+/// The keeper never sleeps longer than this, nor shorter than [`MIN_TICK`].
+const MAX_TICK: Duration = Duration::from_secs(1);
+const MIN_TICK: Duration = Duration::from_millis(5);
+
+/// Renews held leases for one store; cheap to clone.
+pub(crate) struct Keeper<St> {
+    shared: Arc<Shared<St>>,
+}
+
+struct Shared<St> {
+    store: Arc<St>,
+    slots: Mutex<Slots>,
+    /// Whether a keeper task runs; reset by the task's own guard when its runtime drops it.
+    running: AtomicBool,
+    /// The shortest lease ever held, in ms: the keeper's tick is a sixth of it.
+    shortest: AtomicU64,
+}
+
+#[derive(Default)]
+struct Slots {
+    held: Vec<Option<Held>>,
+    free: Vec<usize>,
+}
+
+struct Held {
+    key: ScopedKey,
+    token: FencingToken,
+    lease: Duration,
+    due: Instant,
+    /// A renewal is under way; the keeper does not start a second one.
+    renewing: bool,
+}
+
+impl<St> Clone for Keeper<St> {
+    fn clone(&self) -> Self {
+        Self {
+            shared: self.shared.clone(),
+        }
+    }
+}
+
+impl<St> std::fmt::Debug for Keeper<St> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Keeper")
+            .field("held", &lock(&self.shared.slots).held.len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl<St> Keeper<St> {
+    pub(crate) fn new(store: Arc<St>) -> Self {
+        Self {
+            shared: Arc::new(Shared {
+                store,
+                slots: Mutex::default(),
+                running: AtomicBool::new(false),
+                shortest: AtomicU64::new(u64::MAX),
+            }),
+        }
+    }
+
+    /// The store whose leases this keeper renews.
+    pub(crate) fn store(&self) -> &Arc<St> {
+        &self.shared.store
+    }
+}
+
+impl<St: IdempotencyStore> Keeper<St> {
+    /// Keeps `token`'s lease on `key` renewed until the returned hold is dropped.
+    pub(crate) fn hold(&self, key: &ScopedKey, token: FencingToken, lease: Duration) -> Hold<St> {
+        self.start(lease);
+        let held = Held {
+            key: key.clone(),
+            token,
+            lease,
+            due: Instant::now() + lease / 3,
+            renewing: false,
+        };
+        let mut slots = lock(&self.shared.slots);
+        let slot = match slots.free.pop() {
+            Some(slot) => {
+                slots.held[slot] = Some(held);
+                slot
+            }
+            None => {
+                slots.held.push(Some(held));
+                slots.held.len() - 1
+            }
+        };
+        Hold {
+            shared: self.shared.clone(),
+            slot,
+        }
+    }
+
+    /// Starts the keeper task on the current runtime if none runs.
+    fn start(&self, lease: Duration) {
+        let ms = u64::try_from(lease.as_millis()).unwrap_or(u64::MAX);
+        self.shared.shortest.fetch_min(ms, Ordering::Relaxed);
+        if self.shared.running.load(Ordering::Acquire) {
+            return;
+        }
+        // Without a runtime there is nothing to renew on: the lease runs out as for a crash.
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        if self.shared.running.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let running = Running(Arc::downgrade(&self.shared));
+        runtime.spawn(keep(Arc::downgrade(&self.shared), running));
+    }
+}
+
+/// A lease kept renewed while this value lives.
+pub(crate) struct Hold<St> {
+    shared: Arc<Shared<St>>,
+    slot: usize,
+}
+
+impl<St> Drop for Hold<St> {
+    fn drop(&mut self) {
+        let mut slots = lock(&self.shared.slots);
+        slots.held[self.slot] = None;
+        slots.free.push(self.slot);
+    }
+}
+
+/// Marks the keeper stopped when its task ends or its runtime drops it, so the next hold starts
+/// one again (a layer may outlive a runtime, as in tests).
+struct Running<St>(Weak<Shared<St>>);
+
+impl<St> Drop for Running<St> {
+    fn drop(&mut self) {
+        if let Some(shared) = self.0.upgrade() {
+            shared.running.store(false, Ordering::Release);
+        }
+    }
+}
+
+/// The keeper task: ends when the last layer and hold of its store are gone.
+async fn keep<St: IdempotencyStore>(shared: Weak<Shared<St>>, _running: Running<St>) {
+    loop {
+        let tick = match shared.upgrade() {
+            Some(shared) => tick(shared.shortest.load(Ordering::Relaxed)),
+            None => return,
+        };
+        tokio::time::sleep(tick).await;
+        let Some(shared) = shared.upgrade() else {
+            return;
+        };
+        let now = Instant::now();
+        let due: Vec<(usize, ScopedKey, FencingToken, Duration)> = {
+            let mut slots = lock(&shared.slots);
+            slots
+                .held
+                .iter_mut()
+                .enumerate()
+                .filter_map(|(slot, held)| {
+                    let held = held.as_mut()?;
+                    if held.renewing || held.due > now {
+                        return None;
+                    }
+                    held.renewing = true;
+                    Some((slot, held.key.clone(), held.token, held.lease))
+                })
+                .collect()
+        };
+        for (slot, key, token, lease) in due {
+            // A task per renewal: one slow or hanging store call holds up no other lease.
+            tokio::spawn(renew(shared.clone(), slot, key, token, lease, tick));
+        }
+    }
+}
+
+async fn renew<St: IdempotencyStore>(
+    shared: Arc<Shared<St>>,
+    slot: usize,
+    key: ScopedKey,
+    token: FencingToken,
+    lease: Duration,
+    tick: Duration,
+) {
+    let result = shared.store.renew(&key, token, lease).await;
+    let next = match result {
+        Ok(_) => Instant::now() + lease / 3,
+        Err(StoreError::Fenced) => {
+            // Taken over, settled, or marked uncertain by its own holder: nothing to keep.
+            observe::count(Event::LeaseLost);
+            tracing::warn!(
+                key = key.key(),
+                "lease lost while held; no longer renewing it"
+            );
+            Instant::now() + Duration::from_secs(365 * 24 * 3600)
+        }
+        Err(error) => {
+            observe::count(Event::StoreError);
+            tracing::warn!(%error, "lease renewal failed; trying again");
+            Instant::now() + tick
+        }
+    };
+    let mut slots = lock(&shared.slots);
+    // The slot may have been given back, or taken by another hold, meanwhile.
+    if let Some(Some(held)) = slots.held.get_mut(slot)
+        && held.token == token
+        && held.key == key
+    {
+        held.due = next;
+        held.renewing = false;
+    }
+}
+
+fn tick(shortest_ms: u64) -> Duration {
+    Duration::from_millis(shortest_ms / 6).clamp(MIN_TICK, MAX_TICK)
+}
+
+/// A panic never happens while the lock is held (plain assignments), so poison is harmless.
+fn lock(slots: &Mutex<Slots>) -> MutexGuard<'_, Slots> {
+    slots
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
