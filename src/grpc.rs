@@ -92,7 +92,7 @@ fn status_details(problem: &Problem) -> Vec<u8> {
     let mut error_info = BytesMut::new();
     string_field(&mut error_info, 1, &reason(problem.kind));
     string_field(&mut error_info, 2, ERROR_DOMAIN);
-    let safe = if problem.kind.safe_new_key() {
+    let safe = if problem.safe_new_key() {
         "true"
     } else {
         "false"

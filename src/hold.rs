@@ -128,8 +128,22 @@ impl<St: IdempotencyStore> Keeper<St> {
         if self.shared.running.swap(true, Ordering::AcqRel) {
             return;
         }
-        let running = Running(Arc::downgrade(&self.shared));
-        runtime.spawn(keep(Arc::downgrade(&self.shared), running));
+        let keeper = keep(
+            Arc::downgrade(&self.shared),
+            Running(Arc::downgrade(&self.shared)),
+        );
+        // Handed over from a thread of its own: spawned from this worker, the task would wait
+        // in the worker's LIFO slot, which no other worker steals from, behind the very handler
+        // that may now block the worker. From outside, it goes to the shared queue. Once per
+        // keeper and runtime.
+        let hand_over = runtime.clone();
+        let spawned = std::thread::Builder::new()
+            .name("idempotency-keeper-start".into())
+            .spawn(move || drop(hand_over.spawn(keeper)));
+        if spawned.is_err() {
+            // No thread to spare: start it here, renewing once this worker is free.
+            self.shared.running.store(false, Ordering::Release);
+        }
     }
 }
 

@@ -173,6 +173,12 @@ impl Problem {
         self
     }
 
+    /// Whether a client may move on to a new key: the kind says so, or the outcome is
+    /// recorded (an execution that failed after it answered is completed, and final).
+    pub(crate) fn safe_new_key(&self) -> bool {
+        self.kind.safe_new_key() || self.state == "completed"
+    }
+
     pub(crate) fn to_json(&self) -> serde_json::Value {
         let mut body = serde_json::json!({
             "type": self.kind.type_uri(),
@@ -180,7 +186,7 @@ impl Problem {
             "status": self.kind.status().as_u16(),
             "detail": self.detail,
             "state": self.state,
-            "safe_new_key": self.kind.safe_new_key(),
+            "safe_new_key": self.safe_new_key(),
         });
         if let Some(seconds) = self.retry_after {
             body["retry_after"] = seconds.into();

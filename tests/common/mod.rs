@@ -2,21 +2,18 @@
 //! sink, a store that fails on demand, and a clock that tests move.
 #![allow(dead_code, unreachable_pub, missing_docs)]
 
+pub mod faulty;
 pub mod proxy;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, SystemTime};
 
 use axum::Router;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
-use tower_idempotency::store::{
-    Claim, ClaimRequest, FencingToken, Milestone, Record, Resolution, ScopedKey, StoreError,
-    StoredResponse,
-};
-use tower_idempotency::{IdempotencyStore, MemoryStore};
+use tower_idempotency::MemoryStore;
 
 /// Serves `app` on an ephemeral loopback port; the server lives as long as the test runtime.
 pub async fn serve(app: Router) -> SocketAddr {
@@ -69,130 +66,8 @@ impl TestClock {
     }
 }
 
-/// A store that fails every operation while `down` is set, as a third-party store would be
-/// written against the public trait.
-#[derive(Clone, Default)]
-pub struct FlakyStore {
-    pub inner: MemoryStore,
-    pub down: Arc<AtomicBool>,
-    /// When set, only `complete` fails (the response write of DESIGN §7.7).
-    pub fail_complete: Arc<AtomicBool>,
-    /// Keys whose next `complete` fails, once each.
-    pub fail_complete_once: Arc<std::sync::Mutex<std::collections::HashSet<String>>>,
-}
-
-impl FlakyStore {
-    fn check(&self) -> Result<(), StoreError> {
-        if self.down.load(Ordering::SeqCst) {
-            Err(StoreError::unavailable(std::io::Error::new(
-                std::io::ErrorKind::ConnectionRefused,
-                "store is down (injected)",
-            )))
-        } else {
-            Ok(())
-        }
-    }
-}
-
-impl IdempotencyStore for FlakyStore {
-    async fn claim(&self, request: &ClaimRequest) -> Result<Claim, StoreError> {
-        self.check()?;
-        self.inner.claim(request).await
-    }
-
-    async fn renew(
-        &self,
-        key: &ScopedKey,
-        token: FencingToken,
-        lease: Duration,
-    ) -> Result<SystemTime, StoreError> {
-        self.check()?;
-        self.inner.renew(key, token, lease).await
-    }
-
-    async fn complete(
-        &self,
-        key: &ScopedKey,
-        token: FencingToken,
-        response: &StoredResponse,
-        ttl: Duration,
-    ) -> Result<(), StoreError> {
-        self.check()?;
-        let once = self
-            .fail_complete_once
-            .lock()
-            .expect("lock")
-            .remove(key.key());
-        if once || self.fail_complete.load(Ordering::SeqCst) {
-            return Err(StoreError::unavailable("response write failed (injected)"));
-        }
-        self.inner.complete(key, token, response, ttl).await
-    }
-
-    async fn release(
-        &self,
-        key: &ScopedKey,
-        token: FencingToken,
-    ) -> Result<tower_idempotency::store::RecordStatus, StoreError> {
-        self.check()?;
-        self.inner.release(key, token).await
-    }
-
-    async fn mark_uncertain(&self, key: &ScopedKey, token: FencingToken) -> Result<(), StoreError> {
-        self.check()?;
-        self.inner.mark_uncertain(key, token).await
-    }
-
-    async fn lookup(&self, key: &ScopedKey) -> Result<Option<Record>, StoreError> {
-        self.check()?;
-        self.inner.lookup(key).await
-    }
-
-    async fn remove(&self, key: &ScopedKey) -> Result<bool, StoreError> {
-        self.check()?;
-        self.inner.remove(key).await
-    }
-
-    async fn purge_expired(&self) -> Result<u64, StoreError> {
-        self.check()?;
-        self.inner.purge_expired().await
-    }
-
-    async fn record_milestone(
-        &self,
-        key: &ScopedKey,
-        token: FencingToken,
-        milestone: &Milestone,
-    ) -> Result<(), StoreError> {
-        self.check()?;
-        self.inner.record_milestone(key, token, milestone).await
-    }
-
-    async fn list_uncertain(&self, limit: usize) -> Result<Vec<Record>, StoreError> {
-        self.check()?;
-        self.inner.list_uncertain(limit).await
-    }
-
-    async fn resolve(
-        &self,
-        key: &ScopedKey,
-        token: FencingToken,
-        resolution: &Resolution,
-        ttl: Duration,
-    ) -> Result<(), StoreError> {
-        self.check()?;
-        self.inner.resolve(key, token, resolution, ttl).await
-    }
-
-    async fn append_history(
-        &self,
-        key: &ScopedKey,
-        event: tower_idempotency::store::HistoryEvent,
-    ) -> Result<(), StoreError> {
-        self.check()?;
-        self.inner.append_history(key, event).await
-    }
-}
+/// The memory store behind the fault injector, as most contract tests use it.
+pub type FlakyStore = faulty::Faulty<MemoryStore>;
 
 /// Sends raw bytes over a new TCP connection and returns the status code of the answer:
 /// for requests no well-behaved client would send (chunked bodies, odd headers).

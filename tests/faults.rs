@@ -1,0 +1,683 @@
+//! Issue 15: once per key under every fault. Each test attacks one class of failure over real
+//! sockets (and a real PostgreSQL or SQLite where a store is involved) and counts effects at the
+//! sink: a store that fails as the outcome is recorded, a handler that blocks its thread, a
+//! body that fails after its head, a client that hangs up during the claim, a late holder after
+//! a resolution, a full memory store, a claim behind a held row lock, long table names.
+
+mod common;
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use axum::Router;
+use axum::body::Body;
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::routing::post;
+use common::faulty::Faulty;
+use common::{Effects, TestClock, client, problem, problem_type, serve};
+use tokio::sync::Notify;
+use tower_idempotency::reconcile::{Reconciliation, resolve_by_hand};
+use tower_idempotency::store::{RecordStatus, ScopedKey, StoredResponse};
+use tower_idempotency::{
+    IdempotencyContext, IdempotencyLayer, IdempotencyStore, LeaseExpiry, MemoryStore,
+};
+
+fn unique(name: &str) -> String {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    format!("{name}-{nanos}")
+}
+
+async fn post_key(addr: SocketAddr, key: &str) -> reqwest::Response {
+    client()
+        .post(format!("http://{addr}/op"))
+        .header("idempotency-key", key)
+        .header("content-type", "application/json")
+        .body(r#"{"amount":10}"#)
+        .send()
+        .await
+        .expect("request")
+}
+
+/// A handler that marks its effect started (when `milestone`), then makes it: one effect per
+/// run, counted at the sink, answered 201.
+fn effect_route<St: IdempotencyStore>(
+    layer: IdempotencyLayer<St>,
+    effects: Effects,
+    milestone: bool,
+) -> Router {
+    Router::new().route(
+        "/op",
+        post(move |ctx: IdempotencyContext| async move {
+            if milestone && ctx.effect_started().await.is_err() {
+                return (
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "no milestone, no effect".to_owned(),
+                );
+            }
+            let n = effects.hit();
+            (StatusCode::CREATED, format!("effect {n}"))
+        })
+        .layer(layer),
+    )
+}
+
+// ---- 1. Recording failures ----------------------------------------------------------------
+
+/// The store goes down for 200 ms just as the outcome is recorded; lease 500 ms; the retry comes
+/// after 800 ms. The holder keeps its lease and retries the write: the retry is a replay.
+async fn short_outage_is_recorded<St: IdempotencyStore>(store: St) {
+    let store = Arc::new(Faulty::new(store));
+    *store.down_on_complete.lock().expect("lock") = Some(Duration::from_millis(200));
+    let effects = Effects::default();
+    let layer = IdempotencyLayer::from_arc(store.clone()).lease(Duration::from_millis(500));
+    let addr = serve(effect_route(layer, effects.clone(), false)).await;
+    let key = unique("short-outage");
+
+    let first = post_key(addr, &key).await;
+    assert_eq!(
+        first.status(),
+        StatusCode::CREATED,
+        "the live answer is sent"
+    );
+    let first_body = first.bytes().await.expect("body");
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    let retry = post_key(addr, &key).await;
+    assert_eq!(retry.status(), StatusCode::CREATED);
+    assert_eq!(retry.headers()["idempotency-replayed"], "true");
+    assert_eq!(retry.bytes().await.expect("body"), first_body);
+    assert_eq!(effects.count(), 1, "0 second executions");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s15_1_a_short_outage_at_record_time_ends_recorded_on_memory() {
+    short_outage_is_recorded(MemoryStore::new()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s15_1_a_short_outage_at_record_time_ends_recorded_on_sqlite() {
+    short_outage_is_recorded(common::sqlite("short-outage").await.0).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s15_1_a_short_outage_at_record_time_ends_recorded_on_postgres() {
+    let Some(store) = common::postgres("faults_records").await else {
+        return;
+    };
+    short_outage_is_recorded(store).await;
+}
+
+/// The same over a real cut of the PostgreSQL connection: every pooled connection dies as the
+/// handler returns and none can be opened for 200 ms.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s15_1_a_cut_database_connection_at_record_time_ends_recorded() {
+    let Some(pool) = common::postgres_pool().await else {
+        return;
+    };
+    drop(pool);
+    let upstream: SocketAddr = "127.0.0.1:5432".parse().expect("addr");
+    let proxy = common::proxy::Proxy::start(upstream).await;
+    let url = format!("postgres://postgres@{}/test", proxy.addr);
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .acquire_timeout(Duration::from_secs(2))
+        .connect(&url)
+        .await
+        .expect("pool through the proxy");
+    let store = tower_idempotency::store::PostgresStore::new(pool)
+        .with_table("public", "faults_cut")
+        .expect("table");
+    store.migrate().await.expect("migrate");
+    let effects = Effects::default();
+    let layer = IdempotencyLayer::new(store).lease(Duration::from_millis(500));
+    let (sink, cut) = (effects.clone(), proxy.clone());
+    let app = Router::new().route(
+        "/op",
+        post(move || async move {
+            let n = sink.hit();
+            cut.cut();
+            let back = cut.clone();
+            tokio::spawn(async move {
+                tokio::time::sleep(Duration::from_millis(200)).await;
+                back.restore();
+            });
+            (StatusCode::CREATED, format!("effect {n}"))
+        })
+        .layer(layer),
+    );
+    let addr = serve(app).await;
+    let key = unique("cut");
+    let first = post_key(addr, &key).await;
+    assert_eq!(first.status(), StatusCode::CREATED);
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    let retry = post_key(addr, &key).await;
+    assert_eq!(
+        retry.status(),
+        StatusCode::CREATED,
+        "replayed after the cut"
+    );
+    assert_eq!(retry.headers()["idempotency-replayed"], "true");
+    assert_eq!(effects.count(), 1);
+}
+
+/// An outage longer than the lease behaves as a crash of the holder: with `Reconcile` (or a
+/// recorded milestone) the key is never run a second time; once the store is back the
+/// holder's own outcome lands and replays, or the key reads "outcome unknown".
+async fn long_outage_never_runs_twice(expiry: LeaseExpiry, milestone: bool) {
+    let store = Arc::new(Faulty::new(MemoryStore::new()));
+    let effects = Effects::default();
+    let layer = IdempotencyLayer::from_arc(store.clone())
+        .lease(Duration::from_millis(300))
+        .on_lease_expiry(expiry);
+    let addr = serve(effect_route(layer, effects.clone(), milestone)).await;
+    let key = unique("long-outage");
+    *store.down_on_complete.lock().expect("lock") = Some(Duration::from_millis(1200));
+    let first = post_key(addr, &key).await;
+    assert_eq!(first.status(), StatusCode::CREATED);
+    // During the outage: 503, nothing runs.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(
+        post_key(addr, &key).await.status(),
+        StatusCode::SERVICE_UNAVAILABLE
+    );
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    for _ in 0..20 {
+        let res = post_key(addr, &key).await;
+        match res.status() {
+            StatusCode::CREATED => {
+                assert_eq!(
+                    res.headers()["idempotency-replayed"],
+                    "true",
+                    "never a second run"
+                );
+                break;
+            }
+            StatusCode::CONFLICT => {
+                let p = problem(res).await;
+                let t = p["type"].as_str().unwrap_or_default().to_owned();
+                assert!(
+                    t == problem_type("outcome-unknown") || t == problem_type("in-flight"),
+                    "{p}"
+                );
+            }
+            other => panic!("unexpected {other}"),
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(effects.count(), 1, "one effect, however long the outage");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s15_1_an_outage_longer_than_the_lease_never_runs_twice_with_reconcile() {
+    long_outage_never_runs_twice(LeaseExpiry::Reconcile, false).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s15_1_an_outage_longer_than_the_lease_never_runs_twice_after_a_milestone() {
+    long_outage_never_runs_twice(LeaseExpiry::Reclaim, true).await;
+}
+
+// ---- 2. Renewal cannot be starved -----------------------------------------------------------
+
+/// A handler that blocks its thread for five leases: the keeper renews from another worker, so
+/// a retry in the middle is answered 409 and the one after is a replay.
+async fn blocking_handler_keeps_its_lease<St: IdempotencyStore>(store: St) {
+    let effects = Effects::default();
+    let sink = effects.clone();
+    let layer = IdempotencyLayer::new(store).lease(Duration::from_millis(300));
+    let app = Router::new().route(
+        "/op",
+        post(move || async move {
+            // Synchronous work on the runtime's thread: the handler's task cannot be polled.
+            std::thread::sleep(Duration::from_millis(1500));
+            (StatusCode::CREATED, format!("effect {}", sink.hit()))
+        })
+        .layer(layer),
+    );
+    let addr = serve(app).await;
+    let key = unique("blocking");
+    let k = key.clone();
+    let first = tokio::spawn(async move { post_key(addr, &k).await.status() });
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    let mid = post_key(addr, &key).await;
+    assert_eq!(
+        mid.status(),
+        StatusCode::CONFLICT,
+        "the holder still holds the key"
+    );
+    assert_eq!(problem(mid).await["type"], problem_type("in-flight"));
+    assert_eq!(first.await.expect("first"), StatusCode::CREATED);
+    let after = post_key(addr, &key).await;
+    assert_eq!(after.headers()["idempotency-replayed"], "true");
+    assert_eq!(effects.count(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s15_2_a_handler_blocking_its_thread_keeps_its_lease_on_memory() {
+    blocking_handler_keeps_its_lease(MemoryStore::new()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s15_2_a_handler_blocking_its_thread_keeps_its_lease_on_postgres() {
+    let Some(store) = common::postgres("faults_blocking").await else {
+        return;
+    };
+    blocking_handler_keeps_its_lease(store).await;
+}
+
+// ---- 3. After the response head, the effect happened -----------------------------------------
+
+fn broken_body_route<St: IdempotencyStore>(
+    layer: IdempotencyLayer<St>,
+    effects: Effects,
+) -> Router {
+    Router::new().route(
+        "/op",
+        post(move || async move {
+            effects.hit();
+            let chunks: Vec<Result<&'static str, std::io::Error>> = vec![
+                Ok("{\"partial\":"),
+                Err(std::io::Error::other("the downstream stream broke")),
+            ];
+            let body = Body::from_stream(futures_util::stream::iter(chunks));
+            Response::builder()
+                .status(StatusCode::CREATED)
+                .header("content-type", "application/json")
+                .body(body)
+                .expect("response")
+                .into_response()
+        })
+        .layer(layer),
+    )
+}
+
+#[tokio::test]
+async fn s15_3_a_body_that_fails_after_the_head_is_never_run_again() {
+    let effects = Effects::default();
+    let store = MemoryStore::new();
+    let addr = serve(broken_body_route(
+        IdempotencyLayer::new(store.clone()),
+        effects.clone(),
+    ))
+    .await;
+    let key = unique("broken-body");
+    let first = post_key(addr, &key).await;
+    assert_eq!(first.status(), StatusCode::INTERNAL_SERVER_ERROR);
+    let p = problem(first).await;
+    assert_eq!(p["type"], problem_type("execution-failed"));
+    assert_eq!(p["state"], "completed", "{p}");
+    assert_eq!(p["safe_new_key"], true);
+    assert!(
+        p["detail"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("will not run again"),
+        "{p}"
+    );
+    for _ in 0..3 {
+        let retry = post_key(addr, &key).await;
+        assert_eq!(retry.status(), StatusCode::CONFLICT);
+        assert_eq!(retry.headers()["idempotency-replayed"], "true");
+        let p = problem(retry).await;
+        assert_eq!(p["type"], problem_type("response-not-stored"));
+        assert!(
+            p["detail"]
+                .as_str()
+                .unwrap_or_default()
+                .contains("body failed"),
+            "the problem says why: {p}"
+        );
+    }
+    assert_eq!(effects.count(), 1, "the handler answered once: never again");
+    let record = store
+        .lookup(&ScopedKey::new("", &key))
+        .await
+        .expect("lookup")
+        .expect("record");
+    assert_eq!(record.status, RecordStatus::Completed);
+}
+
+// ---- 4. A hang-up during the claim leaves nothing stuck --------------------------------------
+
+/// The claim commits, then its answer is slow: the client gives up meanwhile. The won claim is
+/// given back (nothing ran), so the next retry runs at once instead of waiting out the lease.
+async fn hang_up_during_claim<St: IdempotencyStore>(store: St) {
+    let store = Arc::new(Faulty::new(store));
+    *store.pause_after_claim.lock().expect("lock") = Some(Duration::from_millis(300));
+    let effects = Effects::default();
+    let layer = IdempotencyLayer::from_arc(store.clone())
+        .lease(Duration::from_secs(60))
+        .on_lease_expiry(LeaseExpiry::Reconcile);
+    let addr = serve(effect_route(layer, effects.clone(), false)).await;
+    let key = unique("hang-up");
+    let impatient = reqwest::Client::builder()
+        .timeout(Duration::from_millis(100))
+        .build()
+        .expect("client");
+    let gave_up = impatient
+        .post(format!("http://{addr}/op"))
+        .header("idempotency-key", &key)
+        .header("content-type", "application/json")
+        .body(r#"{"amount":10}"#)
+        .send()
+        .await;
+    assert!(gave_up.is_err(), "the client hung up during the claim");
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    let record = store
+        .lookup(&ScopedKey::new("", &key))
+        .await
+        .expect("lookup")
+        .expect("the record");
+    assert_eq!(
+        record.status,
+        RecordStatus::Released,
+        "nothing ran: the claim is given back"
+    );
+    assert_eq!(effects.count(), 0);
+    *store.pause_after_claim.lock().expect("lock") = None;
+    let retry = post_key(addr, &key).await;
+    assert_eq!(
+        retry.status(),
+        StatusCode::CREATED,
+        "the retry runs, not 409"
+    );
+    assert_eq!(effects.count(), 1);
+}
+
+#[tokio::test]
+async fn s15_4_a_hang_up_during_the_claim_leaves_nothing_stuck_on_memory() {
+    hang_up_during_claim(MemoryStore::new()).await;
+}
+
+#[tokio::test]
+async fn s15_4_a_hang_up_during_the_claim_leaves_nothing_stuck_on_postgres() {
+    let Some(store) = common::postgres("faults_hangup").await else {
+        return;
+    };
+    hang_up_during_claim(store).await;
+}
+
+// ---- 5. A resolved outcome is final -----------------------------------------------------------
+
+/// The holder's renewals fail, so its lease runs out while it runs; a retry finds the key
+/// uncertain; an operator resolves it as applied; then the holder finishes. Its late write is
+/// fenced out: retries replay the operator's response.
+async fn resolution_is_final<St: IdempotencyStore>(store: St) {
+    let store = Arc::new(Faulty::new(store));
+    store.fail_renew.store(true, Ordering::SeqCst);
+    let effects = Effects::default();
+    let go = Arc::new(Notify::new());
+    let (sink, gate) = (effects.clone(), go.clone());
+    let layer = IdempotencyLayer::from_arc(store.clone())
+        .lease(Duration::from_millis(300))
+        .on_lease_expiry(LeaseExpiry::Reconcile);
+    let app = Router::new().route(
+        "/op",
+        post(move || async move {
+            gate.notified().await;
+            (
+                StatusCode::CREATED,
+                format!("holder's effect {}", sink.hit()),
+            )
+        })
+        .layer(layer),
+    );
+    let addr = serve(app).await;
+    let key = unique("resolved");
+    let k = key.clone();
+    let holder = tokio::spawn(async move { post_key(addr, &k).await.status() });
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    let retry = post_key(addr, &key).await;
+    assert_eq!(
+        problem(retry).await["type"],
+        problem_type("outcome-unknown")
+    );
+
+    let scoped = ScopedKey::new("", &key);
+    let resolved = StoredResponse {
+        status: StatusCode::CREATED,
+        headers: Default::default(),
+        body: Some(bytes::Bytes::from_static(b"resolved by an operator")),
+        trailers: None,
+    };
+    resolve_by_hand(
+        &*store,
+        &scoped,
+        Reconciliation::Applied(Box::new(resolved)),
+        Duration::from_secs(60),
+    )
+    .await
+    .expect("resolve");
+    go.notify_one();
+    assert_eq!(holder.await.expect("holder"), StatusCode::CREATED);
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    for _ in 0..2 {
+        let replay = post_key(addr, &key).await;
+        assert_eq!(replay.headers()["idempotency-replayed"], "true");
+        assert_eq!(
+            replay.bytes().await.expect("body"),
+            "resolved by an operator",
+            "the resolution stands"
+        );
+    }
+    assert_eq!(effects.count(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s15_5_a_resolved_outcome_is_final_on_memory() {
+    resolution_is_final(MemoryStore::new()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s15_5_a_resolved_outcome_is_final_on_sqlite() {
+    resolution_is_final(common::sqlite("resolved").await.0).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s15_5_a_resolved_outcome_is_final_on_postgres() {
+    let Some(store) = common::postgres("faults_resolved").await else {
+        return;
+    };
+    resolution_is_final(store).await;
+}
+
+// ---- 6 and 8. Bounded memory, and a store that keeps its promises ---------------------------
+
+/// `MemoryStore::new()` is bounded: unique keys with 1 MiB answers fill its default 256 MiB,
+/// then new keys get 503 and nothing runs, while every recorded key still replays.
+#[tokio::test]
+async fn s15_6_the_default_memory_store_is_bounded_and_full_answers_503() {
+    let effects = Effects::default();
+    let sink = effects.clone();
+    let layer = IdempotencyLayer::new(MemoryStore::new());
+    let app = Router::new().route(
+        "/op",
+        post(move || async move {
+            sink.hit();
+            vec![b'x'; 1 << 20]
+        })
+        .layer(layer),
+    );
+    let addr = serve(app).await;
+    let run = unique("bounded");
+    let mut created = 0;
+    let mut refused = None;
+    for i in 0..400 {
+        let res = post_key(addr, &format!("{run}-{i}")).await;
+        if res.status() == StatusCode::SERVICE_UNAVAILABLE {
+            let p = problem(res).await;
+            assert_eq!(p["type"], problem_type("store-unavailable"));
+            refused = Some(i);
+            break;
+        }
+        assert_eq!(res.status(), StatusCode::OK);
+        created += 1;
+    }
+    let refused = refused.expect("the default store must refuse before 400 MiB");
+    assert!(
+        (200..=256).contains(&created),
+        "{created} responses of 1 MiB fit the 256 MiB default"
+    );
+    assert_eq!(effects.count(), created, "the refused key ran nothing");
+    assert_eq!(
+        post_key(addr, &format!("{run}-{refused}")).await.status(),
+        503
+    );
+    let first = post_key(addr, &format!("{run}-0")).await;
+    assert_eq!(
+        first.headers()["idempotency-replayed"],
+        "true",
+        "nothing evicted"
+    );
+    assert_eq!(effects.count(), created);
+}
+
+/// A full store whose records have all expired is not full: every shard is swept, not only
+/// the claiming one's.
+#[tokio::test]
+async fn s15_8_a_store_of_expired_records_is_not_full() {
+    let clock = TestClock::default();
+    let store = clock.store().max_records(64);
+    let effects = Effects::default();
+    let layer = IdempotencyLayer::new(store).ttl(Duration::from_secs(1));
+    let addr = serve(effect_route(layer, effects.clone(), false)).await;
+    let run = unique("expired-full");
+    for i in 0..64 {
+        assert_eq!(post_key(addr, &format!("{run}-a{i}")).await.status(), 201);
+    }
+    assert_eq!(
+        post_key(addr, &format!("{run}-over")).await.status(),
+        503,
+        "64 live records fill it"
+    );
+    clock.advance(Duration::from_secs(2));
+    for i in 0..64 {
+        let res = post_key(addr, &format!("{run}-b{i}")).await;
+        assert_eq!(res.status(), 201, "key {i}: expired records make room");
+    }
+    assert_eq!(effects.count(), 128);
+}
+
+// ---- 7. A claim never queues behind a lock ----------------------------------------------------
+
+/// The handler records its milestone inside its own transaction and holds it. Twelve retries
+/// are answered 409 while it holds the row, and an unrelated key runs, on a pool of four: no
+/// retry waits for the lock, none holds a connection while it would.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s15_7_a_claim_never_queues_behind_a_held_row_lock() {
+    let Some(_) = common::postgres_pool().await else {
+        return;
+    };
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(4)
+        .acquire_timeout(Duration::from_secs(3))
+        .connect(&common::postgres_url())
+        .await
+        .expect("pool");
+    let store = tower_idempotency::store::PostgresStore::new(pool)
+        .with_table("public", "faults_locked")
+        .expect("table");
+    store.migrate().await.expect("migrate");
+    let effects = Effects::default();
+    let (locked, release) = (Arc::new(Notify::new()), Arc::new(Notify::new()));
+    let key = unique("locked");
+    let held = Arc::new(key.clone());
+    let (sink, l, r, s) = (
+        effects.clone(),
+        locked.clone(),
+        release.clone(),
+        store.clone(),
+    );
+    let app = Router::new().route(
+        "/op",
+        post(move |ctx: IdempotencyContext| async move {
+            if ctx.key() != held.as_str() {
+                return (StatusCode::CREATED, format!("effect {}", sink.hit()));
+            }
+            let mut tx = s.pool().begin().await.expect("begin");
+            s.record_milestone_in(
+                &mut tx,
+                ctx.scoped_key(),
+                ctx.fencing_token(),
+                &tower_idempotency::store::Milestone::EffectStarted,
+            )
+            .await
+            .expect("milestone");
+            let n = sink.hit();
+            l.notify_one();
+            r.notified().await;
+            tx.commit().await.expect("commit");
+            (StatusCode::CREATED, format!("effect {n}"))
+        })
+        .layer(IdempotencyLayer::new(store.clone())),
+    );
+    let addr = serve(app).await;
+    let k = key.clone();
+    let holder = tokio::spawn(async move { post_key(addr, &k).await.status() });
+    locked.notified().await;
+
+    // Deadlock detection only: queued claims would wait for a commit that comes after them.
+    let retries = tokio::time::timeout(Duration::from_secs(20), async {
+        let tasks: Vec<_> = (0..12)
+            .map(|_| {
+                let key = key.clone();
+                tokio::spawn(async move { post_key(addr, &key).await })
+            })
+            .collect();
+        let mut answers = Vec::new();
+        for t in tasks {
+            answers.push(t.await.expect("retry"));
+        }
+        answers
+    })
+    .await
+    .expect("retries queued behind the handler's transaction");
+    for res in retries {
+        assert_eq!(res.status(), StatusCode::CONFLICT);
+        assert_eq!(problem(res).await["type"], problem_type("in-flight"));
+    }
+    let other = post_key(addr, &unique("unrelated")).await;
+    assert_eq!(
+        other.status(),
+        StatusCode::CREATED,
+        "an unrelated key still runs"
+    );
+    release.notify_one();
+    assert_eq!(holder.await.expect("holder"), StatusCode::CREATED);
+    assert_eq!(
+        effects.count(),
+        2,
+        "the held key once, the unrelated key once"
+    );
+}
+
+/// A 63-byte table name (PostgreSQL's limit) still gets both its indexes, named apart from the
+/// table.
+#[tokio::test]
+async fn s15_8_a_63_byte_table_name_gets_its_indexes() {
+    let Some(pool) = common::postgres_pool().await else {
+        return;
+    };
+    let table = format!("faults_{}", "t".repeat(56));
+    assert_eq!(table.len(), 63);
+    let store = tower_idempotency::store::PostgresStore::new(pool.clone())
+        .with_table("public", &table)
+        .expect("a 63-byte name is valid");
+    store.migrate().await.expect("migrate");
+    store.migrate().await.expect("migrate again: idempotent");
+    let indexes: Vec<String> =
+        sqlx::query_scalar("SELECT indexname::text FROM pg_indexes WHERE tablename = $1")
+            .bind(&table)
+            .fetch_all(&pool)
+            .await
+            .expect("indexes");
+    assert_eq!(indexes.len(), 3, "primary key and two indexes: {indexes:?}");
+    assert!(
+        indexes
+            .iter()
+            .all(|name| name != &table && name.len() <= 63)
+    );
+}
