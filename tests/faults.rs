@@ -681,3 +681,176 @@ async fn s15_8_a_63_byte_table_name_gets_its_indexes() {
             .all(|name| name != &table && name.len() <= 63)
     );
 }
+
+// ---- 9. The fault matrix ----------------------------------------------------------------------
+
+/// How the matrix's handler behaves.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Handler {
+    /// Answers at once.
+    Plain,
+    /// Marks its effect started first; without the milestone it makes no effect (503).
+    Milestone,
+    /// Marks its effect started and takes longer than a third of its lease, so its lease is
+    /// renewed while it runs.
+    Slow,
+}
+
+fn matrix_route<St: IdempotencyStore>(
+    layer: IdempotencyLayer<St>,
+    effects: Effects,
+    handler: Handler,
+) -> Router {
+    Router::new().route(
+        "/op",
+        post(move |ctx: IdempotencyContext| async move {
+            if handler != Handler::Plain && ctx.effect_started().await.is_err() {
+                return (
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "no milestone, no effect".to_owned(),
+                );
+            }
+            if handler == Handler::Slow {
+                tokio::time::sleep(Duration::from_millis(250)).await;
+            }
+            (StatusCode::CREATED, format!("effect {}", effects.hit()))
+        })
+        .layer(layer),
+    )
+}
+
+/// What one answer was, for the table.
+async fn answer_of(res: reqwest::Response) -> (String, bool) {
+    let status = res.status();
+    let replayed = res
+        .headers()
+        .get("idempotency-replayed")
+        .is_some_and(|v| v == "true");
+    let is_problem = res
+        .headers()
+        .get("content-type")
+        .is_some_and(|v| v == "application/problem+json");
+    let text = if is_problem {
+        let p: serde_json::Value = res.json().await.unwrap_or_default();
+        let t = p["type"].as_str().unwrap_or_default();
+        t.rsplit(':').next().unwrap_or_default().to_owned()
+    } else {
+        format!(
+            "{}{}",
+            if replayed { "replay " } else { "run " },
+            status.as_u16()
+        )
+    };
+    let pending = text == "store-unavailable" || text == "in-flight";
+    (text, !pending)
+}
+
+/// One cell: the k-th counted store operation fails once; then retries with the same key until
+/// the answer is definite, and one more. Returns (the failed operation, effects, answers).
+async fn cell<St: IdempotencyStore + Clone>(
+    store: &St,
+    policy: tower_idempotency::CachePolicy,
+    handler: Handler,
+    k: usize,
+) -> (String, usize, Vec<String>) {
+    let faulty = Faulty::new(store.clone());
+    faulty.fail_at.store(k, Ordering::SeqCst);
+    let effects = Effects::default();
+    let layer = IdempotencyLayer::new(faulty.clone())
+        .lease(Duration::from_millis(300))
+        .cache_policy(policy);
+    let addr = serve(matrix_route(layer, effects.clone(), handler)).await;
+    let key = unique("matrix");
+    let mut answers = Vec::new();
+    let (first, _) = answer_of(post_key(addr, &key).await).await;
+    answers.push(first);
+    let mut definite = 0;
+    for _ in 0..40 {
+        tokio::time::sleep(Duration::from_millis(60)).await;
+        let (answer, is_definite) = answer_of(post_key(addr, &key).await).await;
+        answers.push(answer);
+        if is_definite {
+            definite += 1;
+            if definite == 2 {
+                break;
+            }
+        }
+    }
+    let failed = faulty
+        .log()
+        .get(k - 1)
+        .map_or("(none)".to_owned(), |op| (*op).to_owned());
+    (failed, effects.count(), answers)
+}
+
+/// Issue 15 §9: for every k up to the operations one request performs (and one past them),
+/// both policies and three handlers, effects ≤ 1, and once the handler completed every later
+/// answer is a replay or "outcome unknown", never a second run; since the store is healthy
+/// after its one fault, every cell ends in a replay. Prints its table.
+async fn fault_matrix<St: IdempotencyStore + Clone>(name: &str, store: St) {
+    use tower_idempotency::CachePolicy;
+    let mut rows = Vec::new();
+    for (policy_name, policy) in [
+        ("definitive", CachePolicy::DefinitiveOnly),
+        ("everything", CachePolicy::Everything),
+    ] {
+        for handler in [Handler::Plain, Handler::Milestone, Handler::Slow] {
+            // How many operations one request performs, unfailed.
+            let dry = Faulty::new(store.clone());
+            let layer = IdempotencyLayer::new(dry.clone())
+                .lease(Duration::from_millis(300))
+                .cache_policy(policy.clone());
+            let addr = serve(matrix_route(layer, Effects::default(), handler)).await;
+            post_key(addr, &unique("dry")).await;
+            let ops = dry.log().len();
+            assert!(ops >= 2, "a request claims and records: {:?}", dry.log());
+            for k in 1..=ops + 1 {
+                let (failed, effects, answers) = cell(&store, policy.clone(), handler, k).await;
+                let cell = format!("{name}/{policy_name}/{handler:?}/k={k} ({failed})");
+                rows.push(format!(
+                    "{cell:<52} effects={effects} answers={}",
+                    answers.join(", ")
+                ));
+                assert!(effects <= 1, "{cell}: {effects} effects; {answers:?}");
+                // Once an answer came from a completed run, nothing runs again.
+                if let Some(done) = answers.iter().position(|a| a == "run 201") {
+                    for later in &answers[done + 1..] {
+                        assert!(
+                            later.starts_with("replay")
+                                || later == "outcome-unknown"
+                                || later == "in-flight"
+                                || later == "store-unavailable",
+                            "{cell}: a completed key answered {later}; {answers:?}"
+                        );
+                    }
+                }
+                // One transient fault, then a healthy store: the holder's retried record
+                // lands, so no key is left "outcome unknown".
+                let last = answers.last().map(String::as_str).unwrap_or_default();
+                assert!(
+                    last.starts_with("replay"),
+                    "{cell}: no replay at the end; {answers:?}"
+                );
+            }
+        }
+    }
+    println!("fault matrix on {name}:\n{}", rows.join("\n"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s15_9_the_fault_matrix_on_memory() {
+    fault_matrix("memory", MemoryStore::new()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s15_9_the_fault_matrix_on_sqlite() {
+    fault_matrix("sqlite", common::sqlite("matrix").await.0).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s15_9_the_fault_matrix_on_postgres() {
+    let Some(store) = common::postgres("faults_matrix").await else {
+        return;
+    };
+    fault_matrix("postgres", store).await;
+}
