@@ -162,7 +162,7 @@ impl<St: IdempotencyStore> Execution<St> {
         head: Parts,
         mut body: Pin<Box<B>>,
         tx: tokio::sync::mpsc::Sender<Result<http_body::Frame<Bytes>, BoxError>>,
-        _hold: Hold<St>,
+        hold: Hold<St>,
     ) where
         B: Body<Data = Bytes>,
         B::Error: Into<BoxError>,
@@ -171,6 +171,8 @@ impl<St: IdempotencyStore> Execution<St> {
         let mut copy = bytes::BytesMut::new();
         let mut over = false;
         let mut recorded = false;
+        // Kept until the answer is recorded, not for the rest of the stream.
+        let mut hold = Some(hold);
         loop {
             // Convert the error at once: the inner body's own error type need not be Send.
             let next = http_body_util::BodyExt::frame(&mut body)
@@ -197,6 +199,7 @@ impl<St: IdempotencyStore> Execution<St> {
                     // a stream that never ends neither holds its lease nor grows its copy.
                     self.record_jsonrpc(&head, None, None, &id).await;
                     recorded = true;
+                    hold = None;
                     copy = bytes::BytesMut::new();
                 }
             }
@@ -206,6 +209,7 @@ impl<St: IdempotencyStore> Execution<St> {
                 self.record_jsonrpc(&head, Some(copy.clone().freeze()), None, &id)
                     .await;
                 recorded = true;
+                hold = None;
             }
             // A closed receiver only means the client left.
             let _ = tx.send(Ok(frame)).await;
@@ -214,6 +218,7 @@ impl<St: IdempotencyStore> Execution<St> {
             self.record_jsonrpc(&head, Some(copy.freeze()), None, &id)
                 .await;
         }
+        drop(hold);
     }
 
     /// Records a response whose body was lost after its head: as completed without a body

@@ -141,7 +141,7 @@ impl<St: IdempotencyStore> Keeper<St> {
             .name("idempotency-keeper-start".into())
             .spawn(move || drop(hand_over.spawn(keeper)));
         if spawned.is_err() {
-            // No thread to spare: start it here, renewing once this worker is free.
+            // No thread to spare: the next hold tries again.
             self.shared.running.store(false, Ordering::Release);
         }
     }

@@ -40,8 +40,10 @@
 //! 5. **Claim** ([`IdempotencyStore::claim`]): one atomic store operation.
 //! 6. **Decide**: run, replay, or refuse (see the table below).
 //! 7. **Execute** to completion even if the client hangs up (the request's future moves to a
-//!    task of its own when dropped), renewing the lease while it runs.
-//! 8. **Record** by [`CachePolicy`], fenced by the lease's token.
+//!    task of its own when dropped), the lease renewed by a keeper task while it runs (see
+//!    [`RouteConfig::lease`]). A claim dropped in flight is finished, and given back.
+//! 8. **Record** by [`CachePolicy`], fenced by the lease's token; a record the store refuses
+//!    is retried until it lands, never dropped.
 //! 9. **Respond** with the same bytes a replay will return.
 //!
 //! | the key's record | answer |

@@ -92,8 +92,15 @@ impl RouteConfig {
         self
     }
 
-    /// How long a claim holds without renewal (default 30 s). A running handler renews it every
-    /// third of the lease, so only a dead holder loses it.
+    /// How long a claim holds without renewal (default 30 s).
+    ///
+    /// The holder keeps its lease for as long as its process lives: the layer's keeper task
+    /// renews it every third of its length from before the handler starts until the outcome is
+    /// recorded (a record the store refuses is retried, under the same lease, until it lands).
+    /// The keeper never runs on the handler's task, so on a multi-threaded runtime a handler
+    /// that blocks its thread keeps its lease. A current-thread runtime has one thread: a
+    /// handler blocking it for longer than the lease loses the lease as a crashed holder would,
+    /// so run blocking work there in `tokio::task::spawn_blocking`.
     pub fn lease(mut self, lease: Duration) -> Self {
         self.lease = lease.max(Duration::from_millis(30));
         self
@@ -114,7 +121,12 @@ impl RouteConfig {
 
     /// The largest response body recorded (default 1 MiB). A larger response still reaches the
     /// client, and the key stays consumed: replays get `response-not-stored` (409), never a
-    /// second execution.
+    /// second execution. A streamed (SSE) JSON-RPC answer is recorded so as soon as it passes
+    /// the limit, so one that never ends holds neither its lease nor a growing copy.
+    ///
+    /// A response whose body fails after the handler answered is kept the same way (completed,
+    /// response not available) when the policy records its status: the handler answered, so its
+    /// effect is taken as done.
     pub fn response_limit(mut self, bytes: usize) -> Self {
         self.response_limit = bytes;
         self
@@ -155,6 +167,8 @@ impl RouteConfig {
     /// Also writes replays, conflicts, mismatches and "outcome unknown" refusals into the key's
     /// history (default off). Executions are always in it; these cost one extra write each on
     /// what is otherwise a read, so turn them on where an audit trail of every retry is worth it.
+    /// A history keeps at most [`HISTORY_REFUSALS`](crate::store::HISTORY_REFUSALS) entries
+    /// before refusals stop being written, on every store.
     pub fn record_refusals(mut self, on: bool) -> Self {
         self.record_refusals = on;
         self

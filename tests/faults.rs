@@ -535,6 +535,66 @@ async fn s15_6_the_default_memory_store_is_bounded_and_full_answers_503() {
     assert_eq!(effects.count(), created);
 }
 
+/// An SSE answer that never ends is bounded: once it passes the response limit it is recorded
+/// as not stored, so a retry meanwhile is told the outcome (not "in flight" for ever), and the
+/// copy stops growing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s15_6_a_never_ending_event_stream_is_recorded_once_past_the_limit() {
+    use futures_util::StreamExt;
+    let effects = Effects::default();
+    let sink = effects.clone();
+    let store = MemoryStore::new();
+    let layer = IdempotencyLayer::new(store.clone())
+        .response_limit(2048)
+        .jsonrpc(tower_idempotency::jsonrpc::JsonRpc::new());
+    let app = Router::new().route(
+        "/mcp",
+        post(move || async move {
+            sink.hit();
+            let progress = "data: {\"jsonrpc\":\"2.0\",\"method\":\"notifications/progress\",\"params\":{\"progress\":1}}\n\n";
+            let endless = futures_util::stream::repeat(progress).then(|event| async move {
+                tokio::time::sleep(Duration::from_millis(2)).await;
+                Ok::<_, std::io::Error>(event)
+            });
+            Response::builder()
+                .header("content-type", "text/event-stream")
+                .body(Body::from_stream(endless))
+                .expect("response")
+        })
+        .layer(layer),
+    );
+    let addr = serve(app).await;
+    let key = unique("endless");
+    let call = |id: u32| {
+        client()
+            .post(format!("http://{addr}/mcp"))
+            .header("idempotency-key", &key)
+            .header("content-type", "application/json")
+            .header("accept", "application/json, text/event-stream")
+            .body(format!(
+                r#"{{"jsonrpc":"2.0","id":{id},"method":"tools/call","params":{{"name":"t","arguments":{{}}}}}}"#
+            ))
+            .send()
+    };
+    let mut live = call(1).await.expect("the stream starts");
+    assert_eq!(live.status(), StatusCode::OK);
+    let mut read = 0;
+    while read < 4096 {
+        read += live.chunk().await.expect("chunk").expect("more").len();
+    }
+    let retry: serde_json::Value = call(2).await.expect("retry").json().await.expect("json");
+    assert_eq!(retry["id"], 2);
+    assert_eq!(retry["error"]["code"], -31007, "not stored, not in flight: {retry}");
+    let record = store
+        .lookup(&ScopedKey::new("\u{0}tools/call", &key))
+        .await
+        .expect("lookup")
+        .expect("record");
+    assert_eq!(record.status, RecordStatus::Completed);
+    assert_eq!(effects.count(), 1);
+    drop(live);
+}
+
 /// A full store whose records have all expired is not full: every shard is swept, not only
 /// the claiming one's.
 #[tokio::test]
