@@ -60,13 +60,20 @@ impl<St: IdempotencyStore> Execution<St> {
     }
 
     /// Runs `inner` on `req` and records the outcome; the answer for the client.
+    ///
+    /// `cancel` is set on routes that treat a hang-up as cancellation: it gives the key back if
+    /// this future is dropped while the handler runs. Once the handler has answered, its
+    /// outcome is recorded on a task of its own, so a hang-up can no longer drop it (the
+    /// handler answered: its effect happened).
     pub(crate) async fn run<S, ReqBody, ResBody>(
         self,
         mut inner: S,
         req: Request<RequestBody<ReqBody>>,
+        cancel: Option<ReleaseOnDrop<St>>,
     ) -> Result<Response<ResponseBody<ResBody>>, S::Error>
     where
         S: Service<Request<RequestBody<ReqBody>>, Response = Response<ResBody>>,
+        S::Error: Send + 'static,
         ResBody: Body<Data = Bytes> + Send + 'static,
         ResBody::Error: Into<BoxError>,
     {
@@ -74,34 +81,75 @@ impl<St: IdempotencyStore> Execution<St> {
         // From before the handler's first poll to the recorded outcome: renewed on the
         // keeper's task, which a handler blocking its own thread cannot starve.
         let hold = self.hold();
+        // `call` inside the future: a service may do work (and panic) in `call` itself.
+        let answered = CatchUnwind {
+            inner: async move { inner.call(req).await },
+        }
+        .await;
+        let Some(cancel) = cancel else {
+            return self.finish(answered, hold).await;
+        };
+        cancel.disarm();
+        let protocol = self.protocol.clone();
+        match tokio::spawn(self.finish(answered, hold).in_current_span()).await {
+            Ok(answer) => answer,
+            Err(_) => Ok(failed(
+                "recording the outcome failed",
+                "in_progress",
+                &protocol,
+            )),
+        }
+    }
+
+    /// Reads the handler's answer and records it (steps 8–9).
+    async fn finish<ResBody, E>(
+        self,
+        answered: Result<Result<Response<ResBody>, E>, Box<dyn Any + Send>>,
+        hold: Hold<St>,
+    ) -> Result<Response<ResponseBody<ResBody>>, E>
+    where
+        ResBody: Body<Data = Bytes> + Send + 'static,
+        ResBody::Error: Into<BoxError>,
+    {
+        let res = match answered {
+            Err(_panic) => {
+                tracing::error!("the idempotent handler panicked; releasing the key");
+                let state = self.release().await;
+                return Ok(failed(
+                    "the handler panicked; nothing was recorded",
+                    state,
+                    &self.protocol,
+                ));
+            }
+            Ok(Err(service_error)) => {
+                // No response exists to record, whatever the policy: give the key back.
+                self.release().await;
+                return Err(service_error);
+            }
+            Ok(Ok(res)) => res,
+        };
         let limit = self.route.response_limit;
         // JSON-RPC event streams go to the client as they arrive (progress notifications).
         let stream_for = match &self.protocol {
             Protocol::JsonRpc(id) => Some(id.clone()),
             _ => None,
         };
-        let work = CatchUnwind {
-            inner: async move {
-                let res = inner.call(req).await?;
-                Ok(capture(res, limit, stream_for).await)
-            },
-        };
-        match work.await {
-            Err(_panic) => {
-                tracing::error!("the idempotent handler panicked; releasing the key");
-                let state = self.release().await;
-                Ok(failed(
-                    "the handler panicked; nothing was recorded",
-                    state,
-                    &self.protocol,
-                ))
+        let status = res.status();
+        let captured = CatchUnwind {
+            inner: capture(res, limit, stream_for),
+        }
+        .await
+        .unwrap_or_else(|_panic| {
+            // A panic while the body is produced: the handler had answered all the same.
+            let mut head = Response::new(());
+            *head.status_mut() = status;
+            Captured::Broken {
+                parts: head.into_parts().0,
+                error: "the response body panicked".into(),
             }
-            Ok(Err(service_error)) => {
-                // No response exists to record, whatever the policy: give the key back.
-                self.release().await;
-                Err(service_error)
-            }
-            Ok(Ok(Captured::Broken { mut parts, error })) => {
+        });
+        match captured {
+            Captured::Broken { mut parts, error } => {
                 // The handler answered: its effect is taken as done (DESIGN §3). Only a head
                 // the policy would not record (a 5xx under DefinitiveOnly) gives the key back.
                 tracing::warn!(%error, "the response body failed after the handler answered");
@@ -115,11 +163,11 @@ impl<St: IdempotencyStore> Execution<St> {
                 };
                 Ok(failed(detail, state, &self.protocol))
             }
-            Ok(Ok(Captured::Complete {
+            Captured::Complete {
                 mut parts,
                 body,
                 trailers,
-            })) => {
+            } => {
                 let body = self
                     .record(&mut parts, Some(body), trailers.as_ref())
                     .await
@@ -131,18 +179,18 @@ impl<St: IdempotencyStore> Execution<St> {
                 };
                 Ok(present(parts.status, parts.headers, body, trailers, how))
             }
-            Ok(Ok(Captured::Streaming { parts, body, id })) => {
+            Captured::Streaming { parts, body, id } => {
                 let (tx, rx) = tokio::sync::mpsc::channel(16);
                 let head = head_of(&parts);
                 // The stream's own task keeps the lease until it is recorded.
                 tokio::spawn(self.tee(id, head, body, tx, hold).in_current_span());
                 Ok(Response::from_parts(parts, ResponseBody::channel(rx)))
             }
-            Ok(Ok(Captured::TooLarge {
+            Captured::TooLarge {
                 mut parts,
                 prefix,
                 rest,
-            })) => {
+            } => {
                 // Recorded without a body: the key stays consumed, never a second run.
                 self.record(&mut parts, None, None).await;
                 Ok(Response::from_parts(
@@ -447,6 +495,38 @@ impl<St: IdempotencyStore> Recorder<St> {
             }
         }
         drop(self.hold);
+    }
+}
+
+/// Releases a claim whose execution was dropped while its handler ran (routes that cancel on
+/// disconnect); disarmed once the handler has answered.
+pub(crate) struct ReleaseOnDrop<St: IdempotencyStore> {
+    pub(crate) store: Option<Arc<St>>,
+    pub(crate) key: ScopedKey,
+    pub(crate) token: FencingToken,
+}
+
+impl<St: IdempotencyStore> ReleaseOnDrop<St> {
+    fn disarm(mut self) {
+        self.store = None;
+    }
+}
+
+impl<St: IdempotencyStore> Drop for ReleaseOnDrop<St> {
+    fn drop(&mut self) {
+        let Some(store) = self.store.take() else {
+            return;
+        };
+        let (key, token) = (self.key.clone(), self.token);
+        // Without a runtime (shutting down) the lease simply runs out instead.
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            runtime.spawn(async move {
+                observe::count(Event::Release);
+                if let Err(error) = store.release(&key, token).await {
+                    tracing::warn!(%error, "could not release a cancelled execution's key");
+                }
+            });
+        }
     }
 }
 

@@ -98,7 +98,7 @@ impl RouteConfig {
     /// renews it every third of its length from before the handler starts until the outcome is
     /// recorded (a record the store refuses is retried, under the same lease, until it lands).
     /// The keeper never runs on the handler's task, so on a multi-threaded runtime a handler
-    /// that blocks its thread keeps its lease. A current-thread runtime has one thread: a
+    /// that blocks its thread keeps its lease, as long as one worker is free to run the keeper. A current-thread runtime has one thread: a
     /// handler blocking it for longer than the lease loses the lease as a crashed holder would,
     /// so run blocking work there in `tokio::task::spawn_blocking`.
     pub fn lease(mut self, lease: Duration) -> Self {

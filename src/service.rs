@@ -16,7 +16,7 @@ use tracing::Instrument;
 use crate::body::{Gathered, RequestBody, ResponseBody};
 use crate::context::IdempotencyContext;
 use crate::decide::{Decision, busy, ceil_secs, decide};
-use crate::execute::Execution;
+use crate::execute::{Execution, ReleaseOnDrop};
 use crate::fingerprint::fingerprint;
 use crate::future::{ResponseFuture, Step};
 use crate::hold::Keeper;
@@ -190,9 +190,11 @@ impl<St: IdempotencyStore, M: MakeScope> Pipeline<St, M> {
         let mut backoff = Duration::from_millis(10);
         let lease = loop {
             // Seen to its end even if this request is dropped meanwhile (see `ClaimToEnd`).
-            let decision = match ClaimToEnd::new(self.keeper.store(), &request).await {
-                Ok(claim) => decide(claim, &request.fingerprint),
-                Err(StoreError::Busy) => busy(),
+            // A record locked by a transaction is answered at once, and not noted in its
+            // history: that write would wait for the same lock.
+            let (decision, noted) = match ClaimToEnd::new(self.keeper.store(), &request).await {
+                Ok(claim) => (decide(claim, &request.fingerprint), true),
+                Err(StoreError::Busy) => (busy(), false),
                 Err(error) => {
                     observe::count(Event::StoreError);
                     tracing::error!(%error, "claim failed; refusing to run (fail closed)");
@@ -205,10 +207,10 @@ impl<St: IdempotencyStore, M: MakeScope> Pipeline<St, M> {
             let noting = match self.next(decision, can_wait, envelope, &protocol) {
                 Next::Run(lease) => break lease,
                 Next::Wait => None,
-                Next::Answer(response, None) => return Step::Answer(Ok(response)),
-                Next::Answer(response, Some(event)) => {
+                Next::Answer(response, Some(event)) if noted => {
                     Some(Box::pin(self.noted(&request.key, event, response)))
                 }
+                Next::Answer(response, _) => return Step::Answer(Ok(response)),
             };
             match noting {
                 Some(noting) => return Step::Answer(Ok(noting.await)),
@@ -252,20 +254,15 @@ impl<St: IdempotencyStore, M: MakeScope> Pipeline<St, M> {
                 key: execution.key.clone(),
                 token,
             };
-            let run = async move {
-                let answer = execution.run(inner, req).await;
-                guard.disarm();
-                answer
-            };
             return Step::Run {
-                run: Box::pin(run.in_current_span()),
+                run: Box::pin(execution.run(inner, req, Some(guard)).in_current_span()),
                 detach: false,
             };
         }
         // Run to completion: a client hanging up from here on detaches this future instead
         // of cancelling it.
         Step::Run {
-            run: Box::pin(execution.run(inner, req).in_current_span()),
+            run: Box::pin(execution.run(inner, req, None).in_current_span()),
             detach: true,
         }
     }
@@ -281,37 +278,6 @@ where
 {
     let res = inner.call(req).await?;
     Ok(res.map(ResponseBody::passthrough))
-}
-
-/// Releases a claim whose execution was dropped unfinished (routes that cancel on disconnect).
-struct ReleaseOnDrop<St: IdempotencyStore> {
-    store: Option<Arc<St>>,
-    key: ScopedKey,
-    token: crate::store::FencingToken,
-}
-
-impl<St: IdempotencyStore> ReleaseOnDrop<St> {
-    fn disarm(mut self) {
-        self.store = None;
-    }
-}
-
-impl<St: IdempotencyStore> Drop for ReleaseOnDrop<St> {
-    fn drop(&mut self) {
-        let Some(store) = self.store.take() else {
-            return;
-        };
-        let (key, token) = (self.key.clone(), self.token);
-        // Without a runtime (shutting down) the lease simply runs out instead.
-        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-            runtime.spawn(async move {
-                observe::count(Event::Release);
-                if let Err(error) = store.release(&key, token).await {
-                    tracing::warn!(%error, "could not release a cancelled execution's key");
-                }
-            });
-        }
-    }
 }
 
 type ClaimFuture = std::pin::Pin<Box<dyn Future<Output = Result<Claim, StoreError>> + Send>>;

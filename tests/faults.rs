@@ -400,6 +400,43 @@ async fn s15_4_a_hang_up_during_the_claim_leaves_nothing_stuck_on_postgres() {
     hang_up_during_claim(store).await;
 }
 
+/// On a route that cancels on disconnect, a hang-up while the handler runs gives the key back;
+/// one after the handler answered (here: while its outcome is being written) must not: the
+/// effect happened, so the outcome is recorded all the same and replayed.
+#[tokio::test]
+async fn s15_3_a_hang_up_after_the_handler_answered_never_cancels_its_record() {
+    let store = Faulty::new(MemoryStore::new());
+    *store.pause_before_complete.lock().expect("lock") = Some(Duration::from_millis(400));
+    let effects = Effects::default();
+    let layer = IdempotencyLayer::new(store.clone()).cancel_on_disconnect(true);
+    let addr = serve(effect_route(layer, effects.clone(), false)).await;
+    let key = unique("cancel-after-answer");
+    let impatient = reqwest::Client::builder()
+        .timeout(Duration::from_millis(150))
+        .build()
+        .expect("client");
+    let gave_up = impatient
+        .post(format!("http://{addr}/op"))
+        .header("idempotency-key", &key)
+        .header("content-type", "application/json")
+        .body(r#"{"amount":10}"#)
+        .send()
+        .await;
+    assert!(
+        gave_up.is_err(),
+        "the client hung up while the outcome was written"
+    );
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    *store.pause_before_complete.lock().expect("lock") = None;
+    let retry = post_key(addr, &key).await;
+    assert_eq!(
+        retry.headers()["idempotency-replayed"],
+        "true",
+        "recorded, not released"
+    );
+    assert_eq!(effects.count(), 1);
+}
+
 // ---- 5. A resolved outcome is final -----------------------------------------------------------
 
 /// The holder's renewals fail, so its lease runs out while it runs; a retry finds the key
@@ -584,7 +621,10 @@ async fn s15_6_a_never_ending_event_stream_is_recorded_once_past_the_limit() {
     }
     let retry: serde_json::Value = call(2).await.expect("retry").json().await.expect("json");
     assert_eq!(retry["id"], 2);
-    assert_eq!(retry["error"]["code"], -31007, "not stored, not in flight: {retry}");
+    assert_eq!(
+        retry["error"]["code"], -31007,
+        "not stored, not in flight: {retry}"
+    );
     let record = store
         .lookup(&ScopedKey::new("\u{0}tools/call", &key))
         .await
@@ -623,22 +663,34 @@ async fn s15_8_a_store_of_expired_records_is_not_full() {
 
 // ---- 7. A claim never queues behind a lock ----------------------------------------------------
 
-/// The handler records its milestone inside its own transaction and holds it. Twelve retries
-/// are answered 409 while it holds the row, and an unrelated key runs, on a pool of four: no
-/// retry waits for the lock, none holds a connection while it would.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn s15_7_a_claim_never_queues_behind_a_held_row_lock() {
+/// What happens meanwhile, while a handler holds its record's row in its own transaction.
+#[derive(Clone, Copy, PartialEq)]
+enum Meanwhile {
+    /// Twelve retries of the held key.
+    Retries,
+    /// The same, on a route that writes every refusal into the key's history.
+    RetriesNoted,
+    /// Nothing but time: the holder's lease (300 ms) is due for renewal several times.
+    Renewals,
+    /// Another replica starts and runs `migrate()`.
+    Migrate,
+}
+
+/// The handler records its milestone inside its own transaction and holds it. Whatever happens
+/// meanwhile, no statement of the store queues behind that lock holding a connection: retries
+/// of the held key are answered 409, and an unrelated key runs, on a pool of `pool`.
+async fn held_row_lock(table: &str, pool: u32, meanwhile: Meanwhile) {
     let Some(_) = common::postgres_pool().await else {
         return;
     };
     let pool = sqlx::postgres::PgPoolOptions::new()
-        .max_connections(4)
+        .max_connections(pool)
         .acquire_timeout(Duration::from_secs(3))
         .connect(&common::postgres_url())
         .await
         .expect("pool");
     let store = tower_idempotency::store::PostgresStore::new(pool)
-        .with_table("public", "faults_locked")
+        .with_table("public", table)
         .expect("table");
     store.migrate().await.expect("migrate");
     let effects = Effects::default();
@@ -651,6 +703,13 @@ async fn s15_7_a_claim_never_queues_behind_a_held_row_lock() {
         release.clone(),
         store.clone(),
     );
+    let mut layer = IdempotencyLayer::new(store.clone());
+    if meanwhile == Meanwhile::RetriesNoted {
+        layer = layer.record_refusals(true);
+    }
+    if meanwhile == Meanwhile::Renewals {
+        layer = layer.lease(Duration::from_millis(300));
+    }
     let app = Router::new().route(
         "/op",
         post(move |ctx: IdempotencyContext| async move {
@@ -672,34 +731,49 @@ async fn s15_7_a_claim_never_queues_behind_a_held_row_lock() {
             tx.commit().await.expect("commit");
             (StatusCode::CREATED, format!("effect {n}"))
         })
-        .layer(IdempotencyLayer::new(store.clone())),
+        .layer(layer),
     );
     let addr = serve(app).await;
     let k = key.clone();
     let holder = tokio::spawn(async move { post_key(addr, &k).await.status() });
     locked.notified().await;
 
-    // Deadlock detection only: queued claims would wait for a commit that comes after them.
-    let retries = tokio::time::timeout(Duration::from_secs(20), async {
-        let tasks: Vec<_> = (0..12)
-            .map(|_| {
-                let key = key.clone();
-                tokio::spawn(async move { post_key(addr, &key).await })
+    // Deadlock detection only: a statement queued behind the lock waits for a commit that
+    // comes after everything below.
+    let detect = Duration::from_secs(20);
+    let mut migrating = None;
+    match meanwhile {
+        Meanwhile::Retries | Meanwhile::RetriesNoted => {
+            let retries = tokio::time::timeout(detect, async {
+                let tasks: Vec<_> = (0..12)
+                    .map(|_| {
+                        let key = key.clone();
+                        tokio::spawn(async move { post_key(addr, &key).await })
+                    })
+                    .collect();
+                let mut answers = Vec::new();
+                for t in tasks {
+                    answers.push(t.await.expect("retry"));
+                }
+                answers
             })
-            .collect();
-        let mut answers = Vec::new();
-        for t in tasks {
-            answers.push(t.await.expect("retry"));
+            .await
+            .expect("retries queued behind the handler's transaction");
+            for res in retries {
+                assert_eq!(res.status(), StatusCode::CONFLICT);
+                assert_eq!(problem(res).await["type"], problem_type("in-flight"));
+            }
         }
-        answers
-    })
-    .await
-    .expect("retries queued behind the handler's transaction");
-    for res in retries {
-        assert_eq!(res.status(), StatusCode::CONFLICT);
-        assert_eq!(problem(res).await["type"], problem_type("in-flight"));
+        Meanwhile::Renewals => tokio::time::sleep(Duration::from_millis(1000)).await,
+        Meanwhile::Migrate => {
+            let replica = store.clone();
+            migrating = Some(tokio::spawn(async move { replica.migrate().await }));
+            tokio::time::sleep(Duration::from_millis(300)).await;
+        }
     }
-    let other = post_key(addr, &unique("unrelated")).await;
+    let other = tokio::time::timeout(detect, post_key(addr, &unique("unrelated")))
+        .await
+        .expect("an unrelated key queued behind the handler's transaction");
     assert_eq!(
         other.status(),
         StatusCode::CREATED,
@@ -707,11 +781,37 @@ async fn s15_7_a_claim_never_queues_behind_a_held_row_lock() {
     );
     release.notify_one();
     assert_eq!(holder.await.expect("holder"), StatusCode::CREATED);
+    if let Some(migrating) = migrating {
+        migrating
+            .await
+            .expect("join")
+            .expect("an up-to-date migrate succeeds");
+    }
     assert_eq!(
         effects.count(),
         2,
         "the held key once, the unrelated key once"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s15_7_a_claim_never_queues_behind_a_held_row_lock() {
+    held_row_lock("faults_locked", 4, Meanwhile::Retries).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s15_7_a_noted_refusal_never_queues_behind_a_held_row_lock() {
+    held_row_lock("faults_locked_noted", 4, Meanwhile::RetriesNoted).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s15_7_a_renewal_never_holds_a_connection_behind_a_held_row_lock() {
+    held_row_lock("faults_locked_renewals", 2, Meanwhile::Renewals).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s15_7_a_migrating_replica_never_stalls_claims() {
+    held_row_lock("faults_locked_migrate", 4, Meanwhile::Migrate).await;
 }
 
 /// A 63-byte table name (PostgreSQL's limit) still gets both its indexes, named apart from the
@@ -723,6 +823,13 @@ async fn s15_8_a_63_byte_table_name_gets_its_indexes() {
     };
     let table = format!("faults_{}", "t".repeat(56));
     assert_eq!(table.len(), 63);
+    // A table left by an earlier run would already have its indexes.
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "DROP TABLE IF EXISTS \"{table}\""
+    )))
+    .execute(&pool)
+    .await
+    .expect("drop");
     let store = tower_idempotency::store::PostgresStore::new(pool.clone())
         .with_table("public", &table)
         .expect("a 63-byte name is valid");

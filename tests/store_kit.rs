@@ -49,6 +49,7 @@ macro_rules! all_checks {
             resolution_fences_out_the_old_holder,
             history_tells_what_happened,
             history_is_bounded,
+            history_keeps_its_first_attempts_and_its_outcome,
         );
     };
 }

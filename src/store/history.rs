@@ -8,8 +8,9 @@
 use std::fmt;
 
 /// A key's history keeps at most this many entries: claims, milestones and outcomes are
-/// written until it holds them, so the first attempts of a key that is retried without end
-/// stay readable and no record grows without bound.
+/// written until it holds them; beyond, each new event takes the place of the last entry. So
+/// the first attempts of a key retried without end stay readable, its latest event (its
+/// outcome) is always there, and no record grows without bound.
 pub const HISTORY_LIMIT: usize = 256;
 
 /// What requests were told (replays, conflicts, mismatches, outcome unknown) is written only

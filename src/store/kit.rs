@@ -55,6 +55,7 @@ pub async fn run_all<S: IdempotencyStore>(store: Arc<S>) {
     resolution_fences_out_the_old_holder(&store).await;
     history_tells_what_happened(&store).await;
     history_is_bounded(&store).await;
+    history_keeps_its_first_attempts_and_its_outcome(&store).await;
 }
 
 fn unique_key(name: &str) -> ScopedKey {
@@ -596,6 +597,38 @@ pub async fn history_is_bounded<S: IdempotencyStore>(store: &S) {
     );
     assert_eq!(record.history[0].event, HistoryEvent::Claimed);
     assert_eq!(record.history[1].event, HistoryEvent::Completed);
+}
+
+/// Issue 15 §6: a key that runs and is released again and again keeps a bounded history with
+/// its first attempts and, always, its latest event: here its final outcome.
+pub async fn history_keeps_its_first_attempts_and_its_outcome<S: IdempotencyStore>(store: &S) {
+    let key = unique_key("long-history");
+    let req = request(&key, 1, LONG, LONG);
+    for _ in 0..super::HISTORY_LIMIT {
+        let lease = acquire(store, &req, "a released key").await;
+        store.release(&key, lease.token).await.expect("release");
+    }
+    let lease = acquire(store, &req, "a released key").await;
+    store
+        .complete(&key, lease.token, &response(), LONG)
+        .await
+        .expect("complete");
+    let record = store
+        .lookup(&key)
+        .await
+        .expect("lookup")
+        .expect("the record");
+    assert_eq!(record.history.len(), super::HISTORY_LIMIT);
+    assert_eq!(record.history[0].event, HistoryEvent::Claimed);
+    assert_eq!(record.history[0].attempt, 1);
+    assert_eq!(record.history[1].event, HistoryEvent::Released);
+    let last = record.history.last().expect("an entry");
+    assert_eq!(
+        last.event,
+        HistoryEvent::Completed,
+        "the outcome is always kept"
+    );
+    assert_eq!(last.attempt, record.attempts);
 }
 
 /// The record's history lists every attempt and what became of it, in order, with each

@@ -195,6 +195,13 @@ impl Entry {
             + usize::from(self.next.is_some())
             + self.extra.as_ref().map_or(0, |e| e.history.len());
         if held >= cap {
+            // A refusal note is dropped; any other event takes the last entry's place, so the
+            // history keeps its first attempts and always its latest event.
+            if cap != HISTORY_REFUSALS
+                && let Some(last) = self.extra.as_mut().and_then(|e| e.history.last_mut())
+            {
+                *last = event;
+            }
             return;
         }
         match &mut self.next {
@@ -771,6 +778,22 @@ fn uncertain(r: &Entry, now: u64) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Issue 15 §6: a new store is bounded, in records and in bytes.
+    #[test]
+    fn a_new_store_is_bounded() {
+        let store = MemoryStore::new();
+        assert_eq!(
+            store.inner.max_records.load(Ordering::Relaxed),
+            MemoryStore::DEFAULT_MAX_RECORDS
+        );
+        assert_eq!(
+            store.inner.max_bytes.load(Ordering::Relaxed),
+            MemoryStore::DEFAULT_MAX_BYTES
+        );
+        const { assert!(MemoryStore::DEFAULT_MAX_RECORDS < usize::MAX) };
+        const { assert!(MemoryStore::DEFAULT_MAX_BYTES <= 1 << 30) };
+    }
 
     /// The record's size is part of the memory bound (issue 5: raw bytes + 256 B per record):
     /// glibc rounds an allocation plus its 8-byte header up to 16 bytes, so 168 bytes fill a

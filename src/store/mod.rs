@@ -276,8 +276,13 @@ impl std::error::Error for StoreError {
 ///    `needs_reconciliation` and is returned as `Existing`.
 ///
 /// Writes after the claim (`renew`, `complete`, `release`, `mark_uncertain`, `record_milestone`)
-/// succeed only while the record is `in_progress` with the caller's token (`complete` also when
-/// that same holder already completed it), and fail with [`StoreError::Fenced`] otherwise.
+/// succeed only while the record is `in_progress` with the caller's token, and fail with
+/// [`StoreError::Fenced`] otherwise. `complete` also succeeds when the record still carries the
+/// caller's token but is `completed` (the holder completed it in its own transaction) or
+/// `needs_reconciliation` (the holder's earlier write failed, or its lease ran out on a
+/// `Reconcile` route: the holder that ran settles the uncertainty with its outcome).
+/// [`resolve`](Self::resolve) gives the record a new token, so after a resolution the old
+/// holder is fenced out: a resolved outcome is final.
 pub trait IdempotencyStore: Send + Sync + 'static {
     /// Claims `request.key`, or returns what stands (see the trait docs for the rules).
     fn claim(
@@ -294,7 +299,8 @@ pub trait IdempotencyStore: Send + Sync + 'static {
         lease: Duration,
     ) -> impl Future<Output = Result<SystemTime, StoreError>> + Send;
 
-    /// Records the outcome: the record becomes `completed` and lives for `ttl` from now.
+    /// Records the outcome: the record becomes `completed` and lives for `ttl` from now (see
+    /// the trait docs for when the holder may still write it).
     fn complete(
         &self,
         key: &ScopedKey,
@@ -351,7 +357,8 @@ pub trait IdempotencyStore: Send + Sync + 'static {
 
     /// Settles an uncertain record (see [`list_uncertain`](Self::list_uncertain)) whose current
     /// token is `token`: [`Resolution::Applied`] completes it with a response living `ttl`,
-    /// [`Resolution::NotApplied`] releases it. Anything else (a live holder, another token, a
+    /// [`Resolution::NotApplied`] releases it; either way the record takes a new token, so the
+    /// holder it overrules can no longer write. Anything else (a live holder, another token, a
     /// settled record) is refused with [`StoreError::Fenced`].
     fn resolve(
         &self,

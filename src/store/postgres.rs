@@ -66,11 +66,13 @@ struct Statements {
 
 const EXPIRED: &str = "r.expires_at <= now()";
 
-/// How long a claim waits for a record locked by another transaction (a handler recording its
-/// milestone in its own transaction) before answering "in flight". Set per claim, inside its
-/// own statement (`set_config(.., true)` lasts one transaction), before the row is locked: a
-/// claim never queues behind a long transaction holding a pooled connection.
-const CLAIM_LOCK_WAIT_MS: u64 = 100;
+/// How long a claim, a renewal or a refusal note waits for a record locked by another
+/// transaction (a handler recording its milestone in its own transaction) before giving up: a
+/// claim then answers "in flight", and none queues behind a long transaction holding a pooled
+/// connection. A one-row subquery sets the lock wait before any row is locked (the row comes
+/// from a join with it); `set_config(.., true)` lasts the statement's own transaction, so it is
+/// only in statements that never run inside a caller's transaction.
+const BOUNDED: &str = "(SELECT set_config('lock_timeout', '100ms', true) AS wait) AS bounded";
 
 /// Session limits on the connections [`PostgresStore::connect`] opens: no statement of the
 /// store waits on a lock, or runs, without bound.
@@ -116,7 +118,7 @@ impl Statements {
                SELECT $1, $2, $3, 'in_progress', $4, now() + make_interval(secs => $5::float8 / 1000),
                    1, false, NULL, NULL, now(), now(),
                    now() + make_interval(secs => GREATEST($5, $7)::float8 / 1000), {claimed_first}
-               FROM (SELECT set_config('lock_timeout', '{CLAIM_LOCK_WAIT_MS}ms', true) AS wait) AS bounded
+               FROM {BOUNDED}
                WHERE bounded.wait IS NOT NULL
                ON CONFLICT (scope, key) DO UPDATE SET
                  fingerprint = CASE WHEN {EXPIRED} THEN excluded.fingerprint ELSE r.fingerprint END,
@@ -170,11 +172,15 @@ impl Statements {
             schema: schema.to_owned(),
             table: table.to_owned(),
             claim: claim.into(),
+            // Renewals and refusal notes run while a handler may hold the row in its own
+            // transaction: they wait for it no longer than a claim does (`{BOUNDED}`).
             renew: format!(
                 "UPDATE {t} SET lease_until = now() + make_interval(secs => $4::float8 / 1000),
                    expires_at = GREATEST(expires_at, now() + make_interval(secs => $4::float8 / 1000)),
                    updated_at = now()
-                 WHERE {fenced} RETURNING (extract(epoch from lease_until) * 1000)::int8"
+                 FROM {BOUNDED}
+                 WHERE {fenced} AND bounded.wait IS NOT NULL
+                 RETURNING (extract(epoch from lease_until) * 1000)::int8"
             )
             .into(),
             complete: format!(
@@ -240,7 +246,8 @@ impl Statements {
             )
             .into(),
             append_history: format!(
-                "UPDATE {t} SET {} WHERE scope = $1 AND key = $2 AND expires_at > now()",
+                "UPDATE {t} SET {} FROM {BOUNDED}
+                 WHERE scope = $1 AND key = $2 AND expires_at > now() AND bounded.wait IS NOT NULL",
                 log_capped("$3", HISTORY_REFUSALS)
             )
             .into(),
@@ -290,7 +297,8 @@ impl PostgresStore {
         &self.pool
     }
 
-    /// The claim statement, for `EXPLAIN` and for benchmarks against raw SQL. Parameters:
+    /// The claim statement, for `EXPLAIN` and for benchmarks against raw SQL. It sets
+    /// `lock_timeout` for its own transaction: run it on its own, not inside yours. Parameters:
     /// `$1` scope, `$2` key (bytea), `$3` fingerprint, `$4` token (int8), `$5` lease ms,
     /// `$6` reclaim on lease expiry (bool), `$7` TTL ms.
     pub fn claim_statement(&self) -> &str {
@@ -348,6 +356,12 @@ impl PostgresStore {
     /// Creates the schema, table and indexes if missing. Safe to run from many replicas at
     /// once: an advisory lock serialises them.
     pub async fn migrate(&self) -> Result<(), sqlx::Error> {
+        // Up to date: touch nothing. `ALTER TABLE` and `CREATE INDEX` lock the table even when
+        // they have nothing to do, behind any handler's open transaction on a record, and every
+        // claim would then queue behind them: a replica starting up must not stall the others.
+        if self.up_to_date().await? {
+            return Ok(());
+        }
         let mut tx = self.pool.begin().await?;
         sqlx::query("SELECT pg_advisory_xact_lock(hashtext('tower_idempotency_migrate'))")
             .execute(&mut *tx)
@@ -358,6 +372,24 @@ impl PostgresStore {
                 .await?;
         }
         tx.commit().await
+    }
+
+    /// Whether the table, its history column and both indexes exist, read from the catalog
+    /// (which takes no lock on the table).
+    async fn up_to_date(&self) -> Result<bool, sqlx::Error> {
+        let (schema, table) = (&self.sql.schema, &self.sql.table);
+        sqlx::query_scalar(
+            "SELECT EXISTS (SELECT 1 FROM information_schema.columns
+                             WHERE table_schema = $1 AND table_name = $2 AND column_name = 'history')
+                AND (SELECT count(*) FROM pg_indexes
+                      WHERE schemaname = $1 AND tablename = $2 AND indexname IN ($3, $4)) = 2",
+        )
+        .bind(schema)
+        .bind(table)
+        .bind(sql::derived_name(table, "_expires_at"))
+        .bind(sql::derived_name(table, "_needs_reconciliation"))
+        .fetch_one(&self.pool)
+        .await
     }
 
     async fn claim_record(&self, req: &ClaimRequest) -> Result<Claim, StoreError> {

@@ -4,6 +4,7 @@ use std::fmt;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use super::codec::CorruptRecord;
+use super::history::HISTORY_REFUSALS;
 use super::{
     Claim, FencingToken, Fingerprint, HistoryEntry, Lease, Record, RecordStatus, ScopedKey,
     StoreError, StoredResponse,
@@ -141,13 +142,23 @@ pub(crate) fn claim_outcome(
 }
 
 /// `history` with `entry` appended while it holds fewer than `cap` entries (each ends in `;`),
-/// in SQL both databases speak.
+/// in SQL both databases speak. At the cap, a refusal note is dropped; any other event takes
+/// the last entry's place, so a history keeps its first attempts and always its latest event
+/// (`rtrim` of the characters an entry is made of removes exactly the last one).
 pub(crate) fn appended(history: &str, entry: &str, cap: usize) -> String {
+    let full = if cap == HISTORY_REFUSALS {
+        history.to_owned()
+    } else {
+        format!("rtrim(rtrim({history}, ';'), '{ENTRY_CHARS}') || {entry}")
+    };
     format!(
         "(CASE WHEN length({history}) - length(replace({history}, ';', '')) < {cap} \
-         THEN {history} || {entry} ELSE {history} END)"
+         THEN {history} || {entry} ELSE {full} END)"
     )
 }
+
+/// The characters of a history entry (`attempt token ms event`), `;` excluded.
+const ENTRY_CHARS: &str = "0123456789 -_abcdefghijklmnopqrstuvwxyz";
 
 pub(crate) fn from_millis(ms: i64) -> SystemTime {
     UNIX_EPOCH + Duration::from_millis(ms.max(0) as u64)

@@ -36,6 +36,8 @@ pub struct Faulty<S> {
     pub pause_after_claim: Arc<Mutex<Option<Duration>>>,
     /// The first `complete` takes the store down for this long, itself included.
     pub down_on_complete: Arc<Mutex<Option<Duration>>>,
+    /// Every `complete` waits this long before it writes.
+    pub pause_before_complete: Arc<Mutex<Option<Duration>>>,
 }
 
 impl<S> Faulty<S> {
@@ -52,6 +54,7 @@ impl<S> Faulty<S> {
             fail_renew: Arc::default(),
             pause_after_claim: Arc::default(),
             down_on_complete: Arc::default(),
+            pause_before_complete: Arc::default(),
         }
     }
 
@@ -132,6 +135,10 @@ impl<S: IdempotencyStore> IdempotencyStore for Faulty<S> {
     ) -> Result<(), StoreError> {
         if let Some(d) = self.down_on_complete.lock().expect("lock").take() {
             self.down_for(d);
+        }
+        let pause = *self.pause_before_complete.lock().expect("lock");
+        if let Some(pause) = pause {
+            tokio::time::sleep(pause).await;
         }
         self.op("complete")?;
         let once = self
