@@ -307,7 +307,13 @@ impl MemoryStore {
     /// this call: a wall-clock step (NTP, an operator) can neither hand a live lease to a retry
     /// nor expire records early. Times reported in records read as wall-clock times.
     pub fn new() -> Self {
-        let (base, start) = (SystemTime::now(), std::time::Instant::now());
+        Self::monotonic_since(SystemTime::now())
+    }
+
+    /// A store whose clock reads `base` at creation and then moves with `Instant`: the wall
+    /// clock is read once, never again.
+    fn monotonic_since(base: SystemTime) -> Self {
+        let start = std::time::Instant::now();
         Self::with_clock(move || base + start.elapsed())
     }
 
@@ -778,6 +784,36 @@ fn uncertain(r: &Entry, now: u64) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Issue 15 §6: leases and TTLs run on a monotonic clock. A store whose clock started at
+    /// an hour ago reads times an hour behind the wall clock ever after: it never reads the
+    /// wall clock again, so a step of it can neither expire a live lease nor revive an expired
+    /// one.
+    #[tokio::test]
+    async fn the_clock_is_read_once_then_monotonic() {
+        let wall = SystemTime::now();
+        let store = MemoryStore::monotonic_since(wall - Duration::from_secs(3600));
+        let key = ScopedKey::new("", "monotonic");
+        let request = ClaimRequest {
+            key: key.clone(),
+            fingerprint: Fingerprint::from_bytes([7; 32]),
+            lease: Duration::from_secs(60),
+            ttl: Duration::from_secs(60),
+            on_lease_expiry: LeaseExpiry::Reclaim,
+        };
+        let Ok(Claim::Acquired(lease)) = store.claim(&request).await else {
+            panic!("a fresh key is acquired");
+        };
+        let behind = wall
+            .duration_since(lease.until - Duration::from_secs(60))
+            .expect("the store's clock is behind the wall clock");
+        assert!(
+            behind > Duration::from_secs(3500),
+            "times come from the store's own clock, not the wall's: {behind:?}"
+        );
+        let record = store.lookup(&key).await.expect("lookup").expect("record");
+        assert_eq!(record.status, RecordStatus::InProgress, "the lease is live");
+    }
 
     /// Issue 15 §6: a new store is bounded, in records and in bytes.
     #[test]
