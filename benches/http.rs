@@ -226,7 +226,7 @@ async fn scenario_on<St: IdempotencyStore>(
     seconds: u64,
     run: &str,
 ) -> Result {
-    let addr = serve(app.layer(IdempotencyLayer::new(store))).await;
+    let addr = serve(app.layer(IdempotencyLayer::new(store).single_tenant())).await;
     load(addr, keys, seconds, run).await
 }
 
@@ -366,7 +366,7 @@ async fn run() {
             (3001, handler_app()),
             (
                 3002,
-                handler_app().layer(IdempotencyLayer::new(MemoryStore::new())),
+                handler_app().layer(IdempotencyLayer::new(MemoryStore::new()).single_tenant()),
             ),
             (3003, handler_app().layer(floor::FloorLayer::new())),
         ];
@@ -413,7 +413,7 @@ async fn run() {
             ("layer + MemoryStore, unique keys", Keys::Unique),
             ("layer + MemoryStore, replays", Keys::Repeated),
         ] {
-            let layered = app().layer(IdempotencyLayer::new(MemoryStore::new()));
+            let layered = app().layer(IdempotencyLayer::new(MemoryStore::new()).single_tenant());
             scenarios.push((name, serve(layered).await, keys));
         }
     }

@@ -145,7 +145,7 @@ fn scenarios() -> Vec<Scenario> {
         router,
         key,
     };
-    let layer = || IdempotencyLayer::new(MemoryStore::new());
+    let layer = || IdempotencyLayer::new(MemoryStore::new()).single_tenant();
     vec![
         scenario("bare", "bare router", app(), no_key),
         scenario(

@@ -76,6 +76,7 @@ async fn main() -> ExitCode {
     );
     let app = axum::Router::new().nest_service("/mcp", mcp).layer(
         IdempotencyLayer::new(MemoryStore::new())
+            .single_tenant()
             .jsonrpc(JsonRpc::new().meta_key("idempotencyKey")),
     );
     let listener = match tokio::net::TcpListener::bind(&addr).await {

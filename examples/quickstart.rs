@@ -13,9 +13,14 @@
 //! Try it:
 //!
 //! ```text
-//! curl -i -X POST localhost:3000/tools/create_ticket -H 'Idempotency-Key: k1' \
-//!      -H 'Content-Type: application/json' -d '{"title":"printer on fire"}'
+//! curl -i -X POST localhost:3000/tools/create_ticket -H 'Authorization: Bearer agent-1' \
+//!      -H 'Idempotency-Key: k1' -H 'Content-Type: application/json' -d '{"title":"printer on fire"}'
 //! curl localhost:3000/effects        # tickets actually created
+//! ```
+//!
+//! Keys are scoped by the calling agent (the principal the auth layer sets), not by its token:
+//! a retry with a refreshed token still replays, and two agents using the same key never see
+//! each other's tickets.
 //! ```
 
 use std::net::SocketAddr;
@@ -24,13 +29,34 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use axum::extract::State;
-use axum::http::StatusCode;
+use axum::extract::{Request, State};
+use axum::http::{StatusCode, header};
+use axum::middleware::{self, Next};
+use axum::response::Response;
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use serde_json::{Value, json};
 use tower_idempotency::store::AnyStore;
 use tower_idempotency::{IdempotencyContext, IdempotencyLayer};
+
+/// Who is calling: set by `authenticate`, read by the idempotency layer's scope.
+#[derive(Clone)]
+struct Agent(String);
+
+/// A stand-in for your auth layer: `Authorization: Bearer <agent>` names the agent (a real app
+/// verifies a token here and looks its owner up). No credentials, no entry: 401.
+async fn authenticate(mut req: Request, next: Next) -> Result<Response, StatusCode> {
+    let agent = req
+        .headers()
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .filter(|agent| !agent.is_empty())
+        .ok_or(StatusCode::UNAUTHORIZED)?
+        .to_owned();
+    req.extensions_mut().insert(Agent(agent));
+    Ok(next.run(req).await)
+}
 
 /// The side effect we must not repeat: tickets created.
 #[derive(Clone, Default)]
@@ -60,7 +86,12 @@ async fn create_ticket(
 fn app(tickets: Tickets, store: AnyStore) -> Router {
     Router::new()
         .route("/tools/create_ticket", post(create_ticket))
-        .route_layer(IdempotencyLayer::new(store))
+        // `route_layer`: only the routes above are guarded. Keys are scoped by the agent.
+        .route_layer(
+            IdempotencyLayer::new(store).scope_by_principal(|agent: &Agent| agent.0.clone()),
+        )
+        // Added after, so it runs first: the principal is set before the layer reads it.
+        .route_layer(middleware::from_fn(authenticate))
         .route(
             "/effects",
             get(|State(t): State<Tickets>| async move {
@@ -134,6 +165,7 @@ async fn call(addr: SocketAddr, key: String, body: Value) -> (u16, bool) {
     // A fresh client per call: separate connections, as independent retries would be.
     let res = reqwest::Client::new()
         .post(format!("http://{addr}/tools/create_ticket"))
+        .bearer_auth("demo-agent")
         .header("idempotency-key", key)
         .json(&body)
         .send()

@@ -126,7 +126,9 @@ async fn main() -> ExitCode {
     };
     let tickets = Tickets::default();
     // One layer for the whole server: CreateTicket needs a key, everything else passes.
-    let layer = IdempotencyLayer::new_for_grpc(MemoryStore::new()).grpc_method(CREATE, |m| m);
+    let layer = IdempotencyLayer::new_for_grpc(MemoryStore::new())
+        .single_tenant()
+        .grpc_method(CREATE, |m| m);
     let server = Server::builder()
         .layer(layer)
         .add_service(tickets.clone())

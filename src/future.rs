@@ -181,7 +181,9 @@ mod tests {
             "/t",
             axum::routing::post(|body: bytes::Bytes| async move { body.len().to_string() }),
         );
-        let mut service = IdempotencyLayer::new(MemoryStore::new()).layer(Inner::new(app));
+        let mut service = IdempotencyLayer::new(MemoryStore::new())
+            .single_tenant()
+            .layer(Inner::new(app));
         let request = http::Request::post("/t")
             .header("idempotency-key", "k")
             .header("content-type", "application/json")

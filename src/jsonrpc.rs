@@ -161,6 +161,7 @@ fn code(kind: ProblemKind) -> i64 {
         ProblemKind::BodyTooLarge | ProblemKind::BodyUnreadable => -31005,
         ProblemKind::ExecutionFailed => -31006,
         ProblemKind::ResponseNotStored => -31007,
+        ProblemKind::ScopeMissing => -31008,
     }
 }
 

@@ -1,11 +1,11 @@
-//! Steps 1–2 of the pipeline: read and validate the `Idempotency-Key`, then scope it.
+//! Step 1 of the pipeline: read and validate the `Idempotency-Key` (step 2 scopes it: see
+//! [`crate::scope`]).
 
 use std::borrow::Cow;
 use std::fmt;
 use std::sync::Arc;
 
-use http::{HeaderMap, HeaderName, request::Parts};
-use sha2::{Digest, Sha256};
+use http::{HeaderMap, HeaderName};
 
 /// The longest key accepted, in bytes, after removing sf-string quoting.
 pub const MAX_KEY_LEN: usize = 255;
@@ -19,7 +19,8 @@ pub static IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static("idempotency-ke
 pub enum KeyError {
     /// The route requires a key and none was sent.
     Missing,
-    /// The header appeared more than once: the request names two operations.
+    /// The header appeared more than once, or its value is a list (`a,b`, or two lines folded
+    /// into one by an intermediary): the request names two operations.
     Multiple,
     /// The key is empty.
     Empty,
@@ -33,7 +34,9 @@ impl fmt::Display for KeyError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(match self {
             Self::Missing => "this endpoint requires an idempotency key",
-            Self::Multiple => "more than one idempotency key header was sent",
+            Self::Multiple => {
+                "more than one idempotency key was sent (two headers, or a comma-separated list)"
+            }
             Self::Empty => "the idempotency key is empty",
             Self::TooLong => "the idempotency key is longer than 255 bytes",
             Self::InvalidCharacter => {
@@ -67,6 +70,11 @@ pub(crate) fn parse_key<'h>(
         _ => {
             if raw.iter().any(|b| !(0x21..=0x7e).contains(b)) {
                 return Err(KeyError::InvalidCharacter);
+            }
+            // A list in RFC 8941 terms, or what an intermediary makes of two key lines
+            // folded into one: two operations, refused as two headers are.
+            if raw.contains(&b',') {
+                return Err(KeyError::Multiple);
             }
             Cow::Borrowed(raw)
         }
@@ -102,6 +110,10 @@ fn unquote(raw: &[u8]) -> Result<Vec<u8>, KeyError> {
                 Some(&e @ (b'"' | b'\\')) => out.push(e),
                 _ => return Err(KeyError::InvalidCharacter),
             },
+            // A quoted key followed by more: a list (`"a", "b"`) is two keys.
+            b'"' if bytes.as_slice().trim_ascii_start().starts_with(b",") => {
+                return Err(KeyError::Multiple);
+            }
             b'"' => return Err(KeyError::InvalidCharacter),
             0x20..=0x7e => out.push(b),
             _ => return Err(KeyError::InvalidCharacter),
@@ -195,46 +207,6 @@ impl fmt::Debug for ScopedKey {
     }
 }
 
-/// Computes the scope of a request: the partition its keys live in.
-///
-/// Any `Fn(&Parts) -> String + Clone + Send + Sync + 'static` closure is a `MakeScope`.
-/// Pick the authenticated principal (from an extension your auth layer sets) or a tenant id:
-/// two principals sharing a scope could replay each other's responses.
-pub trait MakeScope: Clone + Send + Sync + 'static {
-    /// The scope of the request with these parts.
-    fn make_scope(&self, parts: &Parts) -> String;
-}
-
-impl<F> MakeScope for F
-where
-    F: Fn(&Parts) -> String + Clone + Send + Sync + 'static,
-{
-    fn make_scope(&self, parts: &Parts) -> String {
-        self(parts)
-    }
-}
-
-/// The default scope: a SHA-256 of the `Authorization` header, or `""` without one.
-///
-/// Requests carrying different credentials never share records, and the credential itself is
-/// never stored. Requests without credentials share the empty scope. Rotating a token changes the
-/// scope, so a retry sent with a refreshed token is a new operation: if that matters, scope by
-/// the principal instead ([`IdempotencyLayer::scope_with`](crate::IdempotencyLayer::scope_with)).
-#[derive(Debug, Clone, Copy, Default)]
-pub struct DefaultScope;
-
-impl MakeScope for DefaultScope {
-    fn make_scope(&self, parts: &Parts) -> String {
-        match parts.headers.get(http::header::AUTHORIZATION) {
-            Some(auth) => {
-                let digest = Sha256::digest(auth.as_bytes());
-                format!("auth:{}", hex(&digest[..16]))
-            }
-            None => String::new(),
-        }
-    }
-}
-
 pub(crate) fn hex(bytes: &[u8]) -> String {
     use fmt::Write;
     let mut s = String::with_capacity(bytes.len() * 2);
@@ -294,6 +266,15 @@ mod tests {
         assert_eq!(
             parse(&[&[b'k'; 255]]).map(|k| k.map(|k| k.len())),
             Ok(Some(255))
+        );
+        // Issue 16 §2: a list, or two lines folded into one, names two operations.
+        assert_eq!(parse(&[b"a,b"]), Err(KeyError::Multiple));
+        assert_eq!(parse(&[b"a,"]), Err(KeyError::Multiple));
+        assert_eq!(parse(&[br#""a", "b""#]), Err(KeyError::Multiple));
+        assert_eq!(
+            parse(&[br#""a,b""#]),
+            Ok(Some("a,b".into())),
+            "quoted, one key"
         );
         assert_eq!(parse(&[b"a\tb"]), Err(KeyError::InvalidCharacter));
         assert_eq!(parse(&[b"a b"]), Err(KeyError::InvalidCharacter));

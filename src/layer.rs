@@ -10,10 +10,11 @@ use tower_layer::Layer;
 
 use crate::fingerprint::{Canonicalize, FingerprintOptions};
 use crate::hold::Keeper;
-use crate::key::{DefaultScope, IDEMPOTENCY_KEY, MakeScope};
+use crate::key::IDEMPOTENCY_KEY;
 use crate::policy::CachePolicy;
 use crate::replay::default_denied_headers;
 use crate::route::RouteConfig;
+use crate::scope::{ByHeader, ByPrincipal, CredentialHash, MakeScope, SingleTenant, Unscoped};
 use crate::service::Idempotency;
 use crate::store::LeaseExpiry;
 
@@ -33,7 +34,7 @@ type Override = Arc<dyn Fn(RouteConfig) -> RouteConfig + Send + Sync>;
 ///     .lease(Duration::from_secs(10))
 ///     .for_path("/tools/search", |route| route.require_key(false));
 /// ```
-pub struct IdempotencyLayer<St, M = DefaultScope> {
+pub struct IdempotencyLayer<St, M = Unscoped> {
     /// The store, and the task that renews the leases its requests hold.
     keeper: Keeper<St>,
     make_scope: M,
@@ -94,7 +95,7 @@ impl<St> IdempotencyLayer<St> {
     pub fn from_arc(store: Arc<St>) -> Self {
         Self {
             keeper: Keeper::new(store),
-            make_scope: DefaultScope,
+            make_scope: Unscoped,
             config: Arc::new(LayerConfig {
                 header: IDEMPOTENCY_KEY.clone(),
                 default: RouteConfig::default(),
@@ -230,7 +231,58 @@ impl<St, M> IdempotencyLayer<St, M> {
         self
     }
 
-    /// Computes each request's scope with `make_scope` instead of [`DefaultScope`].
+    /// Scopes keys by the authenticated principal: the extension of type `T` that your auth
+    /// layer puts on the request (the axum way), turned into a scope by `scope`. The principal
+    /// outlives any token: a retry sent with a refreshed token still finds its key.
+    ///
+    /// The auth layer must run before this one; a request without the extension is answered
+    /// 500 `scope-missing` and nothing runs (see [`scope`](crate::scope)).
+    ///
+    /// ```
+    /// use tower_idempotency::{IdempotencyLayer, MemoryStore};
+    ///
+    /// #[derive(Clone)]
+    /// struct User {
+    ///     id: u64,
+    /// }
+    ///
+    /// let layer = IdempotencyLayer::new(MemoryStore::new())
+    ///     .scope_by_principal(|user: &User| user.id.to_string());
+    /// ```
+    pub fn scope_by_principal<T, F>(self, scope: F) -> IdempotencyLayer<St, ByPrincipal<T, F>>
+    where
+        T: Send + Sync + 'static,
+        F: Fn(&T) -> String + Clone + Send + Sync + 'static,
+    {
+        self.scope_with(ByPrincipal::new(scope))
+    }
+
+    /// Scopes keys by the value of the header `name` (a tenant id, an API key), hashed so a
+    /// credential never lands in the store. A request without it (or with it twice) is
+    /// answered 500 `scope-missing` and nothing runs: the layer in front that checks the
+    /// header must have let it through.
+    pub fn scope_by_header(self, name: HeaderName) -> IdempotencyLayer<St, ByHeader> {
+        self.scope_with(ByHeader::new(name))
+    }
+
+    /// One scope for every caller: for a service with one client, or behind a gateway that
+    /// already gives each caller its own service. Two callers sending the same key see each
+    /// other's answers, so choose it deliberately.
+    pub fn single_tenant(self) -> IdempotencyLayer<St, SingleTenant> {
+        self.scope_with(SingleTenant)
+    }
+
+    /// Scopes keys by a hash of the `Authorization` header: the credential, not the caller. It
+    /// breaks on token rotation (a retry with a refreshed token runs again): see
+    /// [`CredentialHash`](crate::scope::CredentialHash). Prefer
+    /// [`scope_by_principal`](Self::scope_by_principal).
+    pub fn scope_by_credential_hash(self) -> IdempotencyLayer<St, CredentialHash> {
+        self.scope_with(CredentialHash)
+    }
+
+    /// Computes each request's scope with `make_scope`: a closure returning `String`, or
+    /// `Option<String>` where `None` means the request lacks what the scope is made from
+    /// (answered 500 `scope-missing`, nothing runs).
     ///
     /// ```
     /// use http::request::Parts;
@@ -240,7 +292,7 @@ impl<St, M> IdempotencyLayer<St, M> {
     /// struct Tenant(String);
     ///
     /// let layer = IdempotencyLayer::new(MemoryStore::new()).scope_with(|parts: &Parts| {
-    ///     parts.extensions.get::<Tenant>().map(|t| t.0.clone()).unwrap_or_default()
+    ///     parts.extensions.get::<Tenant>().map(|t| t.0.clone())
     /// });
     /// ```
     pub fn scope_with<M2: MakeScope>(self, make_scope: M2) -> IdempotencyLayer<St, M2> {
@@ -267,7 +319,7 @@ impl<St, M> IdempotencyLayer<St, M> {
     }
 }
 
-impl<S, St, M: Clone> Layer<S> for IdempotencyLayer<St, M> {
+impl<S, St, M: MakeScope> Layer<S> for IdempotencyLayer<St, M> {
     type Service = Idempotency<S, St, M>;
 
     fn layer(&self, inner: S) -> Self::Service {

@@ -11,14 +11,22 @@
 //! use axum::{Router, routing::post};
 //! use tower_idempotency::{IdempotencyContext, IdempotencyLayer, MemoryStore};
 //!
+//! /// The caller, put in the request's extensions by your auth layer.
+//! #[derive(Clone)]
+//! struct User {
+//!     id: u64,
+//! }
+//!
 //! async fn create_ticket(ctx: IdempotencyContext, body: String) -> String {
 //!     format!("ticket for {body:?}, attempt {}", ctx.attempt())
 //! }
 //!
-//! # async fn run() -> std::io::Result<()> {
+//! # async fn run(auth: tower::layer::util::Identity) -> std::io::Result<()> {
 //! let app = Router::new()
 //!     .route("/tools/create_ticket", post(create_ticket))
-//!     .layer(IdempotencyLayer::new(MemoryStore::new()));
+//!     // Keys are scoped by the caller: never shared, and stable across token refreshes.
+//!     .route_layer(IdempotencyLayer::new(MemoryStore::new()).scope_by_principal(|u: &User| u.id.to_string()))
+//!     .route_layer(auth); // runs first: sets `User`
 //! let listener = tokio::net::TcpListener::bind("127.0.0.1:3000").await?;
 //! axum::serve(listener, app).await
 //! # }
@@ -31,8 +39,10 @@
 //! 1. **Key** ([`KeyError`]): `Idempotency-Key` as an RFC 8941 string or a bare
 //!    visible-ASCII value, at most 255 bytes, once. Missing: 400 when required (the default),
 //!    pass-through when [`require_key(false)`](IdempotencyLayer::require_key).
-//! 2. **Scope** ([`MakeScope`]): keys live in a scope; the default is a hash of the
-//!    `Authorization` header ([`DefaultScope`]).
+//! 2. **Scope** ([`scope`]): keys live in the caller's scope, chosen when the layer is built
+//!    (the authenticated principal, a header, a closure, or an explicit single tenant); a
+//!    layer without one does not compile, and a request without what its scope needs is a
+//!    server misconfiguration (500, nothing runs).
 //! 3. **Buffer**: the body, up to [`body_limit`](IdempotencyLayer::body_limit) (1 MiB), else
 //!    413; nothing is claimed before this.
 //! 4. **Fingerprint** ([`Fingerprint`]): method, path, query, media type and
@@ -102,8 +112,10 @@ pub mod problem;
 pub mod reconcile;
 mod replay;
 mod route;
+pub mod scope;
 mod service;
 pub mod store;
+mod uri;
 
 pub use body::{RequestBody, ResponseBody};
 pub use context::IdempotencyContext;
@@ -111,11 +123,12 @@ pub use context::IdempotencyContext;
 pub use context::MissingIdempotencyContext;
 pub use fingerprint::{Canonicalize, Fingerprint, MalformedBody};
 pub use future::ResponseFuture;
-pub use key::{DefaultScope, IDEMPOTENCY_KEY, KeyError, MAX_KEY_LEN, MakeScope, ScopedKey};
+pub use key::{IDEMPOTENCY_KEY, KeyError, MAX_KEY_LEN, ScopedKey};
 pub use layer::IdempotencyLayer;
 pub use policy::{CachePolicy, Outcome};
 pub use replay::IDEMPOTENCY_REPLAYED;
 pub use route::RouteConfig;
+pub use scope::{MakeScope, MissingScope};
 pub use service::Idempotency;
 #[cfg(feature = "memory")]
 pub use store::MemoryStore;

@@ -25,7 +25,8 @@
 //! | `outcome-unknown` | 409 | it is unknown whether the operation took effect; it awaits reconciliation |
 //! | `response-not-stored` | 409 | the operation completed but its response was over the size limit, so it cannot be replayed |
 //! | `store-unavailable` | 503 | the record store failed; nothing ran; retry with the same key |
-//! | `execution-failed` | 500 | the handler panicked or its response failed mid-body; the key was released |
+//! | `execution-failed` | 500 | the handler panicked (the key was released), or its response body failed after it answered (`state: completed`: it will not run again) |
+//! | `scope-missing` | 500 | the request lacks what the layer's scope is made from (the auth layer did not run before it): a server misconfiguration; nothing ran |
 
 use bytes::Bytes;
 use http::{HeaderMap, HeaderValue, Response, StatusCode, header};
@@ -58,6 +59,9 @@ pub enum ProblemKind {
     StoreUnavailable,
     /// 500: the execution panicked or its response body failed; the key was released.
     ExecutionFailed,
+    /// 500: the request lacks what the layer's scope is made from: the server is wired wrong
+    /// (see [`scope`](crate::scope)); nothing ran.
+    ScopeMissing,
 }
 
 impl ProblemKind {
@@ -75,6 +79,7 @@ impl ProblemKind {
             Self::ResponseNotStored => "response-not-stored",
             Self::StoreUnavailable => "store-unavailable",
             Self::ExecutionFailed => "execution-failed",
+            Self::ScopeMissing => "scope-missing",
         }
     }
 
@@ -93,7 +98,7 @@ impl ProblemKind {
             Self::FingerprintMismatch => StatusCode::UNPROCESSABLE_ENTITY,
             Self::InFlight | Self::OutcomeUnknown | Self::ResponseNotStored => StatusCode::CONFLICT,
             Self::StoreUnavailable => StatusCode::SERVICE_UNAVAILABLE,
-            Self::ExecutionFailed => StatusCode::INTERNAL_SERVER_ERROR,
+            Self::ExecutionFailed | Self::ScopeMissing => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
 
@@ -110,6 +115,7 @@ impl ProblemKind {
             Self::OutcomeUnknown => "Outcome unknown",
             Self::ResponseNotStored => "Response not stored",
             Self::StoreUnavailable => "Idempotency store unavailable",
+            Self::ScopeMissing => "Caller's identity missing (server misconfiguration)",
             Self::ExecutionFailed => "Execution failed",
         }
     }

@@ -33,6 +33,9 @@ pub(crate) fn default_denied_headers() -> Vec<HeaderName> {
         "tracestate",
         "connection",
         "keep-alive",
+        "proxy-connection",
+        "te",
+        "trailer",
         "transfer-encoding",
         "upgrade",
         "content-length",
@@ -56,8 +59,16 @@ pub(crate) fn withhold(
         headers.remove(header::CONTENT_LENGTH);
     }
     let mut withheld = Vec::new();
+    // Hop-by-hop headers a response names in `Connection` are for this hop alone.
+    let named: Vec<HeaderName> = headers
+        .get_all(header::CONNECTION)
+        .iter()
+        .filter_map(|value| value.to_str().ok())
+        .flat_map(|value| value.split(','))
+        .filter_map(|token| HeaderName::from_bytes(token.trim().as_bytes()).ok())
+        .collect();
     if headers.keys().any(|name| denied.contains(name)) {
-        for name in denied {
+        for name in denied.iter().chain(&named) {
             if let header::Entry::Occupied(entry) = headers.entry(name) {
                 let (name, values) = entry.remove_entry_mult();
                 withheld.extend(values.map(|value| (name.clone(), value)));
@@ -300,5 +311,28 @@ mod tests {
         assert_eq!(h["date"], "now");
         assert!(h.get("content-length").is_none());
         assert_eq!(h.len(), 6);
+    }
+
+    /// Issue 16 §4: hop-by-hop headers are never recorded, those named in `Connection` too.
+    #[test]
+    fn hop_by_hop_headers_are_withheld() {
+        let mut h = HeaderMap::new();
+        for (name, value) in [
+            ("connection", "close, X-Hop"),
+            ("connection", "x-other-hop"),
+            ("x-hop", "1"),
+            ("x-other-hop", "2"),
+            ("te", "trailers"),
+            ("trailer", "grpc-status"),
+            ("proxy-connection", "keep-alive"),
+            ("keep-alive", "timeout=5"),
+            ("upgrade", "h2c"),
+            ("x-kept", "3"),
+        ] {
+            h.append(name, value.parse().expect("v"));
+        }
+        let withheld = withhold(&mut h, &default_denied_headers(), true);
+        assert_eq!(h.keys().map(|n| n.as_str()).collect::<Vec<_>>(), ["x-kept"]);
+        assert_eq!(withheld.len(), 9);
     }
 }

@@ -42,6 +42,7 @@ pub struct RouteConfig {
     pub(crate) jsonrpc: Option<Arc<JsonRpc>>,
     pub(crate) cancel_on_disconnect: bool,
     pub(crate) wait_for_in_flight: Option<Duration>,
+    pub(crate) json_fields: Option<Arc<crate::fingerprint::JsonFields>>,
 }
 
 impl Default for RouteConfig {
@@ -62,6 +63,7 @@ impl Default for RouteConfig {
             jsonrpc: None,
             cancel_on_disconnect: false,
             wait_for_in_flight: None,
+            json_fields: None,
         }
     }
 }
@@ -162,6 +164,24 @@ impl RouteConfig {
         } else {
             LeaseExpiry::Reclaim
         })
+    }
+
+    /// Fingerprints only part of a JSON body: the fields at some JSON Pointers, or all but
+    /// some (see [`JsonFields`](crate::fingerprint::JsonFields)). What counts is canonicalised as
+    /// exactly as a whole body is. The risk is yours: a field left out that changes the outcome
+    /// makes two different operations look like one, and the second gets the first's answer.
+    ///
+    /// ```
+    /// use tower_idempotency::fingerprint::JsonFields;
+    /// use tower_idempotency::{IdempotencyLayer, MemoryStore};
+    ///
+    /// let layer = IdempotencyLayer::new(MemoryStore::new()).for_path("/payments", |route| {
+    ///     route.fingerprint_json(JsonFields::exclude(["/client_timestamp"]).expect("pointers"))
+    /// });
+    /// ```
+    pub fn fingerprint_json(mut self, fields: crate::fingerprint::JsonFields) -> Self {
+        self.json_fields = Some(Arc::new(fields));
+        self
     }
 
     /// Also writes replays, conflicts, mismatches and "outcome unknown" refusals into the key's

@@ -17,16 +17,17 @@ use crate::body::{Gathered, RequestBody, ResponseBody};
 use crate::context::IdempotencyContext;
 use crate::decide::{Decision, busy, ceil_secs, decide};
 use crate::execute::{Execution, ReleaseOnDrop};
-use crate::fingerprint::fingerprint;
+use crate::fingerprint::fingerprint_fields;
 use crate::future::{ResponseFuture, Step};
 use crate::hold::Keeper;
 use crate::jsonrpc::{self, JsonRpc};
-use crate::key::{DefaultScope, KeyError, MakeScope, ScopedKey, parse_key};
+use crate::key::{KeyError, ScopedKey, parse_key};
 use crate::layer::Resolved;
 use crate::observe::{self, Event};
 use crate::problem::{Problem, ProblemKind, Protocol};
 use crate::replay::replay;
 use crate::route::RouteConfig;
+use crate::scope::MakeScope;
 use crate::store::{BoxError, Claim, ClaimRequest, HistoryEvent, IdempotencyStore, StoreError};
 
 /// The middleware service made by [`IdempotencyLayer`](crate::IdempotencyLayer).
@@ -35,7 +36,7 @@ use crate::store::{BoxError, Claim, ClaimRequest, HistoryEvent, IdempotencyStore
 /// request, or the original body of one passed through) and its responses carry a
 /// [`ResponseBody`]. Every failure of its own is a response: it never returns an error the
 /// inner service did not.
-pub struct Idempotency<S, St, M = DefaultScope> {
+pub struct Idempotency<S, St, M> {
     inner: S,
     keeper: Keeper<St>,
     make_scope: M,
@@ -80,7 +81,9 @@ where
         // The ready service goes into the future; the clone stays behind for the next call.
         let clone = self.inner.clone();
         let inner = std::mem::replace(&mut self.inner, clone);
-        let route = self.config.route(req.uri().path());
+        // The path the client sent, wherever this layer sits (see `crate::uri`).
+        let path = crate::uri::sent(req.extensions(), req.uri()).path();
+        let route = self.config.route(path);
         // An outer idempotency layer already guards this request: one claim per request.
         let nested = req.extensions().get::<IdempotencyContext>().is_some();
         if nested || !route.guards(req.method()) {
@@ -89,7 +92,7 @@ where
         let span = tracing::info_span!(
             "idempotency",
             method = %req.method(),
-            path = req.uri().path(),
+            path,
             outcome = tracing::field::Empty,
             attempt = tracing::field::Empty,
         );
@@ -389,8 +392,10 @@ impl<St: IdempotencyStore, M: MakeScope> Pipeline<St, M> {
         };
         observe::count(Event::Attempt);
         // 2. Scope.
-        let key = ScopedKey::new(self.make_scope.make_scope(parts), key);
-        Admitted::Key(key, protocol)
+        match self.make_scope.make_scope(parts) {
+            Ok(scope) => Admitted::Key(ScopedKey::new(scope, key), protocol),
+            Err(missing) => Admitted::Refused(self.refuse_scope(&missing, &protocol)),
+        }
     }
 
     /// Step 4 for HTTP and gRPC, once step 3 buffered the body.
@@ -401,7 +406,8 @@ impl<St: IdempotencyStore, M: MakeScope> Pipeline<St, M> {
         key: ScopedKey,
         protocol: Protocol,
     ) -> Prepared<B, ResBody> {
-        match fingerprint(parts, &bytes, &self.config.fingerprint) {
+        let fields = self.route.json_fields.as_deref();
+        match fingerprint_fields(parts, &bytes, &self.config.fingerprint, fields) {
             Ok(fingerprint) => Prepared::Guard(Guarded {
                 bytes,
                 key,
@@ -446,8 +452,12 @@ impl<St: IdempotencyStore, M: MakeScope> Pipeline<St, M> {
             Err(error) => return Prepared::Answer(self.refuse_key(&error, &protocol)),
         };
         observe::count(Event::Attempt);
+        let scope = match self.make_scope.make_scope(parts) {
+            Ok(scope) => scope,
+            Err(missing) => return Prepared::Answer(self.refuse_scope(&missing, &protocol)),
+        };
         // The method joins the scope: a key names one operation of one tool method.
-        let scope = format!("{}\u{0}{}", self.make_scope.make_scope(parts), call.method);
+        let scope = format!("{scope}\u{0}{}", call.method);
         let fingerprint = jsonrpc::fingerprint(parts, &call);
         Prepared::Guard(Guarded {
             bytes,
@@ -568,6 +578,17 @@ impl<St, M> Pipeline<St, M> {
         };
         self.outcome(kind.slug());
         Problem::new(kind, error.to_string()).respond(protocol)
+    }
+
+    /// The app is wired wrong: the server's fault, logged as such, and nothing runs.
+    fn refuse_scope<B>(
+        &self,
+        missing: &crate::scope::MissingScope,
+        protocol: &Protocol,
+    ) -> Response<ResponseBody<B>> {
+        tracing::error!(%missing, "misconfiguration: the request has no scope");
+        self.outcome(ProblemKind::ScopeMissing.slug());
+        Problem::new(ProblemKind::ScopeMissing, missing.to_string()).respond(protocol)
     }
 
     fn refuse_body<B>(&self, problem: Problem, protocol: &Protocol) -> Response<ResponseBody<B>> {

@@ -26,7 +26,11 @@ async fn app() -> (SocketAddr, Effects, MemoryStore) {
                 format!("{} bytes", body.len())
             }),
         )
-        .layer(IdempotencyLayer::new(store.clone()).body_limit(LIMIT));
+        .layer(
+            IdempotencyLayer::new(store.clone())
+                .single_tenant()
+                .body_limit(LIMIT),
+        );
     (serve(app).await, effects, store)
 }
 
@@ -164,7 +168,11 @@ async fn s4_json_nested_100k_levels_is_refused_not_a_crash() {
                 "ran"
             }),
         )
-        .layer(IdempotencyLayer::new(MemoryStore::new()).body_limit(1 << 20));
+        .layer(
+            IdempotencyLayer::new(MemoryStore::new())
+                .single_tenant()
+                .body_limit(1 << 20),
+        );
     let addr = serve(app).await;
     let deep = "[".repeat(100_000) + &"]".repeat(100_000);
     let res = client()

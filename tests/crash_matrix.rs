@@ -152,6 +152,7 @@ fn app<St: IdempotencyStore>(
     step: Arc<str>,
 ) -> Router {
     let layer = IdempotencyLayer::new(store)
+        .single_tenant()
         .lease(LEASE)
         .on_lease_expiry(expiry);
     Router::new().route(

@@ -20,6 +20,26 @@ use tokio::sync::Barrier;
 use tower_idempotency::store::{PostgresStore, RecordStatus, ScopedKey, SqliteStore};
 use tower_idempotency::{IdempotencyLayer, IdempotencyStore};
 
+/// The caller, as the quickstart's auth layer names it: keys are scoped by it, so a process
+/// of this test and the quickstart's process see the same records.
+#[derive(Clone)]
+struct Agent(String);
+
+async fn authenticate(
+    mut req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> axum::response::Response {
+    let agent = req
+        .headers()
+        .get("authorization")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .unwrap_or_default()
+        .to_owned();
+    req.extensions_mut().insert(Agent(agent));
+    next.run(req).await
+}
+
 /// The quickstart's ticket route, counting effects in this process.
 fn tickets<St: IdempotencyStore>(store: St, effects: Effects) -> Router {
     Router::new()
@@ -31,12 +51,16 @@ fn tickets<St: IdempotencyStore>(store: St, effects: Effects) -> Router {
                 (StatusCode::CREATED, format!("ticket {n} for {body}"))
             }),
         )
-        .layer(IdempotencyLayer::new(store))
+        .layer(IdempotencyLayer::new(store).scope_by_principal(|agent: &Agent| agent.0.clone()))
+        .layer(axum::middleware::from_fn(authenticate))
 }
+
+const AGENT: &str = "durable-agent";
 
 async fn create(addr: SocketAddr, key: &str, body: &Value) -> reqwest::Response {
     client()
         .post(format!("http://{addr}/tools/create_ticket"))
+        .bearer_auth(AGENT)
         .header("idempotency-key", key)
         .json(body)
         .send()
@@ -65,6 +89,7 @@ async fn burst(replicas: &[SocketAddr], key: &str) -> (usize, usize) {
             tokio::spawn(async move {
                 let request = client()
                     .post(format!("http://{addr}/tools/create_ticket"))
+                    .bearer_auth(AGENT)
                     .header("idempotency-key", key)
                     .json(&json!({ "title": "burst" }));
                 barrier.wait().await;
@@ -190,7 +215,7 @@ async fn crash_after_claim<St: IdempotencyStore + Clone>(store: St, store_url: &
     let (k, b) = (key.clone(), body.clone());
     let pending = tokio::spawn(async move { create(addr, &k, &b).await });
     // Wait until the holder has claimed the key and is inside its (endless) handler.
-    let scoped = ScopedKey::new("", key.clone());
+    let scoped = ScopedKey::new(format!("principal:{AGENT}"), key.clone());
     let mut claimed = false;
     for _ in 0..300 {
         if let Some(record) = store.lookup(&scoped).await.expect("lookup") {

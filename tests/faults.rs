@@ -20,6 +20,7 @@ use common::faulty::Faulty;
 use common::{Effects, TestClock, client, problem, problem_type, serve};
 use tokio::sync::Notify;
 use tower_idempotency::reconcile::{Reconciliation, resolve_by_hand};
+use tower_idempotency::scope::SingleTenant;
 use tower_idempotency::store::{RecordStatus, ScopedKey, StoredResponse};
 use tower_idempotency::{
     IdempotencyContext, IdempotencyLayer, IdempotencyStore, LeaseExpiry, MemoryStore,
@@ -46,7 +47,7 @@ async fn post_key(addr: SocketAddr, key: &str) -> reqwest::Response {
 /// A handler that marks its effect started (when `milestone`), then makes it: one effect per
 /// run, counted at the sink, answered 201.
 fn effect_route<St: IdempotencyStore>(
-    layer: IdempotencyLayer<St>,
+    layer: IdempotencyLayer<St, SingleTenant>,
     effects: Effects,
     milestone: bool,
 ) -> Router {
@@ -74,7 +75,9 @@ async fn short_outage_is_recorded<St: IdempotencyStore>(store: St) {
     let store = Arc::new(Faulty::new(store));
     *store.down_on_complete.lock().expect("lock") = Some(Duration::from_millis(200));
     let effects = Effects::default();
-    let layer = IdempotencyLayer::from_arc(store.clone()).lease(Duration::from_millis(500));
+    let layer = IdempotencyLayer::from_arc(store.clone())
+        .single_tenant()
+        .lease(Duration::from_millis(500));
     let addr = serve(effect_route(layer, effects.clone(), false)).await;
     let key = unique("short-outage");
 
@@ -132,7 +135,9 @@ async fn s15_1_a_cut_database_connection_at_record_time_ends_recorded() {
         .expect("table");
     store.migrate().await.expect("migrate");
     let effects = Effects::default();
-    let layer = IdempotencyLayer::new(store).lease(Duration::from_millis(500));
+    let layer = IdempotencyLayer::new(store)
+        .single_tenant()
+        .lease(Duration::from_millis(500));
     let (sink, cut) = (effects.clone(), proxy.clone());
     let app = Router::new().route(
         "/op",
@@ -170,6 +175,7 @@ async fn long_outage_never_runs_twice(expiry: LeaseExpiry, milestone: bool) {
     let store = Arc::new(Faulty::new(MemoryStore::new()));
     let effects = Effects::default();
     let layer = IdempotencyLayer::from_arc(store.clone())
+        .single_tenant()
         .lease(Duration::from_millis(300))
         .on_lease_expiry(expiry);
     let addr = serve(effect_route(layer, effects.clone(), milestone)).await;
@@ -227,7 +233,9 @@ async fn s15_1_an_outage_longer_than_the_lease_never_runs_twice_after_a_mileston
 async fn blocking_handler_keeps_its_lease<St: IdempotencyStore>(store: St) {
     let effects = Effects::default();
     let sink = effects.clone();
-    let layer = IdempotencyLayer::new(store).lease(Duration::from_millis(300));
+    let layer = IdempotencyLayer::new(store)
+        .single_tenant()
+        .lease(Duration::from_millis(300));
     let app = Router::new().route(
         "/op",
         post(move || async move {
@@ -271,7 +279,7 @@ async fn s15_2_a_handler_blocking_its_thread_keeps_its_lease_on_postgres() {
 // ---- 3. After the response head, the effect happened -----------------------------------------
 
 fn broken_body_route<St: IdempotencyStore>(
-    layer: IdempotencyLayer<St>,
+    layer: IdempotencyLayer<St, SingleTenant>,
     effects: Effects,
 ) -> Router {
     Router::new().route(
@@ -299,7 +307,7 @@ async fn s15_3_a_body_that_fails_after_the_head_is_never_run_again() {
     let effects = Effects::default();
     let store = MemoryStore::new();
     let addr = serve(broken_body_route(
-        IdempotencyLayer::new(store.clone()),
+        IdempotencyLayer::new(store.clone()).single_tenant(),
         effects.clone(),
     ))
     .await;
@@ -349,6 +357,7 @@ async fn hang_up_during_claim<St: IdempotencyStore>(store: St) {
     *store.pause_after_claim.lock().expect("lock") = Some(Duration::from_millis(300));
     let effects = Effects::default();
     let layer = IdempotencyLayer::from_arc(store.clone())
+        .single_tenant()
         .lease(Duration::from_secs(60))
         .on_lease_expiry(LeaseExpiry::Reconcile);
     let addr = serve(effect_route(layer, effects.clone(), false)).await;
@@ -408,7 +417,9 @@ async fn s15_3_a_hang_up_after_the_handler_answered_never_cancels_its_record() {
     let store = Faulty::new(MemoryStore::new());
     *store.pause_before_complete.lock().expect("lock") = Some(Duration::from_millis(400));
     let effects = Effects::default();
-    let layer = IdempotencyLayer::new(store.clone()).cancel_on_disconnect(true);
+    let layer = IdempotencyLayer::new(store.clone())
+        .single_tenant()
+        .cancel_on_disconnect(true);
     let addr = serve(effect_route(layer, effects.clone(), false)).await;
     let key = unique("cancel-after-answer");
     let impatient = reqwest::Client::builder()
@@ -449,6 +460,7 @@ async fn resolution_is_final<St: IdempotencyStore>(store: St) {
     let go = Arc::new(Notify::new());
     let (sink, gate) = (effects.clone(), go.clone());
     let layer = IdempotencyLayer::from_arc(store.clone())
+        .single_tenant()
         .lease(Duration::from_millis(300))
         .on_lease_expiry(LeaseExpiry::Reconcile);
     let app = Router::new().route(
@@ -529,7 +541,7 @@ async fn s15_5_a_resolved_outcome_is_final_on_postgres() {
 async fn s15_6_the_default_memory_store_is_bounded_and_full_answers_503() {
     let effects = Effects::default();
     let sink = effects.clone();
-    let layer = IdempotencyLayer::new(MemoryStore::new());
+    let layer = IdempotencyLayer::new(MemoryStore::new()).single_tenant();
     let app = Router::new().route(
         "/op",
         post(move || async move {
@@ -582,6 +594,7 @@ async fn s15_6_a_never_ending_event_stream_is_recorded_once_past_the_limit() {
     let sink = effects.clone();
     let store = MemoryStore::new();
     let layer = IdempotencyLayer::new(store.clone())
+        .single_tenant()
         .response_limit(2048)
         .jsonrpc(tower_idempotency::jsonrpc::JsonRpc::new());
     let app = Router::new().route(
@@ -642,7 +655,9 @@ async fn s15_8_a_store_of_expired_records_is_not_full() {
     let clock = TestClock::default();
     let store = clock.store().max_records(64);
     let effects = Effects::default();
-    let layer = IdempotencyLayer::new(store).ttl(Duration::from_secs(1));
+    let layer = IdempotencyLayer::new(store)
+        .single_tenant()
+        .ttl(Duration::from_secs(1));
     let addr = serve(effect_route(layer, effects.clone(), false)).await;
     let run = unique("expired-full");
     for i in 0..64 {
@@ -703,7 +718,7 @@ async fn held_row_lock(table: &str, pool: u32, meanwhile: Meanwhile) {
         release.clone(),
         store.clone(),
     );
-    let mut layer = IdempotencyLayer::new(store.clone());
+    let mut layer = IdempotencyLayer::new(store.clone()).single_tenant();
     if meanwhile == Meanwhile::RetriesNoted {
         layer = layer.record_refusals(true);
     }
@@ -864,7 +879,7 @@ enum Handler {
 }
 
 fn matrix_route<St: IdempotencyStore>(
-    layer: IdempotencyLayer<St>,
+    layer: IdempotencyLayer<St, SingleTenant>,
     effects: Effects,
     handler: Handler,
 ) -> Router {
@@ -924,6 +939,7 @@ async fn cell<St: IdempotencyStore + Clone>(
     faulty.fail_at.store(k, Ordering::SeqCst);
     let effects = Effects::default();
     let layer = IdempotencyLayer::new(faulty.clone())
+        .single_tenant()
         .lease(Duration::from_millis(300))
         .cache_policy(policy);
     let addr = serve(matrix_route(layer, effects.clone(), handler)).await;
@@ -965,6 +981,7 @@ async fn fault_matrix<St: IdempotencyStore + Clone>(name: &str, store: St) {
             // How many operations one request performs, unfailed.
             let dry = Faulty::new(store.clone());
             let layer = IdempotencyLayer::new(dry.clone())
+                .single_tenant()
                 .lease(Duration::from_millis(300))
                 .cache_policy(policy.clone());
             let addr = serve(matrix_route(layer, Effects::default(), handler)).await;

@@ -27,6 +27,7 @@ use tonic::transport::server::TcpIncoming;
 use tonic::transport::{Channel, Endpoint, Server};
 use tonic::{Code, Status};
 use tonic_prost::ProstCodec;
+use tower_idempotency::scope::SingleTenant;
 use tower_idempotency::{
     CachePolicy, IdempotencyContext, IdempotencyLayer, IdempotencyStore, MemoryStore,
 };
@@ -174,7 +175,7 @@ impl tonic::server::UnaryService<CreateTicket> for Create {
 }
 
 async fn serve_grpc<St: IdempotencyStore>(
-    layer: IdempotencyLayer<St>,
+    layer: IdempotencyLayer<St, SingleTenant>,
     tickets: Tickets,
 ) -> SocketAddr {
     let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
@@ -188,8 +189,10 @@ async fn serve_grpc<St: IdempotencyStore>(
 }
 
 /// A layer guarding CreateTicket only, as a server-wide tonic layer would be set up.
-fn layer<St: IdempotencyStore>(store: St) -> IdempotencyLayer<St> {
-    IdempotencyLayer::new_for_grpc(store).grpc_method(CREATE, |m| m)
+fn layer<St: IdempotencyStore>(store: St) -> IdempotencyLayer<St, SingleTenant> {
+    IdempotencyLayer::new_for_grpc(store)
+        .single_tenant()
+        .grpc_method(CREATE, |m| m)
 }
 
 /// A new channel: its own HTTP/2 connection, as an independent retry would have.
@@ -473,6 +476,7 @@ async fn s3_grpc_internal_is_released_under_definitive_only() {
 async fn s3_grpc_internal_is_replayed_under_everything() {
     let tickets = Tickets::default();
     let everything = IdempotencyLayer::new_for_grpc(MemoryStore::new())
+        .single_tenant()
         .grpc_method(CREATE, |m| m.cache_policy(CachePolicy::Everything));
     let addr = serve_grpc(everything, tickets.clone()).await;
     for _ in 0..2 {
@@ -612,6 +616,7 @@ async fn grpc_per_service_layer_keeps_the_service_name() {
     use tower::Layer;
     let tickets = Tickets::default();
     let service = IdempotencyLayer::new_for_grpc(MemoryStore::new())
+        .single_tenant()
         .grpc_method(CREATE, |m| m)
         .layer(tickets.clone());
     fn name<S: tonic::server::NamedService>(_: &S) -> &'static str {
@@ -648,7 +653,7 @@ async fn axum_and_tonic_in_one_process_share_one_store() {
                 "/tickets",
                 post(move || async move { format!("http {}", counter.hit()) }),
             )
-            .layer(IdempotencyLayer::new(store.clone())),
+            .layer(IdempotencyLayer::new(store.clone()).single_tenant()),
     )
     .await;
 

@@ -70,8 +70,8 @@ async fn await_replay(
 #[tokio::test]
 async fn s7_1_same_key_twice_runs_once_and_replays_identical_bytes() {
     let effects = Effects::default();
-    let app =
-        tickets(effects.clone(), Duration::ZERO).layer(IdempotencyLayer::new(MemoryStore::new()));
+    let app = tickets(effects.clone(), Duration::ZERO)
+        .layer(IdempotencyLayer::new(MemoryStore::new()).single_tenant());
     let addr = serve(app).await;
 
     let first = post_ticket(addr, "k-1", r#"{"title":"printer on fire"}"#).await;
@@ -91,8 +91,8 @@ async fn s7_1_same_key_twice_runs_once_and_replays_identical_bytes() {
 #[tokio::test]
 async fn s7_2_changed_body_is_422_and_reordered_json_replays() {
     let effects = Effects::default();
-    let app =
-        tickets(effects.clone(), Duration::ZERO).layer(IdempotencyLayer::new(MemoryStore::new()));
+    let app = tickets(effects.clone(), Duration::ZERO)
+        .layer(IdempotencyLayer::new(MemoryStore::new()).single_tenant());
     let addr = serve(app).await;
 
     let first = post_ticket(addr, "k-2", r#"{"title":"a","priority":1}"#).await;
@@ -117,7 +117,7 @@ async fn s7_3_concurrent_burst_on_separate_connections_has_one_effect() {
     const N: usize = 32;
     let effects = Effects::default();
     let app = tickets(effects.clone(), Duration::from_millis(200))
-        .layer(IdempotencyLayer::new(MemoryStore::new()));
+        .layer(IdempotencyLayer::new(MemoryStore::new()).single_tenant());
     let addr = serve(app).await;
 
     let barrier = Arc::new(Barrier::new(N));
@@ -159,7 +159,9 @@ async fn s7_4_key_executes_again_after_ttl_or_deletion() {
     let effects = Effects::default();
     let clock = TestClock::default();
     let store = clock.store();
-    let layer = IdempotencyLayer::new(store.clone()).ttl(Duration::from_secs(60));
+    let layer = IdempotencyLayer::new(store.clone())
+        .single_tenant()
+        .ttl(Duration::from_secs(60));
     let addr = serve(tickets(effects.clone(), Duration::ZERO).layer(layer)).await;
 
     assert_eq!(
@@ -209,7 +211,7 @@ async fn s7_5_retry_during_processing_gets_409_then_the_replay() {
                 format!("charge {}", counter.hit())
             }),
         )
-        .layer(IdempotencyLayer::new(MemoryStore::new()));
+        .layer(IdempotencyLayer::new(MemoryStore::new()).single_tenant());
     let addr = serve(app).await;
 
     // The client gives up long before the handler is done.
@@ -271,7 +273,7 @@ async fn client_disconnect_mid_handler_still_records_one_effect() {
                 format!("email {}", counter.hit())
             }),
         )
-        .layer(IdempotencyLayer::new(MemoryStore::new()));
+        .layer(IdempotencyLayer::new(MemoryStore::new()).single_tenant());
     let addr = serve(app).await;
 
     let request = client()
@@ -295,9 +297,11 @@ async fn client_disconnect_mid_handler_still_records_one_effect() {
 async fn s7_10_store_down_fails_closed_and_recovers() {
     let effects = Effects::default();
     let store = FlakyStore::default();
-    let addr =
-        serve(tickets(effects.clone(), Duration::ZERO).layer(IdempotencyLayer::new(store.clone())))
-            .await;
+    let addr = serve(
+        tickets(effects.clone(), Duration::ZERO)
+            .layer(IdempotencyLayer::new(store.clone()).single_tenant()),
+    )
+    .await;
 
     store.down.store(true, Ordering::SeqCst);
     for _ in 0..3 {
@@ -325,9 +329,11 @@ async fn response_write_failure_leaves_the_key_unknown_never_rerun() {
     let effects = Effects::default();
     let store = FlakyStore::default();
     store.fail_complete.store(true, Ordering::SeqCst);
-    let addr =
-        serve(tickets(effects.clone(), Duration::ZERO).layer(IdempotencyLayer::new(store.clone())))
-            .await;
+    let addr = serve(
+        tickets(effects.clone(), Duration::ZERO)
+            .layer(IdempotencyLayer::new(store.clone()).single_tenant()),
+    )
+    .await;
 
     let first = post_ticket(addr, "k-7", "{}").await;
     assert_eq!(
@@ -377,7 +383,7 @@ async fn definitive_only_releases_500_and_records_422() {
     let effects = Effects::default();
     let addr = serve(
         flaky_handler(effects.clone(), StatusCode::UNPROCESSABLE_ENTITY)
-            .layer(IdempotencyLayer::new(MemoryStore::new())),
+            .layer(IdempotencyLayer::new(MemoryStore::new()).single_tenant()),
     )
     .await;
 
@@ -405,6 +411,7 @@ async fn definitive_only_releases_500_and_records_422() {
 async fn everything_policy_replays_the_500() {
     let effects = Effects::default();
     let layer = IdempotencyLayer::new(MemoryStore::new())
+        .single_tenant()
         .cache_policy(tower_idempotency::CachePolicy::Everything);
     let addr = serve(flaky_handler(effects.clone(), StatusCode::OK).layer(layer)).await;
 
@@ -437,7 +444,7 @@ async fn replay_keeps_status_location_and_repeated_headers_but_never_cookies() {
                 (StatusCode::CREATED, headers, "created")
             }),
         )
-        .layer(IdempotencyLayer::new(MemoryStore::new()));
+        .layer(IdempotencyLayer::new(MemoryStore::new()).single_tenant());
     let addr = serve(app).await;
     let send = || {
         client()
@@ -471,7 +478,8 @@ async fn replay_keeps_status_location_and_repeated_headers_but_never_cookies() {
 async fn two_scopes_with_one_key_never_see_each_other() {
     let effects = Effects::default();
     let addr = serve(
-        tickets(effects.clone(), Duration::ZERO).layer(IdempotencyLayer::new(MemoryStore::new())),
+        tickets(effects.clone(), Duration::ZERO)
+            .layer(IdempotencyLayer::new(MemoryStore::new()).scope_by_credential_hash()),
     )
     .await;
     let send = |token: &'static str, body: &'static str| {
@@ -525,6 +533,7 @@ async fn per_route_settings_on_one_router() {
         )
         .layer(
             IdempotencyLayer::new(MemoryStore::new())
+                .single_tenant()
                 .for_path("/strict", |r| {
                     r.cache_policy(tower_idempotency::CachePolicy::Everything)
                 })
@@ -574,12 +583,13 @@ async fn per_route_layers_and_method_routers() {
             post(move || async move { (StatusCode::SERVICE_UNAVAILABLE, format!("{}", e2.hit())) })
                 .get(move || async move { format!("{}", e3.hit()) }),
         )
-        .route_layer(IdempotencyLayer::new(store.clone()))
+        .route_layer(IdempotencyLayer::new(store.clone()).single_tenant())
         .route(
             "/a",
             post(move || async move { (StatusCode::SERVICE_UNAVAILABLE, format!("{}", e1.hit())) })
                 .layer(
                     IdempotencyLayer::new(store)
+                        .single_tenant()
                         .cache_policy(tower_idempotency::CachePolicy::Everything),
                 ),
         );
@@ -638,7 +648,9 @@ async fn per_route_layers_and_method_routers() {
 #[tokio::test]
 async fn envelope_mode_wraps_first_response_and_replay() {
     let effects = Effects::default();
-    let layer = IdempotencyLayer::new(MemoryStore::new()).envelope(true);
+    let layer = IdempotencyLayer::new(MemoryStore::new())
+        .single_tenant()
+        .envelope(true);
     let addr = serve(tickets(effects.clone(), Duration::ZERO).layer(layer)).await;
 
     let first: Value = post_ticket(addr, "k-env", "{}")
@@ -681,7 +693,11 @@ async fn context_reports_attempts_and_first_responses_can_be_marked() {
                 (status, axum::Json(body)).into_response()
             }),
         )
-        .layer(IdempotencyLayer::new(MemoryStore::new()).mark_first_response(true));
+        .layer(
+            IdempotencyLayer::new(MemoryStore::new())
+                .single_tenant()
+                .mark_first_response(true),
+        );
     let addr = serve(app).await;
     let send = || {
         client()
@@ -724,7 +740,11 @@ async fn oversized_response_keeps_the_key_consumed() {
                 "x".repeat(10_000)
             }),
         )
-        .layer(IdempotencyLayer::new(MemoryStore::new()).response_limit(1_000));
+        .layer(
+            IdempotencyLayer::new(MemoryStore::new())
+                .single_tenant()
+                .response_limit(1_000),
+        );
     let addr = serve(app).await;
     let send = || {
         client()
@@ -764,7 +784,7 @@ async fn handler_panic_releases_the_key() {
                 format!("done {}", counter.hit())
             }),
         )
-        .layer(IdempotencyLayer::new(MemoryStore::new()));
+        .layer(IdempotencyLayer::new(MemoryStore::new()).single_tenant());
     let addr = serve(app).await;
     let send = || {
         client()
@@ -806,7 +826,9 @@ async fn a_panic_in_the_services_call_releases_the_key() {
             ))))
         }
     });
-    let service = IdempotencyLayer::new(MemoryStore::new()).layer(inner);
+    let service = IdempotencyLayer::new(MemoryStore::new())
+        .single_tenant()
+        .layer(inner);
     let request = || {
         http::Request::post("/fragile")
             .header("idempotency-key", "k-call-panic")
@@ -830,7 +852,9 @@ async fn a_panic_in_the_services_call_releases_the_key() {
 async fn a_live_handler_keeps_its_lease_past_the_lease_length() {
     let effects = Effects::default();
     // Renewed every 200 ms; a busy machine would have to stall it for 600 ms to lose it.
-    let layer = IdempotencyLayer::new(MemoryStore::new()).lease(Duration::from_millis(600));
+    let layer = IdempotencyLayer::new(MemoryStore::new())
+        .single_tenant()
+        .lease(Duration::from_millis(600));
     let addr = serve(tickets(effects.clone(), Duration::from_millis(2_500)).layer(layer)).await;
 
     let first = tokio::spawn(post_ticket(addr, "k-renew", "{}"));
@@ -852,6 +876,7 @@ async fn a_dead_holder_is_taken_over_or_sent_to_reconciliation() {
     let store = clock.store();
     let app = tickets(effects.clone(), Duration::ZERO).layer(
         IdempotencyLayer::new(store.clone())
+            .single_tenant()
             .for_path("/tickets", |r| r.on_lease_expiry(LeaseExpiry::Reclaim)),
     );
     let addr = serve(app).await;
@@ -932,7 +957,11 @@ async fn s1_a_route_that_cancels_on_disconnect_releases_the_key() {
                 format!("done {} (attempt {})", counter.hit(), ctx.attempt())
             }),
         )
-        .layer(IdempotencyLayer::new(MemoryStore::new()).cancel_on_disconnect(true));
+        .layer(
+            IdempotencyLayer::new(MemoryStore::new())
+                .single_tenant()
+                .cancel_on_disconnect(true),
+        );
     let addr = serve(app).await;
 
     let hung_up = client()
@@ -976,8 +1005,9 @@ async fn s1_a_route_that_cancels_on_disconnect_releases_the_key() {
 #[tokio::test]
 async fn s1_a_route_that_waits_replays_the_first_outcome_instead_of_409() {
     let effects = Effects::default();
-    let layer =
-        IdempotencyLayer::new(MemoryStore::new()).wait_for_in_flight(Duration::from_secs(10));
+    let layer = IdempotencyLayer::new(MemoryStore::new())
+        .single_tenant()
+        .wait_for_in_flight(Duration::from_secs(10));
     let addr = serve(tickets(effects.clone(), Duration::from_millis(500)).layer(layer)).await;
 
     let first = tokio::spawn(post_ticket(addr, "k-wait", "{}"));
@@ -997,8 +1027,9 @@ async fn s1_a_route_that_waits_replays_the_first_outcome_instead_of_409() {
     assert_eq!(effects.count(), 1);
 
     // A wait shorter than the work still ends in 409.
-    let layer =
-        IdempotencyLayer::new(MemoryStore::new()).wait_for_in_flight(Duration::from_millis(100));
+    let layer = IdempotencyLayer::new(MemoryStore::new())
+        .single_tenant()
+        .wait_for_in_flight(Duration::from_millis(100));
     let addr = serve(tickets(effects.clone(), Duration::from_millis(800)).layer(layer)).await;
     let first = tokio::spawn(post_ticket(addr, "k-short", "{}"));
     tokio::time::sleep(Duration::from_millis(100)).await;

@@ -68,7 +68,11 @@ async fn server(jsonrpc: JsonRpc) -> (SocketAddr, Effects) {
     let app = Router::new()
         .route("/mcp", post(tool_server))
         .with_state(effects.clone())
-        .layer(IdempotencyLayer::new(MemoryStore::new()).jsonrpc(jsonrpc));
+        .layer(
+            IdempotencyLayer::new(MemoryStore::new())
+                .single_tenant()
+                .jsonrpc(jsonrpc),
+        );
     (serve(app).await, effects)
 }
 
@@ -354,7 +358,7 @@ async fn gated_server() -> (SocketAddr, Effects, Arc<Notify>) {
                 }
             }),
         )
-        .layer(IdempotencyLayer::new(MemoryStore::new()).jsonrpc(JsonRpc::new()));
+        .layer(IdempotencyLayer::new(MemoryStore::new()).single_tenant().jsonrpc(JsonRpc::new()));
     (serve(app).await, effects, gate)
 }
 
@@ -413,7 +417,11 @@ async fn s8_store_down_and_unknown_outcomes_answer_in_jsonrpc_form() {
     let app = Router::new()
         .route("/mcp", post(tool_server))
         .with_state(effects.clone())
-        .layer(IdempotencyLayer::new(store.clone()).jsonrpc(JsonRpc::new()));
+        .layer(
+            IdempotencyLayer::new(store.clone())
+                .single_tenant()
+                .jsonrpc(JsonRpc::new()),
+        );
     let addr = serve(app).await;
     let call = |id: i64| tool_call(json!(id), "p", json!({ "title": "x" }));
 

@@ -73,9 +73,11 @@ async fn mcp_server_with(config: StreamableHttpServerConfig) -> (SocketAddr, Eff
         Arc::new(LocalSessionManager::default()),
         config,
     );
-    let app = axum::Router::new()
-        .nest_service("/mcp", service)
-        .layer(IdempotencyLayer::new(MemoryStore::new()).jsonrpc(JsonRpc::new()));
+    let app = axum::Router::new().nest_service("/mcp", service).layer(
+        IdempotencyLayer::new(MemoryStore::new())
+            .single_tenant()
+            .jsonrpc(JsonRpc::new()),
+    );
     (serve(app).await, effects)
 }
 

@@ -94,7 +94,7 @@ async fn s6_each_outcome_has_its_own_counter() {
                 }
             }),
         )
-        .layer(IdempotencyLayer::new(store.clone()));
+        .layer(IdempotencyLayer::new(store.clone()).single_tenant());
     let addr = serve(app).await;
     let pay = |key: Option<&'static str>, body: &'static str| {
         let mut req = client().post(format!("http://{addr}/pay")).body(body);
@@ -174,7 +174,11 @@ async fn uncertain_outcomes_move_their_own_counters(counts: &Counts) {
                 }
             }),
         )
-        .layer(IdempotencyLayer::new(store.clone()).lease(Duration::from_millis(300)));
+        .layer(
+            IdempotencyLayer::new(store.clone())
+                .single_tenant()
+                .lease(Duration::from_millis(300)),
+        );
     let addr = serve(app).await;
     let send = |key: &'static str, body: &'static str| {
         client()

@@ -159,7 +159,7 @@ async fn payments_server(store: FlakyStore, provider: Provider) -> (SocketAddr, 
     let router = Router::new()
         .route("/charge", post(charge))
         .with_state(app.clone())
-        .layer(IdempotencyLayer::new(store));
+        .layer(IdempotencyLayer::new(store).single_tenant());
     (serve(router).await, app)
 }
 
@@ -363,7 +363,11 @@ fn doomed_server(
                         StatusCode::CREATED
                     }),
                 )
-                .layer(IdempotencyLayer::new(store).lease(Duration::from_secs(10)));
+                .layer(
+                    IdempotencyLayer::new(store)
+                        .single_tenant()
+                        .lease(Duration::from_secs(10)),
+                );
             serve(app).await
         });
         addr_tx.send(addr).expect("send addr");
@@ -406,6 +410,7 @@ async fn killed_holder(
             )
             .layer(
                 IdempotencyLayer::new(store.clone())
+                    .single_tenant()
                     .lease(Duration::from_secs(10))
                     .external_effects(external_effects),
             ),
@@ -672,7 +677,11 @@ async fn s6_the_key_history_records_attempts_and_refusals_for_review() {
                 receipt(p.charge(&ctx.downstream_key()))
             }),
         )
-        .layer(IdempotencyLayer::new(store.clone()).record_refusals(true));
+        .layer(
+            IdempotencyLayer::new(store.clone())
+                .single_tenant()
+                .record_refusals(true),
+        );
     let addr = serve(app).await;
     let send = |body: &'static str| {
         client()

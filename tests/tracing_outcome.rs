@@ -61,7 +61,7 @@ async fn s6_span_records_each_outcome() {
 
     let app = Router::new()
         .route("/t", post(|| async { "done" }))
-        .layer(IdempotencyLayer::new(MemoryStore::new()));
+        .layer(IdempotencyLayer::new(MemoryStore::new()).single_tenant());
     let addr = serve(app).await;
     let send = |key: Option<&'static str>, body: &'static str| {
         let mut req = client().post(format!("http://{addr}/t")).body(body);

@@ -286,7 +286,9 @@ impl Parser<'_, '_> {
         }
         // The grammar above only admits what Rust's correctly rounded parser accepts.
         let n: f64 = text.parse().map_err(|_| SYNTAX)?;
-        if n.is_finite() {
+        // Only a number whose canonical form names exactly the value written may be merged
+        // with another text of it: not 2^53 + 1 (read as 2^53), not 1e-400 (read as 0).
+        if n.is_finite() && same_decimal(text, &canonical_number(n)) {
             Ok(Node::Number(n))
         } else {
             Err(JsonError::NotCanonical)
@@ -865,6 +867,59 @@ fn utf16_cmp_bytes(a: &[u8], b: &[u8]) -> Ordering {
     }
 }
 
+/// The canonical text of a finite number (see [`write_number`]).
+fn canonical_number(n: f64) -> String {
+    if n == 0.0 {
+        return "0".to_owned();
+    }
+    ryu_js::Buffer::new().format_finite(n).to_owned()
+}
+
+/// A decimal number's exact value: its sign, its significant digits (no leading or trailing
+/// zeros) and the power of ten of its last digit; `None` for zero, whatever its sign.
+#[derive(PartialEq, Eq)]
+struct Decimal<'a> {
+    negative: bool,
+    digits: Vec<&'a u8>,
+    exponent: i128,
+}
+
+/// Whether two number texts (JSON grammar, or ECMAScript's form) name exactly the same value.
+/// An exponent too large to read is never the same as anything.
+fn same_decimal(a: &str, b: &str) -> bool {
+    match (decimal(a), decimal(b)) {
+        (Some(a), Some(b)) => a == b,
+        _ => false,
+    }
+}
+
+/// `Some(None)` for zero, `Some(Some(value))` otherwise, `None` when the exponent overflows.
+fn decimal(text: &str) -> Option<Option<Decimal<'_>>> {
+    let (negative, unsigned) = match text.strip_prefix('-') {
+        Some(rest) => (true, rest),
+        None => (false, text),
+    };
+    let (mantissa, exponent) = match unsigned.find(['e', 'E']) {
+        Some(at) => (&unsigned[..at], unsigned[at + 1..].parse::<i128>().ok()?),
+        None => (unsigned, 0),
+    };
+    let (int, frac) = mantissa.split_once('.').unwrap_or((mantissa, ""));
+    let all: Vec<&u8> = int.as_bytes().iter().chain(frac.as_bytes()).collect();
+    let first = all.iter().position(|&&d| d != b'0');
+    let Some(first) = first else {
+        return Some(None);
+    };
+    let last = all.iter().rposition(|&&d| d != b'0').unwrap_or(first);
+    let trailing = (all.len() - 1 - last) as i128;
+    Some(Some(Decimal {
+        negative,
+        digits: all[first..=last].to_vec(),
+        exponent: exponent
+            .checked_sub(frac.len() as i128)?
+            .checked_add(trailing)?,
+    }))
+}
+
 /// ECMAScript `Number.prototype.toString`, which RFC 8785 §3.2.2.3 adopts.
 fn write_number(n: f64, out: &mut impl Sink) {
     if n == 0.0 {
@@ -1122,9 +1177,10 @@ mod tests {
 
     #[test]
     fn rfc8785_example() {
-        // RFC 8785 §3.2.2 sample input and output.
+        // RFC 8785 §3.2.2 sample input and output, but for its first number: 333333333.33333329
+        // is not a double, so RFC 8785 would merge it with 333333333.3333333 (issue 16 §2).
         let input = r#"{
-          "numbers": [333333333.33333329, 1E30, 4.50, 2e-3, 0.000000000000000000000000001],
+          "numbers": [333333333.3333333, 1E30, 4.50, 2e-3, 0.000000000000000000000000001],
           "string": "\u20ac$\u000F\u000aA'\u0042\u0022\u005c\\\"\/",
           "literals": [null, true, false]
         }"#;
@@ -1132,6 +1188,37 @@ mod tests {
             canon(input).expect("valid"),
             r#"{"literals":[null,true,false],"numbers":[333333333.3333333,1e+30,4.5,0.002,1e-27],"string":"€$\u000f\nA'B\"\\\\\"/"}"#
         );
+        assert_eq!(
+            canon(&input.replace("333333333.3333333", "333333333.33333329")),
+            Err(JsonError::NotCanonical)
+        );
+    }
+
+    /// Issue 16 §2: numbers merge only when their canonical form names exactly their value.
+    #[test]
+    fn numbers_a_double_cannot_hold_have_no_canonical_form() {
+        for text in [
+            "9007199254740993",
+            "18446744073709551616",
+            "123456789012345678901234567890",
+            "1e-400",
+            "-1e-400",
+            "0.10000000000000001",
+            "1e400",
+        ] {
+            assert_eq!(canon(text), Err(JsonError::NotCanonical), "{text}");
+        }
+        for (text, canonical) in [
+            ("9007199254740992", "9007199254740992"),
+            ("1.0", "1"),
+            ("1E2", "100"),
+            ("-0", "0"),
+            ("0.000", "0"),
+            ("100e-2", "1"),
+            ("1.5e+300", "1.5e+300"),
+        ] {
+            assert_eq!(canon(text).as_deref(), Ok(canonical), "{text}");
+        }
     }
 
     #[test]
@@ -1156,7 +1243,6 @@ mod tests {
             ("0.000001", "0.000001"),
             ("123.0", "123"),
             ("-1.5E3", "-1500"),
-            ("9007199254740993", "9007199254740992"),
             ("1.7976931348623157e308", "1.7976931348623157e+308"),
         ] {
             assert_eq!(canon(input).expect(input), want, "{input}");

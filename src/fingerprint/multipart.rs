@@ -19,18 +19,20 @@ pub(crate) fn canonicalize(
     ))?;
     super::put_len(out, parts.len());
     for part in parts {
-        let (head, content) = match find(part, b"\r\n\r\n") {
-            Some(at) => (&part[..at], &part[at + 4..]),
-            // A part that opens with an empty line has no headers.
-            None if part.starts_with(b"\r\n") => (&part[..0], &part[2..]),
-            None => return Err(MalformedBody::new("multipart part without a header end")),
+        // A part that opens with an empty line has no headers, whatever its content looks
+        // like (issue 16 §2: content that reads like headers must not pass for them).
+        let (head, content) = if let Some(content) = part.strip_prefix(b"\r\n") {
+            (&part[..0], content)
+        } else {
+            match find(part, b"\r\n\r\n") {
+                Some(at) => (&part[..at], &part[at + 4..]),
+                None => return Err(MalformedBody::new("multipart part without a header end")),
+            }
         };
         let mut headers = Vec::new();
-        for line in head.split(|&b| b == b'\n') {
-            let line = line.strip_suffix(b"\r").unwrap_or(line);
-            if line.is_empty() {
-                continue;
-            }
+        // Header lines end in CRLF only: a bare LF stays inside its line's value, so two
+        // different heads never read as one.
+        for line in split_crlf(head) {
             let colon = line
                 .iter()
                 .position(|&b| b == b':')
@@ -94,6 +96,24 @@ fn split<'a>(body: &'a [u8], boundary: &[u8]) -> Option<Vec<&'a [u8]>> {
     }
 }
 
+fn split_crlf(head: &[u8]) -> impl Iterator<Item = &[u8]> {
+    // An empty head has no lines, not one empty line.
+    let mut rest = (!head.is_empty()).then_some(head);
+    std::iter::from_fn(move || {
+        let current = rest?;
+        match find(current, b"\r\n") {
+            Some(at) => {
+                rest = Some(&current[at + 2..]);
+                Some(&current[..at])
+            }
+            None => {
+                rest = None;
+                Some(current)
+            }
+        }
+    })
+}
+
 fn find(haystack: &[u8], needle: &[u8]) -> Option<usize> {
     haystack.windows(needle.len()).position(|w| w == needle)
 }
@@ -131,6 +151,25 @@ mod tests {
         assert_ne!(
             canon(&ct1, &b1).expect("valid"),
             canon(&ct1, changed.as_bytes()).expect("valid")
+        );
+    }
+
+    /// Issue 16 §2: a part without headers whose content reads like a header block is not the
+    /// part with that header.
+    #[test]
+    fn a_headerless_part_never_frames_a_real_field() {
+        let ct = "multipart/form-data; boundary=b";
+        let headerless = b"--b\r\n\r\nContent-Disposition: form-data; name=\"a\"\r\n\r\nv\r\n--b--";
+        let field = b"--b\r\nContent-Disposition: form-data; name=\"a\"\r\n\r\nv\r\n--b--";
+        assert_ne!(
+            canon(ct, headerless).expect("valid"),
+            canon(ct, field).expect("valid")
+        );
+        let folded = b"--b\r\nA: 1\nB: 2\r\n\r\nv\r\n--b--";
+        let two = b"--b\r\nA: 1\r\nB: 2\r\n\r\nv\r\n--b--";
+        assert_ne!(
+            canon(ct, folded).expect("valid"),
+            canon(ct, two).expect("valid")
         );
     }
 

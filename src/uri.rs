@@ -1,0 +1,19 @@
+//! The request as the client sent it, wherever the layer sits.
+//!
+//! axum strips a `nest` prefix before the nested router's layers see a request, so a layer
+//! inside `/eu` sees `/charge` for `/eu/charge`. Fingerprints and per-path settings must use the
+//! path the client sent, or `/eu/charge` and `/us/charge` would share records; axum keeps it in
+//! the `OriginalUri` extension, which every axum `Router` sets.
+
+use http::{Extensions, Uri};
+
+/// The URI the client sent: axum's `OriginalUri` where a router set it, else `uri`.
+pub(crate) fn sent<'a>(extensions: &'a Extensions, uri: &'a Uri) -> &'a Uri {
+    #[cfg(feature = "axum")]
+    if let Some(original) = extensions.get::<axum::extract::OriginalUri>() {
+        return &original.0;
+    }
+    #[cfg(not(feature = "axum"))]
+    let _ = extensions;
+    uri
+}
