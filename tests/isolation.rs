@@ -433,3 +433,40 @@ async fn s16_4_hop_by_hop_headers_are_never_replayed() {
     );
     assert_eq!(effects.count(), 1);
 }
+
+/// The most requested fingerprint feature: a route counts all of its JSON body but a client
+/// timestamp. Retries whose timestamp changed replay; a changed amount is another operation.
+#[tokio::test]
+async fn s16_2_a_route_may_leave_a_json_field_out_of_its_fingerprint() {
+    let effects = Effects::default();
+    let fields = tower_idempotency::fingerprint::JsonFields::exclude(["/client_ts"])
+        .expect("RFC 6901 pointers");
+    let app = charge(&effects).route_layer(
+        IdempotencyLayer::new(MemoryStore::new())
+            .single_tenant()
+            .defaults(|route| route.fingerprint_json(fields)),
+    );
+    let addr = serve(app).await;
+    let first = send(addr, "/charge", "k", &[], r#"{"amount":10,"client_ts":1}"#).await;
+    assert_eq!(first.status(), StatusCode::CREATED);
+    let retry = send(
+        addr,
+        "/charge",
+        "k",
+        &[],
+        r#"{"client_ts":2,"amount":10.0}"#,
+    )
+    .await;
+    assert_eq!(retry.headers()["idempotency-replayed"], "true");
+    let other = send(addr, "/charge", "k", &[], r#"{"amount":11,"client_ts":1}"#).await;
+    assert_eq!(other.status(), StatusCode::UNPROCESSABLE_ENTITY);
+    let exact = send(addr, "/charge", "x", &[], r#"{"amount":9007199254740993}"#).await;
+    assert_eq!(exact.status(), StatusCode::CREATED);
+    let near = send(addr, "/charge", "x", &[], r#"{"amount":9007199254740992}"#).await;
+    assert_eq!(
+        near.status(),
+        StatusCode::UNPROCESSABLE_ENTITY,
+        "exact, as a whole body is"
+    );
+    assert_eq!(effects.count(), 2);
+}

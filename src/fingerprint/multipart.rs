@@ -173,6 +173,73 @@ mod tests {
         );
     }
 
+    /// One generated part: headers (name, value) and content.
+    type Part = (Vec<(String, String)>, Vec<u8>);
+
+    /// Writes `parts` under `boundary`, with header names in the given case and optional
+    /// whitespace around values: what two encoders of the same form may send.
+    fn body(parts: &[Part], boundary: &str, upper: bool, pad: bool) -> Vec<u8> {
+        let mut out = Vec::new();
+        for (headers, content) in parts {
+            out.extend_from_slice(format!("--{boundary}\r\n").as_bytes());
+            for (name, value) in headers {
+                let name = if upper {
+                    name.to_ascii_uppercase()
+                } else {
+                    name.clone()
+                };
+                let sp = if pad { "  " } else { "" };
+                out.extend_from_slice(format!("{name}:{sp}{value}{sp}\r\n").as_bytes());
+            }
+            out.extend_from_slice(b"\r\n");
+            out.extend_from_slice(content);
+            out.extend_from_slice(b"\r\n");
+        }
+        out.extend_from_slice(format!("--{boundary}--\r\n").as_bytes());
+        out
+    }
+
+    fn parts() -> impl proptest::strategy::Strategy<Value = Vec<Part>> {
+        use proptest::prelude::*;
+        let header = (
+            prop::sample::select(vec!["content-disposition", "content-type", "x-a"]),
+            "[a-z=; \"]{0,6}",
+        )
+            .prop_map(|(n, v)| (n.to_owned(), v.trim().to_owned()));
+        let content = prop::collection::vec(prop::sample::select(b"abx:\r\n -".to_vec()), 0..12);
+        prop::collection::vec((prop::collection::vec(header, 0..3), content), 0..4)
+    }
+
+    proptest::proptest! {
+        /// Issue 16 §2, differential: two bodies canonicalise alike only when the parts they
+        /// were built from are the same (header names in any case, values without the spaces
+        /// around them, headers in any order), whatever the boundary.
+        #[test]
+        fn equal_canonical_forms_mean_equal_parts(
+            a in parts(),
+            b in parts(),
+            upper in proptest::prelude::any::<bool>(),
+            pad in proptest::prelude::any::<bool>(),
+        ) {
+            let ct = |b: &str| format!("multipart/form-data; boundary={b}");
+            let (x, y) = (body(&a, "XyZ0", false, false), body(&b, "qQ9-8", upper, pad));
+            let normal = |parts: &[Part]| -> Vec<Part> {
+                parts.iter().map(|(h, c)| {
+                    let mut h = h.clone();
+                    h.sort();
+                    (h, c.clone())
+                }).collect()
+            };
+            match (canon(&ct("XyZ0"), &x), canon(&ct("qQ9-8"), &y)) {
+                (Ok(cx), Ok(cy)) => {
+                    proptest::prop_assert_eq!(cx == cy, normal(&a) == normal(&b));
+                }
+                // Content that reads as a delimiter makes a body malformed: refused, never merged.
+                _ => {}
+            }
+        }
+    }
+
     #[test]
     fn malformed_multipart_is_refused() {
         let (ct, body) = form("XyZ123", "");
