@@ -230,12 +230,9 @@ mod tests {
                     (h, c.clone())
                 }).collect()
             };
-            match (canon(&ct("XyZ0"), &x), canon(&ct("qQ9-8"), &y)) {
-                (Ok(cx), Ok(cy)) => {
-                    proptest::prop_assert_eq!(cx == cy, normal(&a) == normal(&b));
-                }
-                // Content that reads as a delimiter makes a body malformed: refused, never merged.
-                _ => {}
+            // Content that reads as a delimiter makes a body malformed: refused, never merged.
+            if let (Ok(cx), Ok(cy)) = (canon(&ct("XyZ0"), &x), canon(&ct("qQ9-8"), &y)) {
+                proptest::prop_assert_eq!(cx == cy, normal(&a) == normal(&b));
             }
         }
     }
