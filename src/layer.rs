@@ -235,8 +235,10 @@ impl<St, M> IdempotencyLayer<St, M> {
     /// layer puts on the request (the axum way), turned into a scope by `scope`. The principal
     /// outlives any token: a retry sent with a refreshed token still finds its key.
     ///
-    /// The auth layer must run before this one; a request without the extension is answered
-    /// 500 `scope-missing` and nothing runs (see [`scope`](crate::scope)).
+    /// The auth layer must run before this one; a request without the extension (or with an
+    /// empty id) is answered 500 `scope-missing` and nothing runs (see
+    /// [`scope`](crate::scope)). Where several kinds of principal share a store, make the ids
+    /// distinct (`user:42`, `org:42`).
     ///
     /// ```
     /// use tower_idempotency::{IdempotencyLayer, MemoryStore};

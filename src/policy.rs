@@ -41,8 +41,11 @@ impl Outcome<'_> {
             return matches!(code, 0 | 3 | 5 | 6 | 7 | 9 | 11 | 12 | 16);
         }
         let s = self.status.as_u16();
-        // 3xx: a POST answered 303 See Other (post/redirect/get), 302 or 301 did its work.
-        (200..400).contains(&s) || ((400..500).contains(&s) && !matches!(s, 408 | 409 | 425 | 429))
+        // A POST answered 303 See Other (post/redirect/get), 302 or 301 did its work. Not so
+        // 307 and 308 (send the same request again, there), 300, 304 or 305.
+        (200..300).contains(&s)
+            || matches!(s, 301..=303)
+            || ((400..500).contains(&s) && !matches!(s, 408 | 409 | 425 | 429))
     }
 }
 
@@ -51,8 +54,9 @@ impl Outcome<'_> {
 #[derive(Clone, Default)]
 #[non_exhaustive]
 pub enum CachePolicy {
-    /// Record definitive outcomes: 2xx, 3xx (a POST answered with a redirect did its work) and
-    /// 4xx except 408, 409, 425 and 429 (for gRPC: OK,
+    /// Record definitive outcomes: 2xx, 301, 302 and 303 (a POST answered with a redirect to
+    /// its result did its work; 307 and 308 ask for the request again elsewhere and release
+    /// the key) and 4xx except 408, 409, 425 and 429 (for gRPC: OK,
     /// INVALID_ARGUMENT, NOT_FOUND, ALREADY_EXISTS, PERMISSION_DENIED, FAILED_PRECONDITION,
     /// OUT_OF_RANGE, UNIMPLEMENTED, UNAUTHENTICATED). 5xx and the rest release the key.
     ///
@@ -150,10 +154,11 @@ mod tests {
     #[test]
     fn definitive_http_outcomes() {
         // Issue 16 §4: redirects are definitive (a POST answered 303 did its work).
-        for s in [200, 201, 204, 301, 302, 303, 307, 308, 400, 404, 422] {
+        for s in [200, 201, 204, 301, 302, 303, 400, 404, 422] {
             assert!(http(s), "{s}");
         }
-        for s in [408, 409, 425, 429, 500, 502, 503] {
+        // 307 and 308 ask for the same request again at another URI: nothing was done here.
+        for s in [300, 304, 307, 308, 408, 409, 425, 429, 500, 502, 503] {
             assert!(!http(s), "{s}");
         }
     }

@@ -10,7 +10,7 @@
 //!
 //! | builder | scope | missing |
 //! |---|---|---|
-//! | [`scope_by_principal`](crate::IdempotencyLayer::scope_by_principal) | an extension your auth layer sets, typed | 500, nothing runs |
+//! | [`scope_by_principal`](crate::IdempotencyLayer::scope_by_principal) | an extension your auth layer sets, typed; the closure's string must name the caller uniquely among all kinds of principal sharing the store (`user:42`, `org:42`) | 500, nothing runs (also for an empty id) |
 //! | [`scope_by_header`](crate::IdempotencyLayer::scope_by_header) | a header's value, hashed (a tenant id, an API key) | 500, nothing runs |
 //! | [`scope_with`](crate::IdempotencyLayer::scope_with) | what a closure returns (`String`, or `Option<String>` for "missing") | 500 when `None` |
 //! | [`single_tenant`](crate::IdempotencyLayer::single_tenant) | one scope for every caller: for services with one client, or behind a gateway that already partitions them | — |
@@ -22,7 +22,7 @@
 //!
 //! A layer without a scope is refused by the compiler:
 //!
-//! ```compile_fail
+//! ```compile_fail,E0277
 //! use axum::{Router, routing::post};
 //! use tower_idempotency::{IdempotencyLayer, MemoryStore};
 //!
@@ -119,13 +119,18 @@ impl IntoScope for Result<String, MissingScope> {
     }
 }
 
+// Not suggested when a layer has no scope: the trait's own message says what to do.
+#[diagnostic::do_not_recommend]
 impl<F, R> MakeScope for F
 where
     F: Fn(&Parts) -> R + Clone + Send + Sync + 'static,
     R: IntoScope,
 {
     fn make_scope(&self, parts: &Parts) -> Result<String, MissingScope> {
-        self(parts).into_scope()
+        // Prefixed, so a computed scope never equals another builder's.
+        self(parts)
+            .into_scope()
+            .map(|scope| format!("custom:{scope}"))
     }
 }
 
@@ -182,12 +187,15 @@ where
     F: Fn(&T) -> String + Clone + Send + Sync + 'static,
 {
     fn make_scope(&self, parts: &Parts) -> Result<String, MissingScope> {
-        let principal = parts
-            .extensions
-            .get::<T>()
-            .ok_or(MissingScope::new("the authenticated principal"))?;
-        // Prefixed, so a principal's scope never equals another builder's.
-        Ok(format!("principal:{}", (self.scope)(principal)))
+        let missing = MissingScope::new("the authenticated principal");
+        let principal = parts.extensions.get::<T>().ok_or(missing.clone())?;
+        let id = (self.scope)(principal);
+        if id.is_empty() {
+            return Err(missing);
+        }
+        // Prefixed, so a principal's scope never equals another builder's. Not with the type's
+        // name: that changes when the type moves, and records must outlive a refactor.
+        Ok(format!("principal:{id}"))
     }
 }
 

@@ -4,6 +4,10 @@
 //! inside `/eu` sees `/charge` for `/eu/charge`. Fingerprints and per-path settings must use the
 //! path the client sent, or `/eu/charge` and `/us/charge` would share records; axum keeps it in
 //! the `OriginalUri` extension, which every axum `Router` sets.
+//!
+//! Reading it needs this crate's `axum` feature (on by default). Built without it, a layer
+//! inside a nested axum router sees only the shortened path: keep the feature on in axum apps,
+//! or put the layer on the outer router.
 
 use http::{Extensions, Uri};
 

@@ -470,3 +470,60 @@ async fn s16_2_a_route_may_leave_a_json_field_out_of_its_fingerprint() {
     );
     assert_eq!(effects.count(), 2);
 }
+
+/// Issue 16 §4: 307 and 308 ask the client to send the same request again elsewhere: nothing
+/// was done here, so the key is released, not answered with the redirect forever. The request
+/// at the new URI is another request: under the same key it is refused (422), as any other
+/// reuse of a key is.
+#[tokio::test]
+async fn s16_4_a_307_is_not_recorded() {
+    let effects = Effects::default();
+    let (moved, sink) = (effects.clone(), effects.clone());
+    let app = Router::new()
+        .route(
+            "/v1/charge",
+            post(move || async move {
+                moved.hit();
+                (StatusCode::TEMPORARY_REDIRECT, [("location", "/v2/charge")])
+            }),
+        )
+        .route(
+            "/v2/charge",
+            post(move || async move {
+                sink.hit();
+                StatusCode::CREATED
+            }),
+        )
+        .route_layer(IdempotencyLayer::new(MemoryStore::new()).single_tenant());
+    let addr = serve(app).await;
+    let no_redirects = reqwest::Client::builder()
+        .redirect(reqwest::redirect::Policy::none())
+        .build()
+        .expect("client");
+    for _ in 0..2 {
+        let res = no_redirects
+            .post(format!("http://{addr}/v1/charge"))
+            .header("idempotency-key", "k-307")
+            .body("{}")
+            .send()
+            .await
+            .expect("request");
+        assert_eq!(res.status(), StatusCode::TEMPORARY_REDIRECT);
+        assert!(
+            res.headers().get("idempotency-replayed").is_none(),
+            "released, not replayed"
+        );
+    }
+    assert_eq!(
+        effects.count(),
+        2,
+        "each retry of the redirecting request ran"
+    );
+    let moved = send(addr, "/v2/charge", "k-307", &[], "{}").await;
+    assert_eq!(
+        moved.status(),
+        StatusCode::UNPROCESSABLE_ENTITY,
+        "another request, another key"
+    );
+    assert_eq!(effects.count(), 2);
+}

@@ -87,10 +87,16 @@ impl JsonFields {
         I: IntoIterator<Item = S>,
         S: AsRef<str>,
     {
-        let pointers = pointers
+        let pointers: Vec<Pointer> = pointers
             .into_iter()
             .map(|p| parse(p.as_ref()))
             .collect::<Result<_, _>>()?;
+        // Excluding the whole document would leave nothing to tell two requests apart.
+        if mode == Mode::Exclude
+            && let Some(whole) = pointers.iter().find(|p| p.tokens.is_empty())
+        {
+            return Err(InvalidPointer(whole.text.clone()));
+        }
         Ok(Self { mode, pointers })
     }
 
@@ -372,6 +378,10 @@ mod tests {
     fn pointers_follow_rfc_6901() {
         assert!(JsonFields::include(["/a/b", "", "/~0x/~1y", "/0"]).is_ok());
         assert!(JsonFields::include(["a"]).is_err());
+        assert!(
+            JsonFields::exclude([""]).is_err(),
+            "the whole document cannot be left out"
+        );
         assert!(JsonFields::include(["/~2"]).is_err());
         let f = JsonFields::include(["/a~1b"]).expect("valid");
         assert_eq!(canon(&f, r#"{"a/b":1}"#), canon(&f, r#"{"a/b":1.0,"x":2}"#));

@@ -1,8 +1,8 @@
 //! `application/x-www-form-urlencoded` bodies, fingerprinted as their sorted, decoded pairs.
 //!
-//! Two encodings of the same pairs (`a=1&b=2`, `b=2&a=1`, `a=%31&b=2`) are the same operation.
-//! Sorting means the relative order of repeated names does not count either (`a=1&a=2` equals
-//! `a=2&a=1`): a documented trade for clients whose encoders reorder fields.
+//! Two encodings of the same pairs (`a=1&b=2`, `b=2&a=1`, `a=%31&b=2`) are the same operation:
+//! pairs are sorted by name. The values of a repeated name keep their order, which frameworks
+//! read as a list: `to=alice&to=bob` is not `to=bob&to=alice`.
 //!
 //! Names and values are decoded to bytes, never to text: escapes that are not UTF-8 (`%E9`,
 //! `%FF`) stay the bytes they name, so two different bodies never decode to the same pairs.
@@ -25,7 +25,9 @@ pub(crate) fn canonicalize(body: &[u8], out: &mut impl Sink) {
             None => (decode(piece), Cow::Borrowed(&[][..])),
         })
         .collect();
-    pairs.sort();
+    // By name only, and stable: the order of a repeated name's values is data
+    // (`to=alice&to=bob` is not `to=bob&to=alice`); the order of different names is not.
+    pairs.sort_by(|a, b| a.0.cmp(&b.0));
     super::put_len(out, pairs.len());
     for (name, value) in &pairs {
         super::put_field(out, name);
@@ -77,6 +79,12 @@ mod tests {
         assert_ne!(canon(b"a=1&b=2"), canon(b"a=1&b=3"));
         assert_ne!(canon(b"a=1&b=2"), canon(b"a=1"));
         assert_ne!(canon(b"ab=&c="), canon(b"a=b&c="));
+        assert_ne!(
+            canon(b"to=alice&to=bob"),
+            canon(b"to=bob&to=alice"),
+            "a list's order is data"
+        );
+        assert_eq!(canon(b"to=alice&x=1&to=bob"), canon(b"x=1&to=alice&to=bob"));
     }
 
     /// Issue 16 §2: escapes that are not UTF-8 are different bytes, never one replacement
@@ -115,7 +123,7 @@ mod tests {
                 (decode(name), decode(value))
             })
             .collect();
-        pairs.sort();
+        pairs.sort_by(|a, b| a.0.cmp(&b.0));
         pairs
     }
 

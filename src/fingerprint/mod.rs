@@ -218,8 +218,8 @@ const SCRATCH_KEEP: usize = 64 * 1024;
 /// charset=latin1` and `text/plain` are different requests.
 pub(crate) fn media_with_parameters(content_type: &str) -> String {
     let media = media_type(content_type);
-    let mut parameters: Vec<(String, String)> = content_type
-        .split(';')
+    let mut parameters: Vec<(String, String)> = split_outside_quotes(content_type, b';')
+        .into_iter()
         .skip(1)
         .filter_map(|parameter| {
             let (name, value) = parameter.split_once('=').unwrap_or((parameter, ""));
@@ -238,13 +238,33 @@ pub(crate) fn media_with_parameters(content_type: &str) -> String {
     if parameters.is_empty() {
         return media.into_owned();
     }
-    parameters.sort();
+    // By name only, and stable: a repeated parameter keeps its order, which may be data.
+    parameters.sort_by(|a, b| a.0.cmp(&b.0));
     let mut out = media.into_owned();
     for (name, value) in parameters {
         // Length-framed, so no value can imitate another parameter.
         out.push_str(&format!(";{}:{name}={}:{value}", name.len(), value.len()));
     }
     out
+}
+
+/// `text` split at `separator`, except inside quoted strings (RFC 9110 §5.6.4).
+fn split_outside_quotes(text: &str, separator: u8) -> Vec<&str> {
+    let (mut pieces, mut start, mut quoted, mut escaped) = (Vec::new(), 0, false, false);
+    for (i, b) in text.bytes().enumerate() {
+        match b {
+            _ if escaped => escaped = false,
+            b'\\' if quoted => escaped = true,
+            b'"' => quoted = !quoted,
+            _ if b == separator && !quoted => {
+                pieces.push(&text[start..i]);
+                start = i + 1;
+            }
+            _ => {}
+        }
+    }
+    pieces.push(&text[start..]);
+    pieces
 }
 
 /// The elements of a field's lines taken as one comma-separated list; a comma inside a
@@ -508,6 +528,15 @@ mod tests {
         assert_ne!(
             fp("POST", "/", "application/json; profile=a", b"{}").expect("fp"),
             fp("POST", "/", "application/json", b"{}").expect("fp"),
+        );
+        // A `;` inside a quoted value is data, and a repeated parameter keeps its order.
+        assert_ne!(
+            fp("POST", "/", r#"text/plain; a="x;b=y""#, b"hi").expect("fp"),
+            fp("POST", "/", r#"text/plain; a="\"x"; b="y\"""#, b"hi").expect("fp"),
+        );
+        assert_ne!(
+            fp("POST", "/", "text/plain; a=1; a=2", b"hi").expect("fp"),
+            fp("POST", "/", "text/plain; a=2; a=1", b"hi").expect("fp"),
         );
     }
 
