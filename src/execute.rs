@@ -201,12 +201,14 @@ impl<St: IdempotencyStore> Execution<St> {
         }
     }
 
-    /// Forwards an event stream to the client as it arrives while keeping a copy, then records
-    /// it. A client that hangs up stops receiving, not the reading: the stream runs to its end
-    /// and is recorded all the same.
+    /// Forwards an event stream to the client as it arrives while watching it for the call's
+    /// final response, then records that. Each event is read once, as it completes: the cost
+    /// is linear in the stream. A client that hangs up stops receiving, not the reading: the
+    /// stream runs to its end and is recorded all the same. Past the response limit (a stream
+    /// that never ends) the answer is recorded at once as not stored.
     async fn tee<B>(
         self,
-        id: Arc<serde_json::Value>,
+        id: Arc<crate::jsonrpc::Id>,
         head: Parts,
         mut body: Pin<Box<B>>,
         tx: tokio::sync::mpsc::Sender<Result<http_body::Frame<Bytes>, BoxError>>,
@@ -216,8 +218,8 @@ impl<St: IdempotencyStore> Execution<St> {
         B::Error: Into<BoxError>,
     {
         let limit = self.route.response_limit;
-        let mut copy = bytes::BytesMut::new();
-        let mut over = false;
+        let mut events = jsonrpc::Events::default();
+        let mut seen = 0usize;
         let mut recorded = false;
         // Kept until the answer is recorded, not for the rest of the stream.
         let mut hold = Some(hold);
@@ -233,38 +235,35 @@ impl<St: IdempotencyStore> Execution<St> {
                     let _ = tx.send(Err(error)).await;
                     if !recorded {
                         // The handler answered: the call is taken as done, its answer lost.
-                        self.record_jsonrpc(&head, None, None, &id).await;
+                        self.record_call(&head, None, None).await;
                     }
                     return;
                 }
             };
-            if let Some(data) = frame.data_ref() {
-                over |= copy.len() + data.len() > limit;
-                if !over {
-                    copy.extend_from_slice(data);
-                } else if !recorded {
-                    // Past the limit the answer can no longer be kept: record that at once, so
-                    // a stream that never ends neither holds its lease nor grows its copy.
-                    self.record_jsonrpc(&head, None, None, &id).await;
+            if let Some(data) = frame.data_ref()
+                && !recorded
+            {
+                seen += data.len();
+                let done = if seen > limit {
+                    // Too much to keep: recorded without a body, like any oversized answer.
+                    Some(None)
+                } else {
+                    events.feed(data, &id).map(Some)
+                };
+                // Recorded before the frame leaves, so a client that has the final response
+                // can count on its retry being a replay.
+                if let Some(message) = done {
+                    self.record_call(&head, message, None).await;
                     recorded = true;
                     hold = None;
-                    copy = bytes::BytesMut::new();
                 }
-            }
-            // Record the final response before it leaves, so a client that has it can
-            // count on its retry being a replay.
-            if !recorded && !over && jsonrpc::final_response(&head.headers, &copy, &id).is_some() {
-                self.record_jsonrpc(&head, Some(copy.clone().freeze()), None, &id)
-                    .await;
-                recorded = true;
-                hold = None;
             }
             // A closed receiver only means the client left.
             let _ = tx.send(Ok(frame)).await;
         }
         if !recorded {
-            self.record_jsonrpc(&head, Some(copy.freeze()), None, &id)
-                .await;
+            // The stream ended without a final response (an interim answer): nothing to keep.
+            self.release().await;
         }
         drop(hold);
     }
@@ -342,7 +341,7 @@ impl<St: IdempotencyStore> Execution<St> {
         parts: &Parts,
         body: Option<Bytes>,
         trailers: Option<&HeaderMap>,
-        id: &serde_json::Value,
+        id: &crate::jsonrpc::Id,
     ) -> Option<Bytes> {
         let message = match &body {
             Some(bytes) => match jsonrpc::final_response(&parts.headers, bytes, id) {
@@ -356,6 +355,18 @@ impl<St: IdempotencyStore> Execution<St> {
             // Too large to keep: recorded without a body, like any oversized response.
             None => None,
         };
+        self.record_call(parts, message, trailers).await;
+        body
+    }
+
+    /// Records a call's final response (`None`: too large to keep), or releases the key when
+    /// the policy does not record it.
+    async fn record_call(
+        &self,
+        parts: &Parts,
+        message: Option<Bytes>,
+        trailers: Option<&HeaderMap>,
+    ) {
         let outcome = Outcome {
             status: parts.status,
             headers: &parts.headers,
@@ -373,7 +384,6 @@ impl<St: IdempotencyStore> Execution<St> {
         } else {
             self.release().await;
         }
-        body
     }
 
     /// Records `stored`, fenced. When the store fails, the outcome is not dropped: the record

@@ -50,7 +50,9 @@ fn code(kind: ProblemKind) -> u32 {
         ProblemKind::KeyMissing
         | ProblemKind::KeyInvalid
         | ProblemKind::BodyMalformed
-        | ProblemKind::BodyUnreadable => 3, // INVALID_ARGUMENT
+        | ProblemKind::BodyUnreadable
+        | ProblemKind::CallUnguardable
+        | ProblemKind::HeaderMismatch => 3, // INVALID_ARGUMENT
         ProblemKind::BodyTooLarge => 8, // RESOURCE_EXHAUSTED
         ProblemKind::FingerprintMismatch | ProblemKind::ResponseNotStored => 9, // FAILED_PRECONDITION
         ProblemKind::InFlight | ProblemKind::OutcomeUnknown => 10,              // ABORTED

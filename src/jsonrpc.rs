@@ -6,24 +6,41 @@
 //! and a plain replay would answer with the wrong `id`. In this mode:
 //!
 //! - only single requests (objects with an `id`) whose `method` is on the allow-list (default
-//!   `tools/call`) are guarded; notifications, other methods, **batches (JSON arrays) and bodies
-//!   that are not JSON-RPC pass through untouched** (the server answers them as it would);
-//! - the key is the `Idempotency-Key` header or, if configured, an entry of `params._meta`;
-//!   a guarded call without one passes through;
-//! - the fingerprint is the route, the `method` and the canonical `params` without `_meta`;
+//!   `tools/call`) are guarded; notifications, other methods, batches and bodies that are not
+//!   JSON-RPC pass through untouched (the server answers them as it would), **unless they carry
+//!   a key**: a keyed request asks for a guarantee, and what cannot be guarded (a batch holding a
+//!   guarded call, a `null` or missing id, a body this mode cannot read such as one starting
+//!   with a byte-order mark) is refused with `call-unguardable`, nothing run;
+//! - the key is the `Idempotency-Key` header or, if configured, the string at
+//!   `params._meta[name]`, validated exactly as the header is (not empty, at most 255 bytes,
+//!   visible ASCII, not a list); a `_meta` key that is not a string is refused; when both are
+//!   present they must be the same key (then it is theirs), otherwise the call is refused;
+//!   a guarded call without either passes through;
+//! - on MCP 2026-07-28 (stateless, `Mcp-Method` and `Mcp-Name` headers), a keyed request whose
+//!   `Mcp-Method` header names another method than its body is refused (`header-mismatch`,
+//!   MCP's code -32020), nothing run;
+//! - the fingerprint covers what HTTP mode covers (path as sent, query, media type, the
+//!   configured fingerprint headers), the `method`, and the `params` exactly as sent, canonical
+//!   where exact (see [`crate::fingerprint`]), without `_meta` (progress tokens, trace context,
+//!   per-request client info) and MCP's per-round-trip `inputResponses` and `requestState`;
 //!   never the `id`; the scope is the layer's scope plus the method;
-//! - the recorded outcome is the final JSON-RPC response (from a JSON body, or the last response
-//!   event of an SSE stream); progress notifications and event ids are never recorded. An SSE
-//!   answer is teed: the client receives it as it streams, and a client that hangs up does not
-//!   stop it being read to its end and recorded. A response with no final JSON-RPC outcome is
+//! - the recorded outcome is the final JSON-RPC response (from a JSON body, or the response
+//!   event of an SSE stream), kept as the bytes the server wrote; progress notifications and
+//!   event ids are never recorded. An SSE answer is teed: the client receives it as it streams,
+//!   each event is read once as it completes (linear in the stream), and a client that hangs up
+//!   does not stop it being read to its end and recorded; a stream past the response limit is
+//!   recorded at once as not stored. A response with no final JSON-RPC outcome is
 //!   not recorded and the key is released: that includes MCP's interim results
 //!   (`resultType: "input_required"`), whose continuation (with `inputResponses` and
-//!   `requestState`, which the fingerprint leaves out) then runs under the same key;
-//! - replays are `200 application/json` with the stored `result` or `error` under the new
-//!   request's `id`, and `Idempotency-Replayed: true`;
-//! - the middleware's own answers are JSON-RPC errors echoing the request's `id`, with the HTTP
-//!   status of the problem (409, 422, 503, …), a code outside the reserved range, and the problem
-//!   details in `error.data`:
+//!   `requestState`, which the fingerprint leaves out) then runs under the same key. A final
+//!   result that is a task handle (the tasks extension) is recorded and replayed like any other;
+//! - replays are `200 application/json`: the recorded response byte for byte, but for its `id`,
+//!   which is the new request's, written exactly as the client sent it
+//!   (`123456789012345678901234567890`, `1e2` and `-0` stay as they are), and
+//!   `Idempotency-Replayed: true`;
+//! - the middleware's own answers are JSON-RPC errors echoing the request's `id` as sent, with
+//!   the HTTP status of the problem (409, 422, 503, …), a code outside the reserved range, and
+//!   the problem details in `error.data`:
 //!
 //! | problem | code |
 //! |---|---|
@@ -35,16 +52,22 @@
 //! | body too large or unreadable | -31005 |
 //! | execution failed | -31006 |
 //! | response not stored | -31007 |
+//! | scope missing (server misconfiguration) | -31008 |
+//! | keyed call cannot be guarded | -31009 |
+//! | `Mcp-Method` header does not match the body | -32020 (MCP's `HeaderMismatchError`) |
 
 use std::sync::Arc;
 
 use bytes::Bytes;
 use http::{HeaderMap, HeaderValue, Response, StatusCode, header, request::Parts};
-use serde_json::{Map, Value};
+use serde_json::Value;
 
 use crate::body::ResponseBody;
 use crate::fingerprint::Fingerprint;
 use crate::problem::{Problem, ProblemKind};
+
+/// The MCP 2026-07-28 header naming a Streamable HTTP request's JSON-RPC method.
+pub(crate) static MCP_METHOD: http::HeaderName = http::HeaderName::from_static("mcp-method");
 
 /// The `_meta` entry set on replayed results when [`JsonRpc::mark_replay_in_meta`] is on.
 pub const REPLAY_META: &str = "tower-idempotency/replayed";
@@ -96,58 +119,252 @@ impl JsonRpc {
     }
 }
 
-/// `params` fields that change from one round trip of the same call to the next (MCP's
-/// multi-round-trip requests), left out of the fingerprint with `_meta`.
-const PER_ATTEMPT: &[&str] = &["inputResponses", "requestState"];
+/// `params` members that are not part of the operation: `_meta` (progress tokens, trace
+/// context, MCP 2026-07-28's per-request client info) and the fields MCP's multi-round-trip
+/// requests change on each round trip.
+pub(crate) const NOT_THE_OPERATION: &[&str] = &["_meta", "inputResponses", "requestState"];
+
+/// A request's `id` as it was sent: its text, written back byte for byte, and its value, to
+/// find the response that answers it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Id {
+    raw: Box<str>,
+    value: Value,
+}
+
+impl Id {
+    fn new(raw: &str) -> Self {
+        Self {
+            raw: raw.trim().into(),
+            value: serde_json::from_str(raw).unwrap_or(Value::Null),
+        }
+    }
+
+    /// `null`: for refusals of bodies whose id cannot be read.
+    pub(crate) fn null() -> Self {
+        Self::new("null")
+    }
+
+    /// The id's text as the client sent it.
+    pub(crate) fn raw(&self) -> &str {
+        &self.raw
+    }
+
+    /// Whether a response's `id` member (its value) answers this request.
+    fn answers(&self, id: Option<&Value>) -> bool {
+        id == Some(&self.value)
+    }
+}
 
 /// A guarded JSON-RPC call.
 #[derive(Debug, Clone)]
 pub(crate) struct Call {
-    pub(crate) id: Arc<Value>,
+    pub(crate) id: Arc<Id>,
     pub(crate) method: String,
-    params: Value,
+    /// The params' text as sent, if any.
+    params: Option<String>,
+    /// The key from `params._meta`, validated like the header's.
     pub(crate) meta_key: Option<String>,
 }
 
-/// The call in `body`, if it is one this mode guards.
-pub(crate) fn parse(body: &[u8], settings: &JsonRpc) -> Option<Call> {
-    let Ok(Value::Object(mut message)) = serde_json::from_slice::<Value>(body) else {
-        return None; // a batch, or not JSON-RPC: passes through
+/// What the mode makes of a request body.
+#[derive(Debug)]
+pub(crate) enum Parsed {
+    /// One call of a guarded method, with an id and a key: guard it.
+    Guard(Call),
+    /// Not a guarded call, and not asked to be: hand it on untouched.
+    PassThrough,
+    /// A call that asks for a guarantee (it carries a key) the mode cannot give: refuse it,
+    /// answering the request `id` (or `null`).
+    Refuse(Problem, Arc<Id>),
+}
+
+/// The top-level members of a request, as text.
+#[derive(serde::Deserialize)]
+struct Message<'a> {
+    #[serde(borrow)]
+    id: Option<&'a serde_json::value::RawValue>,
+    #[serde(borrow)]
+    method: Option<&'a serde_json::value::RawValue>,
+    #[serde(borrow)]
+    params: Option<&'a serde_json::value::RawValue>,
+}
+
+/// Reads `body`. `header_key` is the request's `Idempotency-Key` header, if any: a keyed
+/// request asks for a guarantee, so what cannot be guarded is refused rather than run
+/// unguarded (a batch with a guarded call, a `null` id, a body this mode cannot read, a `_meta`
+/// key that is not a valid key, a header and a `_meta` key that differ, an `Mcp-Method` header
+/// that names another method than the body). When the header and `_meta` agree, the key is
+/// theirs; either alone is the key.
+pub(crate) fn parse(
+    body: &[u8],
+    settings: &JsonRpc,
+    header_key: Option<&str>,
+    mcp_method: Option<&str>,
+) -> Parsed {
+    let refuse = |kind, detail: &str, id: Arc<Id>| Parsed::Refuse(Problem::new(kind, detail), id);
+    let unreadable = |why: &str| match header_key {
+        Some(_) => refuse(
+            ProblemKind::CallUnguardable,
+            &format!(
+                "this request carries an idempotency key but its body is not one JSON-RPC request \
+                 this layer can read ({why}); nothing was run"
+            ),
+            Arc::new(Id::null()),
+        ),
+        None => Parsed::PassThrough,
     };
-    let id = message.remove("id").filter(|id| !id.is_null())?;
-    let method = match message.get("method") {
-        Some(Value::String(m)) if settings.methods.iter().any(|allowed| allowed == m) => m.clone(),
-        _ => return None,
+    if body.starts_with(b"\xef\xbb\xbf") {
+        return unreadable("it starts with a byte-order mark");
+    }
+    let Ok(text) = std::str::from_utf8(body) else {
+        return unreadable("it is not UTF-8");
     };
-    let mut params = message.remove("params").unwrap_or(Value::Null);
-    let meta = match &mut params {
-        Value::Object(params) => {
-            // Per-attempt fields of a multi-round-trip call are not part of the operation.
-            for field in PER_ATTEMPT {
-                params.remove(*field);
-            }
-            params.remove("_meta")
-        }
-        _ => None,
+    if text.trim_start().starts_with('[') {
+        return batch(text, settings, header_key);
+    }
+    let message: Message<'_> = match serde_json::from_str(text) {
+        Ok(message) => message,
+        Err(_) => return unreadable("it is not a JSON-RPC object, or repeats a member"),
     };
-    let meta_key = settings
-        .meta_key
-        .as_ref()
-        .and_then(|name| match meta.as_ref()?.get(name)? {
-            Value::String(key) => Some(key.clone()),
-            _ => None,
-        });
-    Some(Call {
-        id: Arc::new(id),
+    let Some(method) = message
+        .method
+        .and_then(|m| serde_json::from_str::<String>(m.get()).ok())
+    else {
+        return Parsed::PassThrough;
+    };
+    if !settings.methods.contains(&method) {
+        return Parsed::PassThrough;
+    }
+    let id = message.id.filter(|id| id.get().trim() != "null");
+    let reply_to = Arc::new(id.map_or_else(Id::null, |id| Id::new(id.get())));
+    let meta_key = match meta_key(message.params.map(|p| p.get()), settings) {
+        Ok(key) => key,
+        Err(error) => return refuse(ProblemKind::KeyInvalid, &error, reply_to),
+    };
+    let keyed = header_key.is_some() || meta_key.is_some();
+    if let (Some(header), Some(meta)) = (header_key, meta_key.as_deref())
+        && header != meta
+    {
+        return refuse(
+            ProblemKind::KeyInvalid,
+            "the Idempotency-Key header and params._meta name different keys: one call, one key",
+            reply_to,
+        );
+    }
+    if keyed
+        && let Some(header_method) = mcp_method
+        && header_method != method
+    {
+        return refuse(
+            ProblemKind::HeaderMismatch,
+            "the Mcp-Method header names another method than the body; nothing was run",
+            reply_to,
+        );
+    }
+    if !keyed {
+        return Parsed::PassThrough;
+    }
+    if id.is_none() {
+        // A notification, or a null id: its answer could not be matched to a retry.
+        return refuse(
+            ProblemKind::CallUnguardable,
+            "a keyed call needs an id that is not null, to answer its retries; nothing was run",
+            reply_to,
+        );
+    }
+    Parsed::Guard(Call {
+        id: reply_to,
         method,
-        params,
+        params: message.params.map(|p| p.get().to_owned()),
         meta_key,
     })
 }
 
-/// Route, method and canonical params: never the id, never `_meta`.
-pub(crate) fn fingerprint(parts: &Parts, call: &Call) -> Fingerprint {
-    crate::fingerprint::jsonrpc(parts, &call.method, &call.params)
+/// A batch passes through unless one of its requests is a guarded call that carries a key
+/// (or the batch does, in its header): one key cannot guard many calls.
+fn batch(text: &str, settings: &JsonRpc, header_key: Option<&str>) -> Parsed {
+    let refuse = |detail: &str| {
+        Parsed::Refuse(
+            Problem::new(ProblemKind::CallUnguardable, detail),
+            Arc::new(Id::null()),
+        )
+    };
+    let Ok(items) = serde_json::from_str::<Vec<&serde_json::value::RawValue>>(text) else {
+        return match header_key {
+            Some(_) => refuse(
+                "this request carries an idempotency key but its body is not JSON; nothing was run",
+            ),
+            None => Parsed::PassThrough,
+        };
+    };
+    let guarded_keyed = items.iter().any(|item| {
+        let Ok(message) = serde_json::from_str::<Message<'_>>(item.get()) else {
+            return false;
+        };
+        let guarded = message
+            .method
+            .and_then(|m| serde_json::from_str::<String>(m.get()).ok())
+            .is_some_and(|m| settings.methods.contains(&m));
+        guarded
+            && (header_key.is_some()
+                || !matches!(
+                    meta_key(message.params.map(|p| p.get()), settings),
+                    Ok(None)
+                ))
+    });
+    if guarded_keyed {
+        return refuse(
+            "a batch cannot be guarded: send each keyed call as a request of its own; nothing \
+             was run",
+        );
+    }
+    Parsed::PassThrough
+}
+
+/// The key in `params._meta[name]`, validated as the header's is: `Ok(None)` when there is
+/// none, `Err` with the reason when one is there but is not a valid key.
+fn meta_key(params: Option<&str>, settings: &JsonRpc) -> Result<Option<String>, String> {
+    let (Some(name), Some(params)) = (settings.meta_key.as_deref(), params) else {
+        return Ok(None);
+    };
+    let Ok(Value::Object(mut params)) = serde_json::from_str::<Value>(params) else {
+        return Ok(None);
+    };
+    let Some(Value::Object(meta)) = params.remove("_meta") else {
+        return Ok(None);
+    };
+    match meta.get(name) {
+        None => Ok(None),
+        Some(Value::String(key)) => crate::key::validate(key.as_bytes())
+            .map(|()| Some(key.clone()))
+            .map_err(|e| format!("params._meta.{name}: {e}")),
+        Some(other) => Err(format!(
+            "params._meta.{name} must be a string, not {}",
+            kind_of(other)
+        )),
+    }
+}
+
+fn kind_of(value: &Value) -> &'static str {
+    match value {
+        Value::Null => "null",
+        Value::Bool(_) => "a boolean",
+        Value::Number(_) => "a number",
+        Value::String(_) => "a string",
+        Value::Array(_) => "an array",
+        Value::Object(_) => "an object",
+    }
+}
+
+/// Everything the HTTP mode counts, the method and the exact params without `_meta` and the
+/// per-round-trip fields; never the id.
+pub(crate) fn fingerprint(
+    parts: &Parts,
+    call: &Call,
+    options: &crate::fingerprint::FingerprintOptions,
+) -> Result<Fingerprint, crate::fingerprint::MalformedBody> {
+    crate::fingerprint::jsonrpc(parts, &call.method, call.params.as_deref(), options)
 }
 
 /// The JSON-RPC error code for a problem: outside the reserved −32768..−32000 range.
@@ -162,21 +379,21 @@ fn code(kind: ProblemKind) -> i64 {
         ProblemKind::ExecutionFailed => -31006,
         ProblemKind::ResponseNotStored => -31007,
         ProblemKind::ScopeMissing => -31008,
+        ProblemKind::CallUnguardable => -31009,
+        // MCP's own code for it (HeaderMismatchError, 2026-07-28).
+        ProblemKind::HeaderMismatch => -32020,
     }
 }
 
-/// A problem as a JSON-RPC error response for the call `id`.
-pub(crate) fn error_response<B>(problem: &Problem, id: &Value) -> Response<ResponseBody<B>> {
-    let message = serde_json::json!({
-        "jsonrpc": "2.0",
-        "id": id,
-        "error": {
-            "code": code(problem.kind),
-            "message": problem.kind.title(),
-            "data": problem.to_json(),
-        },
+/// A problem as a JSON-RPC error response for the call `id`, written back as it was sent.
+pub(crate) fn error_response<B>(problem: &Problem, id: &Id) -> Response<ResponseBody<B>> {
+    let error = serde_json::json!({
+        "code": code(problem.kind),
+        "message": problem.kind.title(),
+        "data": problem.to_json(),
     });
-    let mut res = Response::new(ResponseBody::full(Bytes::from(message.to_string()), None));
+    let message = format!(r#"{{"jsonrpc":"2.0","id":{},"error":{error}}}"#, id.raw());
+    let mut res = Response::new(ResponseBody::full(Bytes::from(message), None));
     *res.status_mut() = problem.kind.status();
     res.headers_mut().insert(
         header::CONTENT_TYPE,
@@ -191,7 +408,7 @@ pub(crate) fn error_response<B>(problem: &Problem, id: &Value) -> Response<Respo
 
 /// The final JSON-RPC response to the call `id` in a captured body: the body itself for JSON,
 /// the last response event for SSE. `None` when there is none (an interim answer).
-pub(crate) fn final_response(headers: &HeaderMap, body: &[u8], id: &Value) -> Option<Bytes> {
+pub(crate) fn final_response(headers: &HeaderMap, body: &[u8], id: &Id) -> Option<Bytes> {
     let is_sse = headers
         .get(header::CONTENT_TYPE)
         .is_some_and(|ct| ct.as_bytes().starts_with(b"text/event-stream"));
@@ -199,33 +416,87 @@ pub(crate) fn final_response(headers: &HeaderMap, body: &[u8], id: &Value) -> Op
         return is_response(serde_json::from_slice(body).ok()?, id)
             .then(|| Bytes::copy_from_slice(body));
     }
-    let text = std::str::from_utf8(body).ok()?;
+    // Every final response in the body: the last one counts.
+    let mut events = Events::default();
     let mut last = None;
-    for event in text.split("\n\n").flat_map(|e| e.split("\r\n\r\n")) {
-        let data: Vec<&str> = event
-            .lines()
-            .filter_map(|line| line.strip_prefix("data:"))
-            .map(|d| d.strip_prefix(' ').unwrap_or(d))
-            .collect();
-        if data.is_empty() {
-            continue;
+    for event in body.split_inclusive(|&b| b == b'\n') {
+        if let Some(message) = events.feed(event, id) {
+            last = Some(message);
         }
-        let data = data.join("\n");
-        if let Ok(message) = serde_json::from_str::<Value>(&data)
-            && is_response(message.clone(), id)
-        {
-            last = Some(Bytes::from(data));
-        }
+    }
+    if let Some(message) = events.feed(b"\n\n", id) {
+        last = Some(message);
     }
     last
 }
 
+/// An event stream read as it arrives: each event is parsed once, when its blank line comes.
+#[derive(Debug, Default)]
+pub(crate) struct Events {
+    /// The text of the event not yet complete.
+    pending: Vec<u8>,
+    /// How far `pending` was searched for an event's end already.
+    scanned: usize,
+}
+
+impl Events {
+    /// Takes the next bytes of the stream; the final response to `id`, once an event carrying
+    /// one is complete.
+    pub(crate) fn feed(&mut self, data: &[u8], id: &Id) -> Option<Bytes> {
+        self.pending.extend_from_slice(data);
+        let mut found = None;
+        loop {
+            // A separator may straddle two chunks: look again from a little before.
+            let from = self.scanned.saturating_sub(3);
+            let Some((end, len)) = event_end(&self.pending[from..]).map(|(e, l)| (e + from, l))
+            else {
+                self.scanned = self.pending.len();
+                return found;
+            };
+            let event: Vec<u8> = self.pending.drain(..end + len).collect();
+            self.scanned = 0;
+            if found.is_none() {
+                found = final_in_event(&event[..end], id);
+            }
+        }
+    }
+}
+
+/// Where the first event of `text` ends (a blank line), and the separator's length.
+fn event_end(text: &[u8]) -> Option<(usize, usize)> {
+    let lf = text.windows(2).position(|w| w == b"\n\n").map(|i| (i, 2));
+    let crlf = text
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .map(|i| (i, 4));
+    match (lf, crlf) {
+        (Some(a), Some(b)) => Some(if a.0 <= b.0 { a } else { b }),
+        (a, b) => a.or(b),
+    }
+}
+
+/// The final response to `id` in one event's text, if it carries one.
+fn final_in_event(event: &[u8], id: &Id) -> Option<Bytes> {
+    let text = std::str::from_utf8(event).ok()?;
+    let data: Vec<&str> = text
+        .lines()
+        .filter_map(|line| line.strip_prefix("data:"))
+        .map(|d| d.strip_prefix(' ').unwrap_or(d))
+        .collect();
+    if data.is_empty() {
+        return None;
+    }
+    let data = data.join("\n");
+    let message = serde_json::from_str::<Value>(&data).ok()?;
+    is_response(message, id).then(|| Bytes::from(data))
+}
+
 /// A final response (not a notification, a request or an interim result) to `id`.
-fn is_response(message: Value, id: &Value) -> bool {
+fn is_response(message: Value, id: &Id) -> bool {
     let Value::Object(message) = message else {
         return false;
     };
-    if message.get("id") != Some(id) {
+    if !id.answers(message.get("id")) {
         return false;
     }
     match message.get("result") {
@@ -255,21 +526,67 @@ pub(crate) fn is_definitive(message: &[u8]) -> bool {
     }
 }
 
-/// A stored final response, re-addressed to the call `id`.
-pub(crate) fn readdress(stored: &[u8], id: &Value, mark: bool) -> Option<Bytes> {
-    let Ok(Value::Object(mut message)) = serde_json::from_slice::<Value>(stored) else {
+/// A stored final response, re-addressed to the call `id`: the new id's text replaces the
+/// stored one, every other byte stays as recorded (numbers, member order). With `mark`,
+/// `result._meta` gains `"tower-idempotency/replayed": true` as its first member.
+pub(crate) fn readdress(stored: &[u8], id: &Id, mark: bool) -> Option<Bytes> {
+    let text = std::str::from_utf8(stored).ok()?.trim();
+    if !text.starts_with('{') {
         return None;
-    };
-    message.insert("id".to_owned(), id.clone());
-    if mark && let Some(Value::Object(result)) = message.get_mut("result") {
-        let meta = result
-            .entry("_meta")
-            .or_insert_with(|| Value::Object(Map::new()));
-        if let Value::Object(meta) = meta {
-            meta.insert(REPLAY_META.to_owned(), Value::Bool(true));
+    }
+    let mut out = String::with_capacity(text.len() + id.raw().len() + 48);
+    out.push('{');
+    for (i, member) in crate::json_text::children(text).iter().enumerate() {
+        if i > 0 {
+            out.push(',');
+        }
+        out.push_str(member.raw_name.unwrap_or("\"\""));
+        out.push(':');
+        match member.name.as_str() {
+            "id" => out.push_str(id.raw()),
+            "result" if mark => out.push_str(&marked(member.value)),
+            _ => out.push_str(member.value),
         }
     }
-    Some(Bytes::from(Value::Object(message).to_string()))
+    out.push('}');
+    Some(Bytes::from(out))
+}
+
+/// A result object with the replay mark first in its `_meta`; anything else as it is.
+fn marked(result: &str) -> String {
+    let mark = format!("\"{REPLAY_META}\":true");
+    if !result.starts_with('{') {
+        return result.to_owned();
+    }
+    let members = crate::json_text::children(result);
+    let meta_object =
+        |m: &crate::json_text::Child<'_>| m.name == "_meta" && m.value.starts_with('{');
+    let has_meta = members.iter().any(meta_object);
+    let mut out = String::with_capacity(result.len() + mark.len() + 16);
+    out.push('{');
+    if !has_meta {
+        out.push_str(&format!("\"_meta\":{{{mark}}}"));
+    }
+    for (i, member) in members.iter().enumerate() {
+        if i > 0 || !has_meta {
+            out.push(',');
+        }
+        out.push_str(member.raw_name.unwrap_or("\"\""));
+        out.push(':');
+        if meta_object(member) {
+            let inner = member.value[1..].trim_start();
+            out.push('{');
+            out.push_str(&mark);
+            if !inner.starts_with('}') {
+                out.push(',');
+            }
+            out.push_str(inner);
+        } else {
+            out.push_str(member.value);
+        }
+    }
+    out.push('}');
+    out
 }
 
 /// The stored form of a final response: `200 application/json`, whatever the original framing.
@@ -290,50 +607,220 @@ mod tests {
     use super::*;
     use serde_json::json;
 
+    fn settings() -> JsonRpc {
+        JsonRpc::new().meta_key("idempotencyKey")
+    }
+
+    fn parsed(body: &str, header: Option<&str>) -> Parsed {
+        parse(body.as_bytes(), &settings(), header, None)
+    }
+
     fn call(body: Value) -> Option<Call> {
-        parse(
-            &serde_json::to_vec(&body).expect("json"),
-            &JsonRpc::new().meta_key("idempotencyKey"),
-        )
+        match parsed(&body.to_string(), Some("k")) {
+            Parsed::Guard(call) => Some(call),
+            _ => None,
+        }
+    }
+
+    fn refused(parsed: &Parsed) -> Option<ProblemKind> {
+        match parsed {
+            Parsed::Refuse(problem, _) => Some(problem.kind),
+            _ => None,
+        }
+    }
+
+    fn passes(parsed: &Parsed) -> bool {
+        matches!(parsed, Parsed::PassThrough)
+    }
+
+    fn id(raw: &str) -> Id {
+        Id::new(raw)
     }
 
     #[test]
     fn only_single_allowlisted_requests_are_guarded() {
         assert!(call(json!({"jsonrpc":"2.0","id":1,"method":"tools/call","params":{}})).is_some());
-        assert!(
-            call(json!({"jsonrpc":"2.0","method":"tools/call","params":{}})).is_none(),
-            "notification"
+        let list = parsed(
+            r#"{"jsonrpc":"2.0","id":1,"method":"tools/list"}"#,
+            Some("k"),
         );
-        assert!(call(json!({"jsonrpc":"2.0","id":1,"method":"tools/list"})).is_none());
-        assert!(
-            call(json!([{"jsonrpc":"2.0","id":1,"method":"tools/call"}])).is_none(),
-            "batch"
+        assert!(passes(&list), "an unguarded method passes, keyed or not");
+        let unkeyed = parsed(r#"{"jsonrpc":"2.0","id":1,"method":"tools/call"}"#, None);
+        assert!(passes(&unkeyed), "no key, no guarantee asked");
+        assert!(passes(&parsed("{not json", None)));
+        assert!(passes(&parsed(
+            r#"[{"jsonrpc":"2.0","id":1,"method":"tools/call"}]"#,
+            None
+        )));
+    }
+
+    /// Issue 17 §1: a keyed call the mode cannot guard is refused, never run unguarded.
+    #[test]
+    fn keyed_calls_that_cannot_be_guarded_are_refused() {
+        let unguardable = Some(ProblemKind::CallUnguardable);
+        let batch = r#"[{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{}}]"#;
+        assert_eq!(
+            refused(&parsed(batch, Some("k"))),
+            unguardable,
+            "header key"
         );
-        assert!(parse(b"{not json", &JsonRpc::new()).is_none());
+        let meta_batch = r#"[{"jsonrpc":"2.0","id":1,"method":"tools/list"},
+            {"jsonrpc":"2.0","id":2,"method":"tools/call","params":{"_meta":{"idempotencyKey":"k"}}}]"#;
+        assert_eq!(refused(&parsed(meta_batch, None)), unguardable, "_meta key");
+        let null_id = r#"{"jsonrpc":"2.0","id":null,"method":"tools/call","params":{}}"#;
+        assert_eq!(refused(&parsed(null_id, Some("k"))), unguardable);
+        let notification =
+            r#"{"jsonrpc":"2.0","method":"tools/call","params":{"_meta":{"idempotencyKey":"k"}}}"#;
+        assert_eq!(refused(&parsed(notification, None)), unguardable);
+        let bom = "\u{feff}{\"jsonrpc\":\"2.0\",\"id\":1,\"method\":\"tools/call\"}";
+        assert_eq!(refused(&parsed(bom, Some("k"))), unguardable);
+        assert_eq!(refused(&parsed("{not json", Some("k"))), unguardable);
+        let twice = r#"{"jsonrpc":"2.0","id":1,"id":2,"method":"tools/call"}"#;
+        assert_eq!(
+            refused(&parsed(twice, Some("k"))),
+            unguardable,
+            "a repeated member"
+        );
+    }
+
+    /// Issue 17 §1: `_meta` keys get the header's validation, and the two sources must agree.
+    #[test]
+    fn meta_keys_are_validated_like_header_keys() {
+        let with_meta = |key: &str| {
+            format!(
+                r#"{{"jsonrpc":"2.0","id":7,"method":"tools/call","params":{{"_meta":{{"idempotencyKey":{key}}}}}}}"#
+            )
+        };
+        let invalid = Some(ProblemKind::KeyInvalid);
+        assert_eq!(
+            refused(&parsed(&with_meta("42"), None)),
+            invalid,
+            "not a string"
+        );
+        assert_eq!(
+            refused(&parsed(&with_meta(r#""""#), None)),
+            invalid,
+            "empty"
+        );
+        assert_eq!(
+            refused(&parsed(&with_meta(r#""a\u0000b""#), None)),
+            invalid,
+            "NUL"
+        );
+        assert_eq!(
+            refused(&parsed(&with_meta(r#""a\nb""#), None)),
+            invalid,
+            "newline"
+        );
+        assert_eq!(
+            refused(&parsed(&with_meta(r#""caf\u00e9""#), None)),
+            invalid,
+            "non-ASCII"
+        );
+        let long = format!(r#""{}""#, "k".repeat(256));
+        assert_eq!(
+            refused(&parsed(&with_meta(&long), None)),
+            invalid,
+            "too long"
+        );
+        let Parsed::Refuse(empty, reply) = parsed(&with_meta(r#""""#), None) else {
+            panic!("refused");
+        };
+        assert!(empty.detail.contains("empty"), "{}", empty.detail);
+        assert_eq!(reply.raw(), "7", "the refusal answers the request's id");
+        assert_eq!(
+            refused(&parsed(&with_meta(r#""a""#), Some("b"))),
+            invalid,
+            "header and _meta differ"
+        );
+        let Parsed::Guard(agreed) = parsed(&with_meta(r#""a""#), Some("a")) else {
+            panic!("agreeing sources guard the call");
+        };
+        assert_eq!(agreed.meta_key.as_deref(), Some("a"));
+    }
+
+    /// Issue 17 §5: a keyed request whose `Mcp-Method` header names another method is refused.
+    #[test]
+    fn a_method_header_that_disagrees_with_the_body_is_refused() {
+        let body = br#"{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{}}"#;
+        let with = |header| parse(body, &settings(), Some("k"), header);
+        assert_eq!(
+            refused(&with(Some("tools/list"))),
+            Some(ProblemKind::HeaderMismatch)
+        );
+        assert!(matches!(with(Some("tools/call")), Parsed::Guard(_)));
+        assert!(matches!(with(None), Parsed::Guard(_)));
     }
 
     #[test]
-    fn fingerprint_ignores_id_and_meta_but_not_arguments() {
+    fn fingerprint_ignores_id_and_meta_but_not_arguments_query_or_headers() {
+        let parts = |uri: &str| {
+            http::Request::post(uri)
+                .body(())
+                .expect("req")
+                .into_parts()
+                .0
+        };
+        let options = crate::fingerprint::FingerprintOptions::default();
+        let fp = |uri: &str, v: Value| {
+            fingerprint(&parts(uri), &call(v).expect("call"), &options).expect("fp")
+        };
+        let a = fp(
+            "/mcp",
+            json!({"jsonrpc":"2.0","id":1,"method":"tools/call",
+            "params":{"name":"t","arguments":{"x":1,"y":2},"_meta":{"progressToken":"a"}}}),
+        );
+        let b = fp(
+            "/mcp",
+            json!({"jsonrpc":"2.0","id":"retry-7","method":"tools/call",
+            "params":{"arguments":{"y":2,"x":1},"name":"t","_meta":{"progressToken":"b"}}}),
+        );
+        let c = fp(
+            "/mcp",
+            json!({"jsonrpc":"2.0","id":1,"method":"tools/call",
+            "params":{"name":"t","arguments":{"x":1,"y":3}}}),
+        );
+        assert_eq!(a, b);
+        assert_ne!(a, c);
+        let tenant = |q: &str| {
+            fp(
+                &format!("/mcp?tenant={q}"),
+                json!({"jsonrpc":"2.0","id":1,"method":"tools/call","params":{}}),
+            )
+        };
+        assert_ne!(tenant("a"), tenant("b"), "issue 17 §2: the query counts");
+    }
+
+    /// Issue 17 §2: params are fingerprinted exactly, from their text.
+    #[test]
+    fn params_are_fingerprinted_exactly() {
         let (parts, ()) = http::Request::post("/mcp")
             .body(())
             .expect("req")
             .into_parts();
-        let fp = |v: Value| fingerprint(&parts, &call(v).expect("call"));
-        let a = fp(json!({"jsonrpc":"2.0","id":1,"method":"tools/call",
-            "params":{"name":"t","arguments":{"x":1,"y":2},"_meta":{"progressToken":"a"}}}));
-        let b = fp(json!({"jsonrpc":"2.0","id":"retry-7","method":"tools/call",
-            "params":{"arguments":{"y":2,"x":1},"name":"t","_meta":{"progressToken":"b"}}}));
-        let c = fp(json!({"jsonrpc":"2.0","id":1,"method":"tools/call",
-            "params":{"name":"t","arguments":{"x":1,"y":3}}}));
-        assert_eq!(a, b);
-        assert_ne!(a, c);
+        let options = crate::fingerprint::FingerprintOptions::default();
+        let fp = |params: &str| {
+            let body =
+                format!(r#"{{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{params}}}"#);
+            let Parsed::Guard(call) = parsed(&body, Some("k")) else {
+                panic!("guarded");
+            };
+            fingerprint(&parts, &call, &options).expect("fp")
+        };
+        assert_ne!(
+            fp(r#"{"amount":9007199254740993}"#),
+            fp(r#"{"amount":9007199254740992}"#)
+        );
+        assert_ne!(fp(r#"{"amount":1e-400}"#), fp(r#"{"amount":0}"#));
+        assert_eq!(fp(r#"{"amount":10.50}"#), fp(r#"{ "amount" : 10.5 }"#));
     }
 
     #[test]
     fn key_can_come_from_meta() {
-        let c = call(json!({"jsonrpc":"2.0","id":1,"method":"tools/call",
-            "params":{"_meta":{"idempotencyKey":"k-1"}}}))
-        .expect("call");
+        let body = r#"{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"_meta":{"idempotencyKey":"k-1"}}}"#;
+        let Parsed::Guard(c) = parsed(body, None) else {
+            panic!("guarded");
+        };
         assert_eq!(c.meta_key.as_deref(), Some("k-1"));
     }
 
@@ -346,7 +833,7 @@ mod tests {
         );
         let body = "id: 1\ndata: {\"jsonrpc\":\"2.0\",\"method\":\"notifications/progress\",\"params\":{}}\n\n\
                     id: 2\ndata: {\"jsonrpc\":\"2.0\",\"id\":5,\"result\":{\"ok\":true}}\n\n";
-        let last = final_response(&headers, body.as_bytes(), &json!(5)).expect("final");
+        let last = final_response(&headers, body.as_bytes(), &id("5")).expect("final");
         assert_eq!(
             serde_json::from_slice::<Value>(&last).expect("json")["result"]["ok"],
             true
@@ -355,39 +842,83 @@ mod tests {
             final_response(
                 &headers,
                 b"data: {\"jsonrpc\":\"2.0\",\"method\":\"x\"}\n\n",
-                &json!(5)
+                &id("5")
             )
             .is_none()
         );
     }
 
+    /// Issue 17 §4: events split anywhere across chunks are found once, as they complete.
     #[test]
-    fn readdress_sets_the_new_id_and_marks() {
-        let stored = br#"{"jsonrpc":"2.0","id":1,"result":{"content":[]}}"#;
-        let out = readdress(stored, &json!("new"), true).expect("json");
-        let v: Value = serde_json::from_slice(&out).expect("json");
-        assert_eq!(v["id"], "new");
+    fn events_are_found_across_any_chunking() {
+        let stream = "data: {\"jsonrpc\":\"2.0\",\"method\":\"notifications/progress\"}\r\n\r\n\
+                      data: {\"jsonrpc\":\"2.0\",\"id\":5,\"result\":{\"n\":10.50}}\n\n";
+        for size in 1..stream.len() {
+            let mut events = Events::default();
+            let found: Vec<Bytes> = stream
+                .as_bytes()
+                .chunks(size)
+                .filter_map(|chunk| events.feed(chunk, &id("5")))
+                .collect();
+            assert_eq!(found.len(), 1, "chunks of {size}");
+            assert_eq!(
+                &found[0][..],
+                br#"{"jsonrpc":"2.0","id":5,"result":{"n":10.50}}"#
+            );
+        }
+    }
+
+    /// Issue 17 §3: a replay carries the new id exactly as sent, and the recorded bytes.
+    #[test]
+    fn readdress_writes_the_id_as_sent_and_keeps_every_other_byte() {
+        let stored = br#"{"jsonrpc":"2.0","id":1,"result":{"z":1,"amount":10.50,"big":123456789012345678901234567890}}"#;
+        for raw in ["123456789012345678901234567890", "1e2", "-0", r#""r-7""#] {
+            let out = readdress(stored, &id(raw), false).expect("json");
+            assert_eq!(
+                std::str::from_utf8(&out).expect("utf-8"),
+                format!(
+                    r#"{{"jsonrpc":"2.0","id":{raw},"result":{{"z":1,"amount":10.50,"big":123456789012345678901234567890}}}}"#
+                )
+            );
+        }
+        let marked = readdress(stored, &id("2"), true).expect("json");
+        let v: Value = serde_json::from_slice(&marked).expect("json");
         assert_eq!(v["result"]["_meta"][REPLAY_META], true);
+        assert!(
+            std::str::from_utf8(&marked)
+                .expect("utf-8")
+                .contains("10.50")
+        );
+        let with_meta = br#"{"jsonrpc":"2.0","id":1,"result":{"_meta":{"a":1},"x":2}}"#;
+        let marked = readdress(with_meta, &id("3"), true).expect("json");
+        assert_eq!(
+            std::str::from_utf8(&marked).expect("utf-8"),
+            r#"{"jsonrpc":"2.0","id":3,"result":{"_meta":{"tower-idempotency/replayed":true,"a":1},"x":2}}"#
+        );
     }
 
     #[test]
     fn interim_results_are_not_outcomes_and_continuations_match() {
         let headers = HeaderMap::new();
         let interim = br#"{"jsonrpc":"2.0","id":1,"result":{"resultType":"input_required","inputRequests":{}}}"#;
-        assert!(final_response(&headers, interim, &json!(1)).is_none());
+        assert!(final_response(&headers, interim, &id("1")).is_none());
         let done = br#"{"jsonrpc":"2.0","id":1,"result":{"resultType":"complete","content":[]}}"#;
-        assert!(final_response(&headers, done, &json!(1)).is_some());
+        assert!(final_response(&headers, done, &id("1")).is_some());
         let (parts, ()) = http::Request::post("/mcp")
             .body(())
             .expect("req")
             .into_parts();
+        let options = crate::fingerprint::FingerprintOptions::default();
         let first =
             call(json!({"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"t"}}))
                 .expect("call");
         let next = call(json!({"jsonrpc":"2.0","id":2,"method":"tools/call",
             "params":{"name":"t","inputResponses":{"a":1},"requestState":"opaque"}}))
         .expect("call");
-        assert_eq!(fingerprint(&parts, &first), fingerprint(&parts, &next));
+        assert_eq!(
+            fingerprint(&parts, &first, &options).expect("fp"),
+            fingerprint(&parts, &next, &options).expect("fp")
+        );
     }
 
     #[test]

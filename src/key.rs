@@ -96,6 +96,24 @@ pub(crate) fn parse_key<'h>(
     .map_err(|_| KeyError::InvalidCharacter)
 }
 
+/// The checks every key passes, wherever it came from (the header, or `params._meta` in
+/// JSON-RPC mode): not empty, at most [`MAX_KEY_LEN`] bytes, visible ASCII, not a list.
+pub(crate) fn validate(key: &[u8]) -> Result<(), KeyError> {
+    if key.is_empty() {
+        return Err(KeyError::Empty);
+    }
+    if key.iter().any(|b| !(0x21..=0x7e).contains(b)) {
+        return Err(KeyError::InvalidCharacter);
+    }
+    if key.contains(&b',') {
+        return Err(KeyError::Multiple);
+    }
+    if key.len() > MAX_KEY_LEN {
+        return Err(KeyError::TooLong);
+    }
+    Ok(())
+}
+
 /// Decodes an RFC 8941 sf-string (section 3.3.3): printable ASCII, `\"` and `\\` escapes.
 fn unquote(raw: &[u8]) -> Result<Vec<u8>, KeyError> {
     let inner = match raw {

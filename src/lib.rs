@@ -103,6 +103,7 @@ pub mod fingerprint;
 mod future;
 pub mod grpc;
 mod hold;
+mod json_text;
 pub mod jsonrpc;
 mod key;
 mod layer;

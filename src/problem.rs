@@ -26,6 +26,8 @@
 //! | `response-not-stored` | 409 | the operation completed but its response was over the size limit, so it cannot be replayed |
 //! | `store-unavailable` | 503 | the record store failed; nothing ran; retry with the same key |
 //! | `execution-failed` | 500 | the handler panicked (the key was released), or its response body failed after it answered (`state: completed`: it will not run again) |
+//! | `call-unguardable` | 400 | a JSON-RPC call carries a key but cannot be guarded (a batch, a `null` id, a body the mode cannot read); nothing ran |
+//! | `header-mismatch` | 400 | the MCP `Mcp-Method` header names another method than the body; nothing ran |
 //! | `scope-missing` | 500 | the request lacks what the layer's scope is made from (the auth layer did not run before it): a server misconfiguration; nothing ran |
 
 use bytes::Bytes;
@@ -62,6 +64,11 @@ pub enum ProblemKind {
     /// 500: the request lacks what the layer's scope is made from: the server is wired wrong
     /// (see [`scope`](crate::scope)); nothing ran.
     ScopeMissing,
+    /// 400: a JSON-RPC call carries a key but cannot be guarded (a batch, a `null` id, a body
+    /// the mode cannot read); nothing ran.
+    CallUnguardable,
+    /// 400: the MCP `Mcp-Method` header names another method than the body; nothing ran.
+    HeaderMismatch,
 }
 
 impl ProblemKind {
@@ -80,6 +87,8 @@ impl ProblemKind {
             Self::StoreUnavailable => "store-unavailable",
             Self::ExecutionFailed => "execution-failed",
             Self::ScopeMissing => "scope-missing",
+            Self::CallUnguardable => "call-unguardable",
+            Self::HeaderMismatch => "header-mismatch",
         }
     }
 
@@ -91,9 +100,12 @@ impl ProblemKind {
     /// The HTTP status.
     pub const fn status(self) -> StatusCode {
         match self {
-            Self::KeyMissing | Self::KeyInvalid | Self::BodyMalformed | Self::BodyUnreadable => {
-                StatusCode::BAD_REQUEST
-            }
+            Self::KeyMissing
+            | Self::KeyInvalid
+            | Self::BodyMalformed
+            | Self::BodyUnreadable
+            | Self::CallUnguardable
+            | Self::HeaderMismatch => StatusCode::BAD_REQUEST,
             Self::BodyTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             Self::FingerprintMismatch => StatusCode::UNPROCESSABLE_ENTITY,
             Self::InFlight | Self::OutcomeUnknown | Self::ResponseNotStored => StatusCode::CONFLICT,
@@ -116,6 +128,8 @@ impl ProblemKind {
             Self::ResponseNotStored => "Response not stored",
             Self::StoreUnavailable => "Idempotency store unavailable",
             Self::ScopeMissing => "Caller's identity missing (server misconfiguration)",
+            Self::CallUnguardable => "Keyed call cannot be guarded",
+            Self::HeaderMismatch => "Mcp-Method header does not match the body",
             Self::ExecutionFailed => "Execution failed",
         }
     }
@@ -137,7 +151,7 @@ pub(crate) enum Protocol {
     /// A trailers-only gRPC status (see [`crate::grpc`]).
     Grpc,
     /// A JSON-RPC error answering the call with this `id` (see [`crate::jsonrpc`]).
-    JsonRpc(std::sync::Arc<serde_json::Value>),
+    JsonRpc(std::sync::Arc<crate::jsonrpc::Id>),
 }
 
 impl Protocol {

@@ -98,7 +98,7 @@ pub(crate) enum Captured<B> {
     Streaming {
         parts: Parts,
         body: Pin<Box<B>>,
-        id: Arc<serde_json::Value>,
+        id: Arc<crate::jsonrpc::Id>,
     },
     /// The body failed after the head arrived: the handler answered, so its effect is taken
     /// as done, but the response is lost.
@@ -116,7 +116,7 @@ pub(crate) enum Captured<B> {
 pub(crate) async fn capture<B>(
     res: Response<B>,
     limit: usize,
-    stream_for: Option<Arc<serde_json::Value>>,
+    stream_for: Option<Arc<crate::jsonrpc::Id>>,
 ) -> Captured<B>
 where
     B: Body<Data = Bytes>,
@@ -184,9 +184,23 @@ pub(crate) fn present<B>(
     trailers: Option<HeaderMap>,
     how: Presentation,
 ) -> Response<ResponseBody<B>> {
-    let body = if how.envelope {
+    // 204 and 304 have no body, wrapped or not.
+    let wraps = how.envelope
+        && status != http::StatusCode::NO_CONTENT
+        && status != http::StatusCode::NOT_MODIFIED;
+    let body = if wraps {
         headers.remove(header::CONTENT_LENGTH);
         headers.remove(header::CONTENT_ENCODING);
+        // Headers that describe the unwrapped bytes would lie about the wrapped ones.
+        for name in [
+            "etag",
+            "content-md5",
+            "digest",
+            "content-digest",
+            "repr-digest",
+        ] {
+            headers.remove(name);
+        }
         let wrapped = envelope(status, &headers, &body, how.replayed);
         headers.insert(
             header::CONTENT_TYPE,
@@ -247,27 +261,31 @@ pub(crate) fn replay<B>(
     }
 }
 
-/// `{"ok", "status", "idempotent_replay", "original_response"}`: the handler's JSON as a value,
-/// other UTF-8 as a string, anything else as `null`.
+/// `{"ok", "status", "idempotent_replay", "original_response"}`: the handler's JSON embedded as
+/// its own bytes (never re-serialised: numbers, member order and duplicate names stay as
+/// written), other UTF-8 as a JSON string, anything else (binary bodies) as `null`; an empty
+/// body is `null` too.
 fn envelope(status: http::StatusCode, headers: &HeaderMap, body: &Bytes, replayed: bool) -> Bytes {
     let is_json = headers
         .get(header::CONTENT_TYPE)
         .and_then(|v| v.to_str().ok())
         .is_some_and(|ct| crate::fingerprint::is_json(&crate::fingerprint::media_type(ct)));
-    let original = if body.is_empty() {
-        serde_json::Value::Null
-    } else if is_json {
-        serde_json::from_slice(body).unwrap_or_else(|_| lossless_text(body))
-    } else {
-        lossless_text(body)
+    let valid_json = || {
+        serde_json::from_slice::<serde::de::IgnoredAny>(body).is_ok()
+            && std::str::from_utf8(body).is_ok()
     };
-    let wrapped = serde_json::json!({
-        "ok": status.is_success(),
-        "status": status.as_u16(),
-        "idempotent_replay": replayed,
-        "original_response": original,
-    });
-    Bytes::from(wrapped.to_string())
+    let original = if body.is_empty() {
+        "null".to_owned()
+    } else if is_json && valid_json() {
+        String::from_utf8_lossy(body.trim_ascii()).into_owned()
+    } else {
+        lossless_text(body).to_string()
+    };
+    Bytes::from(format!(
+        r#"{{"ok":{},"status":{},"idempotent_replay":{replayed},"original_response":{original}}}"#,
+        status.is_success(),
+        status.as_u16(),
+    ))
 }
 
 fn lossless_text(body: &[u8]) -> serde_json::Value {

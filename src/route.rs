@@ -137,6 +137,10 @@ impl RouteConfig {
     /// Wraps first responses and replays alike as
     /// `{"ok": <2xx?>, "status": <code>, "idempotent_replay": <bool>, "original_response": <body>}`
     /// (default off): for agent-tool endpoints whose callers read the replay flag from the body.
+    /// A JSON body is embedded as its own bytes, never re-serialised; other UTF-8 becomes a
+    /// JSON string and a binary body `null`. `204` and `304` keep their empty body, and
+    /// `ETag`, `Content-MD5` and digest headers are dropped from wrapped responses (they
+    /// describe the unwrapped bytes). A response over the record limit streams unwrapped.
     pub fn envelope(mut self, on: bool) -> Self {
         self.envelope = on;
         self

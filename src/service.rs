@@ -438,18 +438,31 @@ impl<St: IdempotencyStore, M: MakeScope> Pipeline<St, M> {
             Ok(bytes) => bytes,
             Err(problem) => return Prepared::Answer(self.refuse_body(problem, &Protocol::Http)),
         };
-        let Some(call) = jsonrpc::parse(&bytes, settings) else {
-            return Prepared::PassThrough(RequestBody::buffered(bytes));
+        // An invalid header key is refused as in HTTP mode, with a JSON-RPC error.
+        let header_key = match parse_key(&parts.headers, &self.config.header) {
+            Ok(key) => key,
+            Err(error) => {
+                let id = Arc::new(jsonrpc::Id::null());
+                return Prepared::Answer(self.refuse_key(&error, &Protocol::JsonRpc(id)));
+            }
+        };
+        let mcp_method = parts
+            .headers
+            .get(&jsonrpc::MCP_METHOD)
+            .and_then(|v| v.to_str().ok());
+        let call = match jsonrpc::parse(&bytes, settings, header_key.as_deref(), mcp_method) {
+            jsonrpc::Parsed::Guard(call) => call,
+            jsonrpc::Parsed::PassThrough => {
+                return Prepared::PassThrough(RequestBody::buffered(bytes));
+            }
+            jsonrpc::Parsed::Refuse(problem, id) => {
+                return Prepared::Answer(self.refuse_body(problem, &Protocol::JsonRpc(id)));
+            }
         };
         let protocol = Protocol::JsonRpc(call.id.clone());
-        let key = match parse_key(&parts.headers, &self.config.header) {
-            Ok(Some(key)) => key.into_owned(),
-            Ok(None) => match call.meta_key.clone() {
-                Some(key) if !key.is_empty() && key.len() <= crate::key::MAX_KEY_LEN => key,
-                Some(_) => return Prepared::Answer(self.refuse_key(&KeyError::TooLong, &protocol)),
-                None => return Prepared::PassThrough(RequestBody::buffered(bytes)),
-            },
-            Err(error) => return Prepared::Answer(self.refuse_key(&error, &protocol)),
+        // The header and `_meta` agree when both are there (`parse` refuses otherwise).
+        let Some(key) = header_key.map(|k| k.into_owned()).or(call.meta_key.clone()) else {
+            return Prepared::PassThrough(RequestBody::buffered(bytes));
         };
         observe::count(Event::Attempt);
         let scope = match self.make_scope.make_scope(parts) {
@@ -458,7 +471,13 @@ impl<St: IdempotencyStore, M: MakeScope> Pipeline<St, M> {
         };
         // The method joins the scope: a key names one operation of one tool method.
         let scope = format!("{scope}\u{0}{}", call.method);
-        let fingerprint = jsonrpc::fingerprint(parts, &call);
+        let fingerprint = match jsonrpc::fingerprint(parts, &call, &self.config.fingerprint) {
+            Ok(fingerprint) => fingerprint,
+            Err(error) => {
+                let problem = Problem::new(ProblemKind::BodyMalformed, error.to_string());
+                return Prepared::Answer(self.refuse_body(problem, &protocol));
+            }
+        };
         Prepared::Guard(Guarded {
             bytes,
             key: ScopedKey::new(scope, key),

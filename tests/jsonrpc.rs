@@ -185,11 +185,20 @@ async fn s8_other_methods_notifications_and_keyless_calls_pass_through() {
     let notification = json!({"jsonrpc":"2.0","method":"tools/call","params":{"arguments":{}}});
     for _ in 0..2 {
         assert_eq!(
-            send(addr, Some("k-note"), &notification).await.status(),
+            send(addr, None, &notification).await.status(),
             StatusCode::ACCEPTED
         );
     }
-    assert_eq!(effects.count(), 4, "notifications are never guarded");
+    assert_eq!(
+        effects.count(),
+        4,
+        "notifications without a key are never guarded"
+    );
+    // With a key, a notification asks for a guarantee it cannot have (issue 17 §1).
+    let keyed = send(addr, Some("k-note"), &notification).await;
+    assert_eq!(keyed.status(), StatusCode::BAD_REQUEST);
+    assert_eq!(json(keyed).await["error"]["code"], -31009);
+    assert_eq!(effects.count(), 4, "and it never runs unguarded");
 }
 
 #[tokio::test]
@@ -251,6 +260,7 @@ async fn s8_client_disconnect_mid_call_runs_the_tool_once_and_the_retry_replays(
     let hung_up = client()
         .post(format!("http://{addr}/mcp"))
         .header("idempotency-key", "k-6")
+        .header("content-type", "application/json")
         .timeout(Duration::from_millis(100))
         .body(tool_call(json!(1), "p", args.clone()).to_string())
         .send()
@@ -277,18 +287,26 @@ async fn s8_client_disconnect_mid_call_runs_the_tool_once_and_the_retry_replays(
 }
 
 #[tokio::test]
-async fn s8_batches_and_malformed_bodies_pass_through_untouched() {
+async fn s8_batches_and_malformed_bodies_pass_through_untouched_unless_keyed() {
     let (addr, effects) = server(JsonRpc::new()).await;
     let batch = json!([tool_call(json!(1), "p", json!({"title": "in a batch"}))]);
+    // Without a key: the server's own answer.
+    let res = send(addr, None, &batch).await;
+    assert_eq!(res.status(), StatusCode::BAD_REQUEST);
+    assert_eq!(json(res).await["error"]["code"], -32600);
+    let res = client()
+        .post(format!("http://{addr}/mcp"))
+        .body("{\"jsonrpc\": \"2.0\", \"id\": ")
+        .send()
+        .await
+        .expect("request");
+    assert_eq!(json(res).await["error"]["code"], -32700);
+    // With a key: refused by the layer, since it cannot guard them (issue 17 §1).
     for _ in 0..2 {
         let res = send(addr, Some("k-7"), &batch).await;
-        assert_eq!(
-            res.status(),
-            StatusCode::BAD_REQUEST,
-            "the server's own answer"
-        );
+        assert_eq!(res.status(), StatusCode::BAD_REQUEST);
         assert!(res.headers().get("idempotency-replayed").is_none());
-        assert_eq!(json(res).await["error"]["code"], -32600);
+        assert_eq!(json(res).await["error"]["code"], -31009);
     }
     let res = client()
         .post(format!("http://{addr}/mcp"))
@@ -298,7 +316,7 @@ async fn s8_batches_and_malformed_bodies_pass_through_untouched() {
         .await
         .expect("request");
     assert_eq!(res.status(), StatusCode::BAD_REQUEST);
-    assert_eq!(json(res).await["error"]["code"], -32700);
+    assert_eq!(json(res).await["error"]["code"], -31009);
     assert_eq!(effects.count(), 0);
 }
 

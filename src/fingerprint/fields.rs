@@ -11,6 +11,7 @@
 use std::fmt;
 
 use super::{MalformedBody, Sink, put_field, put_len};
+use crate::json_text::children;
 
 /// Which fields of a JSON body a route's fingerprint counts.
 #[derive(Clone, PartialEq, Eq)]
@@ -143,9 +144,21 @@ impl JsonFields {
     }
 }
 
+/// An object's text without its members named `names` (top level only); any other value as
+/// it is. Member order and every other byte are kept.
+pub(crate) fn without_members(text: &str, names: &[&str]) -> String {
+    let tokens: Vec<[String; 1]> = names.iter().map(|n| [(*n).to_owned()]).collect();
+    let pointers: Vec<&[String]> = tokens.iter().map(|t| &t[..]).collect();
+    if text.trim_start().starts_with('{') {
+        without(text, &pointers)
+    } else {
+        text.trim().to_owned()
+    }
+}
+
 /// The canonical form of a JSON text where it is exact, else its raw bytes, each in its own
 /// domain (see the module docs of `fingerprint`).
-fn exact(text: &str, out: &mut impl Sink) -> Result<(), MalformedBody> {
+pub(crate) fn exact(text: &str, out: &mut impl Sink) -> Result<(), MalformedBody> {
     match super::canonical_json(text.as_bytes())? {
         Some(canonical) => {
             put_field(out, b"json");
@@ -250,118 +263,6 @@ fn without(text: &str, pointers: &[&[String]]) -> String {
     }
     out.push(if is_object { '}' } else { ']' });
     out
-}
-
-/// A member of an object or an element of an array.
-struct Child<'a> {
-    /// The member's name as written (quotes and escapes included); `None` for an element.
-    raw_name: Option<&'a str>,
-    /// The member's decoded name, or the element's index.
-    name: String,
-    value: &'a str,
-}
-
-impl Child<'_> {
-    fn is(&self, token: &str) -> bool {
-        self.name == token
-    }
-}
-
-/// The members or elements of a valid JSON object or array; nothing for a scalar.
-fn children(value: &str) -> Vec<Child<'_>> {
-    let bytes = value.as_bytes();
-    let object = match bytes.first() {
-        Some(b'{') => true,
-        Some(b'[') => false,
-        _ => return Vec::new(),
-    };
-    let mut out = Vec::new();
-    let mut i = skip_ws(bytes, 1);
-    let mut index = 0usize;
-    while i < bytes.len() && bytes[i] != b'}' && bytes[i] != b']' {
-        let (raw_name, name) = if object {
-            let end = skip_string(bytes, i);
-            let raw = &value[i..end];
-            let decoded = serde_json::from_str::<String>(raw).unwrap_or_default();
-            i = skip_ws(bytes, end);
-            // The colon.
-            i = skip_ws(bytes, i + 1);
-            (Some(raw), decoded)
-        } else {
-            (None, index.to_string())
-        };
-        let end = skip_value(bytes, i);
-        out.push(Child {
-            raw_name,
-            name,
-            value: &value[i..end],
-        });
-        index += 1;
-        i = skip_ws(bytes, end);
-        if bytes.get(i) == Some(&b',') {
-            i = skip_ws(bytes, i + 1);
-        }
-    }
-    out
-}
-
-fn skip_ws(bytes: &[u8], mut i: usize) -> usize {
-    while matches!(bytes.get(i), Some(b' ' | b'\t' | b'\n' | b'\r')) {
-        i += 1;
-    }
-    i
-}
-
-/// The index after the string that opens at `i`.
-fn skip_string(bytes: &[u8], mut i: usize) -> usize {
-    i += 1;
-    while let Some(&b) = bytes.get(i) {
-        match b {
-            b'\\' => i += 2,
-            b'"' => return i + 1,
-            _ => i += 1,
-        }
-    }
-    i
-}
-
-/// The index after the value that starts at `i`.
-fn skip_value(bytes: &[u8], i: usize) -> usize {
-    match bytes.get(i) {
-        Some(b'"') => skip_string(bytes, i),
-        Some(b'{' | b'[') => {
-            let mut depth = 0usize;
-            let mut j = i;
-            while let Some(&b) = bytes.get(j) {
-                match b {
-                    b'"' => {
-                        j = skip_string(bytes, j);
-                        continue;
-                    }
-                    b'{' | b'[' => depth += 1,
-                    b'}' | b']' => {
-                        depth -= 1;
-                        if depth == 0 {
-                            return j + 1;
-                        }
-                    }
-                    _ => {}
-                }
-                j += 1;
-            }
-            j
-        }
-        _ => {
-            let mut j = i;
-            while let Some(&b) = bytes.get(j) {
-                if matches!(b, b',' | b'}' | b']' | b' ' | b'\t' | b'\n' | b'\r') {
-                    break;
-                }
-                j += 1;
-            }
-            j
-        }
-    }
 }
 
 #[cfg(test)]

@@ -1,0 +1,304 @@
+//! Issue 17: the JSON-RPC mode and the JSON envelope, exact. A keyed call is never run
+//! unguarded, two calls are the same only when they are, replays are byte-faithful, and an
+//! event stream is read once. Over real sockets, effects counted at the sink.
+
+mod common;
+
+use std::net::SocketAddr;
+
+use axum::Router;
+use axum::body::Body;
+use axum::extract::State;
+use axum::http::{StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::post;
+use bytes::Bytes;
+use common::{Effects, client, serve};
+use serde_json::Value;
+use tower_idempotency::jsonrpc::JsonRpc;
+use tower_idempotency::{IdempotencyLayer, MemoryStore};
+
+/// A tool server that answers every call with the same bytes a real one might write: a
+/// decimal with a trailing zero, an integer beyond 2^64, members in its own order.
+async fn tool(State(effects): State<Effects>, body: Bytes) -> Response {
+    let message: Value = serde_json::from_slice(&body).unwrap_or_default();
+    let id = message.get("id").map(ToString::to_string);
+    let n = effects.hit();
+    let Some(id) = id else {
+        return StatusCode::ACCEPTED.into_response();
+    };
+    // The id is echoed as parsed (what servers do); the layer re-addresses replays itself.
+    let text = format!(
+        r#"{{"jsonrpc":"2.0","id":{id},"result":{{"zeta":{n},"amount":10.50,"big":123456789012345678901234567890,"content":[]}}}}"#
+    );
+    ([(header::CONTENT_TYPE, "application/json")], text).into_response()
+}
+
+async fn server(jsonrpc: JsonRpc) -> (SocketAddr, Effects) {
+    let effects = Effects::default();
+    let app = Router::new()
+        .route("/mcp", post(tool))
+        .with_state(effects.clone())
+        .layer(
+            IdempotencyLayer::new(MemoryStore::new())
+                .single_tenant()
+                .jsonrpc(jsonrpc),
+        );
+    (serve(app).await, effects)
+}
+
+async fn send(addr: SocketAddr, path: &str, key: Option<&str>, body: &str) -> reqwest::Response {
+    let mut req = client()
+        .post(format!("http://{addr}{path}"))
+        .header("content-type", "application/json")
+        .header("accept", "application/json, text/event-stream")
+        .body(body.to_owned());
+    if let Some(key) = key {
+        req = req.header("idempotency-key", key);
+    }
+    req.send().await.expect("request")
+}
+
+fn call(id: &str, args: &str) -> String {
+    format!(
+        r#"{{"jsonrpc":"2.0","id":{id},"method":"tools/call","params":{{"name":"t","arguments":{args},"_meta":{{"progressToken":{id}}}}}}}"#
+    )
+}
+
+async fn error_code(res: reqwest::Response) -> i64 {
+    let v: Value = res.json().await.expect("json");
+    v["error"]["code"].as_i64().unwrap_or_default()
+}
+
+// ---- 1. A keyed call is never run unguarded ---------------------------------------------------
+
+#[tokio::test]
+async fn s17_1_keyed_calls_that_cannot_be_guarded_are_refused_and_nothing_runs() {
+    let (addr, effects) = server(JsonRpc::new().meta_key("idempotencyKey")).await;
+    let batch = format!("[{}]", call("1", "{}"));
+    let null_id = call("null", "{}");
+    let bom = format!("\u{feff}{}", call("1", "{}"));
+    for (name, key, body) in [
+        ("a batch with a header key", Some("k-batch"), batch.as_str()),
+        ("a null id", Some("k-null"), null_id.as_str()),
+        ("a byte-order mark", Some("k-bom"), bom.as_str()),
+    ] {
+        let res = send(addr, "/mcp", key, body).await;
+        assert_eq!(res.status(), StatusCode::BAD_REQUEST, "{name}");
+        assert_eq!(error_code(res).await, -31009, "{name}");
+    }
+    let meta_batch = r#"[{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"_meta":{"idempotencyKey":"k"}}}]"#;
+    let res = send(addr, "/mcp", None, meta_batch).await;
+    assert_eq!(error_code(res).await, -31009, "a batch keyed in _meta");
+    let numeric = r#"{"jsonrpc":"2.0","id":3,"method":"tools/call","params":{"_meta":{"idempotencyKey":42}}}"#;
+    let res = send(addr, "/mcp", None, numeric).await;
+    assert_eq!(res.status(), StatusCode::BAD_REQUEST);
+    let v: Value = res.json().await.expect("json");
+    assert_eq!(v["id"], 3);
+    assert_eq!(
+        v["error"]["code"], -31000,
+        "a _meta key that is not a string: {v}"
+    );
+    let differ = r#"{"jsonrpc":"2.0","id":4,"method":"tools/call","params":{"_meta":{"idempotencyKey":"a"}}}"#;
+    let res = send(addr, "/mcp", Some("b"), differ).await;
+    assert_eq!(error_code(res).await, -31000, "two different keys");
+    assert_eq!(effects.count(), 0, "nothing ran unguarded");
+    // Unkeyed, the same shapes pass through as before: the server answers them.
+    send(addr, "/mcp", None, &format!("[{}]", call("1", "{}"))).await;
+    assert_eq!(effects.count(), 1);
+}
+
+#[tokio::test]
+async fn s17_5_a_method_header_that_disagrees_with_the_body_is_refused() {
+    let (addr, effects) = server(JsonRpc::new()).await;
+    let res = client()
+        .post(format!("http://{addr}/mcp"))
+        .header("content-type", "application/json")
+        .header("idempotency-key", "k-mismatch")
+        .header("mcp-method", "tools/list")
+        .body(call("1", "{}"))
+        .send()
+        .await
+        .expect("request");
+    assert_eq!(res.status(), StatusCode::BAD_REQUEST);
+    assert_eq!(error_code(res).await, -32020, "MCP's HeaderMismatchError");
+    assert_eq!(effects.count(), 0);
+}
+
+// ---- 2. Two calls are the same only when they are ---------------------------------------------
+
+#[tokio::test]
+async fn s17_2_the_query_string_and_exact_arguments_count() {
+    let (addr, effects) = server(JsonRpc::new()).await;
+    let first = send(addr, "/mcp?tenant=a", Some("k-q"), &call("1", "{}")).await;
+    assert_eq!(first.status(), StatusCode::OK);
+    let other = send(addr, "/mcp?tenant=b", Some("k-q"), &call("2", "{}")).await;
+    assert_eq!(
+        error_code(other).await,
+        -31002,
+        "tenant b is never given tenant a's result"
+    );
+    send(
+        addr,
+        "/mcp",
+        Some("k-n"),
+        &call("1", r#"{"amount":9007199254740993}"#),
+    )
+    .await;
+    let near = send(
+        addr,
+        "/mcp",
+        Some("k-n"),
+        &call("2", r#"{"amount":9007199254740992}"#),
+    )
+    .await;
+    assert_eq!(error_code(near).await, -31002, "exact arguments");
+    assert_eq!(effects.count(), 2);
+}
+
+// ---- 3. Replays are byte-faithful -------------------------------------------------------------
+
+#[tokio::test]
+async fn s17_3_a_replay_writes_the_new_id_as_sent_and_the_recorded_bytes() {
+    let (addr, effects) = server(JsonRpc::new()).await;
+    let first = send(addr, "/mcp", Some("k-bytes"), &call("1", "{}")).await;
+    let first = first.text().await.expect("body");
+    let recorded_result = &first[first.find(r#""result":"#).expect("result")..];
+    for id in [
+        "123456789012345678901234567890",
+        "1e2",
+        "-0",
+        r#""retry-7""#,
+    ] {
+        let replay = send(addr, "/mcp", Some("k-bytes"), &call(id, "{}")).await;
+        assert_eq!(replay.headers()["idempotency-replayed"], "true");
+        let text = replay.text().await.expect("body");
+        assert!(
+            text.contains(&format!(r#""id":{id},"#)),
+            "the id as it was sent: {text}"
+        );
+        assert!(
+            text.ends_with(recorded_result),
+            "the recorded bytes: {text}"
+        );
+        assert!(text.contains("10.50") && text.contains("123456789012345678901234567890"));
+    }
+    assert_eq!(effects.count(), 1);
+}
+
+#[tokio::test]
+async fn s17_3_refusals_answer_the_id_as_sent() {
+    let (addr, _effects) = server(JsonRpc::new()).await;
+    send(addr, "/mcp", Some("k-ref"), &call("1", r#"{"a":1}"#)).await;
+    let id = "123456789012345678901234567890";
+    let res = send(addr, "/mcp", Some("k-ref"), &call(id, r#"{"a":2}"#)).await;
+    let text = res.text().await.expect("body");
+    assert!(text.contains(&format!(r#""id":{id},"#)), "{text}");
+}
+
+/// The envelope embeds the handler's JSON as its own bytes, first response and replay alike.
+#[tokio::test]
+async fn s17_3_the_envelope_embeds_the_handlers_bytes() {
+    let effects = Effects::default();
+    let sink = effects.clone();
+    let app = Router::new()
+        .route(
+            "/pay",
+            post(move || async move {
+                sink.hit();
+                (
+                    StatusCode::CREATED,
+                    [
+                        (header::CONTENT_TYPE, "application/json"),
+                        (header::ETAG, "\"v1\""),
+                    ],
+                    r#"{"amount":10.50,"big":123456789012345678901234567890,"b":1,"a":2}"#,
+                )
+            }),
+        )
+        .route(
+            "/empty",
+            post(|| async { StatusCode::NO_CONTENT.into_response() }),
+        )
+        .layer(
+            IdempotencyLayer::new(MemoryStore::new())
+                .single_tenant()
+                .envelope(true),
+        );
+    let addr = serve(app).await;
+    for round in 0..2 {
+        let res = send(addr, "/pay", Some("k-env"), "{}").await;
+        assert!(
+            res.headers().get("etag").is_none(),
+            "it described the unwrapped bytes"
+        );
+        let text = res.text().await.expect("body");
+        assert!(
+            text.contains(
+                r#""original_response":{"amount":10.50,"big":123456789012345678901234567890,"b":1,"a":2}"#
+            ),
+            "round {round}: {text}"
+        );
+    }
+    let empty = send(addr, "/empty", Some("k-204"), "{}").await;
+    assert_eq!(empty.status(), StatusCode::NO_CONTENT);
+    assert!(
+        empty
+            .headers()
+            .get("content-length")
+            .is_none_or(|v| v == "0")
+    );
+    assert!(
+        empty.bytes().await.expect("body").is_empty(),
+        "a 204 has no body"
+    );
+    assert_eq!(effects.count(), 1);
+}
+
+// ---- 4. Linear ---------------------------------------------------------------------------------
+
+/// A tool that streams many progress events before its answer: the stream reaches the client
+/// whole, the final response is recorded, and the retry replays it.
+#[tokio::test]
+async fn s17_4_a_long_event_stream_is_read_once_and_recorded() {
+    const EVENTS: usize = 20_000;
+    let effects = Effects::default();
+    let sink = effects.clone();
+    let app = Router::new()
+        .route(
+            "/mcp",
+            post(move |body: Bytes| async move {
+                sink.hit();
+                let message: Value = serde_json::from_slice(&body).unwrap_or_default();
+                let id = message["id"].to_string();
+                let progress = "data: {\"jsonrpc\":\"2.0\",\"method\":\"notifications/progress\",\"params\":{\"progress\":1}}\n\n";
+                let done = format!(
+                    "data: {{\"jsonrpc\":\"2.0\",\"id\":{id},\"result\":{{\"content\":[],\"n\":10.50}}}}\n\n"
+                );
+                let chunks = std::iter::repeat_n(progress.to_owned(), EVENTS)
+                    .chain([done])
+                    .map(Ok::<_, std::io::Error>);
+                Response::builder()
+                    .header(header::CONTENT_TYPE, "text/event-stream")
+                    .body(Body::from_stream(futures_util::stream::iter(chunks)))
+                    .expect("response")
+            }),
+        )
+        .layer(
+            IdempotencyLayer::new(MemoryStore::new())
+                .single_tenant()
+                .response_limit(8 << 20)
+                .jsonrpc(JsonRpc::new()),
+        );
+    let addr = serve(app).await;
+    let first = send(addr, "/mcp", Some("k-sse"), &call("1", "{}")).await;
+    let text = first.text().await.expect("stream");
+    assert_eq!(text.matches("notifications/progress").count(), EVENTS);
+    let replay = send(addr, "/mcp", Some("k-sse"), &call("2", "{}")).await;
+    assert_eq!(replay.headers()["idempotency-replayed"], "true");
+    assert_eq!(
+        replay.text().await.expect("body"),
+        r#"{"jsonrpc":"2.0","id":2,"result":{"content":[],"n":10.50}}"#
+    );
+    assert_eq!(effects.count(), 1);
+}
