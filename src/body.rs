@@ -83,6 +83,16 @@ impl<B> RequestBody<B> {
             kind: Kind::Inner { body },
         }
     }
+
+    /// A body of which `prefix` was read already, followed by the `rest` unread.
+    pub(crate) fn resumed(prefix: Bytes, rest: Pin<Box<B>>) -> Self {
+        Self {
+            kind: Kind::Resumed {
+                prefix: (!prefix.is_empty()).then_some(prefix),
+                rest,
+            },
+        }
+    }
 }
 
 impl<B> ResponseBody<B> {

@@ -281,6 +281,31 @@ pub(crate) fn parse(
     })
 }
 
+/// How much of a body is read to decide whether it is a guarded call at all: a larger body
+/// that is not (a big `tools/list`, a batch) passes through without being buffered.
+pub(crate) const DECIDE_WITHIN: usize = 64 * 1024;
+
+/// Whether a body, of which `prefix` is the start, is surely not a call this mode guards, so
+/// it may pass through without being read further. `keyed`: the request has a key header,
+/// which asks for a guarantee: such a body is always read to its end.
+pub(crate) fn passes_unread(prefix: &[u8], settings: &JsonRpc, keyed: bool) -> bool {
+    if keyed {
+        return false;
+    }
+    let text = prefix.trim_ascii_start();
+    if text.starts_with(b"[") {
+        // A batch could hold a call keyed in `_meta` only where `_meta` keys are read.
+        return settings.meta_key.is_none();
+    }
+    match crate::json_text::member_in_prefix(text, "method") {
+        Some(Some(raw)) => serde_json::from_slice::<String>(raw)
+            .is_ok_and(|method| !settings.methods.contains(&method)),
+        // Not a request at all.
+        Some(None) => true,
+        None => false,
+    }
+}
+
 /// A batch passes through unless one of its requests is a guarded call that carries a key
 /// (or the batch does, in its header): one key cannot guard many calls.
 fn batch(text: &str, settings: &JsonRpc, header_key: Option<&str>) -> Parsed {

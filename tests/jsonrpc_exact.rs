@@ -302,3 +302,58 @@ async fn s17_4_a_long_event_stream_is_read_once_and_recorded() {
     );
     assert_eq!(effects.count(), 1);
 }
+
+/// Issue 17 §4: the mode decides from the first bytes (or the `Mcp-Method` header) whether a
+/// request is a guarded call; only then does the guarded body limit apply. A big `tools/list`
+/// or batch passes through untouched; a guarded call over the limit is refused.
+#[tokio::test]
+async fn s17_4_big_unguarded_requests_pass_and_big_guarded_calls_are_refused() {
+    let (addr, effects) = server(JsonRpc::new()).await;
+    let filler = "x".repeat(1_200_000);
+    let list = format!(
+        r#"{{"jsonrpc":"2.0","id":1,"method":"tools/list","params":{{"pad":"{filler}"}}}}"#
+    );
+    let res = send(addr, "/mcp", None, &list).await;
+    assert_eq!(
+        res.status(),
+        StatusCode::OK,
+        "a 1.2 MB tools/list passes through"
+    );
+    // `method` after a big member: decided once it is read, still not buffered as guarded.
+    let late = format!(
+        r#"{{"jsonrpc":"2.0","params":{{"pad":"{filler}"}},"id":2,"method":"tools/list"}}"#
+    );
+    assert_eq!(
+        send(addr, "/mcp", None, &late).await.status(),
+        413,
+        "undecided in 64 KiB: limited"
+    );
+    // (Under axum's own 2 MB limit for the handler's `Bytes`.)
+    let batch = format!("[{list}]");
+    let res = send(addr, "/mcp", None, &batch).await;
+    assert!(
+        res.status().is_success(),
+        "a 1.2 MB batch passes through to the server"
+    );
+    let headed = client()
+        .post(format!("http://{addr}/mcp"))
+        .header("content-type", "application/json")
+        .header("mcp-method", "tools/list")
+        .body(list.clone())
+        .send()
+        .await
+        .expect("request");
+    assert_eq!(
+        headed.status(),
+        StatusCode::OK,
+        "the Mcp-Method header decides unread"
+    );
+    let big_call = call("9", &format!(r#"{{"pad":"{filler}"}}"#));
+    let refused = send(addr, "/mcp", Some("k-big"), &big_call).await;
+    assert_eq!(refused.status(), StatusCode::PAYLOAD_TOO_LARGE);
+    assert_eq!(
+        effects.count(),
+        3,
+        "the three that passed ran; the big call did not"
+    );
+}
