@@ -304,3 +304,58 @@ async fn s8_rmcp_client_disconnect_mid_call_runs_once_and_the_retry_replays() {
     );
     assert_eq!(effects.count(), 1, "run once, not cancelled, not repeated");
 }
+
+/// rmcp's client on MCP 2026-07-28: `server/discover` instead of `initialize`, stateless
+/// requests with their protocol version, client info and trace context in `params._meta`, and
+/// the `Mcp-Method`/`Mcp-Name` headers. Issue 17 §5: the revision end to end, one key, one run,
+/// the retry (a new id, new `_meta`) replayed.
+async fn discover_client(addr: SocketAddr, key: &str) -> RunningService<RoleClient, ()> {
+    use rmcp::{ClientLifecycleMode, ClientServiceExt};
+    let mut headers = HashMap::new();
+    headers.insert(
+        HeaderName::from_static("idempotency-key"),
+        HeaderValue::from_str(key).expect("key"),
+    );
+    let config = StreamableHttpClientTransportConfig::with_uri(format!("http://{addr}/mcp"))
+        .custom_headers(headers);
+    ().serve_with_lifecycle(
+        StreamableHttpClientTransport::from_config(config),
+        ClientLifecycleMode::Discover {
+            preferred_versions: vec![rmcp::model::ProtocolVersion::V_2026_07_28],
+        },
+    )
+    .await
+    .expect("rmcp client discovers the server on 2026-07-28")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s17_5_rmcp_on_2026_07_28_same_key_runs_once() {
+    for json_response in [true, false] {
+        let (addr, effects) = mcp_server(json_response).await;
+        let first = discover_client(addr, "mcp-2026").await;
+        let a = first
+            .call_tool(create_ticket("printer"))
+            .await
+            .expect("first call");
+        let retry = discover_client(addr, "mcp-2026").await;
+        let b = retry
+            .call_tool(create_ticket("printer"))
+            .await
+            .expect("the replay is accepted");
+        assert_eq!(text(&a), text(&b), "json_response={json_response}");
+        assert_eq!(
+            effects.count(),
+            1,
+            "the tool ran once (json_response={json_response})"
+        );
+        let changed = retry.call_tool(create_ticket("another")).await;
+        assert!(
+            matches!(&changed, Err(rmcp::ServiceError::McpError(e)) if e.code.0 == -31002),
+            "{changed:?}"
+        );
+        assert_eq!(effects.count(), 1);
+        for client in [first, retry] {
+            let _ = client.cancel().await;
+        }
+    }
+}
