@@ -357,3 +357,45 @@ async fn s17_4_big_unguarded_requests_pass_and_big_guarded_calls_are_refused() {
         "the three that passed ran; the big call did not"
     );
 }
+
+/// Issue 17 §5: a `tools/call` answered with a task handle (MCP's tasks extension) is a final
+/// answer: the retry gets that same handle, byte for byte, never a second task.
+#[tokio::test]
+async fn s17_5_a_task_handle_is_replayed_as_the_same_handle() {
+    let effects = Effects::default();
+    let sink = effects.clone();
+    let app = Router::new()
+        .route(
+            "/mcp",
+            post(move |body: Bytes| async move {
+                let n = sink.hit();
+                let message: Value = serde_json::from_slice(&body).unwrap_or_default();
+                let text = format!(
+                    r#"{{"jsonrpc":"2.0","id":{},"result":{{"task":{{"taskId":"task-{n}","status":"working","pollInterval":500}}}}}}"#,
+                    message["id"]
+                );
+                ([(header::CONTENT_TYPE, "application/json")], text).into_response()
+            }),
+        )
+        .layer(
+            IdempotencyLayer::new(MemoryStore::new())
+                .single_tenant()
+                .jsonrpc(JsonRpc::new()),
+        );
+    let addr = serve(app).await;
+    let first = send(addr, "/mcp", Some("k-task"), &call("1", "{}")).await;
+    assert!(
+        first
+            .text()
+            .await
+            .expect("body")
+            .contains(r#""taskId":"task-1""#)
+    );
+    let retry = send(addr, "/mcp", Some("k-task"), &call("2", "{}")).await;
+    assert_eq!(retry.headers()["idempotency-replayed"], "true");
+    assert_eq!(
+        retry.text().await.expect("body"),
+        r#"{"jsonrpc":"2.0","id":2,"result":{"task":{"taskId":"task-1","status":"working","pollInterval":500}}}"#
+    );
+    assert_eq!(effects.count(), 1, "one task for one key");
+}
