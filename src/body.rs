@@ -37,6 +37,54 @@ pin_project! {
         Inner { #[pin] body: B },
         Resumed { prefix: Option<Bytes>, rest: Pin<Box<B>> },
         Channel { rx: tokio::sync::mpsc::Receiver<Result<Frame<Bytes>, BoxError>> },
+        Enveloped {
+            prefix: Option<Bytes>,
+            rest: Pin<Box<B>>,
+            mode: Embed,
+            tail: Option<Bytes>,
+        },
+    }
+}
+
+/// How the rest of an enveloped body is written into its envelope.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Embed {
+    /// JSON: its bytes as they are.
+    Raw,
+    /// Text: inside a JSON string, escaped byte by byte (UTF-8 passes through unchanged).
+    Escaped,
+    /// Anything else: read to its end, not written (the envelope says `null`).
+    Dropped,
+}
+
+impl Embed {
+    pub(crate) fn apply(self, data: Bytes) -> Bytes {
+        match self {
+            Embed::Raw => data,
+            Embed::Dropped => Bytes::new(),
+            Embed::Escaped => {
+                let mut out = BytesMut::with_capacity(data.len() + 8);
+                for &b in &data {
+                    match b {
+                        b'"' => out.extend_from_slice(b"\\\""),
+                        b'\\' => out.extend_from_slice(b"\\\\"),
+                        0x00..=0x1f => {
+                            const HEX: &[u8; 16] = b"0123456789abcdef";
+                            out.extend_from_slice(&[
+                                b'\\',
+                                b'u',
+                                b'0',
+                                b'0',
+                                HEX[usize::from(b >> 4)],
+                                HEX[usize::from(b & 15)],
+                            ]);
+                        }
+                        _ => out.extend_from_slice(&[b]),
+                    }
+                }
+                out.freeze()
+            }
+        }
     }
 }
 
@@ -119,6 +167,19 @@ impl<B> ResponseBody<B> {
 }
 
 impl<B> ResponseBody<B> {
+    /// `prefix`, then `rest` written into it as `mode` says, then `tail`: an envelope around a
+    /// body too large to hold.
+    pub(crate) fn enveloped(prefix: Bytes, rest: Pin<Box<B>>, mode: Embed, tail: Bytes) -> Self {
+        Self {
+            kind: Kind::Enveloped {
+                prefix: Some(prefix),
+                rest,
+                mode,
+                tail: Some(tail),
+            },
+        }
+    }
+
     /// Frames forwarded from a task that reads the inner body (a stream being teed).
     pub(crate) fn channel(rx: tokio::sync::mpsc::Receiver<Result<Frame<Bytes>, BoxError>>) -> Self {
         Self {
@@ -159,6 +220,32 @@ where
                 None => rest.as_mut().poll_frame(cx).map_err(Into::into),
             },
             KindProj::Channel { rx } => rx.poll_recv(cx),
+            KindProj::Enveloped {
+                prefix,
+                rest,
+                mode,
+                tail,
+            } => {
+                if let Some(data) = prefix.take() {
+                    return Poll::Ready(Some(Ok(Frame::data(data))));
+                }
+                loop {
+                    match std::task::ready!(rest.as_mut().poll_frame(cx)) {
+                        Some(Ok(frame)) => match frame.into_data() {
+                            Ok(data) => {
+                                let data = mode.apply(data);
+                                if !data.is_empty() {
+                                    return Poll::Ready(Some(Ok(Frame::data(data))));
+                                }
+                            }
+                            // Trailers of the wrapped body describe it, not the envelope.
+                            Err(_) => {}
+                        },
+                        Some(Err(error)) => return Poll::Ready(Some(Err(error.into()))),
+                        None => return Poll::Ready(tail.take().map(|t| Ok(Frame::data(t)))),
+                    }
+                }
+            }
         }
     }
 
@@ -168,6 +255,7 @@ where
             Kind::Inner { body } => body.is_end_stream(),
             Kind::Resumed { prefix, rest } => prefix.is_none() && rest.is_end_stream(),
             Kind::Channel { .. } => false,
+            Kind::Enveloped { prefix, tail, .. } => prefix.is_none() && tail.is_none(),
         }
     }
 
@@ -187,7 +275,7 @@ where
                 }
                 hint
             }
-            Kind::Channel { .. } => SizeHint::new(),
+            Kind::Channel { .. } | Kind::Enveloped { .. } => SizeHint::new(),
         }
     }
 }
@@ -225,6 +313,7 @@ macro_rules! delegate_body {
                     Kind::Inner { .. } => "Inner",
                     Kind::Resumed { .. } => "Resumed",
                     Kind::Channel { .. } => "Channel",
+                    Kind::Enveloped { .. } => "Enveloped",
                 };
                 f.debug_struct(stringify!($ty))
                     .field("kind", &kind)

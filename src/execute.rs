@@ -30,7 +30,9 @@ use crate::layer::Resolved;
 use crate::observe::{self, Event};
 use crate::policy::Outcome;
 use crate::problem::{Problem, ProblemKind, Protocol};
-use crate::replay::{Captured, Presentation, capture, present, restore, withhold};
+use crate::replay::{
+    Captured, Presentation, capture, present, present_streaming, restore, withhold,
+};
 use crate::route::RouteConfig;
 use crate::store::{
     BoxError, FencingToken, IdempotencyStore, Lease, RecordStatus, ScopedKey, StoreError,
@@ -193,10 +195,12 @@ impl<St: IdempotencyStore> Execution<St> {
             } => {
                 // Recorded without a body: the key stays consumed, never a second run.
                 self.record(&mut parts, None, None).await;
-                Ok(Response::from_parts(
-                    parts,
-                    ResponseBody::resumed(prefix, rest),
-                ))
+                let how = Presentation {
+                    replayed: false,
+                    mark: self.route.mark_first_response,
+                    envelope: self.route.envelope && self.protocol == Protocol::Http,
+                };
+                Ok(present_streaming(parts, prefix, rest, how))
             }
         }
     }

@@ -9,7 +9,7 @@ use http::{HeaderMap, HeaderName, HeaderValue, Response, header, response::Parts
 use http_body::Body;
 use http_body_util::BodyExt;
 
-use crate::body::{Gathered, ResponseBody};
+use crate::body::{Embed, Gathered, ResponseBody};
 use crate::problem::{Problem, ProblemKind, Protocol};
 use crate::store::{BoxError, StoredResponse};
 
@@ -176,6 +176,82 @@ pub(crate) struct Presentation {
     pub(crate) envelope: bool,
 }
 
+/// Whether a response is wrapped in the envelope: 204 and 304 have no body, wrapped or not.
+fn wraps(status: http::StatusCode, how: Presentation) -> bool {
+    how.envelope
+        && status != http::StatusCode::NO_CONTENT
+        && status != http::StatusCode::NOT_MODIFIED
+}
+
+/// The headers of a wrapped response: those that describe the unwrapped bytes would lie.
+fn wrap_headers(headers: &mut HeaderMap) {
+    headers.remove(header::CONTENT_LENGTH);
+    headers.remove(header::CONTENT_ENCODING);
+    for name in [
+        "etag",
+        "content-md5",
+        "digest",
+        "content-digest",
+        "repr-digest",
+    ] {
+        headers.remove(name);
+    }
+    headers.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+}
+
+/// A first response too large to record, streamed to the client as it arrives: wrapped in
+/// the envelope like any other when the route asks, its JSON embedded as its bytes, text as a
+/// string escaped on the way, anything else as `null`.
+pub(crate) fn present_streaming<B>(
+    mut parts: Parts,
+    prefix: Bytes,
+    rest: Pin<Box<B>>,
+    how: Presentation,
+) -> Response<ResponseBody<B>> {
+    if how.mark {
+        parts
+            .headers
+            .insert(IDEMPOTENCY_REPLAYED.clone(), HeaderValue::from_static("false"));
+    }
+    if !wraps(parts.status, how) {
+        return Response::from_parts(parts, ResponseBody::resumed(prefix, rest));
+    }
+    let media = parts
+        .headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .map(|ct| crate::fingerprint::media_type(ct).into_owned())
+        .unwrap_or_default();
+    let mode = if crate::fingerprint::is_json(&media) {
+        Embed::Raw
+    } else if media.starts_with("text/") {
+        Embed::Escaped
+    } else {
+        Embed::Dropped
+    };
+    let mut head = format!(
+        r#"{{"ok":{},"status":{},"idempotent_replay":false,"original_response":"#,
+        parts.status.is_success(),
+        parts.status.as_u16(),
+    )
+    .into_bytes();
+    let tail: &[u8] = match mode {
+        Embed::Raw => b"}",
+        Embed::Escaped => b"\"}",
+        Embed::Dropped => b"null}",
+    };
+    if mode == Embed::Escaped {
+        head.push(b'"');
+    }
+    head.extend_from_slice(&mode.apply(prefix));
+    wrap_headers(&mut parts.headers);
+    let body = ResponseBody::enveloped(Bytes::from(head), rest, mode, Bytes::from_static(tail));
+    Response::from_parts(parts, body)
+}
+
 /// Builds the response the client receives, from recorded or live parts.
 pub(crate) fn present<B>(
     status: http::StatusCode,
@@ -184,28 +260,9 @@ pub(crate) fn present<B>(
     trailers: Option<HeaderMap>,
     how: Presentation,
 ) -> Response<ResponseBody<B>> {
-    // 204 and 304 have no body, wrapped or not.
-    let wraps = how.envelope
-        && status != http::StatusCode::NO_CONTENT
-        && status != http::StatusCode::NOT_MODIFIED;
-    let body = if wraps {
-        headers.remove(header::CONTENT_LENGTH);
-        headers.remove(header::CONTENT_ENCODING);
-        // Headers that describe the unwrapped bytes would lie about the wrapped ones.
-        for name in [
-            "etag",
-            "content-md5",
-            "digest",
-            "content-digest",
-            "repr-digest",
-        ] {
-            headers.remove(name);
-        }
+    let body = if wraps(status, how) {
         let wrapped = envelope(status, &headers, &body, how.replayed);
-        headers.insert(
-            header::CONTENT_TYPE,
-            HeaderValue::from_static("application/json"),
-        );
+        wrap_headers(&mut headers);
         wrapped
     } else {
         body

@@ -140,7 +140,7 @@ impl RouteConfig {
     /// A JSON body is embedded as its own bytes, never re-serialised; other UTF-8 becomes a
     /// JSON string and a binary body `null`. `204` and `304` keep their empty body, and
     /// `ETag`, `Content-MD5` and digest headers are dropped from wrapped responses (they
-    /// describe the unwrapped bytes). A response over the record limit streams unwrapped.
+    /// describe the unwrapped bytes). A response over the record limit is wrapped as it streams.
     pub fn envelope(mut self, on: bool) -> Self {
         self.envelope = on;
         self

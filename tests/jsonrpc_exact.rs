@@ -399,3 +399,52 @@ async fn s17_5_a_task_handle_is_replayed_as_the_same_handle() {
     );
     assert_eq!(effects.count(), 1, "one task for one key");
 }
+
+/// Issue 17 §3: a response over the record limit is enveloped like any other, as it streams:
+/// JSON as its bytes, text as an escaped string. Its key stays consumed.
+#[tokio::test]
+async fn s17_3_an_oversized_response_is_enveloped_too() {
+    let effects = Effects::default();
+    let (json_sink, text_sink) = (effects.clone(), effects.clone());
+    let big_json = format!(r#"{{"amount":10.50,"pad":"{}"}}"#, "x".repeat(200));
+    let served = big_json.clone();
+    let app = Router::new()
+        .route(
+            "/json",
+            post(move || async move {
+                json_sink.hit();
+                ([(header::CONTENT_TYPE, "application/json")], served.clone())
+            }),
+        )
+        .route(
+            "/text",
+            post(move || async move {
+                text_sink.hit();
+                let text = format!("say \"hi\"\\\n{}", "y".repeat(200));
+                ([(header::CONTENT_TYPE, "text/plain")], text)
+            }),
+        )
+        .layer(
+            IdempotencyLayer::new(MemoryStore::new())
+                .single_tenant()
+                .envelope(true)
+                .response_limit(64),
+        );
+    let addr = serve(app).await;
+    let first = send(addr, "/json", Some("k-big-json"), "{}").await;
+    assert_eq!(first.headers()["content-type"], "application/json");
+    let text = first.text().await.expect("body");
+    let v: Value = serde_json::from_str(&text).expect("the envelope is JSON");
+    assert_eq!(v["idempotent_replay"], false);
+    assert!(text.ends_with(&format!(r#""original_response":{big_json}}}"#)), "{text}");
+    let replay = send(addr, "/json", Some("k-big-json"), "{}").await;
+    assert_eq!(replay.status(), StatusCode::CONFLICT, "the key stays consumed");
+    let first = send(addr, "/text", Some("k-big-text"), "{}").await;
+    let v: Value = serde_json::from_str(&first.text().await.expect("body")).expect("JSON");
+    assert_eq!(
+        v["original_response"],
+        format!("say \"hi\"\\\n{}", "y".repeat(200)),
+        "text escaped on the way"
+    );
+    assert_eq!(effects.count(), 2);
+}
