@@ -131,16 +131,6 @@ impl<B> RequestBody<B> {
             kind: Kind::Inner { body },
         }
     }
-
-    /// A body of which `prefix` was read already, followed by the `rest` unread.
-    pub(crate) fn resumed(prefix: Bytes, rest: Pin<Box<B>>) -> Self {
-        Self {
-            kind: Kind::Resumed {
-                prefix: (!prefix.is_empty()).then_some(prefix),
-                rest,
-            },
-        }
-    }
 }
 
 impl<B> ResponseBody<B> {
@@ -231,16 +221,15 @@ where
                 }
                 loop {
                     match std::task::ready!(rest.as_mut().poll_frame(cx)) {
-                        Some(Ok(frame)) => match frame.into_data() {
-                            Ok(data) => {
+                        // Trailers of the wrapped body describe it, not the envelope.
+                        Some(Ok(frame)) => {
+                            if let Ok(data) = frame.into_data() {
                                 let data = mode.apply(data);
                                 if !data.is_empty() {
                                     return Poll::Ready(Some(Ok(Frame::data(data))));
                                 }
                             }
-                            // Trailers of the wrapped body describe it, not the envelope.
-                            Err(_) => {}
-                        },
+                        }
                         Some(Err(error)) => return Poll::Ready(Some(Err(error.into()))),
                         None => return Poll::Ready(tail.take().map(|t| Ok(Frame::data(t)))),
                     }

@@ -266,8 +266,14 @@ impl<St: IdempotencyStore> Execution<St> {
             let _ = tx.send(Ok(frame)).await;
         }
         if !recorded {
-            // The stream ended without a final response (an interim answer): nothing to keep.
-            self.release().await;
+            match events.finish(&id) {
+                // The last event, cut short of its blank line: the server answered all the same.
+                Some(message) => self.record_call(&head, Some(message), None).await,
+                // The stream ended without a final response (an interim answer): nothing to keep.
+                None => {
+                    self.release().await;
+                }
+            }
         }
         drop(hold);
     }

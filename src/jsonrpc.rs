@@ -15,7 +15,12 @@
 //!   `params._meta[name]`, validated exactly as the header is (not empty, at most 255 bytes,
 //!   visible ASCII, not a list); a `_meta` key that is not a string is refused; when both are
 //!   present they must be the same key (then it is theirs), otherwise the call is refused;
-//!   a guarded call without either passes through;
+//!   a `_meta` or key given twice, or a body that cannot be parsed but may hold the key, is
+//!   refused too; a guarded call without either passes through;
+//! - a request without a key header, on a route that reads no `_meta` keys (the default),
+//!   cannot ask for a guarantee: it passes unread, whatever its size (a big `tools/list`, a
+//!   batch). Any other request is read to its end within the body limit, since its key may be
+//!   anywhere in it; on routes with a `meta_key`, raise the body limit for big requests;
 //! - on MCP 2026-07-28 (stateless, `Mcp-Method` and `Mcp-Name` headers), a keyed request whose
 //!   `Mcp-Method` header names another method than its body is refused (`header-mismatch`,
 //!   MCP's code -32020), nothing run;
@@ -27,13 +32,17 @@
 //! - the recorded outcome is the final JSON-RPC response (from a JSON body, or the response
 //!   event of an SSE stream), kept as the bytes the server wrote; progress notifications and
 //!   event ids are never recorded. An SSE answer is teed: the client receives it as it streams,
-//!   each event is read once as it completes (linear in the stream), and a client that hangs up
-//!   does not stop it being read to its end and recorded; a stream past the response limit is
-//!   recorded at once as not stored. A response with no final JSON-RPC outcome is
+//!   each byte is read once as the WHATWG EventSource parser reads it (CRLF, LF or CR line
+//!   ends, a leading byte-order mark; a last event without its blank line still counts), and a
+//!   client that hangs up does not stop it being read to its end and recorded; a stream past
+//!   the response limit is recorded at once as not stored. The response answering the call is
+//!   found by its `id`'s value (a server that writes `1.0` back as `1` still answers it).
+//!   A response with no final JSON-RPC outcome is
 //!   not recorded and the key is released: that includes MCP's interim results
 //!   (`resultType: "input_required"`), whose continuation (with `inputResponses` and
-//!   `requestState`, which the fingerprint leaves out) then runs under the same key. A final
-//!   result that is a task handle (the tasks extension) is recorded and replayed like any other;
+//!   `requestState`, which the fingerprint leaves out) then runs under the same key. Every
+//!   other result is final, a task handle (`resultType: "task"`, the tasks extension) included:
+//!   it is recorded and replayed like any other;
 //! - replays are `200 application/json`: the recorded response byte for byte, but for its `id`,
 //!   which is the new request's, written exactly as the client sent it
 //!   (`123456789012345678901234567890`, `1e2` and `-0` stay as they are), and
@@ -150,9 +159,16 @@ impl Id {
         &self.raw
     }
 
-    /// Whether a response's `id` member (its value) answers this request.
+    /// Whether a response's `id` member answers this request: the same value, numbers by
+    /// their exact value (a server may write `1.0` back as `1`, `1e2` as `100`).
     fn answers(&self, id: Option<&Value>) -> bool {
-        id == Some(&self.value)
+        match (id, &self.value) {
+            (Some(Value::Number(theirs)), Value::Number(_)) => {
+                crate::fingerprint::same_number(&theirs.to_string(), &self.raw)
+            }
+            (Some(theirs), ours) => theirs == ours,
+            (None, _) => false,
+        }
     }
 }
 
@@ -203,8 +219,10 @@ pub(crate) fn parse(
     mcp_method: Option<&str>,
 ) -> Parsed {
     let refuse = |kind, detail: &str, id: Arc<Id>| Parsed::Refuse(Problem::new(kind, detail), id);
-    let unreadable = |why: &str| match header_key {
-        Some(_) => refuse(
+    // A body this mode cannot read may still carry a `_meta` key that the server reads.
+    let may_carry_key = header_key.is_some() || may_hold_meta_key(body, settings);
+    let unreadable = |why: &str| match may_carry_key {
+        true => refuse(
             ProblemKind::CallUnguardable,
             &format!(
                 "this request carries an idempotency key but its body is not one JSON-RPC request \
@@ -212,7 +230,7 @@ pub(crate) fn parse(
             ),
             Arc::new(Id::null()),
         ),
-        None => Parsed::PassThrough,
+        false => Parsed::PassThrough,
     };
     if body.starts_with(b"\xef\xbb\xbf") {
         return unreadable("it starts with a byte-order mark");
@@ -281,29 +299,14 @@ pub(crate) fn parse(
     })
 }
 
-/// How much of a body is read to decide whether it is a guarded call at all: a larger body
-/// that is not (a big `tools/list`, a batch) passes through without being buffered.
-pub(crate) const DECIDE_WITHIN: usize = 64 * 1024;
-
-/// Whether a body, of which `prefix` is the start, is surely not a call this mode guards, so
-/// it may pass through without being read further. `keyed`: the request has a key header,
-/// which asks for a guarantee: such a body is always read to its end.
-pub(crate) fn passes_unread(prefix: &[u8], settings: &JsonRpc, keyed: bool) -> bool {
-    if keyed {
-        return false;
-    }
-    let text = prefix.trim_ascii_start();
-    if text.starts_with(b"[") {
-        // A batch could hold a call keyed in `_meta` only where `_meta` keys are read.
-        return settings.meta_key.is_none();
-    }
-    match crate::json_text::member_in_prefix(text, "method") {
-        Some(Some(raw)) => serde_json::from_slice::<String>(raw)
-            .is_ok_and(|method| !settings.methods.contains(&method)),
-        // Not a request at all.
-        Some(None) => true,
-        None => false,
-    }
+/// Whether `body` might hold a `params._meta` key this route reads: its name appears, or an
+/// escape that could spell it. Only asked of bodies that cannot be parsed, to refuse rather than
+/// pass through a call whose key the server would see.
+fn may_hold_meta_key(body: &[u8], settings: &JsonRpc) -> bool {
+    settings.meta_key.as_deref().is_some_and(|name| {
+        let has = |needle: &[u8]| body.windows(needle.len()).any(|w| w == needle);
+        has(name.as_bytes()) || has(b"\\u")
+    })
 }
 
 /// A batch passes through unless one of its requests is a guarded call that carries a key
@@ -353,10 +356,29 @@ fn meta_key(params: Option<&str>, settings: &JsonRpc) -> Result<Option<String>, 
     let (Some(name), Some(params)) = (settings.meta_key.as_deref(), params) else {
         return Ok(None);
     };
-    let Ok(Value::Object(mut params)) = serde_json::from_str::<Value>(params) else {
+    // A `_meta`, or a key in it, given twice is read differently by different servers: which
+    // one the server acts on is not known, so no guarantee can be given.
+    let twice = |text: &str, member: &str| {
+        crate::json_text::children(text.trim())
+            .iter()
+            .filter(|c| c.name == member)
+            .count()
+            > 1
+    };
+    if twice(params, "_meta") {
+        return Err("params._meta is given twice".to_owned());
+    }
+    let Ok(Value::Object(mut params_value)) = serde_json::from_str::<Value>(params) else {
         return Ok(None);
     };
-    let Some(Value::Object(meta)) = params.remove("_meta") else {
+    let meta_text = crate::json_text::children(params.trim())
+        .into_iter()
+        .find(|c| c.name == "_meta")
+        .map(|c| c.value);
+    if meta_text.is_some_and(|meta| twice(meta, name)) {
+        return Err(format!("params._meta.{name} is given twice"));
+    }
+    let Some(Value::Object(meta)) = params_value.remove("_meta") else {
         return Ok(None);
     };
     match meta.get(name) {
@@ -441,79 +463,116 @@ pub(crate) fn final_response(headers: &HeaderMap, body: &[u8], id: &Id) -> Optio
         return is_response(serde_json::from_slice(body).ok()?, id)
             .then(|| Bytes::copy_from_slice(body));
     }
-    // Every final response in the body: the last one counts.
+    // The first final response in the stream, as the tee records it.
     let mut events = Events::default();
-    let mut last = None;
-    for event in body.split_inclusive(|&b| b == b'\n') {
-        if let Some(message) = events.feed(event, id) {
-            last = Some(message);
-        }
-    }
-    if let Some(message) = events.feed(b"\n\n", id) {
-        last = Some(message);
-    }
-    last
+    events.feed(body, id).or_else(|| events.finish(id))
 }
 
-/// An event stream read as it arrives: each event is parsed once, when its blank line comes.
+/// An event stream read as it arrives, as the WHATWG EventSource parser reads it: lines end in
+/// CRLF, LF or CR; `data` fields gather; a blank line ends an event. Each byte is looked at
+/// once, so the cost is linear however the stream is cut into chunks.
 #[derive(Debug, Default)]
 pub(crate) struct Events {
-    /// The text of the event not yet complete.
-    pending: Vec<u8>,
-    /// How far `pending` was searched for an event's end already.
-    scanned: usize,
+    /// The line being read.
+    line: Vec<u8>,
+    /// The `data` of the event being read, lines joined by `\n`.
+    data: Vec<u8>,
+    /// Whether the event has a `data` field at all.
+    has_data: bool,
+    /// The last byte was a CR: a LF right after it ends no second line.
+    after_cr: bool,
+    /// Whether a line has ended yet: the stream's first line may start with a byte-order mark.
+    past_first_line: bool,
 }
 
 impl Events {
-    /// Takes the next bytes of the stream; the final response to `id`, once an event carrying
-    /// one is complete.
+    /// Takes the next bytes of the stream; the final response to `id`, the first time an
+    /// event carrying one is complete.
     pub(crate) fn feed(&mut self, data: &[u8], id: &Id) -> Option<Bytes> {
-        self.pending.extend_from_slice(data);
         let mut found = None;
-        loop {
-            // A separator may straddle two chunks: look again from a little before.
-            let from = self.scanned.saturating_sub(3);
-            let Some((end, len)) = event_end(&self.pending[from..]).map(|(e, l)| (e + from, l))
-            else {
-                self.scanned = self.pending.len();
-                return found;
+        for &b in data {
+            if self.after_cr {
+                self.after_cr = false;
+                if b == b'\n' {
+                    continue;
+                }
+            }
+            let event = match b {
+                b'\r' => {
+                    self.after_cr = true;
+                    self.end_line()
+                }
+                b'\n' => self.end_line(),
+                _ => {
+                    self.line.push(b);
+                    None
+                }
             };
-            let event: Vec<u8> = self.pending.drain(..end + len).collect();
-            self.scanned = 0;
-            if found.is_none() {
-                found = final_in_event(&event[..end], id);
+            if found.is_none()
+                && let Some(event) = event
+            {
+                found = final_message(&event, id);
             }
         }
+        found
+    }
+
+    /// The stream ended: an event cut short of its blank line still counts (the server
+    /// answered; readers that wait for the blank line would lose it).
+    pub(crate) fn finish(&mut self, id: &Id) -> Option<Bytes> {
+        let pending = if self.line.is_empty() {
+            None
+        } else {
+            self.end_line()
+        };
+        let event = pending.or_else(|| self.dispatch());
+        event.and_then(|event| final_message(&event, id))
+    }
+
+    /// Ends the current line: a field, or (when empty) the end of an event, whose data it
+    /// hands back.
+    fn end_line(&mut self) -> Option<Vec<u8>> {
+        if self.line.is_empty() {
+            self.past_first_line = true;
+            return self.dispatch();
+        }
+        let line = std::mem::take(&mut self.line);
+        let first = !std::mem::replace(&mut self.past_first_line, true);
+        // The stream may start with a byte-order mark: not part of the first field's name.
+        let line = match line.strip_prefix(b"\xef\xbb\xbf") {
+            Some(rest) if first => rest,
+            _ => &line[..],
+        };
+        let (field, value) = match line.iter().position(|&b| b == b':') {
+            Some(colon) => {
+                let value = &line[colon + 1..];
+                (&line[..colon], value.strip_prefix(b" ").unwrap_or(value))
+            }
+            None => (line, &b""[..]),
+        };
+        if field == b"data" {
+            if self.has_data {
+                self.data.push(b'\n');
+            }
+            self.data.extend_from_slice(value);
+            self.has_data = true;
+        }
+        None
+    }
+
+    fn dispatch(&mut self) -> Option<Vec<u8>> {
+        if !self.has_data {
+            return None;
+        }
+        self.has_data = false;
+        Some(std::mem::take(&mut self.data))
     }
 }
 
-/// Where the first event of `text` ends (a blank line), and the separator's length.
-fn event_end(text: &[u8]) -> Option<(usize, usize)> {
-    let lf = text.windows(2).position(|w| w == b"\n\n").map(|i| (i, 2));
-    let crlf = text
-        .windows(4)
-        .position(|w| w == b"\r\n\r\n")
-        .map(|i| (i, 4));
-    match (lf, crlf) {
-        (Some(a), Some(b)) => Some(if a.0 <= b.0 { a } else { b }),
-        (a, b) => a.or(b),
-    }
-}
-
-/// The final response to `id` in one event's text, if it carries one.
-fn final_in_event(event: &[u8], id: &Id) -> Option<Bytes> {
-    let text = std::str::from_utf8(event).ok()?;
-    let data: Vec<&str> = text
-        .lines()
-        .filter_map(|line| line.strip_prefix("data:"))
-        .map(|d| d.strip_prefix(' ').unwrap_or(d))
-        .collect();
-    if data.is_empty() {
-        return None;
-    }
-    let data = data.join("\n");
-    let message = serde_json::from_str::<Value>(&data).ok()?;
-    is_response(message, id).then(|| Bytes::from(data))
+/// The final response to `id` in one event's data, if it is one.
+fn final_message(data: &[u8], id: &Id) -> Option<Bytes> {
+    let message = serde_json::from_slice::<Value>(data).ok()?;
+    is_response(message, id).then(|| Bytes::copy_from_slice(data))
 }
 
 /// A final response (not a notification, a request or an interim result) to `id`.
@@ -527,10 +586,11 @@ fn is_response(message: Value, id: &Id) -> bool {
     match message.get("result") {
         // MCP: a result asking for more input (`resultType: "input_required"`) is a step, not
         // the outcome; only "complete" (or no type, for older peers) is final.
-        Some(result) => match result.get("resultType") {
-            None => true,
-            Some(kind) => kind == "complete",
-        },
+        // MCP: only a result asking for more input (`resultType: "input_required"`) is a step;
+        // "complete", a task handle ("task") and results of older peers (no type) are final.
+        Some(result) => result
+            .get("resultType")
+            .is_none_or(|kind| kind != "input_required"),
         None => message.contains_key("error"),
     }
 }
@@ -584,9 +644,11 @@ fn marked(result: &str) -> String {
         return result.to_owned();
     }
     let members = crate::json_text::children(result);
-    let meta_object =
-        |m: &crate::json_text::Child<'_>| m.name == "_meta" && m.value.starts_with('{');
-    let has_meta = members.iter().any(meta_object);
+    let is_meta = |m: &crate::json_text::Child<'_>| m.name == "_meta";
+    let meta_object = |m: &crate::json_text::Child<'_>| is_meta(m) && m.value.starts_with('{');
+    // A `_meta` that is not an object (`null`, an array) is replaced by one holding the mark:
+    // a second `_meta` member would trip clients that refuse duplicate fields.
+    let has_meta = members.iter().any(is_meta);
     let mut out = String::with_capacity(result.len() + mark.len() + 16);
     out.push('{');
     if !has_meta {
@@ -598,7 +660,11 @@ fn marked(result: &str) -> String {
         }
         out.push_str(member.raw_name.unwrap_or("\"\""));
         out.push(':');
-        if meta_object(member) {
+        if is_meta(member) && !meta_object(member) {
+            out.push('{');
+            out.push_str(&mark);
+            out.push('}');
+        } else if meta_object(member) {
             let inner = member.value[1..].trim_start();
             out.push('{');
             out.push_str(&mark);
@@ -913,6 +979,13 @@ mod tests {
             std::str::from_utf8(&marked)
                 .expect("utf-8")
                 .contains("10.50")
+        );
+        let null_meta = br#"{"jsonrpc":"2.0","id":1,"result":{"_meta":null,"x":2}}"#;
+        let marked_null = readdress(null_meta, &id("4"), true).expect("json");
+        assert_eq!(
+            std::str::from_utf8(&marked_null).expect("utf-8"),
+            r#"{"jsonrpc":"2.0","id":4,"result":{"_meta":{"tower-idempotency/replayed":true},"x":2}}"#,
+            "one _meta, never two"
         );
         let with_meta = br#"{"jsonrpc":"2.0","id":1,"result":{"_meta":{"a":1},"x":2}}"#;
         let marked = readdress(with_meta, &id("3"), true).expect("json");

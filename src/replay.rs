@@ -212,9 +212,10 @@ pub(crate) fn present_streaming<B>(
     how: Presentation,
 ) -> Response<ResponseBody<B>> {
     if how.mark {
-        parts
-            .headers
-            .insert(IDEMPOTENCY_REPLAYED.clone(), HeaderValue::from_static("false"));
+        parts.headers.insert(
+            IDEMPOTENCY_REPLAYED.clone(),
+            HeaderValue::from_static("false"),
+        );
     }
     if !wraps(parts.status, how) {
         return Response::from_parts(parts, ResponseBody::resumed(prefix, rest));

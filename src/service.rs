@@ -434,32 +434,21 @@ impl<St: IdempotencyStore, M: MakeScope> Pipeline<St, M> {
         B: Body<Data = Bytes>,
         B::Error: Into<BoxError>,
     {
+        // A request with no key header, on a route that reads no `_meta` keys, cannot ask for
+        // a guarantee: whatever it is (a big `tools/list`, a batch), it passes unread. Any
+        // other is read to its end, within the body limit: a key may sit anywhere in it.
         let keyed = parts.headers.contains_key(&self.config.header);
+        if !keyed && settings.meta_key.is_none() {
+            return Prepared::PassThrough(RequestBody::passthrough(body));
+        }
+        let bytes = match buffer(parts, body, self.route.body_limit).await {
+            Ok(bytes) => bytes,
+            Err(problem) => return Prepared::Answer(self.refuse_body(problem, &Protocol::Http)),
+        };
         let mcp_method = parts
             .headers
             .get(&jsonrpc::MCP_METHOD)
             .and_then(|v| v.to_str().ok());
-        // MCP 2026-07-28 names the method in a header: another method passes unread.
-        if !keyed && mcp_method.is_some_and(|m| !settings.methods.iter().any(|g| g == m)) {
-            return Prepared::PassThrough(RequestBody::passthrough(body));
-        }
-        // Decide from the first bytes whether this is a guarded call at all; only then does
-        // the guarded body limit apply, so a big `tools/list` or batch passes untouched.
-        let limit = self.route.body_limit;
-        let too_large = |bytes: &Bytes| bytes.len() > limit;
-        let bytes = match read_prefix(body, jsonrpc::DECIDE_WITHIN).await {
-            Err(problem) => return Prepared::Answer(self.refuse_body(problem, &Protocol::Http)),
-            Ok(Read::Prefix(prefix, rest)) if jsonrpc::passes_unread(&prefix, settings, keyed) => {
-                return Prepared::PassThrough(RequestBody::resumed(prefix, rest));
-            }
-            Ok(Read::Prefix(prefix, rest)) => match read_rest(prefix, rest, limit).await {
-                Ok(bytes) => bytes,
-                Err(problem) => {
-                    return Prepared::Answer(self.refuse_body(problem, &Protocol::Http));
-                }
-            },
-            Ok(Read::Whole(bytes)) => bytes,
-        };
         // An invalid header key is refused as in HTTP mode, with a JSON-RPC error.
         let header_key = match parse_key(&parts.headers, &self.config.header) {
             Ok(key) => key,
@@ -478,13 +467,6 @@ impl<St: IdempotencyStore, M: MakeScope> Pipeline<St, M> {
             }
         };
         let protocol = Protocol::JsonRpc(call.id.clone());
-        if too_large(&bytes) {
-            let problem = Problem::new(
-                ProblemKind::BodyTooLarge,
-                format!("the request body is larger than this endpoint's limit of {limit} bytes"),
-            );
-            return Prepared::Answer(self.refuse_body(problem, &protocol));
-        }
         // The header and `_meta` agree when both are there (`parse` refuses otherwise).
         let Some(key) = header_key.map(|k| k.into_owned()).or(call.meta_key.clone()) else {
             return Prepared::PassThrough(RequestBody::buffered(bytes));
@@ -573,72 +555,6 @@ impl<St: IdempotencyStore, M> Pipeline<St, M> {
         }
         response
     }
-}
-
-/// A body read up to a point: whole, or its first bytes and the rest unread.
-enum Read<B> {
-    Whole(Bytes),
-    Prefix(Bytes, std::pin::Pin<Box<B>>),
-}
-
-fn unreadable(error: BoxError) -> Problem {
-    Problem::new(
-        ProblemKind::BodyUnreadable,
-        format!("the request body could not be read: {error}"),
-    )
-}
-
-/// Reads `body` until it ends or `prefix` bytes are in.
-async fn read_prefix<B>(body: B, prefix: usize) -> Result<Read<B>, Problem>
-where
-    B: Body<Data = Bytes>,
-    B::Error: Into<BoxError>,
-{
-    let mut body = Box::pin(body);
-    let mut data = Gathered::default();
-    while let Some(frame) = body.frame().await {
-        let frame = frame.map_err(|error| unreadable(error.into()))?;
-        if let Ok(chunk) = frame.into_data() {
-            data.push(chunk);
-            if data.len() >= prefix {
-                return Ok(Read::Prefix(data.freeze(), body));
-            }
-        }
-    }
-    Ok(Read::Whole(data.freeze()))
-}
-
-/// The rest of a body after its `prefix`, all of it within `limit`.
-async fn read_rest<B>(
-    prefix: Bytes,
-    mut rest: std::pin::Pin<Box<B>>,
-    limit: usize,
-) -> Result<Bytes, Problem>
-where
-    B: Body<Data = Bytes>,
-    B::Error: Into<BoxError>,
-{
-    let too_large = || {
-        Problem::new(
-            ProblemKind::BodyTooLarge,
-            format!("the request body is larger than this endpoint's limit of {limit} bytes"),
-        )
-    };
-    if prefix.len() > limit {
-        return Err(too_large());
-    }
-    let mut data = Gathered::default();
-    data.push(prefix);
-    while let Some(frame) = rest.frame().await {
-        let frame = frame.map_err(|error| unreadable(error.into()))?;
-        if let Ok(chunk) = frame.into_data() {
-            if data.len() + chunk.len() > limit {
-                return Err(too_large());
-            }
-            data.push(chunk);
-        }
-    }
-    Ok(data.freeze())
 }
 
 /// Step 3: the whole body, or why not. Nothing is claimed before this succeeds.

@@ -303,9 +303,9 @@ async fn s17_4_a_long_event_stream_is_read_once_and_recorded() {
     assert_eq!(effects.count(), 1);
 }
 
-/// Issue 17 §4: the mode decides from the first bytes (or the `Mcp-Method` header) whether a
-/// request is a guarded call; only then does the guarded body limit apply. A big `tools/list`
-/// or batch passes through untouched; a guarded call over the limit is refused.
+/// Issue 17 §4: a request that cannot ask for a guarantee (no key header, and no `_meta` keys
+/// read on the route) passes unread, whatever its size: a big `tools/list` or batch passes
+/// through untouched; a keyed call over the body limit is refused.
 #[tokio::test]
 async fn s17_4_big_unguarded_requests_pass_and_big_guarded_calls_are_refused() {
     let (addr, effects) = server(JsonRpc::new()).await;
@@ -323,10 +323,11 @@ async fn s17_4_big_unguarded_requests_pass_and_big_guarded_calls_are_refused() {
     let late = format!(
         r#"{{"jsonrpc":"2.0","params":{{"pad":"{filler}"}},"id":2,"method":"tools/list"}}"#
     );
+    // Without a key header, on a route that reads no `_meta` keys, nothing can ask for a
+    // guarantee: passes unread, wherever its `method` is.
     assert_eq!(
         send(addr, "/mcp", None, &late).await.status(),
-        413,
-        "undecided in 64 KiB: limited"
+        StatusCode::OK
     );
     // (Under axum's own 2 MB limit for the handler's `Bytes`.)
     let batch = format!("[{list}]");
@@ -353,8 +354,8 @@ async fn s17_4_big_unguarded_requests_pass_and_big_guarded_calls_are_refused() {
     assert_eq!(refused.status(), StatusCode::PAYLOAD_TOO_LARGE);
     assert_eq!(
         effects.count(),
-        3,
-        "the three that passed ran; the big call did not"
+        4,
+        "the four that passed ran; the big call did not"
     );
 }
 
@@ -436,9 +437,16 @@ async fn s17_3_an_oversized_response_is_enveloped_too() {
     let text = first.text().await.expect("body");
     let v: Value = serde_json::from_str(&text).expect("the envelope is JSON");
     assert_eq!(v["idempotent_replay"], false);
-    assert!(text.ends_with(&format!(r#""original_response":{big_json}}}"#)), "{text}");
+    assert!(
+        text.ends_with(&format!(r#""original_response":{big_json}}}"#)),
+        "{text}"
+    );
     let replay = send(addr, "/json", Some("k-big-json"), "{}").await;
-    assert_eq!(replay.status(), StatusCode::CONFLICT, "the key stays consumed");
+    assert_eq!(
+        replay.status(),
+        StatusCode::CONFLICT,
+        "the key stays consumed"
+    );
     let first = send(addr, "/text", Some("k-big-text"), "{}").await;
     let v: Value = serde_json::from_str(&first.text().await.expect("body")).expect("JSON");
     assert_eq!(
@@ -447,4 +455,99 @@ async fn s17_3_an_oversized_response_is_enveloped_too() {
         "text escaped on the way"
     );
     assert_eq!(effects.count(), 2);
+}
+
+/// Review of issue 17: the shapes that let a `_meta`-keyed call run unguarded are closed.
+#[tokio::test]
+async fn s17_review_meta_keyed_calls_are_never_run_unguarded() {
+    let (addr, effects) = server(JsonRpc::new().meta_key("idempotencyKey")).await;
+    let bodies = [
+        r#"{"jsonrpc":"2.0","id":1,"method":"tools/call","method":"tools/call","params":{"name":"t","_meta":{"idempotencyKey":"k1"}}}"#,
+        r#"{"jsonrpc":"2.0","id":1,"method":"tools/list","method":"tools/call","params":{"name":"t","_meta":{"idempotencyKey":"k2"}}}"#,
+        r#"{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"t","_meta":{"idempotencyKey":"k3"},"_meta":{}}}"#,
+        r#"{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"t","_meta":{"idempotencyKey":"a","idempotencyKey":"b"}}}"#,
+    ];
+    for body in bodies {
+        for _ in 0..2 {
+            let res = send(addr, "/mcp", None, body).await;
+            assert_eq!(res.status(), StatusCode::BAD_REQUEST, "{body}");
+        }
+    }
+    for header in ["tools/list", "Tools/Call"] {
+        let res = client()
+            .post(format!("http://{addr}/mcp"))
+            .header("content-type", "application/json")
+            .header("mcp-method", header)
+            .body(r#"{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"_meta":{"idempotencyKey":"k4"}}}"#)
+            .send()
+            .await
+            .expect("request");
+        assert_eq!(error_code(res).await, -32020, "{header}");
+    }
+    assert_eq!(effects.count(), 0, "nothing ran unguarded");
+}
+
+/// A tool server answering as real ones do: a task handle typed `"task"`, the id written back
+/// as it parsed it (`1.0` as `1`), an SSE stream with CR line ends, without its last blank
+/// line, or starting with a byte-order mark. Each is one run per key; the retry is a replay.
+#[tokio::test]
+async fn s17_review_real_server_answers_are_recorded() {
+    let effects = Effects::default();
+    let sink = effects.clone();
+    let app = Router::new()
+        .route(
+            "/mcp",
+            post(move |req_headers: axum::http::HeaderMap, body: Bytes| async move {
+                let n = sink.hit();
+                let message: Value = serde_json::from_slice(&body).unwrap_or_default();
+                // As a JavaScript server would: integral ids come back as integers.
+                let id = match message["id"].as_f64() {
+                    Some(f) if f.fract() == 0.0 => format!("{}", f as i64),
+                    _ => message["id"].to_string(),
+                };
+                let answer = format!(
+                    r#"{{"jsonrpc":"2.0","id":{id},"result":{{"resultType":"task","taskId":"task-{n}","status":"working"}}}}"#
+                );
+                let shape = req_headers
+                    .get("x-shape")
+                    .and_then(|v| v.to_str().ok())
+                    .unwrap_or("json");
+                let (content_type, text) = match shape {
+                    "cr" => ("text/event-stream", format!("data: {answer}\r\r")),
+                    "unterminated" => ("text/event-stream", format!("data: {answer}")),
+                    "bom" => ("text/event-stream", format!("\u{feff}data: {answer}\n\n")),
+                    _ => ("application/json", answer),
+                };
+                ([(header::CONTENT_TYPE, content_type)], text).into_response()
+            }),
+        )
+        .layer(
+            IdempotencyLayer::new(MemoryStore::new())
+                .single_tenant()
+                .jsonrpc(JsonRpc::new()),
+        );
+    let addr = serve(app).await;
+    let mut keys = 0;
+    for shape in ["json", "cr", "unterminated", "bom"] {
+        for id in ["1.0", "1e2", "-0", "7"] {
+            keys += 1;
+            let key = format!("k-{shape}-{id}");
+            for attempt in 0..2 {
+                let res = client()
+                    .post(format!("http://{addr}/mcp"))
+                    .header("content-type", "application/json")
+                    .header("accept", "application/json, text/event-stream")
+                    .header("idempotency-key", &key)
+                    .header("x-shape", shape)
+                    .body(call(id, "{}"))
+                    .send()
+                    .await
+                    .expect("request");
+                let replayed = res.headers().get("idempotency-replayed").is_some();
+                assert_eq!(replayed, attempt == 1, "{shape} {id}");
+                let _ = res.bytes().await;
+            }
+        }
+    }
+    assert_eq!(effects.count(), keys, "one task per key");
 }

@@ -849,7 +849,7 @@ struct Decimal<'a> {
 
 /// Whether two number texts (JSON grammar, or ECMAScript's form) name exactly the same value.
 /// An exponent too large to read is never the same as anything.
-fn same_decimal(a: &str, b: &str) -> bool {
+pub(crate) fn same_decimal(a: &str, b: &str) -> bool {
     match (decimal(a), decimal(b)) {
         (Some(a), Some(b)) => a == b,
         _ => false,
