@@ -1038,3 +1038,36 @@ async fn s15_9_the_fault_matrix_on_postgres() {
     };
     fault_matrix("postgres", store).await;
 }
+
+/// Issue 18 §4 (found by the review of issue 15): uncertainty never expires into a second run.
+/// The response write fails, the key is left "outcome unknown"; a day later (past the TTL) the
+/// retry is still told so, and the handler does not run again.
+#[tokio::test]
+async fn s18_4_an_unknown_outcome_outlives_its_ttl() {
+    let clock = TestClock::default();
+    let store = Faulty::new(clock.store());
+    store.fail_complete.store(true, Ordering::SeqCst);
+    let effects = Effects::default();
+    let layer = IdempotencyLayer::new(store.clone())
+        .single_tenant()
+        .lease(Duration::from_millis(300))
+        .ttl(Duration::from_secs(60))
+        .on_lease_expiry(LeaseExpiry::Reconcile);
+    let addr = serve(effect_route(layer, effects.clone(), true)).await;
+    let key = unique("unknown-ttl");
+    assert_eq!(post_key(addr, &key).await.status(), StatusCode::CREATED);
+    let retry = post_key(addr, &key).await;
+    assert_eq!(
+        problem(retry).await["type"],
+        problem_type("outcome-unknown")
+    );
+    clock.advance(Duration::from_secs(24 * 3600));
+    store.inner.purge_expired().await.expect("purge");
+    let later = post_key(addr, &key).await;
+    assert_eq!(
+        problem(later).await["type"],
+        problem_type("outcome-unknown"),
+        "past the TTL, still unknown: never a second run"
+    );
+    assert_eq!(effects.count(), 1);
+}

@@ -50,6 +50,7 @@ macro_rules! all_checks {
             history_tells_what_happened,
             history_is_bounded,
             history_keeps_its_first_attempts_and_its_outcome,
+            unsettled_records_never_expire,
         );
     };
 }

@@ -56,6 +56,7 @@ pub async fn run_all<S: IdempotencyStore>(store: Arc<S>) {
     history_tells_what_happened(&store).await;
     history_is_bounded(&store).await;
     history_keeps_its_first_attempts_and_its_outcome(&store).await;
+    unsettled_records_never_expire(&store).await;
 }
 
 fn unique_key(name: &str) -> ScopedKey {
@@ -566,6 +567,52 @@ pub async fn uncertain_records_are_listed_and_resolved<S: IdempotencyStore>(stor
     )
     .await;
     assert_eq!(again.attempt, 2, "it runs again as the next attempt");
+}
+
+/// Issue 18 §4: uncertainty never expires into a second run. A record awaiting
+/// reconciliation, or one whose holder died after its effect started, outlives its TTL: a
+/// claim after it finds the record (attempt 1, its history), never a fresh key, and neither a
+/// purge nor a lookup loses it. A settled record past its TTL is absent, as before.
+pub async fn unsettled_records_never_expire<S: IdempotencyStore>(store: &S) {
+    let marked = unique_key("unsettled-marked");
+    let lease = acquire(store, &request(&marked, 1, SHORT, SHORT), "a fresh key").await;
+    store
+        .mark_uncertain(&marked, lease.token)
+        .await
+        .expect("mark_uncertain");
+    let started = unique_key("unsettled-started");
+    let lease = acquire(store, &request(&started, 1, SHORT, SHORT), "a fresh key").await;
+    store
+        .record_milestone(&started, lease.token, &Milestone::EffectStarted)
+        .await
+        .expect("milestone");
+    let settled = unique_key("settled");
+    let lease = acquire(store, &request(&settled, 1, SHORT, SHORT), "a fresh key").await;
+    store
+        .complete(&settled, lease.token, &response(), SHORT)
+        .await
+        .expect("complete");
+    tokio::time::sleep(PAST_SHORT).await;
+    store.purge_expired().await.expect("purge");
+    for key in [&marked, &started] {
+        let (record, _) = existing(store, &request(key, 1, SHORT, SHORT), "an unsettled key").await;
+        assert_eq!(
+            record.status,
+            RecordStatus::NeedsReconciliation,
+            "past its TTL, still awaiting reconciliation: {key:?}"
+        );
+        assert_eq!(record.attempts, 1, "never claimed as new");
+        assert!(store.lookup(key).await.expect("lookup").is_some());
+    }
+    let listed = store.list_uncertain(10_000).await.expect("list_uncertain");
+    assert!(
+        listed.iter().any(|r| r.key == marked),
+        "still listed for reconciliation"
+    );
+    assert!(
+        store.lookup(&settled).await.expect("lookup").is_none(),
+        "a settled record expires"
+    );
 }
 
 /// Issue 15 §6: a key's history is bounded. Replays written by routes that record refusals

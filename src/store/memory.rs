@@ -429,11 +429,12 @@ impl MemoryStore {
         let mut next = u64::MAX;
         let mut freed = 0;
         shard.records.retain(|e| {
-            let keep = e.expires_at > now;
-            if keep {
-                next = next.min(e.expires_at);
-            } else {
+            let keep = !expired(e, now);
+            if !keep {
                 freed += e.weight();
+            } else if e.expires_at > now {
+                // Records kept past their TTL (unsettled) would make every sweep look due.
+                next = next.min(e.expires_at);
             }
             keep
         });
@@ -500,7 +501,7 @@ impl MemoryStore {
         // Tokens only for claims that acquire: a replay takes none, so it writes nothing the
         // other threads read.
         if let Some(r) = shard.find_mut(hash, &req.key) {
-            if r.expires_at > now {
+            if !expired(r, now) {
                 let takeover = if r.fingerprint != req.fingerprint {
                     false
                 } else {
@@ -646,7 +647,7 @@ impl IdempotencyStore for MemoryStore {
         let (hash, shard) = self.shard(key);
         shard
             .find(hash, key)
-            .filter(|r| r.expires_at > now)
+            .filter(|r| !expired(r, now))
             .map(Entry::to_record)
             .transpose()
     }
@@ -700,7 +701,7 @@ impl IdempotencyStore for MemoryStore {
         for shard in &self.inner.shards {
             let shard = lock(shard);
             for r in shard.records.iter() {
-                if r.expires_at > now && uncertain(r, now) {
+                if uncertain(r, now) {
                     found.push(r.to_record()?);
                 }
             }
@@ -739,7 +740,7 @@ impl IdempotencyStore for MemoryStore {
         let now = self.now();
         let (hash, mut shard) = self.shard(key);
         if let Some(r) = shard.find_mut(hash, key)
-            && r.expires_at > now
+            && !expired(r, now)
         {
             let before = r.weight();
             log_capped(r, now, event, HISTORY_REFUSALS);
@@ -773,6 +774,18 @@ fn log_capped(r: &mut Entry, now: u64, event: HistoryEvent, cap: usize) {
         },
         cap,
     );
+}
+
+/// Whether a record counts as absent: past its TTL, and its outcome not unknown. A record
+/// awaiting reconciliation, or whose holder marked its effect started, never expires into a
+/// new run; it stays until resolved (DESIGN §4).
+fn expired(r: &Entry, now: u64) -> bool {
+    r.expires_at <= now
+        && match r.status {
+            RecordStatus::Completed | RecordStatus::Released => true,
+            RecordStatus::InProgress => !r.effect_started,
+            RecordStatus::NeedsReconciliation => false,
+        }
 }
 
 /// Whether nobody knows the record's outcome: marked so, or its holder's lease ran out.

@@ -266,7 +266,10 @@ impl std::error::Error for StoreError {
 ///
 /// [`claim`](Self::claim) decides, atomically, in this order:
 /// 1. no record, or one past its `expires_at` -> a fresh record, `in_progress`, attempt 1
-///    (a store keeps `expires_at` at or after `lease_until`, so a live lease never expires);
+///    (a store keeps `expires_at` at or after `lease_until`, so a live lease never expires).
+///    A record whose outcome is unknown (`needs_reconciliation`, or `in_progress` with its
+///    effect marked started) never expires: it stays until it is resolved, so uncertainty
+///    never turns into a second run;
 /// 2. a record with another fingerprint -> `Existing` (the caller answers 422);
 /// 3. `completed` or `needs_reconciliation` -> `Existing`;
 /// 4. `released` -> taken over: new token, `attempts + 1`, `in_progress`;

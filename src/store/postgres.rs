@@ -64,7 +64,11 @@ struct Statements {
     append_history: Arc<str>,
 }
 
-const EXPIRED: &str = "r.expires_at <= now()";
+/// A record past its TTL counts as absent, unless its outcome is unknown: one awaiting
+/// reconciliation, or whose holder marked its effect started, never expires into a new run; it
+/// stays until it is resolved (DESIGN §4).
+const EXPIRED: &str = "(r.expires_at <= now() AND (r.status IN ('completed', 'released') \
+    OR (r.status = 'in_progress' AND NOT r.effect_started)))";
 
 /// How long a claim, a renewal or a refusal note waits for a record locked by another
 /// transaction (a handler recording its milestone in its own transaction) before giving up: a
@@ -204,12 +208,12 @@ impl Statements {
             )
             .into(),
             lookup: format!(
-                "SELECT {} FROM {t} r WHERE r.scope = $1 AND r.key = $2 AND r.expires_at > now()",
+                "SELECT {} FROM {t} r WHERE r.scope = $1 AND r.key = $2 AND NOT {EXPIRED}",
                 cols("r")
             )
             .into(),
             remove: format!("DELETE FROM {t} WHERE scope = $1 AND key = $2").into(),
-            purge: format!("DELETE FROM {t} WHERE expires_at <= now()").into(),
+            purge: format!("DELETE FROM {t} r WHERE {EXPIRED}").into(),
             effect_started: format!(
                 "UPDATE {t} SET effect_started = true, updated_at = now(), {} WHERE {fenced}",
                 log("'effect_started'")
@@ -221,7 +225,7 @@ impl Statements {
             )
             .into(),
             list_uncertain: format!(
-                "SELECT {} FROM {t} r WHERE ({uncertain}) AND r.expires_at > now()
+                "SELECT {} FROM {t} r WHERE ({uncertain})
                  ORDER BY r.updated_at LIMIT $1",
                 cols("r"),
                 uncertain = UNCERTAIN,
@@ -247,8 +251,10 @@ impl Statements {
             .into(),
             append_history: format!(
                 "UPDATE {t} SET {} FROM {BOUNDED}
-                 WHERE scope = $1 AND key = $2 AND expires_at > now() AND bounded.wait IS NOT NULL",
-                log_capped("$3", HISTORY_REFUSALS)
+                 WHERE {t}.scope = $1 AND {t}.key = $2 AND NOT {expired_here}
+                   AND bounded.wait IS NOT NULL",
+                log_capped("$3", HISTORY_REFUSALS),
+                expired_here = EXPIRED.replace("r.", &format!("{t}."))
             )
             .into(),
         }

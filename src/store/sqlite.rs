@@ -78,7 +78,11 @@ fn entry(attempt: &str, token: &str, event: &str) -> String {
 impl Statements {
     fn new(table: &str) -> Self {
         let t = format!("\"{table}\"");
-        let expired = format!("r.expires_at <= {NOW}");
+        // An unknown outcome (awaiting reconciliation, or an effect started) never expires.
+        let expired = format!(
+            "(r.expires_at <= {NOW} AND (r.status IN ('completed', 'released') \
+             OR (r.status = 'in_progress' AND NOT r.effect_started)))"
+        );
         let same = "r.fingerprint = excluded.fingerprint";
         let lease_over = format!("r.status = 'in_progress' AND r.lease_until <= {NOW}");
         let takeover = format!(
@@ -164,11 +168,11 @@ impl Statements {
             .into(),
             current: format!("SELECT {COLUMNS}, {NOW} FROM {t} WHERE scope = ?1 AND key = ?2").into(),
             lookup: format!(
-                "SELECT {COLUMNS}, {NOW} FROM {t} WHERE scope = ?1 AND key = ?2 AND expires_at > {NOW}"
+                "SELECT {COLUMNS}, {NOW} FROM {t} r WHERE scope = ?1 AND key = ?2 AND NOT {expired}"
             )
             .into(),
             remove: format!("DELETE FROM {t} WHERE scope = ?1 AND key = ?2").into(),
-            purge: format!("DELETE FROM {t} WHERE expires_at <= {NOW}").into(),
+            purge: format!("DELETE FROM {t} AS r WHERE {expired}").into(),
             effect_started: format!(
                 "UPDATE {t} SET effect_started = 1, updated_at = {NOW}, {} WHERE {fenced}",
                 log("'effect_started'")
@@ -180,7 +184,7 @@ impl Statements {
             )
             .into(),
             list_uncertain: format!(
-                "SELECT {COLUMNS}, {NOW} FROM {t} r WHERE ({uncertain}) AND r.expires_at > {NOW}
+                "SELECT {COLUMNS}, {NOW} FROM {t} r WHERE ({uncertain})
                  ORDER BY r.updated_at LIMIT ?1"
             )
             .into(),
@@ -202,7 +206,7 @@ impl Statements {
             )
             .into(),
             append_history: format!(
-                "UPDATE {t} SET {} WHERE scope = ?1 AND key = ?2 AND expires_at > {NOW}",
+                "UPDATE {t} AS r SET {} WHERE scope = ?1 AND key = ?2 AND NOT {expired}",
                 log_capped("?3", HISTORY_REFUSALS)
             )
             .into(),
