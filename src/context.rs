@@ -165,15 +165,24 @@ mod extract {
     use crate::problem::{Problem, ProblemKind};
 
     /// The handler asked for an [`IdempotencyContext`] on a request the layer did not guard
-    /// (no layer, a passed-through method, or an optional key that was absent).
+    /// (no layer on the route, a passed-through method, or an optional key that was absent).
+    /// That is the server's wiring, not the client's request: answered 500 `not-guarded`.
+    /// Extract `Option<IdempotencyContext>` where guarding is optional.
     #[derive(Debug, Clone, Copy)]
     pub struct MissingIdempotencyContext;
 
     impl IntoResponse for MissingIdempotencyContext {
         fn into_response(self) -> Response {
+            tracing::error!(
+                "misconfiguration: a handler extracts IdempotencyContext on a request the \
+                 idempotency layer did not guard"
+            );
             let problem = Problem::new(
-                ProblemKind::KeyMissing,
-                "this handler runs only for requests guarded by an idempotency key",
+                ProblemKind::NotGuarded,
+                "this handler needs an idempotency context, but the request was not guarded \
+                 by the idempotency layer (the route is outside the layer, or its key is \
+                 optional and was not sent): a server misconfiguration. Handlers on such routes \
+                 extract Option<IdempotencyContext>",
             );
             problem
                 .into_response::<axum_core::body::Body>()

@@ -98,7 +98,9 @@ pub(crate) fn busy() -> Decision {
 
 /// Whole seconds, rounded up, at least 1: `Retry-After: 0` would invite a busy loop.
 pub(crate) fn ceil_secs(d: Duration) -> u64 {
-    (d.as_secs() + u64::from(d.subsec_nanos() > 0)).max(1)
+    d.as_secs()
+        .saturating_add(u64::from(d.subsec_nanos() > 0))
+        .max(1)
 }
 
 #[cfg(test)]
@@ -111,5 +113,6 @@ mod tests {
         assert_eq!(ceil_secs(Duration::from_millis(1)), 1);
         assert_eq!(ceil_secs(Duration::from_millis(29_001)), 30);
         assert_eq!(ceil_secs(Duration::from_secs(30)), 30);
+        assert_eq!(ceil_secs(Duration::MAX), u64::MAX, "never overflows");
     }
 }

@@ -139,12 +139,24 @@ impl<St, M> IdempotencyLayer<St, M> {
     /// With axum you may instead put differently configured layers on different routes
     /// (`route_layer`); this form serves one layer across a router, and gRPC methods, whose
     /// paths are `/package.Service/Method`.
+    ///
+    /// # Panics
+    ///
+    /// When `path` already has settings: a second `for_path` for the same path would silently
+    /// replace the first, so it is refused while the layer is built, as axum refuses a route
+    /// added twice.
     pub fn for_path(
         mut self,
         path: impl Into<String>,
         f: impl Fn(RouteConfig) -> RouteConfig + Send + Sync + 'static,
     ) -> Self {
-        self.config_mut().overrides.push((path.into(), Arc::new(f)));
+        let path = path.into();
+        assert!(
+            !self.config.overrides.iter().any(|(p, _)| *p == path),
+            "IdempotencyLayer::for_path({path:?}) is given twice: the second would replace the \
+             first; configure the path in one call"
+        );
+        self.config_mut().overrides.push((path, Arc::new(f)));
         self
     }
 

@@ -128,7 +128,7 @@ pub use key::{IDEMPOTENCY_KEY, KeyError, MAX_KEY_LEN, ScopedKey};
 pub use layer::IdempotencyLayer;
 pub use policy::{CachePolicy, Outcome};
 pub use replay::IDEMPOTENCY_REPLAYED;
-pub use route::RouteConfig;
+pub use route::{LONGEST, RouteConfig};
 pub use scope::{MakeScope, MissingScope};
 pub use service::Idempotency;
 #[cfg(feature = "memory")]

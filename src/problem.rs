@@ -28,6 +28,7 @@
 //! | `execution-failed` | 500 | the handler panicked (the key was released), or its response body failed after it answered (`state: completed`: it will not run again) |
 //! | `call-unguardable` | 400 | a JSON-RPC call carries a key but cannot be guarded (a batch, a `null` id, a body the mode cannot read); nothing ran |
 //! | `header-mismatch` | 400 | the MCP `Mcp-Method` header names another method than the body; nothing ran |
+//! | `not-guarded` | 500 | a handler extracts `IdempotencyContext` on a request the layer did not guard (route outside the layer, or an optional key not sent): a server misconfiguration |
 //! | `scope-missing` | 500 | the request lacks what the layer's scope is made from (the auth layer did not run before it): a server misconfiguration; nothing ran |
 
 use bytes::Bytes;
@@ -69,6 +70,9 @@ pub enum ProblemKind {
     CallUnguardable,
     /// 400: the MCP `Mcp-Method` header names another method than the body; nothing ran.
     HeaderMismatch,
+    /// 500: a handler needs an `IdempotencyContext` on a request the layer did not guard: the
+    /// server is wired wrong.
+    NotGuarded,
 }
 
 impl ProblemKind {
@@ -89,6 +93,7 @@ impl ProblemKind {
             Self::ScopeMissing => "scope-missing",
             Self::CallUnguardable => "call-unguardable",
             Self::HeaderMismatch => "header-mismatch",
+            Self::NotGuarded => "not-guarded",
         }
     }
 
@@ -110,7 +115,9 @@ impl ProblemKind {
             Self::FingerprintMismatch => StatusCode::UNPROCESSABLE_ENTITY,
             Self::InFlight | Self::OutcomeUnknown | Self::ResponseNotStored => StatusCode::CONFLICT,
             Self::StoreUnavailable => StatusCode::SERVICE_UNAVAILABLE,
-            Self::ExecutionFailed | Self::ScopeMissing => StatusCode::INTERNAL_SERVER_ERROR,
+            Self::ExecutionFailed | Self::ScopeMissing | Self::NotGuarded => {
+                StatusCode::INTERNAL_SERVER_ERROR
+            }
         }
     }
 
@@ -130,6 +137,7 @@ impl ProblemKind {
             Self::ScopeMissing => "Caller's identity missing (server misconfiguration)",
             Self::CallUnguardable => "Keyed call cannot be guarded",
             Self::HeaderMismatch => "Mcp-Method header does not match the body",
+            Self::NotGuarded => "Request not guarded (server misconfiguration)",
             Self::ExecutionFailed => "Execution failed",
         }
     }

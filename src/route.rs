@@ -11,6 +11,11 @@ use crate::jsonrpc::JsonRpc;
 use crate::policy::CachePolicy;
 use crate::store::LeaseExpiry;
 
+/// The longest TTL, lease or wait a route takes: longer ones are cut to it. Every store can
+/// represent a time this far ahead (`now() + interval` in SQL overflows on `Duration::MAX`,
+/// which would turn every request into a 503), and no deadline computed from it overflows.
+pub const LONGEST: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
+
 /// The settings of one route (or of the whole layer, as its default).
 ///
 /// Build it by value, starting from the layer's defaults:
@@ -90,7 +95,7 @@ impl RouteConfig {
 
     /// How long a recorded outcome is replayed (default 24 hours); afterwards the key is new.
     pub fn ttl(mut self, ttl: Duration) -> Self {
-        self.ttl = ttl;
+        self.ttl = ttl.min(LONGEST);
         self
     }
 
@@ -104,7 +109,7 @@ impl RouteConfig {
     /// handler blocking it for longer than the lease loses the lease as a crashed holder would,
     /// so run blocking work there in `tokio::task::spawn_blocking`.
     pub fn lease(mut self, lease: Duration) -> Self {
-        self.lease = lease.max(Duration::from_millis(30));
+        self.lease = lease.clamp(Duration::from_millis(30), LONGEST);
         self
     }
 
@@ -155,7 +160,7 @@ impl RouteConfig {
 
     /// The `Retry-After` sent with 503 when the store fails (default 1 s).
     pub fn unavailable_retry_after(mut self, after: Duration) -> Self {
-        self.unavailable_retry_after = after;
+        self.unavailable_retry_after = after.min(LONGEST);
         self
     }
 
@@ -219,7 +224,7 @@ impl RouteConfig {
     /// the key to finish, then replays its outcome (or runs, if it gave the key back); after the
     /// wait, answers 409 as usual (default: no wait). For callers that cannot handle 409 well.
     pub fn wait_for_in_flight(mut self, wait: Duration) -> Self {
-        self.wait_for_in_flight = Some(wait);
+        self.wait_for_in_flight = Some(wait.min(LONGEST));
         self
     }
 
