@@ -131,6 +131,11 @@ pub use replay::IDEMPOTENCY_REPLAYED;
 pub use route::{LONGEST, RouteConfig};
 pub use scope::{MakeScope, MissingScope};
 pub use service::Idempotency;
+pub use store::AnyStore;
 #[cfg(feature = "memory")]
 pub use store::MemoryStore;
+#[cfg(feature = "postgres")]
+pub use store::PostgresStore;
+#[cfg(feature = "sqlite")]
+pub use store::SqliteStore;
 pub use store::{IdempotencyStore, LeaseExpiry};

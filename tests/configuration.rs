@@ -150,3 +150,37 @@ fn s20_9_the_same_path_configured_twice_is_refused() {
         .for_path("/charge", |r| r.require_key(false))
         .for_path("/charge", |r| r.require_key(true));
 }
+
+/// Issue 20 §2: a store whose table is missing says so at start-up, naming the fix, instead of
+/// answering every request 503 in silence.
+#[tokio::test]
+async fn s20_2_a_store_without_its_table_says_to_migrate() {
+    use tower_idempotency::store::{CheckError, PostgresStore, SqliteStore};
+    let path = common::sqlite_path("unmigrated");
+    let sqlite = SqliteStore::connect(&format!("sqlite://{}", path.display()))
+        .await
+        .expect("open");
+    let error = sqlite.check().await.expect_err("no table yet");
+    assert!(matches!(error, CheckError::NotMigrated { .. }));
+    assert!(error.to_string().contains("migrate()"), "{error}");
+    sqlite.migrate().await.expect("migrate");
+    sqlite.check().await.expect("migrated");
+    if let Some(pool) = common::postgres_pool().await {
+        let table = "config_never_migrated";
+        sqlx::query(sqlx::AssertSqlSafe(format!("DROP TABLE IF EXISTS {table}")))
+            .execute(&pool)
+            .await
+            .expect("drop");
+        let postgres = PostgresStore::new(pool)
+            .with_table("public", table)
+            .expect("table");
+        let error = postgres.check().await.expect_err("no table yet");
+        assert!(
+            error.to_string().contains("public.config_never_migrated"),
+            "{error}"
+        );
+        assert!(error.to_string().contains("migrate()"), "{error}");
+        postgres.migrate().await.expect("migrate");
+        postgres.check().await.expect("migrated");
+    }
+}

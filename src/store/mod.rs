@@ -38,7 +38,7 @@ pub use memory::MemoryStore;
 #[cfg(feature = "postgres")]
 pub use postgres::PostgresStore;
 #[cfg(any(feature = "postgres", feature = "sqlite"))]
-pub use sql::InvalidIdentifier;
+pub use sql::{CheckError, InvalidIdentifier};
 #[cfg(feature = "sqlite")]
 pub use sqlite::SqliteStore;
 

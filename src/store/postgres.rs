@@ -380,6 +380,26 @@ impl PostgresStore {
         tx.commit().await
     }
 
+    /// Checks that the table [`migrate`](Self::migrate) makes is there, with its indexes: call it
+    /// at start-up to fail fast with a message that names the fix, instead of a service that
+    /// answers every guarded request 503.
+    ///
+    /// ```no_run
+    /// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+    /// let store = tower_idempotency::store::PostgresStore::connect("postgres://postgres@127.0.0.1/app").await?;
+    /// store.check().await?; // "… does not exist: run `store.migrate().await` …"
+    /// # Ok(()) }
+    /// ```
+    pub async fn check(&self) -> Result<(), super::CheckError> {
+        match self.up_to_date().await {
+            Ok(true) => Ok(()),
+            Ok(false) => Err(super::CheckError::NotMigrated {
+                table: format!("{}.{}", self.sql.schema, self.sql.table),
+            }),
+            Err(e) => Err(super::CheckError::Unreachable(e)),
+        }
+    }
+
     /// Whether the table, its history column and both indexes exist, read from the catalog
     /// (which takes no lock on the table).
     async fn up_to_date(&self) -> Result<bool, sqlx::Error> {

@@ -27,6 +27,44 @@ impl fmt::Display for InvalidIdentifier {
 
 impl std::error::Error for InvalidIdentifier {}
 
+/// Why a SQL store cannot serve: the database is out of reach, or its table is not there.
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum CheckError {
+    /// The database could not be queried.
+    Unreachable(sqlx::Error),
+    /// The table (or its indexes) is missing: run the store's `migrate()` first.
+    NotMigrated {
+        /// The table the store was configured with.
+        table: String,
+    },
+}
+
+impl fmt::Display for CheckError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Unreachable(e) => {
+                write!(f, "the idempotency store's database is unreachable: {e}")
+            }
+            Self::NotMigrated { table } => write!(
+                f,
+                "the idempotency store's table {table} (or its indexes) does not exist: run \
+                 `store.migrate().await` at start-up, or apply `store.migration_sql()` with your \
+                 own migrations; until then every guarded request is answered 503"
+            ),
+        }
+    }
+}
+
+impl std::error::Error for CheckError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            Self::Unreachable(e) => Some(e),
+            Self::NotMigrated { .. } => None,
+        }
+    }
+}
+
 /// Accepts `[A-Za-z_][A-Za-z0-9_]{0,62}`: names that need no quoting and cannot smuggle SQL.
 pub(crate) fn identifier(name: &str) -> Result<&str, InvalidIdentifier> {
     let mut chars = name.chars();

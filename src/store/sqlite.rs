@@ -284,6 +284,29 @@ impl SqliteStore {
         ]
     }
 
+    /// Checks that the table [`migrate`](Self::migrate) makes is there, with its index: call it
+    /// at start-up to fail fast with a message that names the fix, instead of a service that
+    /// answers every guarded request 503.
+    pub async fn check(&self) -> Result<(), super::CheckError> {
+        let table = &self.sql.table;
+        let present: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM sqlite_master WHERE (type = 'table' AND name = ?1)
+                OR (type = 'index' AND name = ?2)",
+        )
+        .bind(table)
+        .bind(sql::derived_name(table, "_expires_at"))
+        .fetch_one(&self.pool)
+        .await
+        .map_err(super::CheckError::Unreachable)?;
+        if present == 2 {
+            Ok(())
+        } else {
+            Err(super::CheckError::NotMigrated {
+                table: table.clone(),
+            })
+        }
+    }
+
     /// Creates the table and index if missing.
     pub async fn migrate(&self) -> Result<(), sqlx::Error> {
         let mut tx = self.pool.begin().await?;
