@@ -225,11 +225,17 @@ const SCRATCH_KEEP: usize = 64 * 1024;
 /// are only those that provably change nothing: `boundary` of a multipart body (its parts are
 /// what counts) and `charset=utf-8` of JSON (JSON is UTF-8 by definition). `text/plain;
 /// charset=latin1` and `text/plain` are different requests.
-pub(crate) fn media_with_parameters(content_type: &str) -> String {
+pub(crate) fn media_with_parameters(content_type: &str) -> std::borrow::Cow<'_, str> {
     let media = media_type(content_type);
-    let mut parameters: Vec<(String, String)> = split_outside_quotes(content_type, b';')
+    // Most requests: no parameters, nothing to allocate.
+    if !content_type.contains(';') {
+        return media;
+    }
+    let mut parameters: Vec<(String, String)> = split_outside_quotes(content_type.as_bytes(), b';')
         .into_iter()
         .skip(1)
+        // Split at an ASCII byte, so each piece is UTF-8 still.
+        .filter_map(|parameter| std::str::from_utf8(parameter).ok())
         .filter_map(|parameter| {
             let (name, value) = parameter.split_once('=').unwrap_or((parameter, ""));
             let name = name.trim().to_ascii_lowercase();
@@ -245,7 +251,7 @@ pub(crate) fn media_with_parameters(content_type: &str) -> String {
         })
         .collect();
     if parameters.is_empty() {
-        return media.into_owned();
+        return media;
     }
     // By name only, and stable: a repeated parameter keeps its order, which may be data.
     parameters.sort_by(|a, b| a.0.cmp(&b.0));
@@ -254,13 +260,13 @@ pub(crate) fn media_with_parameters(content_type: &str) -> String {
         // Length-framed, so no value can imitate another parameter.
         out.push_str(&format!(";{}:{name}={}:{value}", name.len(), value.len()));
     }
-    out
+    out.into()
 }
 
 /// `text` split at `separator`, except inside quoted strings (RFC 9110 §5.6.4).
-fn split_outside_quotes(text: &str, separator: u8) -> Vec<&str> {
+fn split_outside_quotes(text: &[u8], separator: u8) -> Vec<&[u8]> {
     let (mut pieces, mut start, mut quoted, mut escaped) = (Vec::new(), 0, false, false);
-    for (i, b) in text.bytes().enumerate() {
+    for (i, &b) in text.iter().enumerate() {
         match b {
             _ if escaped => escaped = false,
             b'\\' if quoted => escaped = true,
@@ -279,25 +285,11 @@ fn split_outside_quotes(text: &str, separator: u8) -> Vec<&str> {
 /// The elements of a field's lines taken as one comma-separated list; a comma inside a
 /// quoted string does not split it.
 fn field_elements<'a>(lines: impl Iterator<Item = &'a [u8]>) -> Vec<&'a [u8]> {
-    let mut elements = Vec::new();
-    for line in lines {
-        let (mut start, mut quoted, mut escaped) = (0, false, false);
-        for (i, &b) in line.iter().enumerate() {
-            match b {
-                _ if escaped => escaped = false,
-                b'\\' if quoted => escaped = true,
-                b'"' => quoted = !quoted,
-                b',' if !quoted => {
-                    elements.push(line[start..i].trim_ascii());
-                    start = i + 1;
-                }
-                _ => {}
-            }
-        }
-        elements.push(line[start..].trim_ascii());
-    }
-    elements.retain(|e| !e.is_empty());
-    elements
+    lines
+        .flat_map(|line| split_outside_quotes(line, b','))
+        .map(<[u8]>::trim_ascii)
+        .filter(|element| !element.is_empty())
+        .collect()
 }
 
 /// The contents of an RFC 9110 quoted-string: `\x` stands for `x`.
