@@ -19,10 +19,7 @@ use std::time::{Duration, SystemTime};
 use axum::Router;
 use axum::http::StatusCode;
 use axum::routing::post;
-use tower_idempotency::store::{
-    AnyStore, Claim, ClaimRequest, FencingToken, HistoryEvent, Milestone, Record, RecordStatus,
-    Resolution, ScopedKey, StoreError, StoredResponse,
-};
+use tower_idempotency::store::AnyStore;
 use tower_idempotency::{IdempotencyContext, IdempotencyLayer, IdempotencyStore, LeaseExpiry};
 
 /// Where the server is killed.
@@ -63,84 +60,6 @@ fn stop_here(step: &str, at: &str) {
         loop {
             std::thread::sleep(Duration::from_secs(60));
         }
-    }
-}
-
-/// The store, with the steps around its claim and record where the child may stop.
-#[derive(Clone)]
-struct Stopping<S> {
-    inner: S,
-    step: Arc<str>,
-}
-
-impl<S: IdempotencyStore> IdempotencyStore for Stopping<S> {
-    async fn claim(&self, request: &ClaimRequest) -> Result<Claim, StoreError> {
-        stop_here(&self.step, "before_claim");
-        let claim = self.inner.claim(request).await;
-        stop_here(&self.step, "after_claim");
-        claim
-    }
-    async fn renew(
-        &self,
-        key: &ScopedKey,
-        token: FencingToken,
-        lease: Duration,
-    ) -> Result<SystemTime, StoreError> {
-        self.inner.renew(key, token, lease).await
-    }
-    async fn complete(
-        &self,
-        key: &ScopedKey,
-        token: FencingToken,
-        response: &StoredResponse,
-        ttl: Duration,
-    ) -> Result<(), StoreError> {
-        stop_here(&self.step, "before_record");
-        let done = self.inner.complete(key, token, response, ttl).await;
-        stop_here(&self.step, "after_record");
-        done
-    }
-    async fn release(
-        &self,
-        key: &ScopedKey,
-        token: FencingToken,
-    ) -> Result<RecordStatus, StoreError> {
-        self.inner.release(key, token).await
-    }
-    async fn mark_uncertain(&self, key: &ScopedKey, token: FencingToken) -> Result<(), StoreError> {
-        self.inner.mark_uncertain(key, token).await
-    }
-    async fn lookup(&self, key: &ScopedKey) -> Result<Option<Record>, StoreError> {
-        self.inner.lookup(key).await
-    }
-    async fn remove(&self, key: &ScopedKey) -> Result<bool, StoreError> {
-        self.inner.remove(key).await
-    }
-    async fn purge_expired(&self) -> Result<u64, StoreError> {
-        self.inner.purge_expired().await
-    }
-    async fn record_milestone(
-        &self,
-        key: &ScopedKey,
-        token: FencingToken,
-        milestone: &Milestone,
-    ) -> Result<(), StoreError> {
-        self.inner.record_milestone(key, token, milestone).await
-    }
-    async fn list_uncertain(&self, limit: usize) -> Result<Vec<Record>, StoreError> {
-        self.inner.list_uncertain(limit).await
-    }
-    async fn resolve(
-        &self,
-        key: &ScopedKey,
-        token: FencingToken,
-        resolution: &Resolution,
-        ttl: Duration,
-    ) -> Result<(), StoreError> {
-        self.inner.resolve(key, token, resolution, ttl).await
-    }
-    async fn append_history(&self, key: &ScopedKey, event: HistoryEvent) -> Result<(), StoreError> {
-        self.inner.append_history(key, event).await
     }
 }
 
@@ -202,10 +121,10 @@ fn child(step: &str) {
         .expect("runtime");
     runtime.block_on(async {
         let store = AnyStore::connect(&env("CRASH_STORE")).await.expect("store");
-        let store = Stopping {
-            inner: store,
-            step: step.into(),
-        };
+        // The steps around the claim and the record are the fault injector's.
+        let mut store = common::faulty::Faulty::new(store);
+        let stop_at: Arc<str> = step.into();
+        store.at_step = Some(Arc::new(move |at| stop_here(&stop_at, at)));
         let app = app(
             store,
             expiry(&env("CRASH_EXPIRY")),

@@ -15,7 +15,7 @@ use tower_idempotency::store::{
 };
 
 /// Cloning shares the faults: a test keeps one clone and hands another to the layer.
-#[derive(Clone, Default)]
+#[derive(Clone)]
 pub struct Faulty<S> {
     pub inner: S,
     /// Every operation fails while set, reads included.
@@ -38,6 +38,15 @@ pub struct Faulty<S> {
     pub down_on_complete: Arc<Mutex<Option<Duration>>>,
     /// Every `complete` waits this long before it writes.
     pub pause_before_complete: Arc<Mutex<Option<Duration>>>,
+    /// Called at each step around the claim and the record (`before_claim`, `after_claim`,
+    /// `before_record`, `after_record`): a crash test stops its process there.
+    pub at_step: Option<Arc<dyn Fn(&'static str) + Send + Sync>>,
+}
+
+impl<S: Default> Default for Faulty<S> {
+    fn default() -> Self {
+        Self::new(S::default())
+    }
 }
 
 impl<S> Faulty<S> {
@@ -55,6 +64,7 @@ impl<S> Faulty<S> {
             pause_after_claim: Arc::default(),
             down_on_complete: Arc::default(),
             pause_before_complete: Arc::default(),
+            at_step: None,
         }
     }
 
@@ -85,6 +95,12 @@ impl<S> Faulty<S> {
         Ok(())
     }
 
+    fn step(&self, name: &'static str) {
+        if let Some(at_step) = &self.at_step {
+            at_step(name);
+        }
+    }
+
     fn op(&self, name: &'static str) -> Result<(), StoreError> {
         let n = self.ops.fetch_add(1, Ordering::SeqCst) + 1;
         self.log.lock().expect("lock").push(name);
@@ -104,8 +120,11 @@ fn injected(what: &str) -> StoreError {
 
 impl<S: IdempotencyStore> IdempotencyStore for Faulty<S> {
     async fn claim(&self, request: &ClaimRequest) -> Result<Claim, StoreError> {
+        self.step("before_claim");
         self.op("claim")?;
-        let claim = self.inner.claim(request).await?;
+        let claim = self.inner.claim(request).await;
+        self.step("after_claim");
+        let claim = claim?;
         let pause = *self.pause_after_claim.lock().expect("lock");
         if let (Claim::Acquired(_), Some(pause)) = (&claim, pause) {
             tokio::time::sleep(pause).await;
@@ -140,6 +159,7 @@ impl<S: IdempotencyStore> IdempotencyStore for Faulty<S> {
         if let Some(pause) = pause {
             tokio::time::sleep(pause).await;
         }
+        self.step("before_record");
         self.op("complete")?;
         let once = self
             .fail_complete_once
@@ -149,7 +169,9 @@ impl<S: IdempotencyStore> IdempotencyStore for Faulty<S> {
         if once || self.fail_complete.load(Ordering::SeqCst) {
             return Err(StoreError::unavailable("response write failed (injected)"));
         }
-        self.inner.complete(key, token, response, ttl).await
+        let done = self.inner.complete(key, token, response, ttl).await;
+        self.step("after_record");
+        done
     }
 
     async fn release(
