@@ -960,6 +960,88 @@ mod tests {
         }
     }
 
+    /// The WHATWG EventSource steps, written plainly over the whole stream: the reference the
+    /// incremental parser must agree with. Returns each event's data; a last event without its
+    /// blank line counts, as it does for the tee.
+    fn reference_events(stream: &str) -> Vec<String> {
+        let stream = stream.strip_prefix('\u{feff}').unwrap_or(stream);
+        let mut lines = Vec::new();
+        let mut rest = stream;
+        while let Some(at) = rest.find(['\r', '\n']) {
+            lines.push(&rest[..at]);
+            let skip = if rest[at..].starts_with("\r\n") { 2 } else { 1 };
+            rest = &rest[at + skip..];
+        }
+        lines.push(rest);
+        let (mut events, mut data, mut has) = (Vec::new(), String::new(), false);
+        for line in lines {
+            if line.is_empty() {
+                if has {
+                    events.push(std::mem::take(&mut data));
+                }
+                has = false;
+                continue;
+            }
+            let (field, value) = line.split_once(':').unwrap_or((line, ""));
+            if field == "data" {
+                if has {
+                    data.push('\n');
+                }
+                data.push_str(value.strip_prefix(' ').unwrap_or(value));
+                has = true;
+            }
+        }
+        if has {
+            events.push(data);
+        }
+        events
+    }
+
+    proptest::proptest! {
+        /// Differential: however a stream is written (line ends, `data:` with or without its
+        /// space, comments, ids, a byte-order mark, a missing last blank line) and however it
+        /// is cut into chunks, the tee's parser finds the final response the plain steps find.
+        #[test]
+        fn events_agree_with_the_eventsource_steps(
+            events in proptest::collection::vec((0u8..3, proptest::bool::ANY, proptest::bool::ANY), 1..6),
+            ending in 0usize..3,
+            bom in proptest::bool::ANY,
+            trailing in proptest::bool::ANY,
+            chunk in 1usize..40,
+        ) {
+            let eol = ["\n", "\r\n", "\r"][ending];
+            let mut stream = String::from(if bom { "\u{feff}" } else { "" });
+            for (i, (kind, space, comment)) in events.iter().enumerate() {
+                let message = match kind {
+                    0 => r#"{"jsonrpc":"2.0","method":"notifications/progress"}"#.to_owned(),
+                    1 => format!(r#"{{"jsonrpc":"2.0","id":5,"result":{{"n":{i}}}}}"#),
+                    _ => format!(r#"{{"jsonrpc":"2.0","id":6,"result":{{"n":{i}}}}}"#),
+                };
+                if *comment {
+                    stream += &format!(": keep-alive{eol}id: {i}{eol}");
+                }
+                stream += &format!("data:{}{message}{eol}", if *space { " " } else { "" });
+                if i + 1 < events.len() || trailing {
+                    stream += eol;
+                }
+            }
+            let want = reference_events(&stream)
+                .into_iter()
+                .find_map(|data| final_message(data.as_bytes(), &id("5")));
+            let mut parser = Events::default();
+            let mut got = None;
+            for piece in stream.as_bytes().chunks(chunk) {
+                if let Some(found) = parser.feed(piece, &id("5")) {
+                    got.get_or_insert(found);
+                }
+            }
+            if got.is_none() {
+                got = parser.finish(&id("5"));
+            }
+            proptest::prop_assert_eq!(got, want, "{:?}", stream);
+        }
+    }
+
     /// Issue 17 §3: a replay carries the new id exactly as sent, and the recorded bytes.
     #[test]
     fn readdress_writes_the_id_as_sent_and_keeps_every_other_byte() {
