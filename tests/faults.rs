@@ -96,24 +96,6 @@ async fn short_outage_is_recorded<St: IdempotencyStore>(store: St) {
     assert_eq!(effects.count(), 1, "0 second executions");
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn s15_1_a_short_outage_at_record_time_ends_recorded_on_memory() {
-    short_outage_is_recorded(MemoryStore::new()).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn s15_1_a_short_outage_at_record_time_ends_recorded_on_sqlite() {
-    short_outage_is_recorded(common::sqlite("short-outage").await.0).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn s15_1_a_short_outage_at_record_time_ends_recorded_on_postgres() {
-    let Some(store) = common::postgres("faults_records").await else {
-        return;
-    };
-    short_outage_is_recorded(store).await;
-}
-
 /// The same over a real cut of the PostgreSQL connection: every pooled connection dies as the
 /// handler returns and none can be opened for 200 ms.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -263,19 +245,6 @@ async fn blocking_handler_keeps_its_lease<St: IdempotencyStore>(store: St) {
     assert_eq!(effects.count(), 1);
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn s15_2_a_handler_blocking_its_thread_keeps_its_lease_on_memory() {
-    blocking_handler_keeps_its_lease(MemoryStore::new()).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn s15_2_a_handler_blocking_its_thread_keeps_its_lease_on_postgres() {
-    let Some(store) = common::postgres("faults_blocking").await else {
-        return;
-    };
-    blocking_handler_keeps_its_lease(store).await;
-}
-
 // ---- 3. After the response head, the effect happened -----------------------------------------
 
 fn broken_body_route<St: IdempotencyStore>(
@@ -396,19 +365,6 @@ async fn hang_up_during_claim<St: IdempotencyStore>(store: St) {
     assert_eq!(effects.count(), 1);
 }
 
-#[tokio::test]
-async fn s15_4_a_hang_up_during_the_claim_leaves_nothing_stuck_on_memory() {
-    hang_up_during_claim(MemoryStore::new()).await;
-}
-
-#[tokio::test]
-async fn s15_4_a_hang_up_during_the_claim_leaves_nothing_stuck_on_postgres() {
-    let Some(store) = common::postgres("faults_hangup").await else {
-        return;
-    };
-    hang_up_during_claim(store).await;
-}
-
 /// On a route that cancels on disconnect, a hang-up while the handler runs gives the key back;
 /// one after the handler answered (here: while its outcome is being written) must not: the
 /// effect happened, so the outcome is recorded all the same and replayed.
@@ -513,24 +469,6 @@ async fn resolution_is_final<St: IdempotencyStore>(store: St) {
         );
     }
     assert_eq!(effects.count(), 1);
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn s15_5_a_resolved_outcome_is_final_on_memory() {
-    resolution_is_final(MemoryStore::new()).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn s15_5_a_resolved_outcome_is_final_on_sqlite() {
-    resolution_is_final(common::sqlite("resolved").await.0).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn s15_5_a_resolved_outcome_is_final_on_postgres() {
-    let Some(store) = common::postgres("faults_resolved").await else {
-        return;
-    };
-    resolution_is_final(store).await;
 }
 
 // ---- 6 and 8. Bounded memory, and a store that keeps its promises ---------------------------
@@ -970,7 +908,11 @@ async fn cell<St: IdempotencyStore + Clone>(
 /// both policies and three handlers, effects ≤ 1, and once the handler completed every later
 /// answer is a replay or "outcome unknown", never a second run; since the store is healthy
 /// after its one fault, every cell ends in a replay. Prints its table.
-async fn fault_matrix<St: IdempotencyStore + Clone>(name: &str, store: St) {
+async fn fault_matrix<St: IdempotencyStore + Clone>(store: St) {
+    let name = std::any::type_name::<St>()
+        .rsplit("::")
+        .next()
+        .unwrap_or_default();
     use tower_idempotency::CachePolicy;
     let mut rows = Vec::new();
     for (policy_name, policy) in [
@@ -1021,24 +963,6 @@ async fn fault_matrix<St: IdempotencyStore + Clone>(name: &str, store: St) {
     println!("fault matrix on {name}:\n{}", rows.join("\n"));
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn s15_9_the_fault_matrix_on_memory() {
-    fault_matrix("memory", MemoryStore::new()).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn s15_9_the_fault_matrix_on_sqlite() {
-    fault_matrix("sqlite", common::sqlite("matrix").await.0).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn s15_9_the_fault_matrix_on_postgres() {
-    let Some(store) = common::postgres("faults_matrix").await else {
-        return;
-    };
-    fault_matrix("postgres", store).await;
-}
-
 /// Issue 18 §4 (found by the review of issue 15): uncertainty never expires into a second run.
 /// The response write fails, the key is left "outcome unknown"; a day later (past the TTL) the
 /// retry is still told so, and the handler does not run again.
@@ -1070,4 +994,41 @@ async fn s18_4_an_unknown_outcome_outlives_its_ttl() {
         "past the TTL, still unknown: never a second run"
     );
     assert_eq!(effects.count(), 1);
+}
+
+// ---- Every scenario above, on every store ----------------------------------------------------
+
+/// Runs each scenario on a fresh `MemoryStore`, a SQLite file and a PostgreSQL table of its own.
+macro_rules! on_every_store {
+    ($($name:ident => $scenario:ident, $table:literal;)*) => {$(
+        mod $name {
+            use super::*;
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn on_memory() {
+                $scenario(MemoryStore::new()).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn on_sqlite() {
+                $scenario(common::sqlite($table).await.0).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn on_postgres() {
+                let Some(store) = common::postgres($table).await else {
+                    return;
+                };
+                $scenario(store).await;
+            }
+        }
+    )*};
+}
+
+on_every_store! {
+    s15_1_a_short_outage_at_record_time_ends_recorded => short_outage_is_recorded, "faults_records";
+    s15_2_a_handler_blocking_its_thread_keeps_its_lease => blocking_handler_keeps_its_lease, "faults_blocking";
+    s15_4_a_hang_up_during_the_claim_leaves_nothing_stuck => hang_up_during_claim, "faults_hangup";
+    s15_5_a_resolved_outcome_is_final => resolution_is_final, "faults_resolved";
+    s15_9_the_fault_matrix => fault_matrix, "faults_matrix";
 }
