@@ -67,6 +67,22 @@ fn effect_route<St: IdempotencyStore>(
     )
 }
 
+/// Sends the scenario's request and gives up waiting after `patience`, as a client whose own
+/// timeout fires; whether it did give up.
+async fn hang_up_after(addr: SocketAddr, key: &str, patience: Duration) -> bool {
+    reqwest::Client::builder()
+        .timeout(patience)
+        .build()
+        .expect("client")
+        .post(format!("http://{addr}/op"))
+        .header("idempotency-key", key)
+        .header("content-type", "application/json")
+        .body(r#"{"amount":10}"#)
+        .send()
+        .await
+        .is_err()
+}
+
 // ---- 1. Recording failures ----------------------------------------------------------------
 
 /// The store goes down for 200 ms just as the outcome is recorded; lease 500 ms; the retry comes
@@ -331,18 +347,8 @@ async fn hang_up_during_claim<St: IdempotencyStore>(store: St) {
         .on_lease_expiry(LeaseExpiry::Reconcile);
     let addr = serve(effect_route(layer, effects.clone(), false)).await;
     let key = unique("hang-up");
-    let impatient = reqwest::Client::builder()
-        .timeout(Duration::from_millis(100))
-        .build()
-        .expect("client");
-    let gave_up = impatient
-        .post(format!("http://{addr}/op"))
-        .header("idempotency-key", &key)
-        .header("content-type", "application/json")
-        .body(r#"{"amount":10}"#)
-        .send()
-        .await;
-    assert!(gave_up.is_err(), "the client hung up during the claim");
+    let gave_up = hang_up_after(addr, &key, Duration::from_millis(100)).await;
+    assert!(gave_up, "the client hung up during the claim");
     tokio::time::sleep(Duration::from_millis(700)).await;
     let record = store
         .lookup(&ScopedKey::new("", &key))
@@ -378,21 +384,8 @@ async fn s15_3_a_hang_up_after_the_handler_answered_never_cancels_its_record() {
         .cancel_on_disconnect(true);
     let addr = serve(effect_route(layer, effects.clone(), false)).await;
     let key = unique("cancel-after-answer");
-    let impatient = reqwest::Client::builder()
-        .timeout(Duration::from_millis(150))
-        .build()
-        .expect("client");
-    let gave_up = impatient
-        .post(format!("http://{addr}/op"))
-        .header("idempotency-key", &key)
-        .header("content-type", "application/json")
-        .body(r#"{"amount":10}"#)
-        .send()
-        .await;
-    assert!(
-        gave_up.is_err(),
-        "the client hung up while the outcome was written"
-    );
+    let gave_up = hang_up_after(addr, &key, Duration::from_millis(150)).await;
+    assert!(gave_up, "the client hung up while the outcome was written");
     tokio::time::sleep(Duration::from_millis(700)).await;
     *store.pause_before_complete.lock().expect("lock") = None;
     let retry = post_key(addr, &key).await;
