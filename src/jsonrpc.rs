@@ -70,6 +70,7 @@ use std::sync::Arc;
 use bytes::Bytes;
 use http::{HeaderMap, HeaderValue, Response, StatusCode, header, request::Parts};
 use serde_json::Value;
+use serde_json::value::RawValue;
 
 use crate::body::ResponseBody;
 use crate::fingerprint::Fingerprint;
@@ -195,15 +196,88 @@ pub(crate) enum Parsed {
     Refuse(Problem, Arc<Id>),
 }
 
-/// The top-level members of a request, as text.
-#[derive(serde::Deserialize)]
+/// The top-level members of a request, as text. A member given twice is an error; `null`
+/// reads as absent.
 struct Message<'a> {
-    #[serde(borrow)]
-    id: Option<&'a serde_json::value::RawValue>,
-    #[serde(borrow)]
-    method: Option<&'a serde_json::value::RawValue>,
-    #[serde(borrow)]
-    params: Option<&'a serde_json::value::RawValue>,
+    id: Option<&'a RawValue>,
+    method: Option<&'a RawValue>,
+    params: Option<&'a RawValue>,
+}
+
+// By hand rather than derived: the one derive in the crate would compile `serde_derive` into
+// every user's build.
+impl<'de> serde::Deserialize<'de> for Message<'de> {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        deserializer.deserialize_map(MessageVisitor)
+    }
+}
+
+struct MessageVisitor;
+
+impl<'de> serde::de::Visitor<'de> for MessageVisitor {
+    type Value = Message<'de>;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("a JSON-RPC request object")
+    }
+
+    fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+        let mut message = Message {
+            id: None,
+            method: None,
+            params: None,
+        };
+        let mut seen = [false; 3];
+        while let Some(member) = map.next_key::<Member>()? {
+            let (slot, name, i) = match member {
+                Member::Id => (&mut message.id, "id", 0),
+                Member::Method => (&mut message.method, "method", 1),
+                Member::Params => (&mut message.params, "params", 2),
+                Member::Other => {
+                    map.next_value::<serde::de::IgnoredAny>()?;
+                    continue;
+                }
+            };
+            if std::mem::replace(&mut seen[i], true) {
+                return Err(serde::de::Error::duplicate_field(name));
+            }
+            *slot = map.next_value()?;
+        }
+        Ok(message)
+    }
+}
+
+/// A member name of a request, escapes decoded (`"\u0069d"` is `id`).
+enum Member {
+    Id,
+    Method,
+    Params,
+    Other,
+}
+
+impl<'de> serde::Deserialize<'de> for Member {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        deserializer.deserialize_identifier(MemberVisitor)
+    }
+}
+
+struct MemberVisitor;
+
+impl serde::de::Visitor<'_> for MemberVisitor {
+    type Value = Member;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("a member name")
+    }
+
+    fn visit_str<E>(self, name: &str) -> Result<Member, E> {
+        Ok(match name {
+            "id" => Member::Id,
+            "method" => Member::Method,
+            "params" => Member::Params,
+            _ => Member::Other,
+        })
+    }
 }
 
 /// Reads `body`. `header_key` is the request's `Idempotency-Key` header, if any: a keyed
@@ -1039,6 +1113,36 @@ mod tests {
                 got = parser.finish(&id("5"));
             }
             proptest::prop_assert_eq!(got, want, "{:?}", stream);
+        }
+    }
+
+    /// The hand-written reader agrees with what the derive did: escaped names decode, a
+    /// repeated member is an error, `null` is absent, other members are skipped.
+    #[test]
+    fn message_reads_members_as_serde_derive_would() {
+        let m: Message<'_> =
+            serde_json::from_str(r#"{"\u0069d":7,"method":"m","x":[1,{"id":2}],"params":{"a":1}}"#)
+                .expect("object");
+        assert_eq!(m.id.map(RawValue::get), Some("7"));
+        assert_eq!(m.method.map(RawValue::get), Some(r#""m""#));
+        assert_eq!(m.params.map(RawValue::get), Some(r#"{"a":1}"#));
+        let m: Message<'_> = serde_json::from_str(r#"{"id":null}"#).expect("object");
+        assert!(m.id.is_none() && m.method.is_none() && m.params.is_none());
+        for repeated in [
+            r#"{"id":1,"id":2}"#,
+            r#"{"method":"a","\u006dethod":"b"}"#,
+            r#"{"params":1,"params":1}"#,
+        ] {
+            assert!(
+                serde_json::from_str::<Message<'_>>(repeated).is_err(),
+                "{repeated}"
+            );
+        }
+        for not_an_object in ["[1]", "1", "\"id\"", "{\"id\":1"] {
+            assert!(
+                serde_json::from_str::<Message<'_>>(not_an_object).is_err(),
+                "{not_an_object}"
+            );
         }
     }
 

@@ -46,7 +46,8 @@ pub enum AnyStore {
     Postgres(super::PostgresStore),
 }
 
-/// Why [`AnyStore::connect`] failed.
+/// Why [`AnyStore::connect`] failed. Its message names the store without its password
+/// ([`AnyStore::redacted_url`]) and the cause.
 #[derive(Debug)]
 pub enum ConnectError {
     /// This build has no store for the URL's scheme.
@@ -55,7 +56,13 @@ pub enum ConnectError {
         scheme: String,
     },
     /// The store could not be opened or migrated.
-    Failed(BoxError),
+    Failed {
+        /// The store's URL, its password replaced by `***`.
+        store: String,
+        /// What went wrong: refused, no such database, authentication, a file that cannot
+        /// be opened.
+        source: BoxError,
+    },
 }
 
 impl fmt::Display for ConnectError {
@@ -66,7 +73,16 @@ impl fmt::Display for ConnectError {
                 "no store for the URL scheme {scheme:?} in this build (available: {})",
                 AnyStore::SCHEMES.join(", ")
             ),
-            Self::Failed(e) => write!(f, "could not open the store: {e}"),
+            Self::Failed { store, source } => {
+                write!(f, "could not open the store {store}: {source}")?;
+                // The causes too: a bare "I/O error" says little without what is under it.
+                let mut cause = source.source();
+                while let Some(e) = cause {
+                    write!(f, ": {e}")?;
+                    cause = e.source();
+                }
+                Ok(())
+            }
         }
     }
 }
@@ -75,7 +91,7 @@ impl std::error::Error for ConnectError {
     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
         match self {
             Self::Unsupported { .. } => None,
-            Self::Failed(e) => Some(e.as_ref()),
+            Self::Failed { source, .. } => Some(source.as_ref()),
         }
     }
 }
@@ -93,11 +109,57 @@ impl AnyStore {
         "postgresql",
     ];
 
-    /// Opens the store `url` names, creating SQL tables if missing.
+    /// `url` with its password (the user-info's, or a `password=` parameter) replaced by
+    /// `***`: for logs and error messages.
+    ///
+    /// ```
+    /// use tower_idempotency::AnyStore;
+    ///
+    /// assert_eq!(
+    ///     AnyStore::redacted_url("postgres://app:s3cret@db/prod?password=x&sslmode=require"),
+    ///     "postgres://app:***@db/prod?password=***&sslmode=require"
+    /// );
+    /// ```
+    pub fn redacted_url(url: &str) -> String {
+        let (base, query) = url
+            .split_once('?')
+            .map_or((url, None), |(b, q)| (b, Some(q)));
+        let mut out = match base.split_once("://") {
+            Some((scheme, rest)) => {
+                // The authority ends at the first `/`; its user-info at the last `@` in it.
+                let end = rest.find('/').unwrap_or(rest.len());
+                let (authority, path) = rest.split_at(end);
+                match authority.rsplit_once('@') {
+                    Some((user_info, host)) => {
+                        let user = user_info.split_once(':').map_or(user_info, |(u, _)| u);
+                        let hidden = if user_info.contains(':') { ":***" } else { "" };
+                        format!("{scheme}://{user}{hidden}@{host}{path}")
+                    }
+                    None => base.to_owned(),
+                }
+            }
+            None => base.to_owned(),
+        };
+        if let Some(query) = query {
+            out.push('?');
+            let pairs = query.split('&').map(|pair| match pair.split_once('=') {
+                Some((name, _)) if name.eq_ignore_ascii_case("password") => format!("{name}=***"),
+                _ => pair.to_owned(),
+            });
+            out.push_str(&pairs.collect::<Vec<_>>().join("&"));
+        }
+        out
+    }
+
+    /// Opens the store `url` names, creating SQL tables if missing. An error names the store
+    /// (without its password) and the cause.
     pub async fn connect(url: &str) -> Result<Self, ConnectError> {
         let scheme = url.split_once(':').map_or(url, |(scheme, _)| scheme);
         #[cfg(any(feature = "sqlite", feature = "postgres"))]
-        let failed = |e: sqlx::Error| ConnectError::Failed(e.into());
+        let failed = |e: sqlx::Error| ConnectError::Failed {
+            store: Self::redacted_url(url),
+            source: e.into(),
+        };
         match scheme.to_ascii_lowercase().as_str() {
             #[cfg(feature = "memory")]
             "memory" => Ok(Self::Memory(super::MemoryStore::new())),

@@ -3,8 +3,8 @@
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
-use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions, PgRow};
-use sqlx::{AssertSqlSafe, Row};
+use sqlx::postgres::{PgConnectOptions, PgConnection, PgPool, PgPoolOptions, PgRow};
+use sqlx::{AssertSqlSafe, Connection, Row};
 
 use super::codec::fresh_token;
 use super::history::{HISTORY_LIMIT, HISTORY_REFUSALS};
@@ -282,6 +282,9 @@ impl PostgresStore {
     /// claims are bounded on it all the same.
     pub async fn connect(url: &str) -> Result<Self, sqlx::Error> {
         let options = url.parse::<PgConnectOptions>()?.options(SESSION_LIMITS);
+        // One connection first, on its own: its error names the cause (refused, no such
+        // database, authentication), where the pool's would be a time-out after 5 s.
+        PgConnection::connect_with(&options).await?.close().await?;
         let pool = PgPoolOptions::new()
             .acquire_timeout(Duration::from_secs(5))
             .connect_with(options)

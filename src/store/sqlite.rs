@@ -5,10 +5,10 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use sqlx::sqlite::{
-    SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteRow,
-    SqliteSynchronous,
+    SqliteConnectOptions, SqliteConnection, SqliteJournalMode, SqlitePool, SqlitePoolOptions,
+    SqliteRow, SqliteSynchronous,
 };
-use sqlx::{AssertSqlSafe, Row};
+use sqlx::{AssertSqlSafe, Connection, Row};
 
 use super::codec::fresh_token;
 use super::history::{HISTORY_LIMIT, HISTORY_REFUSALS};
@@ -27,8 +27,10 @@ use super::{
 /// SQLite's single write lock, so no other claim can come between them. Times are milliseconds
 /// on SQLite's clock (`julianday('now')`).
 ///
-/// Use a file, not `:memory:`: SQLite's in-memory shared cache takes table locks under
-/// concurrent writes.
+/// For tests, `sqlite::memory:` works too: [`connect`](Self::connect) then keeps one
+/// connection open for the store's life (the database lives as long as one connection does)
+/// and serves it through a pool of one (SQLite's in-memory shared cache takes table locks
+/// under concurrent writers). Its records die with the process, as a `MemoryStore`'s do.
 ///
 /// ```no_run
 /// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
@@ -43,6 +45,10 @@ use super::{
 pub struct SqliteStore {
     pool: SqlitePool,
     sql: Arc<Statements>,
+    /// Held, never read: for an in-memory database, a connection outside the pool that keeps it alive when the
+    /// pool closes all of its own (idle ones after 10 minutes, broken ones at any time).
+    #[allow(dead_code)]
+    anchor: Option<Arc<std::sync::Mutex<SqliteConnection>>>,
 }
 
 #[derive(Debug)]
@@ -224,22 +230,44 @@ impl SqliteStore {
         Self {
             pool,
             sql: Arc::new(Statements::new(Self::DEFAULT_TABLE)),
+            anchor: None,
         }
     }
 
     /// Opens (creating if missing) the database at `url` (`sqlite://path/to/file.db`) in WAL
-    /// mode with a 5 s busy timeout.
+    /// mode with a 5 s busy timeout. An error names what went wrong (opening the file, not
+    /// a pool's time-out).
     pub async fn connect(url: &str) -> Result<Self, sqlx::Error> {
+        let in_memory = url.contains(":memory:") || url.contains("mode=memory");
         let options = SqliteConnectOptions::from_str(url)?
             .create_if_missing(true)
-            .journal_mode(SqliteJournalMode::Wal)
+            .journal_mode(if in_memory {
+                SqliteJournalMode::Memory
+            } else {
+                SqliteJournalMode::Wal
+            })
             .synchronous(SqliteSynchronous::Normal)
             .busy_timeout(Duration::from_secs(5));
+        // One connection first, on its own: its error is the real one.
+        let first = SqliteConnection::connect_with(&options).await?;
+        if !in_memory {
+            first.close().await?;
+            let pool = SqlitePoolOptions::new()
+                .max_connections(8)
+                .connect_with(options)
+                .await?;
+            return Ok(Self::new(pool));
+        }
         let pool = SqlitePoolOptions::new()
-            .max_connections(8)
+            .max_connections(1)
+            .idle_timeout(None)
+            .max_lifetime(None)
             .connect_with(options)
             .await?;
-        Ok(Self::new(pool))
+        Ok(Self {
+            anchor: Some(Arc::new(std::sync::Mutex::new(first))),
+            ..Self::new(pool)
+        })
     }
 
     /// Keeps records in `table` instead; it must be a plain identifier.

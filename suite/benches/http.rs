@@ -21,7 +21,7 @@
 //! fingerprinting made free (`FloorLayer::unhashed`: the request kept and compared), to show
 //! which targets SHA-256 alone puts out of reach.
 //!
-//! `cargo bench --all-features --bench http` (PostgreSQL from `TOWER_IDEMPOTENCY_POSTGRES_URL`,
+//! `cargo bench -p suite --bench http` (PostgreSQL from `TOWER_IDEMPOTENCY_POSTGRES_URL`,
 //! default `postgres://postgres@127.0.0.1:5432/test`; its rows are skipped if it is down).
 //! `BENCH_SECONDS` sets the time per scenario and round (default 5 for the SQL stores, 1 for a
 //! MemoryStore round), `BENCH_ROUNDS` the number of rounds (default 11); `BENCH_ONLY=memory`

@@ -29,12 +29,15 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
+use axum::body::Bytes;
 use axum::extract::{Request, State};
 use axum::http::{StatusCode, header};
 use axum::middleware::{self, Next};
 use axum::response::Response;
 use axum::routing::{get, post};
 use axum::{Json, Router};
+use http_body_util::Full;
+use hyper_util::rt::TokioIo;
 use serde_json::{Value, json};
 use tower_idempotency::store::AnyStore;
 use tower_idempotency::{IdempotencyContext, IdempotencyLayer};
@@ -103,6 +106,10 @@ fn app(tickets: Tickets, store: AnyStore) -> Router {
 
 #[tokio::main]
 async fn main() -> ExitCode {
+    // Without a subscriber the layer's logs (a store it cannot reach, a record it cannot
+    // write) go nowhere: install one first. `RUST_LOG`-style filtering needs the
+    // `env-filter` feature; this prints INFO and above.
+    tracing_subscriber::fmt().init();
     let args: Vec<String> = std::env::args().collect();
     let demo = args.iter().any(|a| a == "--demo");
     let url = args
@@ -114,7 +121,8 @@ async fn main() -> ExitCode {
     let store = match AnyStore::connect(&url).await {
         Ok(store) => store,
         Err(e) => {
-            eprintln!("cannot open the store {url}: {e}");
+            // The error names the store without its password, and why it failed.
+            eprintln!("{e}");
             return ExitCode::FAILURE;
         }
     };
@@ -135,7 +143,9 @@ async fn main() -> ExitCode {
     let server = axum::serve(listener, app(tickets.clone(), store));
     if !demo {
         println!(
-            "agent tools on http://{local} (POST /tools/create_ticket, GET /effects), store {url}"
+            "agent tools on http://{local} (POST /tools/create_ticket, GET /effects), store {}",
+            // Never the password: logs and terminals are shared.
+            AnyStore::redacted_url(&url)
         );
         return match server.await {
             Ok(()) => ExitCode::SUCCESS,
@@ -162,13 +172,23 @@ struct Row {
 }
 
 async fn call(addr: SocketAddr, key: String, body: Value) -> (u16, bool) {
-    // A fresh client per call: separate connections, as independent retries would be.
-    let res = reqwest::Client::new()
-        .post(format!("http://{addr}/tools/create_ticket"))
-        .bearer_auth("demo-agent")
+    // A fresh connection per call, as independent retries would be.
+    let stream = tokio::net::TcpStream::connect(addr)
+        .await
+        .expect("the demo server accepts");
+    let (mut sender, connection) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+        .await
+        .expect("HTTP/1.1 handshake");
+    tokio::spawn(connection);
+    let request = axum::http::Request::post("/tools/create_ticket")
+        .header(header::HOST, addr.to_string())
+        .header(header::AUTHORIZATION, "Bearer demo-agent")
+        .header(header::CONTENT_TYPE, "application/json")
         .header("idempotency-key", key)
-        .json(&body)
-        .send()
+        .body(Full::new(Bytes::from(body.to_string())))
+        .expect("a valid request");
+    let res = sender
+        .send_request(request)
         .await
         .expect("the demo server answers");
     (

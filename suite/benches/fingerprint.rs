@@ -2,7 +2,7 @@
 //! `serde_json_canonicalizer` reference (+ SHA-256), and the raw-bytes fingerprint against plain
 //! SHA-256. Every row is a ratio against a baseline measured in the same run.
 //!
-//! `cargo bench --bench fingerprint`
+//! `cargo bench -p suite --bench fingerprint`
 
 use std::hint::black_box;
 use std::time::{Duration, Instant};

@@ -4,7 +4,7 @@
 //! microseconds per request, allocations per request, and the added cost, measured in the same
 //! run.
 //!
-//! `cargo bench --bench layer`; `BENCH_ONLY=bare|unique|replay|floor-unique|floor-replay|
+//! `cargo bench -p suite --bench layer`; `BENCH_ONLY=bare|unique|replay|floor-unique|floor-replay|
 //! unhashed-unique|unhashed-replay BENCH_REQUESTS=N` runs N requests of one scenario and nothing
 //! else, for `valgrind --tool=callgrind`.
 

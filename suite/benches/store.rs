@@ -3,7 +3,7 @@
 //! concurrency, in the same run. Statements per operation are counted on the wire, by a proxy
 //! that reads the PostgreSQL protocol (the one the tests use), not assumed.
 //!
-//! `cargo bench --all-features --bench store` (`TOWER_IDEMPOTENCY_POSTGRES_URL`, default
+//! `cargo bench -p suite --bench store` (`TOWER_IDEMPOTENCY_POSTGRES_URL`, default
 //! `postgres://postgres@127.0.0.1:5432/test`; `BENCH_SECONDS` per side, default 8)
 
 use std::sync::Arc;

@@ -61,21 +61,17 @@ async fn memory(_: &str) -> Option<MemoryStore> {
 
 all_checks!(memory_store, memory);
 
-#[cfg(feature = "sqlite")]
 async fn sqlite(name: &str) -> Option<tower_idempotency::store::SqliteStore> {
     Some(common::sqlite(name).await.0)
 }
 
-#[cfg(feature = "sqlite")]
 all_checks!(sqlite_store, sqlite);
 
-#[cfg(feature = "postgres")]
 async fn postgres(_: &str) -> Option<tower_idempotency::store::PostgresStore> {
     // One table for the kit: its checks use keys unique to each run.
     common::postgres("tower_idempotency_kit").await
 }
 
-#[cfg(feature = "postgres")]
 all_checks!(postgres_store, postgres);
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -110,20 +110,105 @@ pub fn postgres_url() -> String {
         .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".to_owned())
 }
 
-/// A missing server fails the run under CI and skips, loudly, elsewhere.
+/// A missing server fails the run under CI and skips, visibly, elsewhere: the line goes
+/// straight to the terminal (libtest captures only `print!`, so a passing test's captured
+/// output would hide it), and into the run's skip log that `tests/zz_skipped.rs` counts in
+/// one line at the end.
 pub fn unreachable(what: &str, error: &dyn std::fmt::Display) {
     if std::env::var("CI").is_ok_and(|v| v == "true") {
         panic!("{what} is required under CI=true but unreachable: {error}");
     }
-    eprintln!(
-        "\n*** SKIPPING: {what} is unreachable ({error}); set CI=true to make this fail ***\n"
-    );
+    let test = match std::thread::current().name() {
+        Some(name) if name != "main" => format!("{}::{name}", binary_name()),
+        _ => binary_name(),
+    };
+    let line = format!("SKIPPED {test}: {what} is unreachable ({error}); CI=true makes this fail");
+    let _ = std::io::Write::write_all(&mut std::io::stderr(), format!("\n{line}\n").as_bytes());
+    skip_log::record(&line);
+}
+
+fn binary_name() -> String {
+    std::env::args()
+        .next()
+        .and_then(|exe| {
+            std::path::Path::new(&exe)
+                .file_stem()
+                .map(|s| s.to_string_lossy().into_owned())
+        })
+        // Cargo names a test binary `{target}-{hash}`.
+        .map(|stem| {
+            stem.rsplit_once('-')
+                .map_or(stem.clone(), |(t, _)| t.to_owned())
+        })
+        .unwrap_or_default()
+}
+
+/// The skips of one `cargo test` run: every test binary of a run is a child of the same
+/// cargo process, so lines are kept per parent process id.
+pub mod skip_log {
+    use std::io::Write;
+    use std::path::PathBuf;
+
+    fn path() -> PathBuf {
+        PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("skipped-tests.log")
+    }
+
+    /// Adds one skip of this run.
+    pub fn record(line: &str) {
+        let parent = std::os::unix::process::parent_id();
+        if let Ok(mut file) = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(path())
+        {
+            // One `write` per line: appends of a line this short do not interleave.
+            let _ = file.write_all(format!("{parent}\t{line}\n").as_bytes());
+        }
+    }
+
+    /// This run's skips, and forgets every run's.
+    pub fn take() -> Vec<String> {
+        let parent = std::os::unix::process::parent_id().to_string();
+        let text = std::fs::read_to_string(path()).unwrap_or_default();
+        let _ = std::fs::remove_file(path());
+        text.lines()
+            .filter_map(|line| line.split_once('\t'))
+            .filter(|(run, _)| *run == parent)
+            .map(|(_, line)| line.to_owned())
+            .collect()
+    }
+}
+
+/// Whether the test PostgreSQL answers, asked once per test binary with a short time-out:
+/// a missing server costs one probe, not a pool's time-out per test.
+async fn postgres_reachable() -> Result<(), String> {
+    static PROBE: tokio::sync::OnceCell<Result<(), String>> = tokio::sync::OnceCell::const_new();
+    PROBE
+        .get_or_init(|| async {
+            let url = postgres_url();
+            let options: sqlx::postgres::PgConnectOptions =
+                url.parse().map_err(|e: sqlx::Error| e.to_string())?;
+            let connect = <sqlx::PgConnection as sqlx::Connection>::connect_with(&options);
+            match tokio::time::timeout(Duration::from_secs(2), connect).await {
+                Ok(Ok(connection)) => {
+                    let _ = sqlx::Connection::close(connection).await;
+                    Ok(())
+                }
+                Ok(Err(e)) => Err(e.to_string()),
+                Err(_) => Err("no answer in 2 s".to_owned()),
+            }
+        })
+        .await
+        .clone()
 }
 
 /// A pool on the test database, or `None` (after saying so) when there is no server.
-#[cfg(feature = "postgres")]
 pub async fn postgres_pool() -> Option<sqlx::PgPool> {
     let url = postgres_url();
+    if let Err(e) = postgres_reachable().await {
+        unreachable(&format!("PostgreSQL at {url}"), &e);
+        return None;
+    }
     match sqlx::postgres::PgPoolOptions::new()
         .acquire_timeout(Duration::from_secs(3))
         .connect(&url)
@@ -138,7 +223,6 @@ pub async fn postgres_pool() -> Option<sqlx::PgPool> {
 }
 
 /// A migrated PostgresStore in its own table (so tests never see each other's rows).
-#[cfg(feature = "postgres")]
 pub async fn postgres(table: &str) -> Option<tower_idempotency::store::PostgresStore> {
     let store = tower_idempotency::store::PostgresStore::new(postgres_pool().await?)
         .with_table("public", table)
@@ -159,7 +243,6 @@ pub fn sqlite_path(name: &str) -> std::path::PathBuf {
 }
 
 /// A migrated SqliteStore on its own file.
-#[cfg(feature = "sqlite")]
 pub async fn sqlite(name: &str) -> (tower_idempotency::store::SqliteStore, std::path::PathBuf) {
     let path = sqlite_path(name);
     let store =

@@ -296,7 +296,7 @@ async fn matrix() -> usize {
     stores.push(("sqlite", format!("sqlite://{}", path.display())));
     match AnyStore::connect(&common::postgres_url()).await {
         Ok(_) => stores.push(("postgres", common::postgres_url())),
-        Err(e) => common::unreachable("PostgreSQL", &e),
+        Err(e) => common::unreachable(&format!("PostgreSQL at {}", common::postgres_url()), &e),
     }
     let mut failures = 0;
     println!("crash matrix (SIGKILL at each step, then retries from a fresh process):");

@@ -3,7 +3,7 @@
 //! Each event is read once as it completes, so 100 000 events cost ten times what 10 000 do
 //! (issue 17 §4; before, the whole stream was re-read on every event: 4 000 events took 24 s).
 //!
-//! `cargo bench --bench stream`
+//! `cargo bench -p suite --bench stream`
 
 use std::time::Instant;
 

@@ -184,3 +184,119 @@ async fn s20_2_a_store_without_its_table_says_to_migrate() {
         postgres.check().await.expect("migrated");
     }
 }
+
+/// Issue 20 §9: a store that cannot be opened says why at once (refused, no such database),
+/// naming the store without its password, instead of "pool timed out" after 5 s.
+#[tokio::test]
+async fn s20_9_connect_failures_name_their_cause_and_hide_the_password() {
+    use tower_idempotency::AnyStore;
+    // A port nobody listens on: bound, then closed.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("a free port")
+        .port();
+    let started = std::time::Instant::now();
+    let error = AnyStore::connect(&format!("postgres://app:s3cret@127.0.0.1:{port}/db"))
+        .await
+        .expect_err("nobody listens");
+    let message = error.to_string();
+    assert!(!message.contains("s3cret"), "{message}");
+    assert!(message.contains("app:***@127.0.0.1"), "{message}");
+    assert!(message.to_lowercase().contains("refused"), "{message}");
+    assert!(!message.contains("timed out"), "{message}");
+    // Not the pool's 5 s acquire time-out (a generous bound: only "not 5 s" is asserted).
+    assert!(started.elapsed() < Duration::from_secs(4), "{message}");
+
+    if common::postgres_pool().await.is_some() {
+        let url = common::postgres_url();
+        let (server, _) = url.rsplit_once('/').expect("a database in the URL");
+        let missing = format!("{server}/no_such_database_here?password=hunter2");
+        let message = AnyStore::connect(&missing)
+            .await
+            .expect_err("no such database")
+            .to_string();
+        assert!(message.contains("no_such_database_here"), "{message}");
+        assert!(message.contains("does not exist"), "{message}");
+        assert!(
+            message.contains("password=***") && !message.contains("hunter2"),
+            "{message}"
+        );
+    }
+
+    let dir = common::sqlite_path("no-such-dir");
+    let message = AnyStore::connect(&format!("sqlite://{}/x.db", dir.display()))
+        .await
+        .expect_err("a directory that does not exist")
+        .to_string();
+    assert!(
+        message.contains("unable to open database file"),
+        "{message}"
+    );
+}
+
+/// Issue 20 §9: `redacted_url` hides every password form a store URL can carry.
+#[test]
+fn s20_9_redacted_urls_keep_everything_but_the_password() {
+    use tower_idempotency::AnyStore;
+    for (url, want) in [
+        ("postgres://u:p@h/db", "postgres://u:***@h/db"),
+        (
+            "postgres://u:p%40ss@h:5432/db",
+            "postgres://u:***@h:5432/db",
+        ),
+        ("postgres://u:a@b@h/db", "postgres://u:***@h/db"),
+        ("postgres://u@h/db", "postgres://u@h/db"),
+        (
+            "postgres://h/db?user=u&PASSWORD=p",
+            "postgres://h/db?user=u&PASSWORD=***",
+        ),
+        (
+            "postgresql://u:p@h/db?sslmode=require",
+            "postgresql://u:***@h/db?sslmode=require",
+        ),
+        ("sqlite://data/x.db", "sqlite://data/x.db"),
+        ("sqlite::memory:", "sqlite::memory:"),
+        ("memory://", "memory://"),
+    ] {
+        assert_eq!(AnyStore::redacted_url(url), want, "{url}");
+    }
+}
+
+/// Issue 20 §9: `sqlite::memory:` keeps its database when the pool's connections close (sqlx
+/// closes idle ones after 10 minutes; an in-memory database dies with its last connection).
+#[tokio::test]
+async fn s20_9_an_in_memory_sqlite_store_outlives_its_pool_connections() {
+    use tower_idempotency::AnyStore;
+    use tower_idempotency::store::SqliteStore;
+    let store = SqliteStore::connect("sqlite::memory:").await.expect("open");
+    store.migrate().await.expect("migrate");
+    let effects = Effects::default();
+    let sink = effects.clone();
+    let app = Router::new()
+        .route(
+            "/t",
+            post(move || async move { format!("effect {}", sink.hit()) }),
+        )
+        .route_layer(IdempotencyLayer::new(store.clone()).single_tenant());
+    let addr = serve(app).await;
+    assert_eq!(
+        post_key(addr, "/t", Some("k")).await.status(),
+        StatusCode::OK
+    );
+    // Close every connection the pool holds, as its idle reaper would.
+    for _ in 0..store.pool().size() {
+        let connection = store.pool().acquire().await.expect("acquire");
+        sqlx::pool::PoolConnection::close(connection)
+            .await
+            .expect("close");
+    }
+    let replay = post_key(addr, "/t", Some("k")).await;
+    assert_eq!(replay.status(), StatusCode::OK, "the table is still there");
+    assert_eq!(replay.headers()["idempotency-replayed"], "true");
+    assert_eq!(effects.count(), 1);
+    // And through AnyStore, as the quickstart opens it.
+    assert!(matches!(
+        AnyStore::connect("sqlite::memory:").await,
+        Ok(AnyStore::Sqlite(_))
+    ));
+}

@@ -4,7 +4,7 @@
 //! (exactly what the store asks for); resident memory (RSS) is shown beside them, per record
 //! too: it also counts what the allocator adds to each allocation, and what it keeps.
 //!
-//! `cargo bench --bench memory` (`BENCH_RECORDS` sets the count, default 1 000 000)
+//! `cargo bench -p suite --bench memory` (`BENCH_RECORDS` sets the count, default 1 000 000)
 
 use std::alloc::System;
 use std::sync::Arc;
