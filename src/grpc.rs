@@ -57,7 +57,10 @@ fn code(kind: ProblemKind) -> u32 {
         ProblemKind::FingerprintMismatch | ProblemKind::ResponseNotStored => 9, // FAILED_PRECONDITION
         ProblemKind::InFlight | ProblemKind::OutcomeUnknown => 10,              // ABORTED
         ProblemKind::StoreUnavailable => 14,                                    // UNAVAILABLE
-        ProblemKind::ExecutionFailed | ProblemKind::ScopeMissing | ProblemKind::NotGuarded => 13, // INTERNAL
+        ProblemKind::ExecutionFailed
+        | ProblemKind::ScopeMissing
+        | ProblemKind::NotGuarded
+        | ProblemKind::FingerprintFailed => 13, // INTERNAL
     }
 }
 

@@ -502,6 +502,7 @@ fn code(kind: ProblemKind) -> i64 {
         ProblemKind::ScopeMissing => -31008,
         ProblemKind::CallUnguardable => -31009,
         ProblemKind::NotGuarded => -31010,
+        ProblemKind::FingerprintFailed => -31011,
         // MCP's own code for it (HeaderMismatchError, 2026-07-28).
         ProblemKind::HeaderMismatch => -32020,
     }

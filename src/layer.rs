@@ -58,16 +58,55 @@ struct LayerConfig {
 pub(crate) struct Resolved {
     pub(crate) header: HeaderName,
     pub(crate) default: Arc<RouteConfig>,
+    /// Every `for_path`, by the text it was given (a path or a template).
     pub(crate) routes: HashMap<String, Arc<RouteConfig>>,
+    /// The same, matched as axum matches routes (`{id}`, `{*rest}`), for requests that come
+    /// without axum's `MatchedPath`.
+    pub(crate) templates: matchit::Router<Arc<RouteConfig>>,
     pub(crate) fingerprint: FingerprintOptions,
     pub(crate) denied_headers: Arc<[HeaderName]>,
 }
 
 impl Resolved {
-    /// The settings for a request path: an exact match, or the default.
-    pub(crate) fn route(&self, path: &str) -> &Arc<RouteConfig> {
-        self.routes.get(path).unwrap_or(&self.default)
+    /// The settings for a request: those given for the route axum matched (its template, as
+    /// in `Router::route`), else for this exact path; without axum's `MatchedPath` (tonic, a
+    /// plain tower stack), the path is matched against the templates as axum would; else the
+    /// defaults.
+    pub(crate) fn route(&self, path: &str, matched: Option<&str>) -> &Arc<RouteConfig> {
+        if self.routes.is_empty() {
+            return &self.default;
+        }
+        if let Some(matched) = matched {
+            // axum chose the route: another template that would also match this path (a
+            // `{id}` where the app has a literal route) must not apply.
+            return self
+                .routes
+                .get(matched)
+                .or_else(|| self.routes.get(path))
+                .unwrap_or(&self.default);
+        }
+        match self.templates.at(path) {
+            Ok(found) => found.value,
+            Err(_) => &self.default,
+        }
     }
+}
+
+/// Why a `for_path` could never match a request, or `None`.
+fn never_matches(path: &str) -> Option<&'static str> {
+    if !path.starts_with('/') {
+        return Some("a request path always starts with '/'");
+    }
+    if path.contains(['?', '#']) {
+        return Some("a path has no query or fragment: settings apply to the path alone");
+    }
+    if path
+        .bytes()
+        .any(|b| b.is_ascii_whitespace() || b.is_ascii_control())
+    {
+        return Some("a request path has no spaces or control characters");
+    }
+    None
 }
 
 impl<St> IdempotencyLayer<St> {
@@ -134,17 +173,32 @@ impl<St, M> IdempotencyLayer<St, M> {
         self
     }
 
-    /// Settings for requests whose path is exactly `path`, made from the defaults by `f`.
+    /// Settings for the requests of one route, made from the defaults by `f`. `path` is
+    /// written as axum writes routes: a path (`/tools/search`), or a template with
+    /// `{param}` segments and a final `{*rest}` (`/accounts/{id}/charge`).
     ///
-    /// With axum you may instead put differently configured layers on different routes
-    /// (`route_layer`); this form serves one layer across a router, and gRPC methods, whose
-    /// paths are `/package.Service/Method`.
+    /// Behind an axum `Router` a request gets the settings of the route axum matched it to
+    /// (its `MatchedPath`), so a literal route beside a template keeps its own; elsewhere
+    /// (tonic, plain tower) the path is matched against the templates by axum's rules (a
+    /// literal segment before a parameter, a parameter before a wildcard). With axum you may
+    /// also put differently configured layers on different routes (`route_layer`); this form
+    /// serves one layer across a router, and gRPC methods, whose paths are
+    /// `/package.Service/Method`.
+    ///
+    /// ```
+    /// use tower_idempotency::{IdempotencyLayer, MemoryStore};
+    ///
+    /// let layer = IdempotencyLayer::new(MemoryStore::new())
+    ///     .for_path("/accounts/{id}/charge", |route| route.require_key(true))
+    ///     .for_path("/tools/{*name}", |route| route.require_key(false));
+    /// ```
     ///
     /// # Panics
     ///
-    /// When `path` already has settings: a second `for_path` for the same path would silently
-    /// replace the first, so it is refused while the layer is built, as axum refuses a route
-    /// added twice.
+    /// While the layer is built, as axum panics on a bad route, when the configuration could
+    /// never do what it says: `path` does not start with `/`, holds a query, a fragment or a
+    /// space, is not a valid template, conflicts with another `for_path` (as `/a/{x}` and
+    /// `/a/{y}` do), or is given twice (the second would silently replace the first).
     pub fn for_path(
         mut self,
         path: impl Into<String>,
@@ -156,6 +210,17 @@ impl<St, M> IdempotencyLayer<St, M> {
             "IdempotencyLayer::for_path({path:?}) is given twice: the second would replace the \
              first; configure the path in one call"
         );
+        if let Some(why) = never_matches(&path) {
+            panic!("IdempotencyLayer::for_path({path:?}) can never match a request: {why}");
+        }
+        let mut templates = matchit::Router::new();
+        for (other, _) in &self.config.overrides {
+            // Earlier paths were checked as they came.
+            let _ = templates.insert(other.as_str(), ());
+        }
+        if let Err(error) = templates.insert(path.as_str(), ()) {
+            panic!("IdempotencyLayer::for_path({path:?}) is not a route axum could match: {error}");
+        }
         self.config_mut().overrides.push((path, Arc::new(f)));
         self
     }
@@ -319,14 +384,21 @@ impl<St, M> IdempotencyLayer<St, M> {
 
     fn resolve(&self) -> Resolved {
         let c = &self.config;
+        let routes: HashMap<_, _> = c
+            .overrides
+            .iter()
+            .map(|(path, f)| (path.clone(), Arc::new(f(c.default.clone()))))
+            .collect();
+        let mut templates = matchit::Router::new();
+        for (path, route) in &routes {
+            // `for_path` inserted each into a router like this one already.
+            let _ = templates.insert(path.as_str(), route.clone());
+        }
         Resolved {
             header: c.header.clone(),
             default: Arc::new(c.default.clone()),
-            routes: c
-                .overrides
-                .iter()
-                .map(|(path, f)| (path.clone(), Arc::new(f(c.default.clone()))))
-                .collect(),
+            routes,
+            templates,
             fingerprint: c.fingerprint.clone(),
             denied_headers: c.denied_headers.clone().into(),
         }

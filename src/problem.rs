@@ -30,6 +30,7 @@
 //! | `header-mismatch` | 400 | the MCP `Mcp-Method` header names another method than the body; nothing ran |
 //! | `not-guarded` | 500 | a handler extracts `IdempotencyContext` on a request the layer did not guard (route outside the layer, or an optional key not sent): a server misconfiguration |
 //! | `scope-missing` | 500 | the request lacks what the layer's scope is made from (the auth layer did not run before it): a server misconfiguration; nothing ran |
+//! | `fingerprint-failed` | 500 | a custom canonicaliser panicked on this body: a server bug; nothing was claimed or run |
 
 use bytes::Bytes;
 use http::{HeaderMap, HeaderValue, Response, StatusCode, header};
@@ -73,6 +74,9 @@ pub enum ProblemKind {
     /// 500: a handler needs an `IdempotencyContext` on a request the layer did not guard: the
     /// server is wired wrong.
     NotGuarded,
+    /// 500: a custom [`Canonicalize`](crate::Canonicalize) panicked on the body: a server bug;
+    /// nothing was claimed or run.
+    FingerprintFailed,
 }
 
 impl ProblemKind {
@@ -94,6 +98,7 @@ impl ProblemKind {
             Self::CallUnguardable => "call-unguardable",
             Self::HeaderMismatch => "header-mismatch",
             Self::NotGuarded => "not-guarded",
+            Self::FingerprintFailed => "fingerprint-failed",
         }
     }
 
@@ -115,9 +120,10 @@ impl ProblemKind {
             Self::FingerprintMismatch => StatusCode::UNPROCESSABLE_ENTITY,
             Self::InFlight | Self::OutcomeUnknown | Self::ResponseNotStored => StatusCode::CONFLICT,
             Self::StoreUnavailable => StatusCode::SERVICE_UNAVAILABLE,
-            Self::ExecutionFailed | Self::ScopeMissing | Self::NotGuarded => {
-                StatusCode::INTERNAL_SERVER_ERROR
-            }
+            Self::ExecutionFailed
+            | Self::ScopeMissing
+            | Self::NotGuarded
+            | Self::FingerprintFailed => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
 
@@ -138,6 +144,7 @@ impl ProblemKind {
             Self::CallUnguardable => "Keyed call cannot be guarded",
             Self::HeaderMismatch => "Mcp-Method header does not match the body",
             Self::NotGuarded => "Request not guarded (server misconfiguration)",
+            Self::FingerprintFailed => "Request could not be fingerprinted (server error)",
             Self::ExecutionFailed => "Execution failed",
         }
     }

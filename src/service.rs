@@ -83,7 +83,9 @@ where
         let inner = std::mem::replace(&mut self.inner, clone);
         // The path the client sent, wherever this layer sits (see `crate::uri`).
         let path = crate::uri::sent(req.extensions(), req.uri()).path();
-        let route = self.config.route(path);
+        let route = self
+            .config
+            .route(path, crate::uri::matched(req.extensions()));
         // An outer idempotency layer already guards this request: one claim per request.
         let nested = req.extensions().get::<IdempotencyContext>().is_some();
         if nested || !route.guards(req.method()) {
@@ -415,7 +417,11 @@ impl<St: IdempotencyStore, M: MakeScope> Pipeline<St, M> {
                 protocol,
             }),
             Err(error) => {
-                let problem = Problem::new(ProblemKind::BodyMalformed, error.to_string());
+                let kind = match error.panicked() {
+                    true => ProblemKind::FingerprintFailed,
+                    false => ProblemKind::BodyMalformed,
+                };
+                let problem = Problem::new(kind, error.to_string());
                 Prepared::Answer(self.refuse_body(problem, &protocol))
             }
         }

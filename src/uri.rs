@@ -21,3 +21,14 @@ pub(crate) fn sent<'a>(extensions: &'a Extensions, uri: &'a Uri) -> &'a Uri {
     let _ = extensions;
     uri
 }
+
+/// The route template axum matched the request to (`MatchedPath`), where a router set it.
+pub(crate) fn matched(extensions: &Extensions) -> Option<&str> {
+    #[cfg(feature = "axum")]
+    if let Some(matched) = extensions.get::<axum::extract::MatchedPath>() {
+        return Some(matched.as_str());
+    }
+    #[cfg(not(feature = "axum"))]
+    let _ = extensions;
+    None
+}

@@ -66,6 +66,8 @@ impl fmt::Debug for Fingerprint {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct MalformedBody {
     reason: std::borrow::Cow<'static, str>,
+    /// Not the body's fault: a custom canonicaliser panicked on it (answered 500).
+    panicked: bool,
 }
 
 impl MalformedBody {
@@ -73,7 +75,13 @@ impl MalformedBody {
     pub fn new(reason: impl Into<std::borrow::Cow<'static, str>>) -> Self {
         Self {
             reason: reason.into(),
+            panicked: false,
         }
+    }
+
+    /// Whether a custom canonicaliser panicked, rather than the body being malformed.
+    pub(crate) fn panicked(&self) -> bool {
+        self.panicked
     }
 }
 
@@ -385,7 +393,18 @@ fn body_into(
 ) -> Result<(), MalformedBody> {
     if let Some((_, custom)) = options.custom.iter().find(|(m, _)| m == media) {
         put_field(h, b"custom");
-        put_field(h, &custom.canonicalize(body)?);
+        // The application's code: a panic in it is a server error answered as such, not a
+        // dropped connection.
+        let canonical =
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| custom.canonicalize(body)))
+                .map_err(|_panic| {
+                tracing::error!(media, "the custom canonicaliser panicked");
+                MalformedBody {
+                    reason: format!("the canonicaliser for {media} failed on this body").into(),
+                    panicked: true,
+                }
+            })??;
+        put_field(h, &canonical);
         return Ok(());
     }
     if body.is_empty() {

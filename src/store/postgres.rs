@@ -292,11 +292,17 @@ impl PostgresStore {
         Ok(Self::new(pool))
     }
 
-    /// Keeps records in `schema.table` instead; both must be plain identifiers.
-    pub fn with_table(mut self, schema: &str, table: &str) -> Result<Self, InvalidIdentifier> {
+    /// Keeps records in `table` instead: `name` (in the `public` schema) or `schema.name`,
+    /// each part a plain identifier. `SqliteStore::with_table` takes the same argument.
+    pub fn with_table(mut self, table: &str) -> Result<Self, InvalidIdentifier> {
+        let (schema, name) = match table.split_once('.') {
+            Some((schema, name)) => (sql::identifier(schema), sql::identifier(name)),
+            None => (Ok("public"), sql::identifier(table)),
+        };
+        let whole = |_| InvalidIdentifier(table.to_owned());
         self.sql = Arc::new(Statements::new(
-            sql::identifier(schema)?,
-            sql::identifier(table)?,
+            schema.map_err(whole)?,
+            name.map_err(whole)?,
         ));
         Ok(self)
     }

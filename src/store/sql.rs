@@ -12,7 +12,7 @@ use super::{
 
 /// A schema or table name that is not a plain SQL identifier.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct InvalidIdentifier(String);
+pub struct InvalidIdentifier(pub(crate) String);
 
 impl fmt::Display for InvalidIdentifier {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {

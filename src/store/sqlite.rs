@@ -270,7 +270,8 @@ impl SqliteStore {
         })
     }
 
-    /// Keeps records in `table` instead; it must be a plain identifier.
+    /// Keeps records in `table` instead; it must be a plain identifier (SQLite has no schemas
+    /// to name here). `PostgresStore::with_table` takes the same argument.
     pub fn with_table(mut self, table: &str) -> Result<Self, InvalidIdentifier> {
         self.sql = Arc::new(Statements::new(sql::identifier(table)?));
         Ok(self)

@@ -508,7 +508,7 @@ async fn run() {
     {
         Ok(pool) => {
             let store = PostgresStore::new(pool)
-                .with_table("public", "tower_idempotency_bench")
+                .with_table("tower_idempotency_bench")
                 .expect("table");
             store.migrate().await.expect("migrate");
             sqlx::query("TRUNCATE tower_idempotency_bench")

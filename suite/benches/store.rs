@@ -131,7 +131,7 @@ async fn count_statements(url: &str, claim_sql: &str, complete_sql: &str, run: u
         .await
         .expect("connect through the proxy");
     let store = PostgresStore::new(pool.clone())
-        .with_table("public", "tower_idempotency_ceiling")
+        .with_table("tower_idempotency_ceiling")
         .expect("table");
     let keys: Vec<_> = (0..=COUNTED)
         .map(|i| ScopedKey::new("bench", format!("counted-{run}-{i}")))
@@ -219,7 +219,7 @@ async fn main() {
         }
     };
     let store = PostgresStore::new(pool.clone())
-        .with_table("public", "tower_idempotency_ceiling")
+        .with_table("tower_idempotency_ceiling")
         .expect("table");
     store.migrate().await.expect("migrate");
     sqlx::query("TRUNCATE tower_idempotency_ceiling")

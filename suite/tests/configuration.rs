@@ -171,9 +171,7 @@ async fn s20_2_a_store_without_its_table_says_to_migrate() {
             .execute(&pool)
             .await
             .expect("drop");
-        let postgres = PostgresStore::new(pool)
-            .with_table("public", table)
-            .expect("table");
+        let postgres = PostgresStore::new(pool).with_table(table).expect("table");
         let error = postgres.check().await.expect_err("no table yet");
         assert!(
             error.to_string().contains("public.config_never_migrated"),
@@ -299,4 +297,162 @@ async fn s20_9_an_in_memory_sqlite_store_outlives_its_pool_connections() {
         AnyStore::connect("sqlite::memory:").await,
         Ok(AnyStore::Sqlite(_))
     ));
+}
+
+/// Issue 20 §9: a custom canonicaliser that panics is the server's bug: 500
+/// `fingerprint-failed` (as a panicking handler is answered), the handler never runs, the key
+/// is not taken, and the server keeps serving; other media types are unaffected.
+#[tokio::test]
+async fn s20_9_a_panicking_canonicaliser_answers_500_and_runs_nothing() {
+    let effects = Effects::default();
+    let sink = effects.clone();
+    let app = Router::new()
+        .route(
+            "/t",
+            post(move || async move { format!("effect {}", sink.hit()) }),
+        )
+        .route_layer(
+            IdempotencyLayer::new(MemoryStore::new())
+                .single_tenant()
+                .canonicalize("application/cbor", |_: &[u8]| -> Result<Vec<u8>, _> {
+                    panic!("a bug in the application's canonicaliser")
+                }),
+        );
+    let addr = serve(app).await;
+    let client = client();
+    let send = |ct: &'static str, key: &'static str| {
+        client
+            .post(format!("http://{addr}/t"))
+            .header("content-type", ct)
+            .header("idempotency-key", key)
+            .body("\u{a1}")
+            .send()
+    };
+    for _ in 0..2 {
+        let res = send("application/cbor", "k")
+            .await
+            .expect("an answer, not a dropped connection");
+        assert_eq!(res.status(), StatusCode::INTERNAL_SERVER_ERROR);
+        let body = problem(res).await;
+        assert_eq!(body["type"], problem_type("fingerprint-failed"));
+        assert_eq!(
+            body["safe_new_key"], true,
+            "nothing ran, nothing was claimed"
+        );
+    }
+    assert_eq!(effects.count(), 0);
+    // The server still serves, and the same key is free for a request it can fingerprint.
+    let res = send("application/octet-stream", "k").await.expect("answer");
+    assert_eq!(res.status(), StatusCode::OK);
+    assert_eq!(effects.count(), 1);
+}
+
+/// Issue 20 §5: `for_path` takes axum's route templates. Behind a Router a request gets the
+/// settings of the route axum matched (a literal route beside a `{id}` template keeps the
+/// defaults); in a nested router the template is the full one.
+#[tokio::test]
+async fn s20_5_for_path_matches_the_route_axum_matched() {
+    let effects = Effects::default();
+    let handler = |sink: Effects| post(move || async move { format!("effect {}", sink.hit()) });
+    let layer = IdempotencyLayer::new(MemoryStore::new())
+        .single_tenant()
+        .require_key(false)
+        .for_path("/accounts/{id}/charge", |r| r.require_key(true))
+        .for_path("/eu/orders/{*rest}", |r| r.require_key(true));
+    let app = Router::new()
+        .route("/accounts/{id}/charge", handler(effects.clone()))
+        .route("/accounts/special/charge", handler(effects.clone()))
+        .nest(
+            "/eu",
+            Router::new().route("/orders/{*rest}", handler(effects.clone())),
+        )
+        .layer(layer);
+    let addr = serve(app).await;
+    for path in [
+        "/accounts/42/charge",
+        "/accounts/x-7/charge",
+        "/eu/orders/1/lines",
+    ] {
+        let res = post_key(addr, path, None).await;
+        assert_eq!(res.status(), StatusCode::BAD_REQUEST, "{path}");
+        assert_eq!(
+            problem(res).await["type"],
+            problem_type("key-missing"),
+            "{path}"
+        );
+    }
+    assert_eq!(effects.count(), 0);
+    // axum routed this one to its own literal route: the template's settings do not apply.
+    let res = post_key(addr, "/accounts/special/charge", None).await;
+    assert_eq!(res.status(), StatusCode::OK);
+    assert_eq!(effects.count(), 1);
+    // And a keyed call to a template route is guarded as usual.
+    for _ in 0..2 {
+        let res = post_key(addr, "/accounts/42/charge", Some("k")).await;
+        assert_eq!(res.status(), StatusCode::OK);
+    }
+    assert_eq!(effects.count(), 2);
+}
+
+/// Issue 20 §5: without axum's `MatchedPath` (tonic, plain tower) templates match by axum's
+/// rules: a literal segment before a parameter, a parameter before a wildcard.
+#[tokio::test]
+async fn s20_5_templates_match_plain_tower_services_by_axums_rules() {
+    use tower::{Layer, ServiceExt};
+    let layer = IdempotencyLayer::new(MemoryStore::new())
+        .single_tenant()
+        .require_key(false)
+        .for_path("/a/{id}", |r| r.require_key(true))
+        .for_path("/a/free", |r| r.require_key(false))
+        .for_path("/files/{*path}", |r| r.require_key(true));
+    let service = layer.layer(tower::service_fn(|_req: http::Request<_>| async {
+        Ok::<_, std::convert::Infallible>(http::Response::new(axum::body::Body::from("ran")))
+    }));
+    let status = |path: &'static str| {
+        let service = service.clone();
+        async move {
+            let req = http::Request::post(path)
+                .body(axum::body::Body::from("{}"))
+                .expect("request");
+            service.oneshot(req).await.expect("infallible").status()
+        }
+    };
+    assert_eq!(status("/a/1").await, StatusCode::BAD_REQUEST);
+    assert_eq!(status("/a/free").await, StatusCode::OK);
+    assert_eq!(
+        status("/a/1/more").await,
+        StatusCode::OK,
+        "a parameter is one segment"
+    );
+    assert_eq!(status("/files/x/y/z").await, StatusCode::BAD_REQUEST);
+    assert_eq!(status("/other").await, StatusCode::OK);
+}
+
+/// Issue 20 §5: a `for_path` that could never match a request is refused while the layer is
+/// built, saying why, as axum refuses a bad route.
+#[test]
+fn s20_5_a_path_that_can_never_match_is_refused() {
+    let cases: [(&[&str], &str); 6] = [
+        (&["tools/search"], "always starts with '/'"),
+        (&["/charge?currency=eur"], "no query"),
+        (&["/charge "], "no spaces"),
+        (&["/a/{id"], "not a route axum could match"),
+        (&["/a/{x}", "/a/{y}"], "not a route axum could match"),
+        (&["/a/{*rest}/b"], "not a route axum could match"),
+    ];
+    for (paths, why) in cases {
+        let built = std::panic::catch_unwind(|| {
+            paths
+                .iter()
+                .fold(IdempotencyLayer::new(MemoryStore::new()), |layer, path| {
+                    layer.for_path(*path, |r| r)
+                })
+        });
+        let message = built
+            .err()
+            .and_then(|p| p.downcast::<String>().ok())
+            .unwrap_or_else(|| panic!("{paths:?} was accepted"));
+        assert!(message.contains(why), "{paths:?}: {message}");
+        assert!(message.contains(paths[paths.len() - 1]), "{message}");
+    }
 }

@@ -351,9 +351,7 @@ async fn store_behind(proxy: &Proxy, table: &str, connections: u32) -> PostgresS
         .connect(url.as_str())
         .await
         .expect("connect through the proxy");
-    let store = PostgresStore::new(pool)
-        .with_table("public", table)
-        .expect("table");
+    let store = PostgresStore::new(pool).with_table(table).expect("table");
     store.migrate().await.expect("migrate");
     store
 }
@@ -476,21 +474,28 @@ async fn hostile_table_names_are_refused() {
     let Some(pool) = common::postgres_pool().await else {
         return;
     };
-    for (schema, table) in [
-        ("public", "x\"; DROP SCHEMA public; --"),
-        ("pg catalog", "t"),
-        ("public", ""),
+    for table in [
+        "public.x\"; DROP SCHEMA public; --",
+        "pg catalog.t",
+        "public.",
+        ".t",
+        "a.b.c",
+        "",
     ] {
         assert!(
-            PostgresStore::new(pool.clone())
-                .with_table(schema, table)
-                .is_err(),
-            "{schema}.{table}"
+            PostgresStore::new(pool.clone()).with_table(table).is_err(),
+            "{table}"
         );
     }
+    // The same shape as SQLite's: one name, with a schema where PostgreSQL has them.
+    assert!(
+        PostgresStore::new(pool.clone())
+            .with_table("records_v2")
+            .is_ok()
+    );
     assert!(
         PostgresStore::new(pool)
-            .with_table("idem", "records_v2")
+            .with_table("idem.records_v2")
             .is_ok()
     );
 }

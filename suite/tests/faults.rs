@@ -129,7 +129,7 @@ async fn s15_1_a_cut_database_connection_at_record_time_ends_recorded() {
         .await
         .expect("pool through the proxy");
     let store = tower_idempotency::store::PostgresStore::new(pool)
-        .with_table("public", "faults_cut")
+        .with_table("faults_cut")
         .expect("table");
     store.migrate().await.expect("migrate");
     let effects = Effects::default();
@@ -636,7 +636,7 @@ async fn held_row_lock(table: &str, pool: u32, meanwhile: Meanwhile) {
         .await
         .expect("pool");
     let store = tower_idempotency::store::PostgresStore::new(pool)
-        .with_table("public", table)
+        .with_table(table)
         .expect("table");
     store.migrate().await.expect("migrate");
     let effects = Effects::default();
@@ -777,7 +777,7 @@ async fn s15_8_a_63_byte_table_name_gets_its_indexes() {
     .await
     .expect("drop");
     let store = tower_idempotency::store::PostgresStore::new(pool.clone())
-        .with_table("public", &table)
+        .with_table(&table)
         .expect("a 63-byte name is valid");
     store.migrate().await.expect("migrate");
     store.migrate().await.expect("migrate again: idempotent");

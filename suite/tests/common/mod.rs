@@ -225,7 +225,7 @@ pub async fn postgres_pool() -> Option<sqlx::PgPool> {
 /// A migrated PostgresStore in its own table (so tests never see each other's rows).
 pub async fn postgres(table: &str) -> Option<tower_idempotency::store::PostgresStore> {
     let store = tower_idempotency::store::PostgresStore::new(postgres_pool().await?)
-        .with_table("public", table)
+        .with_table(table)
         .expect("a valid table name");
     store.migrate().await.expect("migrate");
     Some(store)
