@@ -184,8 +184,7 @@ mod extract {
                  optional and was not sent): a server misconfiguration. Handlers on such routes \
                  extract Option<IdempotencyContext>",
             );
-            problem
-                .into_response::<axum_core::body::Body>()
+            crate::dialect::http::problem_response::<axum_core::body::Body>(&problem)
                 .map(axum_core::body::Body::new)
         }
     }

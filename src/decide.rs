@@ -20,7 +20,8 @@ pub(crate) enum Decision {
 
 /// DESIGN §1 step 6, in its order: a fingerprint mismatch is reported before any in-flight
 /// state, so a client that changed its request learns that first.
-pub(crate) fn decide(claim: Claim, fingerprint: &Fingerprint) -> Decision {
+/// `covers` names what the fingerprint covers, in the dialect's words, for a mismatch.
+pub(crate) fn decide(claim: Claim, fingerprint: &Fingerprint, covers: &str) -> Decision {
     let (record, now) = match claim {
         Claim::Acquired(lease) => return Decision::Run(lease),
         Claim::Existing { record, now } => (*record, now),
@@ -31,8 +32,10 @@ pub(crate) fn decide(claim: Claim, fingerprint: &Fingerprint) -> Decision {
         return Decision::Refuse(
             Problem::new(
                 ProblemKind::FingerprintMismatch,
-                "this idempotency key was first used with a different request (method, path, \
-                 query, content type or body); nothing was run. Use a new key for a new request",
+                format!(
+                    "this idempotency key was first used with a different request ({covers}); \
+                     nothing was run. Use a new key for a new request"
+                ),
             )
             .state(state),
         );

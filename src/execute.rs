@@ -24,16 +24,17 @@ use tower_service::Service;
 use tracing::Instrument;
 
 use crate::body::{RequestBody, ResponseBody};
+use crate::dialect::jsonrpc::{self, Events, Id};
+use crate::dialect::{Dialect, Recording};
 use crate::hold::{Hold, Keeper};
-use crate::jsonrpc;
-use crate::layer::Resolved;
 use crate::observe::{self, Event};
 use crate::policy::Outcome;
-use crate::problem::{Problem, ProblemKind, Protocol};
+use crate::problem::{Problem, ProblemKind};
 use crate::replay::{
     Captured, Presentation, capture, present, present_streaming, restore, withhold,
 };
 use crate::route::RouteConfig;
+use crate::settings::Resolved;
 use crate::store::{
     BoxError, FencingToken, IdempotencyStore, Lease, RecordStatus, ScopedKey, StoreError,
     StoredResponse,
@@ -47,7 +48,7 @@ pub(crate) struct Execution<St> {
     pub(crate) lease: Lease,
     pub(crate) route: Arc<RouteConfig>,
     pub(crate) config: Arc<Resolved>,
-    pub(crate) protocol: Protocol,
+    pub(crate) dialect: Dialect,
 }
 
 impl<St: IdempotencyStore> Execution<St> {
@@ -92,13 +93,13 @@ impl<St: IdempotencyStore> Execution<St> {
             return self.finish(answered, hold).await;
         };
         cancel.disarm();
-        let protocol = self.protocol.clone();
+        let dialect = self.dialect.clone();
         match tokio::spawn(self.finish(answered, hold).in_current_span()).await {
             Ok(answer) => answer,
             Err(_) => Ok(failed(
                 "recording the outcome failed",
                 "in_progress",
-                &protocol,
+                &dialect,
             )),
         }
     }
@@ -120,7 +121,7 @@ impl<St: IdempotencyStore> Execution<St> {
                 return Ok(failed(
                     "the handler panicked; nothing was recorded",
                     state,
-                    &self.protocol,
+                    &self.dialect,
                 ));
             }
             Ok(Err(service_error)) => {
@@ -132,13 +133,9 @@ impl<St: IdempotencyStore> Execution<St> {
         };
         let limit = self.route.response_limit;
         // JSON-RPC event streams go to the client as they arrive (progress notifications).
-        let stream_for = match &self.protocol {
-            Protocol::JsonRpc(id) => Some(id.clone()),
-            _ => None,
-        };
         let status = res.status();
         let captured = CatchUnwind {
-            inner: capture(res, limit, stream_for),
+            inner: capture(res, limit, self.dialect.watches()),
         }
         .await
         .unwrap_or_else(|_panic| {
@@ -163,7 +160,7 @@ impl<St: IdempotencyStore> Execution<St> {
                     "the handler answered with a failure and its response body failed; nothing \
                      was recorded"
                 };
-                Ok(failed(detail, state, &self.protocol))
+                Ok(failed(detail, state, &self.dialect))
             }
             Captured::Complete {
                 mut parts,
@@ -177,11 +174,15 @@ impl<St: IdempotencyStore> Execution<St> {
                 let how = Presentation {
                     replayed: false,
                     mark: self.route.mark_first_response,
-                    envelope: self.route.envelope && self.protocol == Protocol::Http,
+                    envelope: self.dialect.envelopes(self.route.envelope),
                 };
                 Ok(present(parts.status, parts.headers, body, trailers, how))
             }
-            Captured::Streaming { parts, body, id } => {
+            Captured::Streaming {
+                parts,
+                body,
+                watched: id,
+            } => {
                 let (tx, rx) = tokio::sync::mpsc::channel(16);
                 let head = head_of(&parts);
                 // The stream's own task keeps the lease until it is recorded.
@@ -198,7 +199,7 @@ impl<St: IdempotencyStore> Execution<St> {
                 let how = Presentation {
                     replayed: false,
                     mark: self.route.mark_first_response,
-                    envelope: self.route.envelope && self.protocol == Protocol::Http,
+                    envelope: self.dialect.envelopes(self.route.envelope),
                 };
                 Ok(present_streaming(parts, prefix, rest, how))
             }
@@ -212,7 +213,7 @@ impl<St: IdempotencyStore> Execution<St> {
     /// that never ends) the answer is recorded at once as not stored.
     async fn tee<B>(
         self,
-        id: Arc<crate::jsonrpc::Id>,
+        id: Arc<Id>,
         head: Parts,
         mut body: Pin<Box<B>>,
         tx: tokio::sync::mpsc::Sender<Result<http_body::Frame<Bytes>, BoxError>>,
@@ -222,7 +223,7 @@ impl<St: IdempotencyStore> Execution<St> {
         B::Error: Into<BoxError>,
     {
         let limit = self.route.response_limit;
-        let mut events = jsonrpc::Events::default();
+        let mut events = Events::default();
         let mut seen = 0usize;
         let mut recorded = false;
         // Kept until the answer is recorded, not for the rest of the stream.
@@ -281,16 +282,14 @@ impl<St: IdempotencyStore> Execution<St> {
     /// Records a response whose body was lost after its head: as completed without a body
     /// when the policy records its head, else gives the key back. Returns the key's state.
     async fn record_lost(&self, parts: &mut Parts) -> &'static str {
-        let records = match &self.protocol {
-            // The call's own outcome travels in the lost body: the head says nothing.
-            Protocol::JsonRpc(_) => true,
-            _ => self.route.cache_policy.records(&Outcome {
+        // Where the outcome travels in the lost body, the head says nothing: taken as done.
+        let records = !self.dialect.head_tells_outcome()
+            || self.route.cache_policy.records(&Outcome {
                 status: parts.status,
                 headers: &parts.headers,
                 trailers: None,
                 jsonrpc: None,
-            }),
-        };
+            });
         if !records {
             return self.release().await;
         }
@@ -314,8 +313,16 @@ impl<St: IdempotencyStore> Execution<St> {
         body: Option<Bytes>,
         trailers: Option<&HeaderMap>,
     ) -> Option<Bytes> {
-        if let Protocol::JsonRpc(id) = &self.protocol {
-            return self.record_jsonrpc(parts, body, trailers, id).await;
+        match self.dialect.recording(&parts.headers, body.as_ref()) {
+            Recording::AsIs => {}
+            Recording::Call(message) => {
+                self.record_call(parts, message, trailers).await;
+                return body;
+            }
+            Recording::Interim => {
+                self.release().await;
+                return body;
+            }
         }
         let outcome = Outcome {
             status: parts.status,
@@ -345,30 +352,6 @@ impl<St: IdempotencyStore> Execution<St> {
         stored.body
     }
 
-    /// Step 8 for JSON-RPC: records the call's final response, whatever framing carried it.
-    async fn record_jsonrpc(
-        &self,
-        parts: &Parts,
-        body: Option<Bytes>,
-        trailers: Option<&HeaderMap>,
-        id: &crate::jsonrpc::Id,
-    ) -> Option<Bytes> {
-        let message = match &body {
-            Some(bytes) => match jsonrpc::final_response(&parts.headers, bytes, id) {
-                Some(message) => Some(message),
-                // An interim answer, or none at all: nothing to record.
-                None => {
-                    self.release().await;
-                    return body;
-                }
-            },
-            // Too large to keep: recorded without a body, like any oversized response.
-            None => None,
-        };
-        self.record_call(parts, message, trailers).await;
-        body
-    }
-
     /// Records a call's final response (`None`: too large to keep), or releases the key when
     /// the policy does not record it.
     async fn record_call(
@@ -384,13 +367,7 @@ impl<St: IdempotencyStore> Execution<St> {
             jsonrpc: message.as_deref(),
         };
         if self.route.cache_policy.records(&outcome) {
-            let stored = StoredResponse {
-                status: jsonrpc::REPLAY_STATUS,
-                headers: jsonrpc::stored_headers(),
-                body: message,
-                trailers: None,
-            };
-            self.complete(&stored).await;
+            self.complete(&jsonrpc::stored_call(message)).await;
         } else {
             self.release().await;
         }
@@ -558,10 +535,8 @@ fn head_of(parts: &Parts) -> Parts {
     head.into_parts().0
 }
 
-fn failed<B>(detail: &str, state: &'static str, protocol: &Protocol) -> Response<ResponseBody<B>> {
-    Problem::new(ProblemKind::ExecutionFailed, detail)
-        .state(state)
-        .respond(protocol)
+fn failed<B>(detail: &str, state: &'static str, dialect: &Dialect) -> Response<ResponseBody<B>> {
+    dialect.refuse(&Problem::new(ProblemKind::ExecutionFailed, detail).state(state))
 }
 
 pin_project! {

@@ -16,6 +16,7 @@ use crate::replay::default_denied_headers;
 use crate::route::RouteConfig;
 use crate::scope::{ByHeader, ByPrincipal, CredentialHash, MakeScope, SingleTenant, Unscoped};
 use crate::service::Idempotency;
+use crate::settings::Resolved;
 use crate::store::LeaseExpiry;
 
 type Override = Arc<dyn Fn(RouteConfig) -> RouteConfig + Send + Sync>;
@@ -51,45 +52,6 @@ struct LayerConfig {
     /// The configuration services run with, made once: axum applies a router's layers to
     /// handler routes on every request, so `layer` must be cheap.
     resolved: std::sync::OnceLock<Arc<Resolved>>,
-}
-
-/// The configuration a service runs with, resolved once per [`Layer::layer`].
-#[derive(Debug)]
-pub(crate) struct Resolved {
-    pub(crate) header: HeaderName,
-    pub(crate) default: Arc<RouteConfig>,
-    /// Every `for_path`, by the text it was given (a path or a template).
-    pub(crate) routes: HashMap<String, Arc<RouteConfig>>,
-    /// The same, matched as axum matches routes (`{id}`, `{*rest}`), for requests that come
-    /// without axum's `MatchedPath`.
-    pub(crate) templates: matchit::Router<Arc<RouteConfig>>,
-    pub(crate) fingerprint: FingerprintOptions,
-    pub(crate) denied_headers: Arc<[HeaderName]>,
-}
-
-impl Resolved {
-    /// The settings for a request: those given for the route axum matched (its template, as
-    /// in `Router::route`), else for this exact path; without axum's `MatchedPath` (tonic, a
-    /// plain tower stack), the path is matched against the templates as axum would; else the
-    /// defaults.
-    pub(crate) fn route(&self, path: &str, matched: Option<&str>) -> &Arc<RouteConfig> {
-        if self.routes.is_empty() {
-            return &self.default;
-        }
-        if let Some(matched) = matched {
-            // axum chose the route: another template that would also match this path (a
-            // `{id}` where the app has a literal route) must not apply.
-            return self
-                .routes
-                .get(matched)
-                .or_else(|| self.routes.get(path))
-                .unwrap_or(&self.default);
-        }
-        match self.templates.at(path) {
-            Ok(found) => found.value,
-            Err(_) => &self.default,
-        }
-    }
 }
 
 /// Why a `for_path` could never match a request, or `None`.
@@ -262,7 +224,7 @@ impl<St, M> IdempotencyLayer<St, M> {
         /// Whether refusals are written into the key's history.
         record_refusals(on: bool);
         /// Guards JSON-RPC calls (MCP `tools/call`) instead of plain HTTP requests.
-        jsonrpc(settings: crate::jsonrpc::JsonRpc);
+        jsonrpc(settings: crate::dialect::jsonrpc::JsonRpc);
         /// Whether a client hanging up cancels the handler (and releases the key).
         cancel_on_disconnect(on: bool);
         /// How long a retry waits for an in-flight first request before answering 409.

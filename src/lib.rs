@@ -98,13 +98,12 @@
 mod body;
 mod context;
 mod decide;
+mod dialect;
 mod execute;
 pub mod fingerprint;
 mod future;
-pub mod grpc;
 mod hold;
 mod json_text;
-pub mod jsonrpc;
 mod key;
 mod layer;
 mod observe;
@@ -115,6 +114,7 @@ mod replay;
 mod route;
 pub mod scope;
 mod service;
+mod settings;
 pub mod store;
 mod uri;
 
@@ -122,6 +122,7 @@ pub use body::{RequestBody, ResponseBody};
 pub use context::IdempotencyContext;
 #[cfg(feature = "axum")]
 pub use context::MissingIdempotencyContext;
+pub use dialect::{grpc, jsonrpc};
 pub use fingerprint::{Canonicalize, Fingerprint, MalformedBody};
 pub use future::ResponseFuture;
 pub use key::{IDEMPOTENCY_KEY, KeyError, MAX_KEY_LEN, ScopedKey};

@@ -5,6 +5,8 @@ use std::sync::Arc;
 
 use http::{HeaderMap, HeaderName, StatusCode};
 
+use crate::dialect::{grpc, jsonrpc};
+
 /// Looked up on every recorded response: a constant name is hashed, not parsed each time.
 static GRPC_STATUS: HeaderName = HeaderName::from_static("grpc-status");
 
@@ -32,20 +34,15 @@ impl Outcome<'_> {
     /// technical failure that a retry may get past (DESIGN §3). For JSON-RPC, results are
     /// (tool errors included) and protocol errors are, except internal and server errors.
     pub fn is_definitive(&self) -> bool {
+        // The call's own message, else the gRPC status, else the HTTP status: each dialect
+        // classifies its own.
         if let Some(message) = self.jsonrpc {
-            return self.status.is_success() && crate::jsonrpc::is_definitive(message);
+            return self.status.is_success() && jsonrpc::is_definitive(message);
         }
-        if let Some(code) = self.grpc_status() {
-            // OK, INVALID_ARGUMENT, NOT_FOUND, ALREADY_EXISTS, PERMISSION_DENIED,
-            // FAILED_PRECONDITION, OUT_OF_RANGE, UNIMPLEMENTED, UNAUTHENTICATED.
-            return matches!(code, 0 | 3 | 5 | 6 | 7 | 9 | 11 | 12 | 16);
+        match self.grpc_status() {
+            Some(code) => grpc::is_definitive(code),
+            None => crate::dialect::http::is_definitive(self.status),
         }
-        let s = self.status.as_u16();
-        // A POST answered 303 See Other (post/redirect/get), 302 or 301 did its work. Not so
-        // 307 and 308 (send the same request again, there), 300, 304 or 305.
-        (200..300).contains(&s)
-            || matches!(s, 301..=303)
-            || ((400..500).contains(&s) && !matches!(s, 408 | 409 | 425 | 429))
     }
 }
 

@@ -32,10 +32,7 @@
 //! | `scope-missing` | 500 | the request lacks what the layer's scope is made from (the auth layer did not run before it): a server misconfiguration; nothing ran |
 //! | `fingerprint-failed` | 500 | a custom canonicaliser panicked on this body: a server bug; nothing was claimed or run |
 
-use bytes::Bytes;
-use http::{HeaderMap, HeaderValue, Response, StatusCode, header};
-
-use crate::body::ResponseBody;
+use http::StatusCode;
 
 /// The failures the middleware answers itself, each with a stable `type` URI.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -158,28 +155,7 @@ impl ProblemKind {
     }
 }
 
-/// The wire form a request expects its refusals in.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) enum Protocol {
-    /// `application/problem+json`.
-    Http,
-    /// A trailers-only gRPC status (see [`crate::grpc`]).
-    Grpc,
-    /// A JSON-RPC error answering the call with this `id` (see [`crate::jsonrpc`]).
-    JsonRpc(std::sync::Arc<crate::jsonrpc::Id>),
-}
-
-impl Protocol {
-    pub(crate) fn of(headers: &HeaderMap) -> Self {
-        if crate::grpc::is_grpc(headers) {
-            Self::Grpc
-        } else {
-            Self::Http
-        }
-    }
-}
-
-/// One problem answer, ready to become a response.
+/// One problem answer, ready to be framed in the request's dialect (`crate::dialect`).
 #[derive(Debug, Clone)]
 pub(crate) struct Problem {
     pub(crate) kind: ProblemKind,
@@ -227,29 +203,5 @@ impl Problem {
             body["retry_after"] = seconds.into();
         }
         body
-    }
-
-    /// The response in the form `protocol` expects.
-    pub(crate) fn respond<B>(self, protocol: &Protocol) -> Response<ResponseBody<B>> {
-        match protocol {
-            Protocol::Http => self.into_response(),
-            Protocol::Grpc => crate::grpc::status_response(&self),
-            Protocol::JsonRpc(id) => crate::jsonrpc::error_response(&self, id),
-        }
-    }
-
-    pub(crate) fn into_response<B>(self) -> Response<ResponseBody<B>> {
-        let body = Bytes::from(self.to_json().to_string());
-        let mut res = Response::new(ResponseBody::full(body, None));
-        *res.status_mut() = self.kind.status();
-        let headers = res.headers_mut();
-        headers.insert(
-            header::CONTENT_TYPE,
-            HeaderValue::from_static("application/problem+json"),
-        );
-        if let Some(seconds) = self.retry_after {
-            headers.insert(header::RETRY_AFTER, HeaderValue::from(seconds));
-        }
-        res
     }
 }

@@ -2,7 +2,6 @@
 //! rebuild responses (live ones and replays) with identical bytes.
 
 use std::pin::Pin;
-use std::sync::Arc;
 
 use bytes::Bytes;
 use http::{HeaderMap, HeaderName, HeaderValue, Response, header, response::Parts};
@@ -10,8 +9,7 @@ use http_body::Body;
 use http_body_util::BodyExt;
 
 use crate::body::{Embed, Gathered, ResponseBody};
-use crate::problem::{Problem, ProblemKind, Protocol};
-use crate::store::{BoxError, StoredResponse};
+use crate::store::BoxError;
 
 /// The header that marks a replay.
 pub static IDEMPOTENCY_REPLAYED: HeaderName = HeaderName::from_static("idempotency-replayed");
@@ -85,20 +83,20 @@ pub(crate) fn restore(headers: &mut HeaderMap, withheld: Vec<(HeaderName, Header
     }
 }
 
-/// A response read off the inner service.
-pub(crate) enum Captured<B> {
+/// A response read off the inner service; `W` names the call whose stream is watched.
+pub(crate) enum Captured<B, W> {
     /// The whole body (and trailers) fit within the limit.
     Complete {
         parts: Parts,
         body: Bytes,
         trailers: Option<HeaderMap>,
     },
-    /// A stream to pass on as it arrives (an SSE answer to the JSON-RPC call `id`), read by
-    /// no one yet.
+    /// A stream to pass on as it arrives (an SSE answer to the watched call), read by no one
+    /// yet.
     Streaming {
         parts: Parts,
         body: Pin<Box<B>>,
-        id: Arc<crate::jsonrpc::Id>,
+        watched: W,
     },
     /// The body failed after the head arrived: the handler answered, so its effect is taken
     /// as done, but the response is lost.
@@ -111,13 +109,13 @@ pub(crate) enum Captured<B> {
     },
 }
 
-/// Reads a response body to its end, or until it outgrows `limit`; for a JSON-RPC call
-/// (`stream_for`), an event stream is handed back unread, to be forwarded as it arrives.
-pub(crate) async fn capture<B>(
+/// Reads a response body to its end, or until it outgrows `limit`; when a call is `watched`
+/// (JSON-RPC), an event stream is handed back unread, to be forwarded as it arrives.
+pub(crate) async fn capture<B, W>(
     res: Response<B>,
     limit: usize,
-    stream_for: Option<Arc<crate::jsonrpc::Id>>,
-) -> Captured<B>
+    watched: Option<W>,
+) -> Captured<B, W>
 where
     B: Body<Data = Bytes>,
     B::Error: Into<BoxError>,
@@ -128,10 +126,14 @@ where
         .headers
         .get(header::CONTENT_TYPE)
         .is_some_and(|ct| ct.as_bytes().starts_with(b"text/event-stream"));
-    if let Some(id) = stream_for
+    if let Some(watched) = watched
         && is_stream
     {
-        return Captured::Streaming { parts, body, id };
+        return Captured::Streaming {
+            parts,
+            body,
+            watched,
+        };
     }
     let mut data = Gathered::default();
     let mut trailers: Option<HeaderMap> = None;
@@ -276,47 +278,6 @@ pub(crate) fn present<B>(
     *res.status_mut() = status;
     *res.headers_mut() = headers;
     res
-}
-
-/// A replay of a recorded response.
-pub(crate) fn replay<B>(
-    stored: StoredResponse,
-    envelope: bool,
-    mark_in_meta: bool,
-    protocol: &Protocol,
-) -> Response<ResponseBody<B>> {
-    let how = Presentation {
-        replayed: true,
-        mark: true,
-        envelope,
-    };
-    // A JSON-RPC replay answers the new request's id.
-    let body = match (stored.body, protocol) {
-        (Some(body), Protocol::JsonRpc(id)) => crate::jsonrpc::readdress(&body, id, mark_in_meta),
-        (body, _) => body,
-    };
-    match body {
-        Some(body) => present(stored.status, stored.headers, body, stored.trailers, how),
-        None => {
-            let mut res = Problem::new(
-                ProblemKind::ResponseNotStored,
-                format!(
-                    "the operation completed with status {}, but its response was not recorded \
-                     (it was larger than the limit for recorded responses, or its body failed \
-                     after the handler answered), so it cannot be replayed; it will not run again",
-                    stored.status.as_u16()
-                ),
-            )
-            .state("completed")
-            .respond(protocol);
-            // An answer about the recorded outcome: marked like any replay.
-            res.headers_mut().insert(
-                IDEMPOTENCY_REPLAYED.clone(),
-                HeaderValue::from_static("true"),
-            );
-            res
-        }
-    }
 }
 
 /// `{"ok", "status", "idempotent_replay", "original_response"}`: the handler's JSON embedded as

@@ -7,7 +7,7 @@ use http::Method;
 
 use std::sync::Arc;
 
-use crate::jsonrpc::JsonRpc;
+use crate::dialect::jsonrpc::JsonRpc;
 use crate::policy::CachePolicy;
 use crate::store::LeaseExpiry;
 

@@ -7,27 +7,25 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::Bytes;
-use http::{Request, Response, header};
+use http::{Request, Response};
 use http_body::Body;
-use http_body_util::BodyExt;
 use tower_service::Service;
 use tracing::Instrument;
 
-use crate::body::{Gathered, RequestBody, ResponseBody};
+use crate::body::{RequestBody, ResponseBody};
 use crate::context::IdempotencyContext;
 use crate::decide::{Decision, busy, ceil_secs, decide};
+use crate::dialect::http::{Admitted, Reading, buffer, refuse_body};
+use crate::dialect::{self, Dialect, Head, Refusal};
 use crate::execute::{Execution, ReleaseOnDrop};
-use crate::fingerprint::fingerprint_fields;
 use crate::future::{ResponseFuture, Step};
 use crate::hold::Keeper;
-use crate::jsonrpc::{self, JsonRpc};
-use crate::key::{KeyError, ScopedKey, parse_key};
-use crate::layer::Resolved;
+use crate::key::ScopedKey;
 use crate::observe::{self, Event};
-use crate::problem::{Problem, ProblemKind, Protocol};
-use crate::replay::replay;
+use crate::problem::{Problem, ProblemKind};
 use crate::route::RouteConfig;
 use crate::scope::MakeScope;
+use crate::settings::Resolved;
 use crate::store::{BoxError, Claim, ClaimRequest, HistoryEvent, IdempotencyStore, StoreError};
 
 /// The middleware service made by [`IdempotencyLayer`](crate::IdempotencyLayer).
@@ -140,45 +138,54 @@ impl<St: IdempotencyStore, M: MakeScope> Pipeline<St, M> {
     {
         let route = &self.route;
 
-        // 1–4. Key, scope, buffered body and fingerprint, the HTTP way or the JSON-RPC way.
-        // A block, so the preparation's result is not kept in this future's state later on.
-        let Guarded {
-            bytes,
-            key,
-            fingerprint,
-            protocol,
-        } = {
-            let prepared = match &route.jsonrpc {
-                Some(settings) => Box::pin(self.prepare_jsonrpc(&parts, body, settings)).await,
-                None => 'http: {
-                    // A matched value lives to the end of its `match`: awaiting inside one would
-                    // keep it in this future's state, so each `.await` here stands on its own.
-                    let (key, protocol) = match self.admit(&parts) {
-                        Admitted::Key(key, protocol) => (key, protocol),
-                        Admitted::Unguarded => {
-                            break 'http Prepared::PassThrough(RequestBody::passthrough(body));
-                        }
-                        Admitted::Refused(response) => return Step::Answer(Ok(response)),
-                    };
-                    let buffered = buffer(&parts, body, route.body_limit).await;
-                    match buffered {
-                        Ok(bytes) => self.fingerprinted(&parts, bytes, key, protocol),
-                        Err(problem) => Prepared::Answer(self.refuse_body(problem, &protocol)),
-                    }
-                }
-            };
-            match prepared {
-                Prepared::Guard(guarded) => guarded,
-                Prepared::Answer(response) => return Step::Answer(Ok(response)),
-                Prepared::PassThrough(body) => {
-                    self.outcome("pass_through");
-                    let run = Box::pin(pass_through(inner, Request::from_parts(parts, body)));
-                    return Step::Run { run, detach: false };
+        // 1–4. Key and scope from the head, the whole body, then the fingerprint, as the
+        // route's dialect reads them. Each `.await` stands on its own, outside any `match`: a
+        // matched value lives to the end of its `match` and would stay in this future's state.
+        let pending = match dialect::head(&self.reading(), route.jsonrpc.as_deref(), &parts) {
+            Head::Read(pending) => pending,
+            Head::PassThrough => {
+                self.outcome("pass_through");
+                let req = Request::from_parts(parts, RequestBody::passthrough(body));
+                return Step::Run {
+                    run: Box::pin(pass_through(inner, req)),
+                    detach: false,
+                };
+            }
+            Head::Refuse(refusal) => return Step::Answer(Ok(self.refuse(refusal))),
+        };
+        // A block, so the read's result is not kept in this future's state later on.
+        let bytes = {
+            let buffered = buffer(&parts, body, route.body_limit).await;
+            match buffered {
+                Ok(bytes) => bytes,
+                Err(problem) => {
+                    let refusal = refuse_body(problem, pending.dialect());
+                    return Step::Answer(Ok(self.refuse(refusal)));
                 }
             }
         };
-        // The JSON envelope is for plain JSON callers; gRPC and JSON-RPC keep their framing.
-        let envelope = route.envelope && protocol == Protocol::Http;
+        let (key, fingerprint, dialect) = match dialect::admit(
+            &self.reading(),
+            route.jsonrpc.as_deref(),
+            &parts,
+            &bytes,
+            pending,
+        ) {
+            Admitted::Guard {
+                key,
+                fingerprint,
+                reply,
+            } => (key, fingerprint, reply),
+            Admitted::PassThrough => {
+                self.outcome("pass_through");
+                let req = Request::from_parts(parts, RequestBody::buffered(bytes));
+                return Step::Run {
+                    run: Box::pin(pass_through(inner, req)),
+                    detach: false,
+                };
+            }
+            Admitted::Refuse(refusal) => return Step::Answer(Ok(self.refuse(refusal))),
+        };
 
         // 5–6. Claim, and decide; on routes that wait, an in-flight key is claimed again as
         // its holder finishes, until it replays, runs here (released) or the wait is over.
@@ -198,18 +205,18 @@ impl<St: IdempotencyStore, M: MakeScope> Pipeline<St, M> {
             // A record locked by a transaction is answered at once, and not noted in its
             // history: that write would wait for the same lock.
             let (decision, noted) = match ClaimToEnd::new(self.keeper.store(), &request).await {
-                Ok(claim) => (decide(claim, &request.fingerprint), true),
+                Ok(claim) => (decide(claim, &request.fingerprint, dialect.covers()), true),
                 Err(StoreError::Busy) => (busy(), false),
                 Err(error) => {
                     observe::count(Event::StoreError);
                     tracing::error!(%error, "claim failed; refusing to run (fail closed)");
                     self.outcome("store_unavailable");
-                    return Step::Answer(Ok(unavailable(route, &protocol)));
+                    return Step::Answer(Ok(unavailable(route, &dialect)));
                 }
             };
             let can_wait =
                 wait_until.is_some_and(|until| tokio::time::Instant::now() + backoff < until);
-            let noting = match self.next(decision, can_wait, envelope, &protocol) {
+            let noting = match self.next(decision, can_wait, &dialect) {
                 Next::Run(lease) => break lease,
                 Next::Wait => None,
                 Next::Answer(response, Some(event)) if noted => {
@@ -249,7 +256,7 @@ impl<St: IdempotencyStore, M: MakeScope> Pipeline<St, M> {
             lease,
             route,
             config,
-            protocol,
+            dialect,
         };
         if cancel_on_disconnect {
             // The server treats a hang-up as cancellation: give the key back if this future
@@ -343,22 +350,6 @@ impl<St: IdempotencyStore> Drop for ClaimToEnd<St> {
     }
 }
 
-/// A request the pipeline guards, after steps 1–4.
-struct Guarded {
-    bytes: Bytes,
-    key: ScopedKey,
-    fingerprint: crate::fingerprint::Fingerprint,
-    protocol: Protocol,
-}
-
-/// What steps 1–2 decided for an HTTP or gRPC request.
-enum Admitted<ResBody> {
-    Key(ScopedKey, Protocol),
-    /// No key, on a route that lets such requests through.
-    Unguarded,
-    Refused(Response<ResponseBody<ResBody>>),
-}
-
 /// What step 6 decided, for the pipeline to act on: nothing of the decision itself is kept
 /// while the pipeline waits.
 #[expect(
@@ -373,148 +364,35 @@ enum Next<ResBody> {
     Answer(Response<ResponseBody<ResBody>>, Option<HistoryEvent>),
 }
 
-/// What steps 1–4 decided.
-enum Prepared<B, ResBody> {
-    Guard(Guarded),
-    Answer(Response<ResponseBody<ResBody>>),
-    PassThrough(RequestBody<B>),
-}
-
-impl<St: IdempotencyStore, M: MakeScope> Pipeline<St, M> {
-    /// Steps 1–2 for HTTP and gRPC: the key from its header, in its scope; `None` when the
-    /// request has no key and the route lets it through unguarded.
-    fn admit<ResBody>(&self, parts: &http::request::Parts) -> Admitted<ResBody> {
-        let protocol = Protocol::of(&parts.headers);
-        // 1. Key.
-        let key = match parse_key(&parts.headers, &self.config.header) {
-            Ok(Some(key)) => key,
-            Ok(None) if !self.route.require_key => return Admitted::Unguarded,
-            Ok(None) => return Admitted::Refused(self.refuse_key(&KeyError::Missing, &protocol)),
-            Err(error) => return Admitted::Refused(self.refuse_key(&error, &protocol)),
-        };
-        observe::count(Event::Attempt);
-        // 2. Scope.
-        match self.make_scope.make_scope(parts) {
-            Ok(scope) => Admitted::Key(ScopedKey::new(scope, key), protocol),
-            Err(missing) => Admitted::Refused(self.refuse_scope(&missing, &protocol)),
-        }
-    }
-
-    /// Step 4 for HTTP and gRPC, once step 3 buffered the body.
-    fn fingerprinted<B, ResBody>(
-        &self,
-        parts: &http::request::Parts,
-        bytes: Bytes,
-        key: ScopedKey,
-        protocol: Protocol,
-    ) -> Prepared<B, ResBody> {
-        let fields = self.route.json_fields.as_deref();
-        match fingerprint_fields(parts, &bytes, &self.config.fingerprint, fields) {
-            Ok(fingerprint) => Prepared::Guard(Guarded {
-                bytes,
-                key,
-                fingerprint,
-                protocol,
-            }),
-            Err(error) => {
-                let kind = match error.panicked() {
-                    true => ProblemKind::FingerprintFailed,
-                    false => ProblemKind::BodyMalformed,
-                };
-                let problem = Problem::new(kind, error.to_string());
-                Prepared::Answer(self.refuse_body(problem, &protocol))
-            }
-        }
-    }
-
-    /// Steps 1–4 for JSON-RPC: the body first (the method decides what is guarded), then the
-    /// key from the header or `params._meta`, the scope plus the method, and a fingerprint of
-    /// method and params that ignores the `id` (see [`crate::jsonrpc`]).
-    async fn prepare_jsonrpc<B, ResBody>(
-        &self,
-        parts: &http::request::Parts,
-        body: B,
-        settings: &JsonRpc,
-    ) -> Prepared<B, ResBody>
-    where
-        B: Body<Data = Bytes>,
-        B::Error: Into<BoxError>,
-    {
-        // A request with no key header, on a route that reads no `_meta` keys, cannot ask for
-        // a guarantee: whatever it is (a big `tools/list`, a batch), it passes unread. Any
-        // other is read to its end, within the body limit: a key may sit anywhere in it.
-        let keyed = parts.headers.contains_key(&self.config.header);
-        if !keyed && settings.meta_key.is_none() {
-            return Prepared::PassThrough(RequestBody::passthrough(body));
-        }
-        let bytes = match buffer(parts, body, self.route.body_limit).await {
-            Ok(bytes) => bytes,
-            Err(problem) => return Prepared::Answer(self.refuse_body(problem, &Protocol::Http)),
-        };
-        let mcp_method = parts
-            .headers
-            .get(&jsonrpc::MCP_METHOD)
-            .and_then(|v| v.to_str().ok());
-        // An invalid header key is refused as in HTTP mode, with a JSON-RPC error.
-        let header_key = match parse_key(&parts.headers, &self.config.header) {
-            Ok(key) => key,
-            Err(error) => {
-                let id = Arc::new(jsonrpc::Id::null());
-                return Prepared::Answer(self.refuse_key(&error, &Protocol::JsonRpc(id)));
-            }
-        };
-        let call = match jsonrpc::parse(&bytes, settings, header_key.as_deref(), mcp_method) {
-            jsonrpc::Parsed::Guard(call) => call,
-            jsonrpc::Parsed::PassThrough => {
-                return Prepared::PassThrough(RequestBody::buffered(bytes));
-            }
-            jsonrpc::Parsed::Refuse(problem, id) => {
-                return Prepared::Answer(self.refuse_body(problem, &Protocol::JsonRpc(id)));
-            }
-        };
-        let protocol = Protocol::JsonRpc(call.id.clone());
-        // The header and `_meta` agree when both are there (`parse` refuses otherwise).
-        let Some(key) = header_key.map(|k| k.into_owned()).or(call.meta_key.clone()) else {
-            return Prepared::PassThrough(RequestBody::buffered(bytes));
-        };
-        observe::count(Event::Attempt);
-        let scope = match self.make_scope.make_scope(parts) {
-            Ok(scope) => scope,
-            Err(missing) => return Prepared::Answer(self.refuse_scope(&missing, &protocol)),
-        };
-        // The method joins the scope: a key names one operation of one tool method.
-        let scope = format!("{scope}\u{0}{}", call.method);
-        let fingerprint = match jsonrpc::fingerprint(parts, &call, &self.config.fingerprint) {
-            Ok(fingerprint) => fingerprint,
-            Err(error) => {
-                let problem = Problem::new(ProblemKind::BodyMalformed, error.to_string());
-                return Prepared::Answer(self.refuse_body(problem, &protocol));
-            }
-        };
-        Prepared::Guard(Guarded {
-            bytes,
-            key: ScopedKey::new(scope, key),
-            fingerprint,
-            protocol,
-        })
-    }
-}
-
 impl<St, M> Pipeline<St, M> {
     fn outcome(&self, name: &str) {
         self.span.record("outcome", name);
+    }
+
+    /// What the dialects read a request with.
+    fn reading(&self) -> Reading<'_, M> {
+        Reading {
+            header: &self.config.header,
+            require_key: self.route.require_key,
+            json_fields: self.route.json_fields.as_deref(),
+            fingerprint: &self.config.fingerprint,
+            make_scope: &self.make_scope,
+        }
+    }
+
+    /// A refusal before anything was claimed: counted, noted on the span, framed.
+    fn refuse<B>(&self, refusal: Refusal) -> Response<ResponseBody<B>> {
+        if let Some(event) = refusal.counted {
+            observe::count(event);
+        }
+        self.outcome(refusal.problem.kind.slug());
+        refusal.reply.refuse(&refusal.problem)
     }
 }
 
 impl<St, M> Pipeline<St, M> {
     /// Step 6 turned into what to do: run, wait, or answer (a replay or a refusal).
-    fn next<B>(
-        &self,
-        decision: Decision,
-        can_wait: bool,
-        envelope: bool,
-        protocol: &Protocol,
-    ) -> Next<B> {
+    fn next<B>(&self, decision: Decision, can_wait: bool, dialect: &Dialect) -> Next<B> {
         let note = |event| self.route.record_refusals.then_some(event);
         match decision {
             Decision::Run(lease) => Next::Run(lease),
@@ -523,12 +401,8 @@ impl<St, M> Pipeline<St, M> {
             }
             Decision::Replay(stored) => {
                 self.outcome("replayed");
-                let mark = self
-                    .route
-                    .jsonrpc
-                    .as_ref()
-                    .is_some_and(|j| j.mark_replay_in_meta);
-                let response = replay(stored, envelope, mark, protocol);
+                let (envelope, settings) = (self.route.envelope, self.route.jsonrpc.as_deref());
+                let response = dialect.replay(stored, envelope, settings);
                 Next::Answer(response, note(HistoryEvent::Replayed))
             }
             Decision::Refuse(problem) => {
@@ -539,7 +413,7 @@ impl<St, M> Pipeline<St, M> {
                     ProblemKind::OutcomeUnknown => HistoryEvent::OutcomeUnknown,
                     _ => HistoryEvent::Replayed,
                 };
-                Next::Answer(problem.respond(protocol), note(event))
+                Next::Answer(dialect.refuse(&problem), note(event))
             }
         }
     }
@@ -563,81 +437,24 @@ impl<St: IdempotencyStore, M> Pipeline<St, M> {
     }
 }
 
-/// Step 3: the whole body, or why not. Nothing is claimed before this succeeds.
-async fn buffer<B>(parts: &http::request::Parts, body: B, limit: usize) -> Result<Bytes, Problem>
-where
-    B: Body<Data = Bytes>,
-    B::Error: Into<BoxError>,
-{
-    let too_large = || {
-        Problem::new(
-            ProblemKind::BodyTooLarge,
-            format!("the request body is larger than this endpoint's limit of {limit} bytes"),
+fn unavailable<B>(route: &RouteConfig, dialect: &Dialect) -> Response<ResponseBody<B>> {
+    dialect.refuse(
+        &Problem::new(
+            ProblemKind::StoreUnavailable,
+            "the idempotency store is unavailable, so the request was not run; retry with the \
+             same key",
         )
-    };
-    let declared = parts
-        .headers
-        .get(header::CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
-    if declared.is_some_and(|len| len > limit as u64) {
-        return Err(too_large());
-    }
-    let mut body = std::pin::pin!(body);
-    let mut data = Gathered::default();
-    while let Some(frame) = body.frame().await {
-        let frame = frame.map_err(|error| {
-            Problem::new(
-                ProblemKind::BodyUnreadable,
-                format!("the request body could not be read: {}", error.into()),
-            )
-        })?;
-        if let Ok(chunk) = frame.into_data() {
-            if data.len() + chunk.len() > limit {
-                return Err(too_large());
-            }
-            data.push(chunk);
-        }
-    }
-    Ok(data.freeze())
-}
-
-impl<St, M> Pipeline<St, M> {
-    fn refuse_key<B>(&self, error: &KeyError, protocol: &Protocol) -> Response<ResponseBody<B>> {
-        observe::count(Event::KeyRejected);
-        let kind = match error {
-            KeyError::Missing => ProblemKind::KeyMissing,
-            _ => ProblemKind::KeyInvalid,
-        };
-        self.outcome(kind.slug());
-        Problem::new(kind, error.to_string()).respond(protocol)
-    }
-
-    /// The app is wired wrong: the server's fault, logged as such, and nothing runs.
-    fn refuse_scope<B>(
-        &self,
-        missing: &crate::scope::MissingScope,
-        protocol: &Protocol,
-    ) -> Response<ResponseBody<B>> {
-        tracing::error!(%missing, "misconfiguration: the request has no scope");
-        self.outcome(ProblemKind::ScopeMissing.slug());
-        Problem::new(ProblemKind::ScopeMissing, missing.to_string()).respond(protocol)
-    }
-
-    fn refuse_body<B>(&self, problem: Problem, protocol: &Protocol) -> Response<ResponseBody<B>> {
-        observe::count(Event::BodyRejected);
-        self.outcome(problem.kind.slug());
-        problem.respond(protocol)
-    }
-}
-
-fn unavailable<B>(route: &RouteConfig, protocol: &Protocol) -> Response<ResponseBody<B>> {
-    Problem::new(
-        ProblemKind::StoreUnavailable,
-        "the idempotency store is unavailable, so the request was not run; retry with the same key",
+        .state("unknown")
+        .retry_after(ceil_secs(route.unavailable_retry_after)),
     )
-    .state("unknown")
-    .retry_after(ceil_secs(route.unavailable_retry_after))
-    .respond(protocol)
+}
+
+#[cfg(feature = "tonic")]
+impl<S, St, M> tonic::server::NamedService for Idempotency<S, St, M>
+where
+    S: tonic::server::NamedService,
+{
+    const NAME: &'static str = S::NAME;
 }
 
 impl<S: Clone, St, M: Clone> Clone for Idempotency<S, St, M> {

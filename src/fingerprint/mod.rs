@@ -121,12 +121,14 @@ pub fn canonical_json(body: &[u8]) -> Result<Option<Vec<u8>>, MalformedBody> {
     }
 }
 
-/// The fingerprint of a JSON-RPC call: route, method and the canonical params (already
-/// stripped of `_meta` and per-attempt fields); never the request's `id`.
+/// The fingerprint of a JSON-RPC call: route, method and the exact params without the
+/// members named in `not_the_operation` (`_meta`, per-attempt fields); never the request's
+/// `id`.
 pub(crate) fn jsonrpc(
     parts: &Parts,
     method: &str,
     params: Option<&str>,
+    not_the_operation: &[&str],
     options: &FingerprintOptions,
 ) -> Result<Fingerprint, MalformedBody> {
     let mut h = Sha256::new();
@@ -139,7 +141,7 @@ pub(crate) fn jsonrpc(
     match params {
         None => put_field(&mut h, b"no-params"),
         Some(params) => {
-            let kept = fields::without_members(params, crate::jsonrpc::NOT_THE_OPERATION);
+            let kept = fields::without_members(params, not_the_operation);
             canonical_field(&mut h, b"params", |buf| fields::exact(&kept, buf))?;
         }
     }

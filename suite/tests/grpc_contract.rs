@@ -305,6 +305,13 @@ async fn s7_2_grpc_changed_message_is_failed_precondition() {
         .await
         .expect_err("mismatch");
     assert_eq!(changed.code(), Code::FailedPrecondition);
+    // Issue 20 §10: the message speaks gRPC (a call has no path or query to change).
+    assert!(
+        changed.message().contains("method or request message")
+            && !changed.message().contains("query"),
+        "{}",
+        changed.message()
+    );
     let (info, retry) = details(&changed);
     assert_eq!(info.reason, "FINGERPRINT_MISMATCH");
     assert_eq!(info.metadata["state"], "completed");

@@ -157,6 +157,12 @@ async fn s8_changed_arguments_are_a_typed_jsonrpc_conflict() {
         "urn:tower-idempotency:problem:fingerprint-mismatch"
     );
     assert_eq!(body["error"]["data"]["safe_new_key"], true);
+    // Issue 20 §10: the detail speaks of the call, not of an HTTP request's path and query.
+    let detail = body["error"]["data"]["detail"].as_str().unwrap_or_default();
+    assert!(
+        detail.contains("tool method or params") && !detail.contains("query"),
+        "{detail}"
+    );
     assert_eq!(effects.count(), 1);
 }
 

@@ -72,9 +72,14 @@ use http::{HeaderMap, HeaderValue, Response, StatusCode, header, request::Parts}
 use serde_json::Value;
 use serde_json::value::RawValue;
 
+use super::http::{Admitted, Reading, refuse_body, refuse_key, refuse_scope};
 use crate::body::ResponseBody;
 use crate::fingerprint::Fingerprint;
+use crate::key::{ScopedKey, parse_key};
+use crate::observe::{self, Event};
 use crate::problem::{Problem, ProblemKind};
+use crate::scope::MakeScope;
+use crate::store::StoredResponse;
 
 /// The MCP 2026-07-28 header naming a Streamable HTTP request's JSON-RPC method.
 pub(crate) static MCP_METHOD: http::HeaderName = http::HeaderName::from_static("mcp-method");
@@ -485,7 +490,63 @@ pub(crate) fn fingerprint(
     call: &Call,
     options: &crate::fingerprint::FingerprintOptions,
 ) -> Result<Fingerprint, crate::fingerprint::MalformedBody> {
-    crate::fingerprint::jsonrpc(parts, &call.method, call.params.as_deref(), options)
+    let params = call.params.as_deref();
+    crate::fingerprint::jsonrpc(parts, &call.method, params, NOT_THE_OPERATION, options)
+}
+
+/// What a fingerprint mismatch tells the client its call differs in.
+pub(crate) const COVERS: &str = "tool method or params";
+
+/// Step 1 in JSON-RPC mode: whether the body must be read to know. A request with no key
+/// header, on a route that reads no `_meta` keys, cannot ask for a guarantee: whatever it is
+/// (a big `tools/list`, a batch), it passes unread. Any other is read to its end, within the
+/// body limit: a key may sit anywhere in it.
+pub(crate) fn reads_body<M>(reading: &Reading<'_, M>, settings: &JsonRpc, parts: &Parts) -> bool {
+    parts.headers.contains_key(reading.header) || settings.meta_key.is_some()
+}
+
+/// Steps 1–4 in JSON-RPC mode, once the body is read: the method decides what is guarded, the
+/// key comes from the header or `params._meta`, the method joins the scope, and the
+/// fingerprint covers method and params but not the `id`. A refusal answers the call's `id`.
+pub(crate) fn admit<M: MakeScope>(
+    reading: &Reading<'_, M>,
+    settings: &JsonRpc,
+    parts: &Parts,
+    bytes: &[u8],
+) -> Admitted<Arc<Id>> {
+    let mcp_method = parts.headers.get(&MCP_METHOD).and_then(|v| v.to_str().ok());
+    // An invalid header key is refused as in HTTP mode, with a JSON-RPC error.
+    let header_key = match parse_key(&parts.headers, reading.header) {
+        Ok(key) => key,
+        Err(error) => return Admitted::Refuse(refuse_key(&error, Arc::new(Id::null()))),
+    };
+    let call = match parse(bytes, settings, header_key.as_deref(), mcp_method) {
+        Parsed::Guard(call) => call,
+        Parsed::PassThrough => return Admitted::PassThrough,
+        Parsed::Refuse(problem, id) => return Admitted::Refuse(refuse_body(problem, id)),
+    };
+    // The header and `_meta` agree when both are there (`parse` refuses otherwise).
+    let Some(key) = header_key.map(|k| k.into_owned()).or(call.meta_key.clone()) else {
+        return Admitted::PassThrough;
+    };
+    observe::count(Event::Attempt);
+    let scope = match reading.make_scope.make_scope(parts) {
+        Ok(scope) => scope,
+        Err(missing) => return Admitted::Refuse(refuse_scope(&missing, call.id)),
+    };
+    // The method joins the scope: a key names one operation of one tool method.
+    let scope = format!("{scope}\u{0}{}", call.method);
+    match fingerprint(parts, &call, reading.fingerprint) {
+        Ok(fingerprint) => Admitted::Guard {
+            key: ScopedKey::new(scope, key),
+            fingerprint,
+            reply: call.id,
+        },
+        Err(error) => {
+            let problem = Problem::new(ProblemKind::BodyMalformed, error.to_string());
+            Admitted::Refuse(refuse_body(problem, call.id))
+        }
+    }
 }
 
 /// The JSON-RPC error code for a problem: outside the reserved −32768..−32000 range.
@@ -756,18 +817,21 @@ fn marked(result: &str) -> String {
     out
 }
 
-/// The stored form of a final response: `200 application/json`, whatever the original framing.
-pub(crate) fn stored_headers() -> HeaderMap {
+/// The stored form of a call's final response (`None`: too large to keep): `200
+/// application/json`, whatever framing carried it.
+pub(crate) fn stored_call(message: Option<Bytes>) -> StoredResponse {
     let mut headers = HeaderMap::new();
     headers.insert(
         header::CONTENT_TYPE,
         HeaderValue::from_static("application/json"),
     );
-    headers
+    StoredResponse {
+        status: StatusCode::OK,
+        headers,
+        body: message,
+        trailers: None,
+    }
 }
-
-/// The status a replay answers with.
-pub(crate) const REPLAY_STATUS: StatusCode = StatusCode::OK;
 
 #[cfg(test)]
 mod tests {

@@ -44,6 +44,16 @@ pub(crate) fn is_grpc(headers: &HeaderMap) -> bool {
         .is_some_and(|ct| ct.as_bytes().starts_with(b"application/grpc"))
 }
 
+/// What a fingerprint mismatch tells the client its call differs in.
+pub(crate) const COVERS: &str = "method or request message";
+
+/// Whether a gRPC status is an answer about the operation rather than a failure a retry may
+/// get past (DESIGN §3): OK, INVALID_ARGUMENT, NOT_FOUND, ALREADY_EXISTS, PERMISSION_DENIED,
+/// FAILED_PRECONDITION, OUT_OF_RANGE, UNIMPLEMENTED, UNAUTHENTICATED.
+pub(crate) fn is_definitive(code: u16) -> bool {
+    matches!(code, 0 | 3 | 5 | 6 | 7 | 9 | 11 | 12 | 16)
+}
+
 /// gRPC status codes, as numbers.
 fn code(kind: ProblemKind) -> u32 {
     match kind {
@@ -175,14 +185,6 @@ fn base64(bytes: &[u8]) -> String {
         }
     }
     out
-}
-
-#[cfg(feature = "tonic")]
-impl<S, St, M> tonic::server::NamedService for crate::Idempotency<S, St, M>
-where
-    S: tonic::server::NamedService,
-{
-    const NAME: &'static str = S::NAME;
 }
 
 #[cfg(test)]

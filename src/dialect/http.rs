@@ -1,0 +1,191 @@
+//! Plain HTTP: the key in a header, the fingerprint over method, path, query, media type and
+//! body, outcomes classified by status, refusals as `application/problem+json`.
+//!
+//! gRPC requests are read the same way (the key in a header, the body as sent); only their
+//! outcomes and refusals speak gRPC ([`super::grpc`]).
+
+use bytes::Bytes;
+use http::{HeaderName, HeaderValue, Response, StatusCode, header, request::Parts};
+use http_body::Body;
+use http_body_util::BodyExt;
+
+use crate::body::{Gathered, ResponseBody};
+use crate::fingerprint::{Fingerprint, FingerprintOptions, JsonFields, fingerprint_fields};
+use crate::key::{KeyError, ScopedKey, parse_key};
+use crate::observe::{self, Event};
+use crate::problem::{Problem, ProblemKind};
+use crate::scope::{MakeScope, MissingScope};
+use crate::store::BoxError;
+
+/// What a fingerprint mismatch tells the client its request differs in.
+pub(crate) const COVERS: &str = "method, path, query, content type or body";
+
+/// What reading a request needs from its route and its layer.
+pub(crate) struct Reading<'a, M> {
+    pub(crate) header: &'a HeaderName,
+    pub(crate) require_key: bool,
+    pub(crate) json_fields: Option<&'a JsonFields>,
+    pub(crate) fingerprint: &'a FingerprintOptions,
+    pub(crate) make_scope: &'a M,
+}
+
+/// A refusal before anything was claimed: the problem, whom it answers (`R`, as the dialect
+/// knows it) and the counter it adds to.
+pub(crate) struct Refusal<R> {
+    pub(crate) problem: Problem,
+    pub(crate) reply: R,
+    pub(crate) counted: Option<Event>,
+}
+
+impl<R> Refusal<R> {
+    pub(crate) fn map_reply<T>(self, f: impl FnOnce(R) -> T) -> Refusal<T> {
+        Refusal {
+            problem: self.problem,
+            reply: f(self.reply),
+            counted: self.counted,
+        }
+    }
+}
+
+/// What steps 1–4 made of a request, once its body is read.
+pub(crate) enum Admitted<R> {
+    /// Guard it under this key and fingerprint.
+    Guard {
+        key: ScopedKey,
+        fingerprint: Fingerprint,
+        reply: R,
+    },
+    /// Not asked to be guarded: hand the (read) body on.
+    PassThrough,
+    Refuse(Refusal<R>),
+}
+
+/// Steps 1–2 for a request whose key is in a header (HTTP and gRPC): its scoped key, or `None`
+/// when it has none and the route lets it through.
+pub(crate) fn key<M: MakeScope>(
+    reading: &Reading<'_, M>,
+    parts: &Parts,
+) -> Result<Option<ScopedKey>, Refusal<()>> {
+    let key = match parse_key(&parts.headers, reading.header) {
+        Ok(Some(key)) => key,
+        Ok(None) if !reading.require_key => return Ok(None),
+        Ok(None) => return Err(refuse_key(&KeyError::Missing, ())),
+        Err(error) => return Err(refuse_key(&error, ())),
+    };
+    observe::count(Event::Attempt);
+    match reading.make_scope.make_scope(parts) {
+        Ok(scope) => Ok(Some(ScopedKey::new(scope, key))),
+        Err(missing) => Err(refuse_scope(&missing, ())),
+    }
+}
+
+/// Step 4 for HTTP and gRPC, once step 3 read the body.
+pub(crate) fn fingerprint<M>(
+    reading: &Reading<'_, M>,
+    parts: &Parts,
+    bytes: &[u8],
+) -> Result<Fingerprint, Refusal<()>> {
+    fingerprint_fields(parts, bytes, reading.fingerprint, reading.json_fields).map_err(|error| {
+        // The application's canonicaliser panicked: the server's fault, not the body's.
+        let kind = match error.panicked() {
+            true => ProblemKind::FingerprintFailed,
+            false => ProblemKind::BodyMalformed,
+        };
+        refuse_body(Problem::new(kind, error.to_string()), ())
+    })
+}
+
+pub(crate) fn refuse_key<R>(error: &KeyError, reply: R) -> Refusal<R> {
+    let kind = match error {
+        KeyError::Missing => ProblemKind::KeyMissing,
+        _ => ProblemKind::KeyInvalid,
+    };
+    Refusal {
+        problem: Problem::new(kind, error.to_string()),
+        reply,
+        counted: Some(Event::KeyRejected),
+    }
+}
+
+/// The app is wired wrong: the server's fault, logged as such, and nothing runs.
+pub(crate) fn refuse_scope<R>(missing: &MissingScope, reply: R) -> Refusal<R> {
+    tracing::error!(%missing, "misconfiguration: the request has no scope");
+    Refusal {
+        problem: Problem::new(ProblemKind::ScopeMissing, missing.to_string()),
+        reply,
+        counted: None,
+    }
+}
+
+pub(crate) fn refuse_body<R>(problem: Problem, reply: R) -> Refusal<R> {
+    Refusal {
+        problem,
+        reply,
+        counted: Some(Event::BodyRejected),
+    }
+}
+
+/// Step 3: the whole body, or why not.
+pub(crate) async fn buffer<B>(parts: &Parts, body: B, limit: usize) -> Result<Bytes, Problem>
+where
+    B: Body<Data = Bytes>,
+    B::Error: Into<BoxError>,
+{
+    let too_large = || {
+        Problem::new(
+            ProblemKind::BodyTooLarge,
+            format!("the request body is larger than this endpoint's limit of {limit} bytes"),
+        )
+    };
+    let declared = parts
+        .headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
+    if declared.is_some_and(|len| len > limit as u64) {
+        return Err(too_large());
+    }
+    let mut body = std::pin::pin!(body);
+    let mut data = Gathered::default();
+    while let Some(frame) = body.frame().await {
+        let frame = frame.map_err(|error| {
+            Problem::new(
+                ProblemKind::BodyUnreadable,
+                format!("the request body could not be read: {}", error.into()),
+            )
+        })?;
+        if let Ok(chunk) = frame.into_data() {
+            if data.len() + chunk.len() > limit {
+                return Err(too_large());
+            }
+            data.push(chunk);
+        }
+    }
+    Ok(data.freeze())
+}
+
+/// Whether an HTTP status is an answer about the operation rather than a failure a retry may
+/// get past (DESIGN §3).
+pub(crate) fn is_definitive(status: StatusCode) -> bool {
+    let s = status.as_u16();
+    // A POST answered 303 See Other (post/redirect/get), 302 or 301 did its work. Not so
+    // 307 and 308 (send the same request again, there), 300, 304 or 305.
+    (200..300).contains(&s)
+        || matches!(s, 301..=303)
+        || ((400..500).contains(&s) && !matches!(s, 408 | 409 | 425 | 429))
+}
+
+/// A refusal as `application/problem+json` (RFC 9457), with `Retry-After` where a retry helps.
+pub(crate) fn problem_response<B>(problem: &Problem) -> Response<ResponseBody<B>> {
+    let body = Bytes::from(problem.to_json().to_string());
+    let mut res = Response::new(ResponseBody::full(body, None));
+    *res.status_mut() = problem.kind.status();
+    let headers = res.headers_mut();
+    headers.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/problem+json"),
+    );
+    if let Some(seconds) = problem.retry_after {
+        headers.insert(header::RETRY_AFTER, HeaderValue::from(seconds));
+    }
+    res
+}
