@@ -109,7 +109,9 @@ async fn main() -> ExitCode {
     // Without a subscriber the layer's logs (a store it cannot reach, a record it cannot
     // write) go nowhere: install one first. `RUST_LOG`-style filtering needs the
     // `env-filter` feature; this prints INFO and above.
-    tracing_subscriber::fmt().init();
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .init();
     let args: Vec<String> = std::env::args().collect();
     let demo = args.iter().any(|a| a == "--demo");
     let url = args

@@ -61,6 +61,12 @@ impl ServerHandler for Tickets {
 
 #[tokio::main]
 async fn main() -> ExitCode {
+    // Without a subscriber the layer's logs (a store it cannot reach, a record it cannot
+    // write) go nowhere.
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_max_level(tracing_subscriber::filter::LevelFilter::WARN)
+        .init();
     let demo = std::env::args().any(|a| a == "--demo");
     let addr = if demo {
         "127.0.0.1:0".to_owned()
@@ -77,7 +83,12 @@ async fn main() -> ExitCode {
     let app = axum::Router::new().nest_service("/mcp", mcp).layer(
         IdempotencyLayer::new(MemoryStore::new())
             .single_tenant()
-            .jsonrpc(JsonRpc::new().meta_key("idempotencyKey")),
+            // Replays say so in `result._meta`, where an MCP client can read it.
+            .jsonrpc(
+                JsonRpc::new()
+                    .meta_key("idempotencyKey")
+                    .mark_replay_in_meta(true),
+            ),
     );
     let listener = match tokio::net::TcpListener::bind(&addr).await {
         Ok(listener) => listener,
@@ -124,6 +135,7 @@ async fn main() -> ExitCode {
 async fn demo_run(addr: std::net::SocketAddr) -> Result<(), Box<dyn std::error::Error>> {
     let mut arguments = serde_json::Map::new();
     arguments.insert("title".into(), "printer on fire".into());
+    println!("{:<12} {:<9} content", "call", "replayed");
     for attempt in ["first call", "retry"] {
         let mut headers = HashMap::new();
         headers.insert(
@@ -138,7 +150,21 @@ async fn demo_run(addr: std::net::SocketAddr) -> Result<(), Box<dyn std::error::
                 CallToolRequestParams::new("create_ticket").with_arguments(arguments.clone()),
             )
             .await?;
-        println!("{attempt:<12} {}", serde_json::to_string(&result.content)?);
+        // The layer marks a replay in `result._meta` (`mark_replay_in_meta`).
+        let meta = serde_json::to_value(&result.meta)?;
+        let replayed = meta[tower_idempotency::jsonrpc::REPLAY_META] == true;
+        println!(
+            "{attempt:<12} {:<9} {}",
+            if replayed { "yes" } else { "no" },
+            serde_json::to_string(&result.content)?
+        );
+        if replayed != (attempt == "retry") {
+            return Err(format!(
+                "the {attempt} should {}be a replay",
+                if replayed { "not " } else { "" }
+            )
+            .into());
+        }
         client.cancel().await?;
     }
     Ok(())

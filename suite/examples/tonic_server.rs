@@ -108,6 +108,11 @@ impl tonic::server::UnaryService<CreateTicket> for Handler {
 
 #[tokio::main]
 async fn main() -> ExitCode {
+    // Without a subscriber the layer's logs (a store it cannot reach, a record it cannot
+    // write) go nowhere.
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .init();
     let demo = std::env::args().any(|a| a == "--demo");
     let addr = if demo {
         "127.0.0.1:0"
@@ -181,6 +186,7 @@ async fn create(
         .await)
 }
 
+/// The answer in a few words for the table: the ticket, or the gRPC status code.
 fn describe(result: &Result<Response<Ticket>, Status>) -> String {
     match result {
         Ok(res) => {
@@ -192,7 +198,7 @@ fn describe(result: &Result<Response<Ticket>, Status>) -> String {
                 if replayed { " (replayed)" } else { "" }
             )
         }
-        Err(status) => format!("{:?}: {}", status.code(), status.message()),
+        Err(status) => format!("{:?}", status.code()),
     }
 }
 
@@ -227,13 +233,22 @@ async fn run_demo(addr: SocketAddr, tickets: &Tickets) -> Result<bool, Box<dyn s
     ];
     let created = tickets.created.load(Ordering::SeqCst);
     let mut all = created == 1;
-    println!();
+    println!("\n{:<28} {:<26} result", "call", "answer");
     for (scenario, got, ok) in &rows {
         all &= ok;
         println!(
-            "{scenario:<28} {got:<70} {}",
+            "{scenario:<28} {got:<26} {}",
             if *ok { "ok" } else { "WRONG" }
         );
+    }
+    // The statuses' messages, which say what to do, below the table rather than across it.
+    for (scenario, result) in [
+        ("same key, changed message", &changed),
+        ("no key", &missing),
+    ] {
+        if let Err(status) = result {
+            println!("\n{scenario}: {}", status.message());
+        }
     }
     println!("\ntickets created: {created} (expected 1)");
     Ok(all)
