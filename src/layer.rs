@@ -68,6 +68,22 @@ fn never_matches(path: &str) -> Option<&'static str> {
     {
         return Some("a request path has no spaces or control characters");
     }
+    if !path.is_ascii() {
+        return Some("a request path is ASCII: write other characters percent-encoded");
+    }
+    let mut names: Vec<&str> = path
+        .split('{')
+        .skip(1)
+        .filter_map(|param| {
+            param
+                .split_once('}')
+                .map(|(name, _)| name.trim_start_matches('*'))
+        })
+        .collect();
+    names.sort_unstable();
+    if names.windows(2).any(|pair| pair[0] == pair[1]) {
+        return Some("a parameter name appears twice");
+    }
     None
 }
 
@@ -356,11 +372,16 @@ impl<St, M> IdempotencyLayer<St, M> {
             // `for_path` inserted each into a router like this one already.
             let _ = templates.insert(path.as_str(), route.clone());
         }
+        let shapes = routes
+            .iter()
+            .map(|(path, route)| (crate::settings::shape(path), route.clone()))
+            .collect();
         Resolved {
             header: c.header.clone(),
             default: Arc::new(c.default.clone()),
             routes,
             templates,
+            shapes,
             fingerprint: c.fingerprint.clone(),
             denied_headers: c.denied_headers.clone().into(),
         }

@@ -495,7 +495,7 @@ pub(crate) fn fingerprint(
 }
 
 /// What a fingerprint mismatch tells the client its call differs in.
-pub(crate) const COVERS: &str = "tool method or params";
+pub(crate) const COVERS: &str = "params, path, query or content type";
 
 /// Step 1 in JSON-RPC mode: whether the body must be read to know. A request with no key
 /// header, on a route that reads no `_meta` keys, cannot ask for a guarantee: whatever it is
@@ -515,10 +515,18 @@ pub(crate) fn admit<M: MakeScope>(
     bytes: &[u8],
 ) -> Admitted<Arc<Id>> {
     let mcp_method = parts.headers.get(&MCP_METHOD).and_then(|v| v.to_str().ok());
-    // An invalid header key is refused as in HTTP mode, with a JSON-RPC error.
+    // An invalid header key is refused as in HTTP mode, with a JSON-RPC error answering the
+    // call's id where the body has one to read.
     let header_key = match parse_key(&parts.headers, reading.header) {
         Ok(key) => key,
-        Err(error) => return Admitted::Refuse(refuse_key(&error, Arc::new(Id::null()))),
+        Err(error) => {
+            let id = std::str::from_utf8(bytes)
+                .ok()
+                .and_then(|text| serde_json::from_str::<Message<'_>>(text).ok())
+                .and_then(|message| message.id)
+                .map_or_else(Id::null, |id| Id::new(id.get()));
+            return Admitted::Refuse(refuse_key(&error, Arc::new(id)));
+        }
     };
     let call = match parse(bytes, settings, header_key.as_deref(), mcp_method) {
         Parsed::Guard(call) => call,

@@ -121,34 +121,20 @@ impl AnyStore {
     /// );
     /// ```
     pub fn redacted_url(url: &str) -> String {
-        let (base, query) = url
-            .split_once('?')
-            .map_or((url, None), |(b, q)| (b, Some(q)));
-        let mut out = match base.split_once("://") {
-            Some((scheme, rest)) => {
-                // The authority ends at the first `/`; its user-info at the last `@` in it.
-                let end = rest.find('/').unwrap_or(rest.len());
-                let (authority, path) = rest.split_at(end);
-                match authority.rsplit_once('@') {
-                    Some((user_info, host)) => {
-                        let user = user_info.split_once(':').map_or(user_info, |(u, _)| u);
-                        let hidden = if user_info.contains(':') { ":***" } else { "" };
-                        format!("{scheme}://{user}{hidden}@{host}{path}")
-                    }
-                    None => base.to_owned(),
-                }
-            }
-            None => base.to_owned(),
+        let Some((scheme, rest)) = url.split_once("://") else {
+            return redact_query(url);
         };
-        if let Some(query) = query {
-            out.push('?');
-            let pairs = query.split('&').map(|pair| match pair.split_once('=') {
-                Some((name, _)) if name.eq_ignore_ascii_case("password") => format!("{name}=***"),
-                _ => pair.to_owned(),
-            });
-            out.push_str(&pairs.collect::<Vec<_>>().join("&"));
+        // The user-info ends at the last `@`: a password may hold `/`, `?` or `@` unencoded
+        // (generated ones often do). An `@` further on (in a query) only hides more.
+        match rest.rfind('@') {
+            Some(at) => {
+                let (user_info, after) = (&rest[..at], &rest[at + 1..]);
+                let user = user_info.split_once(':').map_or(user_info, |(u, _)| u);
+                let hidden = if user_info.contains(':') { ":***" } else { "" };
+                format!("{scheme}://{user}{hidden}@{}", redact_query(after))
+            }
+            None => format!("{scheme}://{}", redact_query(rest)),
         }
-        out
     }
 
     /// Opens the store `url` names, creating SQL tables if missing. An error names the store
@@ -180,6 +166,25 @@ impl AnyStore {
             }),
         }
     }
+}
+
+/// `text` with the value of every `password` parameter of its query replaced by `***` (names
+/// compared as sqlx reads them: percent-decoded, any case).
+fn redact_query(text: &str) -> String {
+    let Some((base, query)) = text.split_once('?') else {
+        return text.to_owned();
+    };
+    let pairs = query.split('&').map(|pair| match pair.split_once('=') {
+        Some((name, _))
+            if percent_encoding::percent_decode_str(name)
+                .decode_utf8_lossy()
+                .eq_ignore_ascii_case("password") =>
+        {
+            format!("{name}=***")
+        }
+        _ => pair.to_owned(),
+    });
+    format!("{base}?{}", pairs.collect::<Vec<_>>().join("&"))
 }
 
 /// Forwards a call to whichever store this is.

@@ -78,6 +78,9 @@ const EXPIRED: &str = "(r.expires_at <= now() AND (r.status IN ('completed', 're
 /// only in statements that never run inside a caller's transaction.
 const BOUNDED: &str = "(SELECT set_config('lock_timeout', '100ms', true) AS wait) AS bounded";
 
+/// How long [`PostgresStore::connect`] waits for a server to answer.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+
 /// Session limits on the connections [`PostgresStore::connect`] opens: no statement of the
 /// store waits on a lock, or runs, without bound.
 const SESSION_LIMITS: [(&str, &str); 2] = [("lock_timeout", "5s"), ("statement_timeout", "30s")];
@@ -283,8 +286,20 @@ impl PostgresStore {
     pub async fn connect(url: &str) -> Result<Self, sqlx::Error> {
         let options = url.parse::<PgConnectOptions>()?.options(SESSION_LIMITS);
         // One connection first, on its own: its error names the cause (refused, no such
-        // database, authentication), where the pool's would be a time-out after 5 s.
-        PgConnection::connect_with(&options).await?.close().await?;
+        // database, authentication), where the pool's would be a time-out after 5 s. Bounded
+        // all the same: a server that accepts and never answers must not hang start-up.
+        let first = tokio::time::timeout(CONNECT_TIMEOUT, PgConnection::connect_with(&options))
+            .await
+            .map_err(|_| {
+                sqlx::Error::Io(std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    format!(
+                        "the server accepted the connection but did not answer within {} s",
+                        CONNECT_TIMEOUT.as_secs()
+                    ),
+                ))
+            })??;
+        first.close().await?;
         let pool = PgPoolOptions::new()
             .acquire_timeout(Duration::from_secs(5))
             .connect_with(options)

@@ -3,8 +3,8 @@
 //! `idempotencyKey` entry in `params._meta`), whatever their JSON-RPC `id`.
 //!
 //! ```text
-//! cargo run --example mcp_tools                 # serve on 127.0.0.1:8000/mcp (ADDR=host:port)
-//! cargo run --example mcp_tools -- --demo       # call itself with rmcp's client, print the result
+//! cargo run -p suite --example mcp_tools        # serve on 127.0.0.1:8000/mcp (ADDR=host:port)
+//! cargo run -p suite --example mcp_tools -- --demo  # call itself with rmcp's client, print the result
 //! ```
 
 use std::collections::HashMap;

@@ -1,8 +1,8 @@
 //! A tonic gRPC server whose `CreateTicket` is safe to retry; `GetTicket` is left unguarded.
 //!
 //! ```text
-//! cargo run --example tonic_server               # serve on 127.0.0.1:50051
-//! cargo run --example tonic_server -- --demo     # call itself, print what happened
+//! cargo run -p suite --example tonic_server     # serve on 127.0.0.1:50051
+//! cargo run -p suite --example tonic_server -- --demo  # call itself, print what happened
 //! ```
 //!
 //! The service is written by hand with prost messages, the way tonic's generated code is, so

@@ -232,6 +232,34 @@ async fn s20_9_connect_failures_name_their_cause_and_hide_the_password() {
     );
 }
 
+/// Issue 20 §9: a server that accepts the connection and never answers fails the connect in
+/// bounded time, saying so, instead of hanging start-up.
+#[tokio::test]
+async fn s20_9_a_silent_server_fails_the_connect_in_bounded_time() {
+    use tower_idempotency::AnyStore;
+    let silent = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let addr = silent.local_addr().expect("addr");
+    // Accepts, holds every connection open, says nothing.
+    tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((socket, _)) = silent.accept().await {
+            held.push(socket);
+        }
+    });
+    let url = format!("postgres://app:pw@{addr}/db");
+    let connect = AnyStore::connect(&url);
+    // Far past the store's own 5 s bound: only "it ends, and says why" is asserted.
+    let error = tokio::time::timeout(Duration::from_secs(30), connect)
+        .await
+        .expect("connect gives up on its own")
+        .expect_err("nobody answers");
+    let message = error.to_string();
+    assert!(message.contains("did not answer"), "{message}");
+    assert!(!message.contains("pw@"), "{message}");
+}
+
 /// Issue 20 §9: `redacted_url` hides every password form a store URL can carry.
 #[test]
 fn s20_9_redacted_urls_keep_everything_but_the_password() {
@@ -254,6 +282,18 @@ fn s20_9_redacted_urls_keep_everything_but_the_password() {
         ),
         ("sqlite://data/x.db", "sqlite://data/x.db"),
         ("sqlite::memory:", "sqlite::memory:"),
+        // Generated passwords hold `/`, `?` and `@` unencoded.
+        ("postgres://u:pa/ss@h/db", "postgres://u:***@h/db"),
+        ("postgres://u:p?ss@h/db", "postgres://u:***@h/db"),
+        (
+            "postgres://u:a/b?c@d@h:5432/db?sslmode=require",
+            "postgres://u:***@h:5432/db?sslmode=require",
+        ),
+        ("postgres://:pass@h/db", "postgres://:***@h/db"),
+        (
+            "postgres://h/db?pass%77ord=secret",
+            "postgres://h/db?pass%77ord=***",
+        ),
         ("memory://", "memory://"),
     ] {
         assert_eq!(AnyStore::redacted_url(url), want, "{url}");
@@ -432,8 +472,10 @@ async fn s20_5_templates_match_plain_tower_services_by_axums_rules() {
 /// built, saying why, as axum refuses a bad route.
 #[test]
 fn s20_5_a_path_that_can_never_match_is_refused() {
-    let cases: [(&[&str], &str); 6] = [
+    let cases: [(&[&str], &str); 8] = [
         (&["tools/search"], "always starts with '/'"),
+        (&["/t/café"], "percent-encoded"),
+        (&["/a/{id}/{id}"], "appears twice"),
         (&["/charge?currency=eur"], "no query"),
         (&["/charge "], "no spaces"),
         (&["/a/{id"], "not a route axum could match"),
@@ -454,5 +496,48 @@ fn s20_5_a_path_that_can_never_match_is_refused() {
             .unwrap_or_else(|| panic!("{paths:?} was accepted"));
         assert!(message.contains(why), "{paths:?}: {message}");
         assert!(message.contains(paths[paths.len() - 1]), "{message}");
+    }
+}
+
+/// Issue 20 §5, as a reviewer broke it: behind a Router the route axum matched picks the
+/// settings whatever its parameters are called; a literal `for_path` beats a template; under a
+/// catch-all mount (tonic's `/{Service}/{*rest}`, `nest_service`) the rest of the path is
+/// matched against the templates.
+#[tokio::test]
+async fn s20_5_the_route_axum_matched_picks_settings_by_shape_literal_first() {
+    let effects = Effects::default();
+    let handler = |sink: Effects| post(move || async move { format!("effect {}", sink.hit()) });
+    let guarded_service = |sink: Effects| {
+        tower::ServiceBuilder::new()
+            .layer(
+                IdempotencyLayer::new(MemoryStore::new())
+                    .single_tenant()
+                    .require_key(false)
+                    .for_path("/tickets.Tickets/{method}", |r| r.require_key(true)),
+            )
+            .service(handler(sink))
+    };
+    let layer = IdempotencyLayer::new(MemoryStore::new())
+        .single_tenant()
+        .require_key(false)
+        // Another name than the app's `{id}`: the same route.
+        .for_path("/accounts/{account}/charge", |r| r.require_key(true))
+        // A literal beside a template: the literal is more specific.
+        .for_path("/orders/{id}", |r| r.require_key(true))
+        .for_path("/orders/7", |r| r.require_key(false));
+    let app = Router::new()
+        .route("/accounts/{id}/charge", handler(effects.clone()))
+        .route("/orders/{id}", handler(effects.clone()))
+        .layer(layer)
+        // A per-service mount, as tonic registers each service.
+        .route_service("/tickets.Tickets/{*rest}", guarded_service(effects.clone()));
+    let addr = serve(app).await;
+    for (path, want) in [
+        ("/accounts/42/charge", StatusCode::BAD_REQUEST),
+        ("/orders/8", StatusCode::BAD_REQUEST),
+        ("/orders/7", StatusCode::OK),
+        ("/tickets.Tickets/CreateTicket", StatusCode::BAD_REQUEST),
+    ] {
+        assert_eq!(post_key(addr, path, None).await.status(), want, "{path}");
     }
 }

@@ -120,12 +120,21 @@ async fn s15_1_a_cut_database_connection_at_record_time_ends_recorded() {
         return;
     };
     drop(pool);
-    let upstream: SocketAddr = "127.0.0.1:5432".parse().expect("addr");
+    // The test server, wherever `TOWER_IDEMPOTENCY_POSTGRES_URL` puts it, through the proxy.
+    let options: sqlx::postgres::PgConnectOptions =
+        common::postgres_url().parse().expect("a PostgreSQL URL");
+    let upstream = tokio::net::lookup_host((options.get_host(), options.get_port()))
+        .await
+        .expect("resolve")
+        .next()
+        .expect("an address");
     let proxy = common::proxy::Proxy::start(upstream).await;
-    let url = format!("postgres://postgres@{}/test", proxy.addr);
+    let options = options
+        .host(&proxy.addr.ip().to_string())
+        .port(proxy.addr.port());
     let pool = sqlx::postgres::PgPoolOptions::new()
         .acquire_timeout(Duration::from_secs(2))
-        .connect(&url)
+        .connect_with(options)
         .await
         .expect("pool through the proxy");
     let store = tower_idempotency::store::PostgresStore::new(pool)

@@ -160,7 +160,7 @@ async fn s8_changed_arguments_are_a_typed_jsonrpc_conflict() {
     // Issue 20 §10: the detail speaks of the call, not of an HTTP request's path and query.
     let detail = body["error"]["data"]["detail"].as_str().unwrap_or_default();
     assert!(
-        detail.contains("tool method or params") && !detail.contains("query"),
+        detail.contains("params, path, query or content type") && !detail.contains("method"),
         "{detail}"
     );
     assert_eq!(effects.count(), 1);

@@ -102,6 +102,15 @@ async fn s17_1_keyed_calls_that_cannot_be_guarded_are_refused_and_nothing_runs()
     let differ = r#"{"jsonrpc":"2.0","id":4,"method":"tools/call","params":{"_meta":{"idempotencyKey":"a"}}}"#;
     let res = send(addr, "/mcp", Some("b"), differ).await;
     assert_eq!(error_code(res).await, -31000, "two different keys");
+    // An invalid header key answers the call's own id, which the body tells.
+    let res = send(addr, "/mcp", Some(""), &call("12", "{}")).await;
+    assert_eq!(res.status(), StatusCode::BAD_REQUEST);
+    let v: Value = res.json().await.expect("json");
+    assert_eq!(
+        (v["id"].clone(), v["error"]["code"].clone()),
+        (12.into(), (-31000).into()),
+        "{v}"
+    );
     assert_eq!(effects.count(), 0, "nothing ran unguarded");
     // Unkeyed, the same shapes pass through as before: the server answers them.
     send(addr, "/mcp", None, &format!("[{}]", call("1", "{}"))).await;

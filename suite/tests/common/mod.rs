@@ -115,7 +115,7 @@ pub fn postgres_url() -> String {
 /// output would hide it), and into the run's skip log that `tests/zz_skipped.rs` counts in
 /// one line at the end.
 pub fn unreachable(what: &str, error: &dyn std::fmt::Display) {
-    if std::env::var("CI").is_ok_and(|v| v == "true") {
+    if under_ci() {
         panic!("{what} is required under CI=true but unreachable: {error}");
     }
     let test = match std::thread::current().name() {
@@ -125,6 +125,15 @@ pub fn unreachable(what: &str, error: &dyn std::fmt::Display) {
     let line = format!("SKIPPED {test}: {what} is unreachable ({error}); CI=true makes this fail");
     let _ = std::io::Write::write_all(&mut std::io::stderr(), format!("\n{line}\n").as_bytes());
     skip_log::record(&line);
+}
+
+/// Whether this is a CI run: `CI` set to anything but empty, `0` or `false` (CI systems say
+/// `true`, `1` or `yes`).
+pub fn under_ci() -> bool {
+    std::env::var("CI").is_ok_and(|v| {
+        let v = v.trim();
+        !(v.is_empty() || v == "0" || v.eq_ignore_ascii_case("false"))
+    })
 }
 
 fn binary_name() -> String {
