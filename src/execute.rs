@@ -9,17 +9,13 @@
 //! record the store refuses is retried in the background, under the same lease, until it lands.
 
 use std::any::Any;
-use std::future::Future;
-use std::panic::AssertUnwindSafe;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::Bytes;
 use http::{HeaderMap, Request, Response, response::Parts};
 use http_body::Body;
-use pin_project_lite::pin_project;
 use tower_service::Service;
 use tracing::Instrument;
 
@@ -39,6 +35,7 @@ use crate::store::{
     BoxError, FencingToken, IdempotencyStore, Lease, RecordStatus, ScopedKey, StoreError,
     StoredResponse,
 };
+use crate::unwind::CatchUnwind;
 
 /// Everything an execution needs, owned, so it can outlive the request's future.
 pub(crate) struct Execution<St> {
@@ -537,26 +534,4 @@ fn head_of(parts: &Parts) -> Parts {
 
 fn failed<B>(detail: &str, state: &'static str, dialect: &Dialect) -> Response<ResponseBody<B>> {
     dialect.refuse(&Problem::new(ProblemKind::ExecutionFailed, detail).state(state))
-}
-
-pin_project! {
-    /// Turns a panic while polling `inner` into an `Err`, so the key is released rather than
-    /// left in flight until its lease runs out.
-    struct CatchUnwind<F> {
-        #[pin]
-        inner: F,
-    }
-}
-
-impl<F: Future> Future for CatchUnwind<F> {
-    type Output = Result<F::Output, Box<dyn Any + Send>>;
-
-    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        let inner = self.project().inner;
-        match std::panic::catch_unwind(AssertUnwindSafe(|| inner.poll(cx))) {
-            Ok(Poll::Pending) => Poll::Pending,
-            Ok(Poll::Ready(out)) => Poll::Ready(Ok(out)),
-            Err(panic) => Poll::Ready(Err(panic)),
-        }
-    }
 }

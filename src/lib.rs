@@ -116,6 +116,7 @@ pub mod scope;
 mod service;
 mod settings;
 pub mod store;
+mod unwind;
 mod uri;
 
 pub use body::{RequestBody, ResponseBody};

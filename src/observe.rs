@@ -15,7 +15,10 @@
 //! | `idempotency_moved_to_reconciliation_total` | records that became `needs_reconciliation` (effect started, then failure; response write failed) |
 //! | `idempotency_reconciled_applied_total` | uncertain records resolved as applied |
 //! | `idempotency_reconciled_not_applied_total` | uncertain records resolved as not applied |
-//! | `idempotency_awaiting_reconciliation` (gauge) | uncertain records the sweeper saw on its last pass |
+//! | `idempotency_awaiting_reconciliation` (gauge) | records awaiting reconciliation, in all, as the sweeper's last pass counted them |
+//! | `idempotency_oldest_uncertain_seconds` (gauge) | how long the oldest of them has waited since it last changed (0 when none) |
+//! | `idempotency_reconcile_failures_total` | records whose reconciliation failed (the reconciler panicked or timed out, or the store refused the resolution) |
+//! | `idempotency_unreadable_records_total` | uncertain records the sweeper could not read (corrupt rows, skipped and kept) |
 //! | `idempotency_lease_lost_total` | holders that lost their lease while running |
 //! | `idempotency_stale_writes_total` | writes refused because the writer's lease was taken over |
 
@@ -37,6 +40,8 @@ pub(crate) enum Event {
     ReconciledNotApplied,
     LeaseLost,
     StaleWrite,
+    ReconcileFailed,
+    Unreadable,
 }
 
 impl Event {
@@ -57,6 +62,8 @@ impl Event {
             Self::ReconciledNotApplied => "idempotency_reconciled_not_applied_total",
             Self::LeaseLost => "idempotency_lease_lost_total",
             Self::StaleWrite => "idempotency_stale_writes_total",
+            Self::ReconcileFailed => "idempotency_reconcile_failures_total",
+            Self::Unreadable => "idempotency_unreadable_records_total",
         }
     }
 }
@@ -65,7 +72,12 @@ pub(crate) fn count(event: Event) {
     metrics::counter!(event.name()).increment(1);
 }
 
-/// Sets the gauge of records awaiting reconciliation.
-pub(crate) fn awaiting_reconciliation(count: usize) {
+/// Sets the gauges of records awaiting reconciliation: how many, and how long the oldest has
+/// waited.
+pub(crate) fn uncertain(count: u64, oldest: Option<std::time::SystemTime>) {
     metrics::gauge!("idempotency_awaiting_reconciliation").set(count as f64);
+    let waited = oldest
+        .and_then(|at| std::time::SystemTime::now().duration_since(at).ok())
+        .map_or(0.0, |d| d.as_secs_f64());
+    metrics::gauge!("idempotency_oldest_uncertain_seconds").set(waited);
 }

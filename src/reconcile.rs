@@ -31,11 +31,15 @@
 //! ```
 
 use std::future::Future;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use crate::observe::{self, Event};
-use crate::store::{IdempotencyStore, Record, Resolution, ScopedKey, StoreError, StoredResponse};
+use crate::store::{
+    IdempotencyStore, Record, Resolution, ScopedKey, StoreError, StoredResponse, UncertainCursor,
+    UncertainQuery,
+};
+use crate::unwind::CatchUnwind;
 
 /// What a reconciler found out about an uncertain record.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -65,6 +69,7 @@ pub fn downstream_key(key: &ScopedKey) -> String {
 
 /// What one sweep did.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct SweepReport {
     /// Records resolved as applied (now completed).
     pub applied: usize,
@@ -74,11 +79,29 @@ pub struct SweepReport {
     pub unknown: usize,
     /// Records that changed while they were being reconciled (their resolve was fenced).
     pub raced: usize,
+    /// Records whose reconciliation failed: the reconciler panicked or did not answer in
+    /// time, or the store refused the resolution. Each stays for the next pass.
+    pub failed: usize,
+    /// Records that cannot be read (a corrupt row): skipped, logged with their key, left in
+    /// the store for an operator.
+    pub unreadable: usize,
     /// Expired records purged.
     pub purged: u64,
+    /// Records awaiting reconciliation after the pass, in all.
+    pub awaiting: u64,
 }
 
 /// Reconciles uncertain records and purges expired ones, on an interval.
+///
+/// One record costs one record: a reconciler that panics, fails or hangs on it (past
+/// [`record_timeout`](Self::record_timeout)) is counted and logged, and the pass goes on; a
+/// record that cannot be read is skipped and reported; purging runs on every pass whatever the
+/// reconciliation did; and a spawned sweeper survives a pass that panics.
+///
+/// Passes page through the uncertain records in order and carry on where the last one stopped,
+/// starting over once they reach the end: records the reconciler cannot settle yet come round
+/// again, but never keep newer ones waiting (a cursor rather than a per-record retry time: no
+/// schema of its own, and each record is asked once per round, however many are stuck).
 #[derive(Debug)]
 pub struct Sweeper<St, R> {
     store: Arc<St>,
@@ -86,11 +109,14 @@ pub struct Sweeper<St, R> {
     interval: Duration,
     batch: usize,
     ttl: Duration,
+    record_timeout: Duration,
+    /// Where the next pass starts (`None`: at the beginning).
+    cursor: Mutex<Option<UncertainCursor>>,
 }
 
 impl<St: IdempotencyStore, R: Reconciler> Sweeper<St, R> {
-    /// A sweeper over `store` asking `reconciler`; every 60 s, 100 records a pass, resolved
-    /// responses kept 24 h.
+    /// A sweeper over `store` asking `reconciler`; every 60 s, 100 records a pass, 30 s per
+    /// record, resolved responses kept 24 h.
     pub fn new(store: St, reconciler: R) -> Self {
         Self {
             store: Arc::new(store),
@@ -98,6 +124,8 @@ impl<St: IdempotencyStore, R: Reconciler> Sweeper<St, R> {
             interval: Duration::from_secs(60),
             batch: 100,
             ttl: Duration::from_secs(24 * 60 * 60),
+            record_timeout: Duration::from_secs(30),
+            cursor: Mutex::new(None),
         }
     }
 
@@ -109,7 +137,7 @@ impl<St: IdempotencyStore, R: Reconciler> Sweeper<St, R> {
 
     /// Most records reconciled per pass.
     pub fn batch(mut self, batch: usize) -> Self {
-        self.batch = batch;
+        self.batch = batch.max(1);
         self
     }
 
@@ -119,48 +147,138 @@ impl<St: IdempotencyStore, R: Reconciler> Sweeper<St, R> {
         self
     }
 
-    /// One pass: reconcile up to a batch of uncertain records, then purge expired ones.
+    /// How long the reconciler may take over one record before it is given up on for this
+    /// pass (default 30 s).
+    pub fn record_timeout(mut self, timeout: Duration) -> Self {
+        self.record_timeout = timeout;
+        self
+    }
+
+    /// One pass: reconcile the next page of uncertain records, then purge expired ones. The
+    /// purge runs even when the listing fails; that failure is then the pass's error.
     pub async fn run_once(&self) -> Result<SweepReport, StoreError> {
         let mut report = SweepReport::default();
-        let uncertain = self.store.list_uncertain(self.batch).await?;
-        observe::awaiting_reconciliation(uncertain.len());
-        for record in &uncertain {
-            let resolution = match self.reconciler.reconcile(record).await {
-                Reconciliation::Applied(response) => Resolution::Applied(response),
-                Reconciliation::NotApplied => Resolution::NotApplied,
-                Reconciliation::Unknown => {
-                    report.unknown += 1;
-                    continue;
-                }
-            };
-            match self
-                .store
-                .resolve(&record.key, record.lease_token, &resolution, self.ttl)
-                .await
-            {
-                Ok(()) => count(&resolution, &mut report),
-                Err(StoreError::Fenced) => report.raced += 1,
-                Err(error) => return Err(error),
-            }
+        let reconciled = self.reconcile_page(&mut report).await;
+        let purged = self.store.purge_expired().await;
+        if let Ok(purged) = &purged {
+            report.purged = *purged;
         }
-        report.purged = self.store.purge_expired().await?;
+        match self.store.count_uncertain().await {
+            Ok(count) => {
+                report.awaiting = count.count;
+                observe::uncertain(count.count, count.oldest);
+            }
+            Err(error) => tracing::warn!(%error, "could not count the uncertain records"),
+        }
+        reconciled?;
+        purged?;
         Ok(report)
     }
 
-    /// Runs passes on the interval until the returned task is aborted; a failed pass is logged
-    /// and the next one tries again.
+    /// Reconciles the page after the cursor, and moves the cursor on.
+    async fn reconcile_page(&self, report: &mut SweepReport) -> Result<(), StoreError> {
+        let after = lock(&self.cursor).clone();
+        let resumed = after.is_some();
+        let query = match after {
+            Some(cursor) => UncertainQuery::after(cursor, self.batch),
+            None => UncertainQuery::first(self.batch),
+        };
+        let mut page = self.store.list_uncertain(&query).await?;
+        if resumed && page.records.is_empty() && page.unreadable.is_empty() {
+            // The last round ended exactly on a full page: start the next one now, not a
+            // pass later.
+            page = self
+                .store
+                .list_uncertain(&UncertainQuery::first(self.batch))
+                .await?;
+        }
+        // At the end of the listing, the next pass starts over.
+        *lock(&self.cursor) = page.next.clone();
+        for unreadable in &page.unreadable {
+            observe::count(Event::Unreadable);
+            tracing::error!(
+                key = ?unreadable.key,
+                error = %unreadable.error,
+                "an uncertain record cannot be read: skipped, and kept for an operator"
+            );
+        }
+        report.unreadable += page.unreadable.len();
+        for record in &page.records {
+            self.reconcile(record, report).await;
+        }
+        Ok(())
+    }
+
+    /// Asks about one record and settles it; whatever goes wrong costs this record alone.
+    async fn reconcile(&self, record: &Record, report: &mut SweepReport) {
+        let asking = CatchUnwind {
+            inner: self.reconciler.reconcile(record),
+        };
+        let found = match tokio::time::timeout(self.record_timeout, asking).await {
+            Ok(Ok(found)) => found,
+            Ok(Err(_panic)) => {
+                return self.failed(record, report, "the reconciler panicked on it");
+            }
+            Err(_elapsed) => {
+                return self.failed(record, report, "the reconciler did not answer in time");
+            }
+        };
+        let resolution = match found {
+            Reconciliation::Applied(response) => Resolution::Applied(response),
+            Reconciliation::NotApplied => Resolution::NotApplied,
+            Reconciliation::Unknown => {
+                report.unknown += 1;
+                return;
+            }
+        };
+        match self
+            .store
+            .resolve(&record.key, record.lease_token, &resolution, self.ttl)
+            .await
+        {
+            Ok(()) => count(&resolution, report),
+            Err(StoreError::Fenced) => report.raced += 1,
+            Err(error) => {
+                let why = format!("the store refused its resolution: {error}");
+                self.failed(record, report, &why);
+            }
+        }
+    }
+
+    fn failed(&self, record: &Record, report: &mut SweepReport, why: &str) {
+        report.failed += 1;
+        observe::count(Event::ReconcileFailed);
+        tracing::error!(key = ?record.key, "could not reconcile a record: {why}; it stays for the next pass");
+    }
+
+    /// Runs passes on the interval until the returned task is aborted. A failed pass is logged
+    /// and the next one tries again; a pass that panics (in the store) is logged too, and does
+    /// not end the sweeper.
     pub fn spawn(self) -> tokio::task::JoinHandle<()> {
         tokio::spawn(async move {
             let mut ticker = tokio::time::interval(self.interval);
             loop {
                 ticker.tick().await;
-                match self.run_once().await {
-                    Ok(report) => tracing::debug!(?report, "idempotency sweep"),
-                    Err(error) => tracing::warn!(%error, "idempotency sweep failed"),
+                let pass = CatchUnwind {
+                    inner: self.run_once(),
+                };
+                match pass.await {
+                    Ok(Ok(report)) => tracing::debug!(?report, "idempotency sweep"),
+                    Ok(Err(error)) => tracing::warn!(%error, "idempotency sweep failed"),
+                    Err(_panic) => {
+                        tracing::error!("an idempotency sweep panicked; the next runs as usual")
+                    }
                 }
             }
         })
     }
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    // A cursor is replaced whole: a poisoned one is still a cursor.
+    mutex
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 fn count(resolution: &Resolution, report: &mut SweepReport) {

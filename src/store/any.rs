@@ -10,7 +10,8 @@ use std::time::{Duration, SystemTime};
 
 use super::{
     BoxError, Claim, ClaimRequest, FencingToken, HistoryEvent, IdempotencyStore, Milestone, Record,
-    RecordStatus, Resolution, ScopedKey, StoreError, StoredResponse,
+    RecordStatus, Resolution, ScopedKey, StoreError, StoredResponse, UncertainCount, UncertainPage,
+    UncertainQuery,
 };
 
 /// Any of the stores compiled into this build, picked from a URL at run time.
@@ -258,8 +259,12 @@ impl IdempotencyStore for AnyStore {
         each!(self, s => s.record_milestone(key, token, milestone).await)
     }
 
-    async fn list_uncertain(&self, limit: usize) -> Result<Vec<Record>, StoreError> {
-        each!(self, s => s.list_uncertain(limit).await)
+    async fn list_uncertain(&self, query: &UncertainQuery) -> Result<UncertainPage, StoreError> {
+        each!(self, s => s.list_uncertain(query).await)
+    }
+
+    async fn count_uncertain(&self) -> Result<UncertainCount, StoreError> {
+        each!(self, s => s.count_uncertain().await)
     }
 
     async fn resolve(

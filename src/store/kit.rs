@@ -27,7 +27,8 @@ use http::{HeaderMap, HeaderValue, StatusCode};
 
 use super::{
     Claim, ClaimRequest, Fingerprint, HistoryEvent, IdempotencyStore, Lease, LeaseExpiry,
-    Milestone, RecordStatus, Resolution, ScopedKey, StoreError, StoredResponse,
+    Milestone, Record, RecordStatus, Resolution, ScopedKey, StoreError, StoredResponse,
+    UncertainQuery,
 };
 
 const LONG: Duration = Duration::from_secs(60);
@@ -57,6 +58,8 @@ pub async fn run_all<S: IdempotencyStore>(store: Arc<S>) {
     history_is_bounded(&store).await;
     history_keeps_its_first_attempts_and_its_outcome(&store).await;
     unsettled_records_never_expire(&store).await;
+    uncertain_records_page_in_order(&store).await;
+    reconciling_routes_never_expire_into_a_second_run(&store).await;
 }
 
 fn unique_key(name: &str) -> ScopedKey {
@@ -79,6 +82,24 @@ fn request(key: &ScopedKey, fp: u8, lease: Duration, ttl: Duration) -> ClaimRequ
         lease,
         ttl,
         on_lease_expiry: LeaseExpiry::Reclaim,
+    }
+}
+
+/// Every record the store lists as uncertain, page by page (pages of `page`).
+async fn all_uncertain<S: IdempotencyStore>(store: &S, page: usize) -> Vec<Record> {
+    let mut query = UncertainQuery::first(page);
+    let mut all = Vec::new();
+    loop {
+        let listed = store.list_uncertain(&query).await.expect("list_uncertain");
+        assert!(
+            listed.records.len() + listed.unreadable.len() <= page,
+            "a page holds at most its limit"
+        );
+        all.extend(listed.records);
+        match listed.next {
+            Some(next) => query = UncertainQuery::after(next, page),
+            None => return all,
+        }
     }
 }
 
@@ -490,6 +511,9 @@ pub async fn milestones_are_fenced_and_durable<S: IdempotencyStore>(store: &S) {
             .await,
         "record_milestone",
     );
+
+    // Unsettled records never expire: a shared table keeps none of them.
+    store.remove(&key).await.expect("remove");
 }
 
 /// A holder that recorded `EffectStarted` and died is never taken over, even on a
@@ -508,10 +532,15 @@ pub async fn effect_started_turns_an_expired_lease_into_reconciliation<S: Idempo
     let (record, _) = existing(store, &req, "an expired lease after EffectStarted").await;
     assert_eq!(record.status, RecordStatus::NeedsReconciliation);
     assert_eq!(record.attempts, 1, "no second attempt was allowed");
+
+    // Unsettled records never expire: a shared table keeps none of them.
+    store.remove(&key).await.expect("remove");
 }
 
-/// `list_uncertain` finds records marked uncertain and dead holders' records; `resolve`
-/// settles them once, with the token it read, and refuses live holders.
+/// `list_uncertain` finds records marked uncertain and the records of dead holders that only a
+/// reconciliation can settle (a route that reconciles expired leases, or an effect started),
+/// never those the next claim takes over; `resolve` settles them once, with the token it
+/// read, and refuses live holders (issue 18 §2).
 pub async fn uncertain_records_are_listed_and_resolved<S: IdempotencyStore>(store: &S) {
     let marked = unique_key("marked");
     let lease = acquire(store, &request(&marked, 1, LONG, LONG), "a fresh key").await;
@@ -520,15 +549,28 @@ pub async fn uncertain_records_are_listed_and_resolved<S: IdempotencyStore>(stor
         .await
         .expect("mark_uncertain");
     let dead = unique_key("dead");
-    let dead_lease = acquire(store, &request(&dead, 1, SHORT, LONG), "a fresh key").await;
+    let reconciling = ClaimRequest {
+        on_lease_expiry: LeaseExpiry::Reconcile,
+        ..request(&dead, 1, SHORT, LONG)
+    };
+    let dead_lease = acquire(store, &reconciling, "a fresh key").await;
+    let taken_over = unique_key("taken-over");
+    acquire(store, &request(&taken_over, 1, SHORT, LONG), "a fresh key").await;
     let live = unique_key("live");
     let live_lease = acquire(store, &request(&live, 1, LONG, LONG), "a fresh key").await;
     tokio::time::sleep(PAST_SHORT).await;
 
-    let listed = store.list_uncertain(10_000).await.expect("list_uncertain");
+    let listed = all_uncertain(store, 10_000).await;
     let has = |k: &ScopedKey| listed.iter().any(|r| &r.key == k);
     assert!(has(&marked), "a record marked uncertain is listed");
-    assert!(has(&dead), "a dead holder's record is listed");
+    assert!(
+        has(&dead),
+        "a dead holder's record on a reconciling route is listed"
+    );
+    assert!(
+        !has(&taken_over),
+        "a dead holder's record the next claim takes over is not reconciliation work"
+    );
     assert!(!has(&live), "a live holder's record is not");
 
     assert_fenced(
@@ -567,6 +609,10 @@ pub async fn uncertain_records_are_listed_and_resolved<S: IdempotencyStore>(stor
     )
     .await;
     assert_eq!(again.attempt, 2, "it runs again as the next attempt");
+
+    // Unsettled records never expire: a shared table keeps none of them.
+    store.remove(&taken_over).await.expect("remove");
+    store.remove(&live).await.expect("remove");
 }
 
 /// Issue 18 §4: uncertainty never expires into a second run. A record awaiting
@@ -604,7 +650,7 @@ pub async fn unsettled_records_never_expire<S: IdempotencyStore>(store: &S) {
         assert_eq!(record.attempts, 1, "never claimed as new");
         assert!(store.lookup(key).await.expect("lookup").is_some());
     }
-    let listed = store.list_uncertain(10_000).await.expect("list_uncertain");
+    let listed = all_uncertain(store, 10_000).await;
     assert!(
         listed.iter().any(|r| r.key == marked),
         "still listed for reconciliation"
@@ -613,6 +659,101 @@ pub async fn unsettled_records_never_expire<S: IdempotencyStore>(store: &S) {
         store.lookup(&settled).await.expect("lookup").is_none(),
         "a settled record expires"
     );
+
+    // Unsettled records never expire: a shared table keeps none of them.
+    store.remove(&marked).await.expect("remove");
+    store.remove(&started).await.expect("remove");
+}
+
+/// Issue 18 §2, §5: the listing pages in order (oldest change, then key) without skipping or
+/// repeating a record, however small the pages; `count_uncertain` counts them all and knows
+/// the oldest.
+pub async fn uncertain_records_page_in_order<S: IdempotencyStore>(store: &S) {
+    let mut keys = Vec::new();
+    for i in 0..7 {
+        let key = unique_key(&format!("paged-{i}"));
+        let lease = acquire(store, &request(&key, 1, LONG, LONG), "a fresh key").await;
+        store
+            .mark_uncertain(&key, lease.token)
+            .await
+            .expect("mark_uncertain");
+        keys.push(key);
+    }
+    // Other checks may share the store and write meanwhile: what is asserted is about this
+    // check's own records, and the order every listing keeps.
+    let ours = |records: &[Record]| -> Vec<ScopedKey> {
+        records
+            .iter()
+            .filter(|r| keys.contains(&r.key))
+            .map(|r| r.key.clone())
+            .collect()
+    };
+    let whole = all_uncertain(store, 10_000).await;
+    assert_eq!(ours(&whole).len(), keys.len(), "every record listed once");
+    for page in [1, 2, 3] {
+        let paged = all_uncertain(store, page).await;
+        assert_eq!(
+            ours(&paged),
+            ours(&whole),
+            "pages of {page} list the same, in order"
+        );
+        assert!(
+            paged
+                .windows(2)
+                .all(|w| (w[0].updated_at, &w[0].key) < (w[1].updated_at, &w[1].key)),
+            "pages of {page}: oldest change first, then by key, none twice"
+        );
+    }
+    let count = store.count_uncertain().await.expect("count_uncertain");
+    assert!(count.count >= keys.len() as u64, "the count includes these");
+    let first_of_ours = whole
+        .iter()
+        .filter(|r| keys.contains(&r.key))
+        .map(|r| r.updated_at)
+        .min();
+    assert!(
+        count.oldest.is_some() && count.oldest <= first_of_ours,
+        "the oldest is no later than any of these"
+    );
+    // Settled records leave the listing.
+    for key in &keys {
+        let record = store
+            .lookup(key)
+            .await
+            .expect("lookup")
+            .expect("the record");
+        store
+            .resolve(key, record.lease_token, &Resolution::NotApplied, LONG)
+            .await
+            .expect("resolve");
+    }
+    assert!(ours(&all_uncertain(store, 3).await).is_empty());
+}
+
+/// Issue 18 §4: on a route that reconciles expired leases, a dead holder's record never
+/// expires into a second run, even without a milestone: past its TTL a claim finds it awaiting
+/// reconciliation, attempt 1.
+pub async fn reconciling_routes_never_expire_into_a_second_run<S: IdempotencyStore>(store: &S) {
+    let key = unique_key("reconciling-no-milestone");
+    let req = ClaimRequest {
+        on_lease_expiry: LeaseExpiry::Reconcile,
+        ..request(&key, 1, SHORT, SHORT)
+    };
+    acquire(store, &req, "a fresh key").await;
+    tokio::time::sleep(PAST_SHORT).await;
+    store.purge_expired().await.expect("purge");
+    let (record, _) = existing(store, &req, "a dead holder's key on a reconciling route").await;
+    assert_eq!(record.status, RecordStatus::NeedsReconciliation);
+    assert_eq!(record.attempts, 1, "never claimed as new");
+    assert!(
+        all_uncertain(store, 10_000)
+            .await
+            .iter()
+            .any(|r| r.key == key)
+    );
+
+    // Unsettled records never expire: a shared table keeps none of them.
+    store.remove(&key).await.expect("remove");
 }
 
 /// Issue 15 §6: a key's history is bounded. Replays written by routes that record refusals

@@ -1,7 +1,9 @@
 //! The embedded, in-process store.
 
+use std::collections::BTreeSet;
 use std::fmt;
 use std::hash::{BuildHasher, RandomState};
+use std::ops::Bound::{Excluded, Unbounded};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, SystemTime};
@@ -12,7 +14,7 @@ use super::history::{HISTORY_LIMIT, HISTORY_REFUSALS};
 use super::{
     Claim, ClaimRequest, FencingToken, Fingerprint, HistoryEntry, HistoryEvent, IdempotencyStore,
     Lease, LeaseExpiry, Milestone, Record, RecordStatus, Resolution, ScopedKey, StoreError,
-    StoredResponse,
+    StoredResponse, UncertainCount, UncertainCursor, UncertainPage, UncertainQuery, Unreadable,
 };
 
 const SHARDS: usize = 64;
@@ -79,11 +81,28 @@ struct Shard {
     /// No record of this shard expires before this time (ms), so sweeping earlier would find
     /// nothing: a lower bound, lowered by every write that sets an expiry.
     next_expiry: u64,
+    /// The records only a reconciliation can settle once their holder is gone (see
+    /// [`watched`]), by last change and key: listing them costs the page, not the shard.
+    watch: BTreeSet<(u64, ScopedKey)>,
 }
 
 impl Shard {
     fn expires(&mut self, at: u64) {
         self.next_expiry = self.next_expiry.min(at);
+    }
+
+    /// Keeps the watch index in step with one record's change: `before` and `after` are what
+    /// [`watched`] said of it.
+    fn rewatch(&mut self, key: &ScopedKey, before: Option<u64>, after: Option<u64>) {
+        if before == after {
+            return;
+        }
+        if let Some(at) = before {
+            self.watch.remove(&(at, key.clone()));
+        }
+        if let Some(at) = after {
+            self.watch.insert((at, key.clone()));
+        }
     }
 
     fn find(&self, hash: u64, key: &ScopedKey) -> Option<&Entry> {
@@ -119,6 +138,9 @@ struct Entry {
     attempts: u32,
     status: RecordStatus,
     effect_started: bool,
+    /// Claimed on a route that reconciles expired leases ([`LeaseExpiry::Reconcile`]): a dead
+    /// holder's record then awaits reconciliation instead of being taken over.
+    reconcile_on_expiry: bool,
     /// Owned, not `Bytes` (16 bytes smaller, and no shared-count header added by the first
     /// replay): a replay copies the parts it sends, one pass over bytes it then writes to the
     /// socket anyway, and most records are never replayed at all.
@@ -163,6 +185,7 @@ impl Entry {
             lease_until,
             attempts: 1,
             effect_started: false,
+            reconcile_on_expiry: req.on_lease_expiry == LeaseExpiry::Reconcile,
             response: None,
             created_at: now,
             updated_at: now,
@@ -468,12 +491,14 @@ impl MemoryStore {
         let (hash, mut shard) = self.shard(key);
         match shard.find_mut(hash, key) {
             Some(r) if r.lease_token == token && allowed(r, now) => {
+                let watched_before = watched(r);
                 r.updated_at = now;
                 let before = r.weight();
                 let out = f(r, now);
                 self.weigh(before, r.weight());
-                let expires_at = r.expires_at;
+                let (expires_at, watched_after) = (r.expires_at, watched(r));
                 shard.expires(expires_at);
+                shard.rewatch(key, watched_before, watched_after);
                 Ok(out)
             }
             _ => Err(StoreError::Fenced),
@@ -501,54 +526,12 @@ impl MemoryStore {
         // Tokens only for claims that acquire: a replay takes none, so it writes nothing the
         // other threads read.
         if let Some(r) = shard.find_mut(hash, &req.key) {
-            if !expired(r, now) {
-                let takeover = if r.fingerprint != req.fingerprint {
-                    false
-                } else {
-                    match r.status {
-                        RecordStatus::Released => true,
-                        RecordStatus::InProgress if r.lease_until <= now => {
-                            if req.on_lease_expiry == LeaseExpiry::Reclaim && !r.effect_started {
-                                true
-                            } else {
-                                let before = r.weight();
-                                log(r, now, HistoryEvent::LeaseExpired);
-                                self.weigh(before, r.weight());
-                                r.status = RecordStatus::NeedsReconciliation;
-                                r.updated_at = now;
-                                false
-                            }
-                        }
-                        _ => false,
-                    }
-                };
-                if !takeover {
-                    return Ok(Claim::Existing {
-                        record: Box::new(r.to_record()?),
-                        now: time(now),
-                    });
-                }
-                let token = self.token();
-                r.status = RecordStatus::InProgress;
-                r.lease_token = token;
-                r.lease_until = lease_until;
-                r.attempts += 1;
-                r.updated_at = now;
-                // Only ever later: the shard's next expiry stays a lower bound.
-                r.expires_at = r.expires_at.max(now + span(req.ttl)).max(lease_until);
-                let before = r.weight();
-                log(r, now, HistoryEvent::Claimed);
-                self.weigh(before, r.weight());
-                return acquired(token, r.attempts);
-            }
-            // Expired: counts as absent; its slot takes the new claim.
-            let token = self.token();
-            let before = r.weight();
-            *r = Entry::claimed(req, hash, token, now, lease_until);
-            self.weigh(before, r.weight());
-            let expires_at = r.expires_at;
+            let watched_before = watched(r);
+            let (claim, expires_at) = self.claim_existing(r, req, hash, now, lease_until);
+            let watched_after = watched(r);
             shard.expires(expires_at);
-            return acquired(token, 1);
+            shard.rewatch(&req.key, watched_before, watched_after);
+            return claim;
         }
         if self.full() {
             return Err(StoreError::Full);
@@ -558,8 +541,108 @@ impl MemoryStore {
         let entry = Box::new(Entry::claimed(req, hash, token, now, lease_until));
         self.weigh(0, entry.weight());
         shard.expires(entry.expires_at);
+        shard.rewatch(&req.key, None, watched(&entry));
         shard.records.insert_unique(hash, entry, |e| e.hash);
         acquired(token, 1)
+    }
+
+    /// A claim of a key the shard holds a record for (expired or not); the claim, and the
+    /// record's expiry for the shard's bound.
+    fn claim_existing(
+        &self,
+        r: &mut Entry,
+        req: &ClaimRequest,
+        hash: u64,
+        now: u64,
+        lease_until: u64,
+    ) -> (Result<Claim, StoreError>, u64) {
+        let acquired = |token, attempt| {
+            Ok(Claim::Acquired(Lease {
+                token,
+                attempt,
+                until: time(lease_until),
+            }))
+        };
+        if expired(r, now) {
+            // Counts as absent: its slot takes the new claim.
+            let token = self.token();
+            let before = r.weight();
+            *r = Entry::claimed(req, hash, token, now, lease_until);
+            self.weigh(before, r.weight());
+            return (acquired(token, 1), r.expires_at);
+        }
+        let takeover = if r.fingerprint != req.fingerprint {
+            false
+        } else {
+            match r.status {
+                RecordStatus::Released => true,
+                RecordStatus::InProgress if r.lease_until <= now => {
+                    if req.on_lease_expiry == LeaseExpiry::Reclaim && !r.effect_started {
+                        true
+                    } else {
+                        let before = r.weight();
+                        log(r, now, HistoryEvent::LeaseExpired);
+                        self.weigh(before, r.weight());
+                        r.status = RecordStatus::NeedsReconciliation;
+                        r.updated_at = now;
+                        false
+                    }
+                }
+                _ => false,
+            }
+        };
+        if !takeover {
+            let existing = r.to_record().map(|record| Claim::Existing {
+                record: Box::new(record),
+                now: time(now),
+            });
+            return (existing, r.expires_at);
+        }
+        let token = self.token();
+        r.status = RecordStatus::InProgress;
+        r.lease_token = token;
+        r.lease_until = lease_until;
+        r.attempts += 1;
+        r.updated_at = now;
+        r.reconcile_on_expiry = req.on_lease_expiry == LeaseExpiry::Reconcile;
+        // Only ever later: the shard's next expiry stays a lower bound.
+        r.expires_at = r.expires_at.max(now + span(req.ttl)).max(lease_until);
+        let before = r.weight();
+        log(r, now, HistoryEvent::Claimed);
+        self.weigh(before, r.weight());
+        (acquired(token, r.attempts), r.expires_at)
+    }
+}
+
+/// Where the listing stands in one shard's index.
+struct ShardHead {
+    shard: usize,
+    after: Option<(u64, ScopedKey)>,
+    done: bool,
+}
+
+impl MemoryStore {
+    /// Up to `n` of shard `i`'s uncertain records past `after`, in the index's order.
+    fn uncertain_in(
+        &self,
+        i: usize,
+        after: Option<&(u64, ScopedKey)>,
+        n: usize,
+        now: u64,
+    ) -> Vec<(u64, ScopedKey)> {
+        let shard = lock(&self.inner.shards[i]);
+        let range = match after {
+            Some(after) => shard.watch.range((Excluded(after.clone()), Unbounded)),
+            None => shard.watch.range::<(u64, ScopedKey), _>(..),
+        };
+        range
+            .filter(|(_, key)| {
+                let hash = self.inner.hasher.hash_one(key);
+                shard.find(hash, key).is_some_and(|r| uncertain(r, now))
+            })
+            .take(n)
+            .cloned()
+            .collect()
     }
 }
 
@@ -662,6 +745,7 @@ impl IdempotencyStore for MemoryStore {
         if let Some(entry) = &removed {
             self.inner.counts.len.fetch_sub(1, Ordering::Relaxed);
             self.weigh(entry.weight(), 0);
+            shard.rewatch(key, watched(entry), None);
         }
         Ok(removed.is_some())
     }
@@ -695,20 +779,92 @@ impl IdempotencyStore for MemoryStore {
         })
     }
 
-    async fn list_uncertain(&self, limit: usize) -> Result<Vec<Record>, StoreError> {
+    async fn list_uncertain(&self, query: &UncertainQuery) -> Result<UncertainPage, StoreError> {
         let now = self.now();
-        let mut found = Vec::new();
+        let limit = query.limit;
+        if limit == 0 {
+            return Ok(UncertainPage::default());
+        }
+        let from = query
+            .after
+            .as_ref()
+            .map(|c| (ms(c.updated_at), c.key.clone()));
+        // A merge of the shards' indexes, a few entries of each at a time: the page is the
+        // first `limit` of all shards' uncertain records past the cursor, and a shard is asked
+        // for more only while its last entry read could still be in the page. About
+        // `limit + shards` index entries are read, whatever the store holds.
+        let step = limit.div_ceil(SHARDS) + 1;
+        let mut heads: Vec<ShardHead> = (0..SHARDS)
+            .map(|shard| ShardHead {
+                shard,
+                after: from.clone(),
+                done: false,
+            })
+            .collect();
+        let mut found: Vec<(u64, ScopedKey)> = Vec::new();
+        loop {
+            let cutoff = found.get(limit.wrapping_sub(1)).cloned();
+            let mut asked = false;
+            for head in heads.iter_mut().filter(|h| !h.done) {
+                let behind = match (&head.after, &cutoff) {
+                    (Some(last), Some(cutoff)) => last < cutoff,
+                    _ => true,
+                };
+                if !behind {
+                    continue;
+                }
+                asked = true;
+                let more = self.uncertain_in(head.shard, head.after.as_ref(), step, now);
+                head.done = more.len() < step;
+                if let Some(last) = more.last() {
+                    head.after = Some(last.clone());
+                }
+                found.extend(more);
+            }
+            found.sort_unstable();
+            found.truncate(limit);
+            if !asked {
+                break;
+            }
+        }
+        let mut records = Vec::with_capacity(found.len());
+        let mut unreadable = Vec::new();
+        for (_, key) in &found {
+            let (hash, shard) = self.shard(key);
+            // Settled since it was found: not part of the page any more.
+            let Some(r) = shard.find(hash, key).filter(|r| uncertain(r, now)) else {
+                continue;
+            };
+            match r.to_record() {
+                Ok(record) => records.push(record),
+                Err(error) => unreadable.push(Unreadable {
+                    key: key.clone(),
+                    error: error.to_string(),
+                }),
+            }
+        }
+        let last = found.last().map(|(at, key)| UncertainCursor {
+            updated_at: time(*at),
+            key: key.clone(),
+        });
+        Ok(UncertainPage::new(records, unreadable, last, limit))
+    }
+
+    async fn count_uncertain(&self) -> Result<UncertainCount, StoreError> {
+        let now = self.now();
+        let mut count = UncertainCount::default();
         for shard in &self.inner.shards {
             let shard = lock(shard);
-            for r in shard.records.iter() {
-                if uncertain(r, now) {
-                    found.push(r.to_record()?);
+            for (at, key) in &shard.watch {
+                let hash = self.inner.hasher.hash_one(key);
+                if shard.find(hash, key).is_some_and(|r| uncertain(r, now)) {
+                    count.count += 1;
+                    let at = time(*at);
+                    count.oldest = Some(count.oldest.map_or(at, |oldest| oldest.min(at)));
                 }
             }
         }
-        found.sort_by_key(|r| r.updated_at);
-        found.truncate(limit);
-        Ok(found)
+        Ok(count)
     }
 
     async fn resolve(
@@ -783,15 +939,29 @@ fn expired(r: &Entry, now: u64) -> bool {
     r.expires_at <= now
         && match r.status {
             RecordStatus::Completed | RecordStatus::Released => true,
-            RecordStatus::InProgress => !r.effect_started,
+            RecordStatus::InProgress => !r.effect_started && !r.reconcile_on_expiry,
             RecordStatus::NeedsReconciliation => false,
         }
 }
 
-/// Whether nobody knows the record's outcome: marked so, or its holder's lease ran out.
+/// When a record last changed, if only a reconciliation can settle it once its holder is
+/// gone: awaiting reconciliation, or in progress with its effect started or on a route that
+/// reconciles expired leases. Such a record never expires, so the watch index loses it only
+/// to a write.
+fn watched(r: &Entry) -> Option<u64> {
+    let watch = match r.status {
+        RecordStatus::NeedsReconciliation => true,
+        RecordStatus::InProgress => r.effect_started || r.reconcile_on_expiry,
+        RecordStatus::Completed | RecordStatus::Released => false,
+    };
+    watch.then_some(r.updated_at)
+}
+
+/// Whether only a reconciliation can settle the record now: marked uncertain, or watched and
+/// its holder's lease ran out.
 fn uncertain(r: &Entry, now: u64) -> bool {
     r.status == RecordStatus::NeedsReconciliation
-        || (r.status == RecordStatus::InProgress && r.lease_until <= now)
+        || (r.status == RecordStatus::InProgress && r.lease_until <= now && watched(r).is_some())
 }
 
 #[cfg(test)]

@@ -19,6 +19,7 @@ mod postgres;
 mod sql;
 #[cfg(feature = "sqlite")]
 mod sqlite;
+mod uncertain;
 
 use std::fmt;
 use std::future::Future;
@@ -41,6 +42,7 @@ pub use postgres::PostgresStore;
 pub use sql::{CheckError, InvalidIdentifier};
 #[cfg(feature = "sqlite")]
 pub use sqlite::SqliteStore;
+pub use uncertain::{UncertainCount, UncertainCursor, UncertainPage, UncertainQuery, Unreadable};
 
 /// An error boxed for transport across store backends.
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -351,12 +353,23 @@ pub trait IdempotencyStore: Send + Sync + 'static {
         milestone: &Milestone,
     ) -> impl Future<Output = Result<(), StoreError>> + Send;
 
-    /// Unexpired records whose outcome is unknown: `needs_reconciliation`, and `in_progress`
-    /// ones whose lease ran out (their holder died), oldest change first, at most `limit`.
+    /// A page of the records whose outcome is unknown and that only a reconciliation can
+    /// settle: `needs_reconciliation`, and `in_progress` ones whose holder died (its lease ran
+    /// out) after marking its effect started or on a route that reconciles expired leases
+    /// ([`LeaseExpiry::Reconcile`]). A dead holder's record that the next claim simply takes
+    /// over is not listed. Oldest change first, then by key, starting after `query.after`;
+    /// its cost is the page's, not the store's: each store keeps the index it needs.
+    ///
+    /// A record that cannot be read is not an error of the listing: it is reported in
+    /// [`UncertainPage::unreadable`] and left in place.
     fn list_uncertain(
         &self,
-        limit: usize,
-    ) -> impl Future<Output = Result<Vec<Record>, StoreError>> + Send;
+        query: &UncertainQuery,
+    ) -> impl Future<Output = Result<UncertainPage, StoreError>> + Send;
+
+    /// How many records [`list_uncertain`](Self::list_uncertain) would list in all, and the
+    /// oldest last change among them.
+    fn count_uncertain(&self) -> impl Future<Output = Result<UncertainCount, StoreError>> + Send;
 
     /// Settles an uncertain record (see [`list_uncertain`](Self::list_uncertain)) whose current
     /// token is `token`: [`Resolution::Applied`] completes it with a response living `ttl`,
@@ -453,9 +466,13 @@ impl<S: IdempotencyStore> IdempotencyStore for Arc<S> {
 
     fn list_uncertain(
         &self,
-        limit: usize,
-    ) -> impl Future<Output = Result<Vec<Record>, StoreError>> + Send {
-        (**self).list_uncertain(limit)
+        query: &UncertainQuery,
+    ) -> impl Future<Output = Result<UncertainPage, StoreError>> + Send {
+        (**self).list_uncertain(query)
+    }
+
+    fn count_uncertain(&self) -> impl Future<Output = Result<UncertainCount, StoreError>> + Send {
+        (**self).count_uncertain()
     }
 
     fn resolve(

@@ -11,7 +11,8 @@ use super::history::{HISTORY_LIMIT, HISTORY_REFUSALS};
 use super::sql::{self, InvalidIdentifier, RawRecord, millis, unavailable};
 use super::{
     Claim, ClaimRequest, FencingToken, HistoryEvent, IdempotencyStore, LeaseExpiry, Milestone,
-    Record, RecordStatus, Resolution, ScopedKey, StoreError, StoredResponse,
+    Record, RecordStatus, Resolution, ScopedKey, StoreError, StoredResponse, UncertainCount,
+    UncertainCursor, UncertainPage, UncertainQuery, Unreadable,
 };
 
 /// Records in a PostgreSQL table, shared by every replica that uses the same database.
@@ -60,6 +61,8 @@ struct Statements {
     effect_started: Arc<str>,
     downstream_id: Arc<str>,
     list_uncertain: Arc<str>,
+    list_uncertain_after: Arc<str>,
+    count_uncertain: Arc<str>,
     resolve: Arc<str>,
     append_history: Arc<str>,
 }
@@ -68,7 +71,7 @@ struct Statements {
 /// reconciliation, or whose holder marked its effect started, never expires into a new run; it
 /// stays until it is resolved (DESIGN §4).
 const EXPIRED: &str = "(r.expires_at <= now() AND (r.status IN ('completed', 'released') \
-    OR (r.status = 'in_progress' AND NOT r.effect_started)))";
+    OR (r.status = 'in_progress' AND NOT r.effect_started AND NOT r.reconcile_on_expiry)))";
 
 /// How long a claim, a renewal or a refusal note waits for a record locked by another
 /// transaction (a handler recording its milestone in its own transaction) before giving up: a
@@ -84,9 +87,16 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 /// Session limits on the connections [`PostgresStore::connect`] opens: no statement of the
 /// store waits on a lock, or runs, without bound.
 const SESSION_LIMITS: [(&str, &str); 2] = [("lock_timeout", "5s"), ("statement_timeout", "30s")];
-/// Nobody knows the outcome: marked so, or the holder's lease ran out.
+/// Records only a reconciliation can settle once their holder is gone: awaiting it, or in
+/// progress with the effect started or on a route that reconciles expired leases. The partial
+/// index over them keeps listing and counting them from reading the table.
+const WATCHED: &str = "r.status = 'needs_reconciliation' \
+    OR (r.status = 'in_progress' AND (r.effect_started OR r.reconcile_on_expiry))";
+/// Nobody knows the outcome and only a reconciliation can tell: marked so, or a watched
+/// record's holder's lease ran out.
 const UNCERTAIN: &str = "r.status = 'needs_reconciliation' \
-    OR (r.status = 'in_progress' AND r.lease_until <= now())";
+    OR (r.status = 'in_progress' AND (r.effect_started OR r.reconcile_on_expiry) \
+        AND r.lease_until <= now())";
 
 /// A history entry written on the database's clock (see [`super::HistoryEntry`]).
 fn entry(attempt: &str, token: &str, event: &str) -> String {
@@ -121,10 +131,11 @@ impl Statements {
             "WITH claimed AS (
                INSERT INTO {t} AS r (scope, key, fingerprint, status, lease_token, lease_until,
                    attempts, effect_started, downstream_id, response, created_at, updated_at, expires_at,
-                   history)
+                   history, reconcile_on_expiry)
                SELECT $1, $2, $3, 'in_progress', $4, now() + make_interval(secs => $5::float8 / 1000),
                    1, false, NULL, NULL, now(), now(),
-                   now() + make_interval(secs => GREATEST($5, $7)::float8 / 1000), {claimed_first}
+                   now() + make_interval(secs => GREATEST($5, $7)::float8 / 1000), {claimed_first},
+                   NOT $6
                FROM {BOUNDED}
                WHERE bounded.wait IS NOT NULL
                ON CONFLICT (scope, key) DO UPDATE SET
@@ -134,6 +145,8 @@ impl Statements {
                  lease_until = CASE WHEN {fresh_or_takeover} THEN excluded.lease_until ELSE r.lease_until END,
                  attempts = CASE WHEN {EXPIRED} THEN 1 WHEN {takeover} THEN r.attempts + 1 ELSE r.attempts END,
                  effect_started = CASE WHEN {EXPIRED} THEN false ELSE r.effect_started END,
+                 reconcile_on_expiry = CASE WHEN {fresh_or_takeover} THEN excluded.reconcile_on_expiry
+                                            ELSE r.reconcile_on_expiry END,
                  downstream_id = CASE WHEN {EXPIRED} THEN NULL ELSE r.downstream_id END,
                  response = CASE WHEN {EXPIRED} THEN NULL ELSE r.response END,
                  created_at = CASE WHEN {EXPIRED} THEN now() ELSE r.created_at END,
@@ -228,10 +241,22 @@ impl Statements {
             )
             .into(),
             list_uncertain: format!(
-                "SELECT {} FROM {t} r WHERE ({uncertain})
-                 ORDER BY r.updated_at LIMIT $1",
+                "SELECT {}, (extract(epoch from r.updated_at) * 1000000)::int8 FROM {t} r
+                 WHERE ({UNCERTAIN}) ORDER BY r.updated_at, r.scope, r.key LIMIT $1",
                 cols("r"),
-                uncertain = UNCERTAIN,
+            )
+            .into(),
+            list_uncertain_after: format!(
+                "SELECT {}, (extract(epoch from r.updated_at) * 1000000)::int8 FROM {t} r
+                 WHERE ({UNCERTAIN}) AND (r.updated_at, r.scope, r.key)
+                   > (timestamptz 'epoch' + $2 * interval '1 microsecond', $3, $4)
+                 ORDER BY r.updated_at, r.scope, r.key LIMIT $1",
+                cols("r"),
+            )
+            .into(),
+            count_uncertain: format!(
+                "SELECT count(*), (extract(epoch from min(r.updated_at)) * 1000000)::int8
+                 FROM {t} r WHERE {UNCERTAIN}"
             )
             .into(),
             resolve: format!(
@@ -265,6 +290,9 @@ impl Statements {
 }
 
 impl PostgresStore {
+    /// The unit of a listing cursor's time: timestamps are microseconds here, so a cursor is exact.
+    const CURSOR_TICK: Duration = Duration::from_micros(1);
+
     /// The default table: `public.idempotency_records`.
     pub const DEFAULT_TABLE: &'static str = "idempotency_records";
 
@@ -335,6 +363,13 @@ impl PostgresStore {
         &self.sql.claim
     }
 
+    /// The listing of uncertain records past a cursor, for `EXPLAIN`: it reads the partial
+    /// index of watched records in its order. Parameters: `$1` limit, `$2` the cursor's time
+    /// in microseconds since the epoch, `$3` scope, `$4` key.
+    pub fn uncertain_statement(&self) -> &str {
+        &self.sql.list_uncertain_after
+    }
+
     /// The completion statement. Parameters: `$1` scope, `$2` key, `$3` token, `$4` encoded
     /// response, `$5` TTL ms.
     pub fn complete_statement(&self) -> &str {
@@ -365,11 +400,15 @@ impl PostgresStore {
                    updated_at timestamptz NOT NULL,
                    expires_at timestamptz NOT NULL,
                    history text NOT NULL DEFAULT '',
+                   reconcile_on_expiry boolean NOT NULL DEFAULT false,
                    PRIMARY KEY (scope, key)
                  )"
             ),
-            // Tables created before the history column existed.
+            // Tables created before these columns existed.
             format!("ALTER TABLE {t} ADD COLUMN IF NOT EXISTS history text NOT NULL DEFAULT ''"),
+            format!(
+                "ALTER TABLE {t} ADD COLUMN IF NOT EXISTS reconcile_on_expiry boolean NOT NULL DEFAULT false"
+            ),
             // Purging deletes by expiry: an index keeps it from scanning the table.
             format!(
                 "CREATE INDEX IF NOT EXISTS \"{}\" ON {t} (expires_at)",
@@ -379,6 +418,13 @@ impl PostgresStore {
                 "CREATE INDEX IF NOT EXISTS \"{}\" ON {t} (updated_at)
                  WHERE status = 'needs_reconciliation'",
                 sql::derived_name(table, "_needs_reconciliation")
+            ),
+            // What the reconciliation listing pages through, in its order.
+            format!(
+                "CREATE INDEX IF NOT EXISTS \"{}\" ON {t} (updated_at, scope, key)
+                 WHERE {}",
+                sql::derived_name(table, "_watched"),
+                WATCHED.replace("r.", "")
             ),
         ]
     }
@@ -424,20 +470,22 @@ impl PostgresStore {
         }
     }
 
-    /// Whether the table, its history column and both indexes exist, read from the catalog
+    /// Whether the table, its latest columns and its indexes exist, read from the catalog
     /// (which takes no lock on the table).
     async fn up_to_date(&self) -> Result<bool, sqlx::Error> {
         let (schema, table) = (&self.sql.schema, &self.sql.table);
         sqlx::query_scalar(
-            "SELECT EXISTS (SELECT 1 FROM information_schema.columns
-                             WHERE table_schema = $1 AND table_name = $2 AND column_name = 'history')
+            "SELECT (SELECT count(*) FROM information_schema.columns
+                      WHERE table_schema = $1 AND table_name = $2
+                        AND column_name IN ('history', 'reconcile_on_expiry')) = 2
                 AND (SELECT count(*) FROM pg_indexes
-                      WHERE schemaname = $1 AND tablename = $2 AND indexname IN ($3, $4)) = 2",
+                      WHERE schemaname = $1 AND tablename = $2 AND indexname IN ($3, $4, $5)) = 3",
         )
         .bind(schema)
         .bind(table)
         .bind(sql::derived_name(table, "_expires_at"))
         .bind(sql::derived_name(table, "_needs_reconciliation"))
+        .bind(sql::derived_name(table, "_watched"))
         .fetch_one(&self.pool)
         .await
     }

@@ -3,7 +3,6 @@
 use std::fmt;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use super::codec::CorruptRecord;
 use super::history::HISTORY_REFUSALS;
 use super::{
     Claim, FencingToken, Fingerprint, HistoryEntry, Lease, Record, RecordStatus, ScopedKey,
@@ -98,6 +97,40 @@ pub(crate) fn derived_name(table: &str, suffix: &str) -> String {
     format!("{}{tag}{suffix}", &table[..keep])
 }
 
+/// What is wrong with a stored row, by column: a record that cannot be read names the
+/// column at fault.
+#[derive(Debug)]
+pub(crate) struct RowError(pub(crate) String);
+
+impl RowError {
+    /// A column the database could not hand over as its type.
+    pub(crate) fn column(error: sqlx::Error) -> StoreError {
+        StoreError::unavailable(Self(format!("a column does not read: {error}")))
+    }
+}
+
+impl std::fmt::Display for RowError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "stored record is corrupt: {}", self.0)
+    }
+}
+
+impl std::error::Error for RowError {}
+
+/// `at` as a whole number of `tick`s since the Unix epoch, for a listing cursor.
+pub(crate) fn ticks(at: SystemTime, tick: Duration) -> i64 {
+    let since = at.duration_since(UNIX_EPOCH).unwrap_or_default();
+    i64::try_from(since.as_nanos() / tick.as_nanos().max(1)).unwrap_or(i64::MAX)
+}
+
+/// The time `ticks` whole `tick`s after the Unix epoch.
+pub(crate) fn from_ticks(ticks: i64, tick: Duration) -> SystemTime {
+    let nanos = u64::try_from(ticks.max(0))
+        .unwrap_or_default()
+        .saturating_mul(u64::try_from(tick.as_nanos()).unwrap_or(u64::MAX));
+    UNIX_EPOCH + Duration::from_nanos(nanos)
+}
+
 /// The columns every claim or lookup reads, in this order.
 pub(crate) struct RawRecord {
     pub(crate) scope: Vec<u8>,
@@ -118,35 +151,49 @@ pub(crate) struct RawRecord {
 
 impl RawRecord {
     pub(crate) fn into_record(self) -> Result<Record, StoreError> {
-        let corrupt = |what: &'static str| StoreError::unavailable(CorruptRecord(what));
-        let text =
-            |bytes: Vec<u8>| String::from_utf8(bytes).map_err(|_| corrupt("key is not UTF-8"));
-        let fingerprint: [u8; 32] = self
-            .fingerprint
-            .try_into()
-            .map_err(|_| corrupt("fingerprint is not 32 bytes"))?;
+        let corrupt = |what: String| StoreError::unavailable(RowError(what));
+        let text = |bytes: Vec<u8>, column: &str| {
+            String::from_utf8(bytes)
+                .map_err(|_| corrupt(format!("the {column} column is not UTF-8")))
+        };
+        let fingerprint: [u8; 32] = self.fingerprint.try_into().map_err(|bytes: Vec<u8>| {
+            corrupt(format!(
+                "the fingerprint column holds {} bytes where a SHA-256 has 32",
+                bytes.len()
+            ))
+        })?;
         let status = match self.status.as_str() {
             "in_progress" => RecordStatus::InProgress,
             "completed" => RecordStatus::Completed,
             "released" => RecordStatus::Released,
             "needs_reconciliation" => RecordStatus::NeedsReconciliation,
-            _ => return Err(corrupt("unknown status")),
+            other => {
+                return Err(corrupt(format!(
+                    "the status column holds {other:?}, not a status"
+                )));
+            }
         };
         let response = match self.response {
             // The row's bytes become the body and header values, uncopied.
             Some(bytes) => Some(
-                StoredResponse::from_shared(&bytes::Bytes::from(bytes))
-                    .map_err(StoreError::unavailable)?,
+                StoredResponse::from_shared(&bytes::Bytes::from(bytes)).map_err(|e| {
+                    corrupt(format!("the response column does not decode: {}", e.0))
+                })?,
             ),
             None => None,
         };
         Ok(Record {
-            key: ScopedKey::new(text(self.scope)?, text(self.key)?),
+            key: ScopedKey::new(text(self.scope, "scope")?, text(self.key, "key")?),
             fingerprint: Fingerprint::from_bytes(fingerprint),
             status,
             lease_token: FencingToken::new(self.lease_token as u64),
             lease_until: from_millis(self.lease_until_ms),
-            attempts: u32::try_from(self.attempts).map_err(|_| corrupt("attempts"))?,
+            attempts: u32::try_from(self.attempts).map_err(|_| {
+                corrupt(format!(
+                    "the attempts column holds {}, out of range",
+                    self.attempts
+                ))
+            })?,
             effect_started: self.effect_started,
             downstream_id: self.downstream_id,
             response,
@@ -457,15 +504,53 @@ impl IdempotencyStore for $store {
         self.milestone_on(&self.pool, key, token, milestone).await
     }
 
-    async fn list_uncertain(&self, limit: usize) -> Result<Vec<Record>, StoreError> {
-        let rows = sqlx::query(AssertSqlSafe(self.sql.list_uncertain.clone()))
-            .bind(i64::try_from(limit).unwrap_or(i64::MAX))
-            .fetch_all(&self.pool)
+    async fn list_uncertain(&self, query: &UncertainQuery) -> Result<UncertainPage, StoreError> {
+        let limit = i64::try_from(query.limit).unwrap_or(i64::MAX);
+        let rows = match &query.after {
+            None => sqlx::query(AssertSqlSafe(self.sql.list_uncertain.clone()))
+                .bind(limit)
+                .fetch_all(&self.pool)
+                .await,
+            Some(after) => sqlx::query(AssertSqlSafe(self.sql.list_uncertain_after.clone()))
+                .bind(limit)
+                .bind(sql::ticks(after.updated_at, Self::CURSOR_TICK))
+                .bind(after.key.scope().as_bytes())
+                .bind(after.key.key().as_bytes())
+                .fetch_all(&self.pool)
+                .await,
+        }
+        .map_err(unavailable)?;
+        let (mut records, mut unreadable, mut last) = (Vec::new(), Vec::new(), None);
+        for row in &rows {
+            // Where the row stands in the listing: read apart from the rest, so a row that
+            // cannot be read is still stepped over, and reported.
+            let scope: Vec<u8> = row.try_get(0).map_err(unavailable)?;
+            let key: Vec<u8> = row.try_get(1).map_err(unavailable)?;
+            let at: i64 = row.try_get(15).map_err(unavailable)?;
+            let key = ScopedKey::new(String::from_utf8_lossy(&scope), String::from_utf8_lossy(&key));
+            match raw(row).map_err(sql::RowError::column).and_then(|(raw, _)| raw.into_record()) {
+                Ok(record) => records.push(record),
+                Err(error) => {
+                    tracing::error!(?key, %error, "an uncertain record cannot be read; skipped");
+                    unreadable.push(Unreadable { key: key.clone(), error: error.to_string() });
+                }
+            }
+            last = Some(UncertainCursor { updated_at: sql::from_ticks(at, Self::CURSOR_TICK), key });
+        }
+        Ok(UncertainPage::new(records, unreadable, last, query.limit))
+    }
+
+    async fn count_uncertain(&self) -> Result<UncertainCount, StoreError> {
+        let row = sqlx::query(AssertSqlSafe(self.sql.count_uncertain.clone()))
+            .fetch_one(&self.pool)
             .await
             .map_err(unavailable)?;
-        rows.iter()
-            .map(|row| raw(row).map_err(unavailable)?.0.into_record())
-            .collect()
+        let count: i64 = row.try_get(0).map_err(unavailable)?;
+        let oldest: Option<i64> = row.try_get(1).map_err(unavailable)?;
+        Ok(UncertainCount {
+            count: u64::try_from(count).unwrap_or_default(),
+            oldest: oldest.map(|at| sql::from_ticks(at, Self::CURSOR_TICK)),
+        })
     }
 
     async fn resolve(

@@ -15,7 +15,8 @@ use super::history::{HISTORY_LIMIT, HISTORY_REFUSALS};
 use super::sql::{self, InvalidIdentifier, RawRecord, millis, unavailable};
 use super::{
     Claim, ClaimRequest, FencingToken, HistoryEvent, IdempotencyStore, LeaseExpiry, Milestone,
-    Record, RecordStatus, Resolution, ScopedKey, StoreError, StoredResponse,
+    Record, RecordStatus, Resolution, ScopedKey, StoreError, StoredResponse, UncertainCount,
+    UncertainCursor, UncertainPage, UncertainQuery, Unreadable,
 };
 
 /// Records in a SQLite file: they survive restarts, and every process on the host that opens
@@ -66,6 +67,8 @@ struct Statements {
     effect_started: Arc<str>,
     downstream_id: Arc<str>,
     list_uncertain: Arc<str>,
+    list_uncertain_after: Arc<str>,
+    count_uncertain: Arc<str>,
     resolve: Arc<str>,
     append_history: Arc<str>,
 }
@@ -75,6 +78,11 @@ const NOW: &str = "CAST(ROUND((julianday('now') - 2440587.5) * 86400000) AS INTE
 const COLUMNS: &str = "scope, key, fingerprint, status, lease_token, lease_until, attempts, \
                        effect_started, downstream_id, response, created_at, updated_at, expires_at, \
                        history";
+
+/// Records only a reconciliation can settle once their holder is gone: awaiting it, or in
+/// progress with the effect started or on a route that reconciles expired leases.
+const WATCHED: &str = "r.status = 'needs_reconciliation' \
+    OR (r.status = 'in_progress' AND (r.effect_started OR r.reconcile_on_expiry))";
 
 /// A history entry written on SQLite's clock (see [`super::HistoryEntry`]).
 fn entry(attempt: &str, token: &str, event: &str) -> String {
@@ -87,7 +95,7 @@ impl Statements {
         // An unknown outcome (awaiting reconciliation, or an effect started) never expires.
         let expired = format!(
             "(r.expires_at <= {NOW} AND (r.status IN ('completed', 'released') \
-             OR (r.status = 'in_progress' AND NOT r.effect_started)))"
+             OR (r.status = 'in_progress' AND NOT r.effect_started AND NOT r.reconcile_on_expiry)))"
         );
         let same = "r.fingerprint = excluded.fingerprint";
         let lease_over = format!("r.status = 'in_progress' AND r.lease_until <= {NOW}");
@@ -96,9 +104,9 @@ impl Statements {
         );
         let fresh_or_takeover = format!("({expired} OR {takeover})");
         let upsert = format!(
-            "INSERT INTO {t} AS r ({COLUMNS})
+            "INSERT INTO {t} AS r ({COLUMNS}, reconcile_on_expiry)
              VALUES (?1, ?2, ?3, 'in_progress', ?4, {NOW} + ?5, 1, 0, NULL, NULL, {NOW}, {NOW},
-                     {NOW} + MAX(?5, ?7), {claimed_first})
+                     {NOW} + MAX(?5, ?7), {claimed_first}, NOT ?6)
              ON CONFLICT (scope, key) DO UPDATE SET
                fingerprint = CASE WHEN {expired} THEN excluded.fingerprint ELSE r.fingerprint END,
                status = CASE WHEN {fresh_or_takeover} THEN 'in_progress' ELSE 'needs_reconciliation' END,
@@ -106,6 +114,8 @@ impl Statements {
                lease_until = CASE WHEN {fresh_or_takeover} THEN excluded.lease_until ELSE r.lease_until END,
                attempts = CASE WHEN {expired} THEN 1 WHEN {takeover} THEN r.attempts + 1 ELSE r.attempts END,
                effect_started = CASE WHEN {expired} THEN 0 ELSE r.effect_started END,
+               reconcile_on_expiry = CASE WHEN {fresh_or_takeover} THEN excluded.reconcile_on_expiry
+                                          ELSE r.reconcile_on_expiry END,
                downstream_id = CASE WHEN {expired} THEN NULL ELSE r.downstream_id END,
                response = CASE WHEN {expired} THEN NULL ELSE r.response END,
                created_at = CASE WHEN {expired} THEN {NOW} ELSE r.created_at END,
@@ -141,8 +151,12 @@ impl Statements {
         // The holder may complete again what it completed in its own transaction.
         let completer = "scope = ?1 AND key = ?2 AND lease_token = ?3 \
                          AND status IN ('in_progress', 'completed', 'needs_reconciliation')";
+        // Records only a reconciliation can settle once their holder is gone (the partial
+        // index's condition, word for word, so SQLite sees that it may use it), and those of
+        // them whose outcome is unknown now.
+        let watched = WATCHED;
         let uncertain = format!(
-            "r.status = 'needs_reconciliation' OR (r.status = 'in_progress' AND r.lease_until <= {NOW})"
+            "({watched}) AND (r.status = 'needs_reconciliation' OR r.lease_until <= {NOW})"
         );
         Self {
             table: table.to_owned(),
@@ -190,8 +204,18 @@ impl Statements {
             )
             .into(),
             list_uncertain: format!(
-                "SELECT {COLUMNS}, {NOW} FROM {t} r WHERE ({uncertain})
-                 ORDER BY r.updated_at LIMIT ?1"
+                "SELECT {COLUMNS}, {NOW}, r.updated_at FROM {t} r WHERE {uncertain}
+                 ORDER BY r.updated_at, r.scope, r.key LIMIT ?1"
+            )
+            .into(),
+            list_uncertain_after: format!(
+                "SELECT {COLUMNS}, {NOW}, r.updated_at FROM {t} r WHERE {uncertain}
+                   AND (r.updated_at, r.scope, r.key) > (?2, ?3, ?4)
+                 ORDER BY r.updated_at, r.scope, r.key LIMIT ?1"
+            )
+            .into(),
+            count_uncertain: format!(
+                "SELECT count(*), min(r.updated_at) FROM {t} r WHERE {uncertain}"
             )
             .into(),
             resolve: format!(
@@ -221,6 +245,9 @@ impl Statements {
 }
 
 impl SqliteStore {
+    /// The unit of a listing cursor's time: times are whole milliseconds here, so a cursor is exact.
+    const CURSOR_TICK: Duration = Duration::from_millis(1);
+
     /// The default table: `idempotency_records`.
     pub const DEFAULT_TABLE: &'static str = "idempotency_records";
 
@@ -282,7 +309,16 @@ impl SqliteStore {
         &self.pool
     }
 
-    /// The DDL [`migrate`](Self::migrate) runs, one statement per entry, each idempotent.
+    /// The listing of uncertain records past a cursor, for `EXPLAIN QUERY PLAN`: it reads the
+    /// partial index of watched records in its order. Parameters: `?1` limit, `?2` the
+    /// cursor's time in milliseconds since the epoch, `?3` scope, `?4` key.
+    pub fn uncertain_statement(&self) -> &str {
+        &self.sql.list_uncertain_after
+    }
+
+    /// The DDL [`migrate`](Self::migrate) runs, one statement per entry, each idempotent. A
+    /// table made by an earlier version also needs `ALTER TABLE … ADD COLUMN
+    /// reconcile_on_expiry INTEGER NOT NULL DEFAULT 0` before the indexes (`migrate` adds it).
     pub fn migration_sql(&self) -> Vec<String> {
         let table = &self.sql.table;
         vec![
@@ -303,12 +339,20 @@ impl SqliteStore {
                    updated_at INTEGER NOT NULL,
                    expires_at INTEGER NOT NULL,
                    history TEXT NOT NULL DEFAULT '',
+                   reconcile_on_expiry INTEGER NOT NULL DEFAULT 0,
                    PRIMARY KEY (scope, key)
                  ) WITHOUT ROWID"
             ),
             format!(
                 "CREATE INDEX IF NOT EXISTS \"{}\" ON \"{table}\" (expires_at)",
                 sql::derived_name(table, "_expires_at")
+            ),
+            // What the reconciliation listing pages through, in its order.
+            format!(
+                "CREATE INDEX IF NOT EXISTS \"{}\" ON \"{table}\" (updated_at, scope, key)
+                 WHERE {}",
+                sql::derived_name(table, "_watched"),
+                WATCHED.replace("r.", "")
             ),
         ]
     }
@@ -319,15 +363,17 @@ impl SqliteStore {
     pub async fn check(&self) -> Result<(), super::CheckError> {
         let table = &self.sql.table;
         let present: i64 = sqlx::query_scalar(
-            "SELECT count(*) FROM sqlite_master WHERE (type = 'table' AND name = ?1)
-                OR (type = 'index' AND name = ?2)",
+            "SELECT (SELECT count(*) FROM sqlite_master WHERE (type = 'table' AND name = ?1)
+                       OR (type = 'index' AND name IN (?2, ?3)))
+                  + (SELECT count(*) FROM pragma_table_info(?1) WHERE name = 'reconcile_on_expiry')",
         )
         .bind(table)
         .bind(sql::derived_name(table, "_expires_at"))
+        .bind(sql::derived_name(table, "_watched"))
         .fetch_one(&self.pool)
         .await
         .map_err(super::CheckError::Unreachable)?;
-        if present == 2 {
+        if present == 4 {
             Ok(())
         } else {
             Err(super::CheckError::NotMigrated {
@@ -339,7 +385,28 @@ impl SqliteStore {
     /// Creates the table and index if missing.
     pub async fn migrate(&self) -> Result<(), sqlx::Error> {
         let mut tx = self.pool.begin().await?;
-        for statement in self.migration_sql() {
+        let mut statements = self.migration_sql().into_iter();
+        if let Some(create_table) = statements.next() {
+            sqlx::query(AssertSqlSafe(create_table))
+                .execute(&mut *tx)
+                .await?;
+        }
+        // A table made before the column existed gets it (SQLite has no `ADD COLUMN IF NOT
+        // EXISTS`) before an index names it.
+        let has_column: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pragma_table_info(?1) WHERE name = 'reconcile_on_expiry'",
+        )
+        .bind(&self.sql.table)
+        .fetch_one(&mut *tx)
+        .await?;
+        if has_column == 0 {
+            let add = format!(
+                "ALTER TABLE \"{}\" ADD COLUMN reconcile_on_expiry INTEGER NOT NULL DEFAULT 0",
+                self.sql.table
+            );
+            sqlx::query(AssertSqlSafe(add)).execute(&mut *tx).await?;
+        }
+        for statement in statements {
             sqlx::query(AssertSqlSafe(statement))
                 .execute(&mut *tx)
                 .await?;

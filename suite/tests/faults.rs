@@ -796,7 +796,7 @@ async fn s15_8_a_63_byte_table_name_gets_its_indexes() {
             .fetch_all(&pool)
             .await
             .expect("indexes");
-    assert_eq!(indexes.len(), 3, "primary key and two indexes: {indexes:?}");
+    assert_eq!(indexes.len(), 4, "primary key and three indexes: {indexes:?}");
     assert!(
         indexes
             .iter()

@@ -222,9 +222,27 @@ async fn uncertain_outcomes_move_their_own_counters(counts: &Counts) {
     assert_eq!(report.not_applied, 1);
     assert_eq!(
         counts.get("idempotency_awaiting_reconciliation"),
-        1,
-        "the gauge saw one"
+        report.awaiting,
+        "the gauge is the true count after the pass (issue 18 §5)"
     );
+    assert_eq!(report.awaiting, 0, "the one awaiting was settled");
+    // One the reconciler cannot settle: the gauge counts it.
+    struct CannotTell;
+    impl Reconciler for CannotTell {
+        async fn reconcile(&self, _: &Record) -> Reconciliation {
+            Reconciliation::Unknown
+        }
+    }
+    assert_eq!(
+        send("m-fail-2", "fail").await.expect("r").status(),
+        StatusCode::BAD_GATEWAY
+    );
+    let report = Sweeper::new(store.clone(), CannotTell)
+        .run_once()
+        .await
+        .expect("sweep");
+    assert_eq!((report.unknown, report.awaiting), (1, 1), "{report:?}");
+    assert_eq!(counts.get("idempotency_awaiting_reconciliation"), 1);
     assert_eq!(
         delta("idempotency_reconciled_not_applied_total", not_applied),
         1

@@ -51,6 +51,8 @@ macro_rules! all_checks {
             history_is_bounded,
             history_keeps_its_first_attempts_and_its_outcome,
             unsettled_records_never_expire,
+            uncertain_records_page_in_order,
+            reconciling_routes_never_expire_into_a_second_run,
         );
     };
 }

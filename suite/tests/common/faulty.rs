@@ -11,7 +11,7 @@ use std::time::{Duration, Instant, SystemTime};
 use tower_idempotency::IdempotencyStore;
 use tower_idempotency::store::{
     Claim, ClaimRequest, FencingToken, HistoryEvent, Milestone, Record, RecordStatus, Resolution,
-    ScopedKey, StoreError, StoredResponse,
+    ScopedKey, StoreError, StoredResponse, UncertainCount, UncertainPage, UncertainQuery,
 };
 
 /// Cloning shares the faults: a test keeps one clone and hands another to the layer.
@@ -41,6 +41,8 @@ pub struct Faulty<S> {
     /// Called at each step around the claim and the record (`before_claim`, `after_claim`,
     /// `before_record`, `after_record`): a crash test stops its process there.
     pub at_step: Option<Arc<dyn Fn(&'static str) + Send + Sync>>,
+    /// Only `list_uncertain` fails while set.
+    pub fail_list: Arc<AtomicBool>,
 }
 
 impl<S: Default> Default for Faulty<S> {
@@ -65,6 +67,7 @@ impl<S> Faulty<S> {
             down_on_complete: Arc::default(),
             pause_before_complete: Arc::default(),
             at_step: None,
+            fail_list: Arc::default(),
         }
     }
 
@@ -213,9 +216,18 @@ impl<S: IdempotencyStore> IdempotencyStore for Faulty<S> {
         self.inner.record_milestone(key, token, milestone).await
     }
 
-    async fn list_uncertain(&self, limit: usize) -> Result<Vec<Record>, StoreError> {
+    async fn list_uncertain(&self, query: &UncertainQuery) -> Result<UncertainPage, StoreError> {
+        self.step("list_uncertain");
+        if self.fail_list.load(Ordering::SeqCst) {
+            return Err(injected("list_uncertain"));
+        }
         self.read("list_uncertain")?;
-        self.inner.list_uncertain(limit).await
+        self.inner.list_uncertain(query).await
+    }
+
+    async fn count_uncertain(&self) -> Result<UncertainCount, StoreError> {
+        self.read("count_uncertain")?;
+        self.inner.count_uncertain().await
     }
 
     async fn resolve(
