@@ -93,9 +93,13 @@
 //! - `tonic`: the middleware keeps tonic's `NamedService`. (gRPC requests are handled without
 //!   it: see [`grpc`].)
 //! - `test-kit`: [`store::kit`], the conformance checks for stores.
+//! - `console`: the operator console (`console::Console`), an axum `Router` to mount behind your
+//!   own authentication.
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
 mod body;
+#[cfg(feature = "console")]
+pub mod console;
 mod context;
 mod decide;
 mod dialect;

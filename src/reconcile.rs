@@ -179,7 +179,7 @@ impl<St: IdempotencyStore, R: Reconciler> Sweeper<St, R> {
     async fn reconcile_page(&self, report: &mut SweepReport) -> Result<(), StoreError> {
         let after = lock(&self.cursor).clone();
         let resumed = after.is_some();
-        let query = match after {
+        let query = match after.clone() {
             Some(cursor) => UncertainQuery::after(cursor, self.batch),
             None => UncertainQuery::first(self.batch),
         };
@@ -192,8 +192,10 @@ impl<St: IdempotencyStore, R: Reconciler> Sweeper<St, R> {
                 .list_uncertain(&UncertainQuery::first(self.batch))
                 .await?;
         }
-        // At the end of the listing, the next pass starts over.
-        *lock(&self.cursor) = page.next.clone();
+        // At the end of the listing, the next pass starts over; so does it when the page did
+        // not move the cursor on (a row whose place cannot be told), so no row holds it.
+        let stalled = page.next.is_some() && page.next == after;
+        *lock(&self.cursor) = if stalled { None } else { page.next.clone() };
         for unreadable in &page.unreadable {
             observe::count(Event::Unreadable);
             tracing::error!(
@@ -211,8 +213,10 @@ impl<St: IdempotencyStore, R: Reconciler> Sweeper<St, R> {
 
     /// Asks about one record and settles it; whatever goes wrong costs this record alone.
     async fn reconcile(&self, record: &Record, report: &mut SweepReport) {
+        // The call itself inside the catch: a reconciler may do work (and panic) before its
+        // future exists.
         let asking = CatchUnwind {
-            inner: self.reconciler.reconcile(record),
+            inner: async { self.reconciler.reconcile(record).await },
         };
         let found = match tokio::time::timeout(self.record_timeout, asking).await {
             Ok(Ok(found)) => found,
@@ -233,7 +237,7 @@ impl<St: IdempotencyStore, R: Reconciler> Sweeper<St, R> {
         };
         match self
             .store
-            .resolve(&record.key, record.lease_token, &resolution, self.ttl)
+            .resolve(&record.key, record.lease_token, &resolution, self.ttl, None)
             .await
         {
             Ok(()) => count(&resolution, report),
@@ -295,13 +299,15 @@ fn count(resolution: &Resolution, report: &mut SweepReport) {
 }
 
 /// Settles one uncertain key by hand (an operator who checked downstream): `Applied` records the
-/// response retries will get, `NotApplied` lets the key run again. Refused with
-/// [`StoreError::Fenced`] if the key is not uncertain (a live holder, or already settled).
+/// response retries will get, `NotApplied` lets the key run again; `reason` is kept with the
+/// record ([`Record::resolution_note`]). Refused with [`StoreError::Fenced`] if the key is not
+/// uncertain (a live holder, or already settled).
 pub async fn resolve_by_hand<St: IdempotencyStore>(
     store: &St,
     key: &ScopedKey,
     resolution: Reconciliation,
     ttl: Duration,
+    reason: &str,
 ) -> Result<(), StoreError> {
     let record = store.lookup(key).await?.ok_or(StoreError::Fenced)?;
     let resolution = match resolution {
@@ -310,8 +316,9 @@ pub async fn resolve_by_hand<St: IdempotencyStore>(
         Reconciliation::Unknown => return Ok(()),
     };
     store
-        .resolve(key, record.lease_token, &resolution, ttl)
+        .resolve(key, record.lease_token, &resolution, ttl, Some(reason))
         .await?;
+    tracing::info!(?key, reason, "resolved by hand");
     count(&resolution, &mut SweepReport::default());
     Ok(())
 }

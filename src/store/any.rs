@@ -273,8 +273,9 @@ impl IdempotencyStore for AnyStore {
         token: FencingToken,
         resolution: &Resolution,
         ttl: Duration,
+        note: Option<&str>,
     ) -> Result<(), StoreError> {
-        each!(self, s => s.resolve(key, token, resolution, ttl).await)
+        each!(self, s => s.resolve(key, token, resolution, ttl, note).await)
     }
 
     async fn append_history(&self, key: &ScopedKey, event: HistoryEvent) -> Result<(), StoreError> {

@@ -305,7 +305,7 @@ pub async fn resolution_fences_out_the_old_holder<S: IdempotencyStore>(store: &S
             Resolution::NotApplied
         };
         store
-            .resolve(&key, record.lease_token, &resolution, LONG)
+            .resolve(&key, record.lease_token, &resolution, LONG, None)
             .await
             .expect("resolve");
         let mut late = response();
@@ -575,7 +575,7 @@ pub async fn uncertain_records_are_listed_and_resolved<S: IdempotencyStore>(stor
 
     assert_fenced(
         store
-            .resolve(&live, live_lease.token, &Resolution::NotApplied, LONG)
+            .resolve(&live, live_lease.token, &Resolution::NotApplied, LONG, None)
             .await,
         "resolve of a live holder's record",
     );
@@ -585,21 +585,27 @@ pub async fn uncertain_records_are_listed_and_resolved<S: IdempotencyStore>(stor
             lease.token,
             &Resolution::Applied(Box::new(response())),
             LONG,
+            Some("checked with the provider: charge ch_1 exists"),
         )
         .await
         .expect("resolve applied");
     let (record, _) = existing(store, &request(&marked, 1, LONG, LONG), "a resolved key").await;
     assert_eq!(record.status, RecordStatus::Completed);
     assert_eq!(record.response, Some(response()));
+    assert_eq!(
+        record.resolution_note.as_deref(),
+        Some("checked with the provider: charge ch_1 exists"),
+        "the note is kept with the resolution"
+    );
     assert_fenced(
         store
-            .resolve(&marked, lease.token, &Resolution::NotApplied, LONG)
+            .resolve(&marked, lease.token, &Resolution::NotApplied, LONG, None)
             .await,
         "a second resolve",
     );
 
     store
-        .resolve(&dead, dead_lease.token, &Resolution::NotApplied, LONG)
+        .resolve(&dead, dead_lease.token, &Resolution::NotApplied, LONG, None)
         .await
         .expect("resolve not applied");
     let again = acquire(
@@ -704,6 +710,22 @@ pub async fn uncertain_records_page_in_order<S: IdempotencyStore>(store: &S) {
             "pages of {page}: oldest change first, then by key, none twice"
         );
     }
+    // Newest first is the same listing, reversed, in pages of any size.
+    for page in [1, 3, 10_000] {
+        let mut query = UncertainQuery::first(page).newest_first();
+        let mut newest = Vec::new();
+        loop {
+            let listed = store.list_uncertain(&query).await.expect("list_uncertain");
+            newest.extend(listed.records);
+            match listed.next {
+                Some(next) => query = UncertainQuery::after(next, page).newest_first(),
+                None => break,
+            }
+        }
+        let mut reversed = ours(&whole);
+        reversed.reverse();
+        assert_eq!(ours(&newest), reversed, "newest first, pages of {page}");
+    }
     let count = store.count_uncertain().await.expect("count_uncertain");
     assert!(count.count >= keys.len() as u64, "the count includes these");
     let first_of_ours = whole
@@ -723,7 +745,7 @@ pub async fn uncertain_records_page_in_order<S: IdempotencyStore>(store: &S) {
             .expect("lookup")
             .expect("the record");
         store
-            .resolve(key, record.lease_token, &Resolution::NotApplied, LONG)
+            .resolve(key, record.lease_token, &Resolution::NotApplied, LONG, None)
             .await
             .expect("resolve");
     }

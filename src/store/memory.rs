@@ -155,6 +155,7 @@ struct Entry {
 struct Extra {
     downstream_id: Option<Box<str>>,
     history: Vec<Event>,
+    resolution_note: Option<Box<str>>,
 }
 
 /// One history entry, compactly.
@@ -205,6 +206,7 @@ impl Entry {
                 size_of::<Extra>()
                     + e.history.capacity() * size_of::<Event>()
                     + e.downstream_id.as_ref().map_or(0, |d| d.len())
+                    + e.resolution_note.as_ref().map_or(0, |n| n.len())
             })
     }
 
@@ -271,6 +273,11 @@ impl Entry {
             created_at: time(self.created_at),
             updated_at: time(self.updated_at),
             expires_at: time(self.expires_at),
+            resolution_note: self
+                .extra
+                .as_ref()
+                .and_then(|e| e.resolution_note.as_deref())
+                .map(str::to_owned),
             history: self
                 .history()
                 .map(|e| HistoryEntry {
@@ -622,27 +629,31 @@ struct ShardHead {
 }
 
 impl MemoryStore {
-    /// Up to `n` of shard `i`'s uncertain records past `after`, in the index's order.
+    /// Up to `n` of shard `i`'s uncertain records past `after`, in the index's order (or its
+    /// reverse, `desc`).
     fn uncertain_in(
         &self,
         i: usize,
         after: Option<&(u64, ScopedKey)>,
         n: usize,
         now: u64,
+        desc: bool,
     ) -> Vec<(u64, ScopedKey)> {
         let shard = lock(&self.inner.shards[i]);
-        let range = match after {
-            Some(after) => shard.watch.range((Excluded(after.clone()), Unbounded)),
-            None => shard.watch.range::<(u64, ScopedKey), _>(..),
+        let range = match (after, desc) {
+            (Some(after), false) => shard.watch.range((Excluded(after.clone()), Unbounded)),
+            (Some(after), true) => shard.watch.range((Unbounded, Excluded(after.clone()))),
+            (None, _) => shard.watch.range::<(u64, ScopedKey), _>(..),
         };
-        range
-            .filter(|(_, key)| {
-                let hash = self.inner.hasher.hash_one(key);
-                shard.find(hash, key).is_some_and(|r| uncertain(r, now))
-            })
-            .take(n)
-            .cloned()
-            .collect()
+        let is_uncertain = |(_, key): &&(u64, ScopedKey)| {
+            let hash = self.inner.hasher.hash_one(key);
+            shard.find(hash, key).is_some_and(|r| uncertain(r, now))
+        };
+        if desc {
+            range.rev().filter(is_uncertain).take(n).cloned().collect()
+        } else {
+            range.filter(is_uncertain).take(n).cloned().collect()
+        }
     }
 }
 
@@ -794,6 +805,9 @@ impl IdempotencyStore for MemoryStore {
         // for more only while its last entry read could still be in the page. About
         // `limit + shards` index entries are read, whatever the store holds.
         let step = limit.div_ceil(SHARDS) + 1;
+        let desc = query.newest_first;
+        // In the listing's order: ascending, or descending for newest first.
+        let before = |a: &(u64, ScopedKey), b: &(u64, ScopedKey)| if desc { a > b } else { a < b };
         let mut heads: Vec<ShardHead> = (0..SHARDS)
             .map(|shard| ShardHead {
                 shard,
@@ -807,14 +821,14 @@ impl IdempotencyStore for MemoryStore {
             let mut asked = false;
             for head in heads.iter_mut().filter(|h| !h.done) {
                 let behind = match (&head.after, &cutoff) {
-                    (Some(last), Some(cutoff)) => last < cutoff,
+                    (Some(last), Some(cutoff)) => before(last, cutoff),
                     _ => true,
                 };
                 if !behind {
                     continue;
                 }
                 asked = true;
-                let more = self.uncertain_in(head.shard, head.after.as_ref(), step, now);
+                let more = self.uncertain_in(head.shard, head.after.as_ref(), step, now, desc);
                 head.done = more.len() < step;
                 if let Some(last) = more.last() {
                     head.after = Some(last.clone());
@@ -822,6 +836,9 @@ impl IdempotencyStore for MemoryStore {
                 found.extend(more);
             }
             found.sort_unstable();
+            if desc {
+                found.reverse();
+            }
             found.truncate(limit);
             if !asked {
                 break;
@@ -843,10 +860,9 @@ impl IdempotencyStore for MemoryStore {
                 }),
             }
         }
-        let last = found.last().map(|(at, key)| UncertainCursor {
-            updated_at: time(*at),
-            key: key.clone(),
-        });
+        let last = found
+            .last()
+            .map(|(at, key)| UncertainCursor::new(time(*at), key.clone()));
         Ok(UncertainPage::new(records, unreadable, last, limit))
     }
 
@@ -873,21 +889,27 @@ impl IdempotencyStore for MemoryStore {
         token: FencingToken,
         resolution: &Resolution,
         ttl: Duration,
+        note: Option<&str>,
     ) -> Result<(), StoreError> {
         // A resolution is final: a new token fences out the holder it overrules.
         let fresh = self.token();
-        self.write_if(key, token, uncertain, |r, now| match resolution {
-            Resolution::Applied(response) => {
-                r.lease_token = fresh;
-                r.status = RecordStatus::Completed;
-                r.response = Some(response.to_bytes().into_boxed_slice());
-                r.expires_at = now + span(ttl);
-                log(r, now, HistoryEvent::ReconciledApplied);
+        self.write_if(key, token, uncertain, |r, now| {
+            if let Some(note) = note {
+                r.extra.get_or_insert_default().resolution_note = Some(note.into());
             }
-            Resolution::NotApplied => {
-                r.lease_token = fresh;
-                r.status = RecordStatus::Released;
-                log(r, now, HistoryEvent::ReconciledNotApplied);
+            match resolution {
+                Resolution::Applied(response) => {
+                    r.lease_token = fresh;
+                    r.status = RecordStatus::Completed;
+                    r.response = Some(response.to_bytes().into_boxed_slice());
+                    r.expires_at = now + span(ttl);
+                    log(r, now, HistoryEvent::ReconciledApplied);
+                }
+                Resolution::NotApplied => {
+                    r.lease_token = fresh;
+                    r.status = RecordStatus::Released;
+                    log(r, now, HistoryEvent::ReconciledNotApplied);
+                }
             }
         })
     }

@@ -142,6 +142,9 @@ pub struct Record {
     pub expires_at: SystemTime,
     /// What happened to the key, oldest first.
     pub history: Vec<HistoryEntry>,
+    /// Why the record was last resolved by hand, as its resolver wrote it (the operator
+    /// console asks for it), shown with the resolution's history entry.
+    pub resolution_note: Option<String>,
 }
 
 /// A durable fact a holder records about its execution before going on.
@@ -376,12 +379,16 @@ pub trait IdempotencyStore: Send + Sync + 'static {
     /// [`Resolution::NotApplied`] releases it; either way the record takes a new token, so the
     /// holder it overrules can no longer write. Anything else (a live holder, another token, a
     /// settled record) is refused with [`StoreError::Fenced`].
+    ///
+    /// `note` (why, for a resolution by hand) is kept with the record, in the same write, as its
+    /// [`Record::resolution_note`].
     fn resolve(
         &self,
         key: &ScopedKey,
         token: FencingToken,
         resolution: &Resolution,
         ttl: Duration,
+        note: Option<&str>,
     ) -> impl Future<Output = Result<(), StoreError>> + Send;
 
     /// Appends `event` to the history of the unexpired record for `key`, as its current
@@ -481,8 +488,9 @@ impl<S: IdempotencyStore> IdempotencyStore for Arc<S> {
         token: FencingToken,
         resolution: &Resolution,
         ttl: Duration,
+        note: Option<&str>,
     ) -> impl Future<Output = Result<(), StoreError>> + Send {
-        (**self).resolve(key, token, resolution, ttl)
+        (**self).resolve(key, token, resolution, ttl, note)
     }
 
     fn append_history(

@@ -62,6 +62,8 @@ struct Statements {
     downstream_id: Arc<str>,
     list_uncertain: Arc<str>,
     list_uncertain_after: Arc<str>,
+    list_uncertain_desc: Arc<str>,
+    list_uncertain_after_desc: Arc<str>,
     count_uncertain: Arc<str>,
     resolve: Arc<str>,
     append_history: Arc<str>,
@@ -87,6 +89,12 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 /// Session limits on the connections [`PostgresStore::connect`] opens: no statement of the
 /// store waits on a lock, or runs, without bound.
 const SESSION_LIMITS: [(&str, &str); 2] = [("lock_timeout", "5s"), ("statement_timeout", "30s")];
+/// A record's place in the uncertain listing, in microseconds: `infinity` written by hand is
+/// read as far (but representable) times, so a cursor past it still binds.
+const CURSOR_MICROS: &str = "(CASE WHEN isfinite(r.updated_at) \
+    THEN (extract(epoch from r.updated_at) * 1000000)::int8 \
+    WHEN r.updated_at > now() THEN 9000000000000000000 ELSE -200000000000000000 END)";
+
 /// Records only a reconciliation can settle once their holder is gone: awaiting it, or in
 /// progress with the effect started or on a route that reconciles expired leases. The partial
 /// index over them keeps listing and counting them from reading the table.
@@ -110,11 +118,18 @@ impl Statements {
     fn new(schema: &str, table: &str) -> Self {
         let t = format!("\"{schema}\".\"{table}\"");
         let cols = |a: &str| {
-            let ms = |c: &str| format!("(extract(epoch from {a}.{c}) * 1000)::int8");
+            // An operator may write `infinity` into a time: read as the far future (or past),
+            // never an error that fails every listing.
+            let ms = |c: &str| {
+                format!(
+                    "(CASE WHEN isfinite({a}.{c}) THEN (extract(epoch from {a}.{c}) * 1000)::int8 \
+                     WHEN {a}.{c} > now() THEN 9223372036854775807 ELSE 0 END)"
+                )
+            };
             format!(
                 "{a}.scope, {a}.key, {a}.fingerprint, {a}.status, {a}.lease_token, {}, \
                  {a}.attempts::int8, {a}.effect_started, {a}.downstream_id, {a}.response, {}, {}, {}, \
-                 {a}.history, (extract(epoch from now()) * 1000)::int8",
+                 {a}.history, {a}.resolution_note, (extract(epoch from now()) * 1000)::int8",
                 ms("lease_until"),
                 ms("created_at"),
                 ms("updated_at"),
@@ -188,6 +203,18 @@ impl Statements {
         // The holder may complete again what it completed in its own transaction.
         let completer = "scope = $1 AND key = $2 AND lease_token = $3 \
                          AND status IN ('in_progress', 'completed', 'needs_reconciliation')";
+        let list_first = format!(
+            "SELECT {}, {CURSOR_MICROS} FROM {t} r
+                 WHERE ({UNCERTAIN}) ORDER BY r.updated_at, r.scope, r.key LIMIT $1",
+            cols("r"),
+        );
+        let list_after = format!(
+                "SELECT {}, {CURSOR_MICROS} FROM {t} r
+                 WHERE ({UNCERTAIN})
+                   AND (r.updated_at, r.scope, r.key) > (timestamptz 'epoch' + $2 * interval '1 microsecond', $3, $4)
+                 ORDER BY r.updated_at, r.scope, r.key LIMIT $1",
+                cols("r"),
+            );
         Self {
             schema: schema.to_owned(),
             table: table.to_owned(),
@@ -240,27 +267,18 @@ impl Statements {
                 log("'downstream_id'")
             )
             .into(),
-            list_uncertain: format!(
-                "SELECT {}, (extract(epoch from r.updated_at) * 1000000)::int8 FROM {t} r
-                 WHERE ({UNCERTAIN}) ORDER BY r.updated_at, r.scope, r.key LIMIT $1",
-                cols("r"),
-            )
-            .into(),
-            list_uncertain_after: format!(
-                "SELECT {}, (extract(epoch from r.updated_at) * 1000000)::int8 FROM {t} r
-                 WHERE ({UNCERTAIN}) AND (r.updated_at, r.scope, r.key)
-                   > (timestamptz 'epoch' + $2 * interval '1 microsecond', $3, $4)
-                 ORDER BY r.updated_at, r.scope, r.key LIMIT $1",
-                cols("r"),
-            )
-            .into(),
+            list_uncertain: list_first.as_str().into(),
+            list_uncertain_after: list_after.as_str().into(),
+            list_uncertain_desc: sql::descending(&list_first).into(),
+            list_uncertain_after_desc: sql::descending(&list_after).into(),
             count_uncertain: format!(
-                "SELECT count(*), (extract(epoch from min(r.updated_at)) * 1000000)::int8
-                 FROM {t} r WHERE {UNCERTAIN}"
+                "SELECT count(*), {} FROM {t} r WHERE {UNCERTAIN}",
+                CURSOR_MICROS.replace("r.updated_at", "min(r.updated_at)")
             )
             .into(),
             resolve: format!(
                 "UPDATE {t} r SET status = $4, response = COALESCE($5, r.response), lease_token = $7,
+                   resolution_note = COALESCE($8, r.resolution_note),
                    expires_at = CASE WHEN $4 = 'completed'
                      THEN now() + make_interval(secs => $6::float8 / 1000) ELSE r.expires_at END,
                    updated_at = now(),
@@ -401,6 +419,7 @@ impl PostgresStore {
                    expires_at timestamptz NOT NULL,
                    history text NOT NULL DEFAULT '',
                    reconcile_on_expiry boolean NOT NULL DEFAULT false,
+                   resolution_note text,
                    PRIMARY KEY (scope, key)
                  )"
             ),
@@ -409,6 +428,7 @@ impl PostgresStore {
             format!(
                 "ALTER TABLE {t} ADD COLUMN IF NOT EXISTS reconcile_on_expiry boolean NOT NULL DEFAULT false"
             ),
+            format!("ALTER TABLE {t} ADD COLUMN IF NOT EXISTS resolution_note text"),
             // Purging deletes by expiry: an index keeps it from scanning the table.
             format!(
                 "CREATE INDEX IF NOT EXISTS \"{}\" ON {t} (expires_at)",
@@ -477,7 +497,7 @@ impl PostgresStore {
         sqlx::query_scalar(
             "SELECT (SELECT count(*) FROM information_schema.columns
                       WHERE table_schema = $1 AND table_name = $2
-                        AND column_name IN ('history', 'reconcile_on_expiry')) = 2
+                        AND column_name IN ('history', 'reconcile_on_expiry', 'resolution_note')) = 3
                 AND (SELECT count(*) FROM pg_indexes
                       WHERE schemaname = $1 AND tablename = $2 AND indexname IN ($3, $4, $5)) = 3",
         )
@@ -507,7 +527,7 @@ impl PostgresStore {
                 .await
                 .map_err(claim_failed)?;
             let Some(row) = row else { continue };
-            let written: bool = row.try_get(15).map_err(unavailable)?;
+            let written: bool = row.try_get(16).map_err(unavailable)?;
             let (raw, now) = raw(&row).map_err(unavailable)?;
             return Ok(sql::claim_outcome(raw.into_record()?, now, written, token));
         }

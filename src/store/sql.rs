@@ -117,6 +117,20 @@ impl std::fmt::Display for RowError {
 
 impl std::error::Error for RowError {}
 
+/// The listing `ascending` in the reverse order, newest first: its order reversed and, past a
+/// cursor, the records before it.
+pub(crate) fn descending(ascending: &str) -> String {
+    ascending
+        .replace(
+            "ORDER BY r.updated_at, r.scope, r.key",
+            "ORDER BY r.updated_at DESC, r.scope DESC, r.key DESC",
+        )
+        .replace(
+            "(r.updated_at, r.scope, r.key) > (",
+            "(r.updated_at, r.scope, r.key) < (",
+        )
+}
+
 /// `at` as a whole number of `tick`s since the Unix epoch, for a listing cursor.
 pub(crate) fn ticks(at: SystemTime, tick: Duration) -> i64 {
     let since = at.duration_since(UNIX_EPOCH).unwrap_or_default();
@@ -147,6 +161,7 @@ pub(crate) struct RawRecord {
     pub(crate) updated_at_ms: i64,
     pub(crate) expires_at_ms: i64,
     pub(crate) history: String,
+    pub(crate) resolution_note: Option<String>,
 }
 
 impl RawRecord {
@@ -201,6 +216,7 @@ impl RawRecord {
             updated_at: from_millis(self.updated_at_ms),
             expires_at: from_millis(self.expires_at_ms),
             history: HistoryEntry::parse_all(&self.history),
+            resolution_note: self.resolution_note,
         })
     }
 }
@@ -403,8 +419,9 @@ fn raw(row: &$row) -> Result<(RawRecord, SystemTime), sqlx::Error> {
         updated_at_ms: row.try_get(11)?,
         expires_at_ms: row.try_get(12)?,
         history: row.try_get(13)?,
+        resolution_note: row.try_get(14)?,
     };
-    Ok((record, sql::from_millis(row.try_get(14)?)))
+    Ok((record, sql::from_millis(row.try_get(15)?)))
 }
 
 impl IdempotencyStore for $store {
@@ -506,16 +523,20 @@ impl IdempotencyStore for $store {
 
     async fn list_uncertain(&self, query: &UncertainQuery) -> Result<UncertainPage, StoreError> {
         let limit = i64::try_from(query.limit).unwrap_or(i64::MAX);
+        let (first, after) = match query.newest_first {
+            false => (&self.sql.list_uncertain, &self.sql.list_uncertain_after),
+            true => (&self.sql.list_uncertain_desc, &self.sql.list_uncertain_after_desc),
+        };
         let rows = match &query.after {
-            None => sqlx::query(AssertSqlSafe(self.sql.list_uncertain.clone()))
+            None => sqlx::query(AssertSqlSafe(first.clone()))
                 .bind(limit)
                 .fetch_all(&self.pool)
                 .await,
-            Some(after) => sqlx::query(AssertSqlSafe(self.sql.list_uncertain_after.clone()))
+            Some(cursor) => sqlx::query(AssertSqlSafe(after.clone()))
                 .bind(limit)
-                .bind(sql::ticks(after.updated_at, Self::CURSOR_TICK))
-                .bind(after.key.scope().as_bytes())
-                .bind(after.key.key().as_bytes())
+                .bind(sql::ticks(cursor.updated_at, Self::CURSOR_TICK))
+                .bind(cursor.bytes().0)
+                .bind(cursor.bytes().1)
                 .fetch_all(&self.pool)
                 .await,
         }
@@ -526,16 +547,22 @@ impl IdempotencyStore for $store {
             // cannot be read is still stepped over, and reported.
             let scope: Vec<u8> = row.try_get(0).map_err(unavailable)?;
             let key: Vec<u8> = row.try_get(1).map_err(unavailable)?;
-            let at: i64 = row.try_get(15).map_err(unavailable)?;
-            let key = ScopedKey::new(String::from_utf8_lossy(&scope), String::from_utf8_lossy(&key));
+            let at: i64 = row.try_get(16).map_err(unavailable)?;
+            let place = UncertainCursor::stored(sql::from_ticks(at, Self::CURSOR_TICK), scope, key);
+            let key = place.key.clone();
             match raw(row).map_err(sql::RowError::column).and_then(|(raw, _)| raw.into_record()) {
                 Ok(record) => records.push(record),
                 Err(error) => {
                     tracing::error!(?key, %error, "an uncertain record cannot be read; skipped");
-                    unreadable.push(Unreadable { key: key.clone(), error: error.to_string() });
+                    // What is wrong with the row, without the store's "unavailable" framing.
+                    let error = match error {
+                        StoreError::Unavailable(inner) => inner.to_string(),
+                        other => other.to_string(),
+                    };
+                    unreadable.push(Unreadable { key, error });
                 }
             }
-            last = Some(UncertainCursor { updated_at: sql::from_ticks(at, Self::CURSOR_TICK), key });
+            last = Some(place);
         }
         Ok(UncertainPage::new(records, unreadable, last, query.limit))
     }
@@ -549,7 +576,9 @@ impl IdempotencyStore for $store {
         let oldest: Option<i64> = row.try_get(1).map_err(unavailable)?;
         Ok(UncertainCount {
             count: u64::try_from(count).unwrap_or_default(),
-            oldest: oldest.map(|at| sql::from_ticks(at, Self::CURSOR_TICK)),
+            oldest: oldest
+                .filter(|_| count > 0)
+                .map(|at| sql::from_ticks(at, Self::CURSOR_TICK)),
         })
     }
 
@@ -559,6 +588,7 @@ impl IdempotencyStore for $store {
         token: FencingToken,
         resolution: &Resolution,
         ttl: Duration,
+        note: Option<&str>,
     ) -> Result<(), StoreError> {
         let (status, response) = match resolution {
             Resolution::Applied(response) => (RecordStatus::Completed, Some(response.to_bytes())),
@@ -573,6 +603,7 @@ impl IdempotencyStore for $store {
             .bind(millis(ttl))
             // A resolution is final: a new token fences out the holder it overrules.
             .bind(sql::token(super::codec::fresh_token()))
+            .bind(note)
             .execute(&self.pool)
             .await
             .map_err(unavailable)?;

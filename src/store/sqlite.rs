@@ -68,6 +68,8 @@ struct Statements {
     downstream_id: Arc<str>,
     list_uncertain: Arc<str>,
     list_uncertain_after: Arc<str>,
+    list_uncertain_desc: Arc<str>,
+    list_uncertain_after_desc: Arc<str>,
     count_uncertain: Arc<str>,
     resolve: Arc<str>,
     append_history: Arc<str>,
@@ -78,6 +80,15 @@ const NOW: &str = "CAST(ROUND((julianday('now') - 2440587.5) * 86400000) AS INTE
 const COLUMNS: &str = "scope, key, fingerprint, status, lease_token, lease_until, attempts, \
                        effect_started, downstream_id, response, created_at, updated_at, expires_at, \
                        history";
+/// What every read returns: the written columns and the resolution's note.
+const READ: &str = "scope, key, fingerprint, status, lease_token, lease_until, attempts, \
+                    effect_started, downstream_id, response, created_at, updated_at, expires_at, \
+                    history, resolution_note";
+
+/// A record's place in the uncertain listing: its time, or, for a time that is not an integer
+/// (written by hand), the end of the listing, where SQLite sorts such values.
+const CURSOR_MILLIS: &str =
+    "(CASE WHEN typeof(r.updated_at) = 'integer' THEN r.updated_at ELSE 9223372036854775807 END)";
 
 /// Records only a reconciliation can settle once their holder is gone: awaiting it, or in
 /// progress with the effect started or on a route that reconciles expired leases.
@@ -127,7 +138,7 @@ impl Statements {
                               WHEN {takeover} THEN {claimed_again}
                               ELSE {lease_expired} END
              WHERE {expired} OR ({same} AND (r.status = 'released' OR ({lease_over})))
-             RETURNING {COLUMNS}, {NOW}",
+             RETURNING {READ}, {NOW}",
             claimed_first = entry("1", "?4", "'claimed'"),
             claimed_again = sql::appended(
                 "r.history",
@@ -158,6 +169,15 @@ impl Statements {
         let uncertain = format!(
             "({watched}) AND (r.status = 'needs_reconciliation' OR r.lease_until <= {NOW})"
         );
+        let list_first = format!(
+            "SELECT {READ}, {NOW}, {CURSOR_MILLIS} FROM {t} r WHERE {uncertain}
+                 ORDER BY r.updated_at, r.scope, r.key LIMIT ?1"
+        );
+        let list_after = format!(
+            "SELECT {READ}, {NOW}, {CURSOR_MILLIS} FROM {t} r WHERE {uncertain}
+                   AND (r.updated_at, r.scope, r.key) > (?2, ?3, ?4)
+                 ORDER BY r.updated_at, r.scope, r.key LIMIT ?1"
+        );
         Self {
             table: table.to_owned(),
             upsert: upsert.into(),
@@ -186,9 +206,9 @@ impl Statements {
                 log("CASE WHEN effect_started THEN 'needs_reconciliation' ELSE 'released' END")
             )
             .into(),
-            current: format!("SELECT {COLUMNS}, {NOW} FROM {t} WHERE scope = ?1 AND key = ?2").into(),
+            current: format!("SELECT {READ}, {NOW} FROM {t} WHERE scope = ?1 AND key = ?2").into(),
             lookup: format!(
-                "SELECT {COLUMNS}, {NOW} FROM {t} r WHERE scope = ?1 AND key = ?2 AND NOT {expired}"
+                "SELECT {READ}, {NOW} FROM {t} r WHERE scope = ?1 AND key = ?2 AND NOT {expired}"
             )
             .into(),
             remove: format!("DELETE FROM {t} WHERE scope = ?1 AND key = ?2").into(),
@@ -203,23 +223,17 @@ impl Statements {
                 log("'downstream_id'")
             )
             .into(),
-            list_uncertain: format!(
-                "SELECT {COLUMNS}, {NOW}, r.updated_at FROM {t} r WHERE {uncertain}
-                 ORDER BY r.updated_at, r.scope, r.key LIMIT ?1"
-            )
-            .into(),
-            list_uncertain_after: format!(
-                "SELECT {COLUMNS}, {NOW}, r.updated_at FROM {t} r WHERE {uncertain}
-                   AND (r.updated_at, r.scope, r.key) > (?2, ?3, ?4)
-                 ORDER BY r.updated_at, r.scope, r.key LIMIT ?1"
-            )
-            .into(),
+            list_uncertain: list_first.as_str().into(),
+            list_uncertain_after: list_after.as_str().into(),
+            list_uncertain_desc: sql::descending(&list_first).into(),
+            list_uncertain_after_desc: sql::descending(&list_after).into(),
             count_uncertain: format!(
-                "SELECT count(*), min(r.updated_at) FROM {t} r WHERE {uncertain}"
+                "SELECT count(*), min({CURSOR_MILLIS}) FROM {t} r WHERE {uncertain}"
             )
             .into(),
             resolve: format!(
                 "UPDATE {t} AS r SET status = ?4, response = COALESCE(?5, r.response), lease_token = ?7,
+                   resolution_note = COALESCE(?8, r.resolution_note),
                    expires_at = CASE WHEN ?4 = 'completed' THEN {NOW} + ?6 ELSE r.expires_at END,
                    updated_at = {NOW},
                    history = {}
@@ -318,7 +332,8 @@ impl SqliteStore {
 
     /// The DDL [`migrate`](Self::migrate) runs, one statement per entry, each idempotent. A
     /// table made by an earlier version also needs `ALTER TABLE … ADD COLUMN
-    /// reconcile_on_expiry INTEGER NOT NULL DEFAULT 0` before the indexes (`migrate` adds it).
+    /// reconcile_on_expiry INTEGER NOT NULL DEFAULT 0` and `… ADD COLUMN resolution_note TEXT`
+    /// before the indexes (`migrate` adds them).
     pub fn migration_sql(&self) -> Vec<String> {
         let table = &self.sql.table;
         vec![
@@ -340,6 +355,7 @@ impl SqliteStore {
                    expires_at INTEGER NOT NULL,
                    history TEXT NOT NULL DEFAULT '',
                    reconcile_on_expiry INTEGER NOT NULL DEFAULT 0,
+                   resolution_note TEXT,
                    PRIMARY KEY (scope, key)
                  ) WITHOUT ROWID"
             ),
@@ -365,7 +381,8 @@ impl SqliteStore {
         let present: i64 = sqlx::query_scalar(
             "SELECT (SELECT count(*) FROM sqlite_master WHERE (type = 'table' AND name = ?1)
                        OR (type = 'index' AND name IN (?2, ?3)))
-                  + (SELECT count(*) FROM pragma_table_info(?1) WHERE name = 'reconcile_on_expiry')",
+                  + (SELECT count(*) FROM pragma_table_info(?1)
+                      WHERE name IN ('reconcile_on_expiry', 'resolution_note'))",
         )
         .bind(table)
         .bind(sql::derived_name(table, "_expires_at"))
@@ -373,7 +390,7 @@ impl SqliteStore {
         .fetch_one(&self.pool)
         .await
         .map_err(super::CheckError::Unreachable)?;
-        if present == 4 {
+        if present == 5 {
             Ok(())
         } else {
             Err(super::CheckError::NotMigrated {
@@ -384,27 +401,34 @@ impl SqliteStore {
 
     /// Creates the table and index if missing.
     pub async fn migrate(&self) -> Result<(), sqlx::Error> {
-        let mut tx = self.pool.begin().await?;
+        // The write lock from the start: processes migrating one file at once take turns
+        // (under the busy timeout) instead of failing on a read that then wants to write.
+        let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await?;
         let mut statements = self.migration_sql().into_iter();
         if let Some(create_table) = statements.next() {
             sqlx::query(AssertSqlSafe(create_table))
                 .execute(&mut *tx)
                 .await?;
         }
-        // A table made before the column existed gets it (SQLite has no `ADD COLUMN IF NOT
-        // EXISTS`) before an index names it.
-        let has_column: i64 = sqlx::query_scalar(
-            "SELECT count(*) FROM pragma_table_info(?1) WHERE name = 'reconcile_on_expiry'",
-        )
-        .bind(&self.sql.table)
-        .fetch_one(&mut *tx)
-        .await?;
-        if has_column == 0 {
-            let add = format!(
-                "ALTER TABLE \"{}\" ADD COLUMN reconcile_on_expiry INTEGER NOT NULL DEFAULT 0",
-                self.sql.table
-            );
-            sqlx::query(AssertSqlSafe(add)).execute(&mut *tx).await?;
+        // A table made before these columns existed gets them (SQLite has no `ADD COLUMN IF
+        // NOT EXISTS`) before an index names one.
+        for (column, definition) in [
+            ("reconcile_on_expiry", "INTEGER NOT NULL DEFAULT 0"),
+            ("resolution_note", "TEXT"),
+        ] {
+            let has_column: i64 =
+                sqlx::query_scalar("SELECT count(*) FROM pragma_table_info(?1) WHERE name = ?2")
+                    .bind(&self.sql.table)
+                    .bind(column)
+                    .fetch_one(&mut *tx)
+                    .await?;
+            if has_column == 0 {
+                let add = format!(
+                    "ALTER TABLE \"{}\" ADD COLUMN {column} {definition}",
+                    self.sql.table
+                );
+                sqlx::query(AssertSqlSafe(add)).execute(&mut *tx).await?;
+            }
         }
         for statement in statements {
             sqlx::query(AssertSqlSafe(statement))

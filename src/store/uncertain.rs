@@ -5,7 +5,8 @@ use std::time::SystemTime;
 use super::{Record, ScopedKey};
 
 /// Where a listing of uncertain records ([`IdempotencyStore::list_uncertain`]) starts: just
-/// past `after`, in the listing's order (oldest change first, then by key), at most `limit`.
+/// past `after`, in the listing's order (oldest change first, then by key; or the reverse with
+/// `newest_first`), at most `limit`.
 ///
 /// [`IdempotencyStore::list_uncertain`]: super::IdempotencyStore::list_uncertain
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -14,12 +15,19 @@ pub struct UncertainQuery {
     pub after: Option<UncertainCursor>,
     /// The most records (readable or not) in the page.
     pub limit: usize,
+    /// Newest change first (then by key, descending), for review; the sweeper goes oldest
+    /// first.
+    pub newest_first: bool,
 }
 
 impl UncertainQuery {
     /// The first page of at most `limit` records.
     pub fn first(limit: usize) -> Self {
-        Self { after: None, limit }
+        Self {
+            after: None,
+            limit,
+            newest_first: false,
+        }
     }
 
     /// The page after `cursor` (a previous page's [`next`](UncertainPage::next)).
@@ -27,7 +35,14 @@ impl UncertainQuery {
         Self {
             after: Some(cursor),
             limit,
+            newest_first: false,
         }
+    }
+
+    /// The same page, in the reverse order: newest change first.
+    pub fn newest_first(mut self) -> Self {
+        self.newest_first = true;
+        self
     }
 }
 
@@ -38,6 +53,39 @@ pub struct UncertainCursor {
     pub updated_at: SystemTime,
     /// The record's key.
     pub key: ScopedKey,
+    /// The key's bytes as stored, where they are not UTF-8 (a damaged row): `key` shows them
+    /// with U+FFFD, so only these place the cursor exactly.
+    pub(crate) raw: Option<std::sync::Arc<(Vec<u8>, Vec<u8>)>>,
+}
+
+impl UncertainCursor {
+    /// A cursor just past the record of `key` last changed at `updated_at`.
+    pub fn new(updated_at: SystemTime, key: ScopedKey) -> Self {
+        Self {
+            updated_at,
+            key,
+            raw: None,
+        }
+    }
+
+    /// A cursor at a stored row whose scope and key are these bytes.
+    pub(crate) fn stored(updated_at: SystemTime, scope: Vec<u8>, key: Vec<u8>) -> Self {
+        let text = |bytes: &[u8]| String::from_utf8_lossy(bytes).into_owned();
+        let utf8 = std::str::from_utf8(&scope).is_ok() && std::str::from_utf8(&key).is_ok();
+        Self {
+            updated_at,
+            key: ScopedKey::new(text(&scope), text(&key)),
+            raw: (!utf8).then(|| std::sync::Arc::new((scope, key))),
+        }
+    }
+
+    /// The scope's and key's bytes as stored.
+    pub(crate) fn bytes(&self) -> (&[u8], &[u8]) {
+        match &self.raw {
+            Some(raw) => (&raw.0, &raw.1),
+            None => (self.key.scope().as_bytes(), self.key.key().as_bytes()),
+        }
+    }
 }
 
 /// One page of records awaiting reconciliation.

@@ -455,6 +455,7 @@ async fn resolution_is_final<St: IdempotencyStore>(store: St) {
         &scoped,
         Reconciliation::Applied(Box::new(resolved)),
         Duration::from_secs(60),
+        "checked downstream",
     )
     .await
     .expect("resolve");
@@ -796,7 +797,11 @@ async fn s15_8_a_63_byte_table_name_gets_its_indexes() {
             .fetch_all(&pool)
             .await
             .expect("indexes");
-    assert_eq!(indexes.len(), 4, "primary key and three indexes: {indexes:?}");
+    assert_eq!(
+        indexes.len(),
+        4,
+        "primary key and three indexes: {indexes:?}"
+    );
     assert!(
         indexes
             .iter()

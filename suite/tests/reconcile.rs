@@ -459,6 +459,7 @@ async fn s4_holder_killed_after_effect_started_needs_reconciliation_never_a_reru
         &record.key,
         Reconciliation::Applied(Box::new(response)),
         Duration::from_secs(60),
+        "checked downstream",
     )
     .await
     .expect("resolve");

@@ -538,3 +538,153 @@ async fn s18_5_the_sql_listing_reads_its_index() {
     );
     assert!(!plan.contains("Sort"), "in the index's order:\n{plan}");
 }
+
+/// A reconciler that panics in the call itself, before its future exists (review finding):
+/// caught like any other panic, one record's cost.
+struct PanicsBeforeItsFuture;
+
+impl Reconciler for PanicsBeforeItsFuture {
+    #[allow(clippy::manual_async_fn)]
+    fn reconcile(
+        &self,
+        record: &Record,
+    ) -> impl std::future::Future<Output = Reconciliation> + Send {
+        assert!(
+            !record.key.key().starts_with("sync-panic"),
+            "a reconciler bug before any await"
+        );
+        async { Reconciliation::Applied(Box::new(response("settled"))) }
+    }
+}
+
+#[tokio::test]
+async fn s18_1_a_reconciler_panicking_before_its_future_costs_one_record() {
+    let store = MemoryStore::new();
+    let bad = uncertain(&store, "sync-panic").await;
+    let good = uncertain(&store, "fine-too").await;
+    let report = Sweeper::new(store.clone(), PanicsBeforeItsFuture)
+        .run_once()
+        .await
+        .expect("the pass goes on");
+    assert_eq!((report.failed, report.applied), (1, 1), "{report:?}");
+    assert_eq!(status(&store, &good).await, Some(RecordStatus::Completed));
+    assert_eq!(
+        status(&store, &bad).await,
+        Some(RecordStatus::NeedsReconciliation)
+    );
+}
+
+/// Review findings on the SQL stores: a time written as `infinity`, and a key that is not
+/// UTF-8, neither fail the listing nor hold its cursor: a batch of one still reaches every
+/// record in a few passes.
+async fn damaged_rows_do_not_hold_the_cursor<St, F, Fut>(store: St, run: F, damage: Vec<String>)
+where
+    St: IdempotencyStore + Clone,
+    F: Fn(String) -> Fut,
+    Fut: std::future::Future<Output = ()>,
+{
+    uncertain(&store, "kx").await;
+    uncertain(&store, "forever").await;
+    let last = uncertain(&store, "z").await;
+    for sql in damage {
+        run(sql).await;
+    }
+    let sweeper = Sweeper::new(store.clone(), ByName::default()).batch(1);
+    for _ in 0..6 {
+        sweeper.run_once().await.expect("every pass works");
+    }
+    assert_eq!(
+        status(&store, &last).await,
+        Some(RecordStatus::Completed),
+        "the record after the damaged ones is reached"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s18_3_damaged_rows_do_not_hold_the_cursor_on_postgres() {
+    let Some(store) = fresh_postgres("sweep_damaged").await else {
+        return;
+    };
+    let pool = store.pool().clone();
+    damaged_rows_do_not_hold_the_cursor(
+        store,
+        move |sql| {
+            let pool = pool.clone();
+            async move {
+                sqlx::query(sqlx::AssertSqlSafe(sql))
+                    .execute(&pool)
+                    .await
+                    .expect("damage");
+            }
+        },
+        vec![
+            "UPDATE sweep_damaged SET key = '\\x6bff'::bytea WHERE key = 'kx'::bytea".to_owned(),
+            "UPDATE sweep_damaged SET expires_at = 'infinity', updated_at = '-infinity' \
+             WHERE key = 'forever'::bytea"
+                .to_owned(),
+        ],
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s18_3_damaged_rows_do_not_hold_the_cursor_on_sqlite() {
+    let (store, _path) = common::sqlite("sweep_damaged").await;
+    let pool = store.pool().clone();
+    damaged_rows_do_not_hold_the_cursor(
+        store,
+        move |sql| {
+            let pool = pool.clone();
+            async move {
+                sqlx::query(sqlx::AssertSqlSafe(sql))
+                    .execute(&pool)
+                    .await
+                    .expect("damage");
+            }
+        },
+        vec![
+            "UPDATE idempotency_records SET key = x'6bff' WHERE key = CAST('kx' AS BLOB)"
+                .to_owned(),
+            "UPDATE idempotency_records SET updated_at = 'yesterday' \
+             WHERE key = CAST('forever' AS BLOB)"
+                .to_owned(),
+        ],
+    )
+    .await;
+}
+
+/// Review finding: processes migrating one SQLite file made by the previous release at once
+/// take turns; none fails on a locked database.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s18_sqlite_migrations_of_an_old_table_at_once_all_succeed() {
+    use tower_idempotency::store::SqliteStore;
+    let path = common::sqlite_path("old-schema");
+    let url = format!("sqlite://{}", path.display());
+    let first = SqliteStore::connect(&url).await.expect("open");
+    // The table as the previous release made it: no reconcile_on_expiry, no resolution_note.
+    sqlx::query(
+        "CREATE TABLE idempotency_records (
+           scope BLOB NOT NULL, key BLOB NOT NULL, fingerprint BLOB NOT NULL,
+           status TEXT NOT NULL, lease_token INTEGER NOT NULL, lease_until INTEGER NOT NULL,
+           attempts INTEGER NOT NULL, effect_started INTEGER NOT NULL DEFAULT 0,
+           downstream_id TEXT, response BLOB, created_at INTEGER NOT NULL,
+           updated_at INTEGER NOT NULL, expires_at INTEGER NOT NULL,
+           history TEXT NOT NULL DEFAULT '', PRIMARY KEY (scope, key)) WITHOUT ROWID",
+    )
+    .execute(first.pool())
+    .await
+    .expect("old table");
+    let mut stores = vec![first];
+    for _ in 0..2 {
+        stores.push(SqliteStore::connect(&url).await.expect("open"));
+    }
+    let (a, b, c) = tokio::join!(
+        stores[0].migrate(),
+        stores[1].migrate(),
+        stores[2].migrate()
+    );
+    for (i, migrated) in [a, b, c].into_iter().enumerate() {
+        migrated.unwrap_or_else(|e| panic!("migration {i}: {e}"));
+    }
+    stores[0].check().await.expect("migrated");
+}

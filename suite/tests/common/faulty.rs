@@ -236,9 +236,10 @@ impl<S: IdempotencyStore> IdempotencyStore for Faulty<S> {
         token: FencingToken,
         resolution: &Resolution,
         ttl: Duration,
+        note: Option<&str>,
     ) -> Result<(), StoreError> {
         self.read("resolve")?;
-        self.inner.resolve(key, token, resolution, ttl).await
+        self.inner.resolve(key, token, resolution, ttl, note).await
     }
 
     async fn append_history(&self, key: &ScopedKey, event: HistoryEvent) -> Result<(), StoreError> {

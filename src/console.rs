@@ -1,0 +1,942 @@
+//! The operator console: one place to review an operation key and settle what awaits
+//! reconciliation, as an axum [`Router`] (feature `console`).
+//!
+//! **It must sit behind your application's own authentication and authorisation.** It shows
+//! stored responses (which may hold personal data) and settles outcomes by hand; it has no
+//! login of its own. Mount it under a path your auth layer guards:
+//!
+//! ```no_run
+//! use axum::Router;
+//! use axum::extract::Request;
+//! use axum::http::StatusCode;
+//! use axum::middleware::{self, Next};
+//! use axum::response::Response;
+//! use tower_idempotency::MemoryStore;
+//! use tower_idempotency::console::Console;
+//!
+//! /// Your auth: only operators get through.
+//! async fn operators_only(req: Request, next: Next) -> Result<Response, StatusCode> {
+//!     let is_operator = false; // check the session, the token, the role…
+//!     if is_operator { Ok(next.run(req).await) } else { Err(StatusCode::UNAUTHORIZED) }
+//! }
+//!
+//! let store = MemoryStore::new();
+//! let console = Console::new(store.clone())
+//!     .router()
+//!     .layer(middleware::from_fn(operators_only));
+//! let app: Router = Router::new().nest("/ops/idempotency", console);
+//! ```
+//!
+//! `suite/examples/operator_console.rs` runs one (`cargo run -p suite --example
+//! operator_console -- --demo`).
+//!
+//! | method and path | what |
+//! |---|---|
+//! | `GET /` | HTML: records awaiting reconciliation (oldest or newest first, paged), a key search |
+//! | `GET /record?scope=…&key=…` | HTML: one record, its full history, its stored response and headers as stored, and the forms below |
+//! | `POST /resolve` | form: settle by hand (`outcome` `applied` with `status`, `content_type`, `body`, or `not_applied`) with a required `reason` |
+//! | `POST /remove`, `POST /purge` | form: delete one record; delete every expired one |
+//! | `GET /api/uncertain?order=oldest\|newest&after=…&limit=…` | JSON: a page, the `next` cursor, the count and the oldest |
+//! | `GET /api/record?scope=…&key=…` | JSON: one record |
+//! | `POST /api/resolve`, `/api/remove`, `/api/purge` | JSON bodies of the same fields |
+//!
+//! Every write is refused (403) unless the browser says it comes from the console's own
+//! origin (`Sec-Fetch-Site: same-origin`, or an `Origin` equal to the request's host); the JSON
+//! API also requires `Content-Type: application/json`, which a cross-site form cannot send.
+//! Every stored byte shown in HTML is escaped. The reason of a resolution by hand is kept with
+//! the record ([`Record::resolution_note`]) and logged.
+
+use std::fmt::Write as _;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use axum::Router;
+use axum::body::{Body, Bytes};
+use axum::extract::{OriginalUri, Request, State};
+use axum::routing::{get, post};
+use http::{HeaderMap, HeaderValue, Method, Response, StatusCode, header};
+use serde_json::{Value, json};
+
+use crate::key::hex;
+use crate::reconcile::{Reconciliation, downstream_key, resolve_by_hand};
+use crate::store::{
+    IdempotencyStore, Record, ScopedKey, StoreError, StoredResponse, UncertainCursor,
+    UncertainQuery,
+};
+
+/// The console over one store (see the [module docs](self)).
+#[derive(Debug)]
+pub struct Console<St> {
+    store: Arc<St>,
+    ttl: Duration,
+}
+
+impl<St> Clone for Console<St> {
+    fn clone(&self) -> Self {
+        Self {
+            store: self.store.clone(),
+            ttl: self.ttl,
+        }
+    }
+}
+
+impl<St: IdempotencyStore> Console<St> {
+    /// A console over `store`; a response resolved as applied is replayed for 24 h.
+    pub fn new(store: St) -> Self {
+        Self::from_arc(Arc::new(store))
+    }
+
+    /// A console sharing an existing `Arc` of a store.
+    pub fn from_arc(store: Arc<St>) -> Self {
+        Self {
+            store,
+            ttl: Duration::from_secs(24 * 60 * 60),
+        }
+    }
+
+    /// How long a response resolved as applied is replayed.
+    pub fn ttl(mut self, ttl: Duration) -> Self {
+        self.ttl = ttl;
+        self
+    }
+
+    /// The console's routes, to `nest` under a path your auth layer guards.
+    pub fn router(self) -> Router {
+        Router::new()
+            .route("/", get(page_list::<St>))
+            .route("/record", get(page_record::<St>))
+            .route("/resolve", post(form_resolve::<St>))
+            .route("/remove", post(form_remove::<St>))
+            .route("/purge", post(form_purge::<St>))
+            .route("/api/uncertain", get(api_uncertain::<St>))
+            .route("/api/record", get(api_record::<St>))
+            .route("/api/resolve", post(api_resolve::<St>))
+            .route("/api/remove", post(api_remove::<St>))
+            .route("/api/purge", post(api_purge::<St>))
+            .with_state(self)
+    }
+}
+
+/// The most records a page lists.
+const MAX_PAGE: usize = 500;
+
+/// Where the console is mounted: the path the client sent, less what the console's own router
+/// saw (axum strips a `nest` prefix).
+fn base(original: &OriginalUri, req: &Request) -> String {
+    let sent = original.0.path();
+    let inner = req.uri().path();
+    // `nest` hands its own path to the inner `/` route, with or without a trailing slash.
+    let prefix = match inner {
+        "/" => sent,
+        inner => sent.strip_suffix(inner).unwrap_or(""),
+    };
+    prefix.trim_end_matches('/').to_owned()
+}
+
+fn query_pairs(req: &Request) -> Vec<(String, String)> {
+    req.uri()
+        .query()
+        .map(|q| form_urlencoded::parse(q.as_bytes()).into_owned().collect())
+        .unwrap_or_default()
+}
+
+fn param<'a>(pairs: &'a [(String, String)], name: &str) -> Option<&'a str> {
+    pairs
+        .iter()
+        .find(|(n, _)| n == name)
+        .map(|(_, v)| v.as_str())
+}
+
+/// A listing cursor as text: the time in microseconds since the epoch, the scope and the key,
+/// percent-encoded, joined by `~`.
+fn cursor_text(cursor: &UncertainCursor) -> String {
+    let micros = cursor
+        .updated_at
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .map_or(0, |d| d.as_micros());
+    let (scope, key) = cursor.bytes();
+    let enc = |bytes: &[u8]| form_urlencoded::byte_serialize(bytes).collect::<String>();
+    format!("{micros}~{}~{}", enc(scope), enc(key))
+}
+
+fn parse_cursor(text: &str) -> Option<UncertainCursor> {
+    let mut parts = text.splitn(3, '~');
+    let micros: u64 = parts.next()?.parse().ok()?;
+    let dec = |s: &str| -> Vec<u8> {
+        percent_encoding::percent_decode_str(&s.replace('+', " ")).collect()
+    };
+    let scope = dec(parts.next()?);
+    let key = dec(parts.next()?);
+    Some(UncertainCursor::stored(
+        SystemTime::UNIX_EPOCH + Duration::from_micros(micros),
+        scope,
+        key,
+    ))
+}
+
+fn millis(t: SystemTime) -> u64 {
+    t.duration_since(SystemTime::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+/// One page of the listing, oldest first or newest first.
+struct Listing {
+    records: Vec<Record>,
+    unreadable: Vec<(ScopedKey, String)>,
+    next: Option<UncertainCursor>,
+    count: u64,
+    oldest: Option<SystemTime>,
+}
+
+async fn listing<St: IdempotencyStore>(
+    console: &Console<St>,
+    pairs: &[(String, String)],
+) -> Result<Listing, StoreError> {
+    let limit = param(pairs, "limit")
+        .and_then(|l| l.parse().ok())
+        .unwrap_or(50)
+        .clamp(1, MAX_PAGE);
+    let after = param(pairs, "after").and_then(parse_cursor);
+    let query = UncertainQuery {
+        after,
+        limit,
+        newest_first: param(pairs, "order") == Some("newest"),
+    };
+    let page = console.store.list_uncertain(&query).await?;
+    let count = console.store.count_uncertain().await?;
+    Ok(Listing {
+        records: page.records,
+        unreadable: page
+            .unreadable
+            .into_iter()
+            .map(|u| (u.key, u.error))
+            .collect(),
+        next: page.next,
+        count: count.count,
+        oldest: count.oldest,
+    })
+}
+
+fn record_json(record: &Record, now: SystemTime) -> Value {
+    let response = record.response.as_ref().map(response_json);
+    let history: Vec<Value> = record
+        .history
+        .iter()
+        .map(|h| {
+            json!({
+                "attempt": h.attempt,
+                "attempt_id": hex(&h.token.get().to_be_bytes()),
+                "at_ms": millis(h.at),
+                "event": h.event.as_str(),
+            })
+        })
+        .collect();
+    json!({
+        "scope": record.key.scope(),
+        "key": record.key.key(),
+        "status": record.status.as_str(),
+        "attempts": record.attempts,
+        "effect_started": record.effect_started,
+        "downstream_id": record.downstream_id,
+        "downstream_key": downstream_key(&record.key),
+        "fingerprint": hex(record.fingerprint.as_bytes()),
+        "created_at_ms": millis(record.created_at),
+        "updated_at_ms": millis(record.updated_at),
+        "expires_at_ms": millis(record.expires_at),
+        "lease_until_ms": millis(record.lease_until),
+        "age_seconds": now.duration_since(record.updated_at).map_or(0, |d| d.as_secs()),
+        "last_event": record.history.last().map(|h| h.event.as_str()),
+        "resolution_note": record.resolution_note,
+        "history": history,
+        "response": response,
+    })
+}
+
+fn header_pairs(headers: &HeaderMap) -> Vec<Value> {
+    headers
+        .iter()
+        .map(|(name, value)| json!([name.as_str(), String::from_utf8_lossy(value.as_bytes())]))
+        .collect()
+}
+
+fn response_json(response: &StoredResponse) -> Value {
+    let body = response.body.as_ref();
+    json!({
+        "status": response.status.as_u16(),
+        "headers": header_pairs(&response.headers),
+        "trailers": response.trailers.as_ref().map(header_pairs),
+        "body_utf8": body.and_then(|b| std::str::from_utf8(b).ok()),
+        "body_bytes": body.map(|b| b.len()),
+    })
+}
+
+// ---------------------------------------------------------------------------------------------
+// Responses.
+
+fn json_response(status: StatusCode, value: &Value) -> Response<Body> {
+    let mut res = Response::new(Body::from(value.to_string()));
+    *res.status_mut() = status;
+    res.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    res
+}
+
+fn problem(status: StatusCode, detail: &str) -> Response<Body> {
+    let mut res = json_response(
+        status,
+        &json!({
+            "type": format!("urn:tower-idempotency:console:{}", status.as_u16()),
+            "title": status.canonical_reason(),
+            "status": status.as_u16(),
+            "detail": detail,
+        }),
+    );
+    res.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/problem+json"),
+    );
+    res
+}
+
+fn store_failed(error: &StoreError) -> Response<Body> {
+    tracing::error!(%error, "operator console: the store failed");
+    problem(
+        StatusCode::SERVICE_UNAVAILABLE,
+        &format!("the store failed: {error}"),
+    )
+}
+
+fn html(status: StatusCode, title: &str, body: &str) -> Response<Body> {
+    let page = format!(
+        "<!doctype html><html lang=\"en\"><head><meta charset=\"utf-8\">\
+         <meta name=\"referrer\" content=\"same-origin\">\
+         <title>{} · idempotency console</title><style>{STYLE}</style></head><body>{body}</body></html>",
+        esc(title)
+    );
+    let mut res = Response::new(Body::from(page));
+    *res.status_mut() = status;
+    let headers = res.headers_mut();
+    headers.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("text/html; charset=utf-8"),
+    );
+    // No scripts at all, no framing by other sites, nothing cached of stored data.
+    headers.insert(
+        header::CONTENT_SECURITY_POLICY,
+        HeaderValue::from_static(
+            "default-src 'none'; style-src 'unsafe-inline'; form-action 'self'; frame-ancestors 'none'",
+        ),
+    );
+    headers.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
+    headers.insert(
+        header::X_CONTENT_TYPE_OPTIONS,
+        HeaderValue::from_static("nosniff"),
+    );
+    res
+}
+
+fn see_other(location: &str) -> Response<Body> {
+    let mut res = Response::new(Body::empty());
+    *res.status_mut() = StatusCode::SEE_OTHER;
+    if let Ok(value) = HeaderValue::from_str(location) {
+        res.headers_mut().insert(header::LOCATION, value);
+    }
+    res
+}
+
+const STYLE: &str = "body{font:14px/1.4 system-ui,sans-serif;margin:2em;max-width:70em}\
+table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:.3em .5em;text-align:left;\
+vertical-align:top}pre{background:#f6f6f6;padding:.5em;white-space:pre-wrap;word-break:break-all}\
+form{margin:1em 0;padding:.5em;border:1px solid #ddd}label{display:block;margin:.3em 0}\
+.warn{color:#a00}";
+
+/// HTML-escapes `text`: every stored byte shown goes through here.
+fn esc(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    for c in text.chars() {
+        match c {
+            '&' => out.push_str("&amp;"),
+            '<' => out.push_str("&lt;"),
+            '>' => out.push_str("&gt;"),
+            '"' => out.push_str("&quot;"),
+            '\'' => out.push_str("&#39;"),
+            c => out.push(c),
+        }
+    }
+    out
+}
+
+/// The list page's address under `base` (the mount point itself: axum's `nest` answers it
+/// without a trailing slash).
+fn list_url(base: &str) -> String {
+    if base.is_empty() {
+        "/".to_owned()
+    } else {
+        base.to_owned()
+    }
+}
+
+fn enc(text: &str) -> String {
+    form_urlencoded::byte_serialize(text.as_bytes()).collect()
+}
+
+fn record_link(base: &str, key: &ScopedKey) -> String {
+    format!(
+        "{base}/record?scope={}&key={}",
+        enc(key.scope()),
+        enc(key.key())
+    )
+}
+
+// ---------------------------------------------------------------------------------------------
+// Cross-site request forgery: writes come from the console's own pages, or not at all.
+
+fn same_origin(headers: &HeaderMap) -> bool {
+    if let Some(site) = headers.get("sec-fetch-site") {
+        return site == "same-origin";
+    }
+    let (Some(origin), Some(host)) = (headers.get(header::ORIGIN), headers.get(header::HOST))
+    else {
+        return false;
+    };
+    let (Ok(origin), Ok(host)) = (origin.to_str(), host.to_str()) else {
+        return false;
+    };
+    origin
+        .split_once("://")
+        .is_some_and(|(_, authority)| authority.eq_ignore_ascii_case(host))
+}
+
+fn forbidden() -> Response<Body> {
+    problem(
+        StatusCode::FORBIDDEN,
+        "this write does not come from the console's own origin (Sec-Fetch-Site or Origin): \
+         refused as a possible cross-site request",
+    )
+}
+
+async fn read_body(req: Request) -> Result<(HeaderMap, Bytes), Response<Body>> {
+    let (parts, body) = req.into_parts();
+    match axum::body::to_bytes(body, 1 << 20).await {
+        Ok(bytes) => Ok((parts.headers, bytes)),
+        Err(_) => Err(problem(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "the request body is over 1 MiB",
+        )),
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Writes, shared by the forms and the JSON API.
+
+/// A resolution by hand, as an operator asked for it.
+struct Settle {
+    key: ScopedKey,
+    applied: bool,
+    reason: String,
+    status: StatusCode,
+    content_type: Option<String>,
+    body: String,
+}
+
+impl Settle {
+    fn from_fields(get: impl Fn(&str) -> Option<String>) -> Result<Self, String> {
+        let scope = get("scope").ok_or("scope is required")?;
+        let key = get("key")
+            .filter(|k| !k.is_empty())
+            .ok_or("key is required")?;
+        let applied = match get("outcome").as_deref() {
+            Some("applied") => true,
+            Some("not_applied") => false,
+            _ => return Err("outcome must be applied or not_applied".into()),
+        };
+        let reason = get("reason")
+            .map(|r| r.trim().to_owned())
+            .filter(|r| !r.is_empty())
+            .ok_or("a reason is required: it is kept with the record for review")?;
+        let status = match get("status").filter(|s| !s.is_empty()) {
+            Some(status) => status
+                .parse::<u16>()
+                .ok()
+                .and_then(|s| StatusCode::from_u16(s).ok())
+                .ok_or("status must be an HTTP status code")?,
+            None => StatusCode::OK,
+        };
+        Ok(Self {
+            key: ScopedKey::new(scope, key),
+            applied,
+            reason,
+            status,
+            content_type: get("content_type").filter(|c| !c.is_empty()),
+            body: get("body").unwrap_or_default(),
+        })
+    }
+
+    async fn apply<St: IdempotencyStore>(self, console: &Console<St>) -> Result<(), String> {
+        let resolution = if self.applied {
+            let mut headers = HeaderMap::new();
+            if let Some(content_type) = &self.content_type {
+                let value = HeaderValue::from_str(content_type)
+                    .map_err(|_| "content_type is not a valid header value")?;
+                headers.insert(header::CONTENT_TYPE, value);
+            }
+            Reconciliation::Applied(Box::new(StoredResponse {
+                status: self.status,
+                headers,
+                body: Some(Bytes::from(self.body)),
+                trailers: None,
+            }))
+        } else {
+            Reconciliation::NotApplied
+        };
+        match resolve_by_hand(
+            &*console.store,
+            &self.key,
+            resolution,
+            console.ttl,
+            &self.reason,
+        )
+        .await
+        {
+            Ok(()) => Ok(()),
+            Err(StoreError::Fenced) => Err(
+                "the record is not awaiting reconciliation (a live holder, or already settled)"
+                    .into(),
+            ),
+            Err(error) => Err(format!("the store failed: {error}")),
+        }
+    }
+}
+
+fn key_from(get: impl Fn(&str) -> Option<String>) -> Result<ScopedKey, String> {
+    let scope = get("scope").ok_or("scope is required")?;
+    let key = get("key")
+        .filter(|k| !k.is_empty())
+        .ok_or("key is required")?;
+    Ok(ScopedKey::new(scope, key))
+}
+
+// ---------------------------------------------------------------------------------------------
+// The JSON API.
+
+async fn api_uncertain<St: IdempotencyStore>(
+    State(console): State<Console<St>>,
+    req: Request,
+) -> Response<Body> {
+    let pairs = query_pairs(&req);
+    let listed = match listing(&console, &pairs).await {
+        Ok(listed) => listed,
+        Err(error) => return store_failed(&error),
+    };
+    let now = SystemTime::now();
+    json_response(
+        StatusCode::OK,
+        &json!({
+            "records": listed.records.iter().map(|r| record_json(r, now)).collect::<Vec<_>>(),
+            "unreadable": listed.unreadable.iter().map(|(key, error)| json!({
+                "scope": key.scope(), "key": key.key(), "error": error,
+            })).collect::<Vec<_>>(),
+            "next": listed.next.as_ref().map(cursor_text),
+            "count": listed.count,
+            "oldest_ms": listed.oldest.map(millis),
+        }),
+    )
+}
+
+async fn api_record<St: IdempotencyStore>(
+    State(console): State<Console<St>>,
+    req: Request,
+) -> Response<Body> {
+    let pairs = query_pairs(&req);
+    let key = match key_from(|n| param(&pairs, n).map(str::to_owned)) {
+        Ok(key) => key,
+        Err(why) => return problem(StatusCode::BAD_REQUEST, &why),
+    };
+    match console.store.lookup(&key).await {
+        Ok(Some(record)) => json_response(StatusCode::OK, &record_json(&record, SystemTime::now())),
+        Ok(None) => problem(StatusCode::NOT_FOUND, "no record for this key"),
+        Err(error) => store_failed(&error),
+    }
+}
+
+/// The fields of a JSON API write, after the same-origin and content-type checks.
+async fn api_fields(req: Request) -> Result<serde_json::Map<String, Value>, Response<Body>> {
+    if !same_origin(req.headers()) && req.headers().contains_key(header::ORIGIN) {
+        return Err(forbidden());
+    }
+    let is_json = req
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|ct| {
+            ct.split(';')
+                .next()
+                .is_some_and(|m| m.trim() == "application/json")
+        });
+    if !is_json {
+        return Err(problem(
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            "the JSON API takes Content-Type: application/json",
+        ));
+    }
+    let (_, body) = read_body(req).await?;
+    match serde_json::from_slice::<Value>(&body) {
+        Ok(Value::Object(fields)) => Ok(fields),
+        _ => Err(problem(
+            StatusCode::BAD_REQUEST,
+            "the body is not a JSON object",
+        )),
+    }
+}
+
+fn json_field(fields: &serde_json::Map<String, Value>, name: &str) -> Option<String> {
+    match fields.get(name)? {
+        Value::String(s) => Some(s.clone()),
+        Value::Number(n) => Some(n.to_string()),
+        _ => None,
+    }
+}
+
+async fn api_resolve<St: IdempotencyStore>(
+    State(console): State<Console<St>>,
+    req: Request,
+) -> Response<Body> {
+    let fields = match api_fields(req).await {
+        Ok(fields) => fields,
+        Err(res) => return res,
+    };
+    let settle = match Settle::from_fields(|n| json_field(&fields, n)) {
+        Ok(settle) => settle,
+        Err(why) => return problem(StatusCode::BAD_REQUEST, &why),
+    };
+    let key = settle.key.clone();
+    match settle.apply(&console).await {
+        Ok(()) => match console.store.lookup(&key).await {
+            Ok(Some(record)) => {
+                json_response(StatusCode::OK, &record_json(&record, SystemTime::now()))
+            }
+            Ok(None) => json_response(StatusCode::OK, &json!({ "resolved": true })),
+            Err(error) => store_failed(&error),
+        },
+        Err(why) => problem(StatusCode::CONFLICT, &why),
+    }
+}
+
+async fn api_remove<St: IdempotencyStore>(
+    State(console): State<Console<St>>,
+    req: Request,
+) -> Response<Body> {
+    let fields = match api_fields(req).await {
+        Ok(fields) => fields,
+        Err(res) => return res,
+    };
+    let key = match key_from(|n| json_field(&fields, n)) {
+        Ok(key) => key,
+        Err(why) => return problem(StatusCode::BAD_REQUEST, &why),
+    };
+    match console.store.remove(&key).await {
+        Ok(removed) => {
+            tracing::info!(?key, removed, "operator console: record removed");
+            json_response(StatusCode::OK, &json!({ "removed": removed }))
+        }
+        Err(error) => store_failed(&error),
+    }
+}
+
+async fn api_purge<St: IdempotencyStore>(
+    State(console): State<Console<St>>,
+    req: Request,
+) -> Response<Body> {
+    if let Err(res) = api_fields(req).await {
+        return res;
+    }
+    match console.store.purge_expired().await {
+        Ok(purged) => json_response(StatusCode::OK, &json!({ "purged": purged })),
+        Err(error) => store_failed(&error),
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The pages.
+
+async fn page_list<St: IdempotencyStore>(
+    State(console): State<Console<St>>,
+    original: OriginalUri,
+    req: Request,
+) -> Response<Body> {
+    let base = base(&original, &req);
+    let pairs = query_pairs(&req);
+    let newest = param(&pairs, "order") == Some("newest");
+    let list = list_url(&base);
+    let listed = match listing(&console, &pairs).await {
+        Ok(listed) => listed,
+        Err(error) => return store_failed(&error),
+    };
+    let now = SystemTime::now();
+    let mut out = String::new();
+    let _ = write!(
+        out,
+        "<h1>Awaiting reconciliation</h1><p><strong id=\"count\">{}</strong> records{}. \
+         Order: <a href=\"{list}?order=oldest\">oldest first</a> · \
+         <a href=\"{list}?order=newest\">newest first</a></p>",
+        listed.count,
+        listed.oldest.map_or(String::new(), |oldest| format!(
+            ", the oldest waiting {} s",
+            now.duration_since(oldest).map_or(0, |d| d.as_secs())
+        )),
+    );
+    let _ = write!(
+        out,
+        "<form method=\"get\" action=\"{base}/record\"><strong>Find a key</strong>\
+         <label>Scope <input name=\"scope\" id=\"find-scope\"></label>\
+         <label>Key <input name=\"key\" id=\"find-key\" required></label>\
+         <button type=\"submit\">Inspect</button></form>"
+    );
+    out.push_str(
+        "<table id=\"uncertain\"><tr><th>key</th><th>scope</th><th>age</th><th>attempts</th>\
+         <th>downstream id</th><th>last event</th></tr>",
+    );
+    for record in &listed.records {
+        let _ = write!(
+            out,
+            "<tr><td><a class=\"record\" href=\"{}\">{}</a></td><td>{}</td><td>{} s</td><td>{}</td>\
+             <td>{}</td><td>{}</td></tr>",
+            esc(&record_link(&base, &record.key)),
+            esc(record.key.key()),
+            esc(record.key.scope()),
+            now.duration_since(record.updated_at)
+                .map_or(0, |d| d.as_secs()),
+            record.attempts,
+            esc(record.downstream_id.as_deref().unwrap_or("")),
+            esc(record.history.last().map_or("", |h| h.event.as_str())),
+        );
+    }
+    out.push_str("</table>");
+    for (key, error) in &listed.unreadable {
+        let _ = write!(
+            out,
+            "<p class=\"warn\">Unreadable record {} / {}: {}</p>",
+            esc(key.scope()),
+            esc(key.key()),
+            esc(error)
+        );
+    }
+    if let Some(next) = &listed.next {
+        let order = if newest { "newest" } else { "oldest" };
+        let _ = write!(
+            out,
+            "<p><a id=\"next\" href=\"{list}?order={order}&amp;after={}\">next page</a></p>",
+            esc(&enc(&cursor_text(next)))
+        );
+    }
+    let _ = write!(
+        out,
+        "<form method=\"post\" action=\"{base}/purge\"><button type=\"submit\">Purge expired \
+         records</button></form>"
+    );
+    html(StatusCode::OK, "Awaiting reconciliation", &out)
+}
+
+async fn page_record<St: IdempotencyStore>(
+    State(console): State<Console<St>>,
+    original: OriginalUri,
+    req: Request,
+) -> Response<Body> {
+    let base = base(&original, &req);
+    let pairs = query_pairs(&req);
+    let key = match key_from(|n| param(&pairs, n).map(str::to_owned)) {
+        Ok(key) => key,
+        Err(why) => return html(StatusCode::BAD_REQUEST, "Bad request", &esc(&why)),
+    };
+    let record = match console.store.lookup(&key).await {
+        Ok(Some(record)) => record,
+        Ok(None) => {
+            let body = format!(
+                "<h1>No record</h1><p>No record for key {} in scope {}.</p><p><a href=\"{}\">back</a></p>",
+                esc(key.key()),
+                esc(key.scope()),
+                list_url(&base)
+            );
+            return html(StatusCode::NOT_FOUND, "No record", &body);
+        }
+        Err(error) => {
+            let body = format!(
+                "<h1>The store failed</h1><p>{}</p>",
+                esc(&error.to_string())
+            );
+            return html(StatusCode::SERVICE_UNAVAILABLE, "Store failed", &body);
+        }
+    };
+    let mut out = String::new();
+    let _ = write!(
+        out,
+        "<p><a href=\"{}\">← awaiting reconciliation</a></p><h1>Key {}</h1>\
+         <table id=\"record\"><tr><th>scope</th><td>{}</td></tr>\
+         <tr><th>status</th><td id=\"status\">{}</td></tr><tr><th>attempts</th><td>{}</td></tr>\
+         <tr><th>effect started</th><td>{}</td></tr><tr><th>downstream id</th><td>{}</td></tr>\
+         <tr><th>downstream key</th><td>{}</td></tr><tr><th>fingerprint</th><td>{}</td></tr>\
+         <tr><th>resolution note</th><td id=\"note\">{}</td></tr></table>",
+        list_url(&base),
+        esc(record.key.key()),
+        esc(record.key.scope()),
+        record.status.as_str(),
+        record.attempts,
+        record.effect_started,
+        esc(record.downstream_id.as_deref().unwrap_or("")),
+        esc(&downstream_key(&record.key)),
+        hex(record.fingerprint.as_bytes()),
+        esc(record.resolution_note.as_deref().unwrap_or("")),
+    );
+    out.push_str("<h2>History</h2><table id=\"history\"><tr><th>attempt</th><th>attempt id</th><th>at (ms)</th><th>event</th></tr>");
+    for h in &record.history {
+        let _ = write!(
+            out,
+            "<tr><td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>",
+            h.attempt,
+            hex(&h.token.get().to_be_bytes()),
+            millis(h.at),
+            h.event.as_str()
+        );
+    }
+    out.push_str("</table><h2>Stored response</h2>");
+    match &record.response {
+        Some(response) => {
+            let _ = write!(
+                out,
+                "<p>Status {}</p><pre id=\"headers\">",
+                response.status.as_u16()
+            );
+            for (name, value) in &response.headers {
+                let _ = writeln!(
+                    out,
+                    "{}: {}",
+                    esc(name.as_str()),
+                    esc(&String::from_utf8_lossy(value.as_bytes()))
+                );
+            }
+            out.push_str("</pre>");
+            match response.body.as_ref().map(|b| std::str::from_utf8(b)) {
+                Some(Ok(text)) => {
+                    let _ = write!(out, "<pre id=\"body\">{}</pre>", esc(text));
+                }
+                Some(Err(_)) => {
+                    let len = response.body.as_ref().map_or(0, Bytes::len);
+                    let _ = write!(out, "<p>binary body, {len} bytes</p>");
+                }
+                None => out.push_str("<p>no body recorded</p>"),
+            }
+        }
+        None => out.push_str("<p>none</p>"),
+    }
+    let hidden = format!(
+        "<input type=\"hidden\" name=\"scope\" value=\"{}\"><input type=\"hidden\" name=\"key\" value=\"{}\">",
+        esc(record.key.scope()),
+        esc(record.key.key())
+    );
+    if record.status == crate::store::RecordStatus::NeedsReconciliation
+        || record.status == crate::store::RecordStatus::InProgress
+    {
+        let _ = write!(
+            out,
+            "<h2>Resolve by hand</h2>\
+             <form id=\"resolve-applied\" method=\"post\" action=\"{base}/resolve\">{hidden}\
+             <input type=\"hidden\" name=\"outcome\" value=\"applied\">\
+             <strong>It happened</strong>: retries get this response.\
+             <label>Status <input name=\"status\" value=\"200\" size=\"4\"></label>\
+             <label>Content-Type <input name=\"content_type\" value=\"application/json\"></label>\
+             <label>Body <textarea name=\"body\" rows=\"4\" cols=\"60\"></textarea></label>\
+             <label>Reason (required) <input name=\"reason\" required size=\"60\"></label>\
+             <button type=\"submit\">Resolve as applied</button></form>\
+             <form id=\"resolve-not-applied\" method=\"post\" action=\"{base}/resolve\">{hidden}\
+             <input type=\"hidden\" name=\"outcome\" value=\"not_applied\">\
+             <strong>It did not happen</strong>: the next retry runs it.\
+             <label>Reason (required) <input name=\"reason\" required size=\"60\"></label>\
+             <button type=\"submit\">Resolve as not applied</button></form>"
+        );
+    }
+    let _ = write!(
+        out,
+        "<form id=\"remove\" method=\"post\" action=\"{base}/remove\">{hidden}\
+         <button type=\"submit\">Remove this record</button> (the key is then new again)</form>"
+    );
+    html(StatusCode::OK, &format!("Key {}", record.key.key()), &out)
+}
+
+/// The fields of a form post, after the same-origin check.
+async fn form_fields(req: Request) -> Result<Vec<(String, String)>, Response<Body>> {
+    if req.method() != Method::POST || !same_origin(req.headers()) {
+        return Err(forbidden());
+    }
+    let (_, body) = read_body(req).await?;
+    Ok(form_urlencoded::parse(&body).into_owned().collect())
+}
+
+fn form_error(base: &str, why: &str) -> Response<Body> {
+    let body = format!(
+        "<h1>Not done</h1><p class=\"warn\" id=\"error\">{}</p><p><a href=\"{}\">back</a></p>",
+        esc(why),
+        list_url(base)
+    );
+    html(StatusCode::BAD_REQUEST, "Not done", &body)
+}
+
+async fn form_resolve<St: IdempotencyStore>(
+    State(console): State<Console<St>>,
+    original: OriginalUri,
+    req: Request,
+) -> Response<Body> {
+    let base = base(&original, &req);
+    let fields = match form_fields(req).await {
+        Ok(fields) => fields,
+        Err(res) => return res,
+    };
+    let settle = match Settle::from_fields(|n| param(&fields, n).map(str::to_owned)) {
+        Ok(settle) => settle,
+        Err(why) => return form_error(&base, &why),
+    };
+    let link = record_link(&base, &settle.key);
+    match settle.apply(&console).await {
+        Ok(()) => see_other(&link),
+        Err(why) => form_error(&base, &why),
+    }
+}
+
+async fn form_remove<St: IdempotencyStore>(
+    State(console): State<Console<St>>,
+    original: OriginalUri,
+    req: Request,
+) -> Response<Body> {
+    let base = base(&original, &req);
+    let fields = match form_fields(req).await {
+        Ok(fields) => fields,
+        Err(res) => return res,
+    };
+    let key = match key_from(|n| param(&fields, n).map(str::to_owned)) {
+        Ok(key) => key,
+        Err(why) => return form_error(&base, &why),
+    };
+    match console.store.remove(&key).await {
+        Ok(removed) => {
+            tracing::info!(?key, removed, "operator console: record removed");
+            see_other(&list_url(&base))
+        }
+        Err(error) => form_error(&base, &error.to_string()),
+    }
+}
+
+async fn form_purge<St: IdempotencyStore>(
+    State(console): State<Console<St>>,
+    original: OriginalUri,
+    req: Request,
+) -> Response<Body> {
+    let base = base(&original, &req);
+    if let Err(res) = form_fields(req).await {
+        return res;
+    }
+    match console.store.purge_expired().await {
+        Ok(_) => see_other(&list_url(&base)),
+        Err(error) => form_error(&base, &error.to_string()),
+    }
+}
