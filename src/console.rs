@@ -40,6 +40,11 @@
 //! | `GET /api/record?scope=…&key=…` | JSON: one record |
 //! | `POST /api/resolve`, `/api/remove`, `/api/purge` | JSON bodies of the same fields |
 //!
+//! Keep the idempotency layer off the console's routes (`route_layer` on the routes it
+//! guards, before the console is nested): a layer over the whole app would ask the console's
+//! own forms for an `Idempotency-Key`. `nest` serves the console at its mount path without a
+//! trailing slash.
+//!
 //! Every write is refused (403) unless the browser says it comes from the console's own
 //! origin (`Sec-Fetch-Site: same-origin`, or an `Origin` equal to the request's host); the JSON
 //! API also requires `Content-Type: application/json`, which a cross-site form cannot send.
@@ -58,9 +63,9 @@ use http::{HeaderMap, HeaderValue, Method, Response, StatusCode, header};
 use serde_json::{Value, json};
 
 use crate::key::hex;
-use crate::reconcile::{Reconciliation, downstream_key, resolve_by_hand};
+use crate::reconcile::{Reconciliation, downstream_key, resolve_at};
 use crate::store::{
-    IdempotencyStore, Record, ScopedKey, StoreError, StoredResponse, UncertainCursor,
+    FencingToken, IdempotencyStore, Record, ScopedKey, StoreError, StoredResponse, UncertainCursor,
     UncertainQuery,
 };
 
@@ -125,7 +130,7 @@ const MAX_PAGE: usize = 500;
 fn base(original: &OriginalUri, req: &Request) -> String {
     let sent = original.0.path();
     let inner = req.uri().path();
-    // `nest` hands its own path to the inner `/` route, with or without a trailing slash.
+    // `nest` hands its own path (without a trailing slash) to the inner `/` route.
     let prefix = match inner {
         "/" => sent,
         inner => sent.strip_suffix(inner).unwrap_or(""),
@@ -181,6 +186,7 @@ fn millis(t: SystemTime) -> u64 {
 
 /// One page of the listing, oldest first or newest first.
 struct Listing {
+    limit: usize,
     records: Vec<Record>,
     unreadable: Vec<(ScopedKey, String)>,
     next: Option<UncertainCursor>,
@@ -188,15 +194,42 @@ struct Listing {
     oldest: Option<SystemTime>,
 }
 
+/// Why a listing was not made.
+enum ListingError {
+    Cursor,
+    Store(StoreError),
+}
+
+impl From<StoreError> for ListingError {
+    fn from(error: StoreError) -> Self {
+        Self::Store(error)
+    }
+}
+
+impl ListingError {
+    fn into_response(self) -> Response<Body> {
+        match self {
+            Self::Cursor => problem(
+                StatusCode::BAD_REQUEST,
+                "after is not a cursor this console gave out",
+            ),
+            Self::Store(error) => store_failed(&error),
+        }
+    }
+}
+
 async fn listing<St: IdempotencyStore>(
     console: &Console<St>,
     pairs: &[(String, String)],
-) -> Result<Listing, StoreError> {
+) -> Result<Listing, ListingError> {
     let limit = param(pairs, "limit")
         .and_then(|l| l.parse().ok())
         .unwrap_or(50)
         .clamp(1, MAX_PAGE);
-    let after = param(pairs, "after").and_then(parse_cursor);
+    let after = match param(pairs, "after") {
+        Some(text) => Some(parse_cursor(text).ok_or(ListingError::Cursor)?),
+        None => None,
+    };
     let query = UncertainQuery {
         after,
         limit,
@@ -205,6 +238,7 @@ async fn listing<St: IdempotencyStore>(
     let page = console.store.list_uncertain(&query).await?;
     let count = console.store.count_uncertain().await?;
     Ok(Listing {
+        limit,
         records: page.records,
         unreadable: page
             .unreadable
@@ -276,9 +310,16 @@ fn response_json(response: &StoredResponse) -> Value {
 fn json_response(status: StatusCode, value: &Value) -> Response<Body> {
     let mut res = Response::new(Body::from(value.to_string()));
     *res.status_mut() = status;
-    res.headers_mut().insert(
+    let headers = res.headers_mut();
+    headers.insert(
         header::CONTENT_TYPE,
         HeaderValue::from_static("application/json"),
+    );
+    // Stored responses are in here: nothing cached, nothing sniffed.
+    headers.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
+    headers.insert(
+        header::X_CONTENT_TYPE_OPTIONS,
+        HeaderValue::from_static("nosniff"),
     );
     res
 }
@@ -404,9 +445,21 @@ fn same_origin(headers: &HeaderMap) -> bool {
     let (Ok(origin), Ok(host)) = (origin.to_str(), host.to_str()) else {
         return false;
     };
-    origin
-        .split_once("://")
-        .is_some_and(|(_, authority)| authority.eq_ignore_ascii_case(host))
+    let Some((scheme, authority)) = origin.split_once("://") else {
+        return false;
+    };
+    // `Host: x:80` and `Origin: http://x` name one origin.
+    let default_port = match scheme {
+        "http" => ":80",
+        "https" => ":443",
+        _ => "",
+    };
+    let bare = |h: &str| {
+        h.strip_suffix(default_port)
+            .unwrap_or(h)
+            .to_ascii_lowercase()
+    };
+    bare(authority) == bare(host)
 }
 
 fn forbidden() -> Response<Body> {
@@ -434,19 +487,42 @@ async fn read_body(req: Request) -> Result<(HeaderMap, Bytes), Response<Body>> {
 /// A resolution by hand, as an operator asked for it.
 struct Settle {
     key: ScopedKey,
+    token: Option<FencingToken>,
     applied: bool,
     reason: String,
     status: StatusCode,
-    content_type: Option<String>,
+    content_type: Option<HeaderValue>,
     body: String,
+}
+
+/// Why a resolution was not done, as the answer's status says.
+enum NotDone {
+    Missing,
+    Moved(String),
+    Failed(String),
+}
+
+impl NotDone {
+    fn status(&self) -> StatusCode {
+        match self {
+            Self::Missing => StatusCode::NOT_FOUND,
+            Self::Moved(_) => StatusCode::CONFLICT,
+            Self::Failed(_) => StatusCode::SERVICE_UNAVAILABLE,
+        }
+    }
+
+    fn why(&self) -> &str {
+        match self {
+            Self::Moved(why) | Self::Failed(why) => why,
+            Self::Missing => "no record for this key",
+        }
+    }
 }
 
 impl Settle {
     fn from_fields(get: impl Fn(&str) -> Option<String>) -> Result<Self, String> {
-        let scope = get("scope").ok_or("scope is required")?;
-        let key = get("key")
-            .filter(|k| !k.is_empty())
-            .ok_or("key is required")?;
+        let key = key_from(&get)?;
+        let token = token_from(&get)?;
         let applied = match get("outcome").as_deref() {
             Some("applied") => true,
             Some("not_applied") => false,
@@ -461,26 +537,42 @@ impl Settle {
                 .parse::<u16>()
                 .ok()
                 .and_then(|s| StatusCode::from_u16(s).ok())
-                .ok_or("status must be an HTTP status code")?,
+                // What a retry can be answered with: no interim (1xx) status, nothing made up.
+                .filter(|s| (200..600).contains(&s.as_u16()))
+                .ok_or("status must be a final HTTP status, 200 to 599")?,
             None => StatusCode::OK,
         };
+        let content_type = match get("content_type").filter(|c| !c.is_empty()) {
+            Some(ct) => Some(
+                HeaderValue::from_str(&ct)
+                    .map_err(|_| "content_type is not a valid header value")?,
+            ),
+            None => None,
+        };
+        // A browser sends a textarea's line ends as CRLF: kept as typed, LF.
+        let body = get("body").unwrap_or_default().replace("\r\n", "\n");
+        if applied && matches!(status.as_u16(), 204 | 304) && !body.is_empty() {
+            return Err(format!(
+                "a {} answer has no body: leave the body empty",
+                status.as_u16()
+            ));
+        }
         Ok(Self {
-            key: ScopedKey::new(scope, key),
+            key,
+            token,
             applied,
             reason,
             status,
-            content_type: get("content_type").filter(|c| !c.is_empty()),
-            body: get("body").unwrap_or_default(),
+            content_type,
+            body,
         })
     }
 
-    async fn apply<St: IdempotencyStore>(self, console: &Console<St>) -> Result<(), String> {
+    async fn apply<St: IdempotencyStore>(self, console: &Console<St>) -> Result<(), NotDone> {
         let resolution = if self.applied {
             let mut headers = HeaderMap::new();
-            if let Some(content_type) = &self.content_type {
-                let value = HeaderValue::from_str(content_type)
-                    .map_err(|_| "content_type is not a valid header value")?;
-                headers.insert(header::CONTENT_TYPE, value);
+            if let Some(content_type) = self.content_type {
+                headers.insert(header::CONTENT_TYPE, content_type);
             }
             Reconciliation::Applied(Box::new(StoredResponse {
                 status: self.status,
@@ -491,31 +583,82 @@ impl Settle {
         } else {
             Reconciliation::NotApplied
         };
-        match resolve_by_hand(
+        // The attempt the page was built for, or the one there is now.
+        let token = match self.token {
+            Some(token) => token,
+            None => match console.store.lookup(&self.key).await {
+                Ok(Some(record)) => record.lease_token,
+                Ok(None) => return Err(NotDone::Missing),
+                Err(error) => return Err(NotDone::Failed(format!("the store failed: {error}"))),
+            },
+        };
+        let resolved = resolve_at(
             &*console.store,
             &self.key,
+            token,
             resolution,
             console.ttl,
             &self.reason,
         )
-        .await
-        {
+        .await;
+        match resolved {
             Ok(()) => Ok(()),
-            Err(StoreError::Fenced) => Err(
-                "the record is not awaiting reconciliation (a live holder, or already settled)"
+            Err(StoreError::Fenced) => Err(NotDone::Moved(
+                "the record is not the one this resolution was made for: it is not awaiting \
+                 reconciliation, or another attempt holds it now (reload its page)"
                     .into(),
-            ),
-            Err(error) => Err(format!("the store failed: {error}")),
+            )),
+            Err(error) => Err(NotDone::Failed(format!("the store failed: {error}"))),
         }
     }
 }
 
 fn key_from(get: impl Fn(&str) -> Option<String>) -> Result<ScopedKey, String> {
+    // The pages' forms name the key by a reference a browser cannot alter (NUL, CR and LF in
+    // a hidden input are not sent back as they were): its scope and key percent-encoded.
+    if let Some(reference) = get("ref") {
+        return parse_ref(&reference).ok_or_else(|| "ref is not a key reference".to_owned());
+    }
     let scope = get("scope").ok_or("scope is required")?;
     let key = get("key")
         .filter(|k| !k.is_empty())
         .ok_or("key is required")?;
     Ok(ScopedKey::new(scope, key))
+}
+
+/// A key as a form field: its scope and key, percent-encoded (ASCII only), joined by `~`.
+fn key_ref(key: &ScopedKey) -> String {
+    let enc = |s: &str| percent_encoding::utf8_percent_encode(s, REF).to_string();
+    format!("{}~{}", enc(key.scope()), enc(key.key()))
+}
+
+/// Everything but unreserved characters is encoded in a key reference.
+const REF: &percent_encoding::AsciiSet = &percent_encoding::NON_ALPHANUMERIC
+    .remove(b'-')
+    .remove(b'_')
+    .remove(b'.');
+
+fn parse_ref(reference: &str) -> Option<ScopedKey> {
+    let (scope, key) = reference.split_once('~')?;
+    let dec = |s: &str| {
+        percent_encoding::percent_decode_str(s)
+            .decode_utf8()
+            .ok()
+            .map(|c| c.into_owned())
+    };
+    let key = dec(key).filter(|k| !k.is_empty())?;
+    Some(ScopedKey::new(dec(scope)?, key))
+}
+
+/// The attempt a form was built for, if it says.
+fn token_from(get: impl Fn(&str) -> Option<String>) -> Result<Option<FencingToken>, String> {
+    match get("token").filter(|t| !t.is_empty()) {
+        None => Ok(None),
+        Some(token) => token
+            .parse::<u64>()
+            .map(|t| Some(FencingToken::new(t)))
+            .map_err(|_| "token must be the record's lease token".to_owned()),
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -528,7 +671,7 @@ async fn api_uncertain<St: IdempotencyStore>(
     let pairs = query_pairs(&req);
     let listed = match listing(&console, &pairs).await {
         Ok(listed) => listed,
-        Err(error) => return store_failed(&error),
+        Err(error) => return error.into_response(),
     };
     let now = SystemTime::now();
     json_response(
@@ -563,7 +706,11 @@ async fn api_record<St: IdempotencyStore>(
 
 /// The fields of a JSON API write, after the same-origin and content-type checks.
 async fn api_fields(req: Request) -> Result<serde_json::Map<String, Value>, Response<Body>> {
-    if !same_origin(req.headers()) && req.headers().contains_key(header::ORIGIN) {
+    // A browser says where a request comes from (Sec-Fetch-Site, Origin): from elsewhere is
+    // refused. Without either, it is not a browser's cross-site request (a script, curl).
+    let says =
+        req.headers().contains_key(header::ORIGIN) || req.headers().contains_key("sec-fetch-site");
+    if says && !same_origin(req.headers()) {
         return Err(forbidden());
     }
     let is_json = req
@@ -573,7 +720,7 @@ async fn api_fields(req: Request) -> Result<serde_json::Map<String, Value>, Resp
         .is_some_and(|ct| {
             ct.split(';')
                 .next()
-                .is_some_and(|m| m.trim() == "application/json")
+                .is_some_and(|m| m.trim().eq_ignore_ascii_case("application/json"))
         });
     if !is_json {
         return Err(problem(
@@ -620,7 +767,7 @@ async fn api_resolve<St: IdempotencyStore>(
             Ok(None) => json_response(StatusCode::OK, &json!({ "resolved": true })),
             Err(error) => store_failed(&error),
         },
-        Err(why) => problem(StatusCode::CONFLICT, &why),
+        Err(not_done) => problem(not_done.status(), not_done.why()),
     }
 }
 
@@ -636,9 +783,15 @@ async fn api_remove<St: IdempotencyStore>(
         Ok(key) => key,
         Err(why) => return problem(StatusCode::BAD_REQUEST, &why),
     };
+    let Some(reason) = json_field(&fields, "reason").filter(|r| !r.trim().is_empty()) else {
+        return problem(
+            StatusCode::BAD_REQUEST,
+            "a reason is required: removing a key lets its next request run as new",
+        );
+    };
     match console.store.remove(&key).await {
         Ok(removed) => {
-            tracing::info!(?key, removed, "operator console: record removed");
+            tracing::warn!(?key, removed, reason, "operator console: record removed");
             json_response(StatusCode::OK, &json!({ "removed": removed }))
         }
         Err(error) => store_failed(&error),
@@ -672,7 +825,7 @@ async fn page_list<St: IdempotencyStore>(
     let list = list_url(&base);
     let listed = match listing(&console, &pairs).await {
         Ok(listed) => listed,
-        Err(error) => return store_failed(&error),
+        Err(error) => return error.into_response(),
     };
     let now = SystemTime::now();
     let mut out = String::new();
@@ -727,7 +880,8 @@ async fn page_list<St: IdempotencyStore>(
         let order = if newest { "newest" } else { "oldest" };
         let _ = write!(
             out,
-            "<p><a id=\"next\" href=\"{list}?order={order}&amp;after={}\">next page</a></p>",
+            "<p><a id=\"next\" href=\"{list}?order={order}&amp;limit={}&amp;after={}\">next page</a></p>",
+            listed.limit,
             esc(&enc(&cursor_text(next)))
         );
     }
@@ -762,11 +916,21 @@ async fn page_record<St: IdempotencyStore>(
             return html(StatusCode::NOT_FOUND, "No record", &body);
         }
         Err(error) => {
+            // A row that cannot be read is kept for an operator: say what is wrong with it,
+            // and let it be removed.
             let body = format!(
-                "<h1>The store failed</h1><p>{}</p>",
-                esc(&error.to_string())
+                "<p><a href=\"{}\">← awaiting reconciliation</a></p><h1>Key {}</h1>\
+                 <p class=\"warn\" id=\"error\">This record cannot be read: {}</p>\
+                 <form id=\"remove\" method=\"post\" action=\"{base}/remove\">\
+                 <input type=\"hidden\" name=\"ref\" value=\"{}\">\
+                 <label>Reason (required) <input name=\"reason\" required size=\"60\"></label>\
+                 <button type=\"submit\">Remove this record</button></form>",
+                list_url(&base),
+                esc(key.key()),
+                esc(&error.to_string()),
+                esc(&key_ref(&key)),
             );
-            return html(StatusCode::SERVICE_UNAVAILABLE, "Store failed", &body);
+            return html(StatusCode::OK, "Unreadable record", &body);
         }
     };
     let mut out = String::new();
@@ -830,10 +994,13 @@ async fn page_record<St: IdempotencyStore>(
         }
         None => out.push_str("<p>none</p>"),
     }
+    // The key as a reference a browser sends back intact, and the attempt this page shows:
+    // a resolution made here cannot settle a later attempt.
     let hidden = format!(
-        "<input type=\"hidden\" name=\"scope\" value=\"{}\"><input type=\"hidden\" name=\"key\" value=\"{}\">",
-        esc(record.key.scope()),
-        esc(record.key.key())
+        "<input type=\"hidden\" name=\"ref\" value=\"{}\">\
+         <input type=\"hidden\" name=\"token\" value=\"{}\">",
+        esc(&key_ref(&record.key)),
+        record.lease_token.get()
     );
     if record.status == crate::store::RecordStatus::NeedsReconciliation
         || record.status == crate::store::RecordStatus::InProgress
@@ -859,7 +1026,8 @@ async fn page_record<St: IdempotencyStore>(
     let _ = write!(
         out,
         "<form id=\"remove\" method=\"post\" action=\"{base}/remove\">{hidden}\
-         <button type=\"submit\">Remove this record</button> (the key is then new again)</form>"
+         <label>Reason (required) <input name=\"reason\" required size=\"60\"></label>\
+         <button type=\"submit\">Remove this record</button> (its next request runs as new)</form>"
     );
     html(StatusCode::OK, &format!("Key {}", record.key.key()), &out)
 }
@@ -873,13 +1041,13 @@ async fn form_fields(req: Request) -> Result<Vec<(String, String)>, Response<Bod
     Ok(form_urlencoded::parse(&body).into_owned().collect())
 }
 
-fn form_error(base: &str, why: &str) -> Response<Body> {
+fn form_error(base: &str, status: StatusCode, why: &str) -> Response<Body> {
     let body = format!(
         "<h1>Not done</h1><p class=\"warn\" id=\"error\">{}</p><p><a href=\"{}\">back</a></p>",
         esc(why),
         list_url(base)
     );
-    html(StatusCode::BAD_REQUEST, "Not done", &body)
+    html(status, "Not done", &body)
 }
 
 async fn form_resolve<St: IdempotencyStore>(
@@ -894,12 +1062,12 @@ async fn form_resolve<St: IdempotencyStore>(
     };
     let settle = match Settle::from_fields(|n| param(&fields, n).map(str::to_owned)) {
         Ok(settle) => settle,
-        Err(why) => return form_error(&base, &why),
+        Err(why) => return form_error(&base, StatusCode::BAD_REQUEST, &why),
     };
     let link = record_link(&base, &settle.key);
     match settle.apply(&console).await {
         Ok(()) => see_other(&link),
-        Err(why) => form_error(&base, &why),
+        Err(not_done) => form_error(&base, not_done.status(), not_done.why()),
     }
 }
 
@@ -913,16 +1081,29 @@ async fn form_remove<St: IdempotencyStore>(
         Ok(fields) => fields,
         Err(res) => return res,
     };
-    let key = match key_from(|n| param(&fields, n).map(str::to_owned)) {
+    let get = |n: &str| param(&fields, n).map(str::to_owned);
+    let key = match key_from(get) {
         Ok(key) => key,
-        Err(why) => return form_error(&base, &why),
+        Err(why) => return form_error(&base, StatusCode::BAD_REQUEST, &why),
+    };
+    let Some(reason) = get("reason").filter(|r| !r.trim().is_empty()) else {
+        return form_error(
+            &base,
+            StatusCode::BAD_REQUEST,
+            "a reason is required: removing a key lets its next request run as new",
+        );
     };
     match console.store.remove(&key).await {
-        Ok(removed) => {
-            tracing::info!(?key, removed, "operator console: record removed");
+        Ok(true) => {
+            tracing::warn!(?key, reason, "operator console: record removed");
             see_other(&list_url(&base))
         }
-        Err(error) => form_error(&base, &error.to_string()),
+        Ok(false) => form_error(
+            &base,
+            StatusCode::NOT_FOUND,
+            "no record was removed: there is none for this key",
+        ),
+        Err(error) => form_error(&base, StatusCode::SERVICE_UNAVAILABLE, &error.to_string()),
     }
 }
 
@@ -937,6 +1118,6 @@ async fn form_purge<St: IdempotencyStore>(
     }
     match console.store.purge_expired().await {
         Ok(_) => see_other(&list_url(&base)),
-        Err(error) => form_error(&base, &error.to_string()),
+        Err(error) => form_error(&base, StatusCode::SERVICE_UNAVAILABLE, &error.to_string()),
     }
 }

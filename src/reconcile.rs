@@ -310,13 +310,27 @@ pub async fn resolve_by_hand<St: IdempotencyStore>(
     reason: &str,
 ) -> Result<(), StoreError> {
     let record = store.lookup(key).await?.ok_or(StoreError::Fenced)?;
+    resolve_at(store, key, record.lease_token, resolution, ttl, reason).await
+}
+
+/// [`resolve_by_hand`] of the attempt that holds `token`: refused ([`StoreError::Fenced`]) if
+/// the record has moved on since (another attempt, or settled), as a form loaded before a
+/// retry must not settle the retry.
+pub(crate) async fn resolve_at<St: IdempotencyStore>(
+    store: &St,
+    key: &ScopedKey,
+    token: crate::store::FencingToken,
+    resolution: Reconciliation,
+    ttl: Duration,
+    reason: &str,
+) -> Result<(), StoreError> {
     let resolution = match resolution {
         Reconciliation::Applied(response) => Resolution::Applied(response),
         Reconciliation::NotApplied => Resolution::NotApplied,
         Reconciliation::Unknown => return Ok(()),
     };
     store
-        .resolve(key, record.lease_token, &resolution, ttl, Some(reason))
+        .resolve(key, token, &resolution, ttl, Some(reason))
         .await?;
     tracing::info!(?key, reason, "resolved by hand");
     count(&resolution, &mut SweepReport::default());

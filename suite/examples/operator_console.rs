@@ -110,10 +110,11 @@ async fn main() -> ExitCode {
         return ExitCode::FAILURE;
     }
     let token = std::env::var("OPS_TOKEN").unwrap_or_else(|_| {
-        let nanos = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_nanos());
-        format!("{:x}", nanos ^ u128::from(std::process::id()))
+        // Two 64-bit values from std's randomly seeded hasher: a stand-in, not a password
+        // scheme.
+        use std::hash::BuildHasher;
+        let random = || std::collections::hash_map::RandomState::new().hash_one(0u8);
+        format!("{:016x}{:016x}", random(), random())
     });
     let addr = std::env::var("ADDR").unwrap_or_else(|_| "127.0.0.1:3001".to_owned());
     let addr = if once { "127.0.0.1:0".to_owned() } else { addr };
@@ -160,6 +161,8 @@ async fn main() -> ExitCode {
         return ExitCode::FAILURE;
     }
     if once {
+        drop(store);
+        remove_demo_files(&path);
         return ExitCode::SUCCESS;
     }
     println!("\nconsole: http://{local}/login?token={token}  (the stand-in auth sets a cookie)");
@@ -186,4 +189,13 @@ async fn charge(
         return Err(format!("{key}: expected 502, got {status}").into());
     }
     Ok(())
+}
+
+/// The demo database and SQLite's files beside it.
+fn remove_demo_files(path: &std::path::Path) {
+    for suffix in ["", "-wal", "-shm"] {
+        let mut file = path.as_os_str().to_owned();
+        file.push(suffix);
+        let _ = std::fs::remove_file(file);
+    }
 }

@@ -288,7 +288,7 @@ async fn s18_console_lists_inspects_and_resolves_over_http() {
         .post(ops(addr, "/api/remove"))
         .header("cookie", COOKIE)
         .header("content-type", "application/json")
-        .body(json!({"scope": scope, "key": "k-1"}).to_string())
+        .body(json!({"scope": scope, "key": "k-1", "reason": "test data"}).to_string())
         .send()
         .await
         .expect("post");
@@ -320,12 +320,13 @@ struct Browser {
     _driver: Driver,
 }
 
-struct Driver(Child);
+struct Driver(Child, std::path::PathBuf);
 
 impl Drop for Driver {
     fn drop(&mut self) {
         let _ = self.0.kill();
         let _ = self.0.wait();
+        let _ = std::fs::remove_dir_all(&self.1);
     }
 }
 
@@ -356,7 +357,8 @@ impl Browser {
             .stderr(Stdio::null())
             .spawn()
             .expect("chromedriver starts");
-        let driver = Driver(child);
+        let profile = std::env::temp_dir().join(format!("console-chromium-{}", std::process::id()));
+        let driver = Driver(child, profile.clone());
         let http = client();
         let base = format!("http://127.0.0.1:{port}");
         for _ in 0..100 {
@@ -365,7 +367,6 @@ impl Browser {
             }
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
-        let profile = std::env::temp_dir().join(format!("console-chromium-{}", std::process::id()));
         let capabilities = json!({"capabilities": {"alwaysMatch": {
             "browserName": "chrome",
             "goog:chromeOptions": {
@@ -501,6 +502,39 @@ impl Browser {
         value.as_str().unwrap_or_default().to_owned()
     }
 
+    /// Waits (up to 10 s) until `css` reads `want`: after a click the old page may still be
+    /// there, or its elements gone stale.
+    async fn wait_text(&self, css: &str, want: &str) {
+        let mut seen = String::new();
+        for _ in 0..200 {
+            let url = format!("{}/session/{}/elements", self.base, self.session);
+            let found: Value = match self
+                .http
+                .post(url)
+                .json(&json!({"using": "css selector", "value": css}))
+                .send()
+                .await
+            {
+                Ok(res) => res.json().await.unwrap_or(Value::Null),
+                Err(_) => Value::Null,
+            };
+            if let Some(id) = found["value"][0][ELEMENT].as_str() {
+                let url = format!("{}/session/{}/element/{id}/text", self.base, self.session);
+                if let Ok(res) = self.http.get(url).send().await {
+                    let text: Value = res.json().await.unwrap_or(Value::Null);
+                    if let Some(text) = text["value"].as_str() {
+                        seen = text.to_owned();
+                        if seen == want {
+                            return;
+                        }
+                    }
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        panic!("{css} never read {want:?} (last: {seen:?})");
+    }
+
     async fn set_cookie(&self, name: &str, value: &str) {
         self.call(
             reqwest::Method::POST,
@@ -540,7 +574,7 @@ async fn s18_console_in_a_real_browser_list_inspect_resolve_then_the_key_replays
     assert_eq!(browser.text("a.record").await, "browser-1");
     // Inspect, and resolve as applied with a reason, through the page's own form.
     browser.click("a.record").await;
-    assert_eq!(browser.text("#status").await, "needs_reconciliation");
+    browser.wait_text("#status", "needs_reconciliation").await;
     browser
         .type_into(
             "#resolve-applied textarea[name=body]",
@@ -554,11 +588,10 @@ async fn s18_console_in_a_real_browser_list_inspect_resolve_then_the_key_replays
         )
         .await;
     browser.click("#resolve-applied button").await;
+    browser
+        .wait_text("#note", "seen in the provider's dashboard")
+        .await;
     assert_eq!(browser.text("#status").await, "completed");
-    assert_eq!(
-        browser.text("#note").await,
-        "seen in the provider's dashboard"
-    );
     browser.close().await;
     // The resolved key replays what the operator recorded; nothing runs again.
     let replay = charge(addr, "browser-1", "10 EUR").await;
@@ -566,4 +599,161 @@ async fn s18_console_in_a_real_browser_list_inspect_resolve_then_the_key_replays
     assert_eq!(replay.headers()["idempotency-replayed"], "true");
     assert_eq!(replay.text().await.expect("body"), "{\"charge\":\"ch_9\"}");
     assert_eq!(effects.count(), 1);
+}
+
+async fn acquire(
+    store: &MemoryStore,
+    key: &tower_idempotency::ScopedKey,
+) -> tower_idempotency::store::Lease {
+    let claim = store
+        .claim(&tower_idempotency::store::ClaimRequest {
+            key: key.clone(),
+            fingerprint: tower_idempotency::Fingerprint::from_bytes([1; 32]),
+            lease: Duration::from_secs(60),
+            ttl: Duration::from_secs(60),
+            on_lease_expiry: tower_idempotency::LeaseExpiry::Reclaim,
+        })
+        .await
+        .expect("claim");
+    match claim {
+        tower_idempotency::store::Claim::Acquired(lease) => lease,
+        other => panic!("{other:?}"),
+    }
+}
+
+/// The hidden inputs of a record page's forms, as a browser sends them back.
+fn page_fields(page: &str) -> Vec<(String, String)> {
+    ["ref", "token"]
+        .iter()
+        .map(|name| {
+            let marker = format!("name=\"{name}\" value=\"");
+            let start = page.find(&marker).expect("hidden input") + marker.len();
+            let end = start + page[start..].find('"').expect("end of value");
+            ((*name).to_owned(), page[start..end].replace("&amp;", "&"))
+        })
+        .collect()
+}
+
+/// Review findings: forms name their key by a reference a browser cannot alter (a JSON-RPC
+/// record's scope holds NUL), and carry the attempt they were built for; a resolution's
+/// status must be final; the JSON API refuses a browser's cross-site call however it says so;
+/// a cursor the console never gave out is an error; nothing of the API is cached; removing
+/// needs a reason and says when there was nothing.
+#[tokio::test]
+async fn s18_console_forms_and_api_hold_against_the_review() {
+    let store = MemoryStore::new();
+    let addr = app(store.clone(), Effects::default()).await;
+    let same_origin: &'static str = Box::leak(format!("http://{addr}").into_boxed_str());
+    let post_form = |path: &'static str, fields: Vec<(String, String)>| async move {
+        let body = form_urlencoded::Serializer::new(String::new())
+            .extend_pairs(fields)
+            .finish();
+        client()
+            .post(ops(addr, path))
+            .header("cookie", COOKIE)
+            .header("origin", same_origin)
+            .header("content-type", "application/x-www-form-urlencoded")
+            .body(body)
+            .send()
+            .await
+            .expect("post")
+    };
+    let get = |url: String| async move {
+        client()
+            .get(url)
+            .header("cookie", COOKIE)
+            .send()
+            .await
+            .expect("get")
+    };
+    // A record whose scope holds NUL and CR, as JSON-RPC scopes hold NUL.
+    let key = tower_idempotency::ScopedKey::new("tenant\0tools/call\r", "mcp-1");
+    let lease = acquire(&store, &key).await;
+    store.mark_uncertain(&key, lease.token).await.expect("mark");
+    let record_url = ops(
+        addr,
+        &format!("/record?scope={}&key=mcp-1", enc(key.scope())),
+    );
+    let page = get(record_url.clone()).await.text().await.expect("html");
+    let fields = page_fields(&page);
+    // Bad statuses, and a body on a bodiless answer, are refused.
+    for (status, body) in [("999", ""), ("101", ""), ("204", "not empty")] {
+        let mut bad = fields.clone();
+        bad.extend([
+            ("outcome".to_owned(), "applied".to_owned()),
+            ("status".to_owned(), status.to_owned()),
+            ("body".to_owned(), body.to_owned()),
+            ("reason".to_owned(), "checked".to_owned()),
+        ]);
+        assert_eq!(
+            post_form("/resolve", bad).await.status(),
+            StatusCode::BAD_REQUEST,
+            "{status}"
+        );
+    }
+    let mut settle = fields.clone();
+    settle.extend([
+        ("outcome".to_owned(), "not_applied".to_owned()),
+        ("reason".to_owned(), "nothing happened".to_owned()),
+    ]);
+    let stale = settle.clone();
+    let done = post_form("/resolve", settle).await;
+    assert_eq!(
+        done.status(),
+        StatusCode::OK,
+        "resolved through the encoded key"
+    );
+    let record = store.lookup(&key).await.expect("lookup").expect("record");
+    assert_eq!(
+        record.status,
+        tower_idempotency::store::RecordStatus::Released
+    );
+    // A new attempt on the key: the old page's form must not settle it.
+    let again = acquire(&store, &key).await;
+    store.mark_uncertain(&key, again.token).await.expect("mark");
+    assert_eq!(
+        post_form("/resolve", stale).await.status(),
+        StatusCode::CONFLICT,
+        "a page of the first attempt cannot settle the second"
+    );
+    // The JSON API.
+    let api = |sec_fetch_site: Option<&'static str>, content_type: &'static str| async move {
+        let mut req = client()
+            .post(ops(addr, "/api/purge"))
+            .header("cookie", COOKIE)
+            .header("content-type", content_type)
+            .body("{}");
+        if let Some(site) = sec_fetch_site {
+            req = req.header("sec-fetch-site", site);
+        }
+        req.send().await.expect("post")
+    };
+    assert_eq!(
+        api(Some("cross-site"), "application/json").await.status(),
+        StatusCode::FORBIDDEN
+    );
+    let ok = api(None, "Application/JSON; charset=utf-8").await;
+    assert_eq!(ok.status(), StatusCode::OK);
+    assert_eq!(ok.headers()["cache-control"], "no-store");
+    assert_eq!(
+        get(ops(addr, "/api/uncertain?after=not-a-cursor"))
+            .await
+            .status(),
+        StatusCode::BAD_REQUEST
+    );
+    // Removing needs a reason, and says when there was nothing to remove.
+    let mut remove = page_fields(&get(record_url).await.text().await.expect("html"));
+    assert_eq!(
+        post_form("/remove", remove.clone()).await.status(),
+        StatusCode::BAD_REQUEST
+    );
+    remove.push(("reason".to_owned(), "test data".to_owned()));
+    assert_eq!(
+        post_form("/remove", remove.clone()).await.status(),
+        StatusCode::OK
+    );
+    assert_eq!(
+        post_form("/remove", remove).await.status(),
+        StatusCode::NOT_FOUND
+    );
 }
