@@ -163,11 +163,19 @@ impl<St: IdempotencyStore> Execution<St> {
                 mut parts,
                 body,
                 trailers,
+                fits,
             } => {
-                let body = self
-                    .record(&mut parts, Some(body), trailers.as_ref())
-                    .await
-                    .unwrap_or_default();
+                // Over the limit with its head and trailers: recorded without them, by its
+                // final status, as any response too large to keep.
+                let body = match fits {
+                    true => self.record(&mut parts, Some(body), trailers.as_ref()).await,
+                    false => {
+                        self.record_without_body(&mut parts, trailers.as_ref())
+                            .await;
+                        Some(body)
+                    }
+                }
+                .unwrap_or_default();
                 let how = Presentation {
                     replayed: false,
                     mark: self.route.mark_first_response,
@@ -302,6 +310,30 @@ impl<St: IdempotencyStore> Execution<St> {
         RecordStatus::Completed.as_str()
     }
 
+    /// Records a response too large to keep: its head and outcome, classified by its final
+    /// status (the trailers' where it has them), without its body or trailers.
+    async fn record_without_body(&self, parts: &mut Parts, trailers: Option<&HeaderMap>) {
+        let outcome = Outcome {
+            status: parts.status,
+            headers: &parts.headers,
+            trailers,
+            jsonrpc: None,
+        };
+        if !self.route.cache_policy.records(&outcome) {
+            self.release().await;
+            return;
+        }
+        let mut headers = parts.headers.clone();
+        withhold(&mut headers, &self.config.denied_headers, true);
+        let stored = StoredResponse {
+            status: parts.status,
+            headers,
+            body: None,
+            trailers: None,
+        };
+        self.complete(&stored).await;
+    }
+
     /// Step 8: records the outcome if the route's policy keeps it, else releases the key.
     /// Hands `body` back: it moves through the record rather than being shared with it.
     async fn record(
@@ -321,10 +353,19 @@ impl<St: IdempotencyStore> Execution<St> {
                 return body;
             }
         }
+        // What of the trailers may be kept: the same deny list as the headers (credentials,
+        // per-call ids and trace context never reach a retry nor the store). A gRPC answer
+        // that never said how the call ended is UNKNOWN, not a success.
+        let trailers = self.dialect.stored_trailers(
+            &parts.headers,
+            trailers,
+            &self.config.denied_headers,
+            body.is_some(),
+        );
         let outcome = Outcome {
             status: parts.status,
             headers: &parts.headers,
-            trailers,
+            trailers: trailers.as_ref(),
             jsonrpc: None,
         };
         if !self.route.cache_policy.records(&outcome) {
@@ -341,7 +382,7 @@ impl<St: IdempotencyStore> Execution<St> {
             status: parts.status,
             headers,
             body,
-            trailers: trailers.cloned(),
+            trailers,
         };
         self.complete(&stored).await;
         parts.headers = stored.headers;

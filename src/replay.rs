@@ -85,11 +85,13 @@ pub(crate) fn restore(headers: &mut HeaderMap, withheld: Vec<(HeaderName, Header
 
 /// A response read off the inner service; `W` names the call whose stream is watched.
 pub(crate) enum Captured<B, W> {
-    /// The whole body (and trailers) fit within the limit.
+    /// The whole body and trailers, read to the end; `fits` when they and the head are within
+    /// the limit (else the response is recorded without them).
     Complete {
         parts: Parts,
         body: Bytes,
         trailers: Option<HeaderMap>,
+        fits: bool,
     },
     /// A stream to pass on as it arrives (an SSE answer to the watched call), read by no one
     /// yet.
@@ -137,6 +139,9 @@ where
     }
     let mut data = Gathered::default();
     let mut trailers: Option<HeaderMap> = None;
+    // Every stored byte counts against the limit: the head's and the trailers' too.
+    let head = header_bytes(&parts.headers);
+    let body_limit = limit.saturating_sub(head);
     while let Some(frame) = body.frame().await {
         let frame = match frame {
             Ok(frame) => frame,
@@ -148,7 +153,7 @@ where
         match frame.into_data() {
             Ok(chunk) => {
                 data.push(chunk);
-                if data.len() > limit {
+                if data.len() > body_limit {
                     return Captured::TooLarge {
                         parts,
                         prefix: data.freeze(),
@@ -163,11 +168,21 @@ where
             }
         }
     }
+    let stored = head + data.len() + trailers.as_ref().map_or(0, header_bytes);
     Captured::Complete {
         parts,
         body: data.freeze(),
         trailers,
+        fits: stored <= limit,
     }
+}
+
+/// What a header map weighs as stored: its names and values.
+pub(crate) fn header_bytes(headers: &HeaderMap) -> usize {
+    headers
+        .iter()
+        .map(|(name, value)| name.as_str().len() + value.len())
+        .sum()
 }
 
 /// How a response leaves the middleware: the replay marker, and the optional envelope.

@@ -44,6 +44,28 @@ pub(crate) fn is_grpc(headers: &HeaderMap) -> bool {
         .is_some_and(|ct| ct.as_bytes().starts_with(b"application/grpc"))
 }
 
+/// The trailer (or trailers-only header) that says how a call ended.
+pub(crate) static STATUS: http::HeaderName = http::HeaderName::from_static("grpc-status");
+/// Its message.
+pub(crate) static MESSAGE: http::HeaderName = http::HeaderName::from_static("grpc-message");
+
+/// Per-call binary metadata that describes this call, not the operation: trace context and
+/// tags, server statistics. Never kept for a retry.
+const PER_CALL: [&str; 3] = ["grpc-trace-bin", "grpc-tags-bin", "grpc-server-stats-bin"];
+
+/// Removes the per-call metadata ([`PER_CALL`]) from trailers to be kept.
+pub(crate) fn withhold_per_call(trailers: &mut HeaderMap) {
+    for name in PER_CALL {
+        trailers.remove(name);
+    }
+}
+
+/// Whether a response said how its call ended: `grpc-status` in its trailers or, for a
+/// trailers-only response, in its headers.
+pub(crate) fn has_status(headers: &HeaderMap, trailers: Option<&HeaderMap>) -> bool {
+    headers.contains_key(&STATUS) || trailers.is_some_and(|t| t.contains_key(&STATUS))
+}
+
 /// What a fingerprint mismatch tells the client its call differs in.
 pub(crate) const COVERS: &str = "method or request message";
 

@@ -179,6 +179,33 @@ impl Dialect {
         }
     }
 
+    /// The trailers of an answer as they are kept: without what the deny list names (as for
+    /// headers); for a gRPC answer read to its end (`complete`), with `grpc-status: 2`
+    /// (UNKNOWN) where it never said how the call ended, so the policy and every replay read
+    /// it as the failure it is.
+    pub(crate) fn stored_trailers(
+        &self,
+        headers: &HeaderMap,
+        trailers: Option<&HeaderMap>,
+        denied: &[::http::HeaderName],
+        complete: bool,
+    ) -> Option<HeaderMap> {
+        let mut kept = trailers.cloned();
+        if let Some(kept) = &mut kept {
+            crate::replay::withhold(kept, denied, false);
+            grpc::withhold_per_call(kept);
+        }
+        if complete && *self == Self::Grpc && !grpc::has_status(headers, kept.as_ref()) {
+            let unknown = kept.get_or_insert_with(HeaderMap::new);
+            unknown.insert(grpc::STATUS.clone(), HeaderValue::from_static("2"));
+            unknown.insert(
+                grpc::MESSAGE.clone(),
+                HeaderValue::from_static("the server ended the call without a grpc-status"),
+            );
+        }
+        kept
+    }
+
     /// Whether the head of an answer whose body was lost says anything about its outcome: a
     /// JSON-RPC call's outcome travels in the body, so its head is taken as done.
     pub(crate) fn head_tells_outcome(&self) -> bool {

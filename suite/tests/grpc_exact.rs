@@ -1,0 +1,223 @@
+//! Issue 19 §1, §2 and §4 (its first point), with a real tonic client against a hand-written
+//! service that ends its calls with trailers of its own: trailers pass the deny list, their
+//! bytes count against the record limit, and a call that never says how it ended is UNKNOWN.
+
+mod common;
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
+use bytes::Bytes;
+use common::Effects;
+use http::uri::PathAndQuery;
+use http::{HeaderMap, HeaderValue};
+use http_body::Frame;
+use http_body_util::StreamBody;
+use tokio::net::TcpListener;
+use tonic::transport::server::TcpIncoming;
+use tonic::transport::{Endpoint, Server};
+use tonic::{Code, Status};
+use tonic_prost::ProstCodec;
+use tower_idempotency::scope::SingleTenant;
+use tower_idempotency::{IdempotencyLayer, MemoryStore};
+
+#[derive(Clone, PartialEq, prost::Message)]
+struct Empty {}
+
+const SECRET: &str = "/trail.Trail/Secret";
+const BIG: &str = "/trail.Trail/Big";
+const NO_STATUS: &str = "/trail.Trail/NoStatus";
+
+/// A service that answers one empty message and then trailers of its own choosing.
+#[derive(Clone, Default)]
+struct Trail {
+    effects: Effects,
+}
+
+impl tonic::server::NamedService for Trail {
+    const NAME: &'static str = "trail.Trail";
+}
+
+fn trailers(path: &str, n: usize) -> HeaderMap {
+    let mut t = HeaderMap::new();
+    let mut put = |name: &'static str, value: String| {
+        t.insert(name, HeaderValue::from_str(&value).expect("value"));
+    };
+    match path {
+        SECRET => {
+            put("grpc-status", "0".into());
+            put("set-cookie", format!("session=call-{n}"));
+            put("authorization", format!("Bearer call-{n}"));
+            put("x-request-id", format!("req-{n}"));
+            put("traceparent", format!("00-{n:032x}-00f067aa0ba902b7-01"));
+            put("grpc-trace-bin", "AAAA".into());
+            put("x-operation", "ticket-created".into());
+        }
+        BIG => {
+            put("grpc-status", "0".into());
+            put("x-big", "b".repeat(4096));
+        }
+        _ => put("x-no-status", "the server forgot".into()),
+    }
+    t
+}
+
+impl<B: Send + 'static> tower::Service<http::Request<B>> for Trail {
+    type Response = http::Response<tonic::body::Body>;
+    type Error = Infallible;
+    type Future = Pin<Box<dyn Future<Output = Result<Self::Response, Infallible>> + Send>>;
+
+    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, req: http::Request<B>) -> Self::Future {
+        let n = self.effects.hit();
+        let path = req.uri().path().to_owned();
+        Box::pin(async move {
+            // One empty message (flag 0, length 0), then the trailers.
+            let frames = vec![
+                Ok::<_, Infallible>(Frame::data(Bytes::from_static(&[0, 0, 0, 0, 0]))),
+                Ok(Frame::trailers(trailers(&path, n))),
+            ];
+            let body = StreamBody::new(futures_util::stream::iter(frames));
+            let mut res = http::Response::new(tonic::body::Body::new(body));
+            res.headers_mut().insert(
+                http::header::CONTENT_TYPE,
+                HeaderValue::from_static("application/grpc"),
+            );
+            Ok(res)
+        })
+    }
+}
+
+async fn serve(layer: IdempotencyLayer<MemoryStore, SingleTenant>, trail: Trail) -> SocketAddr {
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let server = Server::builder()
+        .layer(layer)
+        .add_service(trail)
+        .serve_with_incoming(TcpIncoming::from(listener));
+    tokio::spawn(async move { server.await.expect("grpc server") });
+    addr
+}
+
+async fn call(
+    addr: SocketAddr,
+    path: &'static str,
+    key: &str,
+) -> Result<tonic::Response<Empty>, Status> {
+    let channel = Endpoint::from_shared(format!("http://{addr}"))
+        .expect("endpoint")
+        .connect()
+        .await
+        .expect("connect");
+    let mut grpc = tonic::client::Grpc::new(channel);
+    grpc.ready().await.expect("ready");
+    let mut request = tonic::Request::new(Empty {});
+    request
+        .metadata_mut()
+        .insert("idempotency-key", key.parse().expect("ascii"));
+    grpc.unary(
+        request,
+        PathAndQuery::from_static(path),
+        ProstCodec::default(),
+    )
+    .await
+}
+
+fn layer(store: MemoryStore) -> IdempotencyLayer<MemoryStore, SingleTenant> {
+    IdempotencyLayer::new_for_grpc(store)
+        .single_tenant()
+        .grpc_method(SECRET, |m| m)
+        .grpc_method(BIG, |m| m.response_limit(1024))
+        .grpc_method(NO_STATUS, |m| m)
+}
+
+/// §1: the first caller gets its trailers as sent; the record and every retry keep only what
+/// the deny list allows: no cookie, no credentials, no request id or trace context.
+#[tokio::test]
+async fn s19_1_trailers_pass_the_deny_list() {
+    let store = MemoryStore::new();
+    let trail = Trail::default();
+    let addr = serve(layer(store.clone()), trail.clone()).await;
+    let first = call(addr, SECRET, "t-1").await.expect("first");
+    assert_eq!(
+        first.metadata().get("set-cookie").map(|v| v.to_str().ok()),
+        Some(Some("session=call-1"))
+    );
+    let replay = call(addr, SECRET, "t-1").await.expect("replay");
+    let meta = replay.metadata();
+    assert!(meta.contains_key("idempotency-replayed"), "{meta:?}");
+    for denied in [
+        "set-cookie",
+        "authorization",
+        "x-request-id",
+        "traceparent",
+        "grpc-trace-bin",
+    ] {
+        assert!(
+            !meta.contains_key(denied),
+            "{denied} reached a retry: {meta:?}"
+        );
+    }
+    assert_eq!(
+        meta.get("x-operation").and_then(|v| v.to_str().ok()),
+        Some("ticket-created"),
+        "what describes the operation is kept"
+    );
+    assert_eq!(trail.effects.count(), 1);
+    // Nor does the store hold them.
+    let record = tower_idempotency::IdempotencyStore::lookup(
+        &store,
+        &tower_idempotency::ScopedKey::new("", "t-1"),
+    )
+    .await
+    .expect("lookup")
+    .expect("the record (single tenant: an empty scope)");
+    let stored = record
+        .response
+        .expect("recorded")
+        .trailers
+        .unwrap_or_default();
+    assert!(!stored.contains_key("set-cookie") && !stored.contains_key("authorization"));
+    assert!(stored.contains_key("x-operation"));
+}
+
+/// §2: trailer bytes count against the record limit: 4 KiB of trailers on a route that keeps
+/// 1 KiB is recorded as completed without its response, never stored whole.
+#[tokio::test]
+async fn s19_2_trailer_bytes_count_against_the_limit() {
+    let trail = Trail::default();
+    let addr = serve(layer(MemoryStore::new()), trail.clone()).await;
+    let first = call(addr, BIG, "b-1")
+        .await
+        .expect("the first caller gets it all");
+    assert_eq!(first.metadata().get("x-big").map(|v| v.len()), Some(4096));
+    let retry = call(addr, BIG, "b-1").await.expect_err("not stored");
+    assert_eq!(retry.code(), Code::FailedPrecondition, "{retry:?}");
+    assert_eq!(trail.effects.count(), 1, "completed: never run again");
+}
+
+/// §4: an answer that never says how the call ended is UNKNOWN, not a success: under the
+/// default policy the key is given back, and the retry runs.
+#[tokio::test]
+async fn s19_4_no_grpc_status_is_unknown_not_success() {
+    let trail = Trail::default();
+    let addr = serve(layer(MemoryStore::new()), trail.clone()).await;
+    let first = call(addr, NO_STATUS, "n-1").await;
+    assert!(
+        first.is_err(),
+        "tonic reads a missing status as an error: {first:?}"
+    );
+    let retry = call(addr, NO_STATUS, "n-1").await;
+    assert!(retry.is_err());
+    assert_eq!(
+        trail.effects.count(),
+        2,
+        "released, not replayed as a success"
+    );
+}
