@@ -198,6 +198,25 @@ impl<St: IdempotencyStore> Execution<St> {
                 mut parts,
                 prefix,
                 rest,
+            } if self.dialect.outcome_in_trailers() => {
+                // Too large to keep, and how it ended is only told at its end: forwarded as it
+                // comes, recorded (without its response) by its final status, before that
+                // status reaches the client.
+                if self.route.mark_first_response {
+                    parts.headers.insert(
+                        crate::replay::IDEMPOTENCY_REPLAYED.clone(),
+                        http::HeaderValue::from_static("false"),
+                    );
+                }
+                let (tx, rx) = tokio::sync::mpsc::channel(16);
+                let head = head_of(&parts);
+                tokio::spawn(self.tail(head, prefix, rest, tx, hold).in_current_span());
+                Ok(Response::from_parts(parts, ResponseBody::channel(rx)))
+            }
+            Captured::TooLarge {
+                mut parts,
+                prefix,
+                rest,
             } => {
                 // Recorded without a body: the key stays consumed, never a second run.
                 self.record(&mut parts, None, None).await;
@@ -208,6 +227,50 @@ impl<St: IdempotencyStore> Execution<St> {
                 };
                 Ok(present_streaming(parts, prefix, rest, how))
             }
+        }
+    }
+
+    /// Forwards the rest of a response too large to keep, then records it without its
+    /// response, classified by its trailers (a gRPC status), before they are sent on: a client
+    /// that has the final status can count on its retry seeing the record. A failed body is
+    /// recorded by its head, as any answer whose body was lost.
+    async fn tail<B>(
+        self,
+        mut head: Parts,
+        prefix: Bytes,
+        mut rest: Pin<Box<B>>,
+        tx: tokio::sync::mpsc::Sender<Result<http_body::Frame<Bytes>, BoxError>>,
+        hold: Hold<St>,
+    ) where
+        B: Body<Data = Bytes>,
+        B::Error: Into<BoxError>,
+    {
+        // A closed receiver only means the client left: the reading goes on.
+        let _ = tx.send(Ok(http_body::Frame::data(prefix))).await;
+        let mut trailers: Option<HeaderMap> = None;
+        loop {
+            let next = http_body_util::BodyExt::frame(&mut rest)
+                .await
+                .map(|frame| frame.map_err(Into::<BoxError>::into));
+            match next {
+                None => break,
+                Some(Err(error)) => {
+                    self.record_lost(&mut head).await;
+                    let _ = tx.send(Err(error)).await;
+                    return;
+                }
+                Some(Ok(frame)) => match frame.into_trailers() {
+                    Ok(t) => trailers.get_or_insert_with(HeaderMap::new).extend(t),
+                    Err(frame) => {
+                        let _ = tx.send(Ok(frame)).await;
+                    }
+                },
+            }
+        }
+        self.record_without_body(&mut head, trailers.as_ref()).await;
+        drop(hold);
+        if let Some(trailers) = trailers {
+            let _ = tx.send(Ok(http_body::Frame::trailers(trailers))).await;
         }
     }
 
@@ -313,10 +376,17 @@ impl<St: IdempotencyStore> Execution<St> {
     /// Records a response too large to keep: its head and outcome, classified by its final
     /// status (the trailers' where it has them), without its body or trailers.
     async fn record_without_body(&self, parts: &mut Parts, trailers: Option<&HeaderMap>) {
+        // Classified as a complete answer is: by its final status, UNKNOWN where it has none.
+        let trailers = self.dialect.stored_trailers(
+            &parts.headers,
+            trailers,
+            &self.config.denied_headers,
+            true,
+        );
         let outcome = Outcome {
             status: parts.status,
             headers: &parts.headers,
-            trailers,
+            trailers: trailers.as_ref(),
             jsonrpc: None,
         };
         if !self.route.cache_policy.records(&outcome) {

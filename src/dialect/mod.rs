@@ -206,6 +206,12 @@ impl Dialect {
         kept
     }
 
+    /// Whether an answer's outcome is told at its end (a gRPC status in its trailers): one too
+    /// large to keep is then read to its end before it is classified.
+    pub(crate) fn outcome_in_trailers(&self) -> bool {
+        *self == Self::Grpc
+    }
+
     /// Whether the head of an answer whose body was lost says anything about its outcome: a
     /// JSON-RPC call's outcome travels in the body, so its head is taken as done.
     pub(crate) fn head_tells_outcome(&self) -> bool {

@@ -30,6 +30,8 @@ struct Empty {}
 const SECRET: &str = "/trail.Trail/Secret";
 const BIG: &str = "/trail.Trail/Big";
 const NO_STATUS: &str = "/trail.Trail/NoStatus";
+const LARGE_OK: &str = "/trail.Trail/LargeOk";
+const LARGE_UNAVAILABLE: &str = "/trail.Trail/LargeUnavailable";
 
 /// A service that answers one empty message and then trailers of its own choosing.
 #[derive(Clone, Default)]
@@ -60,6 +62,11 @@ fn trailers(path: &str, n: usize) -> HeaderMap {
             put("grpc-status", "0".into());
             put("x-big", "b".repeat(4096));
         }
+        LARGE_OK => put("grpc-status", "0".into()),
+        LARGE_UNAVAILABLE => {
+            put("grpc-status", "14".into());
+            put("grpc-message", "the ledger is down".into());
+        }
         _ => put("x-no-status", "the server forgot".into()),
     }
     t
@@ -78,9 +85,20 @@ impl<B: Send + 'static> tower::Service<http::Request<B>> for Trail {
         let n = self.effects.hit();
         let path = req.uri().path().to_owned();
         Box::pin(async move {
-            // One empty message (flag 0, length 0), then the trailers.
+            // One message, then the trailers. The large ones carry 2 KiB in an unknown
+            // field (which an empty message skips), in two frames.
+            let large = path == LARGE_OK || path == LARGE_UNAVAILABLE;
+            let message = if large {
+                let mut m = vec![0u8, 0, 0, 0x08, 0x03, 0x0a, 0x80, 0x10];
+                m.extend(std::iter::repeat_n(b'm', 2048));
+                m
+            } else {
+                vec![0, 0, 0, 0, 0]
+            };
+            let (first, second) = message.split_at(message.len() / 2);
             let frames = vec![
-                Ok::<_, Infallible>(Frame::data(Bytes::from_static(&[0, 0, 0, 0, 0]))),
+                Ok::<_, Infallible>(Frame::data(Bytes::copy_from_slice(first))),
+                Ok(Frame::data(Bytes::copy_from_slice(second))),
                 Ok(Frame::trailers(trailers(&path, n))),
             ];
             let body = StreamBody::new(futures_util::stream::iter(frames));
@@ -135,6 +153,8 @@ fn layer(store: MemoryStore) -> IdempotencyLayer<MemoryStore, SingleTenant> {
         .grpc_method(SECRET, |m| m)
         .grpc_method(BIG, |m| m.response_limit(1024))
         .grpc_method(NO_STATUS, |m| m)
+        .grpc_method(LARGE_OK, |m| m.response_limit(256))
+        .grpc_method(LARGE_UNAVAILABLE, |m| m.response_limit(256))
 }
 
 /// §1: the first caller gets its trailers as sent; the record and every retry keep only what
@@ -220,4 +240,30 @@ async fn s19_4_no_grpc_status_is_unknown_not_success() {
         2,
         "released, not replayed as a success"
     );
+}
+
+/// §4: an answer too large to keep is classified by its final status before the key is
+/// consumed: an UNAVAILABLE gives the key back (the retry runs), an OK consumes it (the retry
+/// is told the response was not stored); either way the first caller gets it all.
+#[tokio::test]
+async fn s19_4_an_oversized_answer_is_classified_by_its_final_status() {
+    let trail = Trail::default();
+    let addr = serve(layer(MemoryStore::new()), trail.clone()).await;
+    let failed = call(addr, LARGE_UNAVAILABLE, "l-1")
+        .await
+        .expect_err("unavailable");
+    assert_eq!(failed.code(), Code::Unavailable);
+    assert_eq!(failed.message(), "the ledger is down");
+    let again = call(addr, LARGE_UNAVAILABLE, "l-1")
+        .await
+        .expect_err("runs again");
+    assert_eq!(again.code(), Code::Unavailable);
+    assert_eq!(trail.effects.count(), 2, "released: the retry ran");
+
+    call(addr, LARGE_OK, "l-2")
+        .await
+        .expect("the first caller gets the whole answer");
+    let retry = call(addr, LARGE_OK, "l-2").await.expect_err("not stored");
+    assert_eq!(retry.code(), Code::FailedPrecondition, "{retry:?}");
+    assert_eq!(trail.effects.count(), 3, "consumed: never run again");
 }
