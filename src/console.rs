@@ -253,15 +253,18 @@ async fn listing<St: IdempotencyStore>(
 
 fn record_json(record: &Record, now: SystemTime) -> Value {
     let response = record.response.as_ref().map(response_json);
+    let resolved_at = last_resolution(record);
     let history: Vec<Value> = record
         .history
         .iter()
-        .map(|h| {
+        .enumerate()
+        .map(|(i, h)| {
             json!({
                 "attempt": h.attempt,
                 "attempt_id": hex(&h.token.get().to_be_bytes()),
                 "at_ms": millis(h.at),
                 "event": h.event.as_str(),
+                "note": (Some(i) == resolved_at).then_some(record.resolution_note.as_deref()).flatten(),
             })
         })
         .collect();
@@ -284,6 +287,16 @@ fn record_json(record: &Record, now: SystemTime) -> Value {
         "history": history,
         "response": response,
     })
+}
+
+/// Where in its history a record was last resolved: the reason kept with the record belongs
+/// to that entry.
+fn last_resolution(record: &Record) -> Option<usize> {
+    use crate::store::HistoryEvent::{ReconciledApplied, ReconciledNotApplied};
+    record
+        .history
+        .iter()
+        .rposition(|h| matches!(h.event, ReconciledApplied | ReconciledNotApplied))
 }
 
 fn header_pairs(headers: &HeaderMap) -> Vec<Value> {
@@ -953,15 +966,24 @@ async fn page_record<St: IdempotencyStore>(
         hex(record.fingerprint.as_bytes()),
         esc(record.resolution_note.as_deref().unwrap_or("")),
     );
-    out.push_str("<h2>History</h2><table id=\"history\"><tr><th>attempt</th><th>attempt id</th><th>at (ms)</th><th>event</th></tr>");
-    for h in &record.history {
+    out.push_str(
+        "<h2>History</h2><table id=\"history\"><tr><th>attempt</th><th>attempt id</th>\
+         <th>at (ms)</th><th>event</th><th>reason</th></tr>",
+    );
+    let resolved_at = last_resolution(&record);
+    for (i, h) in record.history.iter().enumerate() {
+        let note = match Some(i) == resolved_at {
+            true => record.resolution_note.as_deref().unwrap_or(""),
+            false => "",
+        };
         let _ = write!(
             out,
-            "<tr><td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>",
+            "<tr><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td class=\"reason\">{}</td></tr>",
             h.attempt,
             hex(&h.token.get().to_be_bytes()),
             millis(h.at),
-            h.event.as_str()
+            h.event.as_str(),
+            esc(note)
         );
     }
     out.push_str("</table><h2>Stored response</h2>");

@@ -277,6 +277,12 @@ async fn s18_console_lists_inspects_and_resolves_over_http() {
     let settled: Value = res.json().await.expect("json");
     assert_eq!(settled["status"], "released");
     assert_eq!(settled["resolution_note"], "no charge at the provider");
+    // The reason is shown with the history entry of the resolution.
+    let resolved = settled["history"]
+        .as_array()
+        .and_then(|h| h.iter().find(|e| e["event"] == "reconciled_not_applied"))
+        .expect("the resolution in the history");
+    assert_eq!(resolved["note"], "no charge at the provider");
     assert_eq!(
         charge(addr, "k-3", "<b>5 EUR</b>").await.status(),
         StatusCode::BAD_GATEWAY
