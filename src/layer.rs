@@ -204,8 +204,12 @@ impl<St, M> IdempotencyLayer<St, M> {
     }
 
     /// Guards the unary gRPC method at `path` (`/package.Service/Method`), with settings made
-    /// from the defaults by `f`. A streaming method named here is buffered whole before it runs:
-    /// client streams are read to their end, and server streams are recorded and replayed whole.
+    /// from the defaults by `f`. Only unary methods can be guarded: a call whose request stream
+    /// sends a second message, or stays open a second after its first (a bidi client waiting
+    /// for a reply), is refused with `INVALID_ARGUMENT` (`CALL_UNGUARDABLE`) before anything
+    /// is claimed or run, never buffered until the client gives up. A server-streaming answer
+    /// is recorded and replayed whole (streamed on, and recorded without its messages, past the
+    /// response limit).
     pub fn grpc_method(
         self,
         path: impl Into<String>,

@@ -15,6 +15,7 @@ use tracing::Instrument;
 use crate::body::{RequestBody, ResponseBody};
 use crate::context::IdempotencyContext;
 use crate::decide::{Decision, busy, ceil_secs, decide};
+use crate::dialect::grpc::read_unary;
 use crate::dialect::http::{Admitted, Reading, buffer, refuse_body};
 use crate::dialect::{self, Dialect, Head, Refusal};
 use crate::execute::{Execution, ReleaseOnDrop};
@@ -155,7 +156,13 @@ impl<St: IdempotencyStore, M: MakeScope> Pipeline<St, M> {
         };
         // A block, so the read's result is not kept in this future's state later on.
         let bytes = {
-            let buffered = buffer(&parts, body, route.body_limit).await;
+            // A gRPC call is read message by message: a guarded method must be unary, and a
+            // streaming call is refused rather than buffered until a client that waits for a
+            // reply gives up (never a hang).
+            let buffered = match pending.reads_one_message() {
+                true => Box::pin(read_unary(body, route.body_limit)).await,
+                false => buffer(&parts, body, route.body_limit).await,
+            };
             match buffered {
                 Ok(bytes) => bytes,
                 Err(problem) => {

@@ -66,6 +66,92 @@ pub(crate) fn has_status(headers: &HeaderMap, trailers: Option<&HeaderMap>) -> b
     headers.contains_key(&STATUS) || trailers.is_some_and(|t| t.contains_key(&STATUS))
 }
 
+/// How long a guarded call's request stream may stay open after its one message before it is
+/// taken for a streaming call (a unary client ends its stream with its message).
+pub(crate) const UNARY_GRACE: std::time::Duration = std::time::Duration::from_secs(1);
+
+/// The request body of a unary call: one length-prefixed message, then the end of the
+/// stream. A second message, or a stream still open [`UNARY_GRACE`] after the first, is a
+/// streaming call, refused before anything is claimed: buffering it to its end would hang a
+/// client that waits for a reply before it sends more.
+pub(crate) async fn read_unary<B>(body: B, limit: usize) -> Result<Bytes, Problem>
+where
+    B: http_body::Body<Data = Bytes>,
+    B::Error: Into<crate::store::BoxError>,
+{
+    use http_body_util::BodyExt;
+    let streaming = |how: &str| {
+        Problem::new(
+            ProblemKind::CallUnguardable,
+            format!(
+                "a guarded gRPC method must be unary, and this call's request stream {how}; \
+                 nothing was run"
+            ),
+        )
+    };
+    let too_large = || {
+        Problem::new(
+            ProblemKind::BodyTooLarge,
+            format!("the request message is larger than this method's limit of {limit} bytes"),
+        )
+    };
+    let unreadable = |error: crate::store::BoxError| {
+        Problem::new(
+            ProblemKind::BodyUnreadable,
+            format!("the request body could not be read: {error}"),
+        )
+    };
+    let mut body = std::pin::pin!(body);
+    let mut data = crate::body::Gathered::default();
+    // The first message's end, once its 5-byte prefix is in.
+    let mut message_end: Option<usize> = None;
+    loop {
+        let one_message_in = message_end.is_some_and(|end| data.len() >= end);
+        let next = if one_message_in {
+            if body.is_end_stream() {
+                break;
+            }
+            match tokio::time::timeout(UNARY_GRACE, body.frame()).await {
+                Ok(next) => next,
+                Err(_) => return Err(streaming("stayed open after its first message")),
+            }
+        } else {
+            body.frame().await
+        };
+        let Some(frame) = next else { break };
+        let frame = frame.map_err(|e| unreadable(e.into()))?;
+        let Ok(chunk) = frame.into_data() else {
+            // Trailers end a request stream.
+            break;
+        };
+        if chunk.is_empty() {
+            continue;
+        }
+        if one_message_in {
+            return Err(streaming("sent a second message"));
+        }
+        if data.len() + chunk.len() > limit {
+            return Err(too_large());
+        }
+        data.push(chunk);
+        if message_end.is_none() && data.len() >= 5 {
+            let whole = data.freeze();
+            let len = u32::from_be_bytes([whole[1], whole[2], whole[3], whole[4]]) as usize;
+            message_end = Some(5 + len);
+            if whole.len() > 5 + len {
+                return Err(streaming("sent a second message"));
+            }
+            data = crate::body::Gathered::default();
+            data.push(whole);
+        } else if let Some(end) = message_end
+            && data.len() > end
+        {
+            return Err(streaming("sent a second message"));
+        }
+    }
+    Ok(data.freeze())
+}
+
 /// What a fingerprint mismatch tells the client its call differs in.
 pub(crate) const COVERS: &str = "method or request message";
 

@@ -55,6 +55,11 @@ pub(crate) enum Pending {
 }
 
 impl Pending {
+    /// Whether the body is one message of a unary call (gRPC): read as such, a stream refused.
+    pub(crate) fn reads_one_message(&self) -> bool {
+        matches!(self, Self::Keyed(_, Dialect::Grpc))
+    }
+
     /// Whom a refusal while the body is read answers.
     pub(crate) fn dialect(&self) -> Dialect {
         match self {

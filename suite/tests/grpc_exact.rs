@@ -32,6 +32,7 @@ const BIG: &str = "/trail.Trail/Big";
 const NO_STATUS: &str = "/trail.Trail/NoStatus";
 const LARGE_OK: &str = "/trail.Trail/LargeOk";
 const LARGE_UNAVAILABLE: &str = "/trail.Trail/LargeUnavailable";
+const STREAMY: &str = "/trail.Trail/Streamy";
 
 /// A service that answers one empty message and then trailers of its own choosing.
 #[derive(Clone, Default)]
@@ -62,7 +63,7 @@ fn trailers(path: &str, n: usize) -> HeaderMap {
             put("grpc-status", "0".into());
             put("x-big", "b".repeat(4096));
         }
-        LARGE_OK => put("grpc-status", "0".into()),
+        LARGE_OK | STREAMY => put("grpc-status", "0".into()),
         LARGE_UNAVAILABLE => {
             put("grpc-status", "14".into());
             put("grpc-message", "the ledger is down".into());
@@ -155,6 +156,7 @@ fn layer(store: MemoryStore) -> IdempotencyLayer<MemoryStore, SingleTenant> {
         .grpc_method(NO_STATUS, |m| m)
         .grpc_method(LARGE_OK, |m| m.response_limit(256))
         .grpc_method(LARGE_UNAVAILABLE, |m| m.response_limit(256))
+        .grpc_method(STREAMY, |m| m)
 }
 
 /// §1: the first caller gets its trailers as sent; the record and every retry keep only what
@@ -266,4 +268,63 @@ async fn s19_4_an_oversized_answer_is_classified_by_its_final_status() {
     let retry = call(addr, LARGE_OK, "l-2").await.expect_err("not stored");
     assert_eq!(retry.code(), Code::FailedPrecondition, "{retry:?}");
     assert_eq!(trail.effects.count(), 3, "consumed: never run again");
+}
+
+/// A client-streaming call of `messages`, then (`hold_open`) a stream that never ends, as a
+/// bidi client waiting for a reply before it sends more.
+async fn stream_call(addr: SocketAddr, key: &str, messages: usize, hold_open: bool) -> Status {
+    let channel = Endpoint::from_shared(format!("http://{addr}"))
+        .expect("endpoint")
+        .connect()
+        .await
+        .expect("connect");
+    let mut grpc = tonic::client::Grpc::new(channel);
+    grpc.ready().await.expect("ready");
+    let sent = futures_util::stream::iter(std::iter::repeat_n(Empty {}, messages));
+    let outbound: Pin<Box<dyn futures_util::Stream<Item = Empty> + Send>> = match hold_open {
+        true => Box::pin(futures_util::StreamExt::chain(
+            sent,
+            futures_util::stream::pending(),
+        )),
+        false => Box::pin(sent),
+    };
+    let mut request = tonic::Request::new(outbound);
+    request
+        .metadata_mut()
+        .insert("idempotency-key", key.parse().expect("ascii"));
+    // A bound on the test only, far past the layer's own: a hang fails it, not the suite.
+    let call = grpc.client_streaming::<_, Empty, Empty, _>(
+        request,
+        PathAndQuery::from_static(STREAMY),
+        ProstCodec::default(),
+    );
+    match tokio::time::timeout(std::time::Duration::from_secs(30), call).await {
+        Ok(Err(status)) => status,
+        Ok(Ok(_)) => panic!("a streaming call ran under the layer"),
+        Err(_) => panic!("the streaming call hung"),
+    }
+}
+
+/// §5: a streaming call to a guarded method is refused before anything is claimed or run,
+/// never buffered until a client that waits for a reply gives up: a second message is refused
+/// at once, a stream held open after its first message soon after.
+#[tokio::test]
+async fn s19_5_streaming_calls_are_refused_never_hang() {
+    let trail = Trail::default();
+    let addr = serve(layer(MemoryStore::new()), trail.clone()).await;
+    let two = stream_call(addr, "s-1", 2, false).await;
+    assert_eq!(two.code(), Code::InvalidArgument, "{two:?}");
+    assert!(
+        two.message().contains("second message"),
+        "{}",
+        two.message()
+    );
+    let open = stream_call(addr, "s-2", 1, true).await;
+    assert_eq!(open.code(), Code::InvalidArgument, "{open:?}");
+    assert!(open.message().contains("stayed open"), "{}", open.message());
+    assert_eq!(trail.effects.count(), 0, "nothing ran");
+    // A unary call to the same method is guarded as ever.
+    call(addr, STREAMY, "s-3").await.expect("unary");
+    call(addr, STREAMY, "s-3").await.expect("replay");
+    assert_eq!(trail.effects.count(), 1);
 }
