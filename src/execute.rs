@@ -245,10 +245,11 @@ impl<St: IdempotencyStore> Execution<St> {
         B: Body<Data = Bytes>,
         B::Error: Into<BoxError>,
     {
-        // A closed receiver only means the client left: the reading goes on.
-        let _ = tx.send(Ok(http_body::Frame::data(prefix))).await;
+        // A client that hangs up stops the stream, as it would without the layer: the answer
+        // is then recorded by its head, as one too large to keep was before its end was read.
+        let mut left = tx.send(Ok(http_body::Frame::data(prefix))).await.is_err();
         let mut trailers: Option<HeaderMap> = None;
-        loop {
+        while !left {
             let next = http_body_util::BodyExt::frame(&mut rest)
                 .await
                 .map(|frame| frame.map_err(Into::<BoxError>::into));
@@ -261,11 +262,14 @@ impl<St: IdempotencyStore> Execution<St> {
                 }
                 Some(Ok(frame)) => match frame.into_trailers() {
                     Ok(t) => trailers.get_or_insert_with(HeaderMap::new).extend(t),
-                    Err(frame) => {
-                        let _ = tx.send(Ok(frame)).await;
-                    }
+                    Err(frame) => left = tx.send(Ok(frame)).await.is_err(),
                 },
             }
+        }
+        if left {
+            drop(rest);
+            self.record(&mut head, None, None).await;
+            return;
         }
         self.record_without_body(&mut head, trailers.as_ref()).await;
         drop(hold);
@@ -350,12 +354,16 @@ impl<St: IdempotencyStore> Execution<St> {
     /// Records a response whose body was lost after its head: as completed without a body
     /// when the policy records its head, else gives the key back. Returns the key's state.
     async fn record_lost(&self, parts: &mut Parts) -> &'static str {
-        // Where the outcome travels in the lost body, the head says nothing: taken as done.
+        // Where the outcome travels in the lost body, the head says nothing: taken as done. A
+        // gRPC answer lost before its status is UNKNOWN, as one that never sent it.
+        let trailers =
+            self.dialect
+                .stored_trailers(&parts.headers, None, &self.config.denied_headers, true);
         let records = !self.dialect.head_tells_outcome()
             || self.route.cache_policy.records(&Outcome {
                 status: parts.status,
                 headers: &parts.headers,
-                trailers: None,
+                trailers: trailers.as_ref(),
                 jsonrpc: None,
             });
         if !records {

@@ -134,6 +134,9 @@ impl RouteConfig {
     /// A response whose body fails after the handler answered is kept the same way (completed,
     /// response not available) when the policy records its status: the handler answered, so its
     /// effect is taken as done.
+    ///
+    /// Every byte of the response counts: its body, its headers and its trailers (those never
+    /// recorded too), so a body of exactly the limit does not fit with its head.
     pub fn response_limit(mut self, bytes: usize) -> Self {
         self.response_limit = bytes;
         self

@@ -60,6 +60,13 @@ pub(crate) fn withhold_per_call(trailers: &mut HeaderMap) {
     }
 }
 
+/// Whether a message is gRPC-Web (`application/grpc-web…`), whose status travels in its body.
+pub(crate) fn is_grpc_web(headers: &HeaderMap) -> bool {
+    headers
+        .get(header::CONTENT_TYPE)
+        .is_some_and(|ct| ct.as_bytes().starts_with(b"application/grpc-web"))
+}
+
 /// Whether a response said how its call ended: `grpc-status` in its trailers or, for a
 /// trailers-only response, in its headers.
 pub(crate) fn has_status(headers: &HeaderMap, trailers: Option<&HeaderMap>) -> bool {
@@ -107,12 +114,16 @@ where
     let mut message_end: Option<usize> = None;
     loop {
         let one_message_in = message_end.is_some_and(|end| data.len() >= end);
-        let next = if one_message_in {
+        let nothing_yet = data.len() == 0;
+        let next = if one_message_in || nothing_yet {
             if body.is_end_stream() {
                 break;
             }
+            // A unary client sends its message with its headers and then ends its stream; a
+            // bidi client may wait for the server to speak first, or for a reply.
             match tokio::time::timeout(UNARY_GRACE, body.frame()).await {
                 Ok(next) => next,
+                Err(_) if nothing_yet => return Err(streaming("sent no message")),
                 Err(_) => return Err(streaming("stayed open after its first message")),
             }
         } else {

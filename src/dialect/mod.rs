@@ -200,7 +200,12 @@ impl Dialect {
             crate::replay::withhold(kept, denied, false);
             grpc::withhold_per_call(kept);
         }
-        if complete && *self == Self::Grpc && !grpc::has_status(headers, kept.as_ref()) {
+        // gRPC-Web tells its status in a frame of its body, not in trailers: not read here.
+        if complete
+            && *self == Self::Grpc
+            && !grpc::is_grpc_web(headers)
+            && !grpc::has_status(headers, kept.as_ref())
+        {
             let unknown = kept.get_or_insert_with(HeaderMap::new);
             unknown.insert(grpc::STATUS.clone(), HeaderValue::from_static("2"));
             unknown.insert(

@@ -8,6 +8,7 @@ use std::convert::Infallible;
 use std::future::Future;
 use std::net::SocketAddr;
 use std::pin::Pin;
+use std::sync::Arc;
 use std::task::{Context, Poll};
 
 use bytes::Bytes;
@@ -327,4 +328,123 @@ async fn s19_5_streaming_calls_are_refused_never_hang() {
     call(addr, STREAMY, "s-3").await.expect("unary");
     call(addr, STREAMY, "s-3").await.expect("replay");
     assert_eq!(trail.effects.count(), 1);
+}
+
+/// Review finding: a stream that sends no message at all (a bidi client waiting for the
+/// server to speak first) is refused too, never left to hang.
+#[tokio::test]
+async fn s19_5_a_stream_that_sends_nothing_is_refused() {
+    let trail = Trail::default();
+    let addr = serve(layer(MemoryStore::new()), trail.clone()).await;
+    let silent = stream_call(addr, "s-9", 0, true).await;
+    assert_eq!(silent.code(), Code::InvalidArgument, "{silent:?}");
+    assert!(
+        silent.message().contains("sent no message"),
+        "{}",
+        silent.message()
+    );
+    assert_eq!(trail.effects.count(), 0);
+}
+
+/// Review finding: gRPC-Web carries its status in a frame of its body, not in trailers: an OK
+/// answer is recorded and replayed, not taken for one that never said how it ended.
+#[tokio::test]
+async fn s19_4_grpc_web_answers_are_not_taken_for_missing_statuses() {
+    let effects = Effects::default();
+    let sink = effects.clone();
+    let app = axum::Router::new()
+        .route(
+            "/w.W/Call",
+            axum::routing::post(move || async move {
+                sink.hit();
+                let mut body = vec![0u8, 0, 0, 0, 0];
+                let trailer = b"grpc-status:0\r\n";
+                body.push(0x80);
+                body.extend((trailer.len() as u32).to_be_bytes());
+                body.extend(trailer);
+                ([("content-type", "application/grpc-web+proto")], body)
+            }),
+        )
+        .route_layer(IdempotencyLayer::new(MemoryStore::new()).single_tenant());
+    let addr = common::serve(app).await;
+    for i in 0..3 {
+        let res = common::client()
+            .post(format!("http://{addr}/w.W/Call"))
+            .header("content-type", "application/grpc-web+proto")
+            .header("idempotency-key", "w-1")
+            .body(vec![0u8, 0, 0, 0, 0])
+            .send()
+            .await
+            .expect("call");
+        assert_eq!(res.status(), http::StatusCode::OK);
+        assert_eq!(
+            res.headers().contains_key("idempotency-replayed"),
+            i > 0,
+            "call {i}"
+        );
+    }
+    assert_eq!(effects.count(), 1);
+}
+
+/// Review finding: a client that hangs up on an answer too large to keep stops it, as it
+/// would without the layer: the inner stream is dropped, and the key is recorded by its head.
+#[tokio::test]
+async fn s19_4_a_hang_up_stops_an_oversized_stream() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    struct Dropped(Arc<AtomicBool>);
+    impl Drop for Dropped {
+        fn drop(&mut self) {
+            self.0.store(true, Ordering::SeqCst);
+        }
+    }
+    let dropped = Arc::new(AtomicBool::new(false));
+    let flag = dropped.clone();
+    let app = axum::Router::new()
+        .route(
+            "/s.S/Endless",
+            axum::routing::post(move || {
+                let guard = Dropped(flag.clone());
+                async move {
+                    let frames = futures_util::stream::unfold(guard, |guard| async move {
+                        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+                        let mut message = vec![0u8, 0, 0, 4, 0];
+                        message.extend(std::iter::repeat_n(b'm', 1024));
+                        Some((Ok::<_, Infallible>(Bytes::from(message)), guard))
+                    });
+                    (
+                        [("content-type", "application/grpc")],
+                        axum::body::Body::from_stream(frames),
+                    )
+                }
+            }),
+        )
+        .route_layer(
+            IdempotencyLayer::new(MemoryStore::new())
+                .single_tenant()
+                .response_limit(256),
+        );
+    let addr = common::serve(app).await;
+    let mut res = common::client()
+        .post(format!("http://{addr}/s.S/Endless"))
+        .header("content-type", "application/grpc")
+        .header("idempotency-key", "e-1")
+        .body(vec![0u8, 0, 0, 0, 0])
+        .send()
+        .await
+        .expect("call");
+    for _ in 0..3 {
+        res.chunk().await.expect("a frame").expect("more");
+    }
+    drop(res);
+    // Bounded for the test only: the stream must go once the client has.
+    for _ in 0..200 {
+        if dropped.load(Ordering::SeqCst) {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(25)).await;
+    }
+    assert!(
+        dropped.load(Ordering::SeqCst),
+        "the inner stream is dropped after the hang-up"
+    );
 }
