@@ -3,12 +3,9 @@
 use std::fmt;
 use std::sync::Arc;
 
-use http::{HeaderMap, HeaderName, StatusCode};
+use http::{HeaderMap, StatusCode};
 
 use crate::dialect::{grpc, jsonrpc};
-
-/// Looked up on every recorded response: a constant name is hashed, not parsed each time.
-static GRPC_STATUS: HeaderName = HeaderName::from_static("grpc-status");
 
 /// A finished response, as the cache policy sees it.
 #[derive(Debug, Clone, Copy)]
@@ -26,7 +23,7 @@ pub struct Outcome<'a> {
 impl Outcome<'_> {
     /// The gRPC status code, from the trailers or a trailers-only response's headers.
     pub fn grpc_status(&self) -> Option<u16> {
-        let from = |h: &HeaderMap| h.get(&GRPC_STATUS)?.to_str().ok()?.parse().ok();
+        let from = |h: &HeaderMap| h.get(&grpc::STATUS)?.to_str().ok()?.parse().ok();
         self.trailers.and_then(from).or_else(|| from(self.headers))
     }
 

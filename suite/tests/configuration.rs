@@ -193,7 +193,6 @@ async fn s20_9_connect_failures_name_their_cause_and_hide_the_password() {
         .and_then(|l| l.local_addr())
         .expect("a free port")
         .port();
-    let started = std::time::Instant::now();
     let error = AnyStore::connect(&format!("postgres://app:s3cret@127.0.0.1:{port}/db"))
         .await
         .expect_err("nobody listens");
@@ -201,9 +200,8 @@ async fn s20_9_connect_failures_name_their_cause_and_hide_the_password() {
     assert!(!message.contains("s3cret"), "{message}");
     assert!(message.contains("app:***@127.0.0.1"), "{message}");
     assert!(message.to_lowercase().contains("refused"), "{message}");
+    // The refusal itself, not the pool's acquire time-out that used to hide it.
     assert!(!message.contains("timed out"), "{message}");
-    // Not the pool's 5 s acquire time-out (a generous bound: only "not 5 s" is asserted).
-    assert!(started.elapsed() < Duration::from_secs(4), "{message}");
 
     if common::postgres_pool().await.is_some() {
         let url = common::postgres_url();
