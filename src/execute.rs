@@ -145,11 +145,11 @@ impl<St: IdempotencyStore> Execution<St> {
             }
         });
         match captured {
-            Captured::Broken { mut parts, error } => {
+            Captured::Broken { parts, error } => {
                 // The handler answered: its effect is taken as done (DESIGN §3). Only a head
                 // the policy would not record (a 5xx under DefinitiveOnly) gives the key back.
                 tracing::warn!(%error, "the response body failed after the handler answered");
-                let state = self.record_lost(&mut parts).await;
+                let state = self.record_lost(&parts).await;
                 let detail = if state == RecordStatus::Completed.as_str() {
                     "the handler answered but its response body failed; the operation is taken \
                      as done and will not run again, and its response is not available"
@@ -170,7 +170,7 @@ impl<St: IdempotencyStore> Execution<St> {
                 let body = match fits {
                     true => self.record(&mut parts, Some(body), trailers.as_ref()).await,
                     false => {
-                        self.record_without_body(&mut parts, trailers.as_ref())
+                        self.record_without_body(&parts, trailers.as_ref(), false)
                             .await;
                         Some(body)
                     }
@@ -256,7 +256,7 @@ impl<St: IdempotencyStore> Execution<St> {
             match next {
                 None => break,
                 Some(Err(error)) => {
-                    self.record_lost(&mut head).await;
+                    self.record_lost(&head).await;
                     let _ = tx.send(Err(error)).await;
                     return;
                 }
@@ -271,7 +271,8 @@ impl<St: IdempotencyStore> Execution<St> {
             self.record(&mut head, None, None).await;
             return;
         }
-        self.record_without_body(&mut head, trailers.as_ref()).await;
+        self.record_without_body(&head, trailers.as_ref(), false)
+            .await;
         drop(hold);
         if let Some(trailers) = trailers {
             let _ = tx.send(Ok(http_body::Frame::trailers(trailers))).await;
@@ -352,14 +353,30 @@ impl<St: IdempotencyStore> Execution<St> {
     }
 
     /// Records a response whose body was lost after its head: as completed without a body
-    /// when the policy records its head, else gives the key back. Returns the key's state.
-    async fn record_lost(&self, parts: &mut Parts) -> &'static str {
-        // Where the outcome travels in the lost body, the head says nothing: taken as done. A
-        // gRPC answer lost before its status is UNKNOWN, as one that never sent it.
-        let trailers =
-            self.dialect
-                .stored_trailers(&parts.headers, None, &self.config.denied_headers, true);
-        let records = !self.dialect.head_tells_outcome()
+    /// when the policy records it (the head's status; for gRPC, UNKNOWN: the status never
+    /// came), else gives the key back. Where the outcome travels in the lost body (JSON-RPC)
+    /// the head says nothing: taken as done. Returns the key's state.
+    async fn record_lost(&self, parts: &Parts) -> &'static str {
+        let done = !self.dialect.head_tells_outcome();
+        self.record_without_body(parts, None, done).await
+    }
+
+    /// Records a response without its body or trailers (too large to keep, or lost after its
+    /// head), classified by its final status: the trailers' where it has them, UNKNOWN for a
+    /// gRPC answer without one; or taken as `done` whatever it says. Returns the key's state.
+    async fn record_without_body(
+        &self,
+        parts: &Parts,
+        trailers: Option<&HeaderMap>,
+        done: bool,
+    ) -> &'static str {
+        let trailers = self.dialect.stored_trailers(
+            &parts.headers,
+            trailers,
+            &self.config.denied_headers,
+            true,
+        );
+        let records = done
             || self.route.cache_policy.records(&Outcome {
                 status: parts.status,
                 headers: &parts.headers,
@@ -369,38 +386,7 @@ impl<St: IdempotencyStore> Execution<St> {
         if !records {
             return self.release().await;
         }
-        let mut headers = std::mem::take(&mut parts.headers);
-        withhold(&mut headers, &self.config.denied_headers, true);
-        let stored = StoredResponse {
-            status: parts.status,
-            headers,
-            body: None,
-            trailers: None,
-        };
-        self.complete(&stored).await;
-        RecordStatus::Completed.as_str()
-    }
-
-    /// Records a response too large to keep: its head and outcome, classified by its final
-    /// status (the trailers' where it has them), without its body or trailers.
-    async fn record_without_body(&self, parts: &mut Parts, trailers: Option<&HeaderMap>) {
-        // Classified as a complete answer is: by its final status, UNKNOWN where it has none.
-        let trailers = self.dialect.stored_trailers(
-            &parts.headers,
-            trailers,
-            &self.config.denied_headers,
-            true,
-        );
-        let outcome = Outcome {
-            status: parts.status,
-            headers: &parts.headers,
-            trailers: trailers.as_ref(),
-            jsonrpc: None,
-        };
-        if !self.route.cache_policy.records(&outcome) {
-            self.release().await;
-            return;
-        }
+        // A rare path (an answer too large or broken): the head is copied, not lent.
         let mut headers = parts.headers.clone();
         withhold(&mut headers, &self.config.denied_headers, true);
         let stored = StoredResponse {
@@ -410,6 +396,7 @@ impl<St: IdempotencyStore> Execution<St> {
             trailers: None,
         };
         self.complete(&stored).await;
+        RecordStatus::Completed.as_str()
     }
 
     /// Step 8: records the outcome if the route's policy keeps it, else releases the key.
