@@ -114,6 +114,11 @@ impl Gathered {
         self.many.as_ref().map_or(self.one.len(), BytesMut::len)
     }
 
+    /// What is gathered so far, in one piece.
+    pub(crate) fn as_slice(&self) -> &[u8] {
+        self.many.as_deref().unwrap_or(&self.one)
+    }
+
     pub(crate) fn freeze(self) -> Bytes {
         self.many.map_or(self.one, BytesMut::freeze)
     }

@@ -97,24 +97,18 @@ where
             ),
         )
     };
-    let too_large = || {
-        Problem::new(
-            ProblemKind::BodyTooLarge,
-            format!("the request message is larger than this method's limit of {limit} bytes"),
-        )
-    };
-    let unreadable = |error: crate::store::BoxError| {
-        Problem::new(
-            ProblemKind::BodyUnreadable,
-            format!("the request body could not be read: {error}"),
-        )
-    };
     let mut body = std::pin::pin!(body);
     let mut data = crate::body::Gathered::default();
-    // The first message's end, once its 5-byte prefix is in.
-    let mut message_end: Option<usize> = None;
     loop {
-        let one_message_in = message_end.is_some_and(|end| data.len() >= end);
+        // The first message's end, once its 5-byte prefix (flag, big-endian length) is in.
+        let message_end = data
+            .as_slice()
+            .get(1..5)
+            .map(|len| 5 + u32::from_be_bytes([len[0], len[1], len[2], len[3]]) as usize);
+        if message_end.is_some_and(|end| data.len() > end) {
+            return Err(streaming("sent a second message"));
+        }
+        let one_message_in = message_end.is_some_and(|end| data.len() == end);
         let nothing_yet = data.len() == 0;
         let next = if one_message_in || nothing_yet {
             if body.is_end_stream() {
@@ -131,35 +125,13 @@ where
             body.frame().await
         };
         let Some(frame) = next else { break };
-        let frame = frame.map_err(|e| unreadable(e.into()))?;
-        let Ok(chunk) = frame.into_data() else {
-            // Trailers end a request stream.
-            break;
-        };
-        if chunk.is_empty() {
-            continue;
-        }
-        if one_message_in {
-            return Err(streaming("sent a second message"));
-        }
+        let frame = frame.map_err(|e| super::http::unreadable(e.into()))?;
+        // Trailers end a request stream.
+        let Ok(chunk) = frame.into_data() else { break };
         if data.len() + chunk.len() > limit {
-            return Err(too_large());
+            return Err(super::http::too_large(limit));
         }
         data.push(chunk);
-        if message_end.is_none() && data.len() >= 5 {
-            let whole = data.freeze();
-            let len = u32::from_be_bytes([whole[1], whole[2], whole[3], whole[4]]) as usize;
-            message_end = Some(5 + len);
-            if whole.len() > 5 + len {
-                return Err(streaming("sent a second message"));
-            }
-            data = crate::body::Gathered::default();
-            data.push(whole);
-        } else if let Some(end) = message_end
-            && data.len() > end
-        {
-            return Err(streaming("sent a second message"));
-        }
     }
     Ok(data.freeze())
 }

@@ -131,36 +131,41 @@ where
     B: Body<Data = Bytes>,
     B::Error: Into<BoxError>,
 {
-    let too_large = || {
-        Problem::new(
-            ProblemKind::BodyTooLarge,
-            format!("the request body is larger than this endpoint's limit of {limit} bytes"),
-        )
-    };
     let declared = parts
         .headers
         .get(header::CONTENT_LENGTH)
         .and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
     if declared.is_some_and(|len| len > limit as u64) {
-        return Err(too_large());
+        return Err(too_large(limit));
     }
     let mut body = std::pin::pin!(body);
     let mut data = Gathered::default();
     while let Some(frame) = body.frame().await {
-        let frame = frame.map_err(|error| {
-            Problem::new(
-                ProblemKind::BodyUnreadable,
-                format!("the request body could not be read: {}", error.into()),
-            )
-        })?;
+        let frame = frame.map_err(|error| unreadable(error.into()))?;
         if let Ok(chunk) = frame.into_data() {
             if data.len() + chunk.len() > limit {
-                return Err(too_large());
+                return Err(too_large(limit));
             }
             data.push(chunk);
         }
     }
     Ok(data.freeze())
+}
+
+/// A request body over the route's `limit`.
+pub(crate) fn too_large(limit: usize) -> Problem {
+    Problem::new(
+        ProblemKind::BodyTooLarge,
+        format!("the request body is larger than this endpoint's limit of {limit} bytes"),
+    )
+}
+
+/// A request body whose stream failed.
+pub(crate) fn unreadable(error: BoxError) -> Problem {
+    Problem::new(
+        ProblemKind::BodyUnreadable,
+        format!("the request body could not be read: {error}"),
+    )
 }
 
 /// Whether an HTTP status is an answer about the operation rather than a failure a retry may

@@ -448,3 +448,54 @@ async fn s19_4_a_hang_up_stops_an_oversized_stream() {
         "the inner stream is dropped after the hang-up"
     );
 }
+
+/// §5, hostile framing: a unary call whose message comes a byte per frame (its 5-byte prefix
+/// split too), then ends its stream, is one message: guarded and replayed, never refused as
+/// a stream. Sent raw over HTTP/2, as no client library would cut it.
+#[tokio::test]
+async fn s19_5_a_message_cut_into_single_bytes_is_still_unary() {
+    use hyper_util::rt::{TokioExecutor, TokioIo};
+    let trail = Trail::default();
+    let addr = serve(layer(MemoryStore::new()), trail.clone()).await;
+    let send = || async move {
+        let io = TokioIo::new(tokio::net::TcpStream::connect(addr).await.expect("connect"));
+        let (mut sender, connection) =
+            hyper::client::conn::http2::handshake(TokioExecutor::new(), io)
+                .await
+                .expect("h2");
+        tokio::spawn(connection);
+        // An empty message with an unknown field of 3 bytes: 5 + 5 bytes, one per frame.
+        let message: Vec<u8> = vec![0, 0, 0, 0, 5, 0x0a, 3, b'a', b'b', b'c'];
+        let frames = message
+            .into_iter()
+            .map(|b| Ok::<_, Infallible>(Frame::data(Bytes::from(vec![b]))));
+        let body = StreamBody::new(futures_util::stream::iter(frames.collect::<Vec<_>>()));
+        let request = http::Request::post(format!("http://{addr}{STREAMY}"))
+            .header("content-type", "application/grpc")
+            .header("te", "trailers")
+            .header("idempotency-key", "bytes-1")
+            .body(body)
+            .expect("request");
+        let response = sender.send_request(request).await.expect("answer");
+        let replayed = response.headers().contains_key("idempotency-replayed");
+        let status = response.headers().get("grpc-status").cloned();
+        let collected = http_body_util::BodyExt::collect(response.into_body())
+            .await
+            .expect("body");
+        let trailer_status = collected
+            .trailers()
+            .and_then(|t| t.get("grpc-status").cloned());
+        (replayed, status.or(trailer_status))
+    };
+    let (replayed, status) = send().await;
+    assert_eq!(
+        status.as_ref().map(|s| s.as_bytes()),
+        Some(&b"0"[..]),
+        "run, not refused"
+    );
+    assert!(!replayed);
+    let (replayed, status) = send().await;
+    assert_eq!(status.as_ref().map(|s| s.as_bytes()), Some(&b"0"[..]));
+    assert!(replayed, "the same call again is a replay");
+    assert_eq!(trail.effects.count(), 1);
+}
