@@ -152,26 +152,21 @@ fn param<'a>(pairs: &'a [(String, String)], name: &str) -> Option<&'a str> {
         .map(|(_, v)| v.as_str())
 }
 
-/// A listing cursor as text: the time in microseconds since the epoch, the scope and the key,
-/// percent-encoded, joined by `~`.
+/// A listing cursor as text: the time in microseconds since the epoch, then the key as a
+/// [`key_ref`] of its bytes as stored.
 fn cursor_text(cursor: &UncertainCursor) -> String {
     let micros = cursor
         .updated_at
         .duration_since(SystemTime::UNIX_EPOCH)
         .map_or(0, |d| d.as_micros());
     let (scope, key) = cursor.bytes();
-    let enc = |bytes: &[u8]| form_urlencoded::byte_serialize(bytes).collect::<String>();
-    format!("{micros}~{}~{}", enc(scope), enc(key))
+    format!("{micros}~{}", bytes_ref(scope, key))
 }
 
 fn parse_cursor(text: &str) -> Option<UncertainCursor> {
-    let mut parts = text.splitn(3, '~');
-    let micros: u64 = parts.next()?.parse().ok()?;
-    let dec = |s: &str| -> Vec<u8> {
-        percent_encoding::percent_decode_str(&s.replace('+', " ")).collect()
-    };
-    let scope = dec(parts.next()?);
-    let key = dec(parts.next()?);
+    let (micros, reference) = text.split_once('~')?;
+    let micros: u64 = micros.parse().ok()?;
+    let (scope, key) = parse_bytes_ref(reference)?;
     Some(UncertainCursor::stored(
         SystemTime::UNIX_EPOCH + Duration::from_micros(micros),
         scope,
@@ -641,8 +636,14 @@ fn key_from(get: impl Fn(&str) -> Option<String>) -> Result<ScopedKey, String> {
 
 /// A key as a form field: its scope and key, percent-encoded (ASCII only), joined by `~`.
 fn key_ref(key: &ScopedKey) -> String {
-    let enc = |s: &str| percent_encoding::utf8_percent_encode(s, REF).to_string();
-    format!("{}~{}", enc(key.scope()), enc(key.key()))
+    bytes_ref(key.scope().as_bytes(), key.key().as_bytes())
+}
+
+/// Scope and key bytes, each percent-encoded, joined by `~`: what a browser sends back as it
+/// was given, in a hidden input or a link.
+fn bytes_ref(scope: &[u8], key: &[u8]) -> String {
+    let enc = |b: &[u8]| percent_encoding::percent_encode(b, REF).to_string();
+    format!("{}~{}", enc(scope), enc(key))
 }
 
 /// Everything but unreserved characters is encoded in a key reference.
@@ -651,16 +652,16 @@ const REF: &percent_encoding::AsciiSet = &percent_encoding::NON_ALPHANUMERIC
     .remove(b'_')
     .remove(b'.');
 
-fn parse_ref(reference: &str) -> Option<ScopedKey> {
+fn parse_bytes_ref(reference: &str) -> Option<(Vec<u8>, Vec<u8>)> {
     let (scope, key) = reference.split_once('~')?;
-    let dec = |s: &str| {
-        percent_encoding::percent_decode_str(s)
-            .decode_utf8()
-            .ok()
-            .map(|c| c.into_owned())
-    };
-    let key = dec(key).filter(|k| !k.is_empty())?;
-    Some(ScopedKey::new(dec(scope)?, key))
+    let dec = |s: &str| percent_encoding::percent_decode_str(s).collect::<Vec<u8>>();
+    Some((dec(scope), dec(key)))
+}
+
+fn parse_ref(reference: &str) -> Option<ScopedKey> {
+    let (scope, key) = parse_bytes_ref(reference)?;
+    let (scope, key) = (String::from_utf8(scope).ok()?, String::from_utf8(key).ok()?);
+    (!key.is_empty()).then(|| ScopedKey::new(scope, key))
 }
 
 /// The attempt a form was built for, if it says.
@@ -1141,5 +1142,44 @@ async fn form_purge<St: IdempotencyStore>(
     match console.store.purge_expired().await {
         Ok(_) => see_other(&list_url(&base)),
         Err(error) => form_error(&base, StatusCode::SERVICE_UNAVAILABLE, &error.to_string()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Keys and cursors survive their text form whatever their bytes: `~`, `+`, `%`, NUL, CR,
+    /// quotes, non-UTF-8 (a damaged row's key, in a cursor).
+    #[test]
+    fn key_references_and_cursors_round_trip_any_bytes() {
+        let hostile: [&[u8]; 7] = [
+            b"",
+            b"a~b",
+            b"+ %2B%",
+            b"\0tools/call\r\n",
+            b"\"'<&>",
+            "caf\u{e9}".as_bytes(),
+            b"k\xff\x80",
+        ];
+        for scope in hostile {
+            for key in hostile {
+                let text = bytes_ref(scope, key);
+                assert!(text.is_ascii() && text.matches('~').count() == 1, "{text}");
+                assert_eq!(parse_bytes_ref(&text), Some((scope.to_vec(), key.to_vec())));
+                let at = SystemTime::UNIX_EPOCH + Duration::from_micros(1_700_000_000_123_456);
+                let cursor = UncertainCursor::stored(at, scope.to_vec(), key.to_vec());
+                let parsed = parse_cursor(&cursor_text(&cursor)).expect("a cursor");
+                assert_eq!(parsed, cursor);
+                if let (Ok(s), Ok(k)) = (std::str::from_utf8(scope), std::str::from_utf8(key))
+                    && !k.is_empty()
+                {
+                    assert_eq!(
+                        parse_ref(&key_ref(&ScopedKey::new(s, k))),
+                        Some(ScopedKey::new(s, k))
+                    );
+                }
+            }
+        }
     }
 }
