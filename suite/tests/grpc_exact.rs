@@ -125,11 +125,8 @@ async fn serve(layer: IdempotencyLayer<MemoryStore, SingleTenant>, trail: Trail)
     addr
 }
 
-async fn call(
-    addr: SocketAddr,
-    path: &'static str,
-    key: &str,
-) -> Result<tonic::Response<Empty>, Status> {
+/// A tonic client on a connection of its own, as an independent retry would have.
+async fn client(addr: SocketAddr) -> tonic::client::Grpc<tonic::transport::Channel> {
     let channel = Endpoint::from_shared(format!("http://{addr}"))
         .expect("endpoint")
         .connect()
@@ -137,6 +134,15 @@ async fn call(
         .expect("connect");
     let mut grpc = tonic::client::Grpc::new(channel);
     grpc.ready().await.expect("ready");
+    grpc
+}
+
+async fn call(
+    addr: SocketAddr,
+    path: &'static str,
+    key: &str,
+) -> Result<tonic::Response<Empty>, Status> {
+    let mut grpc = client(addr).await;
     let mut request = tonic::Request::new(Empty {});
     request
         .metadata_mut()
@@ -274,13 +280,7 @@ async fn s19_4_an_oversized_answer_is_classified_by_its_final_status() {
 /// A client-streaming call of `messages`, then (`hold_open`) a stream that never ends, as a
 /// bidi client waiting for a reply before it sends more.
 async fn stream_call(addr: SocketAddr, key: &str, messages: usize, hold_open: bool) -> Status {
-    let channel = Endpoint::from_shared(format!("http://{addr}"))
-        .expect("endpoint")
-        .connect()
-        .await
-        .expect("connect");
-    let mut grpc = tonic::client::Grpc::new(channel);
-    grpc.ready().await.expect("ready");
+    let mut grpc = client(addr).await;
     let sent = futures_util::stream::iter(std::iter::repeat_n(Empty {}, messages));
     let outbound: Pin<Box<dyn futures_util::Stream<Item = Empty> + Send>> = match hold_open {
         true => Box::pin(futures_util::StreamExt::chain(

@@ -16,6 +16,29 @@ use tower_idempotency::store::{
 };
 use tower_idempotency::{IdempotencyStore, MemoryStore};
 
+/// A SQL store whose rows a test damages from outside, as an operator or a bug would.
+trait Damage {
+    async fn damage(&self, sql: String);
+}
+
+impl Damage for tower_idempotency::store::SqliteStore {
+    async fn damage(&self, sql: String) {
+        sqlx::query(sqlx::AssertSqlSafe(sql))
+            .execute(self.pool())
+            .await
+            .expect("damage");
+    }
+}
+
+impl Damage for tower_idempotency::store::PostgresStore {
+    async fn damage(&self, sql: String) {
+        sqlx::query(sqlx::AssertSqlSafe(sql))
+            .execute(self.pool())
+            .await
+            .expect("damage");
+    }
+}
+
 /// A fresh PostgreSQL table: unsettled records never expire, so a table reused across runs
 /// would hold earlier runs' records.
 async fn fresh_postgres(table: &str) -> Option<tower_idempotency::store::PostgresStore> {
@@ -405,21 +428,7 @@ async fn s18_3_an_unreadable_record_is_quarantined_not_fatal_on_sqlite() {
     let damage = |table: &'static str| {
         format!("UPDATE {table} SET fingerprint = x'00' WHERE key = CAST('corrupt' AS BLOB)")
     };
-    let pool = store.pool().clone();
-    quarantined(
-        store,
-        move |sql| {
-            let pool = pool.clone();
-            async move {
-                sqlx::query(sqlx::AssertSqlSafe(sql))
-                    .execute(&pool)
-                    .await
-                    .expect("damage");
-            }
-        },
-        damage("idempotency_records"),
-    )
-    .await;
+    quarantined(store, damage("idempotency_records")).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -427,33 +436,18 @@ async fn s18_3_an_unreadable_record_is_quarantined_not_fatal_on_postgres() {
     let Some(store) = fresh_postgres("sweep_corrupt").await else {
         return;
     };
-    let pool = store.pool().clone();
     quarantined(
         store,
-        move |sql| {
-            let pool = pool.clone();
-            async move {
-                sqlx::query(sqlx::AssertSqlSafe(sql))
-                    .execute(&pool)
-                    .await
-                    .expect("damage");
-            }
-        },
         "UPDATE sweep_corrupt SET fingerprint = '\\x00'::bytea WHERE key = 'corrupt'::bytea"
             .to_owned(),
     )
     .await;
 }
 
-async fn quarantined<St, F, Fut>(store: St, run: F, damage: String)
-where
-    St: IdempotencyStore + Clone,
-    F: Fn(String) -> Fut,
-    Fut: std::future::Future<Output = ()>,
-{
+async fn quarantined<St: IdempotencyStore + Clone + Damage>(store: St, damage: String) {
     let corrupt = uncertain(&store, "corrupt").await;
     let fine = uncertain(&store, "fine").await;
-    run(damage).await;
+    store.damage(damage).await;
     let page = store
         .list_uncertain(&UncertainQuery::first(10))
         .await
@@ -577,17 +571,15 @@ async fn s18_1_a_reconciler_panicking_before_its_future_costs_one_record() {
 /// Review findings on the SQL stores: a time written as `infinity`, and a key that is not
 /// UTF-8, neither fail the listing nor hold its cursor: a batch of one still reaches every
 /// record in a few passes.
-async fn damaged_rows_do_not_hold_the_cursor<St, F, Fut>(store: St, run: F, damage: Vec<String>)
+async fn damaged_rows_do_not_hold_the_cursor<St>(store: St, damage: Vec<String>)
 where
-    St: IdempotencyStore + Clone,
-    F: Fn(String) -> Fut,
-    Fut: std::future::Future<Output = ()>,
+    St: IdempotencyStore + Clone + Damage,
 {
     uncertain(&store, "kx").await;
     uncertain(&store, "forever").await;
     let last = uncertain(&store, "z").await;
     for sql in damage {
-        run(sql).await;
+        store.damage(sql).await;
     }
     let sweeper = Sweeper::new(store.clone(), ByName::default()).batch(1);
     for _ in 0..6 {
@@ -605,18 +597,8 @@ async fn s18_3_damaged_rows_do_not_hold_the_cursor_on_postgres() {
     let Some(store) = fresh_postgres("sweep_damaged").await else {
         return;
     };
-    let pool = store.pool().clone();
     damaged_rows_do_not_hold_the_cursor(
         store,
-        move |sql| {
-            let pool = pool.clone();
-            async move {
-                sqlx::query(sqlx::AssertSqlSafe(sql))
-                    .execute(&pool)
-                    .await
-                    .expect("damage");
-            }
-        },
         vec![
             "UPDATE sweep_damaged SET key = '\\x6bff'::bytea WHERE key = 'kx'::bytea".to_owned(),
             "UPDATE sweep_damaged SET expires_at = 'infinity', updated_at = '-infinity' \
@@ -630,18 +612,8 @@ async fn s18_3_damaged_rows_do_not_hold_the_cursor_on_postgres() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn s18_3_damaged_rows_do_not_hold_the_cursor_on_sqlite() {
     let (store, _path) = common::sqlite("sweep_damaged").await;
-    let pool = store.pool().clone();
     damaged_rows_do_not_hold_the_cursor(
         store,
-        move |sql| {
-            let pool = pool.clone();
-            async move {
-                sqlx::query(sqlx::AssertSqlSafe(sql))
-                    .execute(&pool)
-                    .await
-                    .expect("damage");
-            }
-        },
         vec![
             "UPDATE idempotency_records SET key = x'6bff' WHERE key = CAST('kx' AS BLOB)"
                 .to_owned(),
