@@ -793,23 +793,32 @@ async fn api_remove<St: IdempotencyStore>(
         Ok(fields) => fields,
         Err(res) => return res,
     };
-    let key = match key_from(|n| json_field(&fields, n)) {
-        Ok(key) => key,
-        Err(why) => return problem(StatusCode::BAD_REQUEST, &why),
-    };
-    let Some(reason) = json_field(&fields, "reason").filter(|r| !r.trim().is_empty()) else {
-        return problem(
-            StatusCode::BAD_REQUEST,
-            "a reason is required: removing a key lets its next request run as new",
-        );
-    };
-    match console.store.remove(&key).await {
-        Ok(removed) => {
-            tracing::warn!(?key, removed, reason, "operator console: record removed");
-            json_response(StatusCode::OK, &json!({ "removed": removed }))
-        }
-        Err(error) => store_failed(&error),
+    match remove_by_hand(&console, |n| json_field(&fields, n)).await {
+        Ok(removed) => json_response(StatusCode::OK, &json!({ "removed": removed })),
+        Err((status, why)) => problem(status, &why),
     }
+}
+
+/// A removal by hand, from the form or the API: the key and a required reason (logged).
+/// Whether a record was there to remove.
+async fn remove_by_hand<St: IdempotencyStore>(
+    console: &Console<St>,
+    get: impl Fn(&str) -> Option<String>,
+) -> Result<bool, (StatusCode, String)> {
+    let key = key_from(&get).map_err(|why| (StatusCode::BAD_REQUEST, why))?;
+    let reason = get("reason").filter(|r| !r.trim().is_empty()).ok_or((
+        StatusCode::BAD_REQUEST,
+        "a reason is required: removing a key lets its next request run as new".to_owned(),
+    ))?;
+    let removed = console.store.remove(&key).await.map_err(|error| {
+        tracing::error!(%error, "operator console: the store failed");
+        (
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("the store failed: {error}"),
+        )
+    })?;
+    tracing::warn!(?key, removed, reason, "operator console: record removed");
+    Ok(removed)
 }
 
 async fn api_purge<St: IdempotencyStore>(
@@ -1104,29 +1113,14 @@ async fn form_remove<St: IdempotencyStore>(
         Ok(fields) => fields,
         Err(res) => return res,
     };
-    let get = |n: &str| param(&fields, n).map(str::to_owned);
-    let key = match key_from(get) {
-        Ok(key) => key,
-        Err(why) => return form_error(&base, StatusCode::BAD_REQUEST, &why),
-    };
-    let Some(reason) = get("reason").filter(|r| !r.trim().is_empty()) else {
-        return form_error(
-            &base,
-            StatusCode::BAD_REQUEST,
-            "a reason is required: removing a key lets its next request run as new",
-        );
-    };
-    match console.store.remove(&key).await {
-        Ok(true) => {
-            tracing::warn!(?key, reason, "operator console: record removed");
-            see_other(&list_url(&base))
-        }
+    match remove_by_hand(&console, |n| param(&fields, n).map(str::to_owned)).await {
+        Ok(true) => see_other(&list_url(&base)),
         Ok(false) => form_error(
             &base,
             StatusCode::NOT_FOUND,
             "no record was removed: there is none for this key",
         ),
-        Err(error) => form_error(&base, StatusCode::SERVICE_UNAVAILABLE, &error.to_string()),
+        Err((status, why)) => form_error(&base, status, &why),
     }
 }
 
