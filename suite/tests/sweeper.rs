@@ -660,3 +660,138 @@ async fn s18_sqlite_migrations_of_an_old_table_at_once_all_succeed() {
     }
     stores[0].check().await.expect("migrated");
 }
+
+/// §5, differential: MemoryStore keeps an index of what awaits reconciliation beside its
+/// records, updated by every write. Random operations (claims under both policies and both
+/// fingerprints, marks, milestones, releases, completions, resolutions, removals, purges, time
+/// passing on a frozen clock) and, after each, the paged listing and the count must equal a
+/// plain filter of every record, in (last change, key) order.
+#[tokio::test]
+async fn s18_5_the_memory_index_agrees_with_a_plain_filter_under_random_writes() {
+    use std::collections::HashMap;
+    use std::sync::atomic::AtomicU64;
+    use tower_idempotency::store::{FencingToken, Milestone, Resolution};
+
+    let offset = Arc::new(AtomicU64::new(0));
+    let base = std::time::SystemTime::now();
+    let clock = offset.clone();
+    let store =
+        MemoryStore::with_clock(move || base + Duration::from_millis(clock.load(Ordering::SeqCst)));
+    let now = || base + Duration::from_millis(offset.load(Ordering::SeqCst));
+    let mut seed = 0x9e37_79b9_7f4a_7c15_u64;
+    let mut next = move |n: u64| {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        seed % n
+    };
+    let keys: Vec<ScopedKey> = (0..12).map(|i| key(&format!("rand-{i:02}"))).collect();
+    // What the model knows that a record does not show: the policy of the claim that holds it.
+    let mut reconciles: HashMap<ScopedKey, bool> = HashMap::new();
+    let mut tokens: HashMap<ScopedKey, FencingToken> = HashMap::new();
+    for step in 0..600 {
+        let k = &keys[next(keys.len() as u64) as usize];
+        match next(10) {
+            0 | 1 => {
+                let policy = if next(2) == 0 {
+                    LeaseExpiry::Reclaim
+                } else {
+                    LeaseExpiry::Reconcile
+                };
+                let claim = store
+                    .claim(&ClaimRequest {
+                        key: k.clone(),
+                        fingerprint: Fingerprint::from_bytes([next(2) as u8; 32]),
+                        lease: Duration::from_millis(if next(2) == 0 { 5 } else { 5_000 }),
+                        ttl: Duration::from_millis(50),
+                        on_lease_expiry: policy,
+                    })
+                    .await
+                    .expect("claim");
+                if let Claim::Acquired(lease) = claim {
+                    reconciles.insert(k.clone(), policy == LeaseExpiry::Reconcile);
+                    tokens.insert(k.clone(), lease.token);
+                }
+            }
+            2 => {
+                offset.fetch_add(next(20), Ordering::SeqCst);
+            }
+            3 => {
+                let _ = store.purge_expired().await;
+            }
+            4 if next(4) == 0 => {
+                let _ = store.remove(k).await;
+            }
+            op => {
+                let Some(&token) = tokens.get(k) else {
+                    continue;
+                };
+                let _ = match op {
+                    4 | 5 => store.mark_uncertain(k, token).await,
+                    6 => {
+                        store
+                            .record_milestone(k, token, &Milestone::EffectStarted)
+                            .await
+                    }
+                    7 => store.release(k, token).await.map(drop),
+                    8 => {
+                        store
+                            .complete(k, token, &response("done"), Duration::from_millis(50))
+                            .await
+                    }
+                    _ => {
+                        let current = store
+                            .lookup(k)
+                            .await
+                            .expect("lookup")
+                            .map(|r| r.lease_token);
+                        let resolution = if next(2) == 0 {
+                            Resolution::NotApplied
+                        } else {
+                            Resolution::Applied(Box::new(response("settled")))
+                        };
+                        store
+                            .resolve(
+                                k,
+                                current.unwrap_or(token),
+                                &resolution,
+                                Duration::from_millis(50),
+                                None,
+                            )
+                            .await
+                    }
+                };
+            }
+        }
+        // The plain filter, over every record.
+        let mut expected = Vec::new();
+        for k in &keys {
+            let Some(r) = store.lookup(k).await.expect("lookup") else {
+                continue;
+            };
+            let dead = r.lease_until <= now();
+            let watched = r.effect_started || reconciles.get(k).copied().unwrap_or(false);
+            let uncertain = r.status == RecordStatus::NeedsReconciliation
+                || (r.status == RecordStatus::InProgress && dead && watched);
+            if uncertain {
+                expected.push((r.updated_at, k.clone()));
+            }
+        }
+        expected.sort();
+        let expected: Vec<ScopedKey> = expected.into_iter().map(|(_, k)| k).collect();
+        let page = 1 + next(4) as usize;
+        let mut query = UncertainQuery::first(page);
+        let mut listed = Vec::new();
+        loop {
+            let got = store.list_uncertain(&query).await.expect("list");
+            listed.extend(got.records.into_iter().map(|r| r.key));
+            match got.next {
+                Some(cursor) => query = UncertainQuery::after(cursor, page),
+                None => break,
+            }
+        }
+        assert_eq!(listed, expected, "step {step}, pages of {page}");
+        let count = store.count_uncertain().await.expect("count").count;
+        assert_eq!(count, expected.len() as u64, "step {step}");
+    }
+}
