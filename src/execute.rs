@@ -245,9 +245,29 @@ impl<St: IdempotencyStore> Execution<St> {
         B: Body<Data = Bytes>,
         B::Error: Into<BoxError>,
     {
+        // gRPC-Web's status is in its last frame: read as it passes, and from the frame it
+        // begins in, held back until the answer is recorded.
+        let mut web = self.dialect.web_frames(&head.headers);
+        let mut held: Vec<Bytes> = Vec::new();
+        let mut forward = |data: Bytes| match &mut web {
+            Some(frames) => {
+                frames.feed(&data);
+                match frames.in_trailers() {
+                    true => {
+                        held.push(data);
+                        None
+                    }
+                    false => Some(data),
+                }
+            }
+            None => Some(data),
+        };
         // A client that hangs up stops the stream, as it would without the layer: the answer
         // is then recorded by its head, as one too large to keep was before its end was read.
-        let mut left = tx.send(Ok(http_body::Frame::data(prefix))).await.is_err();
+        let mut left = match forward(prefix) {
+            Some(data) => tx.send(Ok(http_body::Frame::data(data))).await.is_err(),
+            None => false,
+        };
         let mut trailers: Option<HeaderMap> = None;
         while !left {
             let next = http_body_util::BodyExt::frame(&mut rest)
@@ -262,7 +282,14 @@ impl<St: IdempotencyStore> Execution<St> {
                 }
                 Some(Ok(frame)) => match frame.into_trailers() {
                     Ok(t) => trailers.get_or_insert_with(HeaderMap::new).extend(t),
-                    Err(frame) => left = tx.send(Ok(frame)).await.is_err(),
+                    Err(frame) => match frame.into_data() {
+                        Ok(data) => {
+                            if let Some(data) = forward(data) {
+                                left = tx.send(Ok(http_body::Frame::data(data))).await.is_err();
+                            }
+                        }
+                        Err(frame) => left = tx.send(Ok(frame)).await.is_err(),
+                    },
                 },
             }
         }
@@ -271,9 +298,19 @@ impl<St: IdempotencyStore> Execution<St> {
             self.record(&mut head, None, None).await;
             return;
         }
-        self.record_without_body(&head, trailers.as_ref(), false)
-            .await;
+        // A gRPC-Web answer's trailers are its trailer frame (none, or not gRPC-Web: its
+        // head decides, UNKNOWN without a status there).
+        let told = match &web {
+            Some(frames) => frames.finish().flatten(),
+            None => trailers.clone(),
+        };
+        self.record_without_body(&head, told.as_ref(), false).await;
         drop(hold);
+        for data in held {
+            if tx.send(Ok(http_body::Frame::data(data))).await.is_err() {
+                return;
+            }
+        }
         if let Some(trailers) = trailers {
             let _ = tx.send(Ok(http_body::Frame::trailers(trailers))).await;
         }
@@ -361,12 +398,25 @@ impl<St: IdempotencyStore> Execution<St> {
         self.record_without_body(parts, None, done).await
     }
 
-    /// Records a response without its body or trailers (too large to keep, or lost after its
-    /// head), classified by its final status: the trailers' where it has them, UNKNOWN for a
-    /// gRPC answer without one; or taken as `done` whatever it says. Returns the key's state.
+    /// Records a response without its body (too large to keep, or lost after its head),
+    /// classified by its final status: the trailers' where it has them, UNKNOWN for a gRPC
+    /// answer without one; or taken as `done` whatever it says. Returns the key's state.
     async fn record_without_body(
         &self,
         parts: &Parts,
+        trailers: Option<&HeaderMap>,
+        done: bool,
+    ) -> &'static str {
+        self.record_copied(parts, None, trailers, done).await
+    }
+
+    /// Records `body` under a copy of the head (the rare paths: an answer too large, broken,
+    /// or recorded in another form than it is sent, as gRPC-Web's), classified as
+    /// [`record_without_body`](Self::record_without_body) says. Returns the key's state.
+    async fn record_copied(
+        &self,
+        parts: &Parts,
+        body: Option<Bytes>,
         trailers: Option<&HeaderMap>,
         done: bool,
     ) -> &'static str {
@@ -386,14 +436,14 @@ impl<St: IdempotencyStore> Execution<St> {
         if !records {
             return self.release().await;
         }
-        // A rare path (an answer too large or broken): the head is copied, not lent.
         let mut headers = parts.headers.clone();
         withhold(&mut headers, &self.config.denied_headers, true);
+        // The trailers stay with the record: a gRPC call's status is its outcome.
         let stored = StoredResponse {
             status: parts.status,
             headers,
-            body: None,
-            trailers: None,
+            body,
+            trailers,
         };
         self.complete(&stored).await;
         RecordStatus::Completed.as_str()
@@ -409,6 +459,18 @@ impl<St: IdempotencyStore> Execution<St> {
     ) -> Option<Bytes> {
         match self.dialect.recording(&parts.headers, body.as_ref()) {
             Recording::AsIs => {}
+            Recording::Web(Some((messages, trailers))) => {
+                // Kept in its gRPC form; the client still gets the answer as it was sent.
+                self.record_copied(parts, Some(messages), trailers.as_ref(), false)
+                    .await;
+                return body;
+            }
+            Recording::Web(None) => {
+                // Not gRPC-Web: its status cannot be read, so it is UNKNOWN.
+                tracing::warn!("a gRPC-Web answer is not well formed; recorded as UNKNOWN");
+                self.record_without_body(parts, None, false).await;
+                return body;
+            }
             Recording::Call(message) => {
                 self.record_call(parts, message, trailers).await;
                 return body;

@@ -97,6 +97,7 @@
 //!   own authentication.
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
+mod base64;
 mod body;
 #[cfg(feature = "console")]
 pub mod console;

@@ -24,6 +24,7 @@
 //! | `in-flight` | 409 | the first request with this key is still running; retry after `Retry-After` |
 //! | `outcome-unknown` | 409 | it is unknown whether the operation took effect; it awaits reconciliation |
 //! | `response-not-stored` | 409 | the operation completed but its response was over the size limit, so it cannot be replayed |
+//! | `encoding-not-accepted` | 406 | the operation completed, but its recorded response is in a content coding (`Content-Encoding`, `grpc-encoding`) this retry does not accept; retry accepting it |
 //! | `store-unavailable` | 503 | the record store failed; nothing ran; retry with the same key |
 //! | `execution-failed` | 500 | the handler panicked (the key was released), or its response body failed after it answered (`state: completed`: it will not run again) |
 //! | `call-unguardable` | 400 | a JSON-RPC call carries a key but cannot be guarded (a batch, a `null` id, a body the mode cannot read); nothing ran |
@@ -56,6 +57,9 @@ pub enum ProblemKind {
     OutcomeUnknown,
     /// 409: the operation completed, but its response was too large to keep.
     ResponseNotStored,
+    /// 406: the operation completed, but its recorded response is in a content coding this
+    /// retry does not accept (its `Accept-Encoding`, or gRPC's `grpc-accept-encoding`).
+    EncodingNotAccepted,
     /// 503: the record store failed; nothing ran.
     StoreUnavailable,
     /// 500: the execution panicked or its response body failed; the key was released.
@@ -89,6 +93,7 @@ impl ProblemKind {
             Self::InFlight => "in-flight",
             Self::OutcomeUnknown => "outcome-unknown",
             Self::ResponseNotStored => "response-not-stored",
+            Self::EncodingNotAccepted => "encoding-not-accepted",
             Self::StoreUnavailable => "store-unavailable",
             Self::ExecutionFailed => "execution-failed",
             Self::ScopeMissing => "scope-missing",
@@ -115,6 +120,7 @@ impl ProblemKind {
             | Self::HeaderMismatch => StatusCode::BAD_REQUEST,
             Self::BodyTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             Self::FingerprintMismatch => StatusCode::UNPROCESSABLE_ENTITY,
+            Self::EncodingNotAccepted => StatusCode::NOT_ACCEPTABLE,
             Self::InFlight | Self::OutcomeUnknown | Self::ResponseNotStored => StatusCode::CONFLICT,
             Self::StoreUnavailable => StatusCode::SERVICE_UNAVAILABLE,
             Self::ExecutionFailed
@@ -136,6 +142,7 @@ impl ProblemKind {
             Self::InFlight => "Request with this idempotency key is in progress",
             Self::OutcomeUnknown => "Outcome unknown",
             Self::ResponseNotStored => "Response not stored",
+            Self::EncodingNotAccepted => "Recorded response in an encoding not accepted",
             Self::StoreUnavailable => "Idempotency store unavailable",
             Self::ScopeMissing => "Caller's identity missing (server misconfiguration)",
             Self::CallUnguardable => "Keyed call cannot be guarded",

@@ -223,7 +223,7 @@ impl<St: IdempotencyStore, M: MakeScope> Pipeline<St, M> {
             };
             let can_wait =
                 wait_until.is_some_and(|until| tokio::time::Instant::now() + backoff < until);
-            let noting = match self.next(decision, can_wait, &dialect) {
+            let noting = match self.next(decision, can_wait, &dialect, &parts.headers) {
                 Next::Run(lease) => break lease,
                 Next::Wait => None,
                 Next::Answer(response, Some(event)) if noted => {
@@ -243,6 +243,9 @@ impl<St: IdempotencyStore, M: MakeScope> Pipeline<St, M> {
 
         // 7–9. Execute to completion, record, respond.
         self.outcome("executed");
+        let mut parts = parts;
+        // Recorded uncompressed, so that every retry can read the replay (see `coding`).
+        dialect.ask_identity(&mut parts.headers);
         let mut req = Request::from_parts(parts, RequestBody::buffered(bytes));
         // The key moves on from the claim request: no second copy waits in this future.
         let key = request.key;
@@ -399,7 +402,13 @@ impl<St, M> Pipeline<St, M> {
 
 impl<St, M> Pipeline<St, M> {
     /// Step 6 turned into what to do: run, wait, or answer (a replay or a refusal).
-    fn next<B>(&self, decision: Decision, can_wait: bool, dialect: &Dialect) -> Next<B> {
+    fn next<B>(
+        &self,
+        decision: Decision,
+        can_wait: bool,
+        dialect: &Dialect,
+        request: &http::HeaderMap,
+    ) -> Next<B> {
         let note = |event| self.route.record_refusals.then_some(event);
         match decision {
             Decision::Run(lease) => Next::Run(lease),
@@ -409,7 +418,8 @@ impl<St, M> Pipeline<St, M> {
             Decision::Replay(stored) => {
                 self.outcome("replayed");
                 let (envelope, settings) = (self.route.envelope, self.route.jsonrpc.as_deref());
-                let response = dialect.replay(stored, envelope, settings);
+                let denied = &self.config.denied_headers;
+                let response = dialect.replay(stored, request, envelope, settings, denied);
                 Next::Answer(response, note(HistoryEvent::Replayed))
             }
             Decision::Refuse(problem) => {

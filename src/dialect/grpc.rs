@@ -15,6 +15,7 @@
 //! | first call still running | `ABORTED` | `IN_FLIGHT` | remaining lease |
 //! | outcome unknown | `ABORTED` | `OUTCOME_UNKNOWN` | — |
 //! | completed, response too large to keep | `FAILED_PRECONDITION` | `RESPONSE_NOT_STORED` | — |
+//! | completed, response in a `grpc-encoding` the retry does not accept | `FAILED_PRECONDITION` | `ENCODING_NOT_ACCEPTED` | — |
 //! | store unavailable | `UNAVAILABLE` | `STORE_UNAVAILABLE` | `Retry-After` |
 //! | execution panicked | `INTERNAL` | `EXECUTION_FAILED` | — |
 //!
@@ -27,6 +28,14 @@
 //! same message differently (another field order, explicit default values, compression switched
 //! on) makes a different fingerprint and gets `FAILED_PRECONDITION`; clients that retry the
 //! bytes they sent, as gRPC's own retries do, always match.
+//!
+//! A guarded call reaches its handler without `grpc-accept-encoding`, so its answer is recorded
+//! uncompressed and every retry can read the replay; an answer compressed all the same is
+//! replayed only to a retry that lists its `grpc-encoding`, and refused as
+//! `ENCODING_NOT_ACCEPTED` to any other. gRPC-Web calls (`application/grpc-web…`) are classified
+//! by the status in their body's trailer frame, recorded in gRPC form and replayed in the
+//! framing (binary or text) each retry's `Accept` asks for; the refusals above reach them as
+//! trailers-only answers of gRPC-Web's content type.
 
 use bytes::{BufMut, Bytes, BytesMut};
 use http::{HeaderMap, HeaderValue, Response, header};
@@ -37,7 +46,8 @@ use crate::problem::{Problem, ProblemKind};
 /// The `ErrorInfo` domain of every status the middleware answers.
 pub const ERROR_DOMAIN: &str = "tower-idempotency";
 
-/// Whether `headers` belong to a gRPC request or response.
+/// Whether `headers` belong to a gRPC request or response (gRPC-Web included: see
+/// [`grpc_web`](super::grpc_web) for the one that is).
 pub(crate) fn is_grpc(headers: &HeaderMap) -> bool {
     headers
         .get(header::CONTENT_TYPE)
@@ -59,13 +69,6 @@ pub(crate) fn withhold_per_call(trailers: &mut HeaderMap) {
     for name in PER_CALL {
         trailers.remove(name);
     }
-}
-
-/// Whether a message is gRPC-Web (`application/grpc-web…`), whose status travels in its body.
-pub(crate) fn is_grpc_web(headers: &HeaderMap) -> bool {
-    headers
-        .get(header::CONTENT_TYPE)
-        .is_some_and(|ct| ct.as_bytes().starts_with(b"application/grpc-web"))
 }
 
 /// Whether a response said how its call ended: `grpc-status` in its trailers or, for a
@@ -156,9 +159,11 @@ fn code(kind: ProblemKind) -> u32 {
         | ProblemKind::CallUnguardable
         | ProblemKind::HeaderMismatch => 3, // INVALID_ARGUMENT
         ProblemKind::BodyTooLarge => 8, // RESOURCE_EXHAUSTED
-        ProblemKind::FingerprintMismatch | ProblemKind::ResponseNotStored => 9, // FAILED_PRECONDITION
-        ProblemKind::InFlight | ProblemKind::OutcomeUnknown => 10,              // ABORTED
-        ProblemKind::StoreUnavailable => 14,                                    // UNAVAILABLE
+        ProblemKind::FingerprintMismatch
+        | ProblemKind::ResponseNotStored
+        | ProblemKind::EncodingNotAccepted => 9, // FAILED_PRECONDITION
+        ProblemKind::InFlight | ProblemKind::OutcomeUnknown => 10, // ABORTED
+        ProblemKind::StoreUnavailable => 14, // UNAVAILABLE
         ProblemKind::ExecutionFailed
         | ProblemKind::ScopeMissing
         | ProblemKind::NotGuarded
@@ -171,20 +176,23 @@ pub(crate) fn reason(kind: ProblemKind) -> String {
     kind.slug().replace('-', "_").to_ascii_uppercase()
 }
 
-/// A trailers-only gRPC response carrying `problem`.
-pub(crate) fn status_response<B>(problem: &Problem) -> Response<ResponseBody<B>> {
+/// A trailers-only gRPC response carrying `problem`, of the given content type (gRPC's, or
+/// gRPC-Web's for a gRPC-Web call).
+pub(crate) fn status_response<B>(
+    problem: &Problem,
+    content_type: HeaderValue,
+) -> Response<ResponseBody<B>> {
     let mut res = Response::new(ResponseBody::full(Bytes::new(), None));
     let headers = res.headers_mut();
-    headers.insert(
-        header::CONTENT_TYPE,
-        HeaderValue::from_static("application/grpc"),
-    );
+    headers.insert(header::CONTENT_TYPE, content_type);
     headers.insert("grpc-status", HeaderValue::from(code(problem.kind)));
     let message = percent_encoding::utf8_percent_encode(&problem.detail, GRPC_MESSAGE).to_string();
     if let Ok(value) = HeaderValue::from_str(&message) {
         headers.insert("grpc-message", value);
     }
-    if let Ok(value) = HeaderValue::from_str(&base64(&status_details(problem))) {
+    // Binary metadata is sent in base64 without padding.
+    let details = crate::base64::encode(&status_details(problem), false);
+    if let Ok(value) = HeaderValue::from_str(&details) {
         headers.insert("grpc-status-details-bin", value);
     }
     res
@@ -263,35 +271,9 @@ fn string_field(out: &mut BytesMut, field: u32, s: &str) {
     bytes_field(out, field, s.as_bytes());
 }
 
-/// Standard base64 without padding, as gRPC sends binary metadata.
-fn base64(bytes: &[u8]) -> String {
-    const ALPHABET: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
-    let mut out = String::with_capacity(bytes.len().div_ceil(3) * 4);
-    for chunk in bytes.chunks(3) {
-        let n = chunk
-            .iter()
-            .enumerate()
-            .fold(0u32, |n, (i, &b)| n | (u32::from(b) << (16 - 8 * i)));
-        for i in 0..=chunk.len() {
-            out.push(ALPHABET[((n >> (18 - 6 * i)) & 63) as usize] as char);
-        }
-    }
-    out
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn base64_matches_the_standard_alphabet_without_padding() {
-        assert_eq!(base64(b""), "");
-        assert_eq!(base64(b"f"), "Zg");
-        assert_eq!(base64(b"fo"), "Zm8");
-        assert_eq!(base64(b"foo"), "Zm9v");
-        assert_eq!(base64(b"foobar"), "Zm9vYmFy");
-        assert_eq!(base64(&[0xff, 0xfe, 0x00]), "//4A");
-    }
 
     #[test]
     fn varints_encode_like_protobuf() {

@@ -63,6 +63,9 @@
 //! | response not stored | -31007 |
 //! | scope missing (server misconfiguration) | -31008 |
 //! | keyed call cannot be guarded | -31009 |
+//! | not guarded (server misconfiguration) | -31010 |
+//! | fingerprint failed (server error) | -31011 |
+//! | recorded response in an encoding the retry does not accept | -31012 |
 //! | `Mcp-Method` header does not match the body | -32020 (MCP's `HeaderMismatchError`) |
 
 use std::sync::Arc;
@@ -572,6 +575,7 @@ fn code(kind: ProblemKind) -> i64 {
         ProblemKind::CallUnguardable => -31009,
         ProblemKind::NotGuarded => -31010,
         ProblemKind::FingerprintFailed => -31011,
+        ProblemKind::EncodingNotAccepted => -31012,
         // MCP's own code for it (HeaderMismatchError, 2026-07-28).
         ProblemKind::HeaderMismatch => -32020,
     }

@@ -2,16 +2,19 @@
 //!
 //! Each protocol owns its whole dialect in a module of its own: where its key comes from,
 //! what its fingerprint covers, how its outcomes are classified, how its refusals and replays
-//! are framed ([`http`], [`grpc`], [`jsonrpc`]). This module is the only place that picks one;
+//! are framed ([`http`], [`grpc`], [`grpc_web`], [`jsonrpc`]); [`coding`] keeps what they
+//! record readable by every retry. This module is the only place that picks one;
 //! the pipeline asks a request's [`Dialect`] and never which protocol it is.
 
+pub(crate) mod coding;
 pub mod grpc;
+pub(crate) mod grpc_web;
 pub(crate) mod http;
 pub mod jsonrpc;
 
 use std::sync::Arc;
 
-use ::http::{HeaderMap, HeaderValue, Response, request::Parts};
+use ::http::{HeaderMap, HeaderName, HeaderValue, Response, request::Parts};
 use bytes::Bytes;
 
 use self::http::{Admitted, Reading};
@@ -30,6 +33,9 @@ pub(crate) enum Dialect {
     Http,
     /// gRPC: refusals as trailers-only statuses.
     Grpc,
+    /// gRPC-Web: the status in the body's trailer frame; answers in base64 when `text` (the
+    /// request's `Accept` asks for `application/grpc-web-text`).
+    GrpcWeb { text: bool },
     /// A JSON-RPC call (MCP `tools/call`): every answer addressed to this call's `id`.
     JsonRpc(Arc<Id>),
 }
@@ -127,19 +133,32 @@ pub(crate) fn admit<M: MakeScope>(
 }
 
 impl Dialect {
-    /// HTTP or gRPC, by the request's `Content-Type`.
+    /// HTTP, gRPC or gRPC-Web, by the request's `Content-Type`.
     fn of(headers: &HeaderMap) -> Self {
+        if grpc_web::is_grpc_web(headers) {
+            return Self::GrpcWeb {
+                text: grpc_web::answers_text(headers),
+            };
+        }
         match grpc::is_grpc(headers) {
             true => Self::Grpc,
             false => Self::Http,
         }
     }
 
+    /// Whether the call's outcome is a gRPC status (gRPC, gRPC-Web).
+    fn has_grpc_status(&self) -> bool {
+        matches!(self, Self::Grpc | Self::GrpcWeb { .. })
+    }
+
     /// A refusal, framed as this dialect's clients read one.
     pub(crate) fn refuse<B>(&self, problem: &Problem) -> Response<ResponseBody<B>> {
         match self {
             Self::Http => http::problem_response(problem),
-            Self::Grpc => grpc::status_response(problem),
+            Self::Grpc => {
+                grpc::status_response(problem, HeaderValue::from_static("application/grpc"))
+            }
+            Self::GrpcWeb { text } => grpc::status_response(problem, grpc_web::content_type(*text)),
             Self::JsonRpc(id) => jsonrpc::error_response(problem, id),
         }
     }
@@ -148,8 +167,21 @@ impl Dialect {
     pub(crate) fn covers(&self) -> &'static str {
         match self {
             Self::Http => http::COVERS,
-            Self::Grpc => grpc::COVERS,
+            Self::Grpc | Self::GrpcWeb { .. } => grpc::COVERS,
             Self::JsonRpc(_) => jsonrpc::COVERS,
+        }
+    }
+
+    /// Makes a guarded request ask for its answer uncompressed, so that what is recorded can
+    /// be read by every retry (see [`coding`]).
+    pub(crate) fn ask_identity(&self, headers: &mut HeaderMap) {
+        match self {
+            Self::Http | Self::JsonRpc(_) => coding::ask_identity_http(headers),
+            Self::Grpc => coding::ask_identity_grpc(headers),
+            Self::GrpcWeb { .. } => {
+                coding::ask_identity_grpc(headers);
+                coding::ask_identity_http(headers);
+            }
         }
     }
 
@@ -170,6 +202,10 @@ impl Dialect {
 
     /// What of a handler's answer is its outcome, to record or not by the route's policy.
     pub(crate) fn recording(&self, headers: &HeaderMap, body: Option<&Bytes>) -> Recording {
+        if let (Self::GrpcWeb { .. }, Some(body)) = (self, body) {
+            // Kept in its gRPC form: messages as the body, the trailer frame as trailers.
+            return Recording::Web(grpc_web::split(body, grpc_web::response_is_text(headers)));
+        }
         let Self::JsonRpc(id) = self else {
             return Recording::AsIs;
         };
@@ -200,12 +236,7 @@ impl Dialect {
             crate::replay::withhold(kept, denied, false);
             grpc::withhold_per_call(kept);
         }
-        // gRPC-Web tells its status in a frame of its body, not in trailers: not read here.
-        if complete
-            && *self == Self::Grpc
-            && !grpc::is_grpc_web(headers)
-            && !grpc::has_status(headers, kept.as_ref())
-        {
+        if complete && self.has_grpc_status() && !grpc::has_status(headers, kept.as_ref()) {
             let unknown = kept.get_or_insert_with(HeaderMap::new);
             unknown.insert(grpc::STATUS.clone(), HeaderValue::from_static("2"));
             unknown.insert(
@@ -216,10 +247,21 @@ impl Dialect {
         kept
     }
 
-    /// Whether an answer's outcome is told at its end (a gRPC status in its trailers): one too
-    /// large to keep is then read to its end before it is classified.
+    /// Whether an answer's outcome is told at its end (a gRPC status in its trailers, or in
+    /// gRPC-Web's trailer frame): one too large to keep is then read to its end before it is
+    /// classified.
     pub(crate) fn outcome_in_trailers(&self) -> bool {
-        *self == Self::Grpc
+        self.has_grpc_status()
+    }
+
+    /// A reader of a gRPC-Web answer's frames as they pass, for its trailer frame.
+    pub(crate) fn web_frames(&self, headers: &HeaderMap) -> Option<grpc_web::Frames> {
+        match self {
+            Self::GrpcWeb { .. } => {
+                Some(grpc_web::Frames::new(grpc_web::response_is_text(headers)))
+            }
+            _ => None,
+        }
     }
 
     /// Whether the head of an answer whose body was lost says anything about its outcome: a
@@ -228,46 +270,96 @@ impl Dialect {
         !matches!(self, Self::JsonRpc(_))
     }
 
-    /// A replay of `stored`, as this dialect answers it: wrapped in the envelope where the
-    /// route asks for one, a JSON-RPC replay addressed to the new call's `id` (and marked in
-    /// its `_meta` where the route's `settings` say so); an outcome recorded without its
-    /// response is refused as not stored.
+    /// A replay of `stored` to a retry whose head is `request`, as this dialect answers it:
+    /// wrapped in the envelope where the route asks for one, a JSON-RPC replay addressed to
+    /// the new call's `id` (and marked in its `_meta` where the route's `settings` say so), a
+    /// gRPC-Web replay framed for the retry's `Accept`. Trailers pass the deny list
+    /// (`denied`) again: a record may predate it. An outcome recorded without its response is
+    /// refused as not stored, one in a coding the retry does not accept as such.
     pub(crate) fn replay<B>(
         &self,
         stored: StoredResponse,
+        request: &HeaderMap,
         envelope: bool,
         settings: Option<&JsonRpc>,
+        denied: &[HeaderName],
     ) -> Response<ResponseBody<B>> {
         let how = Presentation {
             replayed: true,
             mark: true,
             envelope: self.envelopes(envelope),
         };
-        let body = match (stored.body, self) {
-            (Some(body), Self::JsonRpc(id)) => {
-                let mark = settings.is_some_and(|j| j.mark_replay_in_meta);
-                jsonrpc::readdress(&body, id, mark)
-            }
-            (body, _) => body,
-        };
+        let StoredResponse {
+            status,
+            mut headers,
+            body,
+            mut trailers,
+        } = stored;
         let Some(body) = body else {
-            return self.not_stored(stored.status);
+            return self.not_stored(status, trailers.as_ref());
         };
-        present(stored.status, stored.headers, body, stored.trailers, how)
+        if let Some(coding) = self.unaccepted(request, &headers) {
+            return self.answered(&not_accepted(&coding));
+        }
+        if let Some(kept) = &mut trailers {
+            crate::replay::withhold(kept, denied, false);
+            grpc::withhold_per_call(kept);
+        }
+        let body = match self {
+            Self::JsonRpc(id) => {
+                let mark = settings.is_some_and(|j| j.mark_replay_in_meta);
+                match jsonrpc::readdress(&body, id, mark) {
+                    Some(body) => body,
+                    None => return self.not_stored(status, None),
+                }
+            }
+            Self::GrpcWeb { text } => {
+                headers.insert(::http::header::CONTENT_TYPE, grpc_web::content_type(*text));
+                grpc_web::join(&body, trailers.take().as_ref(), *text)
+            }
+            Self::Http | Self::Grpc => body,
+        };
+        present(status, headers, body, trailers, how)
     }
 
-    fn not_stored<B>(&self, status: ::http::StatusCode) -> Response<ResponseBody<B>> {
+    /// The coding of a recorded answer that a retry does not accept, if any.
+    fn unaccepted(&self, request: &HeaderMap, stored: &HeaderMap) -> Option<String> {
+        match self {
+            Self::Http | Self::JsonRpc(_) => coding::unaccepted_http(request, stored),
+            Self::Grpc => coding::unaccepted_grpc(request, stored),
+            Self::GrpcWeb { .. } => coding::unaccepted_grpc(request, stored)
+                .or_else(|| coding::unaccepted_http(request, stored)),
+        }
+    }
+
+    fn not_stored<B>(
+        &self,
+        status: ::http::StatusCode,
+        trailers: Option<&HeaderMap>,
+    ) -> Response<ResponseBody<B>> {
+        // A gRPC call's outcome is its gRPC status, where the record has it.
+        let grpc_status = trailers
+            .and_then(|t| t.get(&grpc::STATUS))
+            .and_then(|v| v.to_str().ok());
+        let outcome = match grpc_status {
+            Some(code) if self.has_grpc_status() => format!("gRPC status {code}"),
+            _ => format!("status {}", status.as_u16()),
+        };
         let problem = Problem::new(
             ProblemKind::ResponseNotStored,
             format!(
-                "the operation completed with status {}, but its response was not recorded \
+                "the operation completed with {outcome}, but its response was not recorded \
                  (it was larger than the limit for recorded responses, or its body failed \
-                 after the handler answered), so it cannot be replayed; it will not run again",
-                status.as_u16()
+                 after the handler answered), so it cannot be replayed; it will not run again"
             ),
         )
         .state("completed");
-        let mut res = self.refuse(&problem);
+        self.answered(&problem)
+    }
+
+    /// A refusal that answers about the recorded outcome: marked like any replay.
+    fn answered<B>(&self, problem: &Problem) -> Response<ResponseBody<B>> {
+        let mut res = self.refuse(problem);
         // An answer about the recorded outcome: marked like any replay.
         res.headers_mut().insert(
             IDEMPOTENCY_REPLAYED.clone(),
@@ -281,9 +373,24 @@ impl Dialect {
 pub(crate) enum Recording {
     /// The response as it is (HTTP, gRPC).
     AsIs,
+    /// A gRPC-Web answer in its gRPC form, messages and trailers (`None`: not gRPC-Web).
+    Web(Option<(Bytes, Option<HeaderMap>)>),
     /// A call's final response (`None`: too large to keep), stored as
     /// [`jsonrpc::stored_call`] frames it.
     Call(Option<Bytes>),
     /// An interim answer with no final response in it: nothing to record.
     Interim,
+}
+
+/// The answer to a retry that does not accept the recorded answer's `coding`.
+fn not_accepted(coding: &str) -> Problem {
+    Problem::new(
+        ProblemKind::EncodingNotAccepted,
+        format!(
+            "the operation completed, but its recorded response is encoded as {coding:?}, \
+             which this request does not accept; retry with the same key accepting {coding:?} \
+             (Accept-Encoding, or grpc-accept-encoding for gRPC); it will not run again"
+        ),
+    )
+    .state("completed")
 }

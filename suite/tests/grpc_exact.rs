@@ -499,3 +499,31 @@ async fn s19_5_a_message_cut_into_single_bytes_is_still_unary() {
     assert!(replayed, "the same call again is a replay");
     assert_eq!(trail.effects.count(), 1);
 }
+
+/// Review finding: a record kept before a name joined the deny list (an older version, or
+/// other settings) still holds that trailer: a replay filters trailers again, with the
+/// current list.
+#[tokio::test]
+async fn s19_1_a_replay_filters_trailers_kept_under_another_deny_list() {
+    let store = MemoryStore::new();
+    let trail = Trail::default();
+    let before = serve(layer(store.clone()), trail.clone()).await;
+    let first = call(before, SECRET, "d-1").await.expect("first");
+    assert!(first.metadata().contains_key("x-operation"));
+    let kept = call(before, SECRET, "d-1").await.expect("replay as kept");
+    assert!(
+        kept.metadata().contains_key("x-operation"),
+        "kept under the old list"
+    );
+
+    let stricter = layer(store.clone()).deny_header(http::HeaderName::from_static("x-operation"));
+    let after = serve(stricter, trail.clone()).await;
+    let replay = call(after, SECRET, "d-1").await.expect("replay");
+    assert!(replay.metadata().contains_key("idempotency-replayed"));
+    assert!(
+        !replay.metadata().contains_key("x-operation"),
+        "{:?}",
+        replay.metadata()
+    );
+    assert_eq!(trail.effects.count(), 1);
+}
