@@ -304,7 +304,10 @@ impl<St: IdempotencyStore> Execution<St> {
             Some(frames) => frames.finish().flatten(),
             None => trailers.clone(),
         };
-        self.record_without_body(&head, told.as_ref(), false).await;
+        // A compressed gRPC-Web answer's status cannot be read: by its head, else done.
+        let done = self.dialect.opaque(&head.headers)
+            && !crate::dialect::grpc::has_status(&head.headers, None);
+        self.record_without_body(&head, told.as_ref(), done).await;
         drop(hold);
         for data in held {
             if tx.send(Ok(http_body::Frame::data(data))).await.is_err() {
@@ -438,7 +441,12 @@ impl<St: IdempotencyStore> Execution<St> {
         }
         let mut headers = parts.headers.clone();
         withhold(&mut headers, &self.config.denied_headers, true);
-        // The trailers stay with the record: a gRPC call's status is its outcome.
+        // Without its body, an answer keeps of its trailers only its outcome: a gRPC call's
+        // status (the trailers may be why it was too large to keep).
+        let trailers = match body {
+            Some(_) => trailers,
+            None => trailers.map(outcome_only),
+        };
         let stored = StoredResponse {
             status: parts.status,
             headers,
@@ -447,6 +455,33 @@ impl<St: IdempotencyStore> Execution<St> {
         };
         self.complete(&stored).await;
         RecordStatus::Completed.as_str()
+    }
+
+    /// Records an answer whose status cannot be read from its body (a compressed gRPC-Web
+    /// answer) as it was sent: by the status in its head if it has one, else taken as done
+    /// (the handler answered; a status the layer cannot see never runs it again).
+    async fn record_opaque(&self, parts: &Parts, body: Option<Bytes>) {
+        let told = crate::dialect::grpc::has_status(&parts.headers, None);
+        let records = !told
+            || self.route.cache_policy.records(&Outcome {
+                status: parts.status,
+                headers: &parts.headers,
+                trailers: None,
+                jsonrpc: None,
+            });
+        if !records {
+            self.release().await;
+            return;
+        }
+        let mut headers = parts.headers.clone();
+        withhold(&mut headers, &self.config.denied_headers, body.is_some());
+        let stored = StoredResponse {
+            status: parts.status,
+            headers,
+            body,
+            trailers: None,
+        };
+        self.complete(&stored).await;
     }
 
     /// Step 8: records the outcome if the route's policy keeps it, else releases the key.
@@ -463,6 +498,10 @@ impl<St: IdempotencyStore> Execution<St> {
                 // Kept in its gRPC form; the client still gets the answer as it was sent.
                 self.record_copied(parts, Some(messages), trailers.as_ref(), false)
                     .await;
+                return body;
+            }
+            Recording::Opaque => {
+                self.record_opaque(parts, body.clone()).await;
                 return body;
             }
             Recording::Web(None) => {
@@ -690,6 +729,22 @@ impl<St: IdempotencyStore> Drop for ReleaseOnDrop<St> {
             });
         }
     }
+}
+
+/// Of a record's trailers, what tells its outcome: the gRPC status, and its message where it
+/// is short.
+fn outcome_only(trailers: HeaderMap) -> HeaderMap {
+    let mut kept = HeaderMap::new();
+    if let Some(status) = trailers.get(&crate::dialect::grpc::STATUS) {
+        kept.insert(crate::dialect::grpc::STATUS.clone(), status.clone());
+    }
+    if let Some(message) = trailers
+        .get(&crate::dialect::grpc::MESSAGE)
+        .filter(|m| m.len() <= 1024)
+    {
+        kept.insert(crate::dialect::grpc::MESSAGE.clone(), message.clone());
+    }
+    kept
 }
 
 /// A copy of a response head (status and headers) for recording after the head is sent.

@@ -21,10 +21,12 @@ pub struct Outcome<'a> {
 }
 
 impl Outcome<'_> {
-    /// The gRPC status code, from the trailers or a trailers-only response's headers.
+    /// The gRPC status code, read as gRPC clients read it: from a trailers-only response's
+    /// headers first (a client stops there), else from the trailers; a value that is not a
+    /// code (`00`, `+0`, `0 `, `17`) is UNKNOWN (2).
     pub fn grpc_status(&self) -> Option<u16> {
-        let from = |h: &HeaderMap| h.get(&grpc::STATUS)?.to_str().ok()?.parse().ok();
-        self.trailers.and_then(from).or_else(|| from(self.headers))
+        let from = |h: &HeaderMap| h.get(&grpc::STATUS).map(grpc::parse_status);
+        from(self.headers).or_else(|| self.trailers.and_then(from))
     }
 
     /// Whether this outcome is definitive: an answer about the operation rather than a

@@ -160,7 +160,10 @@ impl<St: IdempotencyStore, M: MakeScope> Pipeline<St, M> {
             // streaming call is refused rather than buffered until a client that waits for a
             // reply gives up (never a hang).
             let buffered = match pending.reads_one_message() {
-                true => Box::pin(read_unary(body, route.body_limit)).await,
+                true => {
+                    let text = crate::dialect::grpc_web::is_text(&parts.headers);
+                    Box::pin(read_unary(body, route.body_limit, text)).await
+                }
                 false => buffer(&parts, body, route.body_limit).await,
             };
             match buffered {

@@ -71,6 +71,16 @@ pub(crate) fn withhold_per_call(trailers: &mut HeaderMap) {
     }
 }
 
+/// A `grpc-status` value as gRPC clients read it (tonic's `Code::from_bytes`): one digit, or
+/// `10`–`16`; anything else is UNKNOWN (2), never a code the policy would take as definitive.
+pub(crate) fn parse_status(value: &HeaderValue) -> u16 {
+    match value.as_bytes() {
+        [d @ b'0'..=b'9'] => u16::from(d - b'0'),
+        [b'1', d @ b'0'..=b'6'] => 10 + u16::from(d - b'0'),
+        _ => 2,
+    }
+}
+
 /// Whether a response said how its call ended: `grpc-status` in its trailers or, for a
 /// trailers-only response, in its headers.
 pub(crate) fn has_status(headers: &HeaderMap, trailers: Option<&HeaderMap>) -> bool {
@@ -84,8 +94,9 @@ pub(crate) const UNARY_GRACE: std::time::Duration = std::time::Duration::from_se
 /// The request body of a unary call: one length-prefixed message, then the end of the
 /// stream. A second message, or a stream still open [`UNARY_GRACE`] after the first, is a
 /// streaming call, refused before anything is claimed: buffering it to its end would hang a
-/// client that waits for a reply before it sends more.
-pub(crate) async fn read_unary<B>(body: B, limit: usize) -> Result<Bytes, Problem>
+/// client that waits for a reply before it sends more. A gRPC-Web call in `text` sends its
+/// message in base64: its message is found in the decoded bytes; the bytes as sent are read.
+pub(crate) async fn read_unary<B>(body: B, limit: usize, text: bool) -> Result<Bytes, Problem>
 where
     B: http_body::Body<Data = Bytes>,
     B::Error: Into<crate::store::BoxError>,
@@ -102,16 +113,22 @@ where
     };
     let mut body = std::pin::pin!(body);
     let mut data = crate::body::Gathered::default();
+    // In text, the bytes decoded so far (their messages are what counts).
+    let mut decoded: Option<(crate::base64::Decoder, Vec<u8>)> =
+        text.then(|| (crate::base64::Decoder::default(), Vec::new()));
     loop {
+        let (framed, pending) = match &decoded {
+            Some((decoder, bytes)) => (bytes.as_slice(), !decoder.finished()),
+            None => (data.as_slice(), false),
+        };
         // The first message's end, once its 5-byte prefix (flag, big-endian length) is in.
-        let message_end = data
-            .as_slice()
+        let message_end = framed
             .get(1..5)
             .map(|len| 5 + u32::from_be_bytes([len[0], len[1], len[2], len[3]]) as usize);
-        if message_end.is_some_and(|end| data.len() > end) {
+        if message_end.is_some_and(|end| framed.len() > end) {
             return Err(streaming("sent a second message"));
         }
-        let one_message_in = message_end.is_some_and(|end| data.len() == end);
+        let one_message_in = message_end.is_some_and(|end| framed.len() == end) && !pending;
         let nothing_yet = data.len() == 0;
         let next = if one_message_in || nothing_yet {
             if body.is_end_stream() {
@@ -133,6 +150,14 @@ where
         let Ok(chunk) = frame.into_data() else { break };
         if data.len() + chunk.len() > limit {
             return Err(super::http::too_large(limit));
+        }
+        if let Some((decoder, bytes)) = &mut decoded
+            && decoder.feed(&chunk, bytes).is_err()
+        {
+            return Err(Problem::new(
+                ProblemKind::BodyMalformed,
+                "a gRPC-Web text request body is not base64; nothing was run",
+            ));
         }
         data.push(chunk);
     }
@@ -274,6 +299,30 @@ fn string_field(out: &mut BytesMut, field: u32, s: &str) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn statuses_are_read_as_clients_read_them() {
+        for (value, code) in [
+            ("0", 0),
+            ("9", 9),
+            ("10", 10),
+            ("16", 16),
+            ("14", 14),
+            ("17", 2),
+            ("00", 2),
+            ("014", 2),
+            ("+0", 2),
+            (" 0", 2),
+            ("0 ", 2),
+            ("0x0", 2),
+            ("abc", 2),
+            ("", 2),
+            ("2147483648", 2),
+        ] {
+            let value = HeaderValue::from_str(value).expect("value");
+            assert_eq!(parse_status(&value), code, "{value:?}");
+        }
+    }
 
     #[test]
     fn varints_encode_like_protobuf() {

@@ -24,8 +24,9 @@ use crate::base64;
 
 /// The flag of the frame that carries the trailers.
 const TRAILERS: u8 = 0x80;
-/// Trailers kept from a body too large to keep, at most: past this, the status is not read.
-const TRAILERS_MAX: usize = 64 * 1024;
+/// The largest trailer frame read from an answer too large to keep (its frames are held back
+/// until it is recorded): past this, its status is not read, and the answer is UNKNOWN.
+pub(crate) const STREAMED_TRAILERS_MAX: usize = 16 * 1024 * 1024;
 
 /// Whether a message is gRPC-Web (`application/grpc-web…`).
 pub(crate) fn is_grpc_web(headers: &HeaderMap) -> bool {
@@ -34,20 +35,23 @@ pub(crate) fn is_grpc_web(headers: &HeaderMap) -> bool {
         .is_some_and(|ct| ct.as_bytes().starts_with(b"application/grpc-web"))
 }
 
-/// Whether a message's content type is the text (base64) variant.
-fn is_text(value: Option<&HeaderValue>) -> bool {
-    value.is_some_and(|v| v.as_bytes().starts_with(b"application/grpc-web-text"))
-}
-
-/// Whether a request asks for its answer in text (base64): its `Accept` names
-/// `application/grpc-web-text`, as tonic-web reads it.
+/// Whether a request asks for its answer in text (base64): its `Accept` is exactly
+/// `application/grpc-web-text` or `application/grpc-web-text+proto`, as tonic-web reads it
+/// (anything else is answered in binary, live and in replays alike).
 pub(crate) fn answers_text(request: &HeaderMap) -> bool {
-    is_text(request.get(header::ACCEPT))
+    request.get(header::ACCEPT).is_some_and(|v| {
+        matches!(
+            v.as_bytes(),
+            b"application/grpc-web-text" | b"application/grpc-web-text+proto"
+        )
+    })
 }
 
-/// Whether a response's body is the text variant.
-pub(crate) fn response_is_text(headers: &HeaderMap) -> bool {
-    is_text(headers.get(header::CONTENT_TYPE))
+/// Whether a message's body is the text variant, by its `Content-Type`.
+pub(crate) fn is_text(headers: &HeaderMap) -> bool {
+    headers
+        .get(header::CONTENT_TYPE)
+        .is_some_and(|v| v.as_bytes().starts_with(b"application/grpc-web-text"))
 }
 
 /// The content type of an answer in `text` or binary.
@@ -65,7 +69,8 @@ pub(crate) fn split(body: &Bytes, text: bool) -> Option<(Bytes, Option<HeaderMap
         true => Bytes::from(base64::decode(body).ok()?),
         false => body.clone(),
     };
-    let mut frames = Frames::new(false);
+    // The whole body is within the response limit: its trailer frame is read whatever its size.
+    let mut frames = Frames::new(false, usize::MAX);
     frames.feed_binary(&binary);
     let trailers = frames.finish()?;
     let messages = binary.slice(..frames.trailer_at.unwrap_or(binary.len()));
@@ -107,6 +112,8 @@ pub(crate) struct Frames {
     /// Where the trailer frame starts in the binary stream.
     trailer_at: Option<usize>,
     trailers: Vec<u8>,
+    /// The largest trailer frame read.
+    cap: usize,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -124,8 +131,9 @@ enum State {
 }
 
 impl Frames {
-    /// Frames of a body in base64 (`text`) or binary.
-    pub(crate) fn new(text: bool) -> Self {
+    /// Frames of a body in base64 (`text`) or binary, whose trailer frame is read up to
+    /// `cap` bytes.
+    pub(crate) fn new(text: bool, cap: usize) -> Self {
         Self {
             text: text.then(base64::Decoder::default),
             decoded: Vec::new(),
@@ -136,6 +144,7 @@ impl Frames {
             seen: 0,
             trailer_at: None,
             trailers: Vec::new(),
+            cap,
         }
     }
 
@@ -171,7 +180,7 @@ impl Frames {
                             as usize;
                         self.state = match prefix[0] {
                             0 | 1 => State::Message(len),
-                            TRAILERS if len <= TRAILERS_MAX => {
+                            TRAILERS if len <= self.cap => {
                                 self.trailer_at = Some(self.seen + taken - 5);
                                 State::Trailers(len)
                             }
@@ -230,7 +239,8 @@ impl Frames {
 }
 
 /// The trailer frame's payload: `name: value` lines, each ended by CRLF (the last one may
-/// go without).
+/// go without), read as tonic-web's client reads them: whitespace trimmed before a value, not
+/// after it, and of a name given twice the last value.
 fn parse_trailers(payload: &[u8]) -> Option<HeaderMap> {
     let mut trailers = HeaderMap::new();
     let mut rest = payload;
@@ -245,8 +255,8 @@ fn parse_trailers(payload: &[u8]) -> Option<HeaderMap> {
         }
         let colon = line.iter().position(|&b| b == b':')?;
         let name = HeaderName::from_bytes(&line[..colon]).ok()?;
-        let value = line[colon + 1..].trim_ascii();
-        trailers.append(name, HeaderValue::from_bytes(value).ok()?);
+        let value = line[colon + 1..].trim_ascii_start();
+        trailers.insert(name, HeaderValue::from_bytes(value).ok()?);
         rest = next;
     }
     Some(trailers)
@@ -278,7 +288,10 @@ mod tests {
         let trailers = trailers.expect("trailers");
         assert_eq!(trailers["grpc-status"], "14");
         assert_eq!(trailers["grpc-message"], "down");
-        assert_eq!(trailers.get_all("x-b").iter().count(), 2);
+        assert_eq!(
+            trailers["x-b"], "2",
+            "of a name given twice, the last value"
+        );
 
         // The same in text, as separately padded chunks.
         let text: String = body.chunks(7).map(|c| base64::encode(c, true)).collect();
@@ -340,7 +353,7 @@ mod tests {
                 true => base64::encode(&binary, true).into_bytes(),
                 false => binary,
             };
-            let mut frames = Frames::new(text);
+            let mut frames = Frames::new(text, STREAMED_TRAILERS_MAX);
             let mut rest = &body[..];
             for n in cut.iter().cycle() {
                 if rest.is_empty() { break; }

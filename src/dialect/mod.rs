@@ -61,9 +61,13 @@ pub(crate) enum Pending {
 }
 
 impl Pending {
-    /// Whether the body is one message of a unary call (gRPC): read as such, a stream refused.
+    /// Whether the body is one message of a unary call (gRPC, gRPC-Web): read as such, a
+    /// stream refused.
     pub(crate) fn reads_one_message(&self) -> bool {
-        matches!(self, Self::Keyed(_, Dialect::Grpc))
+        matches!(
+            self,
+            Self::Keyed(_, Dialect::Grpc | Dialect::GrpcWeb { .. })
+        )
     }
 
     /// Whom a refusal while the body is read answers.
@@ -203,8 +207,11 @@ impl Dialect {
     /// What of a handler's answer is its outcome, to record or not by the route's policy.
     pub(crate) fn recording(&self, headers: &HeaderMap, body: Option<&Bytes>) -> Recording {
         if let (Self::GrpcWeb { .. }, Some(body)) = (self, body) {
+            if unreadable(headers) {
+                return Recording::Opaque;
+            }
             // Kept in its gRPC form: messages as the body, the trailer frame as trailers.
-            return Recording::Web(grpc_web::split(body, grpc_web::response_is_text(headers)));
+            return Recording::Web(grpc_web::split(body, grpc_web::is_text(headers)));
         }
         let Self::JsonRpc(id) = self else {
             return Recording::AsIs;
@@ -247,6 +254,13 @@ impl Dialect {
         kept
     }
 
+    /// Whether the status of an answer in this dialect cannot be read from its body: a
+    /// gRPC-Web answer compressed as a whole (`Content-Encoding`). It is then taken as done by
+    /// its head, never run again on a status the layer cannot see.
+    pub(crate) fn opaque(&self, headers: &HeaderMap) -> bool {
+        matches!(self, Self::GrpcWeb { .. }) && unreadable(headers)
+    }
+
     /// Whether an answer's outcome is told at its end (a gRPC status in its trailers, or in
     /// gRPC-Web's trailer frame): one too large to keep is then read to its end before it is
     /// classified.
@@ -257,9 +271,10 @@ impl Dialect {
     /// A reader of a gRPC-Web answer's frames as they pass, for its trailer frame.
     pub(crate) fn web_frames(&self, headers: &HeaderMap) -> Option<grpc_web::Frames> {
         match self {
-            Self::GrpcWeb { .. } => {
-                Some(grpc_web::Frames::new(grpc_web::response_is_text(headers)))
-            }
+            Self::GrpcWeb { .. } if !unreadable(headers) => Some(grpc_web::Frames::new(
+                grpc_web::is_text(headers),
+                grpc_web::STREAMED_TRAILERS_MAX,
+            )),
             _ => None,
         }
     }
@@ -313,6 +328,8 @@ impl Dialect {
                     None => return self.not_stored(status, None),
                 }
             }
+            // Kept as sent: replayed as sent (to retries that accept its coding).
+            Self::GrpcWeb { .. } if unreadable(&headers) => body,
             Self::GrpcWeb { text } => {
                 headers.insert(::http::header::CONTENT_TYPE, grpc_web::content_type(*text));
                 grpc_web::join(&body, trailers.take().as_ref(), *text)
@@ -375,11 +392,23 @@ pub(crate) enum Recording {
     AsIs,
     /// A gRPC-Web answer in its gRPC form, messages and trailers (`None`: not gRPC-Web).
     Web(Option<(Bytes, Option<HeaderMap>)>),
+    /// A gRPC-Web answer whose body cannot be read (compressed as a whole): kept as it was
+    /// sent, classified by its head, and taken as done where the head tells nothing.
+    Opaque,
     /// A call's final response (`None`: too large to keep), stored as
     /// [`jsonrpc::stored_call`] frames it.
     Call(Option<Bytes>),
     /// An interim answer with no final response in it: nothing to record.
     Interim,
+}
+
+/// Whether a body is in a content coding (`Content-Encoding` other than identity), so that
+/// its frames cannot be read without decoding it.
+fn unreadable(headers: &HeaderMap) -> bool {
+    headers
+        .get_all(::http::header::CONTENT_ENCODING)
+        .iter()
+        .any(|v| !v.as_bytes().eq_ignore_ascii_case(b"identity"))
 }
 
 /// The answer to a retry that does not accept the recorded answer's `coding`.
