@@ -90,6 +90,7 @@
 //! - `axum` (default): [`IdempotencyContext`] as an axum extractor.
 //! - `memory` (default): the embedded [`MemoryStore`].
 //! - `sqlite`, `postgres`: the durable stores, on sqlx.
+//! - `redis`: `RedisStore`, on redis-rs (a single server or a Redis Cluster).
 //! - `tonic`: the middleware keeps tonic's `NamedService`. (gRPC requests are handled without
 //!   it: see [`grpc`].)
 //! - `test-kit`: [`store::kit`], the conformance checks for stores.
@@ -143,6 +144,8 @@ pub use store::AnyStore;
 pub use store::MemoryStore;
 #[cfg(feature = "postgres")]
 pub use store::PostgresStore;
+#[cfg(feature = "redis")]
+pub use store::RedisStore;
 #[cfg(feature = "sqlite")]
 pub use store::SqliteStore;
 pub use store::{IdempotencyStore, LeaseExpiry};

@@ -5,6 +5,7 @@
 //! cargo run --example quickstart -- --demo       # run the contract against itself, print a table
 //! cargo run --example quickstart --all-features -- --store sqlite://tickets.db
 //! cargo run --example quickstart --all-features -- --store postgres://postgres@127.0.0.1/test
+//! cargo run --example quickstart --all-features -- --store redis://127.0.0.1:6379
 //! ```
 //!
 //! The store comes from `--store URL`, else the `IDEMPOTENCY_STORE` environment variable, else

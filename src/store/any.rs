@@ -1,7 +1,12 @@
 //! [`AnyStore`]: a backend chosen at run time from a URL.
 // With no backend compiled in, the enum is empty and its methods ignore their arguments.
 #![cfg_attr(
-    not(any(feature = "memory", feature = "sqlite", feature = "postgres")),
+    not(any(
+        feature = "memory",
+        feature = "sqlite",
+        feature = "postgres",
+        feature = "redis"
+    )),
     allow(unused_variables)
 )]
 
@@ -21,6 +26,8 @@ use super::{
 /// | `memory://` | [`MemoryStore`](super::MemoryStore) | `memory` |
 /// | `sqlite://path/to/file.db` | `SqliteStore` | `sqlite` |
 /// | `postgres://user@host/db` (or `postgresql://`) | `PostgresStore` | `postgres` |
+/// | `redis://[:password@]host[:port][/db]` (or `rediss://`) | `RedisStore` | `redis` |
+/// | `redis+cluster://host:port[,host:port…]` (any nodes of a Redis Cluster) | `RedisStore` | `redis` |
 ///
 /// [`connect`](Self::connect) also creates the SQL stores' tables if they are missing.
 ///
@@ -45,6 +52,9 @@ pub enum AnyStore {
     /// A PostgreSQL database.
     #[cfg(feature = "postgres")]
     Postgres(super::PostgresStore),
+    /// A Redis or Valkey server, or a Redis Cluster.
+    #[cfg(feature = "redis")]
+    Redis(super::RedisStore),
 }
 
 /// Why [`AnyStore::connect`] failed. Its message names the store without its password
@@ -108,6 +118,12 @@ impl AnyStore {
         "postgres",
         #[cfg(feature = "postgres")]
         "postgresql",
+        #[cfg(feature = "redis")]
+        "redis",
+        #[cfg(feature = "redis")]
+        "rediss",
+        #[cfg(feature = "redis")]
+        "redis+cluster",
     ];
 
     /// `url` with its password (the user-info's, or a `password=` parameter) replaced by
@@ -162,6 +178,36 @@ impl AnyStore {
                 store.migrate().await.map_err(failed)?;
                 Ok(Self::Postgres(store))
             }
+            #[cfg(feature = "redis")]
+            "redis" | "rediss" => super::RedisStore::connect(url)
+                .await
+                .map(Self::Redis)
+                .map_err(|e| ConnectError::Failed {
+                    store: Self::redacted_url(url),
+                    source: e.into(),
+                }),
+            #[cfg(feature = "redis")]
+            "redis+cluster" => {
+                // Each node as redis-rs reads one: `redis://host:port`, with the user-info.
+                let rest = url.split_once("://").map_or("", |(_, rest)| rest);
+                let (user_info, hosts) = match rest.rsplit_once('@') {
+                    Some((user_info, hosts)) => (format!("{user_info}@"), hosts),
+                    None => (String::new(), rest),
+                };
+                let nodes: Vec<String> = hosts
+                    .trim_end_matches('/')
+                    .split(',')
+                    .map(|host| format!("redis://{user_info}{host}"))
+                    .collect();
+                let nodes: Vec<&str> = nodes.iter().map(String::as_str).collect();
+                super::RedisStore::connect_cluster(&nodes)
+                    .await
+                    .map(Self::Redis)
+                    .map_err(|e| ConnectError::Failed {
+                        store: Self::redacted_url(url),
+                        source: e.into(),
+                    })
+            }
             _ => Err(ConnectError::Unsupported {
                 scheme: scheme.to_owned(),
             }),
@@ -198,6 +244,8 @@ macro_rules! each {
             AnyStore::Sqlite(ref $store) => $call,
             #[cfg(feature = "postgres")]
             AnyStore::Postgres(ref $store) => $call,
+            #[cfg(feature = "redis")]
+            AnyStore::Redis(ref $store) => $call,
         }
     };
 }

@@ -15,6 +15,8 @@ pub mod kit;
 mod memory;
 #[cfg(feature = "postgres")]
 mod postgres;
+#[cfg(feature = "redis")]
+pub mod redis;
 #[cfg(any(feature = "postgres", feature = "sqlite"))]
 mod sql;
 #[cfg(feature = "sqlite")]
@@ -38,6 +40,8 @@ pub use history::{HISTORY_LIMIT, HISTORY_REFUSALS, HistoryEntry, HistoryEvent};
 pub use memory::MemoryStore;
 #[cfg(feature = "postgres")]
 pub use postgres::PostgresStore;
+#[cfg(feature = "redis")]
+pub use redis::RedisStore;
 #[cfg(any(feature = "postgres", feature = "sqlite"))]
 pub use sql::{CheckError, InvalidIdentifier};
 #[cfg(feature = "sqlite")]
@@ -345,7 +349,8 @@ pub trait IdempotencyStore: Send + Sync + 'static {
     fn remove(&self, key: &ScopedKey) -> impl Future<Output = Result<bool, StoreError>> + Send;
 
     /// Deletes every record past its `expires_at`; returns how many. A live lease keeps a record
-    /// unexpired, so in-flight records are never purged.
+    /// unexpired, so in-flight records are never purged. A store whose records expire on the
+    /// server by themselves (Redis TTLs) has nothing left to delete and returns 0.
     fn purge_expired(&self) -> impl Future<Output = Result<u64, StoreError>> + Send;
 
     /// Records a milestone on the holder's in-progress record (fenced like every write).

@@ -76,6 +76,18 @@ async fn postgres(_: &str) -> Option<tower_idempotency::store::PostgresStore> {
 
 all_checks!(postgres_store, postgres);
 
+async fn redis(name: &str) -> Option<tower_idempotency::store::RedisStore> {
+    common::redis(name).await
+}
+
+all_checks!(redis_store, redis);
+
+async fn redis_cluster(name: &str) -> Option<tower_idempotency::store::RedisStore> {
+    common::redis_cluster(name).await
+}
+
+all_checks!(redis_cluster_store, redis_cluster);
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn run_all_on_one_shared_store() {
     kit::run_all(Arc::new(MemoryStore::new())).await;

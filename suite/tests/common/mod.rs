@@ -261,3 +261,67 @@ pub async fn sqlite(name: &str) -> (tower_idempotency::store::SqliteStore, std::
     store.migrate().await.expect("migrate");
     (store, path)
 }
+
+/// Where the Redis tests connect: `TOWER_IDEMPOTENCY_REDIS_URL`, or the local default.
+pub fn redis_url() -> String {
+    std::env::var("TOWER_IDEMPOTENCY_REDIS_URL")
+        .unwrap_or_else(|_| "redis://127.0.0.1:6379".to_owned())
+}
+
+/// A node of the test Redis Cluster (`bash .ci/redis-cluster` starts one on 7000-7002):
+/// `TOWER_IDEMPOTENCY_REDIS_CLUSTER`, or the local default.
+pub fn redis_cluster_url() -> String {
+    std::env::var("TOWER_IDEMPOTENCY_REDIS_CLUSTER")
+        .unwrap_or_else(|_| "redis://127.0.0.1:7000".to_owned())
+}
+
+/// A prefix no other test, nor an earlier run, has used.
+pub fn redis_prefix(name: &str) -> String {
+    let nanos = SystemTime::now()
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    format!("test-{name}-{}-{nanos}", std::process::id())
+}
+
+/// A RedisStore on the test server under a prefix of its own, or `None` (after saying so)
+/// when there is no server.
+pub async fn redis(name: &str) -> Option<tower_idempotency::store::RedisStore> {
+    let url = redis_url();
+    let connect = tower_idempotency::store::RedisStore::connect(&url);
+    match tokio::time::timeout(Duration::from_secs(3), connect).await {
+        Ok(Ok(store)) => Some(store.with_prefix(&redis_prefix(name)).expect("prefix")),
+        Ok(Err(e)) => {
+            unreachable(&format!("Redis at {url}"), &e);
+            None
+        }
+        Err(_) => {
+            unreachable(&format!("Redis at {url}"), &"no answer in 3 s");
+            None
+        }
+    }
+}
+
+/// A RedisStore on the test cluster under a prefix of its own, or `None` (after saying so)
+/// when there is no cluster.
+pub async fn redis_cluster(name: &str) -> Option<tower_idempotency::store::RedisStore> {
+    let url = redis_cluster_url();
+    let nodes = [url.as_str()];
+    let connect = tower_idempotency::store::RedisStore::connect_cluster(&nodes);
+    match tokio::time::timeout(Duration::from_secs(3), connect).await {
+        Ok(Ok(store)) => Some(store.with_prefix(&redis_prefix(name)).expect("prefix")),
+        Ok(Err(e)) => {
+            unreachable(
+                &format!("the Redis Cluster at {url} (bash .ci/redis-cluster)"),
+                &e,
+            );
+            None
+        }
+        Err(_) => {
+            unreachable(
+                &format!("the Redis Cluster at {url} (bash .ci/redis-cluster)"),
+                &"no answer in 3 s",
+            );
+            None
+        }
+    }
+}

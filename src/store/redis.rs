@@ -1,0 +1,1103 @@
+//! [`RedisStore`]: records shared by a fleet, on Redis or Valkey, a single server or a Cluster.
+//!
+//! Every operation is one server-side Lua script, one round trip: the decision and every write
+//! it implies happen atomically on the server, on the server's clock (`TIME`), fenced by the
+//! lease token exactly as the SQL stores fence. Records expire by Redis TTL (`PEXPIREAT` at
+//! their `expires_at`), so nothing needs purging; a record whose outcome is unknown has no
+//! TTL until it is resolved.
+//!
+//! # Keys, and Redis Cluster
+//!
+//! A record is a hash at `{prefix}:{b}:r:{member}`, where `member` is the scope and key
+//! (length-prefixed, so no two keys share one) and `b` one of 64 buckets, picked by a hash of
+//! `member`. `{prefix}:{b}` is the key's hash tag: a record and its bucket's reconciliation
+//! index (`{prefix}:{b}:u`, `{prefix}:{b}:p`) share one slot, so every script touches one slot
+//! and a record never spans two. The 64 buckets spread over a cluster's masters; a listing of
+//! uncertain records reads each bucket's head and merges them, O(page) per bucket.
+//!
+//! # Durability
+//!
+//! What Redis loses, this store loses. A server with `appendonly yes` and `appendfsync always`
+//! loses nothing it acknowledged; with `everysec` (the usual setting) a crash can lose up to a
+//! second of acknowledged writes, and without persistence a restart loses every record. A
+//! failover to a replica can lose what the replica had not yet received. A lost claim means a
+//! retry may run the operation again; a lost completion means the retry waits out the lease
+//! and runs again (or, past a started effect, awaits reconciliation on another record). Where
+//! that matters, run with `appendfsync always`, or ask for replica acknowledgements on
+//! completions ([`RedisStore::with_wait`]).
+
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use redis::aio::ConnectionLike;
+use redis::{Cmd, Pipeline, RedisFuture, Script, Value};
+
+use super::codec::fresh_token;
+use super::history::{HISTORY_LIMIT, HISTORY_REFUSALS, HistoryEntry};
+use super::{
+    Claim, ClaimRequest, FencingToken, HistoryEvent, IdempotencyStore, Lease, LeaseExpiry,
+    Milestone, Record, RecordStatus, Resolution, ScopedKey, StoreError, StoredResponse,
+    UncertainCount, UncertainCursor, UncertainPage, UncertainQuery, Unreadable,
+};
+use crate::Fingerprint;
+
+/// How many buckets the records of one prefix are spread over (see the module docs).
+const BUCKETS: u64 = 64;
+
+/// How long a connection attempt, and a reply, may take before the store counts as down.
+const TIMEOUT: Duration = Duration::from_secs(5);
+
+/// A connection to one server (reconnecting by itself) or to a cluster (routing by slot).
+#[derive(Clone)]
+enum Connection {
+    Single(redis::aio::ConnectionManager),
+    Cluster(redis::cluster_async::ClusterConnection),
+}
+
+impl ConnectionLike for Connection {
+    fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
+        match self {
+            Self::Single(c) => c.req_packed_command(cmd),
+            Self::Cluster(c) => c.req_packed_command(cmd),
+        }
+    }
+
+    fn req_packed_commands<'a>(
+        &'a mut self,
+        cmd: &'a Pipeline,
+        offset: usize,
+        count: usize,
+    ) -> RedisFuture<'a, Vec<Value>> {
+        match self {
+            Self::Single(c) => c.req_packed_commands(cmd, offset, count),
+            Self::Cluster(c) => c.req_packed_commands(cmd, offset, count),
+        }
+    }
+
+    fn get_db(&self) -> i64 {
+        match self {
+            Self::Single(c) => c.get_db(),
+            Self::Cluster(c) => c.get_db(),
+        }
+    }
+}
+
+/// Records in Redis or Valkey, shared by every replica that connects to the same server or
+/// cluster (see the [module docs](self) for keys, Cluster and durability).
+///
+/// ```no_run
+/// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+/// use tower_idempotency::{IdempotencyLayer, store::RedisStore};
+///
+/// let store = RedisStore::connect("redis://127.0.0.1:6379").await?;
+/// // or a cluster, from any of its nodes:
+/// // let store = RedisStore::connect_cluster(&["redis://127.0.0.1:7000"]).await?;
+/// let layer = IdempotencyLayer::new(store.with_prefix("payments")?);
+/// # Ok(()) }
+/// ```
+#[derive(Clone)]
+pub struct RedisStore {
+    connection: Connection,
+    prefix: Arc<str>,
+    scripts: Arc<Scripts>,
+    /// Replicas that must acknowledge a completion, and how long to wait for them.
+    wait: Option<(u32, Duration)>,
+}
+
+impl std::fmt::Debug for RedisStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RedisStore")
+            .field(
+                "connection",
+                &match self.connection {
+                    Connection::Single(_) => "single server",
+                    Connection::Cluster(_) => "cluster",
+                },
+            )
+            .field("prefix", &self.prefix)
+            .field("wait", &self.wait)
+            .finish()
+    }
+}
+
+/// A prefix [`RedisStore::with_prefix`] refuses: empty, or holding `{`, `}` (hash tags) or
+/// whitespace.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct InvalidPrefix(pub String);
+
+impl std::fmt::Display for InvalidPrefix {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "invalid key prefix {:?}: it must be non-empty, without braces or whitespace",
+            self.0
+        )
+    }
+}
+
+impl std::error::Error for InvalidPrefix {}
+
+impl RedisStore {
+    /// The key prefix used unless [`with_prefix`](Self::with_prefix) sets another.
+    pub const DEFAULT_PREFIX: &'static str = "idempotency";
+
+    /// Connects to one server (`redis://[user:password@]host[:port][/db]`, or `rediss://`
+    /// where TLS is compiled into redis-rs). The connection reconnects by itself; while the
+    /// server is down every operation fails with [`StoreError::Unavailable`], so requests fail
+    /// closed.
+    pub async fn connect(url: &str) -> Result<Self, redis::RedisError> {
+        let client = redis::Client::open(url)?;
+        let config = redis::aio::ConnectionManagerConfig::new()
+            .set_connection_timeout(Some(TIMEOUT))
+            .set_response_timeout(Some(TIMEOUT))
+            .set_number_of_retries(1);
+        let manager = redis::aio::ConnectionManager::new_with_config(client, config).await?;
+        Ok(Self::new(Connection::Single(manager)))
+    }
+
+    /// Connects to a Redis Cluster through any of its nodes (`redis://host:port` each); the
+    /// rest of the cluster is discovered, and each operation goes to the node owning its slot.
+    pub async fn connect_cluster(nodes: &[&str]) -> Result<Self, redis::RedisError> {
+        let client = redis::cluster::ClusterClientBuilder::new(nodes.to_vec())
+            .connection_timeout(TIMEOUT)
+            .response_timeout(TIMEOUT)
+            .build()?;
+        let connection = client.get_async_connection().await?;
+        Ok(Self::new(Connection::Cluster(connection)))
+    }
+
+    fn new(connection: Connection) -> Self {
+        Self {
+            connection,
+            prefix: Self::DEFAULT_PREFIX.into(),
+            scripts: Arc::new(Scripts::new()),
+            wait: None,
+        }
+    }
+
+    /// Keeps this store's records under another prefix: stores with different prefixes never
+    /// see each other's keys.
+    pub fn with_prefix(mut self, prefix: &str) -> Result<Self, InvalidPrefix> {
+        let bad = |c: char| c == '{' || c == '}' || c.is_whitespace();
+        if prefix.is_empty() || prefix.chars().any(bad) {
+            return Err(InvalidPrefix(prefix.to_owned()));
+        }
+        self.prefix = prefix.into();
+        Ok(self)
+    }
+
+    /// Makes each completion wait until `replicas` replicas acknowledge it (`WAIT`), for at
+    /// most `timeout`: a failover then cannot lose a recorded outcome to a replica that never
+    /// had it. Off by default; it costs a second round trip per completion, and a completion
+    /// the replicas did not acknowledge in time fails (the layer keeps retrying it, holding
+    /// the key meanwhile). Not available on a cluster connection (Redis routes `WAIT` to no
+    /// one shard); there it is ignored.
+    pub fn with_wait(mut self, replicas: u32, timeout: Duration) -> Self {
+        self.wait = Some((replicas, timeout));
+        self
+    }
+
+    /// The record's member (its scope and key, length-prefixed) and bucket tag.
+    fn locate(&self, key: &ScopedKey) -> Located {
+        let member = member(key.scope().as_bytes(), key.key().as_bytes());
+        let bucket = bucket_of(&member);
+        Located {
+            record: self.record_key(bucket, &member),
+            uncertain: format!("{}:{{{bucket}}}:u", self.prefix),
+            pending: format!("{}:{{{bucket}}}:p", self.prefix),
+            member,
+        }
+    }
+
+    fn record_key(&self, bucket: u64, member: &[u8]) -> Vec<u8> {
+        let mut key = self.record_prefix(bucket).into_bytes();
+        key.extend_from_slice(member);
+        key
+    }
+
+    fn record_prefix(&self, bucket: u64) -> String {
+        format!("{}:{{{bucket}}}:r:", self.prefix)
+    }
+
+    /// Runs `script` on the located record's slot: its record, uncertain and pending keys,
+    /// then `args` after the member.
+    async fn run(
+        &self,
+        script: &Script,
+        at: &Located,
+        args: &[&[u8]],
+    ) -> Result<Value, StoreError> {
+        let mut invocation = script.key(&at.record[..]);
+        invocation
+            .key(&at.uncertain)
+            .key(&at.pending)
+            .arg(&at.member[..]);
+        for arg in args {
+            invocation.arg(*arg);
+        }
+        let mut connection = self.connection.clone();
+        invocation
+            .invoke_async(&mut connection)
+            .await
+            .map_err(StoreError::unavailable)
+    }
+}
+
+/// Where a record lives.
+struct Located {
+    record: Vec<u8>,
+    uncertain: String,
+    pending: String,
+    member: Vec<u8>,
+}
+
+/// A scope and key as one binary-safe member: the scope's length, `:`, the scope, the key.
+fn member(scope: &[u8], key: &[u8]) -> Vec<u8> {
+    let mut out = format!("{}:", scope.len()).into_bytes();
+    out.extend_from_slice(scope);
+    out.extend_from_slice(key);
+    out
+}
+
+/// The scope and key of a member, if it is one.
+fn split_member(member: &[u8]) -> Option<(Vec<u8>, Vec<u8>)> {
+    let colon = member.iter().position(|&b| b == b':')?;
+    let len: usize = std::str::from_utf8(&member[..colon]).ok()?.parse().ok()?;
+    let rest = &member[colon + 1..];
+    (rest.len() >= len).then(|| (rest[..len].to_vec(), rest[len..].to_vec()))
+}
+
+/// The bucket of a member: FNV-1a, stable across processes and versions (it names keys).
+fn bucket_of(member: &[u8]) -> u64 {
+    let hash = member.iter().fold(0xcbf2_9ce4_8422_2325_u64, |h, &b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+    });
+    hash % BUCKETS
+}
+
+fn ms(d: Duration) -> String {
+    u64::try_from(d.as_millis())
+        .unwrap_or(u64::MAX)
+        .min(1 << 52)
+        .to_string()
+}
+
+fn from_ms(ms: i64) -> SystemTime {
+    UNIX_EPOCH + Duration::from_millis(ms.max(0) as u64)
+}
+
+/// A reply that is not what the scripts return: the server is not ours, or damaged.
+fn odd(what: &str) -> StoreError {
+    StoreError::unavailable(format!("unexpected reply from Redis: {what}"))
+}
+
+fn int(value: &Value) -> Option<i64> {
+    match value {
+        Value::Int(n) => Some(*n),
+        Value::BulkString(b) => std::str::from_utf8(b).ok()?.parse().ok(),
+        Value::SimpleString(s) => s.parse().ok(),
+        _ => None,
+    }
+}
+
+fn bytes(value: &Value) -> Option<&[u8]> {
+    match value {
+        Value::BulkString(b) => Some(b),
+        Value::SimpleString(s) => Some(s.as_bytes()),
+        _ => None,
+    }
+}
+
+fn array(value: &Value) -> Option<&[Value]> {
+    match value {
+        Value::Array(items) => Some(items),
+        _ => None,
+    }
+}
+
+/// A record's fields, as `HGETALL` returns them, read into a [`Record`]; what is wrong with
+/// them otherwise.
+fn parse_record(flat: &[Value]) -> Result<Record, String> {
+    let mut fields = std::collections::HashMap::new();
+    for pair in flat.chunks(2) {
+        if let [name, value] = pair {
+            let name = bytes(name).ok_or("a field name is not a string")?;
+            let value = bytes(value).ok_or("a field value is not a string")?;
+            fields.insert(name.to_vec(), value);
+        }
+    }
+    let field = |name: &str| {
+        fields
+            .get(name.as_bytes())
+            .copied()
+            .ok_or_else(|| format!("the field {name} is missing"))
+    };
+    let text = |name: &str| -> Result<String, String> {
+        String::from_utf8(field(name)?.to_vec())
+            .map_err(|_| format!("the field {name} is not UTF-8"))
+    };
+    let number = |name: &str| -> Result<i64, String> {
+        text(name)?
+            .parse::<i64>()
+            .map_err(|_| format!("the field {name} is not an integer"))
+    };
+    let fingerprint: [u8; 32] = field("fp")?
+        .try_into()
+        .map_err(|_| "the field fp is not a SHA-256".to_owned())?;
+    let status = match text("st")?.as_str() {
+        "in_progress" => RecordStatus::InProgress,
+        "completed" => RecordStatus::Completed,
+        "released" => RecordStatus::Released,
+        "needs_reconciliation" => RecordStatus::NeedsReconciliation,
+        other => return Err(format!("the field st holds {other:?}, not a status")),
+    };
+    let token: u64 = text("tok")?
+        .parse()
+        .map_err(|_| "the field tok is not a token".to_owned())?;
+    let response = match fields.get(&b"resp"[..]) {
+        Some(bytes) => Some(
+            StoredResponse::from_shared(&bytes::Bytes::copy_from_slice(bytes))
+                .map_err(|e| format!("the field resp does not decode: {}", e.0))?,
+        ),
+        None => None,
+    };
+    let optional = |name: &str| {
+        fields
+            .get(name.as_bytes())
+            .map(|v| String::from_utf8_lossy(v).into_owned())
+    };
+    Ok(Record {
+        key: ScopedKey::new(text("sc")?, text("ky")?),
+        fingerprint: Fingerprint::from_bytes(fingerprint),
+        status,
+        lease_token: FencingToken::new(token),
+        lease_until: from_ms(number("lu")?),
+        attempts: u32::try_from(number("at")?).map_err(|_| "the field at is out of range")?,
+        effect_started: field("es")? == b"1",
+        downstream_id: optional("did"),
+        response,
+        created_at: from_ms(number("ca")?),
+        updated_at: from_ms(number("ua")?),
+        expires_at: from_ms(number("ea")?),
+        history: HistoryEntry::parse_all(&text("hist")?),
+        resolution_note: optional("note"),
+    })
+}
+
+/// The Lua shared by every script: the server's clock, reading and writing a record, its
+/// history, and keeping the bucket's reconciliation index in step with it.
+///
+/// `KEYS[1]` is the record, `KEYS[2]` the bucket's uncertain set (records awaiting
+/// reconciliation, by last change), `KEYS[3]` its pending set (in-progress records that
+/// would await reconciliation if their holder died, by lease end; moved to the uncertain set
+/// once their lease is over, when the bucket is listed); `ARGV[1]` the record's member.
+const PRELUDE: &str = r"
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local function fmt(n) return string.format('%.0f', n) end
+local function load(k)
+  local flat = redis.call('HGETALL', k)
+  if #flat == 0 then return nil end
+  local r = {}
+  for i = 1, #flat, 2 do r[flat[i]] = flat[i + 1] end
+  return r
+end
+local function watched(r) return r.es == '1' or r.roe == '1' end
+local function expired(r)
+  if tonumber(r.ea) > now then return false end
+  if r.st == 'completed' or r.st == 'released' then return true end
+  return r.st == 'in_progress' and not watched(r)
+end
+local function uncertain(r)
+  return r.st == 'needs_reconciliation'
+    or (r.st == 'in_progress' and watched(r) and tonumber(r.lu) <= now)
+end
+local function entry(attempt, token, event)
+  return attempt .. ' ' .. token .. ' ' .. fmt(now) .. ' ' .. event .. ';'
+end
+local function appended(h, e, cap)
+  local _, n = string.gsub(h, ';', '')
+  if n < cap then return h .. e end
+  if cap == @REFUSALS@ then return h end
+  return (string.match(h, '^(.*;)[^;]*;$') or '') .. e
+end
+local function save(r)
+  local flat = {}
+  for f, v in pairs(r) do flat[#flat + 1] = f; flat[#flat + 1] = v end
+  redis.call('HSET', KEYS[1], unpack(flat))
+  local m = ARGV[1]
+  if r.st == 'needs_reconciliation' then
+    redis.call('ZREM', KEYS[3], m)
+    redis.call('ZADD', KEYS[2], r.ua, m)
+    redis.call('PERSIST', KEYS[1])
+  elseif r.st == 'in_progress' and watched(r) then
+    redis.call('ZREM', KEYS[2], m)
+    redis.call('ZADD', KEYS[3], r.lu, m)
+    redis.call('PERSIST', KEYS[1])
+  else
+    redis.call('ZREM', KEYS[2], m)
+    redis.call('ZREM', KEYS[3], m)
+    redis.call('PEXPIREAT', KEYS[1], r.ea)
+  end
+end
+-- Bytewise order, as Redis orders a sorted set's members of one score (Lua's own `<` follows
+-- the server's collation locale).
+local function before(a, b)
+  for i = 1, math.min(#a, #b) do
+    local x, y = string.byte(a, i), string.byte(b, i)
+    if x ~= y then return x < y end
+  end
+  return #a < #b
+end
+local function fenced(r, token)
+  return r == nil or r.st ~= 'in_progress' or r.tok ~= token
+end
+";
+
+/// `ARGV`: member, fingerprint, token, lease ms, ttl ms, reclaim (`1`/`0`), scope, key.
+/// Returns `{written, now, fields}`.
+const CLAIM: &str = r"
+local fp, tok = ARGV[2], ARGV[3]
+local lease, ttl, reclaim = tonumber(ARGV[4]), tonumber(ARGV[5]), ARGV[6] == '1'
+local r = load(KEYS[1])
+if r and expired(r) then
+  redis.call('DEL', KEYS[1])
+  redis.call('ZREM', KEYS[2], ARGV[1])
+  redis.call('ZREM', KEYS[3], ARGV[1])
+  r = nil
+end
+local written = 0
+local roe = '1'
+if reclaim then roe = '0' end
+if not r then
+  r = {sc = ARGV[7], ky = ARGV[8], fp = fp, st = 'in_progress', tok = tok,
+       lu = fmt(now + lease), at = '1', es = '0', ca = fmt(now), ua = fmt(now),
+       ea = fmt(now + math.max(lease, ttl)), hist = entry('1', tok, 'claimed'), roe = roe}
+  save(r)
+  written = 1
+else
+  local same = r.fp == fp
+  local lease_over = r.st == 'in_progress' and tonumber(r.lu) <= now
+  if same and (r.st == 'released' or (lease_over and reclaim and r.es ~= '1')) then
+    r.at = fmt(tonumber(r.at) + 1)
+    r.st = 'in_progress'; r.tok = tok; r.lu = fmt(now + lease); r.roe = roe; r.ua = fmt(now)
+    r.ea = fmt(math.max(tonumber(r.ea), now + math.max(lease, ttl)))
+    r.hist = appended(r.hist, entry(r.at, tok, 'claimed'), @LIMIT@)
+    save(r)
+    written = 1
+  elseif same and lease_over then
+    r.st = 'needs_reconciliation'; r.ua = fmt(now)
+    r.hist = appended(r.hist, entry(r.at, r.tok, 'lease_expired'), @LIMIT@)
+    save(r)
+  end
+end
+return {written, fmt(now), redis.call('HGETALL', KEYS[1])}
+";
+
+/// `ARGV`: member, token, lease ms. Returns the new lease end, or nil when fenced.
+const RENEW: &str = r"
+local r = load(KEYS[1])
+if fenced(r, ARGV[2]) then return false end
+local lease = tonumber(ARGV[3])
+r.lu = fmt(now + lease); r.ea = fmt(math.max(tonumber(r.ea), now + lease)); r.ua = fmt(now)
+save(r)
+return r.lu
+";
+
+/// `ARGV`: member, token, response, ttl ms. Returns 1, or 0 when fenced.
+const COMPLETE: &str = r"
+local r = load(KEYS[1])
+if r == nil or r.tok ~= ARGV[2] or not (r.st == 'in_progress' or r.st == 'completed'
+    or r.st == 'needs_reconciliation') then
+  return 0
+end
+r.st = 'completed'; r.resp = ARGV[3]; r.ea = fmt(now + tonumber(ARGV[4])); r.ua = fmt(now)
+r.hist = appended(r.hist, entry(r.at, r.tok, 'completed'), @LIMIT@)
+save(r)
+return 1
+";
+
+/// `ARGV`: member, token. Releases (or moves to reconciliation past a started effect);
+/// returns the status it ends in, or nil when fenced.
+const RELEASE: &str = r"
+local r = load(KEYS[1])
+if fenced(r, ARGV[2]) then return false end
+if r.es == '1' then r.st = 'needs_reconciliation' else r.st = 'released' end
+r.ua = fmt(now)
+r.hist = appended(r.hist, entry(r.at, r.tok, r.st), @LIMIT@)
+save(r)
+return r.st
+";
+
+/// `ARGV`: member, token. Returns 1, or 0 when fenced.
+const MARK_UNCERTAIN: &str = r"
+local r = load(KEYS[1])
+if fenced(r, ARGV[2]) then return 0 end
+r.st = 'needs_reconciliation'; r.ua = fmt(now)
+r.hist = appended(r.hist, entry(r.at, r.tok, 'needs_reconciliation'), @LIMIT@)
+save(r)
+return 1
+";
+
+/// `ARGV`: member, token, `es` or `did`, the downstream id. Returns 1, or 0 when fenced.
+const MILESTONE: &str = r"
+local r = load(KEYS[1])
+if fenced(r, ARGV[2]) then return 0 end
+local event = 'downstream_id'
+if ARGV[3] == 'es' then r.es = '1'; event = 'effect_started' else r.did = ARGV[4] end
+r.ua = fmt(now)
+r.hist = appended(r.hist, entry(r.at, r.tok, event), @LIMIT@)
+save(r)
+return 1
+";
+
+/// `ARGV`: member. Returns `{now, fields}`, or nil when there is no live record.
+const LOOKUP: &str = r"
+local r = load(KEYS[1])
+if r == nil or expired(r) then return false end
+return {fmt(now), redis.call('HGETALL', KEYS[1])}
+";
+
+/// `ARGV`: member. Returns 1 if a record was deleted.
+const REMOVE: &str = r"
+redis.call('ZREM', KEYS[2], ARGV[1])
+redis.call('ZREM', KEYS[3], ARGV[1])
+return redis.call('DEL', KEYS[1])
+";
+
+/// `ARGV`: member, token, `completed` or `released`, response or empty, whether there is a
+/// response (`1`), ttl ms, new token, note or empty, whether there is a note. Returns 1, or 0
+/// when refused.
+const RESOLVE: &str = r"
+local r = load(KEYS[1])
+if r == nil or r.tok ~= ARGV[2] or not uncertain(r) then return 0 end
+r.st = ARGV[3]
+if ARGV[5] == '1' then r.resp = ARGV[4] end
+if ARGV[9] == '1' then r.note = ARGV[8] end
+r.tok = ARGV[7]
+if r.st == 'completed' then r.ea = fmt(now + tonumber(ARGV[6])) end
+r.ua = fmt(now)
+local event = 'reconciled_not_applied'
+if r.st == 'completed' then event = 'reconciled_applied' end
+r.hist = appended(r.hist, entry(r.at, r.tok, event), @LIMIT@)
+save(r)
+return 1
+";
+
+/// `ARGV`: member, event. Notes what a request saw, unfenced, within the refusal cap.
+const APPEND_HISTORY: &str = r"
+local r = load(KEYS[1])
+if r == nil or expired(r) then return 0 end
+redis.call('HSET', KEYS[1], 'hist', appended(r.hist, entry(r.at, r.tok, ARGV[2]), @REFUSALS@))
+return 1
+";
+
+/// Moves the bucket's pending records whose lease is over to its uncertain set (a dead
+/// holder's record is then listed), at most 1000 a call.
+const PROMOTE: &str = r"
+local function promote(prefix)
+  local due = redis.call('ZRANGEBYSCORE', KEYS[3], '-inf', now, 'LIMIT', 0, 1000)
+  for _, m in ipairs(due) do
+    redis.call('ZREM', KEYS[3], m)
+    local r = load(prefix .. m)
+    if r and r.st == 'in_progress' and watched(r) then
+      redis.call('ZADD', KEYS[2], r.ua, m)
+    end
+  end
+end
+";
+
+/// On a bucket (`KEYS[1]` unused, `KEYS[2]`, `KEYS[3]` its sets). `ARGV`: unused member,
+/// record key prefix, cursor score or empty, cursor member, limit, newest first (`1`).
+/// Returns `{score, member, fields}` for each record of the page, in its order.
+const LIST: &str = r"
+promote(ARGV[2])
+local limit, newest = tonumber(ARGV[5]), ARGV[6] == '1'
+local found = {}
+local function take(m, s)
+  if #found >= limit then return end
+  local r = load(ARGV[2] .. m)
+  if r == nil then
+    redis.call('ZREM', KEYS[2], m)
+  elseif uncertain(r) then
+    found[#found + 1] = {s, m, redis.call('HGETALL', ARGV[2] .. m)}
+  end
+end
+local function each(list)
+  for i = 1, #list, 2 do take(list[i], list[i + 1]) end
+end
+if ARGV[3] == '' then
+  if newest then
+    each(redis.call('ZREVRANGEBYSCORE', KEYS[2], '+inf', '-inf', 'WITHSCORES', 'LIMIT', 0, limit))
+  else
+    each(redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', '+inf', 'WITHSCORES', 'LIMIT', 0, limit))
+  end
+else
+  local s, after = ARGV[3], ARGV[4]
+  -- Records changed in the cursor's millisecond: past it by member, as Redis orders ties.
+  local ties = redis.call('ZRANGEBYSCORE', KEYS[2], s, s, 'WITHSCORES')
+  if newest then
+    for i = #ties - 1, 1, -2 do
+      if before(ties[i], after) then take(ties[i], ties[i + 1]) end
+    end
+    each(redis.call('ZREVRANGEBYSCORE', KEYS[2], '(' .. s, '-inf', 'WITHSCORES', 'LIMIT', 0, limit))
+  else
+    for i = 1, #ties, 2 do
+      if before(after, ties[i]) then take(ties[i], ties[i + 1]) end
+    end
+    each(redis.call('ZRANGEBYSCORE', KEYS[2], '(' .. s, '+inf', 'WITHSCORES', 'LIMIT', 0, limit))
+  end
+end
+return found
+";
+
+/// On a bucket, as [`LIST`]. `ARGV`: unused member, record key prefix. Returns
+/// `{count, oldest score or -1}`.
+const COUNT: &str = r"
+promote(ARGV[2])
+local n = redis.call('ZCARD', KEYS[2])
+local first = redis.call('ZRANGE', KEYS[2], 0, 0, 'WITHSCORES')
+if #first == 0 then return {n, -1} end
+return {n, tonumber(first[2])}
+";
+
+/// The scripts, compiled once per store (their SHA-1s are what travels).
+struct Scripts {
+    claim: Script,
+    renew: Script,
+    complete: Script,
+    release: Script,
+    mark_uncertain: Script,
+    milestone: Script,
+    lookup: Script,
+    remove: Script,
+    resolve: Script,
+    append_history: Script,
+    list: Script,
+    count: Script,
+}
+
+impl Scripts {
+    fn new() -> Self {
+        let build = |body: &str| {
+            let source = format!("{PRELUDE}{PROMOTE}{body}")
+                .replace("@LIMIT@", &HISTORY_LIMIT.to_string())
+                .replace("@REFUSALS@", &HISTORY_REFUSALS.to_string());
+            Script::new(&source)
+        };
+        Self {
+            claim: build(CLAIM),
+            renew: build(RENEW),
+            complete: build(COMPLETE),
+            release: build(RELEASE),
+            mark_uncertain: build(MARK_UNCERTAIN),
+            milestone: build(MILESTONE),
+            lookup: build(LOOKUP),
+            remove: build(REMOVE),
+            resolve: build(RESOLVE),
+            append_history: build(APPEND_HISTORY),
+            list: build(LIST),
+            count: build(COUNT),
+        }
+    }
+}
+
+/// A fenced write's reply: 1 written, 0 fenced.
+fn written(value: &Value) -> Result<(), StoreError> {
+    match int(value) {
+        Some(1) => Ok(()),
+        Some(0) => Err(StoreError::Fenced),
+        _ => Err(odd("a fenced write answered neither 1 nor 0")),
+    }
+}
+
+impl RedisStore {
+    /// The bucket's keys, for the listing scripts.
+    fn bucket(&self, bucket: u64) -> Located {
+        Located {
+            record: format!("{}:{{{bucket}}}:r:", self.prefix).into_bytes(),
+            uncertain: format!("{}:{{{bucket}}}:u", self.prefix),
+            pending: format!("{}:{{{bucket}}}:p", self.prefix),
+            member: Vec::new(),
+        }
+    }
+
+    async fn list_bucket(
+        &self,
+        bucket: u64,
+        query: &UncertainQuery,
+    ) -> Result<Vec<(i64, Vec<u8>, Result<Record, String>)>, StoreError> {
+        let at = self.bucket(bucket);
+        let prefix = self.record_prefix(bucket);
+        let (score, after) = match &query.after {
+            Some(cursor) => {
+                let (scope, key) = cursor.bytes();
+                let ms = cursor
+                    .updated_at
+                    .duration_since(UNIX_EPOCH)
+                    .map_or(0, |d| d.as_millis());
+                (ms.to_string(), member(scope, key))
+            }
+            None => (String::new(), Vec::new()),
+        };
+        let limit = query.limit.to_string();
+        let newest = if query.newest_first { "1" } else { "0" };
+        let reply = self
+            .run(
+                &self.scripts.list,
+                &at,
+                &[
+                    prefix.as_bytes(),
+                    score.as_bytes(),
+                    &after,
+                    limit.as_bytes(),
+                    newest.as_bytes(),
+                ],
+            )
+            .await?;
+        let rows = array(&reply).ok_or_else(|| odd("a listing is not an array"))?;
+        rows.iter()
+            .map(|row| {
+                let row = array(row).ok_or_else(|| odd("a listed record is not an array"))?;
+                let [score, member, fields] = row else {
+                    return Err(odd("a listed record has not three parts"));
+                };
+                let score = int(score)
+                    .or_else(|| {
+                        bytes(score).and_then(|b| {
+                            std::str::from_utf8(b)
+                                .ok()?
+                                .parse::<f64>()
+                                .ok()
+                                .map(|f| f as i64)
+                        })
+                    })
+                    .ok_or_else(|| odd("a listed record's score"))?;
+                let member = bytes(member).ok_or_else(|| odd("a listed record's member"))?;
+                let record = array(fields)
+                    .ok_or_else(|| "its fields are not a hash".to_owned())
+                    .and_then(parse_record);
+                Ok((score, member.to_vec(), record))
+            })
+            .collect()
+    }
+}
+
+impl IdempotencyStore for RedisStore {
+    async fn claim(&self, request: &ClaimRequest) -> Result<Claim, StoreError> {
+        let at = self.locate(&request.key);
+        let token = fresh_token();
+        let reclaim = matches!(request.on_lease_expiry, LeaseExpiry::Reclaim);
+        let reply = self
+            .run(
+                &self.scripts.claim,
+                &at,
+                &[
+                    request.fingerprint.as_bytes(),
+                    token.get().to_string().as_bytes(),
+                    ms(request.lease).as_bytes(),
+                    ms(request.ttl).as_bytes(),
+                    if reclaim { b"1" } else { b"0" },
+                    request.key.scope().as_bytes(),
+                    request.key.key().as_bytes(),
+                ],
+            )
+            .await?;
+        let parts = array(&reply).ok_or_else(|| odd("a claim is not an array"))?;
+        let [won, now, fields] = parts else {
+            return Err(odd("a claim has not three parts"));
+        };
+        let fields = array(fields).ok_or_else(|| odd("a claimed record is not a hash"))?;
+        let record = parse_record(fields).map_err(StoreError::unavailable)?;
+        let now = from_ms(int(now).ok_or_else(|| odd("the server's time"))?);
+        if int(won) == Some(1)
+            && record.lease_token == token
+            && record.status == RecordStatus::InProgress
+        {
+            return Ok(Claim::Acquired(Lease {
+                token,
+                attempt: record.attempts,
+                until: record.lease_until,
+            }));
+        }
+        Ok(Claim::Existing {
+            record: Box::new(record),
+            now,
+        })
+    }
+
+    async fn renew(
+        &self,
+        key: &ScopedKey,
+        token: FencingToken,
+        lease: Duration,
+    ) -> Result<SystemTime, StoreError> {
+        let at = self.locate(key);
+        let reply = self
+            .run(
+                &self.scripts.renew,
+                &at,
+                &[token.get().to_string().as_bytes(), ms(lease).as_bytes()],
+            )
+            .await?;
+        match reply {
+            Value::Nil => Err(StoreError::Fenced),
+            other => int(&other)
+                .map(from_ms)
+                .ok_or_else(|| odd("a renewal's lease end")),
+        }
+    }
+
+    async fn complete(
+        &self,
+        key: &ScopedKey,
+        token: FencingToken,
+        response: &StoredResponse,
+        ttl: Duration,
+    ) -> Result<(), StoreError> {
+        let at = self.locate(key);
+        let reply = self
+            .run(
+                &self.scripts.complete,
+                &at,
+                &[
+                    token.get().to_string().as_bytes(),
+                    &response.to_bytes(),
+                    ms(ttl).as_bytes(),
+                ],
+            )
+            .await?;
+        written(&reply)?;
+        if let (Some((replicas, timeout)), Connection::Single(_)) = (self.wait, &self.connection) {
+            let mut connection = self.connection.clone();
+            let acknowledged: i64 = redis::cmd("WAIT")
+                .arg(replicas)
+                .arg(ms(timeout))
+                .query_async(&mut connection)
+                .await
+                .map_err(StoreError::unavailable)?;
+            if acknowledged < i64::from(replicas) {
+                return Err(StoreError::unavailable(format!(
+                    "{acknowledged} of {replicas} replicas acknowledged the outcome in time"
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    async fn release(
+        &self,
+        key: &ScopedKey,
+        token: FencingToken,
+    ) -> Result<RecordStatus, StoreError> {
+        let at = self.locate(key);
+        let reply = self
+            .run(
+                &self.scripts.release,
+                &at,
+                &[token.get().to_string().as_bytes()],
+            )
+            .await?;
+        match bytes(&reply) {
+            None if reply == Value::Nil => Err(StoreError::Fenced),
+            Some(b"released") => Ok(RecordStatus::Released),
+            Some(b"needs_reconciliation") => Ok(RecordStatus::NeedsReconciliation),
+            _ => Err(odd("a release's status")),
+        }
+    }
+
+    async fn mark_uncertain(&self, key: &ScopedKey, token: FencingToken) -> Result<(), StoreError> {
+        let at = self.locate(key);
+        let reply = self
+            .run(
+                &self.scripts.mark_uncertain,
+                &at,
+                &[token.get().to_string().as_bytes()],
+            )
+            .await?;
+        written(&reply)
+    }
+
+    async fn lookup(&self, key: &ScopedKey) -> Result<Option<Record>, StoreError> {
+        let at = self.locate(key);
+        let reply = self.run(&self.scripts.lookup, &at, &[]).await?;
+        if reply == Value::Nil {
+            return Ok(None);
+        }
+        let parts = array(&reply).ok_or_else(|| odd("a lookup is not an array"))?;
+        let [_now, fields] = parts else {
+            return Err(odd("a lookup has not two parts"));
+        };
+        let fields = array(fields).ok_or_else(|| odd("a record is not a hash"))?;
+        parse_record(fields)
+            .map(Some)
+            .map_err(StoreError::unavailable)
+    }
+
+    async fn remove(&self, key: &ScopedKey) -> Result<bool, StoreError> {
+        let at = self.locate(key);
+        let reply = self.run(&self.scripts.remove, &at, &[]).await?;
+        Ok(int(&reply) == Some(1))
+    }
+
+    /// Records expire by Redis TTL: nothing is left to purge.
+    async fn purge_expired(&self) -> Result<u64, StoreError> {
+        Ok(0)
+    }
+
+    async fn record_milestone(
+        &self,
+        key: &ScopedKey,
+        token: FencingToken,
+        milestone: &Milestone,
+    ) -> Result<(), StoreError> {
+        let at = self.locate(key);
+        let token = token.get().to_string();
+        let (kind, value): (&[u8], &[u8]) = match milestone {
+            Milestone::EffectStarted => (b"es", b""),
+            Milestone::DownstreamId(id) => (b"did", id.as_bytes()),
+        };
+        let reply = self
+            .run(
+                &self.scripts.milestone,
+                &at,
+                &[token.as_bytes(), kind, value],
+            )
+            .await?;
+        written(&reply)
+    }
+
+    async fn list_uncertain(&self, query: &UncertainQuery) -> Result<UncertainPage, StoreError> {
+        let pages = futures_util::future::try_join_all(
+            (0..BUCKETS).map(|bucket| self.list_bucket(bucket, query)),
+        )
+        .await?;
+        let mut rows: Vec<_> = pages.into_iter().flatten().collect();
+        // Each bucket's page is in order; merged, by the same order: last change, then member.
+        rows.sort_by(|a, b| (a.0, &a.1).cmp(&(b.0, &b.1)));
+        if query.newest_first {
+            rows.reverse();
+        }
+        rows.truncate(query.limit);
+        let mut records = Vec::new();
+        let mut unreadable = Vec::new();
+        let mut last = None;
+        for (score, member, record) in rows {
+            let (scope, key) = split_member(&member).unwrap_or_default();
+            let cursor = UncertainCursor::stored(from_ms(score), scope, key);
+            match record {
+                Ok(record) => records.push(record),
+                Err(error) => unreadable.push(Unreadable {
+                    key: cursor.key.clone(),
+                    error,
+                }),
+            }
+            last = Some(cursor);
+        }
+        Ok(UncertainPage::new(records, unreadable, last, query.limit))
+    }
+
+    async fn count_uncertain(&self) -> Result<UncertainCount, StoreError> {
+        let counts = futures_util::future::try_join_all((0..BUCKETS).map(|bucket| async move {
+            let at = self.bucket(bucket);
+            let prefix = self.record_prefix(bucket);
+            self.run(&self.scripts.count, &at, &[prefix.as_bytes()])
+                .await
+        }))
+        .await?;
+        let mut count = UncertainCount::default();
+        for reply in counts {
+            let parts = array(&reply).ok_or_else(|| odd("a count is not an array"))?;
+            let [n, oldest] = parts else {
+                return Err(odd("a count has not two parts"));
+            };
+            count.count += int(n).ok_or_else(|| odd("a count"))? as u64;
+            if let Some(oldest) = int(oldest).filter(|&o| o >= 0) {
+                let oldest = from_ms(oldest);
+                count.oldest = Some(count.oldest.map_or(oldest, |o: SystemTime| o.min(oldest)));
+            }
+        }
+        Ok(count)
+    }
+
+    async fn resolve(
+        &self,
+        key: &ScopedKey,
+        token: FencingToken,
+        resolution: &Resolution,
+        ttl: Duration,
+        note: Option<&str>,
+    ) -> Result<(), StoreError> {
+        let at = self.locate(key);
+        let (status, response): (&[u8], Option<Vec<u8>>) = match resolution {
+            Resolution::Applied(response) => (b"completed", Some(response.to_bytes())),
+            Resolution::NotApplied => (b"released", None),
+        };
+        let new_token = fresh_token().get().to_string();
+        let reply = self
+            .run(
+                &self.scripts.resolve,
+                &at,
+                &[
+                    token.get().to_string().as_bytes(),
+                    status,
+                    response.as_deref().unwrap_or_default(),
+                    if response.is_some() { b"1" } else { b"0" },
+                    ms(ttl).as_bytes(),
+                    new_token.as_bytes(),
+                    note.unwrap_or_default().as_bytes(),
+                    if note.is_some() { b"1" } else { b"0" },
+                ],
+            )
+            .await?;
+        written(&reply)
+    }
+
+    async fn append_history(&self, key: &ScopedKey, event: HistoryEvent) -> Result<(), StoreError> {
+        let at = self.locate(key);
+        self.run(
+            &self.scripts.append_history,
+            &at,
+            &[event.as_str().as_bytes()],
+        )
+        .await
+        .map(drop)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn members_are_unambiguous_and_split_back() {
+        let a = member(b"ab", b"c");
+        let b = member(b"a", b"bc");
+        assert_ne!(a, b);
+        assert_eq!(split_member(&a), Some((b"ab".to_vec(), b"c".to_vec())));
+        assert_eq!(
+            split_member(&member(b"", b"k\0{x}")),
+            Some((Vec::new(), b"k\0{x}".to_vec()))
+        );
+        assert_eq!(split_member(b"9:ab"), None);
+        assert_eq!(split_member(b"x"), None);
+    }
+
+    #[test]
+    fn buckets_are_stable_and_spread() {
+        // The bucket names keys in a server: it must never change between versions.
+        assert_eq!(bucket_of(b"0:order-1"), bucket_of(b"0:order-1"));
+        let mut seen = std::collections::HashSet::new();
+        for i in 0..2000 {
+            seen.insert(bucket_of(&member(b"", format!("k-{i}").as_bytes())));
+        }
+        assert_eq!(seen.len(), BUCKETS as usize, "2000 keys reach every bucket");
+    }
+
+    #[test]
+    fn prefixes_that_would_break_hash_tags_are_refused() {
+        for bad in ["", "a{b", "a}b", "a b", "a\nb"] {
+            assert!(InvalidPrefix(bad.into()).to_string().contains("invalid"));
+        }
+    }
+}
