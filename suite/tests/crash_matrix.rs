@@ -1,5 +1,5 @@
 //! Issue 15 §9, the crash half: a server process killed with SIGKILL at each step of a request,
-//! on PostgreSQL and SQLite, with `LeaseExpiry::Reclaim` and `Reconcile`. A fresh process on the
+//! on PostgreSQL, SQLite, Redis and a Redis Cluster, with `LeaseExpiry::Reclaim` and `Reconcile`. A fresh process on the
 //! same store then retries the key until the answer is definite. Effects are counted at a sink
 //! file that both processes append to, so an effect made just before the kill still counts.
 //!
@@ -300,6 +300,14 @@ async fn matrix() -> usize {
             Ok(_) => stores.push(("postgres", common::postgres_url())),
             Err(e) => common::unreachable(&format!("PostgreSQL at {}", common::postgres_url()), &e),
         }
+    }
+    if common::redis("crash-matrix").await.is_some() {
+        stores.push(("redis", common::redis_url()));
+    }
+    if common::redis_cluster("crash-matrix").await.is_some() {
+        let node = common::redis_cluster_url();
+        let hosts = node.split_once("://").map_or(node.as_str(), |(_, h)| h);
+        stores.push(("redis-cluster", format!("redis+cluster://{hosts}")));
     }
     let mut failures = 0;
     println!("crash matrix (SIGKILL at each step, then retries from a fresh process):");
