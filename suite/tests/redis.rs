@@ -212,7 +212,7 @@ async fn s21_a_replica_killed_mid_handler_leaves_the_key_in_flight() {
     let store = store
         .with_prefix(RedisStore::DEFAULT_PREFIX)
         .expect("prefix");
-    let scoped = ScopedKey::new("principal:agent-1".to_owned(), key.clone());
+    let scoped = ScopedKey::new("principal:agent-1", key.clone());
     let mut claimed = false;
     for _ in 0..300 {
         if store.lookup(&scoped).await.expect("lookup").is_some() {
