@@ -197,6 +197,32 @@ impl RedisStore {
         self
     }
 
+    /// The Lua source of the claim, as the server runs it: `KEYS` are the record, its bucket's
+    /// uncertain and pending sets ([`keys`](Self::keys)); `ARGV` the member, fingerprint,
+    /// token, lease and TTL in milliseconds, `1` to reclaim an expired lease (else `0`), scope
+    /// and key. For inspection, and for measuring the store against its own scripts.
+    pub fn claim_script(&self) -> &str {
+        &self.scripts.claim_source
+    }
+
+    /// The Lua source of the completion: `KEYS` as for the claim; `ARGV` the member, token,
+    /// the response ([`StoredResponse::to_bytes`]) and the TTL in milliseconds.
+    pub fn complete_script(&self) -> &str {
+        &self.scripts.complete_source
+    }
+
+    /// Where the record of `key` lives: its hash, its bucket's uncertain and pending sets (one
+    /// hash slot), and its member in those sets.
+    pub fn keys(&self, key: &ScopedKey) -> [Vec<u8>; 4] {
+        let at = self.locate(key);
+        [
+            at.record,
+            at.uncertain.into_bytes(),
+            at.pending.into_bytes(),
+            at.member,
+        ]
+    }
+
     /// The record's member (its scope and key, length-prefixed) and bucket tag.
     fn locate(&self, key: &ScopedKey) -> Located {
         let member = member(key.scope().as_bytes(), key.key().as_bytes());
@@ -663,6 +689,9 @@ return {n, tonumber(first[2])}
 
 /// The scripts, compiled once per store (their SHA-1s are what travels).
 struct Scripts {
+    /// The claim's and the completion's source, for inspection.
+    claim_source: String,
+    complete_source: String,
     claim: Script,
     renew: Script,
     complete: Script,
@@ -679,13 +708,15 @@ struct Scripts {
 
 impl Scripts {
     fn new() -> Self {
-        let build = |body: &str| {
-            let source = format!("{PRELUDE}{PROMOTE}{body}")
+        let source = |body: &str| {
+            format!("{PRELUDE}{PROMOTE}{body}")
                 .replace("@LIMIT@", &HISTORY_LIMIT.to_string())
-                .replace("@REFUSALS@", &HISTORY_REFUSALS.to_string());
-            Script::new(&source)
+                .replace("@REFUSALS@", &HISTORY_REFUSALS.to_string())
         };
+        let build = |body: &str| Script::new(&source(body));
         Self {
+            claim_source: source(CLAIM),
+            complete_source: source(COMPLETE),
             claim: build(CLAIM),
             renew: build(RENEW),
             complete: build(COMPLETE),

@@ -22,7 +22,8 @@
 //! which targets SHA-256 alone puts out of reach.
 //!
 //! `cargo bench -p suite --bench http` (PostgreSQL from `TOWER_IDEMPOTENCY_POSTGRES_URL`,
-//! default `postgres://postgres@127.0.0.1:5432/test`; its rows are skipped if it is down).
+//! default `postgres://postgres@127.0.0.1:5432/test`, Redis from `TOWER_IDEMPOTENCY_REDIS_URL`,
+//! default `redis://127.0.0.1:6379`; their rows are skipped if they are down).
 //! `BENCH_SECONDS` sets the time per scenario and round (default 5 for the SQL stores, 1 for a
 //! MemoryStore round), `BENCH_ROUNDS` the number of rounds (default 11); `BENCH_ONLY=memory`
 //! stops after the MemoryStore rows.
@@ -39,7 +40,7 @@ use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use hyper_util::rt::TokioIo;
 use tokio::net::{TcpListener, TcpStream};
-use tower_idempotency::store::{PostgresStore, SqliteStore};
+use tower_idempotency::store::{PostgresStore, RedisStore, SqliteStore};
 use tower_idempotency::{IdempotencyLayer, IdempotencyStore, MemoryStore};
 
 const CONNECTIONS: usize = 64;
@@ -482,7 +483,7 @@ async fn run() {
     if std::env::var("BENCH_ONLY").is_ok_and(|v| v == "memory") {
         return;
     }
-    println!("\nSQL stores: one run of {seconds} s each, against a bare run just before them:");
+    println!("\nDurable stores: one run of {seconds} s each, against a bare run just before them:");
     println!(
         "\n{:<36} {:>10} {:>9} {:>9} {:>8} {:>7}",
         "scenario", "req/s", "p50 µs", "p99 µs", "vs bare", "errors"
@@ -523,6 +524,24 @@ async fn run() {
         Err(e) => println!(
             "{:<36} skipped: PostgreSQL unreachable ({e})",
             "layer + PostgresStore"
+        ),
+    }
+
+    let url = std::env::var("TOWER_IDEMPOTENCY_REDIS_URL")
+        .unwrap_or_else(|_| "redis://127.0.0.1:6379".to_owned());
+    match RedisStore::connect(&url).await {
+        Ok(store) => {
+            let store = store
+                .with_prefix(&format!("bench-{run_id}"))
+                .expect("prefix");
+            let r = scenario(store.clone(), Keys::Unique, seconds, &format!("{run_id}-r")).await;
+            row("layer + RedisStore, unique keys", &r);
+            let r = scenario(store, Keys::Repeated, seconds, &format!("{run_id}-rr")).await;
+            row("layer + RedisStore, replays", &r);
+        }
+        Err(e) => println!(
+            "{:<36} skipped: Redis unreachable ({e})",
+            "layer + RedisStore"
         ),
     }
 }

@@ -312,3 +312,51 @@ async fn s21_redis_outage_fails_closed_and_recovers() {
     }
     assert_eq!(effects.count(), 2, "each key ran once across the outage");
 }
+
+/// `with_wait`: a completion waits for replica acknowledgements. The test server has no
+/// replica, so asking for one fails the completion (the layer would keep retrying it, holding
+/// the key), and asking for none passes; either way the outcome itself is written.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s21_completions_can_wait_for_replicas() {
+    use tower_idempotency::store::{
+        Claim, ClaimRequest, Fingerprint, LeaseExpiry, RecordStatus, StoreError, StoredResponse,
+    };
+    let Some(store) = common::redis("wait").await else {
+        return;
+    };
+    let response = StoredResponse {
+        status: StatusCode::CREATED,
+        headers: http::HeaderMap::new(),
+        body: Some(bytes::Bytes::from_static(b"refund 1")),
+        trailers: None,
+    };
+    for (replicas, acknowledged) in [(1, false), (0, true)] {
+        let store = store
+            .clone()
+            .with_wait(replicas, Duration::from_millis(100));
+        let key = ScopedKey::new("", unique("wait"));
+        let request = ClaimRequest {
+            key: key.clone(),
+            fingerprint: Fingerprint::from_bytes([7; 32]),
+            lease: Duration::from_secs(30),
+            ttl: Duration::from_secs(60),
+            on_lease_expiry: LeaseExpiry::Reclaim,
+        };
+        let Claim::Acquired(lease) = store.claim(&request).await.expect("claim") else {
+            panic!("a fresh key");
+        };
+        let completed = store
+            .complete(&key, lease.token, &response, Duration::from_secs(60))
+            .await;
+        match acknowledged {
+            true => completed.expect("no replica asked for"),
+            false => {
+                let error = completed.expect_err("no replica to acknowledge");
+                assert!(matches!(error, StoreError::Unavailable(_)), "{error}");
+                assert!(error.to_string().contains("0 of 1 replicas"), "{error}");
+            }
+        }
+        let record = store.lookup(&key).await.expect("lookup").expect("record");
+        assert_eq!(record.status, RecordStatus::Completed);
+    }
+}
