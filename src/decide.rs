@@ -5,7 +5,7 @@ use std::time::Duration;
 use crate::fingerprint::Fingerprint;
 use crate::observe::{self, Event};
 use crate::problem::{Problem, ProblemKind};
-use crate::store::{Claim, Lease, RecordStatus, StoredResponse};
+use crate::store::{Claim, InFlight, Lease, RecordStatus, StoredResponse};
 
 /// What a request does after its claim.
 #[derive(Debug)]
@@ -16,6 +16,9 @@ pub(crate) enum Decision {
     Replay(StoredResponse),
     /// Answer without running anything.
     Refuse(Problem),
+    /// Another request holds the key (`InProgress`, the problem to answer): what was seen of
+    /// its record, for a request that waits for it (none when the record was locked).
+    InFlight(Problem, Option<InFlight>),
 }
 
 /// DESIGN §1 step 6, in its order: a fingerprint mismatch is reported before any in-flight
@@ -70,15 +73,20 @@ pub(crate) fn decide(claim: Claim, fingerprint: &Fingerprint, covers: &str) -> D
         // just did, so it is in flight.
         RecordStatus::InProgress | RecordStatus::Released => {
             observe::count(Event::Conflict);
-            let remaining = record.lease_until.duration_since(now).unwrap_or_default();
-            Decision::Refuse(
+            let seen = InFlight {
+                token: record.lease_token,
+                lease_until: record.lease_until,
+                now,
+            };
+            Decision::InFlight(
                 Problem::new(
                     ProblemKind::InFlight,
                     "a request with this idempotency key is still being processed; retry with \
                      the same key after the indicated delay",
                 )
                 .state(state)
-                .retry_after(ceil_secs(remaining)),
+                .retry_after(ceil_secs(seen.lease_left())),
+                Some(seen),
             )
         }
     }
@@ -88,7 +96,7 @@ pub(crate) fn decide(claim: Claim, fingerprint: &Fingerprint, covers: &str) -> D
 /// flight, without waiting for the lock.
 pub(crate) fn busy() -> Decision {
     observe::count(Event::Conflict);
-    Decision::Refuse(
+    Decision::InFlight(
         Problem::new(
             ProblemKind::InFlight,
             "a request with this idempotency key is still being processed; retry with the same \
@@ -96,6 +104,7 @@ pub(crate) fn busy() -> Decision {
         )
         .state(RecordStatus::InProgress.as_str())
         .retry_after(1),
+        None,
     )
 }
 

@@ -27,7 +27,9 @@ use crate::problem::{Problem, ProblemKind};
 use crate::route::RouteConfig;
 use crate::scope::MakeScope;
 use crate::settings::Resolved;
-use crate::store::{BoxError, Claim, ClaimRequest, HistoryEvent, IdempotencyStore, StoreError};
+use crate::store::{
+    BoxError, Claim, ClaimRequest, HistoryEvent, IdempotencyStore, StoreError, poll_backoff,
+};
 
 /// The middleware service made by [`IdempotencyLayer`](crate::IdempotencyLayer).
 ///
@@ -209,7 +211,7 @@ impl<St: IdempotencyStore, M: MakeScope> Pipeline<St, M> {
         let wait_until = route
             .wait_for_in_flight
             .map(|wait| tokio::time::Instant::now() + wait);
-        let mut backoff = Duration::from_millis(10);
+        let mut round = 0u32;
         let lease = loop {
             // Seen to its end even if this request is dropped meanwhile (see `ClaimToEnd`).
             // A record locked by a transaction is answered at once, and not noted in its
@@ -224,11 +226,14 @@ impl<St: IdempotencyStore, M: MakeScope> Pipeline<St, M> {
                     return Step::Answer(Ok(unavailable(route, &dialect)));
                 }
             };
-            let can_wait =
-                wait_until.is_some_and(|until| tokio::time::Instant::now() + backoff < until);
+            let can_wait = wait_until.is_some_and(|until| tokio::time::Instant::now() < until);
+            let mut seen = None;
             let noting = match self.next(decision, can_wait, &dialect, &parts.headers) {
                 Next::Run(lease) => break lease,
-                Next::Wait => None,
+                Next::Wait(in_flight) => {
+                    seen = in_flight;
+                    None
+                }
                 Next::Answer(response, Some(event)) if noted => {
                     Some(Box::pin(self.noted(&request.key, event, response)))
                 }
@@ -236,9 +241,22 @@ impl<St: IdempotencyStore, M: MakeScope> Pipeline<St, M> {
             };
             match noting {
                 Some(noting) => return Step::Answer(Ok(noting.await)),
+                // Woken by the store when the record moves on (or it polls), then claim again:
+                // a replay, a run (the key was released), or at the deadline the usual 409.
                 None => {
-                    Box::pin(tokio::time::sleep(backoff)).await;
-                    backoff = (backoff * 2).min(Duration::from_millis(250));
+                    let within = wait_until.map_or(Duration::ZERO, |until| {
+                        until.saturating_duration_since(tokio::time::Instant::now())
+                    });
+                    match seen {
+                        Some(seen) => {
+                            let store = self.keeper.store();
+                            Box::pin(store.wait_for_change(&request.key, &seen, round, within))
+                                .await
+                        }
+                        // A locked record says nothing to wait on: poll.
+                        None => Box::pin(tokio::time::sleep(poll_backoff(round).min(within))).await,
+                    }
+                    round = round.saturating_add(1);
                 }
             }
         };
@@ -371,8 +389,9 @@ impl<St: IdempotencyStore> Drop for ClaimToEnd<St> {
 )]
 enum Next<ResBody> {
     Run(crate::store::Lease),
-    /// In flight, on a route that waits for it: claim again after a pause.
-    Wait,
+    /// In flight, on a route that waits for it: claim again once the record may have moved on
+    /// (what was seen of it, if anything).
+    Wait(Option<crate::store::InFlight>),
     /// The answer, and what to write into the key's history first (routes that ask).
     Answer(Response<ResponseBody<ResBody>>, Option<HistoryEvent>),
 }
@@ -415,8 +434,10 @@ impl<St, M> Pipeline<St, M> {
         let note = |event| self.route.record_refusals.then_some(event);
         match decision {
             Decision::Run(lease) => Next::Run(lease),
-            Decision::Refuse(problem) if can_wait && problem.kind == ProblemKind::InFlight => {
-                Next::Wait
+            Decision::InFlight(_, seen) if can_wait => Next::Wait(seen),
+            Decision::InFlight(problem, _) => {
+                self.outcome(problem.kind.slug());
+                Next::Answer(dialect.refuse(&problem), note(HistoryEvent::Conflict))
             }
             Decision::Replay(stored) => {
                 self.outcome("replayed");

@@ -14,9 +14,9 @@ use std::fmt;
 use std::time::{Duration, SystemTime};
 
 use super::{
-    BoxError, Claim, ClaimRequest, FencingToken, HistoryEvent, IdempotencyStore, Milestone, Record,
-    RecordStatus, Resolution, ScopedKey, StoreError, StoredResponse, UncertainCount, UncertainPage,
-    UncertainQuery,
+    BoxError, Claim, ClaimRequest, FencingToken, HistoryEvent, IdempotencyStore, InFlight,
+    Milestone, Record, RecordStatus, Resolution, ScopedKey, StoreError, StoredResponse,
+    UncertainCount, UncertainPage, UncertainQuery,
 };
 
 /// Any of the stores compiled into this build, picked from a URL at run time.
@@ -328,6 +328,16 @@ impl IdempotencyStore for AnyStore {
 
     async fn append_history(&self, key: &ScopedKey, event: HistoryEvent) -> Result<(), StoreError> {
         each!(self, s => s.append_history(key, event).await)
+    }
+
+    async fn wait_for_change(
+        &self,
+        key: &ScopedKey,
+        seen: &InFlight,
+        round: u32,
+        within: Duration,
+    ) {
+        each!(self, s => s.wait_for_change(key, seen, round, within).await)
     }
 }
 

@@ -60,6 +60,7 @@ pub async fn run_all<S: IdempotencyStore>(store: Arc<S>) {
     unsettled_records_never_expire(&store).await;
     uncertain_records_page_in_order(&store).await;
     reconciling_routes_never_expire_into_a_second_run(&store).await;
+    waiting_for_a_change_ends_when_the_record_moves_on(&store).await;
 }
 
 fn unique_key(name: &str) -> ScopedKey {
@@ -892,4 +893,74 @@ pub async fn history_tells_what_happened<S: IdempotencyStore>(store: &S) {
         .append_history(&unique_key("absent"), HistoryEvent::Conflict)
         .await
         .expect("append to nothing");
+}
+
+/// `wait_for_change` returns once the record it saw in flight moves on (woken or by polling:
+/// either way never later than its `within`, and never stuck past a completion), and returns
+/// at once, or nearly, for a record that already moved on; the next claim then sees the change.
+pub async fn waiting_for_a_change_ends_when_the_record_moves_on<S: IdempotencyStore>(
+    store: &Arc<S>,
+) {
+    let key = unique_key("wait");
+    let req = request(&key, 1, LONG, LONG);
+    let lease = acquire(store.as_ref(), &req, "a fresh key").await;
+    let (record, now) = existing(store.as_ref(), &req, "a key in flight").await;
+    let seen = super::InFlight {
+        token: record.lease_token,
+        lease_until: record.lease_until,
+        now,
+    };
+    // A bound for the check only: a wait stuck past the change fails it rather than hanging.
+    let bound = Duration::from_secs(20);
+    // Several waiters, as a burst of retries would be.
+    let waiters: Vec<_> = (0..4)
+        .map(|round| {
+            let (store, key) = (store.clone(), key.clone());
+            tokio::spawn(async move {
+                loop {
+                    store.wait_for_change(&key, &seen, round, LONG).await;
+                    match store.claim(&request(&key, 1, LONG, LONG)).await {
+                        Ok(Claim::Existing { record, .. })
+                            if record.status == RecordStatus::InProgress =>
+                        {
+                            continue;
+                        }
+                        other => return other.map(|_| ()),
+                    }
+                }
+            })
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    store
+        .complete(&key, lease.token, &response(), LONG)
+        .await
+        .expect("complete");
+    for waiter in waiters {
+        let ended = tokio::time::timeout(bound, waiter)
+            .await
+            .expect("wait_for_change: a waiter is still waiting after the record moved on")
+            .expect("waiter task");
+        ended.expect("wait_for_change: the claim after the wait");
+    }
+    // Already moved on: returns without waiting out `within`.
+    tokio::time::timeout(bound, store.wait_for_change(&key, &seen, 0, LONG))
+        .await
+        .expect("wait_for_change: waited on a record that had already moved on");
+    // Never longer than `within`, on a record still in flight.
+    let other = unique_key("wait-within");
+    let other_req = request(&other, 1, LONG, LONG);
+    acquire(store.as_ref(), &other_req, "a fresh key").await;
+    let (record, now) = existing(store.as_ref(), &other_req, "a key in flight").await;
+    let seen = super::InFlight {
+        token: record.lease_token,
+        lease_until: record.lease_until,
+        now,
+    };
+    tokio::time::timeout(
+        bound,
+        store.wait_for_change(&other, &seen, 0, Duration::from_millis(100)),
+    )
+    .await
+    .expect("wait_for_change: waited past `within`");
 }

@@ -13,8 +13,9 @@ use hashbrown::HashTable;
 use super::history::{HISTORY_LIMIT, HISTORY_REFUSALS};
 use super::{
     Claim, ClaimRequest, FencingToken, Fingerprint, HistoryEntry, HistoryEvent, IdempotencyStore,
-    Lease, LeaseExpiry, Milestone, Record, RecordStatus, Resolution, ScopedKey, StoreError,
-    StoredResponse, UncertainCount, UncertainCursor, UncertainPage, UncertainQuery, Unreadable,
+    InFlight, Lease, LeaseExpiry, Milestone, Record, RecordStatus, Resolution, ScopedKey,
+    StoreError, StoredResponse, UncertainCount, UncertainCursor, UncertainPage, UncertainQuery,
+    Unreadable,
 };
 
 const SHARDS: usize = 64;
@@ -50,6 +51,8 @@ struct Inner {
     max_bytes: AtomicUsize,
     /// Written by claims; apart from what every operation reads.
     counts: Padded<Counts>,
+    /// Requests waiting for in-flight keys, woken as their records move on.
+    waiters: super::Waiters<ScopedKey>,
 }
 
 struct Counts {
@@ -365,6 +368,7 @@ impl MemoryStore {
                     len: AtomicUsize::new(0),
                     bytes: AtomicUsize::new(0),
                 }),
+                waiters: super::Waiters::default(),
             }),
         }
     }
@@ -499,13 +503,20 @@ impl MemoryStore {
         match shard.find_mut(hash, key) {
             Some(r) if r.lease_token == token && allowed(r, now) => {
                 let watched_before = watched(r);
+                let status_before = r.status;
                 r.updated_at = now;
                 let before = r.weight();
                 let out = f(r, now);
                 self.weigh(before, r.weight());
+                let moved_on = r.status != status_before || r.lease_token != token;
                 let (expires_at, watched_after) = (r.expires_at, watched(r));
                 shard.expires(expires_at);
                 shard.rewatch(key, watched_before, watched_after);
+                drop(shard);
+                // A renewal or a milestone wakes no one: the record is still in flight.
+                if moved_on {
+                    self.inner.waiters.wake(key);
+                }
                 Ok(out)
             }
             _ => Err(StoreError::Fenced),
@@ -592,6 +603,7 @@ impl MemoryStore {
                         self.weigh(before, r.weight());
                         r.status = RecordStatus::NeedsReconciliation;
                         r.updated_at = now;
+                        self.inner.waiters.wake(&req.key);
                         false
                     }
                 }
@@ -757,6 +769,8 @@ impl IdempotencyStore for MemoryStore {
             self.inner.counts.len.fetch_sub(1, Ordering::Relaxed);
             self.weigh(entry.weight(), 0);
             shard.rewatch(key, watched(entry), None);
+            drop(shard);
+            self.inner.waiters.wake(key);
         }
         Ok(removed.is_some())
     }
@@ -926,6 +940,26 @@ impl IdempotencyStore for MemoryStore {
             self.weigh(before, after);
         }
         Ok(())
+    }
+
+    /// Woken in process by the write that moves the record on, or at the holder's lease end.
+    async fn wait_for_change(
+        &self,
+        key: &ScopedKey,
+        seen: &InFlight,
+        _round: u32,
+        within: Duration,
+    ) {
+        let moved_on = async {
+            let now = self.now();
+            let (hash, shard) = self.shard(key);
+            shard.find(hash, key).is_none_or(|r| {
+                expired(r, now)
+                    || r.status != RecordStatus::InProgress
+                    || r.lease_token != seen.token
+            })
+        };
+        self.inner.waiters.wait(key, seen, within, moved_on).await;
     }
 }
 

@@ -22,6 +22,7 @@ mod sql;
 #[cfg(feature = "sqlite")]
 mod sqlite;
 mod uncertain;
+mod waiting;
 
 use std::fmt;
 use std::future::Future;
@@ -47,6 +48,10 @@ pub use sql::{CheckError, InvalidIdentifier};
 #[cfg(feature = "sqlite")]
 pub use sqlite::SqliteStore;
 pub use uncertain::{UncertainCount, UncertainCursor, UncertainPage, UncertainQuery, Unreadable};
+pub use waiting::InFlight;
+#[cfg(any(feature = "memory", feature = "redis"))]
+pub(crate) use waiting::Waiters;
+pub(crate) use waiting::poll_backoff;
 
 /// An error boxed for transport across store backends.
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -407,6 +412,28 @@ pub trait IdempotencyStore: Send + Sync + 'static {
         key: &ScopedKey,
         event: HistoryEvent,
     ) -> impl Future<Output = Result<(), StoreError>> + Send;
+
+    /// Waits until the record of `key`, seen in flight as `seen`, may have moved on
+    /// (completed, released, uncertain, removed, taken over), for at most `within`: the
+    /// caller (a request on a route that waits for in-flight keys) then claims again.
+    /// `round` counts the caller's waits on this key, from 0. Returning early is always
+    /// allowed; returning late is not.
+    ///
+    /// The default polls: it sleeps 10 ms, doubling each round up to 250 ms, so a store that
+    /// does not implement this still works. A store that learns of changes wakes its waiters
+    /// instead (in process for `MemoryStore`, by pub/sub for `RedisStore`), and at the
+    /// holder's lease end, when a claim may take the key over: a waiter then makes a bounded
+    /// number of store operations however long the first request runs.
+    fn wait_for_change(
+        &self,
+        key: &ScopedKey,
+        seen: &InFlight,
+        round: u32,
+        within: Duration,
+    ) -> impl Future<Output = ()> + Send {
+        let _ = (key, seen);
+        tokio::time::sleep(waiting::poll_backoff(round).min(within))
+    }
 }
 
 impl<S: IdempotencyStore> IdempotencyStore for Arc<S> {
@@ -504,5 +531,15 @@ impl<S: IdempotencyStore> IdempotencyStore for Arc<S> {
         event: HistoryEvent,
     ) -> impl Future<Output = Result<(), StoreError>> + Send {
         (**self).append_history(key, event)
+    }
+
+    fn wait_for_change(
+        &self,
+        key: &ScopedKey,
+        seen: &InFlight,
+        round: u32,
+        within: Duration,
+    ) -> impl Future<Output = ()> + Send {
+        (**self).wait_for_change(key, seen, round, within)
     }
 }

@@ -35,9 +35,9 @@ use redis::{Cmd, Pipeline, RedisFuture, Script, Value};
 use super::codec::fresh_token;
 use super::history::{HISTORY_LIMIT, HISTORY_REFUSALS, HistoryEntry};
 use super::{
-    Claim, ClaimRequest, FencingToken, HistoryEvent, IdempotencyStore, Lease, LeaseExpiry,
-    Milestone, Record, RecordStatus, Resolution, ScopedKey, StoreError, StoredResponse,
-    UncertainCount, UncertainCursor, UncertainPage, UncertainQuery, Unreadable,
+    Claim, ClaimRequest, FencingToken, HistoryEvent, IdempotencyStore, InFlight, Lease,
+    LeaseExpiry, Milestone, Record, RecordStatus, Resolution, ScopedKey, StoreError,
+    StoredResponse, UncertainCount, UncertainCursor, UncertainPage, UncertainQuery, Unreadable,
 };
 use crate::Fingerprint;
 
@@ -102,6 +102,31 @@ pub struct RedisStore {
     scripts: Arc<Scripts>,
     /// Replicas that must acknowledge a completion, and how long to wait for them.
     wait: Option<(u32, Duration)>,
+    /// Requests waiting for in-flight keys, and the subscription that wakes them.
+    changes: Arc<Changes>,
+}
+
+/// The waiters of one store, woken by the records' `PUBLISH`es on `{prefix}:changed`
+/// (classic pub/sub reaches every node of a cluster, so one subscription to any node hears
+/// them all). Subscribed on the first wait; while it is down, waiters poll.
+struct Changes {
+    /// Where the subscription connects.
+    client: redis::Client,
+    waiters: super::Waiters<Vec<u8>>,
+    started: std::sync::atomic::AtomicBool,
+    /// Whether the subscription is up.
+    live: std::sync::atomic::AtomicBool,
+}
+
+impl Changes {
+    fn new(client: redis::Client) -> Arc<Self> {
+        Arc::new(Self {
+            client,
+            waiters: super::Waiters::default(),
+            started: std::sync::atomic::AtomicBool::new(false),
+            live: std::sync::atomic::AtomicBool::new(false),
+        })
+    }
 }
 
 impl std::fmt::Debug for RedisStore {
@@ -151,8 +176,9 @@ impl RedisStore {
             .set_connection_timeout(Some(TIMEOUT))
             .set_response_timeout(Some(TIMEOUT))
             .set_number_of_retries(1);
-        let manager = redis::aio::ConnectionManager::new_with_config(client, config).await?;
-        Ok(Self::new(Connection::Single(manager)))
+        let manager =
+            redis::aio::ConnectionManager::new_with_config(client.clone(), config).await?;
+        Ok(Self::new(Connection::Single(manager), client))
     }
 
     /// Connects to a Redis Cluster through any of its nodes (`redis://host:port` each); the
@@ -163,15 +189,18 @@ impl RedisStore {
             .response_timeout(TIMEOUT)
             .build()?;
         let connection = client.get_async_connection().await?;
-        Ok(Self::new(Connection::Cluster(connection)))
+        // Any node hears every PUBLISH of the cluster.
+        let first = redis::Client::open(nodes.first().copied().unwrap_or_default())?;
+        Ok(Self::new(Connection::Cluster(connection), first))
     }
 
-    fn new(connection: Connection) -> Self {
+    fn new(connection: Connection, client: redis::Client) -> Self {
         Self {
             connection,
             prefix: Self::DEFAULT_PREFIX.into(),
             scripts: Arc::new(Scripts::new()),
             wait: None,
+            changes: Changes::new(client),
         }
     }
 
@@ -183,6 +212,8 @@ impl RedisStore {
             return Err(InvalidPrefix(prefix.to_owned()));
         }
         self.prefix = prefix.into();
+        // Its waiters hear its own channel.
+        self.changes = Changes::new(self.changes.client.clone());
         Ok(self)
     }
 
@@ -475,6 +506,10 @@ local function before(a, b)
   end
   return #a < #b
 end
+-- Tells the store's waiters (subscribed to `{prefix}:changed`) that this record moved on.
+local function changed()
+  redis.call('PUBLISH', (string.gsub(KEYS[2], ':{%d+}:u$', ':changed')), ARGV[1])
+end
 local function fenced(r, token)
   return r == nil or r.st ~= 'in_progress' or r.tok ~= token
 end
@@ -515,6 +550,7 @@ else
     r.st = 'needs_reconciliation'; r.ua = fmt(now)
     r.hist = appended(r.hist, entry(r.at, r.tok, 'lease_expired'), @LIMIT@)
     save(r)
+    changed()
   end
 end
 return {written, fmt(now), redis.call('HGETALL', KEYS[1])}
@@ -540,6 +576,7 @@ end
 r.st = 'completed'; r.resp = ARGV[3]; r.ea = fmt(now + tonumber(ARGV[4])); r.ua = fmt(now)
 r.hist = appended(r.hist, entry(r.at, r.tok, 'completed'), @LIMIT@)
 save(r)
+changed()
 return 1
 ";
 
@@ -552,6 +589,7 @@ if r.es == '1' then r.st = 'needs_reconciliation' else r.st = 'released' end
 r.ua = fmt(now)
 r.hist = appended(r.hist, entry(r.at, r.tok, r.st), @LIMIT@)
 save(r)
+changed()
 return r.st
 ";
 
@@ -562,6 +600,7 @@ if fenced(r, ARGV[2]) then return 0 end
 r.st = 'needs_reconciliation'; r.ua = fmt(now)
 r.hist = appended(r.hist, entry(r.at, r.tok, 'needs_reconciliation'), @LIMIT@)
 save(r)
+changed()
 return 1
 ";
 
@@ -588,7 +627,9 @@ return {fmt(now), redis.call('HGETALL', KEYS[1])}
 const REMOVE: &str = r"
 redis.call('ZREM', KEYS[2], ARGV[1])
 redis.call('ZREM', KEYS[3], ARGV[1])
-return redis.call('DEL', KEYS[1])
+local n = redis.call('DEL', KEYS[1])
+if n == 1 then changed() end
+return n
 ";
 
 /// `ARGV`: member, token, `completed` or `released`, response or empty, whether there is a
@@ -607,6 +648,7 @@ local event = 'reconciled_not_applied'
 if r.st == 'completed' then event = 'reconciled_applied' end
 r.hist = appended(r.hist, entry(r.at, r.tok, event), @LIMIT@)
 save(r)
+changed()
 return 1
 ";
 
@@ -1093,6 +1135,86 @@ impl IdempotencyStore for RedisStore {
         )
         .await
         .map(drop)
+    }
+
+    /// Woken by the `PUBLISH` of the script that moves the record on, or at the holder's
+    /// lease end; polls while the subscription is down.
+    async fn wait_for_change(
+        &self,
+        key: &ScopedKey,
+        seen: &InFlight,
+        round: u32,
+        within: Duration,
+    ) {
+        if !self.subscribed() {
+            tokio::time::sleep(super::poll_backoff(round).min(within)).await;
+            return;
+        }
+        let member = self.locate(key).member;
+        // Checked once registered: a change between the claim and now is not missed.
+        let moved_on = async {
+            match self.lookup(key).await {
+                Ok(Some(record)) => {
+                    record.status != RecordStatus::InProgress || record.lease_token != seen.token
+                }
+                // Gone, or the store is failing: claim again, which answers for either.
+                Ok(None) | Err(_) => true,
+            }
+        };
+        self.changes
+            .waiters
+            .wait(&member, seen, within, moved_on)
+            .await;
+    }
+}
+
+impl RedisStore {
+    /// Whether this store's change subscription is up; starts it on first use.
+    fn subscribed(&self) -> bool {
+        use std::sync::atomic::Ordering;
+        if !self.changes.started.swap(true, Ordering::SeqCst)
+            && let Ok(runtime) = tokio::runtime::Handle::try_current()
+        {
+            let channel = format!("{}:changed", self.prefix);
+            runtime.spawn(listen(Arc::downgrade(&self.changes), channel));
+        }
+        self.changes.live.load(Ordering::SeqCst)
+    }
+}
+
+/// Keeps a store's subscription to `channel` up while the store lives, waking the waiters of
+/// each member published; after a lost subscription (changes may have been missed) every
+/// waiter is woken to look again.
+async fn listen(changes: std::sync::Weak<Changes>, channel: String) {
+    use futures_util::StreamExt;
+    use std::sync::atomic::Ordering;
+    loop {
+        let Some(client) = changes.upgrade().map(|c| c.client.clone()) else {
+            return;
+        };
+        if let Ok(mut pubsub) = client.get_async_pubsub().await
+            && pubsub.subscribe(&channel).await.is_ok()
+        {
+            if let Some(c) = changes.upgrade() {
+                c.live.store(true, Ordering::SeqCst);
+                c.waiters.wake_all();
+            }
+            let mut messages = pubsub.on_message();
+            while let Some(message) = messages.next().await {
+                let Some(c) = changes.upgrade() else {
+                    return;
+                };
+                c.waiters.wake(&message.get_payload_bytes().to_vec());
+            }
+            tracing::warn!("the Redis change subscription was lost; waiters poll until it is back");
+        }
+        let Some(c) = changes.upgrade() else {
+            return;
+        };
+        c.live.store(false, Ordering::SeqCst);
+        c.waiters.wake_all();
+        drop(c);
+        tokio::time::sleep(Duration::from_secs(1)).await;
     }
 }
 

@@ -53,6 +53,7 @@ macro_rules! all_checks {
             unsettled_records_never_expire,
             uncertain_records_page_in_order,
             reconciling_routes_never_expire_into_a_second_run,
+            waiting_for_a_change_ends_when_the_record_moves_on,
         );
     };
 }

@@ -10,8 +10,9 @@ use std::time::{Duration, Instant, SystemTime};
 
 use tower_idempotency::IdempotencyStore;
 use tower_idempotency::store::{
-    Claim, ClaimRequest, FencingToken, HistoryEvent, Milestone, Record, RecordStatus, Resolution,
-    ScopedKey, StoreError, StoredResponse, UncertainCount, UncertainPage, UncertainQuery,
+    Claim, ClaimRequest, FencingToken, HistoryEvent, InFlight, Milestone, Record, RecordStatus,
+    Resolution, ScopedKey, StoreError, StoredResponse, UncertainCount, UncertainPage,
+    UncertainQuery,
 };
 
 /// Cloning shares the faults: a test keeps one clone and hands another to the layer.
@@ -43,6 +44,9 @@ pub struct Faulty<S> {
     pub at_step: Option<Arc<dyn Fn(&'static str) + Send + Sync>>,
     /// Only `list_uncertain` fails while set.
     pub fail_list: Arc<AtomicBool>,
+    /// While set, `wait_for_change` is the inner store's (woken); else the trait's default
+    /// (polling), as a store that does not implement it.
+    pub wake: Arc<AtomicBool>,
 }
 
 impl<S: Default> Default for Faulty<S> {
@@ -68,6 +72,7 @@ impl<S> Faulty<S> {
             pause_before_complete: Arc::default(),
             at_step: None,
             fail_list: Arc::default(),
+            wake: Arc::default(),
         }
     }
 
@@ -245,5 +250,19 @@ impl<S: IdempotencyStore> IdempotencyStore for Faulty<S> {
     async fn append_history(&self, key: &ScopedKey, event: HistoryEvent) -> Result<(), StoreError> {
         self.op("append_history")?;
         self.inner.append_history(key, event).await
+    }
+
+    async fn wait_for_change(
+        &self,
+        key: &ScopedKey,
+        seen: &InFlight,
+        round: u32,
+        within: Duration,
+    ) {
+        if self.wake.load(Ordering::SeqCst) {
+            self.inner.wait_for_change(key, seen, round, within).await;
+        } else {
+            tokio::time::sleep(Duration::from_millis(10u64 << round.min(5)).min(within)).await;
+        }
     }
 }
