@@ -10,9 +10,9 @@ use super::codec::fresh_token;
 use super::history::{HISTORY_LIMIT, HISTORY_REFUSALS};
 use super::sql::{self, InvalidIdentifier, RawRecord, millis, unavailable};
 use super::{
-    Claim, ClaimRequest, FencingToken, HistoryEvent, IdempotencyStore, LeaseExpiry, Milestone,
-    Record, RecordStatus, Resolution, ScopedKey, StoreError, StoredResponse, UncertainCount,
-    UncertainCursor, UncertainPage, UncertainQuery, Unreadable,
+    Claim, ClaimRequest, FencingToken, HistoryEvent, IdempotencyStore, InFlight, LeaseExpiry,
+    Milestone, Record, RecordStatus, Resolution, ScopedKey, StoreError, StoredResponse,
+    UncertainCount, UncertainCursor, UncertainPage, UncertainQuery, Unreadable,
 };
 
 /// Records in a PostgreSQL table, shared by every replica that uses the same database.
@@ -44,6 +44,46 @@ use super::{
 pub struct PostgresStore {
     pool: PgPool,
     sql: Arc<Statements>,
+    /// Requests waiting for in-flight keys, and the `LISTEN` that wakes them.
+    changes: Arc<Changes>,
+}
+
+/// The waiters of one store, woken by `NOTIFY`s that the table's triggers send when an
+/// in-flight record moves on (the payload: the hex SHA-256 of its scope, a NUL and its key).
+/// One listening connection per store, opened on the first wait; while it is down, waiters
+/// poll.
+struct Changes {
+    waiters: super::Waiters<String>,
+    started: std::sync::atomic::AtomicBool,
+    live: std::sync::atomic::AtomicBool,
+}
+
+impl std::fmt::Debug for Changes {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Changes")
+            .field("live", &self.live)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Changes {
+    fn new() -> Arc<Self> {
+        Arc::new(Self {
+            waiters: super::Waiters::default(),
+            started: std::sync::atomic::AtomicBool::new(false),
+            live: std::sync::atomic::AtomicBool::new(false),
+        })
+    }
+}
+
+/// What the triggers send for a key: the hex SHA-256 of its scope, a NUL and its key.
+fn change_payload(key: &ScopedKey) -> String {
+    use sha2::Digest;
+    let mut hash = sha2::Sha256::new();
+    hash.update(key.scope().as_bytes());
+    hash.update([0]);
+    hash.update(key.key().as_bytes());
+    hash.finalize().iter().map(|b| format!("{b:02x}")).collect()
 }
 
 #[derive(Debug)]
@@ -319,6 +359,7 @@ impl PostgresStore {
         Self {
             pool,
             sql: Arc::new(Statements::new("public", Self::DEFAULT_TABLE)),
+            changes: Changes::new(),
         }
     }
 
@@ -365,6 +406,8 @@ impl PostgresStore {
             schema.map_err(whole)?,
             name.map_err(whole)?,
         ));
+        // Its waiters listen on its own table's channel.
+        self.changes = Changes::new();
         Ok(self)
     }
 
@@ -446,7 +489,89 @@ impl PostgresStore {
                 sql::derived_name(table, "_watched"),
                 WATCHED.replace("r.", "")
             ),
+            // Waiters for in-flight keys are woken by a NOTIFY when such a record moves on
+            // (completed, released, uncertain, taken over, deleted); renewals send nothing.
+            format!(
+                "CREATE OR REPLACE FUNCTION \"{schema}\".\"{function}\"() RETURNS trigger
+                 LANGUAGE plpgsql AS $$
+                 BEGIN
+                   PERFORM pg_notify('{channel}',
+                     encode(sha256(OLD.scope || '\\x00'::bytea || OLD.key), 'hex'));
+                   RETURN NULL;
+                 END $$",
+                function = sql::derived_name(table, "_notify"),
+                channel = self.channel(),
+            ),
+            format!(
+                "DROP TRIGGER IF EXISTS \"{}\" ON {t}",
+                sql::derived_name(table, "_moved_on")
+            ),
+            format!(
+                "CREATE TRIGGER \"{}\" AFTER UPDATE ON {t} FOR EACH ROW
+                 WHEN (OLD.status = 'in_progress'
+                       AND (NEW.status <> 'in_progress' OR NEW.lease_token <> OLD.lease_token))
+                 EXECUTE FUNCTION \"{schema}\".\"{}\"()",
+                sql::derived_name(table, "_moved_on"),
+                sql::derived_name(table, "_notify"),
+            ),
+            format!(
+                "DROP TRIGGER IF EXISTS \"{}\" ON {t}",
+                sql::derived_name(table, "_removed")
+            ),
+            format!(
+                "CREATE TRIGGER \"{}\" AFTER DELETE ON {t} FOR EACH ROW
+                 WHEN (OLD.status = 'in_progress')
+                 EXECUTE FUNCTION \"{schema}\".\"{}\"()",
+                sql::derived_name(table, "_removed"),
+                sql::derived_name(table, "_notify"),
+            ),
         ]
+    }
+
+    /// The channel this store's triggers notify and its waiters listen on.
+    fn channel(&self) -> String {
+        sql::derived_name(
+            &format!("{}_{}", self.sql.schema, self.sql.table),
+            "_changed",
+        )
+    }
+
+    /// Waits for a change of `key` (see [`IdempotencyStore::wait_for_change`]): woken by the
+    /// triggers' `NOTIFY` through one `LISTEN` connection per store, or at the holder's lease
+    /// end; polls while that connection is down.
+    async fn wait_changed(&self, key: &ScopedKey, seen: &InFlight, round: u32, within: Duration) {
+        if !self.subscribed() {
+            tokio::time::sleep(super::poll_backoff(round).min(within)).await;
+            return;
+        }
+        // Checked once registered: a change between the claim and now is not missed.
+        let moved_on = async {
+            match self.lookup(key).await {
+                Ok(Some(record)) => {
+                    record.status != RecordStatus::InProgress || record.lease_token != seen.token
+                }
+                Ok(None) | Err(_) => true,
+            }
+        };
+        self.changes
+            .waiters
+            .wait(&change_payload(key), seen, within, moved_on)
+            .await;
+    }
+
+    /// Whether this store's `LISTEN` is up; starts it on first use.
+    fn subscribed(&self) -> bool {
+        use std::sync::atomic::Ordering;
+        if !self.changes.started.swap(true, Ordering::SeqCst)
+            && let Ok(runtime) = tokio::runtime::Handle::try_current()
+        {
+            runtime.spawn(listen(
+                Arc::downgrade(&self.changes),
+                self.pool.clone(),
+                self.channel(),
+            ));
+        }
+        self.changes.live.load(Ordering::SeqCst)
     }
 
     /// Creates the schema, table and indexes if missing. Safe to run from many replicas at
@@ -499,13 +624,19 @@ impl PostgresStore {
                       WHERE table_schema = $1 AND table_name = $2
                         AND column_name IN ('history', 'reconcile_on_expiry', 'resolution_note')) = 3
                 AND (SELECT count(*) FROM pg_indexes
-                      WHERE schemaname = $1 AND tablename = $2 AND indexname IN ($3, $4, $5)) = 3",
+                      WHERE schemaname = $1 AND tablename = $2 AND indexname IN ($3, $4, $5)) = 3
+                AND (SELECT count(*) FROM pg_trigger t
+                      JOIN pg_class c ON c.oid = t.tgrelid
+                      JOIN pg_namespace n ON n.oid = c.relnamespace
+                      WHERE n.nspname = $1 AND c.relname = $2 AND t.tgname IN ($6, $7)) = 2",
         )
         .bind(schema)
         .bind(table)
         .bind(sql::derived_name(table, "_expires_at"))
         .bind(sql::derived_name(table, "_needs_reconciliation"))
         .bind(sql::derived_name(table, "_watched"))
+        .bind(sql::derived_name(table, "_moved_on"))
+        .bind(sql::derived_name(table, "_removed"))
         .fetch_one(&self.pool)
         .await
     }
@@ -547,6 +678,44 @@ fn claim_failed(error: sqlx::Error) -> StoreError {
         StoreError::Busy
     } else {
         unavailable(error)
+    }
+}
+
+/// Keeps a store's `LISTEN` on `channel` up while the store lives (a connection of its own,
+/// outside the pool), waking the waiters of each key notified; after a lost connection
+/// (notifications may have been missed) every waiter is woken to look again.
+async fn listen(changes: std::sync::Weak<Changes>, pool: PgPool, channel: String) {
+    use std::sync::atomic::Ordering;
+    loop {
+        if changes.strong_count() == 0 {
+            return;
+        }
+        if let Ok(mut listener) = sqlx::postgres::PgListener::connect_with(&pool).await
+            && listener.listen(&channel).await.is_ok()
+        {
+            if let Some(c) = changes.upgrade() {
+                c.live.store(true, Ordering::SeqCst);
+                c.waiters.wake_all();
+            }
+            // `None`: the connection was lost (the next call would reconnect; this loop
+            // does, after telling the waiters).
+            while let Ok(Some(notification)) = listener.try_recv().await {
+                let Some(c) = changes.upgrade() else {
+                    return;
+                };
+                c.waiters.wake(&notification.payload().to_owned());
+            }
+            tracing::warn!(
+                "the PostgreSQL LISTEN connection was lost; waiters poll until it is back"
+            );
+        }
+        let Some(c) = changes.upgrade() else {
+            return;
+        };
+        c.live.store(false, Ordering::SeqCst);
+        c.waiters.wake_all();
+        drop(c);
+        tokio::time::sleep(Duration::from_secs(1)).await;
     }
 }
 

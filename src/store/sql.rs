@@ -620,6 +620,16 @@ impl IdempotencyStore for $store {
             .map_err(unavailable)?;
         Ok(())
     }
+
+    async fn wait_for_change(
+        &self,
+        key: &ScopedKey,
+        seen: &InFlight,
+        round: u32,
+        within: Duration,
+    ) {
+        self.wait_changed(key, seen, round, within).await
+    }
 }
     };
 }

@@ -14,9 +14,9 @@ use super::codec::fresh_token;
 use super::history::{HISTORY_LIMIT, HISTORY_REFUSALS};
 use super::sql::{self, InvalidIdentifier, RawRecord, millis, unavailable};
 use super::{
-    Claim, ClaimRequest, FencingToken, HistoryEvent, IdempotencyStore, LeaseExpiry, Milestone,
-    Record, RecordStatus, Resolution, ScopedKey, StoreError, StoredResponse, UncertainCount,
-    UncertainCursor, UncertainPage, UncertainQuery, Unreadable,
+    Claim, ClaimRequest, FencingToken, HistoryEvent, IdempotencyStore, InFlight, LeaseExpiry,
+    Milestone, Record, RecordStatus, Resolution, ScopedKey, StoreError, StoredResponse,
+    UncertainCount, UncertainCursor, UncertainPage, UncertainQuery, Unreadable,
 };
 
 /// Records in a SQLite file: they survive restarts, and every process on the host that opens
@@ -479,6 +479,15 @@ impl SqliteStore {
         self.try_claim(req, fresh_token())
             .await
             .map_err(unavailable)
+    }
+}
+
+impl SqliteStore {
+    /// Waits for a change of `key` by polling (see
+    /// [`IdempotencyStore::wait_for_change`]): SQLite has no way to tell other processes.
+    async fn wait_changed(&self, key: &ScopedKey, seen: &InFlight, round: u32, within: Duration) {
+        let _ = (key, seen);
+        tokio::time::sleep(super::poll_backoff(round).min(within)).await;
     }
 }
 

@@ -6,7 +6,8 @@
 //! while it runs.
 //!
 //! `cargo bench -p suite --bench coalescing` (Redis from `TOWER_IDEMPOTENCY_REDIS_URL`,
-//! default `redis://127.0.0.1:6379`; its rows are skipped if it is down). `BENCH_ROUNDS`
+//! default `redis://127.0.0.1:6379`, PostgreSQL from `TOWER_IDEMPOTENCY_POSTGRES_URL`; their
+//! rows are skipped if they are down). `BENCH_ROUNDS`
 //! rounds per scenario (default 5).
 
 #[allow(dead_code, unreachable_pub)]
@@ -22,7 +23,7 @@ use axum::Router;
 use axum::http::StatusCode;
 use axum::routing::post;
 use faulty::Faulty;
-use tower_idempotency::store::RedisStore;
+use tower_idempotency::store::{PostgresStore, RedisStore};
 use tower_idempotency::{IdempotencyLayer, IdempotencyStore, MemoryStore};
 
 const WAITERS: usize = 100;
@@ -105,6 +106,22 @@ where
 {
     let mut delays = Vec::new();
     let mut claims = 0usize;
+    // A server that has run a while has its change subscription up: open it first.
+    let warm = make();
+    let now = std::time::SystemTime::now();
+    let seen = tower_idempotency::store::InFlight {
+        token: tower_idempotency::store::FencingToken::new(1),
+        lease_until: now,
+        now,
+    };
+    warm.wait_for_change(
+        &tower_idempotency::ScopedKey::new("", "nobody"),
+        &seen,
+        0,
+        Duration::from_millis(1),
+    )
+    .await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
     for r in 0..rounds {
         let store = Faulty::new(make());
         store.wake.store(wake, Ordering::SeqCst);
@@ -153,5 +170,25 @@ async fn main() {
             scenario("RedisStore, polling", rounds, false, move || store.clone()).await;
         }
         Err(e) => println!("{:<36} skipped: Redis unreachable ({e})", "RedisStore"),
+    }
+    let url = std::env::var("TOWER_IDEMPOTENCY_POSTGRES_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".to_owned());
+    match PostgresStore::connect(&url).await {
+        Ok(store) => {
+            let store = store
+                .with_table("tower_idempotency_bench_coalescing")
+                .expect("table");
+            store.migrate().await.expect("migrate");
+            let s = store.clone();
+            scenario("PostgresStore, woken", rounds, true, move || s.clone()).await;
+            scenario("PostgresStore, polling", rounds, false, move || {
+                store.clone()
+            })
+            .await;
+        }
+        Err(e) => println!(
+            "{:<36} skipped: PostgreSQL unreachable ({e})",
+            "PostgresStore"
+        ),
     }
 }

@@ -330,3 +330,49 @@ async fn s21_a_woken_waiter_claims_twice_however_long_the_first_runs() {
         "the polling control claims at every step: {polling}"
     );
 }
+
+/// Starts a store's change subscription (it opens on the first wait) and gives it time to
+/// connect, as a server that has run a while has it: the first waits otherwise poll.
+async fn listening<St: IdempotencyStore>(store: &St) {
+    let now = std::time::SystemTime::now();
+    let seen = tower_idempotency::store::InFlight {
+        token: tower_idempotency::store::FencingToken::new(1),
+        lease_until: now,
+        now,
+    };
+    let nobody = tower_idempotency::ScopedKey::new("", "nobody");
+    store
+        .wait_for_change(&nobody, &seen, 0, Duration::from_millis(1))
+        .await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+}
+
+/// 200 duplicates across three replicas sharing one PostgreSQL, woken by LISTEN/NOTIFY: one
+/// run, every duplicate gets its bytes, and each waiter claims twice (counted at the store).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s21_waiters_across_three_replicas_replay_the_first_on_postgres() {
+    let effects = Effects::default();
+    let mut replicas = Vec::new();
+    let mut stores = Vec::new();
+    for _ in 0..3 {
+        // Each replica has its own pool and its own LISTEN connection.
+        let Some(store) = common::postgres("tower_idempotency_coalescing").await else {
+            return;
+        };
+        let store = Faulty::new(store);
+        store.wake.store(true, std::sync::atomic::Ordering::SeqCst);
+        listening(&store).await;
+        stores.push(store.clone());
+        replicas.push(serve(app(store, effects.clone(), Duration::from_secs(20))).await);
+    }
+    let answers = duplicates(&replicas, &unique("postgres"), 200, "ms=1500").await;
+    assert_coalesced(&answers, &effects);
+    let claims: usize = stores
+        .iter()
+        .map(|s| s.log().iter().filter(|op| **op == "claim").count())
+        .sum();
+    assert!(
+        claims <= 1 + 2 * 199 + 6,
+        "woken: {claims} claims for 1 first and 199 waiters"
+    );
+}
