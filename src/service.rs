@@ -28,7 +28,8 @@ use crate::route::RouteConfig;
 use crate::scope::MakeScope;
 use crate::settings::Resolved;
 use crate::store::{
-    BoxError, Claim, ClaimRequest, HistoryEvent, IdempotencyStore, StoreError, poll_backoff,
+    BoxError, Claim, ClaimRequest, HistoryEvent, IdempotencyStore, RecordStatus, StoreError,
+    poll_backoff,
 };
 
 /// The middleware service made by [`IdempotencyLayer`](crate::IdempotencyLayer).
@@ -216,16 +217,18 @@ impl<St: IdempotencyStore, M: MakeScope> Pipeline<St, M> {
             // Seen to its end even if this request is dropped meanwhile (see `ClaimToEnd`).
             // A record locked by a transaction is answered at once, and not noted in its
             // history: that write would wait for the same lock.
-            let (decision, noted) = match ClaimToEnd::new(self.keeper.store(), &request).await {
-                Ok(claim) => (decide(claim, &request.fingerprint, dialect.covers()), true),
-                Err(StoreError::Busy) => (busy(), false),
-                Err(error) => {
-                    observe::count(Event::StoreError);
-                    tracing::error!(%error, "claim failed; refusing to run (fail closed)");
-                    self.outcome("store_unavailable");
-                    return Step::Answer(Ok(unavailable(route, &dialect)));
-                }
-            };
+            // After a wait, a claim is what a recorded outcome needs least: read it first.
+            let (decision, noted) =
+                match ClaimToEnd::new(self.keeper.store(), &request, round > 0).await {
+                    Ok(claim) => (decide(claim, &request.fingerprint, dialect.covers()), true),
+                    Err(StoreError::Busy) => (busy(), false),
+                    Err(error) => {
+                        observe::count(Event::StoreError);
+                        tracing::error!(%error, "claim failed; refusing to run (fail closed)");
+                        self.outcome("store_unavailable");
+                        return Step::Answer(Ok(unavailable(route, &dialect)));
+                    }
+                };
             let can_wait = wait_until.is_some_and(|until| tokio::time::Instant::now() < until);
             let mut seen = None;
             let noting = match self.next(decision, can_wait, &dialect, &parts.headers) {
@@ -336,11 +339,31 @@ struct ClaimToEnd<St: IdempotencyStore> {
 }
 
 impl<St: IdempotencyStore> ClaimToEnd<St> {
-    fn new(store: &Arc<St>, request: &ClaimRequest) -> Self {
+    /// The claim of `request`; `after_wait`, of a request woken from waiting on it, which
+    /// reads the record first and claims only if it may still be taken (absent, released, in
+    /// flight). A recorded outcome (or one awaiting reconciliation) is answered from the read:
+    /// on PostgreSQL a claim locks the row, and a hundred woken waiters would queue behind one
+    /// another's commits for a replay each.
+    fn new(store: &Arc<St>, request: &ClaimRequest, after_wait: bool) -> Self {
         let (owned, key) = (store.clone(), request.key.clone());
         let request = request.clone();
         Self {
-            claim: Some(Box::pin(async move { owned.claim(&request).await })),
+            claim: Some(Box::pin(async move {
+                if after_wait
+                    && let Ok(Some(record)) = owned.lookup(&request.key).await
+                    && matches!(
+                        record.status,
+                        RecordStatus::Completed | RecordStatus::NeedsReconciliation
+                    )
+                {
+                    return Ok(Claim::Existing {
+                        record: Box::new(record),
+                        // Read for an in-flight answer's delay only, which this is not.
+                        now: std::time::SystemTime::now(),
+                    });
+                }
+                owned.claim(&request).await
+            })),
             store: store.clone(),
             key,
         }

@@ -304,10 +304,10 @@ async fn s21_waiters_that_hang_up_cost_nothing() {
 }
 
 /// Store operations per waiter are bounded, whatever the first's run time: woken, a waiter
-/// claims once, waits, and claims once more for the replay; polling, it claims again at every
-/// backoff step. Counted at the store, over a first that runs 2 s.
+/// claims once, waits, and reads the recorded outcome for its replay; polling, it claims again
+/// at every backoff step. Counted at the store, over a first that runs 2 s.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn s21_a_woken_waiter_claims_twice_however_long_the_first_runs() {
+async fn s21_a_woken_waiter_claims_once_however_long_the_first_runs() {
     const WAITERS: usize = 20;
     let mut claims = Vec::new();
     for wake in [true, false] {
@@ -322,7 +322,7 @@ async fn s21_a_woken_waiter_claims_twice_however_long_the_first_runs() {
     }
     let (woken, polling) = (claims[0], claims[1]);
     assert!(
-        woken <= 1 + 2 * WAITERS + 2,
+        woken <= 1 + WAITERS + 2,
         "woken: {woken} claims for 1 first and {WAITERS} waiters"
     );
     assert!(
@@ -348,7 +348,8 @@ async fn listening<St: IdempotencyStore>(store: &St) {
 }
 
 /// 200 duplicates across three replicas sharing one PostgreSQL, woken by LISTEN/NOTIFY: one
-/// run, every duplicate gets its bytes, and each waiter claims twice (counted at the store).
+/// run, every duplicate gets its bytes, and each waiter claims once (counted at the store):
+/// the replay is read, not claimed, so the waiters never queue on the row's lock.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn s21_waiters_across_three_replicas_replay_the_first_on_postgres() {
     let effects = Effects::default();
@@ -372,7 +373,7 @@ async fn s21_waiters_across_three_replicas_replay_the_first_on_postgres() {
         .map(|s| s.log().iter().filter(|op| **op == "claim").count())
         .sum();
     assert!(
-        claims <= 1 + 2 * 199 + 6,
+        claims <= 1 + 199 + 6,
         "woken: {claims} claims for 1 first and 199 waiters"
     );
 }
