@@ -377,3 +377,59 @@ async fn s21_waiters_across_three_replicas_replay_the_first_on_postgres() {
         "woken: {claims} claims for 1 first and 199 waiters"
     );
 }
+
+/// A holder that dies (its handler hangs and its lease is never renewed, as a crashed
+/// process's is not) lets its waiters take over at its lease end, per the lease rules:
+/// exactly one of them runs, the others replay that run; never two runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s21_a_dead_holder_lets_exactly_one_waiter_take_over() {
+    let effects = Effects::default();
+    let store = Faulty::new(MemoryStore::new());
+    store.wake.store(true, std::sync::atomic::Ordering::SeqCst);
+    store
+        .fail_renew
+        .store(true, std::sync::atomic::Ordering::SeqCst);
+    let sink = effects.clone();
+    let runs = Effects::default();
+    let started = runs.clone();
+    let app = Router::new()
+        .route(
+            "/refunds",
+            post(move || async move {
+                // The first run hangs before its effect, as a process that died there.
+                if started.hit() == 1 {
+                    std::future::pending::<()>().await;
+                }
+                tokio::time::sleep(Duration::from_millis(200)).await;
+                let n = sink.hit();
+                (StatusCode::CREATED, format!("refund {n}"))
+            }),
+        )
+        .layer(
+            IdempotencyLayer::new(store)
+                .single_tenant()
+                .lease(Duration::from_millis(400))
+                .wait_for_in_flight(Duration::from_secs(20)),
+        );
+    let addr = serve(app).await;
+    let key = unique("dead");
+    let send = || {
+        common::client()
+            .post(format!("http://{addr}/refunds"))
+            .header("idempotency-key", &key)
+            .body("refund order 7")
+            .send()
+    };
+    let _holder = tokio::spawn(send());
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let waiters: Vec<_> = (0..30).map(|_| tokio::spawn(send())).collect();
+    let mut bodies = Vec::new();
+    for waiter in waiters {
+        let res = waiter.await.expect("task").expect("answer");
+        assert_eq!(res.status(), StatusCode::CREATED);
+        bodies.push(res.text().await.expect("body"));
+    }
+    assert_eq!(effects.count(), 1, "one takeover ran, never two");
+    assert_eq!(runs.count(), 2, "the dead holder's run and one takeover");
+    assert!(bodies.iter().all(|b| b == "refund 1"), "{bodies:?}");
+}
