@@ -23,8 +23,15 @@ pub(crate) enum Decision {
 
 /// DESIGN §1 step 6, in its order: a fingerprint mismatch is reported before any in-flight
 /// state, so a client that changed its request learns that first.
-/// `covers` names what the fingerprint covers, in the dialect's words, for a mismatch.
-pub(crate) fn decide(claim: Claim, fingerprint: &Fingerprint, covers: &str) -> Decision {
+/// `covers` names what the fingerprint covers, in the dialect's words, for a mismatch;
+/// `window`, the route's processing window (the p99 of its executions), for how long an
+/// in-flight holder has left.
+pub(crate) fn decide(
+    claim: Claim,
+    fingerprint: &Fingerprint,
+    covers: &str,
+    window: Option<Duration>,
+) -> Decision {
     let (record, now) = match claim {
         Claim::Acquired(lease) => return Decision::Run(lease),
         Claim::Existing { record, now } => (*record, now),
@@ -78,6 +85,21 @@ pub(crate) fn decide(claim: Claim, fingerprint: &Fingerprint, covers: &str) -> D
                 lease_until: record.lease_until,
                 now,
             };
+            // Come back when the holder should be done by the route's window, not when its
+            // whole lease would run out; never later than that.
+            let left = match window {
+                Some(window) => {
+                    let claimed = record
+                        .history
+                        .iter()
+                        .rev()
+                        .find(|e| e.event == crate::store::HistoryEvent::Claimed)
+                        .map_or(record.updated_at, |e| e.at);
+                    let running = now.duration_since(claimed).unwrap_or_default();
+                    window.saturating_sub(running).min(seen.lease_left())
+                }
+                None => seen.lease_left(),
+            };
             Decision::InFlight(
                 Problem::new(
                     ProblemKind::InFlight,
@@ -85,7 +107,7 @@ pub(crate) fn decide(claim: Claim, fingerprint: &Fingerprint, covers: &str) -> D
                      the same key after the indicated delay",
                 )
                 .state(state)
-                .retry_after(ceil_secs(seen.lease_left())),
+                .retry_after(ceil_secs(left)),
                 Some(seen),
             )
         }

@@ -81,17 +81,18 @@ impl<St: IdempotencyStore> Execution<St> {
         // From before the handler's first poll to the recorded outcome: renewed on the
         // keeper's task, which a handler blocking its own thread cannot starve.
         let hold = self.hold();
+        let started = std::time::Instant::now();
         // `call` inside the future: a service may do work (and panic) in `call` itself.
         let answered = CatchUnwind {
             inner: async move { inner.call(req).await },
         }
         .await;
         let Some(cancel) = cancel else {
-            return self.finish(answered, hold).await;
+            return self.finish(answered, hold, started).await;
         };
         cancel.disarm();
         let dialect = self.dialect.clone();
-        match tokio::spawn(self.finish(answered, hold).in_current_span()).await {
+        match tokio::spawn(self.finish(answered, hold, started).in_current_span()).await {
             Ok(answer) => answer,
             Err(_) => Ok(failed(
                 "recording the outcome failed",
@@ -106,6 +107,7 @@ impl<St: IdempotencyStore> Execution<St> {
         self,
         answered: Result<Result<Response<ResBody>, E>, Box<dyn Any + Send>>,
         hold: Hold<St>,
+        started: std::time::Instant,
     ) -> Result<Response<ResponseBody<ResBody>>, E>
     where
         ResBody: Body<Data = Bytes> + Send + 'static,
@@ -144,6 +146,8 @@ impl<St: IdempotencyStore> Execution<St> {
                 error: "the response body panicked".into(),
             }
         });
+        // The route's processing window: from the handler's start to its answer, read.
+        self.route.window.record(started.elapsed());
         match captured {
             Captured::Broken { parts, error } => {
                 // The handler answered: its effect is taken as done (DESIGN §3). Only a head

@@ -369,7 +369,12 @@ impl<St, M> IdempotencyLayer<St, M> {
         let routes: HashMap<_, _> = c
             .overrides
             .iter()
-            .map(|(path, f)| (path.clone(), Arc::new(f(c.default.clone()))))
+            .map(|(path, f)| {
+                // A window of its own: the defaults' clone would share theirs.
+                let mut route = f(c.default.clone());
+                route.window = Arc::default();
+                (path.clone(), Arc::new(route))
+            })
             .collect();
         let mut templates = matchit::Router::new();
         for (path, route) in &routes {
@@ -392,6 +397,46 @@ impl<St, M> IdempotencyLayer<St, M> {
     }
 }
 
+impl<St, M> IdempotencyLayer<St, M> {
+    /// What each route publishes to its callers: the 99th percentile of its recent executions
+    /// (its processing window) and how long its keys are kept, the defaults' first, then each
+    /// `for_path` in the order given. Shared by every service this layer made.
+    ///
+    /// ```
+    /// use tower_idempotency::{IdempotencyLayer, MemoryStore};
+    ///
+    /// let layer = IdempotencyLayer::new(MemoryStore::new());
+    /// for window in layer.processing_windows() {
+    ///     // e.g. into an MCP tool's description: the deadline a retry needs, the key's life.
+    ///     println!("{:?}: {}", window.route, window.describe());
+    /// }
+    /// ```
+    pub fn processing_windows(&self) -> Vec<crate::ProcessingWindow> {
+        let resolved = self.resolved();
+        let published = |route: Option<String>, config: &RouteConfig| crate::ProcessingWindow {
+            route,
+            p99: config.window.p99(),
+            executions: config.window.executions(),
+            lease: config.lease,
+            ttl: config.ttl,
+        };
+        let mut windows = vec![published(None, &resolved.default)];
+        for (path, _) in &self.config.overrides {
+            if let Some(route) = resolved.routes.get(path) {
+                windows.push(published(Some(path.clone()), route));
+            }
+        }
+        windows
+    }
+
+    /// The settings every service of this layer runs with, resolved on first use.
+    fn resolved(&self) -> &Arc<Resolved> {
+        self.config
+            .resolved
+            .get_or_init(|| Arc::new(self.resolve()))
+    }
+}
+
 impl<S, St, M: MakeScope> Layer<S> for IdempotencyLayer<St, M> {
     type Service = Idempotency<S, St, M>;
 
@@ -400,10 +445,7 @@ impl<S, St, M: MakeScope> Layer<S> for IdempotencyLayer<St, M> {
             inner,
             self.keeper.clone(),
             self.make_scope.clone(),
-            self.config
-                .resolved
-                .get_or_init(|| Arc::new(self.resolve()))
-                .clone(),
+            self.resolved().clone(),
         )
     }
 }

@@ -124,6 +124,7 @@ mod settings;
 pub mod store;
 mod unwind;
 mod uri;
+mod window;
 
 pub use body::{RequestBody, ResponseBody};
 pub use context::IdempotencyContext;
@@ -149,3 +150,4 @@ pub use store::RedisStore;
 #[cfg(feature = "sqlite")]
 pub use store::SqliteStore;
 pub use store::{IdempotencyStore, LeaseExpiry};
+pub use window::ProcessingWindow;

@@ -48,6 +48,8 @@ pub struct RouteConfig {
     pub(crate) cancel_on_disconnect: bool,
     pub(crate) wait_for_in_flight: Option<Duration>,
     pub(crate) json_fields: Option<Arc<crate::fingerprint::JsonFields>>,
+    /// How long this route's executions take (each resolved route has its own).
+    pub(crate) window: Arc<crate::window::Window>,
 }
 
 impl Default for RouteConfig {
@@ -69,6 +71,7 @@ impl Default for RouteConfig {
             cancel_on_disconnect: false,
             wait_for_in_flight: None,
             json_fields: None,
+            window: Arc::default(),
         }
     }
 }

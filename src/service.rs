@@ -220,7 +220,11 @@ impl<St: IdempotencyStore, M: MakeScope> Pipeline<St, M> {
             // After a wait, a claim is what a recorded outcome needs least: read it first.
             let (decision, noted) =
                 match ClaimToEnd::new(self.keeper.store(), &request, round > 0).await {
-                    Ok(claim) => (decide(claim, &request.fingerprint, dialect.covers()), true),
+                    Ok(claim) => {
+                        let window = route.window.p99();
+                        let decided = decide(claim, &request.fingerprint, dialect.covers(), window);
+                        (decided, true)
+                    }
                     Err(StoreError::Busy) => (busy(), false),
                     Err(error) => {
                         observe::count(Event::StoreError);

@@ -1,0 +1,192 @@
+//! The processing window a route publishes: how long its executions take, so that a caller
+//! can set deadlines that outlast it and a duplicate is told when to come back.
+//!
+//! Each guarded route keeps the durations of its last [`SAMPLES`] executions (from the
+//! handler's start to its whole answer) and their 99th percentile, recomputed every
+//! [`EVERY`] executions. Writing a sample is two atomic operations; the percentile is read
+//! from one. A `409 in-flight` answer's `Retry-After` is the time the holder has left by that
+//! percentile (rather than the whole lease), and [`ProcessingWindow`] publishes it, with the
+//! route's TTL, for tool descriptions and clients.
+
+use std::fmt;
+use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
+use std::time::Duration;
+
+/// How many recent executions the percentile is taken over.
+const SAMPLES: usize = 256;
+/// How often (in executions) the percentile is recomputed.
+const EVERY: usize = 16;
+/// No percentile yet.
+const NONE: u64 = u64::MAX;
+
+/// The recent execution times of one route.
+pub(crate) struct Window {
+    samples: Box<[AtomicU32]>,
+    next: AtomicUsize,
+    p99_ms: AtomicU64,
+}
+
+impl Default for Window {
+    fn default() -> Self {
+        Self {
+            samples: (0..SAMPLES).map(|_| AtomicU32::new(0)).collect(),
+            next: AtomicUsize::new(0),
+            p99_ms: AtomicU64::new(NONE),
+        }
+    }
+}
+
+impl fmt::Debug for Window {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Window")
+            .field("executions", &self.executions())
+            .field("p99", &self.p99())
+            .finish()
+    }
+}
+
+impl Window {
+    /// Notes one execution that took `took`.
+    pub(crate) fn record(&self, took: Duration) {
+        // Whole milliseconds, rounded up: a window is never shorter than what it measured.
+        let ms = u32::try_from(took.as_micros().div_ceil(1000)).unwrap_or(u32::MAX);
+        let n = self.next.fetch_add(1, Ordering::Relaxed);
+        // Stored as ms + 1: 0 marks a slot not yet written.
+        self.samples[n % SAMPLES].store(ms.saturating_add(1), Ordering::Relaxed);
+        let written = n + 1;
+        if written < EVERY || written.is_multiple_of(EVERY) {
+            self.recompute();
+        }
+    }
+
+    fn recompute(&self) {
+        let mut taken: Vec<u32> = self
+            .samples
+            .iter()
+            .map(|s| s.load(Ordering::Relaxed))
+            .filter(|&ms| ms > 0)
+            .collect();
+        if taken.is_empty() {
+            return;
+        }
+        // The nearest rank: with fewer than 100 samples, the largest.
+        let rank = (taken.len() * 99).div_ceil(100).max(1) - 1;
+        let (_, p99, _) = taken.select_nth_unstable(rank);
+        self.p99_ms.store(u64::from(*p99 - 1), Ordering::Relaxed);
+    }
+
+    /// The 99th percentile of the recent executions, once there is one.
+    pub(crate) fn p99(&self) -> Option<Duration> {
+        match self.p99_ms.load(Ordering::Relaxed) {
+            NONE => None,
+            ms => Some(Duration::from_millis(ms)),
+        }
+    }
+
+    /// How many executions it has seen.
+    pub(crate) fn executions(&self) -> u64 {
+        self.next.load(Ordering::Relaxed) as u64
+    }
+}
+
+/// What a guarded route publishes to its callers: how long its executions take and how long
+/// its keys are kept (see [`IdempotencyLayer::processing_windows`]).
+///
+/// [`IdempotencyLayer::processing_windows`]: crate::IdempotencyLayer::processing_windows
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct ProcessingWindow {
+    /// The route, as given to `for_path` (`None`: the layer's defaults, for every other path).
+    pub route: Option<String>,
+    /// The 99th percentile of its recent executions (from the handler's start to its whole
+    /// answer), once one has run.
+    pub p99: Option<Duration>,
+    /// How many executions it has measured.
+    pub executions: u64,
+    /// How long a claim holds without renewal: until the first execution, the window is taken
+    /// to be this long.
+    pub lease: Duration,
+    /// How long a recorded outcome is replayed; a retry after this is a new request.
+    pub ttl: Duration,
+}
+
+impl ProcessingWindow {
+    /// The least deadline a caller should give one attempt (and a whole call): the route's
+    /// p99, or its lease until it has one, rounded up to whole seconds. A shorter deadline
+    /// gives up on calls that would have answered, and its retry only waits on the first.
+    pub fn min_deadline(&self) -> Duration {
+        let window = self.p99.unwrap_or(self.lease);
+        Duration::from_secs(crate::decide::ceil_secs(window))
+    }
+
+    /// One sentence for a tool's description (an MCP server puts it in the tool's
+    /// `description` or `_meta`): the deadline a retry needs and how long keys are kept.
+    pub fn describe(&self) -> String {
+        format!(
+            "Safe to retry with the same idempotency key: give each attempt a deadline over \
+             {} s (this operation's processing window), and retries reach the first outcome \
+             for {} after it.",
+            self.min_deadline().as_secs(),
+            human(self.ttl)
+        )
+    }
+}
+
+/// A duration in the largest whole unit that fits it.
+fn human(d: Duration) -> String {
+    let s = d.as_secs();
+    match s {
+        s if s >= 86_400 && s.is_multiple_of(86_400) => format!("{} d", s / 86_400),
+        s if s >= 3_600 && s.is_multiple_of(3_600) => format!("{} h", s / 3_600),
+        s if s >= 60 && s.is_multiple_of(60) => format!("{} min", s / 60),
+        s => format!("{s} s"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_window_is_the_99th_percentile_of_recent_executions() {
+        let window = Window::default();
+        assert_eq!(window.p99(), None, "nothing measured yet");
+        window.record(Duration::from_micros(1_500));
+        assert_eq!(window.p99(), Some(Duration::from_millis(2)), "rounded up");
+        for _ in 0..98 {
+            window.record(Duration::from_millis(10));
+        }
+        window.record(Duration::from_secs(9));
+        // 100 samples: the 99th is 10 ms, the slow outlier is the 100th.
+        for _ in 0..EVERY {
+            window.record(Duration::from_millis(10));
+        }
+        assert_eq!(window.p99(), Some(Duration::from_millis(10)));
+        // Old samples leave: only the last 256 count.
+        for _ in 0..SAMPLES {
+            window.record(Duration::from_millis(400));
+        }
+        assert_eq!(window.p99(), Some(Duration::from_millis(400)));
+        assert_eq!(window.executions(), (1 + 98 + 1 + EVERY + SAMPLES) as u64);
+    }
+
+    #[test]
+    fn a_window_describes_itself_for_a_tool() {
+        let window = ProcessingWindow {
+            route: Some("/tools/deploy".into()),
+            p99: Some(Duration::from_millis(2_300)),
+            executions: 40,
+            lease: Duration::from_secs(30),
+            ttl: Duration::from_secs(86_400),
+        };
+        assert_eq!(window.min_deadline(), Duration::from_secs(3));
+        let text = window.describe();
+        assert!(text.contains("over 3 s"), "{text}");
+        assert!(text.contains("for 1 d"), "{text}");
+        let unmeasured = ProcessingWindow {
+            p99: None,
+            ..window
+        };
+        assert_eq!(unmeasured.min_deadline(), Duration::from_secs(30));
+    }
+}
