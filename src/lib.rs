@@ -94,12 +94,16 @@
 //! - `tonic`: the middleware keeps tonic's `NamedService`. (gRPC requests are handled without
 //!   it: see [`grpc`].)
 //! - `test-kit`: [`store::kit`], the conformance checks for stores.
+//! - `client`: [`client`], the caller's half: a tower layer for HTTP clients that keeps one key
+//!   across every retry of a logical call and stops where a retry would be wrong.
 //! - `console`: the operator console (`console::Console`), an axum `Router` to mount behind your
 //!   own authentication.
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
 mod base64;
 mod body;
+#[cfg(feature = "client")]
+pub mod client;
 #[cfg(feature = "console")]
 pub mod console;
 mod context;

@@ -1,0 +1,412 @@
+//! The caller's half of the contract (feature `client`): a tower layer for HTTP clients that
+//! keeps one key across every retry of a logical call, re-sends the same bytes, retries only
+//! what is safe to retry, and stops with a typed error where a retry would be wrong.
+//!
+//! - **The key is the operation's.** A request carries an [`OperationKey`] in its extensions,
+//!   derived from the durable step it performs (`{run}:{step}`): a caller that crashes and
+//!   starts again derives the same key and reaches the same outcome. A request without one is
+//!   refused ([`ClientError::NoOperationKey`]): a key minted here would die with the process,
+//!   and a restarted caller would run the operation a second time.
+//! - **Byte-identical retries.** The body is read once and every attempt sends those bytes
+//!   under the same key.
+//! - **What is retried:** failures to connect or send, attempts past their timeout, `503`
+//!   (the server's store is unavailable: nothing ran), `409 in-flight` (after its
+//!   `Retry-After`), and a `5xx` the server did not record (it gave the key back: a retry may
+//!   run it again, under the same key). Waits grow with jitter and never pass the deadline.
+//! - **What is not:** `422` (the key was used for another request: a programming error,
+//!   [`ClientError::KeyReused`]); `409 outcome-unknown` ([`ClientError::OutcomeUnknown`], for a
+//!   reconciliation, never an automatic retry); any answer the server recorded. A new key is
+//!   never minted.
+//! - **The deadline rule.** Built [`for_window`](IdempotentClientLayer::for_window), the layer
+//!   refuses timeouts that do not outlast the route's published processing window
+//!   ([`ProcessingWindow::min_deadline`](crate::ProcessingWindow::min_deadline)): an attempt
+//!   that gives up before the first could finish only turns every slow call into a wait.
+//! - **A report per call** ([`CallReport`], in the response's extensions): attempts, replays,
+//!   waits and how it ended; and counters (`idempotency_client_attempts_total`, …).
+//!
+//! ```
+//! # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+//! use std::time::Duration;
+//! use bytes::Bytes;
+//! use http_body_util::Full;
+//! use tower::ServiceExt;
+//! use tower_idempotency::client::{CallReport, IdempotentClientLayer, OperationKey};
+//!
+//! # let http = tower::service_fn(|_req: http::Request<http_body_util::Full<bytes::Bytes>>| async {
+//! #     Ok::<_, std::io::Error>(http::Response::new(http_body_util::Full::new(bytes::Bytes::new())))
+//! # });
+//! // `http`: any client service, e.g. hyper-util's `Client` (see the crate's tests).
+//! let client = tower::ServiceBuilder::new()
+//!     .layer(IdempotentClientLayer::new().attempt_timeout(Duration::from_secs(10)))
+//!     .service(http);
+//! let mut request = http::Request::post("http://127.0.0.1:3000/refunds")
+//!     .body(Full::new(Bytes::from_static(b"{\"order\":7}")))?;
+//! request.extensions_mut().insert(OperationKey::step("run-42", "refund")?);
+//! let response = client.oneshot(request).await?;
+//! let report = response.extensions().get::<CallReport>();
+//! # Ok(()) }
+//! ```
+
+mod key;
+mod retry;
+
+use std::future::Future;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{HeaderValue, Request, Response};
+use http_body::Body;
+use http_body_util::{BodyExt, Full};
+use tower_layer::Layer;
+use tower_service::Service;
+
+pub use key::OperationKey;
+use retry::{Verdict, verdict};
+
+use crate::store::BoxError;
+
+/// How a logical call ended, in its [`CallReport`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Ended {
+    /// The operation ran under this call: its first answer.
+    Answered,
+    /// An earlier attempt (this call's or another caller's) had run it: its recorded answer.
+    Replayed,
+}
+
+/// What one logical call took, inserted into its response's extensions.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct CallReport {
+    /// The key every attempt carried.
+    pub key: String,
+    /// Attempts sent.
+    pub attempts: u32,
+    /// Attempts answered `409 in-flight` and waited on.
+    pub waits: u32,
+    /// How it ended.
+    pub ended: Ended,
+}
+
+/// Why a logical call did not get its answer.
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum ClientError {
+    /// The request carries no [`OperationKey`]: nothing was sent.
+    NoOperationKey,
+    /// The key was first used with another request (`422`): a programming error, never
+    /// retried.
+    KeyReused {
+        /// The key.
+        key: String,
+    },
+    /// Whether the operation took effect is unknown (`409 outcome-unknown`): it awaits a
+    /// reconciliation. Do not retry it, and do not move on to a new key, until it is resolved.
+    OutcomeUnknown {
+        /// The key.
+        key: String,
+    },
+    /// The deadline passed before a definite answer; the operation may have run. Retry it
+    /// later with the same key.
+    DeadlineExceeded {
+        /// The key.
+        key: String,
+        /// Attempts sent.
+        attempts: u32,
+    },
+    /// A timeout that does not outlast the route's processing window (see
+    /// [`IdempotentClientLayer::for_window`]): nothing was sent.
+    DeadlineTooShort {
+        /// The configured timeout.
+        timeout: Duration,
+        /// The least the route's window asks for.
+        window: Duration,
+    },
+    /// The request body could not be read: nothing was sent.
+    Body(BoxError),
+    /// The last attempt's transport error, once the deadline leaves no room for another.
+    Transport(BoxError),
+}
+
+impl std::fmt::Display for ClientError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::NoOperationKey => f.write_str(
+                "the request carries no OperationKey: derive one from the durable step it performs",
+            ),
+            Self::KeyReused { key } => write!(
+                f,
+                "the key {key:?} was first used with a different request (422); this is a bug in \
+                 the caller, not a failure to retry"
+            ),
+            Self::OutcomeUnknown { key } => write!(
+                f,
+                "whether the operation {key:?} took effect is unknown; it awaits reconciliation"
+            ),
+            Self::DeadlineExceeded { key, attempts } => write!(
+                f,
+                "no definite answer for {key:?} after {attempts} attempts before the deadline; \
+                 retry later with the same key"
+            ),
+            Self::DeadlineTooShort { timeout, window } => write!(
+                f,
+                "a timeout of {timeout:?} does not outlast the route's processing window \
+                 ({window:?}): every slow call would be retried mid-flight"
+            ),
+            Self::Body(e) => write!(f, "the request body could not be read: {e}"),
+            Self::Transport(e) => write!(f, "the request could not be sent: {e}"),
+        }
+    }
+}
+
+impl std::error::Error for ClientError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            Self::Body(e) | Self::Transport(e) => Some(e.as_ref()),
+            _ => None,
+        }
+    }
+}
+
+/// The client layer: see the [module docs](self).
+#[derive(Debug, Clone)]
+pub struct IdempotentClientLayer {
+    header: http::HeaderName,
+    attempt_timeout: Option<Duration>,
+    deadline: Duration,
+    first_backoff: Duration,
+    max_backoff: Duration,
+    window: Option<Duration>,
+}
+
+impl Default for IdempotentClientLayer {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl IdempotentClientLayer {
+    /// Retries for up to 60 s overall, backing off from 100 ms to 5 s with jitter; no
+    /// per-attempt timeout.
+    pub fn new() -> Self {
+        Self {
+            header: crate::IDEMPOTENCY_KEY.clone(),
+            attempt_timeout: None,
+            deadline: Duration::from_secs(60),
+            first_backoff: Duration::from_millis(100),
+            max_backoff: Duration::from_secs(5),
+            window: None,
+        }
+    }
+
+    /// A layer for a route whose published window is `window`
+    /// ([`ProcessingWindow`](crate::ProcessingWindow)): timeouts that do not outlast its
+    /// [`min_deadline`](crate::ProcessingWindow::min_deadline) are refused, here (per-attempt
+    /// and overall, checked as they are set) and per call.
+    pub fn for_window(window: &crate::ProcessingWindow) -> Self {
+        Self {
+            window: Some(window.min_deadline()),
+            ..Self::new()
+        }
+    }
+
+    /// The header the key travels in (default `Idempotency-Key`).
+    pub fn header(mut self, name: http::HeaderName) -> Self {
+        self.header = name;
+        self
+    }
+
+    /// How long one attempt may take before it is abandoned and retried (same key).
+    pub fn attempt_timeout(mut self, timeout: Duration) -> Self {
+        self.attempt_timeout = Some(timeout);
+        self
+    }
+
+    /// How long a whole call may take, its attempts and waits together (default 60 s).
+    pub fn deadline(mut self, deadline: Duration) -> Self {
+        self.deadline = deadline;
+        self
+    }
+
+    /// The first pause between attempts and the longest (default 100 ms and 5 s).
+    pub fn backoff(mut self, first: Duration, max: Duration) -> Self {
+        self.first_backoff = first;
+        self.max_backoff = max.max(first);
+        self
+    }
+
+    /// Whether the configured timeouts outlast the route's window: the error a call would get.
+    pub fn check(&self) -> Result<(), ClientError> {
+        let Some(window) = self.window else {
+            return Ok(());
+        };
+        for timeout in self.attempt_timeout.iter().chain([&self.deadline]) {
+            if *timeout <= window {
+                return Err(ClientError::DeadlineTooShort {
+                    timeout: *timeout,
+                    window,
+                });
+            }
+        }
+        Ok(())
+    }
+}
+
+impl<S> Layer<S> for IdempotentClientLayer {
+    type Service = IdempotentClient<S>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        IdempotentClient {
+            inner,
+            config: self.clone(),
+        }
+    }
+}
+
+/// The service made by [`IdempotentClientLayer`].
+#[derive(Debug, Clone)]
+pub struct IdempotentClient<S> {
+    inner: S,
+    config: IdempotentClientLayer,
+}
+
+type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send>>;
+
+impl<S, B, ResBody> Service<Request<B>> for IdempotentClient<S>
+where
+    S: Service<Request<Full<Bytes>>, Response = Response<ResBody>> + Clone + Send + 'static,
+    S::Future: Send,
+    S::Error: Into<BoxError>,
+    B: Body + Send + 'static,
+    B::Data: Send,
+    B::Error: Into<BoxError>,
+    ResBody: Body<Data = Bytes> + Send + 'static,
+    ResBody::Error: Into<BoxError>,
+{
+    type Response = Response<Full<Bytes>>;
+    type Error = ClientError;
+    type Future = BoxFuture<Result<Self::Response, ClientError>>;
+
+    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), ClientError>> {
+        // Each attempt waits for the inner service's readiness itself.
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, req: Request<B>) -> Self::Future {
+        let (inner, config) = (self.inner.clone(), self.config.clone());
+        Box::pin(call(inner, config, req))
+    }
+}
+
+/// One logical call: attempts under one key until a definite answer, a typed stop, or the
+/// deadline.
+async fn call<S, B, ResBody>(
+    mut inner: S,
+    config: IdempotentClientLayer,
+    req: Request<B>,
+) -> Result<Response<Full<Bytes>>, ClientError>
+where
+    S: Service<Request<Full<Bytes>>, Response = Response<ResBody>>,
+    S::Error: Into<BoxError>,
+    B: Body,
+    B::Error: Into<BoxError>,
+    ResBody: Body<Data = Bytes>,
+    ResBody::Error: Into<BoxError>,
+{
+    config.check()?;
+    let key = req
+        .extensions()
+        .get::<OperationKey>()
+        .cloned()
+        .ok_or(ClientError::NoOperationKey)?;
+    let (parts, body) = req.into_parts();
+    let bytes = body
+        .collect()
+        .await
+        .map_err(|e| ClientError::Body(e.into()))?
+        .to_bytes();
+    let key_value = HeaderValue::from_str(key.as_str()).map_err(|e| ClientError::Body(e.into()))?;
+    let started = tokio::time::Instant::now();
+    let deadline = started + config.deadline;
+    let mut report = CallReport {
+        key: key.as_str().to_owned(),
+        attempts: 0,
+        waits: 0,
+        ended: Ended::Answered,
+    };
+    let mut backoff = config.first_backoff;
+    loop {
+        // The same head and bytes every time.
+        let mut attempt = Request::new(Full::new(bytes.clone()));
+        *attempt.method_mut() = parts.method.clone();
+        *attempt.uri_mut() = parts.uri.clone();
+        *attempt.version_mut() = parts.version;
+        *attempt.headers_mut() = parts.headers.clone();
+        attempt
+            .headers_mut()
+            .insert(config.header.clone(), key_value.clone());
+        report.attempts += 1;
+        metrics::counter!("idempotency_client_attempts_total").increment(1);
+        let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+        let limit = config.attempt_timeout.map_or(left, |t| t.min(left));
+        let sent = tokio::time::timeout(limit, async {
+            std::future::poll_fn(|cx| inner.poll_ready(cx))
+                .await
+                .map_err(Into::into)?;
+            let res = inner.call(attempt).await.map_err(Into::into)?;
+            let (head, body) = res.into_parts();
+            let body = body.collect().await.map_err(Into::into)?.to_bytes();
+            Ok::<_, BoxError>(Response::from_parts(head, body))
+        })
+        .await;
+        let (pause, last_error) = match sent {
+            Ok(Ok(res)) => match verdict(&res) {
+                Verdict::Done { replayed } => {
+                    report.ended = match replayed {
+                        true => Ended::Replayed,
+                        false => Ended::Answered,
+                    };
+                    if replayed {
+                        metrics::counter!("idempotency_client_replays_total").increment(1);
+                    }
+                    let (mut head, body) = res.into_parts();
+                    head.extensions.insert(report);
+                    return Ok(Response::from_parts(head, Full::new(body)));
+                }
+                Verdict::KeyReused => {
+                    metrics::counter!("idempotency_client_key_reused_total").increment(1);
+                    return Err(ClientError::KeyReused { key: report.key });
+                }
+                Verdict::OutcomeUnknown => {
+                    metrics::counter!("idempotency_client_outcome_unknown_total").increment(1);
+                    return Err(ClientError::OutcomeUnknown { key: report.key });
+                }
+                Verdict::InFlight { retry_after } => {
+                    report.waits += 1;
+                    (retry_after.unwrap_or(backoff), None)
+                }
+                Verdict::Retry { retry_after } => (retry_after.unwrap_or(backoff), None),
+            },
+            Ok(Err(error)) => (backoff, Some(error)),
+            // The attempt ran out of time: the server may still be running it; the retry
+            // waits on it under the same key.
+            Err(_) => (backoff, None),
+        };
+        let pause = retry::jitter(pause);
+        backoff = (backoff * 2).min(config.max_backoff);
+        if tokio::time::Instant::now() + pause >= deadline {
+            metrics::counter!("idempotency_client_deadline_exceeded_total").increment(1);
+            return Err(match last_error {
+                Some(error) => ClientError::Transport(error),
+                None => ClientError::DeadlineExceeded {
+                    key: report.key,
+                    attempts: report.attempts,
+                },
+            });
+        }
+        tokio::time::sleep(pause).await;
+    }
+}

@@ -1,0 +1,164 @@
+//! What an answer means for the caller: done, retry (after how long), or stop.
+
+use std::hash::{BuildHasher, RandomState};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{Response, StatusCode, header};
+
+/// What to do after an attempt's answer.
+#[derive(Debug, PartialEq, Eq)]
+pub(super) enum Verdict {
+    /// A definite answer: the operation's outcome (`replayed`: recorded earlier).
+    Done { replayed: bool },
+    /// The first request with this key is still running: wait, then ask again.
+    InFlight { retry_after: Option<Duration> },
+    /// Nothing definite, and asking again with the same key is safe: a store that was down,
+    /// an outcome the server did not record.
+    Retry { retry_after: Option<Duration> },
+    /// The key was used for another request.
+    KeyReused,
+    /// Whether it took effect is unknown: a reconciliation settles it.
+    OutcomeUnknown,
+}
+
+/// The verdict on `res`, read from its status, its `Idempotency-Replayed` header and, for the
+/// middleware's own answers, its problem `type`.
+pub(super) fn verdict(res: &Response<Bytes>) -> Verdict {
+    let replayed = res
+        .headers()
+        .get(&crate::IDEMPOTENCY_REPLAYED)
+        .is_some_and(|v| v == "true");
+    let retry_after = res
+        .headers()
+        .get(header::RETRY_AFTER)
+        .and_then(|v| v.to_str().ok()?.trim().parse::<u64>().ok())
+        .map(Duration::from_secs);
+    let problem = problem_slug(res);
+    match (res.status(), problem.as_deref()) {
+        (_, Some("fingerprint-mismatch")) => Verdict::KeyReused,
+        (_, Some("outcome-unknown")) => Verdict::OutcomeUnknown,
+        (StatusCode::CONFLICT, Some("in-flight")) => Verdict::InFlight { retry_after },
+        (StatusCode::SERVICE_UNAVAILABLE, _) => Verdict::Retry { retry_after },
+        // Recorded (a replay of a failure, under a policy that records everything): definite.
+        (status, _) if status.is_server_error() && !replayed => Verdict::Retry { retry_after },
+        (StatusCode::TOO_MANY_REQUESTS | StatusCode::REQUEST_TIMEOUT, _) if !replayed => {
+            Verdict::Retry { retry_after }
+        }
+        _ => Verdict::Done { replayed },
+    }
+}
+
+/// The last segment of a problem answer's `type` (`urn:tower-idempotency:problem:<slug>`).
+fn problem_slug(res: &Response<Bytes>) -> Option<String> {
+    let is_problem = res
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .is_some_and(|ct| ct.as_bytes().starts_with(b"application/problem+json"));
+    if !is_problem {
+        return None;
+    }
+    let body: serde_json::Value = serde_json::from_slice(res.body()).ok()?;
+    body.get("type")?
+        .as_str()?
+        .strip_prefix("urn:tower-idempotency:problem:")
+        .map(str::to_owned)
+}
+
+/// `pause` with up to a quarter taken off or added at random, so that callers who failed
+/// together do not retry together.
+pub(super) fn jitter(pause: Duration) -> Duration {
+    let random = RandomState::new().hash_one(std::time::Instant::now());
+    let quarter = pause / 4;
+    let spread = quarter.as_nanos().max(1) as u64 * 2;
+    let offset = Duration::from_nanos(random % spread);
+    (pause - quarter) + offset
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn answer(status: u16, headers: &[(&str, &str)], body: &str) -> Response<Bytes> {
+        let mut res = Response::new(Bytes::copy_from_slice(body.as_bytes()));
+        *res.status_mut() = StatusCode::from_u16(status).expect("status");
+        for (name, value) in headers {
+            res.headers_mut().insert(
+                http::HeaderName::from_bytes(name.as_bytes()).expect("name"),
+                value.parse().expect("value"),
+            );
+        }
+        res
+    }
+
+    fn problem(status: u16, slug: &str, retry_after: Option<&str>) -> Response<Bytes> {
+        let body = format!(r#"{{"type":"urn:tower-idempotency:problem:{slug}"}}"#);
+        let mut headers = vec![("content-type", "application/problem+json")];
+        if let Some(after) = retry_after {
+            headers.push(("retry-after", after));
+        }
+        answer(status, &headers, &body)
+    }
+
+    #[test]
+    fn answers_are_read_as_the_contract_says() {
+        assert_eq!(
+            verdict(&answer(201, &[], "{}")),
+            Verdict::Done { replayed: false }
+        );
+        assert_eq!(
+            verdict(&answer(201, &[("idempotency-replayed", "true")], "{}")),
+            Verdict::Done { replayed: true }
+        );
+        assert_eq!(
+            verdict(&problem(409, "in-flight", Some("2"))),
+            Verdict::InFlight {
+                retry_after: Some(Duration::from_secs(2))
+            }
+        );
+        assert_eq!(
+            verdict(&problem(409, "outcome-unknown", None)),
+            Verdict::OutcomeUnknown
+        );
+        assert_eq!(
+            verdict(&problem(422, "fingerprint-mismatch", None)),
+            Verdict::KeyReused
+        );
+        assert_eq!(
+            verdict(&problem(503, "store-unavailable", Some("1"))),
+            Verdict::Retry {
+                retry_after: Some(Duration::from_secs(1))
+            }
+        );
+        // A 500 the server gave the key back for is retried; one it recorded is the answer.
+        assert_eq!(
+            verdict(&answer(500, &[], "boom")),
+            Verdict::Retry { retry_after: None }
+        );
+        assert_eq!(
+            verdict(&answer(500, &[("idempotency-replayed", "true")], "boom")),
+            Verdict::Done { replayed: true }
+        );
+        // A 409 of the application's own is its answer.
+        assert_eq!(
+            verdict(&answer(409, &[], "taken")),
+            Verdict::Done { replayed: false }
+        );
+        assert_eq!(
+            verdict(&answer(400, &[], "bad")),
+            Verdict::Done { replayed: false }
+        );
+    }
+
+    #[test]
+    fn jitter_stays_within_a_quarter() {
+        for _ in 0..100 {
+            let j = jitter(Duration::from_millis(400));
+            assert!(
+                j >= Duration::from_millis(300) && j < Duration::from_millis(500),
+                "{j:?}"
+            );
+        }
+        assert_eq!(jitter(Duration::ZERO), Duration::ZERO);
+    }
+}
