@@ -681,11 +681,18 @@ fn claim_failed(error: sqlx::Error) -> StoreError {
     }
 }
 
+/// How often a quiet `LISTEN` is checked: that its store still lives, and that its
+/// connection still answers (a link dropped without a close shows only then).
+const HEARTBEAT: Duration = Duration::from_secs(2);
+
 /// Keeps a store's `LISTEN` on `channel` up while the store lives (a connection of its own,
 /// outside the pool), waking the waiters of each key notified; after a lost connection
 /// (notifications may have been missed) every waiter is woken to look again.
 async fn listen(changes: std::sync::Weak<Changes>, pool: PgPool, channel: String) {
     use std::sync::atomic::Ordering;
+    // Ended for any reason (its runtime shut down), the `LISTEN` is down: the next waiter
+    // starts another.
+    let _running = Running(changes.clone());
     loop {
         if changes.strong_count() == 0 {
             return;
@@ -697,13 +704,26 @@ async fn listen(changes: std::sync::Weak<Changes>, pool: PgPool, channel: String
                 c.live.store(true, Ordering::SeqCst);
                 c.waiters.wake_all();
             }
-            // `None`: the connection was lost (the next call would reconnect; this loop
-            // does, after telling the waiters).
-            while let Ok(Some(notification)) = listener.try_recv().await {
-                let Some(c) = changes.upgrade() else {
-                    return;
-                };
-                c.waiters.wake(&notification.payload().to_owned());
+            loop {
+                match tokio::time::timeout(HEARTBEAT, listener.try_recv()).await {
+                    Ok(Ok(Some(notification))) => {
+                        let Some(c) = changes.upgrade() else {
+                            return;
+                        };
+                        c.waiters.wake(&notification.payload().to_owned());
+                    }
+                    // `None`: the connection was lost.
+                    Ok(Ok(None) | Err(_)) => break,
+                    Err(_) => {
+                        if changes.strong_count() == 0 {
+                            return;
+                        }
+                        let ping = sqlx::query("SELECT 1").execute(&mut listener);
+                        if !matches!(tokio::time::timeout(HEARTBEAT, ping).await, Ok(Ok(_))) {
+                            break;
+                        }
+                    }
+                }
             }
             tracing::warn!(
                 "the PostgreSQL LISTEN connection was lost; waiters poll until it is back"
@@ -716,6 +736,20 @@ async fn listen(changes: std::sync::Weak<Changes>, pool: PgPool, channel: String
         c.waiters.wake_all();
         drop(c);
         tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+}
+
+/// Marks a store's `LISTEN` down when its task ends.
+struct Running(std::sync::Weak<Changes>);
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        use std::sync::atomic::Ordering;
+        if let Some(c) = self.0.upgrade() {
+            c.live.store(false, Ordering::SeqCst);
+            c.started.store(false, Ordering::SeqCst);
+            c.waiters.wake_all();
+        }
     }
 }
 

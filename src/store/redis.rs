@@ -44,6 +44,9 @@ use crate::Fingerprint;
 /// How many buckets the records of one prefix are spread over (see the module docs).
 const BUCKETS: u64 = 64;
 
+/// The most records one listing returns (a page asked larger gets this many, and a cursor).
+const MAX_PAGE: usize = 10_000;
+
 /// How long a connection attempt, and a reply, may take before the store counts as down.
 const TIMEOUT: Duration = Duration::from_secs(5);
 
@@ -110,8 +113,12 @@ pub struct RedisStore {
 /// (classic pub/sub reaches every node of a cluster, so one subscription to any node hears
 /// them all). Subscribed on the first wait; while it is down, waiters poll.
 struct Changes {
-    /// Where the subscription connects.
-    client: redis::Client,
+    /// Where the subscription connects: any of these (a cluster's nodes), in turn.
+    clients: Vec<redis::Client>,
+    /// Connections of their own for completions that `WAIT` for replicas (a `WAIT` blocks
+    /// its connection), opened on first use.
+    waiting: tokio::sync::OnceCell<Vec<redis::aio::ConnectionManager>>,
+    next_waiting: std::sync::atomic::AtomicUsize,
     waiters: super::Waiters<Vec<u8>>,
     started: std::sync::atomic::AtomicBool,
     /// Whether the subscription is up.
@@ -119,9 +126,11 @@ struct Changes {
 }
 
 impl Changes {
-    fn new(client: redis::Client) -> Arc<Self> {
+    fn new(clients: Vec<redis::Client>) -> Arc<Self> {
         Arc::new(Self {
-            client,
+            clients,
+            waiting: tokio::sync::OnceCell::new(),
+            next_waiting: std::sync::atomic::AtomicUsize::new(0),
             waiters: super::Waiters::default(),
             started: std::sync::atomic::AtomicBool::new(false),
             live: std::sync::atomic::AtomicBool::new(false),
@@ -178,7 +187,7 @@ impl RedisStore {
             .set_number_of_retries(1);
         let manager =
             redis::aio::ConnectionManager::new_with_config(client.clone(), config).await?;
-        Ok(Self::new(Connection::Single(manager), client))
+        Ok(Self::new(Connection::Single(manager), vec![client]))
     }
 
     /// Connects to a Redis Cluster through any of its nodes (`redis://host:port` each); the
@@ -189,18 +198,21 @@ impl RedisStore {
             .response_timeout(TIMEOUT)
             .build()?;
         let connection = client.get_async_connection().await?;
-        // Any node hears every PUBLISH of the cluster.
-        let first = redis::Client::open(nodes.first().copied().unwrap_or_default())?;
-        Ok(Self::new(Connection::Cluster(connection), first))
+        // Any node hears every PUBLISH of the cluster: the subscription tries each in turn.
+        let clients = nodes
+            .iter()
+            .map(|node| redis::Client::open(*node))
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(Self::new(Connection::Cluster(connection), clients))
     }
 
-    fn new(connection: Connection, client: redis::Client) -> Self {
+    fn new(connection: Connection, clients: Vec<redis::Client>) -> Self {
         Self {
             connection,
             prefix: Self::DEFAULT_PREFIX.into(),
             scripts: Arc::new(Scripts::new()),
             wait: None,
-            changes: Changes::new(client),
+            changes: Changes::new(clients),
         }
     }
 
@@ -213,7 +225,7 @@ impl RedisStore {
         }
         self.prefix = prefix.into();
         // Its waiters hear its own channel.
-        self.changes = Changes::new(self.changes.client.clone());
+        self.changes = Changes::new(self.changes.clients.clone());
         Ok(self)
     }
 
@@ -223,9 +235,47 @@ impl RedisStore {
     /// the replicas did not acknowledge in time fails (the layer keeps retrying it, holding
     /// the key meanwhile). Not available on a cluster connection (Redis routes `WAIT` to no
     /// one shard); there it is ignored.
+    ///
+    /// A `WAIT` blocks the connection it runs on, and must run on the one that wrote: these
+    /// completions run on four connections of their own, so other operations never queue
+    /// behind them. `timeout` is kept under the store's 5 s reply timeout.
     pub fn with_wait(mut self, replicas: u32, timeout: Duration) -> Self {
-        self.wait = Some((replicas, timeout));
+        self.wait = Some((replicas, timeout.min(TIMEOUT - Duration::from_secs(1))));
         self
+    }
+
+    /// One of the connections completions that wait for replicas run on.
+    async fn waiting_connection(&self) -> Result<Connection, StoreError> {
+        use std::sync::atomic::Ordering;
+        let connections = self
+            .changes
+            .waiting
+            .get_or_try_init(|| async {
+                let client = self
+                    .changes
+                    .clients
+                    .first()
+                    .ok_or_else(|| StoreError::unavailable("no server to connect to"))?;
+                let config = redis::aio::ConnectionManagerConfig::new()
+                    .set_connection_timeout(Some(TIMEOUT))
+                    .set_response_timeout(Some(TIMEOUT))
+                    .set_number_of_retries(1);
+                let mut connections = Vec::new();
+                for _ in 0..4 {
+                    connections.push(
+                        redis::aio::ConnectionManager::new_with_config(
+                            client.clone(),
+                            config.clone(),
+                        )
+                        .await
+                        .map_err(StoreError::unavailable)?,
+                    );
+                }
+                Ok::<_, StoreError>(connections)
+            })
+            .await?;
+        let i = self.changes.next_waiting.fetch_add(1, Ordering::Relaxed) % connections.len();
+        Ok(Connection::Single(connections[i].clone()))
     }
 
     /// The Lua source of the claim, as the server runs it: `KEYS` are the record, its bucket's
@@ -284,6 +334,18 @@ impl RedisStore {
         at: &Located,
         args: &[&[u8]],
     ) -> Result<Value, StoreError> {
+        self.run_on(&mut self.connection.clone(), script, at, args)
+            .await
+    }
+
+    /// [`run`](Self::run) on `connection`.
+    async fn run_on(
+        &self,
+        connection: &mut Connection,
+        script: &Script,
+        at: &Located,
+        args: &[&[u8]],
+    ) -> Result<Value, StoreError> {
         let mut invocation = script.key(&at.record[..]);
         invocation
             .key(&at.uncertain)
@@ -292,9 +354,8 @@ impl RedisStore {
         for arg in args {
             invocation.arg(*arg);
         }
-        let mut connection = self.connection.clone();
         invocation
-            .invoke_async(&mut connection)
+            .invoke_async(connection)
             .await
             .map_err(StoreError::unavailable)
     }
@@ -508,7 +569,9 @@ local function before(a, b)
 end
 -- Tells the store's waiters (subscribed to `{prefix}:changed`) that this record moved on.
 local function changed()
-  redis.call('PUBLISH', (string.gsub(KEYS[2], ':{%d+}:u$', ':changed')), ARGV[1])
+  -- pcall: the write stands whether or not this user may publish (Redis 7 ACLs give a new
+  -- user no channels); its waiters then poll.
+  redis.pcall('PUBLISH', (string.gsub(KEYS[2], ':{%d+}:u$', ':changed')), ARGV[1])
 end
 local function fenced(r, token)
   return r == nil or r.st ~= 'in_progress' or r.tok ~= token
@@ -681,25 +744,37 @@ end
 const LIST: &str = r"
 promote(ARGV[2])
 local limit, newest = tonumber(ARGV[5]), ARGV[6] == '1'
-local found = {}
+local found, stale = {}, {}
 local function take(m, s)
   if #found >= limit then return end
   local r = load(ARGV[2] .. m)
   if r == nil then
-    redis.call('ZREM', KEYS[2], m)
-  elseif uncertain(r) then
+    stale[#stale + 1] = m
+    return
+  end
+  -- A damaged record is listed as it is, to be reported unreadable, never failing the page.
+  local ok, listed = pcall(uncertain, r)
+  if listed or not ok then
     found[#found + 1] = {s, m, redis.call('HGETALL', ARGV[2] .. m)}
   end
 end
-local function each(list)
-  for i = 1, #list, 2 do take(list[i], list[i + 1]) end
+-- Index entries without a record do not use up the page: read on until it is full.
+local function scan(from, to)
+  local offset = 0
+  while #found < limit do
+    local batch
+    if newest then
+      batch = redis.call('ZREVRANGEBYSCORE', KEYS[2], from, to, 'WITHSCORES', 'LIMIT', offset, limit)
+    else
+      batch = redis.call('ZRANGEBYSCORE', KEYS[2], from, to, 'WITHSCORES', 'LIMIT', offset, limit)
+    end
+    if #batch == 0 then return end
+    for i = 1, #batch, 2 do take(batch[i], batch[i + 1]) end
+    offset = offset + #batch / 2
+  end
 end
 if ARGV[3] == '' then
-  if newest then
-    each(redis.call('ZREVRANGEBYSCORE', KEYS[2], '+inf', '-inf', 'WITHSCORES', 'LIMIT', 0, limit))
-  else
-    each(redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', '+inf', 'WITHSCORES', 'LIMIT', 0, limit))
-  end
+  if newest then scan('+inf', '-inf') else scan('-inf', '+inf') end
 else
   local s, after = ARGV[3], ARGV[4]
   -- Records changed in the cursor's millisecond: past it by member, as Redis orders ties.
@@ -708,14 +783,15 @@ else
     for i = #ties - 1, 1, -2 do
       if before(ties[i], after) then take(ties[i], ties[i + 1]) end
     end
-    each(redis.call('ZREVRANGEBYSCORE', KEYS[2], '(' .. s, '-inf', 'WITHSCORES', 'LIMIT', 0, limit))
+    scan('(' .. s, '-inf')
   else
     for i = 1, #ties, 2 do
       if before(after, ties[i]) then take(ties[i], ties[i + 1]) end
     end
-    each(redis.call('ZRANGEBYSCORE', KEYS[2], '(' .. s, '+inf', 'WITHSCORES', 'LIMIT', 0, limit))
+    scan('(' .. s, '+inf')
   end
 end
+for _, m in ipairs(stale) do redis.call('ZREM', KEYS[2], m) end
 return found
 ";
 
@@ -813,7 +889,7 @@ impl RedisStore {
             }
             None => (String::new(), Vec::new()),
         };
-        let limit = query.limit.to_string();
+        let limit = query.limit.min(MAX_PAGE).to_string();
         let newest = if query.newest_first { "1" } else { "0" };
         let reply = self
             .run(
@@ -929,8 +1005,19 @@ impl IdempotencyStore for RedisStore {
         ttl: Duration,
     ) -> Result<(), StoreError> {
         let at = self.locate(key);
+        // A completion that waits for replicas runs on a connection of its own: `WAIT`
+        // blocks the connection, and must run on the one that wrote.
+        let waits = match (self.wait, &self.connection) {
+            (Some(wait), Connection::Single(_)) => Some(wait),
+            _ => None,
+        };
+        let mut connection = match waits {
+            Some(_) => self.waiting_connection().await?,
+            None => self.connection.clone(),
+        };
         let reply = self
-            .run(
+            .run_on(
+                &mut connection,
                 &self.scripts.complete,
                 &at,
                 &[
@@ -941,8 +1028,7 @@ impl IdempotencyStore for RedisStore {
             )
             .await?;
         written(&reply)?;
-        if let (Some((replicas, timeout)), Connection::Single(_)) = (self.wait, &self.connection) {
-            let mut connection = self.connection.clone();
+        if let Some((replicas, timeout)) = waits {
             let acknowledged: i64 = redis::cmd("WAIT")
                 .arg(replicas)
                 .arg(ms(timeout))
@@ -1051,7 +1137,8 @@ impl IdempotencyStore for RedisStore {
         if query.newest_first {
             rows.reverse();
         }
-        rows.truncate(query.limit);
+        let limit = query.limit.min(MAX_PAGE);
+        rows.truncate(limit);
         let mut records = Vec::new();
         let mut unreadable = Vec::new();
         let mut last = None;
@@ -1067,7 +1154,7 @@ impl IdempotencyStore for RedisStore {
             }
             last = Some(cursor);
         }
-        Ok(UncertainPage::new(records, unreadable, last, query.limit))
+        Ok(UncertainPage::new(records, unreadable, last, limit))
     }
 
     async fn count_uncertain(&self) -> Result<UncertainCount, StoreError> {
@@ -1182,31 +1269,73 @@ impl RedisStore {
     }
 }
 
+/// How often a quiet subscription is checked: that its store still lives, and that its
+/// connection still answers (a link a NAT dropped without closing it shows only then).
+const HEARTBEAT: Duration = Duration::from_secs(2);
+/// How long its ping may take before the link counts as dead.
+const PING_TIMEOUT: Duration = Duration::from_secs(1);
+
 /// Keeps a store's subscription to `channel` up while the store lives, waking the waiters of
-/// each member published; after a lost subscription (changes may have been missed) every
-/// waiter is woken to look again.
+/// each member published, on any of the store's nodes in turn; after a lost subscription
+/// (changes may have been missed) every waiter is woken to look again.
 async fn listen(changes: std::sync::Weak<Changes>, channel: String) {
     use futures_util::StreamExt;
     use std::sync::atomic::Ordering;
+    // Ended for any reason (its runtime shut down), the subscription is down: the next
+    // waiter starts another.
+    let _running = Running(changes.clone());
+    let mut attempt = 0usize;
+    // Between failed subscriptions (a user without the channel, a server down): 1 s doubling
+    // to 30 s, reset once one succeeds.
+    let mut pause = Duration::from_secs(1);
     loop {
-        let Some(client) = changes.upgrade().map(|c| c.client.clone()) else {
+        let Some(client) = changes
+            .upgrade()
+            .and_then(|c| c.clients.get(attempt % c.clients.len().max(1)).cloned())
+        else {
             return;
         };
-        if let Ok(mut pubsub) = client.get_async_pubsub().await
-            && pubsub.subscribe(&channel).await.is_ok()
-        {
-            if let Some(c) = changes.upgrade() {
-                c.live.store(true, Ordering::SeqCst);
-                c.waiters.wake_all();
+        attempt += 1;
+        if let Ok(pubsub) = client.get_async_pubsub().await {
+            let (mut sink, mut stream) = pubsub.split();
+            match sink.subscribe(&channel).await {
+                Ok(()) => {
+                    pause = Duration::from_secs(1);
+                    if let Some(c) = changes.upgrade() {
+                        c.live.store(true, Ordering::SeqCst);
+                        c.waiters.wake_all();
+                    }
+                    loop {
+                        match tokio::time::timeout(HEARTBEAT, stream.next()).await {
+                            Ok(Some(message)) => {
+                                let Some(c) = changes.upgrade() else {
+                                    return;
+                                };
+                                c.waiters.wake(&message.get_payload_bytes().to_vec());
+                            }
+                            Ok(None) => break,
+                            Err(_) => {
+                                if changes.strong_count() == 0 {
+                                    return;
+                                }
+                                let ping = sink.ping::<Value>();
+                                let answered = tokio::time::timeout(PING_TIMEOUT, ping).await;
+                                if !matches!(answered, Ok(Ok(_))) {
+                                    break;
+                                }
+                            }
+                        }
+                    }
+                    tracing::warn!(
+                        "the Redis change subscription was lost; waiters poll until it is back"
+                    );
+                }
+                Err(error) => tracing::warn!(
+                    %error,
+                    "could not subscribe to {channel} (does this Redis user have the channel?); \
+                     waiters poll"
+                ),
             }
-            let mut messages = pubsub.on_message();
-            while let Some(message) = messages.next().await {
-                let Some(c) = changes.upgrade() else {
-                    return;
-                };
-                c.waiters.wake(&message.get_payload_bytes().to_vec());
-            }
-            tracing::warn!("the Redis change subscription was lost; waiters poll until it is back");
         }
         let Some(c) = changes.upgrade() else {
             return;
@@ -1214,7 +1343,22 @@ async fn listen(changes: std::sync::Weak<Changes>, channel: String) {
         c.live.store(false, Ordering::SeqCst);
         c.waiters.wake_all();
         drop(c);
-        tokio::time::sleep(Duration::from_secs(1)).await;
+        tokio::time::sleep(pause).await;
+        pause = (pause * 2).min(Duration::from_secs(30));
+    }
+}
+
+/// Marks a store's subscription down when its task ends.
+struct Running(std::sync::Weak<Changes>);
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        use std::sync::atomic::Ordering;
+        if let Some(c) = self.0.upgrade() {
+            c.live.store(false, Ordering::SeqCst);
+            c.started.store(false, Ordering::SeqCst);
+            c.waiters.wake_all();
+        }
     }
 }
 

@@ -1,0 +1,713 @@
+//! Issue 21, RedisStore attacked at the store level: replica waits, dropped stores, damaged and
+//! dangling records, odd keys, extreme durations, paging through ties, racing resolutions,
+//! cluster wake-ups and huge listing limits. Each asserts what the trait docs promise.
+
+mod common;
+
+use std::collections::BTreeSet;
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime};
+
+use http::StatusCode;
+use tower_idempotency::IdempotencyStore;
+use tower_idempotency::store::{
+    Claim, ClaimRequest, FencingToken, Fingerprint, InFlight, LeaseExpiry, Milestone, RecordStatus,
+    Resolution, ScopedKey, StoreError, StoredResponse, UncertainQuery,
+};
+
+const LONG: Duration = Duration::from_secs(60);
+
+fn unique(name: &str) -> String {
+    let nanos = SystemTime::now()
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    format!("{name}-{nanos}")
+}
+
+fn req(key: &ScopedKey, lease: Duration, ttl: Duration) -> ClaimRequest {
+    ClaimRequest {
+        key: key.clone(),
+        fingerprint: Fingerprint::from_bytes([7; 32]),
+        lease,
+        ttl,
+        on_lease_expiry: LeaseExpiry::Reclaim,
+    }
+}
+
+fn response(body: &str) -> StoredResponse {
+    StoredResponse {
+        status: StatusCode::CREATED,
+        headers: http::HeaderMap::new(),
+        body: Some(bytes::Bytes::copy_from_slice(body.as_bytes())),
+        trailers: None,
+    }
+}
+
+async fn acquire<S: IdempotencyStore>(store: &S, r: &ClaimRequest) -> FencingToken {
+    match store.claim(r).await.expect("claim") {
+        Claim::Acquired(lease) => lease.token,
+        Claim::Existing { record, .. } => panic!("expected a fresh key, got {:?}", record.status),
+    }
+}
+
+async fn raw(url: &str) -> redis::aio::MultiplexedConnection {
+    redis::Client::open(url)
+        .expect("client")
+        .get_multiplexed_async_connection()
+        .await
+        .expect("raw connection")
+}
+
+/// `with_wait`: WAIT blocks the connection it runs on, so completions that wait run on
+/// connections of their own: no other operation of the store queues behind them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s21_with_wait_blocks_no_other_operation_of_the_store() {
+    let Some(store) = common::redis("wait-hol").await else {
+        return;
+    };
+    // The test server has no replica: WAIT 1 waits out its whole timeout.
+    let waiting = store.clone().with_wait(1, Duration::from_secs(2));
+    let a = ScopedKey::new("", unique("a"));
+    let token = acquire(&waiting, &req(&a, LONG, LONG)).await;
+    let completing = {
+        let waiting = waiting.clone();
+        let a = a.clone();
+        tokio::spawn(async move { waiting.complete(&a, token, &response("a"), LONG).await })
+    };
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    // An unrelated claim, on a clone of the same store (as another request of the layer).
+    let b = ScopedKey::new("", unique("b"));
+    let started = Instant::now();
+    let claimed = store.claim(&req(&b, LONG, LONG)).await;
+    let took = started.elapsed();
+    println!(
+        "unrelated claim during a WAIT took {took:?}: {:?}",
+        claimed.is_ok()
+    );
+    let _ = completing.await;
+    assert!(
+        took < Duration::from_millis(500),
+        "an unrelated claim waited {took:?} behind another request's WAIT"
+    );
+}
+
+/// The same with a WAIT timeout asked past the connection's 5 s response timeout: it is kept
+/// under it, and unrelated operations never fail while Redis is healthy.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s21_with_wait_longer_than_5s_fails_no_unrelated_operation() {
+    let Some(store) = common::redis("wait-hol-long").await else {
+        return;
+    };
+    let waiting = store.clone().with_wait(1, Duration::from_secs(8));
+    let a = ScopedKey::new("", unique("a"));
+    let token = acquire(&waiting, &req(&a, LONG, LONG)).await;
+    let completing = {
+        let waiting = waiting.clone();
+        let a = a.clone();
+        tokio::spawn(async move {
+            let started = Instant::now();
+            let r = waiting.complete(&a, token, &response("a"), LONG).await;
+            (r, started.elapsed())
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let b = ScopedKey::new("", unique("b"));
+    let started = Instant::now();
+    let claimed = store.claim(&req(&b, LONG, LONG)).await;
+    let took = started.elapsed();
+    let (completed, complete_took) = completing.await.expect("task");
+    println!(
+        "unrelated claim: {:?} after {took:?}; the waiting completion: {:?} after {complete_took:?}",
+        claimed.as_ref().map(|_| ()).map_err(|e| e.to_string()),
+        completed.as_ref().map_err(|e| e.to_string())
+    );
+    assert!(
+        claimed.is_ok(),
+        "an unrelated claim failed while Redis was healthy: {:?}",
+        claimed.err()
+    );
+}
+
+/// The subscription of a store that waited once ends with the store: its connection leaves
+/// the channel at the next heartbeat after every clone is dropped, with no message needed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s21_the_subscription_ends_with_its_store() {
+    let Some(store) = common::redis("dropped").await else {
+        return;
+    };
+    let prefix = format!("{:?}", store);
+    let prefix = prefix
+        .split("prefix: \"")
+        .nth(1)
+        .and_then(|p| p.split('"').next())
+        .expect("prefix in Debug")
+        .to_owned();
+    let channel = format!("{prefix}:changed");
+    let conn = raw(&common::redis_url()).await;
+    let numsub = |mut conn: redis::aio::MultiplexedConnection, channel: String| async move {
+        let v: Vec<redis::Value> = redis::cmd("PUBSUB")
+            .arg("NUMSUB")
+            .arg(&channel)
+            .query_async(&mut conn)
+            .await
+            .expect("numsub");
+        match &v[1] {
+            redis::Value::Int(n) => *n,
+            other => panic!("{other:?}"),
+        }
+    };
+    // One wait starts the subscription.
+    let key = ScopedKey::new("", unique("k"));
+    let seen = InFlight {
+        token: FencingToken::new(1),
+        lease_until: SystemTime::now(),
+        now: SystemTime::now(),
+    };
+    store
+        .wait_for_change(&key, &seen, 0, Duration::from_millis(1))
+        .await;
+    for _ in 0..50 {
+        if numsub(conn.clone(), channel.clone()).await == 1 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(numsub(conn.clone(), channel.clone()).await, 1, "subscribed");
+    drop(store);
+    // The subscription notices at its next heartbeat, with no message on its channel.
+    let mut left = 1;
+    for _ in 0..100 {
+        left = numsub(conn.clone(), channel.clone()).await;
+        if left == 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(
+        left, 0,
+        "a dropped store still holds a subscribed connection"
+    );
+}
+
+/// A record damaged by hand (a non-numeric lease end on an in-progress record whose effect
+/// started) is "not an error of the listing" per the trait docs: it is reported unreadable,
+/// and listing and counting go on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s21_one_damaged_record_is_reported_not_fatal() {
+    let Some(store) = common::redis("damaged").await else {
+        return;
+    };
+    // A healthy uncertain record, which an operator must still see.
+    let good = ScopedKey::new("", unique("good"));
+    let t = acquire(&store, &req(&good, LONG, LONG)).await;
+    store.mark_uncertain(&good, t).await.expect("uncertain");
+    // A damaged one: effect started, then its lease end overwritten.
+    let bad = ScopedKey::new("", unique("bad"));
+    let t = acquire(&store, &req(&bad, Duration::from_millis(100), LONG)).await;
+    store
+        .record_milestone(&bad, t, &Milestone::EffectStarted)
+        .await
+        .expect("milestone");
+    let [record_key, ..] = store.keys(&bad);
+    let mut conn = raw(&common::redis_url()).await;
+    let _: i64 = redis::cmd("HSET")
+        .arg(&record_key[..])
+        .arg("lu")
+        .arg("not-a-number")
+        .query_async(&mut conn)
+        .await
+        .expect("hset");
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let listed = store.list_uncertain(&UncertainQuery::first(100)).await;
+    let counted = store.count_uncertain().await;
+    println!(
+        "list: {:?}",
+        listed
+            .as_ref()
+            .map(|p| (p.records.len(), p.unreadable.len()))
+            .map_err(|e| e.to_string())
+    );
+    println!("count: {:?}", counted.as_ref().map_err(|e| e.to_string()));
+    let page = listed.expect("a damaged record is not an error of the listing");
+    assert!(
+        page.records.iter().any(|r| r.key == good),
+        "the healthy record is listed"
+    );
+    counted.expect("count");
+}
+
+/// Index entries without a record (deleted by hand, or evicted under an allkeys policy) do not
+/// use up a bucket's page: the listing reads on, and no live record is skipped.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s21_dangling_index_entries_hide_no_record() {
+    let Some(store) = common::redis("dangling").await else {
+        return;
+    };
+    // Find keys in one bucket: 3 to dangle, 1 to keep, and one in another bucket, newer.
+    let bucket = |k: &ScopedKey| String::from_utf8_lossy(&store.keys(k)[1]).into_owned();
+    let first = ScopedKey::new("", unique("d0"));
+    let mut same = vec![first.clone()];
+    let mut other = None;
+    let mut i = 0;
+    while same.len() < 4 || other.is_none() {
+        i += 1;
+        let k = ScopedKey::new("", format!("{}-{i}", first.key()));
+        if bucket(&k) == bucket(&first) {
+            if same.len() < 4 {
+                same.push(k);
+            }
+        } else if other.is_none() {
+            other = Some(k);
+        }
+    }
+    let other = other.expect("other");
+    for k in same.iter().chain(std::iter::once(&other)) {
+        let t = acquire(&store, &req(k, LONG, LONG)).await;
+        store.mark_uncertain(k, t).await.expect("uncertain");
+        tokio::time::sleep(Duration::from_millis(3)).await;
+    }
+    let mut conn = raw(&common::redis_url()).await;
+    for k in &same[..3] {
+        let _: i64 = redis::cmd("DEL")
+            .arg(&store.keys(k)[0][..])
+            .query_async(&mut conn)
+            .await
+            .expect("del");
+    }
+    // Two records remain: same[3] (older) and other. Page by 3.
+    let mut seen = Vec::new();
+    let mut query = UncertainQuery::first(3);
+    loop {
+        let page = store.list_uncertain(&query).await.expect("list");
+        seen.extend(page.records.iter().map(|r| r.key.key().to_owned()));
+        match page.next {
+            Some(next) => query = UncertainQuery::after(next, 3),
+            None => break,
+        }
+    }
+    println!("listed {seen:?}");
+    assert!(
+        seen.contains(&same[3].key().to_owned()),
+        "a live uncertain record was never listed"
+    );
+    assert!(seen.contains(&other.key().to_owned()));
+}
+
+/// Keys and scopes with braces, colons, NUL, non-ASCII, a long one: claimed, listed (with the
+/// cursor built from them), resolved, replayed, each separately.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s21_odd_keys_round_trip_through_every_operation() {
+    for cluster in [false, true] {
+        let store = match cluster {
+            false => common::redis("odd").await,
+            true => common::redis_cluster("odd").await,
+        };
+        let Some(store) = store else {
+            return;
+        };
+        let tag = unique("");
+        let long = "k".repeat(200_000);
+        let odd: Vec<(String, String)> = vec![
+            (String::new(), format!("{{x}}{tag}")),
+            ("{".into(), format!("}}{tag}")),
+            ("}".into(), format!("{{{tag}")),
+            ("1:".into(), format!("a{tag}")),
+            ("1".into(), format!(":a{tag}")),
+            (String::new(), format!("1:a{tag}")),
+            ("\0".into(), format!("\0{tag}")),
+            ("é".into(), format!("✓\u{10ffff}{tag}")),
+            ("10".into(), tag.to_string()),
+            ("9".into(), tag.to_string()),
+            ("t".into(), format!("{long}{tag}")),
+            ("%d".into(), format!(":{{1}}:u{tag}")),
+        ];
+        let keys: Vec<ScopedKey> = odd.iter().map(|(s, k)| ScopedKey::new(s, k)).collect();
+        let mut tokens = Vec::new();
+        for k in &keys {
+            let t = acquire(&store, &req(k, LONG, LONG)).await;
+            store.mark_uncertain(k, t).await.expect("uncertain");
+            tokens.push(t);
+        }
+        // Each is distinct, and a second claim sees it.
+        for k in &keys {
+            match store.claim(&req(k, LONG, LONG)).await.expect("claim") {
+                Claim::Existing { record, .. } => {
+                    assert_eq!(record.status, RecordStatus::NeedsReconciliation);
+                    assert_eq!(record.key, *k);
+                }
+                Claim::Acquired(_) => panic!("{cluster}: a second claim of {:?} won", k.key()),
+            }
+        }
+        // Paged one at a time both ways: exactly our keys (plus none of theirs).
+        let ours: BTreeSet<(String, String)> = odd.iter().cloned().collect();
+        for newest in [false, true] {
+            let mut got = Vec::new();
+            let mut q = UncertainQuery::first(1);
+            if newest {
+                q = q.newest_first();
+            }
+            loop {
+                let page = store.list_uncertain(&q).await.expect("list");
+                assert!(page.unreadable.is_empty(), "{:?}", page.unreadable);
+                got.extend(
+                    page.records
+                        .iter()
+                        .map(|r| (r.key.scope().to_owned(), r.key.key().to_owned())),
+                );
+                match page.next {
+                    Some(next) => {
+                        q = UncertainQuery::after(next, 1);
+                        if newest {
+                            q = q.newest_first();
+                        }
+                    }
+                    None => break,
+                }
+                assert!(got.len() <= 100, "the listing loops");
+            }
+            let set: BTreeSet<_> = got.iter().cloned().collect();
+            assert_eq!(
+                set.len(),
+                got.len(),
+                "{cluster} newest={newest}: a key listed twice"
+            );
+            assert_eq!(set, ours, "{cluster} newest={newest}");
+        }
+        let count = store.count_uncertain().await.expect("count");
+        assert_eq!(count.count as usize, keys.len(), "{cluster}: count");
+        for (k, t) in keys.iter().zip(&tokens) {
+            store
+                .resolve(
+                    k,
+                    *t,
+                    &Resolution::Applied(Box::new(response(k.key()))),
+                    LONG,
+                    Some("n\0;{}"),
+                )
+                .await
+                .expect("resolve");
+            let r = store.lookup(k).await.expect("lookup").expect("record");
+            assert_eq!(r.status, RecordStatus::Completed);
+            assert_eq!(
+                r.response.and_then(|r| r.body).as_deref(),
+                Some(k.key().as_bytes())
+            );
+            assert_eq!(r.resolution_note.as_deref(), Some("n\0;{}"));
+        }
+        assert_eq!(store.count_uncertain().await.expect("count").count, 0);
+    }
+}
+
+/// Durations the layer never sends but the store API takes: `Duration::MAX`, zero, sub-ms.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s21_extreme_durations() {
+    let Some(store) = common::redis("durations").await else {
+        return;
+    };
+    let k = ScopedKey::new("", unique("max"));
+    let t = acquire(&store, &req(&k, Duration::MAX, Duration::MAX)).await;
+    let r = store.lookup(&k).await.expect("lookup").expect("record");
+    println!(
+        "lease_until {:?}, expires_at {:?}",
+        r.lease_until, r.expires_at
+    );
+    assert!(r.lease_until > SystemTime::now() + Duration::from_secs(100 * 365 * 86400));
+    assert!(r.expires_at >= r.lease_until);
+    let until = store.renew(&k, t, Duration::MAX).await.expect("renew");
+    assert!(until > SystemTime::now() + Duration::from_secs(100 * 365 * 86400));
+    store
+        .complete(&k, t, &response("max"), Duration::MAX)
+        .await
+        .expect("complete");
+    let r = store.lookup(&k).await.expect("lookup").expect("record");
+    assert_eq!(r.status, RecordStatus::Completed);
+    // Zero lease: taken over at once by the next claim (lease over), attempt 2.
+    let z = ScopedKey::new("", unique("zero"));
+    let t1 = acquire(&store, &req(&z, Duration::ZERO, LONG)).await;
+    let t2 = acquire(&store, &req(&z, Duration::ZERO, LONG)).await;
+    assert_ne!(t1, t2);
+    assert!(matches!(
+        store.complete(&z, t1, &response("z"), LONG).await,
+        Err(StoreError::Fenced)
+    ));
+    // Sub-millisecond TTL on completion: it expires, and a lookup says so.
+    let s = ScopedKey::new("", unique("sub"));
+    let t = acquire(&store, &req(&s, LONG, LONG)).await;
+    store
+        .complete(&s, t, &response("s"), Duration::from_micros(500))
+        .await
+        .expect("complete");
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    assert!(store.lookup(&s).await.expect("lookup").is_none(), "expired");
+    // TTL expiry of a completed record: the next claim is a fresh attempt 1.
+    match store.claim(&req(&s, LONG, LONG)).await.expect("claim") {
+        Claim::Acquired(lease) => assert_eq!(lease.attempt, 1),
+        Claim::Existing { record, .. } => panic!("{:?}", record.status),
+    }
+}
+
+/// Many records changed in the same milliseconds, spread over every bucket, paged through with
+/// odd limits both ways on one server and on the cluster: every record once, in order; count
+/// agrees; a cursor whose record has changed since still pages on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s21_paging_many_records_changed_in_the_same_millisecond() {
+    for cluster in [false, true] {
+        let store = match cluster {
+            false => common::redis("paging").await,
+            true => common::redis_cluster("paging").await,
+        };
+        let Some(store) = store else {
+            return;
+        };
+        let store = Arc::new(store);
+        let tag = unique("p");
+        let n = 400;
+        let keys: Vec<ScopedKey> = (0..n)
+            .map(|i| ScopedKey::new(["", "a", "bb"][i % 3], format!("{tag}-{i}")))
+            .collect();
+        let mut tokens = Vec::new();
+        for k in &keys {
+            tokens.push(acquire(store.as_ref(), &req(k, LONG, LONG)).await);
+        }
+        // Uncertain in bursts, so many share a millisecond.
+        let tasks: Vec<_> = keys
+            .iter()
+            .zip(&tokens)
+            .map(|(k, t)| {
+                let (store, k, t) = (store.clone(), k.clone(), *t);
+                tokio::spawn(async move { store.mark_uncertain(&k, t).await })
+            })
+            .collect();
+        for t in tasks {
+            t.await.expect("task").expect("uncertain");
+        }
+        let all = |newest: bool, limit: usize| {
+            let store = store.clone();
+            async move {
+                let mut got = Vec::new();
+                let mut q = UncertainQuery::first(limit);
+                if newest {
+                    q = q.newest_first();
+                }
+                loop {
+                    let page = store.list_uncertain(&q).await.expect("list");
+                    got.extend(page.records.iter().map(|r| (r.updated_at, r.key.clone())));
+                    match page.next {
+                        Some(next) => {
+                            q = UncertainQuery::after(next, limit);
+                            if newest {
+                                q = q.newest_first();
+                            }
+                        }
+                        None => break,
+                    }
+                }
+                got
+            }
+        };
+        let mut ms = BTreeSet::new();
+        for limit in [1, 7, 64, 65, 399, 400, 1000] {
+            for newest in [false, true] {
+                let got = all(newest, limit).await;
+                let keys_got: BTreeSet<_> = got.iter().map(|(_, k)| k.clone()).collect();
+                assert_eq!(
+                    keys_got.len(),
+                    got.len(),
+                    "{cluster} {limit} {newest}: listed twice"
+                );
+                assert_eq!(got.len(), n, "{cluster} limit {limit} newest {newest}");
+                for w in got.windows(2) {
+                    if newest {
+                        assert!(w[0].0 >= w[1].0, "order");
+                    } else {
+                        assert!(w[0].0 <= w[1].0, "order");
+                    }
+                }
+                ms.extend(got.iter().map(|(t, _)| *t));
+            }
+        }
+        println!(
+            "{cluster}: {n} records over {} distinct milliseconds",
+            ms.len()
+        );
+        assert_eq!(
+            store.count_uncertain().await.expect("count").count as usize,
+            n
+        );
+        // A cursor from a record that changes between pages: the rest still page exactly once.
+        let page = store
+            .list_uncertain(&UncertainQuery::first(10))
+            .await
+            .expect("list");
+        let cursor = page.next.expect("full page");
+        let last = page.records.last().expect("records").key.clone();
+        let i = keys.iter().position(|k| *k == last).expect("ours");
+        store
+            .resolve(&last, tokens[i], &Resolution::NotApplied, LONG, None)
+            .await
+            .expect("resolve");
+        let mut rest = Vec::new();
+        let mut q = UncertainQuery::after(cursor, 13);
+        loop {
+            let page = store.list_uncertain(&q).await.expect("list");
+            rest.extend(page.records.iter().map(|r| r.key.clone()));
+            match page.next {
+                Some(next) => q = UncertainQuery::after(next, 13),
+                None => break,
+            }
+        }
+        assert_eq!(
+            rest.len(),
+            n - 10,
+            "{cluster}: the rest after a changed cursor"
+        );
+        assert_eq!(
+            store.count_uncertain().await.expect("count").count as usize,
+            n - 1
+        );
+    }
+}
+
+/// A resolution racing the holder's late completion (both with the holder's token): exactly
+/// one wins, and the record ends in the winner's outcome.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s21_resolve_races_a_late_complete() {
+    let Some(store) = common::redis("race").await else {
+        return;
+    };
+    let store = Arc::new(store);
+    let mut outcomes = [0usize; 3];
+    for i in 0..200 {
+        let k = ScopedKey::new("", unique(&format!("race-{i}")));
+        let t = acquire(store.as_ref(), &req(&k, LONG, LONG)).await;
+        store.mark_uncertain(&k, t).await.expect("uncertain");
+        let (s1, k1) = (store.clone(), k.clone());
+        let (s2, k2) = (store.clone(), k.clone());
+        let complete =
+            tokio::spawn(async move { s1.complete(&k1, t, &response("holder"), LONG).await });
+        let resolve = tokio::spawn(async move {
+            s2.resolve(&k2, t, &Resolution::NotApplied, LONG, Some("op"))
+                .await
+        });
+        let (c, r) = (complete.await.expect("c"), resolve.await.expect("r"));
+        let rec = store.lookup(&k).await.expect("lookup");
+        match (c.is_ok(), r.is_ok()) {
+            (true, false) => {
+                outcomes[0] += 1;
+                assert_eq!(rec.expect("record").status, RecordStatus::Completed);
+            }
+            (false, true) => {
+                outcomes[1] += 1;
+                assert!(matches!(c, Err(StoreError::Fenced)));
+                assert!(rec.is_none_or(|r| r.status == RecordStatus::Released));
+            }
+            (true, true) => {
+                let _ = outcomes[2];
+                panic!("both won: {:?}", rec.map(|r| r.status));
+            }
+            (false, false) => panic!("neither: {c:?} {r:?}"),
+        }
+    }
+    println!("complete won {}, resolve won {}", outcomes[0], outcomes[1]);
+}
+
+/// `wait_for_change` on the cluster, keys on every master: woken by the completion (well
+/// before the lease end), not polling and not sleeping to the lease end.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s21_cluster_waiters_are_woken_on_every_master() {
+    for cluster in [false, true] {
+        let store = match cluster {
+            false => common::redis("wake").await,
+            true => common::redis_cluster("wake").await,
+        };
+        let Some(store) = store else {
+            return;
+        };
+        // Start the subscription.
+        let warm = ScopedKey::new("", unique("warm"));
+        let seen0 = InFlight {
+            token: FencingToken::new(1),
+            lease_until: SystemTime::now(),
+            now: SystemTime::now(),
+        };
+        store
+            .wait_for_change(&warm, &seen0, 0, Duration::ZERO)
+            .await;
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let mut worst = Duration::ZERO;
+        for i in 0..24 {
+            let k = ScopedKey::new("", unique(&format!("w{i}")));
+            let lease = Duration::from_secs(8);
+            let t = acquire(&store, &req(&k, lease, LONG)).await;
+            let Claim::Existing { record, now } =
+                store.claim(&req(&k, lease, LONG)).await.expect("c")
+            else {
+                panic!("in flight");
+            };
+            let seen = InFlight {
+                token: record.lease_token,
+                lease_until: record.lease_until,
+                now,
+            };
+            let s = store.clone();
+            let k2 = k.clone();
+            let waiter = tokio::spawn(async move {
+                let started = Instant::now();
+                s.wait_for_change(&k2, &seen, 0, Duration::from_secs(10))
+                    .await;
+                started.elapsed()
+            });
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            let done = Instant::now();
+            store
+                .complete(&k, t, &response("x"), LONG)
+                .await
+                .expect("complete");
+            let waited = waiter.await.expect("waiter");
+            let after = waited.saturating_sub(Duration::from_millis(100));
+            worst = worst.max(after);
+            let _ = done;
+        }
+        println!("cluster={cluster}: worst wake after completion {worst:?}");
+        assert!(
+            worst < Duration::from_secs(1),
+            "cluster={cluster}: a waiter was not woken ({worst:?})"
+        );
+    }
+}
+
+/// A listing asked for "everything" (`usize::MAX`, or any limit of 10^17 and more, as a
+/// sweeper's `batch` may be set) lists a bounded page and a cursor, as MemoryStore does,
+/// instead of failing on a limit Lua cannot hand back to Redis.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s21_a_huge_listing_limit() {
+    let Some(store) = common::redis("limit").await else {
+        return;
+    };
+    let k = ScopedKey::new("", unique("lim"));
+    let t = acquire(&store, &req(&k, LONG, LONG)).await;
+    store.mark_uncertain(&k, t).await.expect("uncertain");
+    let memory = tower_idempotency::MemoryStore::new();
+    let t = acquire(&memory, &req(&k, LONG, LONG)).await;
+    memory.mark_uncertain(&k, t).await.expect("uncertain");
+    for limit in [
+        99_999_999_999_999usize,
+        10_000_000_000_000_000,
+        100_000_000_000_000_000,
+        1 << 62,
+        usize::MAX,
+    ] {
+        let m = memory.list_uncertain(&UncertainQuery::first(limit)).await;
+        let r = store.list_uncertain(&UncertainQuery::first(limit)).await;
+        println!(
+            "limit {limit}: memory {:?}, redis {:?}",
+            m.as_ref()
+                .map(|p| p.records.len())
+                .map_err(|e| e.to_string()),
+            r.as_ref()
+                .map(|p| p.records.len())
+                .map_err(|e| e.to_string())
+        );
+        assert_eq!(r.expect("redis lists").records.len(), 1, "limit {limit}");
+    }
+}
