@@ -68,11 +68,13 @@ fn problem_slug(res: &Response<Bytes>) -> Option<String> {
 /// `pause` with up to a quarter taken off or added at random, so that callers who failed
 /// together do not retry together.
 pub(super) fn jitter(pause: Duration) -> Duration {
-    let random = RandomState::new().hash_one(std::time::Instant::now());
     let quarter = pause / 4;
-    let spread = quarter.as_nanos().max(1) as u64 * 2;
-    let offset = Duration::from_nanos(random % spread);
-    (pause - quarter) + offset
+    let spread = u64::try_from(quarter.as_nanos()).unwrap_or(u64::MAX / 2) * 2;
+    if spread == 0 {
+        return pause;
+    }
+    let random = RandomState::new().hash_one(std::time::Instant::now());
+    (pause - quarter) + Duration::from_nanos(random % spread)
 }
 
 #[cfg(test)]
@@ -159,6 +161,10 @@ mod tests {
                 "{j:?}"
             );
         }
-        assert_eq!(jitter(Duration::ZERO), Duration::ZERO);
+        // Too short to spread: as it is, every time.
+        for _ in 0..100 {
+            assert_eq!(jitter(Duration::ZERO), Duration::ZERO);
+            assert_eq!(jitter(Duration::from_nanos(3)), Duration::from_nanos(3));
+        }
     }
 }
