@@ -107,6 +107,10 @@ struct Statements {
     count_uncertain: Arc<str>,
     resolve: Arc<str>,
     append_history: Arc<str>,
+    /// Whether a waiter's record is still the holder's, and whether it is marked waited on.
+    waited: Arc<str>,
+    /// Marks it waited on.
+    mark_waited: Arc<str>,
 }
 
 /// A record past its TTL counts as absent, unless its outcome is unknown: one awaiting
@@ -343,6 +347,17 @@ impl Statements {
                 expired_here = EXPIRED.replace("r.", &format!("{t}."))
             )
             .into(),
+            waited: format!(
+                "SELECT waited FROM {t} WHERE scope = $1 AND key = $2
+                   AND status = 'in_progress' AND lease_token = $3"
+            )
+            .into(),
+            mark_waited: format!(
+                "UPDATE {t} SET waited = true FROM {BOUNDED}
+                 WHERE scope = $1 AND key = $2 AND status = 'in_progress'
+                   AND lease_token = $3 AND bounded.wait IS NOT NULL"
+            )
+            .into(),
         }
     }
 }
@@ -463,6 +478,7 @@ impl PostgresStore {
                    history text NOT NULL DEFAULT '',
                    reconcile_on_expiry boolean NOT NULL DEFAULT false,
                    resolution_note text,
+                   waited boolean NOT NULL DEFAULT false,
                    PRIMARY KEY (scope, key)
                  )"
             ),
@@ -472,6 +488,11 @@ impl PostgresStore {
                 "ALTER TABLE {t} ADD COLUMN IF NOT EXISTS reconcile_on_expiry boolean NOT NULL DEFAULT false"
             ),
             format!("ALTER TABLE {t} ADD COLUMN IF NOT EXISTS resolution_note text"),
+            // Set by the first request that waits on an in-flight record: only such records
+            // notify (a NOTIFY serializes commits, which no other record should pay for).
+            format!(
+                "ALTER TABLE {t} ADD COLUMN IF NOT EXISTS waited boolean NOT NULL DEFAULT false"
+            ),
             // Purging deletes by expiry: an index keeps it from scanning the table.
             format!(
                 "CREATE INDEX IF NOT EXISTS \"{}\" ON {t} (expires_at)",
@@ -508,7 +529,7 @@ impl PostgresStore {
             ),
             format!(
                 "CREATE TRIGGER \"{}\" AFTER UPDATE ON {t} FOR EACH ROW
-                 WHEN (OLD.status = 'in_progress'
+                 WHEN (OLD.status = 'in_progress' AND OLD.waited
                        AND (NEW.status <> 'in_progress' OR NEW.lease_token <> OLD.lease_token))
                  EXECUTE FUNCTION \"{schema}\".\"{}\"()",
                 sql::derived_name(table, "_moved_on"),
@@ -520,7 +541,7 @@ impl PostgresStore {
             ),
             format!(
                 "CREATE TRIGGER \"{}\" AFTER DELETE ON {t} FOR EACH ROW
-                 WHEN (OLD.status = 'in_progress')
+                 WHEN (OLD.status = 'in_progress' AND OLD.waited)
                  EXECUTE FUNCTION \"{schema}\".\"{}\"()",
                 sql::derived_name(table, "_removed"),
                 sql::derived_name(table, "_notify"),
@@ -544,19 +565,43 @@ impl PostgresStore {
             tokio::time::sleep(super::poll_backoff(round).min(within)).await;
             return;
         }
-        // Checked once registered: a change between the claim and now is not missed.
-        let moved_on = async {
-            match self.lookup(key).await {
-                Ok(Some(record)) => {
-                    record.status != RecordStatus::InProgress || record.lease_token != seen.token
-                }
-                Ok(None) | Err(_) => true,
-            }
-        };
+        // Checked once registered, so a change between the claim and now is not missed; and
+        // the record marked as waited on, so that its change notifies.
+        let moved_on = self.mark_waited(key, seen.token);
         self.changes
             .waiters
             .wait(&change_payload(key), seen, within, moved_on)
             .await;
+    }
+
+    /// Whether the record of `key` has moved on from the holder `token`; if not, marks it as
+    /// waited on (once: later waiters only read), so its triggers notify when it does. A
+    /// record locked by its holder's transaction counts as moved on: the caller claims again,
+    /// which answers for it.
+    async fn mark_waited(&self, key: &ScopedKey, token: FencingToken) -> bool {
+        let waited: Result<Option<bool>, sqlx::Error> =
+            sqlx::query_scalar(AssertSqlSafe(self.sql.waited.clone()))
+                .bind(key.scope().as_bytes())
+                .bind(key.key().as_bytes())
+                .bind(sql::token(token))
+                .fetch_optional(&self.pool)
+                .await;
+        match waited {
+            Ok(Some(true)) => false,
+            Ok(Some(false)) => {
+                match sqlx::query(AssertSqlSafe(self.sql.mark_waited.clone()))
+                    .bind(key.scope().as_bytes())
+                    .bind(key.key().as_bytes())
+                    .bind(sql::token(token))
+                    .execute(&self.pool)
+                    .await
+                {
+                    Ok(done) => done.rows_affected() == 0,
+                    Err(_) => true,
+                }
+            }
+            Ok(None) | Err(_) => true,
+        }
     }
 
     /// Whether this store's `LISTEN` is up; starts it on first use.
@@ -622,7 +667,7 @@ impl PostgresStore {
         sqlx::query_scalar(
             "SELECT (SELECT count(*) FROM information_schema.columns
                       WHERE table_schema = $1 AND table_name = $2
-                        AND column_name IN ('history', 'reconcile_on_expiry', 'resolution_note')) = 3
+                        AND column_name IN ('history', 'reconcile_on_expiry', 'resolution_note', 'waited')) = 4
                 AND (SELECT count(*) FROM pg_indexes
                       WHERE schemaname = $1 AND tablename = $2 AND indexname IN ($3, $4, $5)) = 3
                 AND (SELECT count(*) FROM pg_trigger t
