@@ -393,6 +393,7 @@ impl<St, M> IdempotencyLayer<St, M> {
             shapes,
             fingerprint: c.fingerprint.clone(),
             denied_headers: c.denied_headers.clone().into(),
+            woken: crate::woken::WokenReads::default(),
         }
     }
 }

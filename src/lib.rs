@@ -129,6 +129,7 @@ pub mod store;
 mod unwind;
 mod uri;
 mod window;
+mod woken;
 
 pub use body::{RequestBody, ResponseBody};
 pub use context::IdempotencyContext;

@@ -218,8 +218,9 @@ impl<St: IdempotencyStore, M: MakeScope> Pipeline<St, M> {
             // A record locked by a transaction is answered at once, and not noted in its
             // history: that write would wait for the same lock.
             // After a wait, a claim is what a recorded outcome needs least: read it first.
+            let woken = (round > 0).then(|| self.config.clone());
             let (decision, noted) =
-                match ClaimToEnd::new(self.keeper.store(), &request, round > 0).await {
+                match ClaimToEnd::new(self.keeper.store(), &request, woken).await {
                     Ok(claim) => {
                         let window = route.window.p99();
                         let decided = decide(claim, &request.fingerprint, dialect.covers(), window);
@@ -343,18 +344,21 @@ struct ClaimToEnd<St: IdempotencyStore> {
 }
 
 impl<St: IdempotencyStore> ClaimToEnd<St> {
-    /// The claim of `request`; `after_wait`, of a request woken from waiting on it, which
-    /// reads the record first and claims only if it may still be taken (absent, released, in
-    /// flight). A recorded outcome (or one awaiting reconciliation) is answered from the read:
-    /// on PostgreSQL a claim locks the row, and a hundred woken waiters would queue behind one
-    /// another's commits for a replay each.
-    fn new(store: &Arc<St>, request: &ClaimRequest, after_wait: bool) -> Self {
+    /// The claim of `request`; with `woken` (the settings of a request woken from waiting on
+    /// it), the record is read first, once for every request woken with it, and claimed only
+    /// if it may still be taken (absent, released, in flight). A recorded outcome (or one
+    /// awaiting reconciliation) is answered from the read: on PostgreSQL a claim locks the
+    /// row, and a hundred woken waiters would queue behind one another's commits.
+    fn new(store: &Arc<St>, request: &ClaimRequest, woken: Option<Arc<Resolved>>) -> Self {
         let (owned, key) = (store.clone(), request.key.clone());
         let request = request.clone();
         Self {
             claim: Some(Box::pin(async move {
-                if after_wait
-                    && let Ok(Some(record)) = owned.lookup(&request.key).await
+                let read = match &woken {
+                    Some(config) => config.woken.lookup(&*owned, &request.key).await,
+                    None => None,
+                };
+                if let Some(record) = read
                     && matches!(
                         record.status,
                         RecordStatus::Completed | RecordStatus::NeedsReconciliation

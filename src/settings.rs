@@ -22,6 +22,8 @@ pub(crate) struct Resolved {
     pub(crate) shapes: HashMap<String, Arc<RouteConfig>>,
     pub(crate) fingerprint: FingerprintOptions,
     pub(crate) denied_headers: Arc<[HeaderName]>,
+    /// The reads of requests woken together by one record's change, shared.
+    pub(crate) woken: crate::woken::WokenReads,
 }
 
 impl Resolved {
