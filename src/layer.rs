@@ -412,15 +412,16 @@ impl<St, M> IdempotencyLayer<St, M> {
     ///     println!("{:?}: {}", window.route, window.describe());
     /// }
     /// ```
-    pub fn processing_windows(&self) -> Vec<crate::ProcessingWindow> {
+    pub fn processing_windows(&self) -> Vec<crate::window::ProcessingWindow> {
         let resolved = self.resolved();
-        let published = |route: Option<String>, config: &RouteConfig| crate::ProcessingWindow {
-            route,
-            p99: config.window.p99(),
-            executions: config.window.executions(),
-            lease: config.lease,
-            ttl: config.ttl,
-        };
+        let published =
+            |route: Option<String>, config: &RouteConfig| crate::window::ProcessingWindow {
+                route,
+                p99: config.window.p99(),
+                executions: config.window.executions(),
+                lease: config.lease,
+                ttl: config.ttl,
+            };
         let mut windows = vec![published(None, &resolved.default)];
         for (path, _) in &self.config.overrides {
             if let Some(route) = resolved.routes.get(path) {

@@ -193,7 +193,7 @@ impl IdempotentClientLayer {
     /// per-attempt timeout.
     pub fn new() -> Self {
         Self {
-            header: crate::IDEMPOTENCY_KEY.clone(),
+            header: crate::key::IDEMPOTENCY_KEY.clone(),
             attempt_timeout: None,
             deadline: Duration::from_secs(60),
             first_backoff: Duration::from_millis(100),
@@ -206,7 +206,7 @@ impl IdempotentClientLayer {
     /// ([`ProcessingWindow`](crate::ProcessingWindow)): timeouts that do not outlast its
     /// [`min_deadline`](crate::ProcessingWindow::min_deadline) are refused, here (per-attempt
     /// and overall, checked as they are set) and per call.
-    pub fn for_window(window: &crate::ProcessingWindow) -> Self {
+    pub fn for_window(window: &crate::window::ProcessingWindow) -> Self {
         Self {
             window: Some(window.min_deadline()),
             ..Self::new()

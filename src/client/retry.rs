@@ -27,7 +27,7 @@ pub(super) enum Verdict {
 pub(super) fn verdict(res: &Response<Bytes>) -> Verdict {
     let replayed = res
         .headers()
-        .get(&crate::IDEMPOTENCY_REPLAYED)
+        .get(&crate::replay::IDEMPOTENCY_REPLAYED)
         .is_some_and(|v| v == "true");
     let retry_after = res
         .headers()

@@ -32,6 +32,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use redis::aio::ConnectionLike;
 use redis::{Cmd, Pipeline, RedisFuture, Script, Value};
 
+use super::Fingerprint;
 use super::codec::fresh_token;
 use super::history::{HISTORY_LIMIT, HISTORY_REFUSALS, HistoryEntry};
 use super::{
@@ -39,7 +40,6 @@ use super::{
     LeaseExpiry, Milestone, Record, RecordStatus, Resolution, ScopedKey, StoreError,
     StoredResponse, UncertainCount, UncertainCursor, UncertainPage, UncertainQuery, Unreadable,
 };
-use crate::Fingerprint;
 
 /// How many buckets the records of one prefix are spread over (see the module docs).
 const BUCKETS: u64 = 64;
