@@ -28,8 +28,7 @@ use crate::route::RouteConfig;
 use crate::scope::MakeScope;
 use crate::settings::Resolved;
 use crate::store::{
-    BoxError, Claim, ClaimRequest, HistoryEvent, IdempotencyStore, RecordStatus, StoreError,
-    poll_backoff,
+    BoxError, Claim, ClaimRequest, HistoryEvent, IdempotencyStore, RecordStatus, StoreError, poll,
 };
 
 /// The middleware service made by [`IdempotencyLayer`](crate::IdempotencyLayer).
@@ -262,7 +261,7 @@ impl<St: IdempotencyStore, M: MakeScope> Pipeline<St, M> {
                                 .await
                         }
                         // A locked record says nothing to wait on: poll.
-                        None => Box::pin(tokio::time::sleep(poll_backoff(round).min(within))).await,
+                        None => Box::pin(poll(round, within)).await,
                     }
                     round = round.saturating_add(1);
                 }

@@ -51,7 +51,7 @@ pub use uncertain::{UncertainCount, UncertainCursor, UncertainPage, UncertainQue
 pub use waiting::InFlight;
 #[cfg(any(feature = "memory", feature = "redis"))]
 pub(crate) use waiting::Waiters;
-pub(crate) use waiting::poll_backoff;
+pub(crate) use waiting::poll;
 
 /// An error boxed for transport across store backends.
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -432,7 +432,7 @@ pub trait IdempotencyStore: Send + Sync + 'static {
         within: Duration,
     ) -> impl Future<Output = ()> + Send {
         let _ = (key, seen);
-        tokio::time::sleep(waiting::poll_backoff(round).min(within))
+        waiting::poll(round, within)
     }
 }
 

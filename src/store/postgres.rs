@@ -562,7 +562,7 @@ impl PostgresStore {
     /// end; polls while that connection is down.
     async fn wait_changed(&self, key: &ScopedKey, seen: &InFlight, round: u32, within: Duration) {
         if !self.subscribed() {
-            tokio::time::sleep(super::poll_backoff(round).min(within)).await;
+            super::poll(round, within).await;
             return;
         }
         // Checked once registered, so a change between the claim and now is not missed; and

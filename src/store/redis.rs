@@ -1234,7 +1234,7 @@ impl IdempotencyStore for RedisStore {
         within: Duration,
     ) {
         if !self.subscribed() {
-            tokio::time::sleep(super::poll_backoff(round).min(within)).await;
+            super::poll(round, within).await;
             return;
         }
         let member = self.locate(key).member;

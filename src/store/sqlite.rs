@@ -487,7 +487,7 @@ impl SqliteStore {
     /// [`IdempotencyStore::wait_for_change`]): SQLite has no way to tell other processes.
     async fn wait_changed(&self, key: &ScopedKey, seen: &InFlight, round: u32, within: Duration) {
         let _ = (key, seen);
-        tokio::time::sleep(super::poll_backoff(round).min(within)).await;
+        super::poll(round, within).await;
     }
 }
 

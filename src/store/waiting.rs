@@ -26,8 +26,14 @@ impl InFlight {
     }
 }
 
-/// The default wait of round `round`: 10 ms, doubling up to 250 ms.
-pub(crate) fn poll_backoff(round: u32) -> Duration {
+/// The polling wait of round `round`, at most `within`: what a store that cannot be told of
+/// changes waits (the trait's default, SQLite, a subscription that is down).
+pub(crate) fn poll(round: u32, within: Duration) -> tokio::time::Sleep {
+    tokio::time::sleep(poll_backoff(round).min(within))
+}
+
+/// The polling pause of round `round`: 10 ms, doubling up to 250 ms.
+fn poll_backoff(round: u32) -> Duration {
     Duration::from_millis(10u64 << round.min(5)).min(Duration::from_millis(250))
 }
 
