@@ -47,6 +47,8 @@
 //! # Ok(()) }
 //! ```
 
+mod body;
+mod grpc;
 mod key;
 mod retry;
 
@@ -62,6 +64,7 @@ use http_body_util::{BodyExt, Full};
 use tower_layer::Layer;
 use tower_service::Service;
 
+pub use body::CallBody;
 pub use key::OperationKey;
 use retry::{Verdict, verdict};
 
@@ -159,6 +162,22 @@ impl std::fmt::Display for ClientError {
             Self::Body(e) => write!(f, "the request body could not be read: {e}"),
             Self::Transport(e) => write!(f, "the request could not be sent: {e}"),
         }
+    }
+}
+
+impl ClientError {
+    /// The `ClientError` in `error`'s chain of sources: how a caller behind another client
+    /// finds it, e.g. in the `tonic::Status` a tonic client makes of it (code `UNKNOWN`, the
+    /// error as its source).
+    pub fn find_in<'a>(error: &'a (dyn std::error::Error + 'static)) -> Option<&'a ClientError> {
+        let mut current = Some(error);
+        while let Some(error) = current {
+            if let Some(found) = error.downcast_ref::<ClientError>() {
+                return Some(found);
+            }
+            current = error.source();
+        }
+        None
     }
 }
 
@@ -286,7 +305,7 @@ where
     ResBody: Body<Data = Bytes> + Send + 'static,
     ResBody::Error: Into<BoxError>,
 {
-    type Response = Response<Full<Bytes>>;
+    type Response = Response<CallBody>;
     type Error = ClientError;
     type Future = BoxFuture<Result<Self::Response, ClientError>>;
 
@@ -307,7 +326,7 @@ async fn call<S, B, ResBody>(
     mut inner: S,
     config: IdempotentClientLayer,
     req: Request<B>,
-) -> Result<Response<Full<Bytes>>, ClientError>
+) -> Result<Response<CallBody>, ClientError>
 where
     S: Service<Request<Full<Bytes>>, Response = Response<ResBody>>,
     S::Error: Into<BoxError>,
@@ -358,7 +377,10 @@ where
                 .map_err(Into::into)?;
             let res = inner.call(attempt).await.map_err(Into::into)?;
             let (head, body) = res.into_parts();
-            let body = body.collect().await.map_err(Into::into)?.to_bytes();
+            // Whole, trailers included: gRPC says in them how the call ended.
+            let collected = body.collect().await.map_err(Into::into)?;
+            let trailers = collected.trailers().cloned();
+            let body = CallBody::new(collected.to_bytes(), trailers);
             Ok::<_, BoxError>(Response::from_parts(head, body))
         })
         .await;
@@ -372,9 +394,9 @@ where
                     if replayed {
                         metrics::counter!("idempotency_client_replays_total").increment(1);
                     }
-                    let (mut head, body) = res.into_parts();
-                    head.extensions.insert(report);
-                    return Ok(Response::from_parts(head, Full::new(body)));
+                    let mut res = res;
+                    res.extensions_mut().insert(report);
+                    return Ok(res);
                 }
                 Verdict::KeyReused => {
                     metrics::counter!("idempotency_client_key_reused_total").increment(1);

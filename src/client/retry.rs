@@ -3,8 +3,9 @@
 use std::hash::{BuildHasher, RandomState};
 use std::time::Duration;
 
-use bytes::Bytes;
 use http::{Response, StatusCode, header};
+
+use super::body::CallBody;
 
 /// What to do after an attempt's answer.
 #[derive(Debug, PartialEq, Eq)]
@@ -23,12 +24,15 @@ pub(super) enum Verdict {
 }
 
 /// The verdict on `res`, read from its status, its `Idempotency-Replayed` header and, for the
-/// middleware's own answers, its problem `type`.
-pub(super) fn verdict(res: &Response<Bytes>) -> Verdict {
+/// middleware's own answers, its problem `type` (gRPC: see [`super::grpc`]).
+pub(super) fn verdict(res: &Response<CallBody>) -> Verdict {
     let replayed = res
         .headers()
         .get(&crate::replay::IDEMPOTENCY_REPLAYED)
         .is_some_and(|v| v == "true");
+    if super::grpc::is_grpc(res) {
+        return super::grpc::verdict(res, replayed);
+    }
     let retry_after = res
         .headers()
         .get(header::RETRY_AFTER)
@@ -50,7 +54,7 @@ pub(super) fn verdict(res: &Response<Bytes>) -> Verdict {
 }
 
 /// The last segment of a problem answer's `type` (`urn:tower-idempotency:problem:<slug>`).
-fn problem_slug(res: &Response<Bytes>) -> Option<String> {
+fn problem_slug(res: &Response<CallBody>) -> Option<String> {
     let is_problem = res
         .headers()
         .get(header::CONTENT_TYPE)
@@ -58,7 +62,7 @@ fn problem_slug(res: &Response<Bytes>) -> Option<String> {
     if !is_problem {
         return None;
     }
-    let body: serde_json::Value = serde_json::from_slice(res.body()).ok()?;
+    let body: serde_json::Value = serde_json::from_slice(&res.body().bytes()).ok()?;
     body.get("type")?
         .as_str()?
         .strip_prefix("urn:tower-idempotency:problem:")
@@ -81,8 +85,9 @@ pub(super) fn jitter(pause: Duration) -> Duration {
 mod tests {
     use super::*;
 
-    fn answer(status: u16, headers: &[(&str, &str)], body: &str) -> Response<Bytes> {
-        let mut res = Response::new(Bytes::copy_from_slice(body.as_bytes()));
+    fn answer(status: u16, headers: &[(&str, &str)], body: &str) -> Response<CallBody> {
+        let bytes = bytes::Bytes::copy_from_slice(body.as_bytes());
+        let mut res = Response::new(CallBody::new(bytes, None));
         *res.status_mut() = StatusCode::from_u16(status).expect("status");
         for (name, value) in headers {
             res.headers_mut().insert(
@@ -93,7 +98,7 @@ mod tests {
         res
     }
 
-    fn problem(status: u16, slug: &str, retry_after: Option<&str>) -> Response<Bytes> {
+    fn problem(status: u16, slug: &str, retry_after: Option<&str>) -> Response<CallBody> {
         let body = format!(r#"{{"type":"urn:tower-idempotency:problem:{slug}"}}"#);
         let mut headers = vec![("content-type", "application/problem+json")];
         if let Some(after) = retry_after {

@@ -295,3 +295,48 @@ async fn s22_timeouts_shorter_than_the_window_are_refused() {
     let enough = IdempotentClientLayer::for_window(&window).attempt_timeout(Duration::from_secs(3));
     assert!(enough.check().is_ok());
 }
+
+/// reqwest: its `Client` is a tower `Service` of its own `reqwest::Request`, and it has no hook
+/// for a request-level layer (`connector_layer` wraps connections). The layer goes around a
+/// few lines that turn http's request into reqwest's and reqwest's response into http's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s22_reqwest_through_its_tower_service() {
+    let effects = Effects::default();
+    let addr = serve(app(
+        MemoryStore::new(),
+        effects.clone(),
+        Duration::from_secs(2),
+    ))
+    .await;
+    let reqwest_client = reqwest::Client::new();
+    let http = tower::service_fn(move |req: http::Request<Full<Bytes>>| {
+        let client = reqwest_client.clone();
+        async move {
+            let req = reqwest::Request::try_from(req.map(reqwest::Body::wrap))?;
+            let res = client.execute(req).await?;
+            Ok::<_, reqwest::Error>(http::Response::from(res))
+        }
+    });
+    let layer = IdempotentClientLayer::new()
+        .attempt_timeout(Duration::from_millis(300))
+        .deadline(Duration::from_secs(20));
+    let client = tower::ServiceBuilder::new().layer(layer).service(http);
+    let key = key("reqwest");
+    // The first attempt times out (the handler takes 800 ms); the retry waits and replays.
+    let res = client
+        .oneshot(request(addr, "ms=800", Some(&key), b"order 9"))
+        .await
+        .expect("answer");
+    let report = res
+        .extensions()
+        .get::<CallReport>()
+        .cloned()
+        .expect("report");
+    assert_eq!(res.status(), StatusCode::CREATED);
+    assert_eq!(
+        res.into_body().bytes(),
+        Bytes::from_static(b"refund 1 of 7 bytes")
+    );
+    assert_eq!(report.ended, Ended::Replayed, "{report:?}");
+    assert_eq!(effects.count(), 1);
+}
