@@ -359,3 +359,51 @@ async fn s17_5_rmcp_on_2026_07_28_same_key_runs_once() {
         }
     }
 }
+
+/// Issue 22: the key is per call, and rmcp's custom headers are per transport, so an agent
+/// puts each call's key in its `params._meta` (the layer's `meta_key`), beside what rmcp puts
+/// there itself. One session: a call, its retry (one effect), the next step (a second).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s22_rmcp_sends_a_key_per_call_in_params_meta() {
+    let effects = Effects::default();
+    let tickets = Tickets {
+        effects: effects.clone(),
+    };
+    let service: StreamableHttpService<Tickets, LocalSessionManager> = StreamableHttpService::new(
+        move || Ok(tickets.clone()),
+        Arc::new(LocalSessionManager::default()),
+        StreamableHttpServerConfig::default(),
+    );
+    let app = axum::Router::new().nest_service("/mcp", service).layer(
+        IdempotencyLayer::new(MemoryStore::new())
+            .single_tenant()
+            .jsonrpc(JsonRpc::new().meta_key("idempotencyKey")),
+    );
+    let addr = serve(app).await;
+    let client = mcp_client(addr, None).await;
+    let call = |key: &str| {
+        let mut meta = rmcp::model::RequestMetaObject::new();
+        meta.insert("idempotencyKey".into(), key.into());
+        let mut params = create_ticket("printer");
+        params.meta = Some(meta);
+        client.call_tool(params)
+    };
+    let first = call("run-7:ticket-1").await.expect("first");
+    let retry = call("run-7:ticket-1").await.expect("retry");
+    assert_eq!(
+        text(&first),
+        text(&retry),
+        "the retry is the first's answer"
+    );
+    assert_eq!(effects.count(), 1);
+    let next = call("run-7:ticket-2").await.expect("next step");
+    assert_ne!(text(&first), text(&next));
+    assert_eq!(effects.count(), 2, "one effect a key");
+    // Without a key in `_meta` (or a header) the call is not guarded: it runs each time.
+    client
+        .call_tool(create_ticket("unkeyed"))
+        .await
+        .expect("unkeyed");
+    assert_eq!(effects.count(), 3);
+    let _ = client.cancel().await;
+}
