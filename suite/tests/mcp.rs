@@ -64,6 +64,14 @@ async fn mcp_server(json_response: bool) -> (SocketAddr, Effects) {
 }
 
 async fn mcp_server_with(config: StreamableHttpServerConfig) -> (SocketAddr, Effects) {
+    mcp_server_reading(config, JsonRpc::new()).await
+}
+
+/// The tool server, its layer in the JSON-RPC mode `jsonrpc`.
+async fn mcp_server_reading(
+    config: StreamableHttpServerConfig,
+    jsonrpc: JsonRpc,
+) -> (SocketAddr, Effects) {
     let effects = Effects::default();
     let tickets = Tickets {
         effects: effects.clone(),
@@ -76,7 +84,7 @@ async fn mcp_server_with(config: StreamableHttpServerConfig) -> (SocketAddr, Eff
     let app = axum::Router::new().nest_service("/mcp", service).layer(
         IdempotencyLayer::new(MemoryStore::new())
             .single_tenant()
-            .jsonrpc(JsonRpc::new()),
+            .jsonrpc(jsonrpc),
     );
     (serve(app).await, effects)
 }
@@ -365,21 +373,11 @@ async fn s17_5_rmcp_on_2026_07_28_same_key_runs_once() {
 /// there itself. One session: a call, its retry (one effect), the next step (a second).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn s22_rmcp_sends_a_key_per_call_in_params_meta() {
-    let effects = Effects::default();
-    let tickets = Tickets {
-        effects: effects.clone(),
-    };
-    let service: StreamableHttpService<Tickets, LocalSessionManager> = StreamableHttpService::new(
-        move || Ok(tickets.clone()),
-        Arc::new(LocalSessionManager::default()),
+    let (addr, effects) = mcp_server_reading(
         StreamableHttpServerConfig::default(),
-    );
-    let app = axum::Router::new().nest_service("/mcp", service).layer(
-        IdempotencyLayer::new(MemoryStore::new())
-            .single_tenant()
-            .jsonrpc(JsonRpc::new().meta_key("idempotencyKey")),
-    );
-    let addr = serve(app).await;
+        JsonRpc::new().meta_key("idempotencyKey"),
+    )
+    .await;
     let client = mcp_client(addr, None).await;
     let call = |key: &str| {
         let mut meta = rmcp::model::RequestMetaObject::new();
