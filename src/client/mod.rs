@@ -23,6 +23,42 @@
 //!   that gives up before the first could finish only turns every slow call into a wait.
 //! - **A report per call** ([`CallReport`], in the response's extensions): attempts, replays,
 //!   waits and how it ended; and counters (`idempotency_client_attempts_total`, …).
+//! - **gRPC.** An answer of `application/grpc…` is judged by its `grpc-status` (trailers, or the
+//!   headers of a trailers-only answer, or gRPC-Web's trailer frame): the middleware's own
+//!   statuses by their `google.rpc.ErrorInfo` reason (`IN_FLIGHT` waits as its `RetryInfo`
+//!   says, `FINGERPRINT_MISMATCH` and `OUTCOME_UNKNOWN` stop), other codes as the server's
+//!   policy does (a non-definitive code not replayed is retried under the same key), and a
+//!   stream cut before its status is retried. The answer keeps its trailers ([`CallBody`]), so
+//!   a tonic client over the layer reads its status as from the wire; a typed stop reaches it
+//!   as a `Status` (code `UNKNOWN`) whose source is the [`ClientError`]
+//!   ([`ClientError::find_in`]). On a `tonic::transport::Channel`, which takes tonic's body:
+//!
+//!   ```text
+//!   let service = ServiceBuilder::new()
+//!       .layer(IdempotentClientLayer::new())
+//!       .map_request(|r: http::Request<Full<Bytes>>| r.map(tonic::body::Body::new))
+//!       .service(channel);
+//!   let mut client = tonic::client::Grpc::new(service); // or a generated client's `new`
+//!   // per call: request.extensions_mut().insert(OperationKey::step(run, step)?)
+//!   ```
+//! - **reqwest** has no hook for a request-level tower layer (its `connector_layer` wraps
+//!   connections, below requests); its `Client` is a tower `Service` of its own
+//!   `reqwest::Request`. The layer goes around a few lines that convert both ways:
+//!
+//!   ```text
+//!   let http = tower::service_fn(move |req: http::Request<Full<Bytes>>| {
+//!       let client = reqwest_client.clone();
+//!       async move {
+//!           let req = reqwest::Request::try_from(req.map(reqwest::Body::wrap))?;
+//!           Ok::<_, reqwest::Error>(http::Response::from(client.execute(req).await?))
+//!       }
+//!   });
+//!   ```
+//!
+//!   `reqwest-middleware` is a trait of its own, not tower's; the adapter above is the way in.
+//! - **MCP.** A tool call's key belongs to the call, but rmcp's custom headers belong to a
+//!   transport: put the key in the call's `params._meta` (the server's
+//!   [`JsonRpc::meta_key`](crate::jsonrpc::JsonRpc::meta_key)), as the `mcp_tools` example does.
 //!
 //! ```
 //! # async fn run() -> Result<(), Box<dyn std::error::Error>> {
