@@ -155,4 +155,4 @@ pub use store::RedisStore;
 #[cfg(feature = "sqlite")]
 pub use store::SqliteStore;
 pub use store::{IdempotencyStore, LeaseExpiry};
-pub use window::ProcessingWindow;
+pub use window::{ProcessingWindow, WindowsService};

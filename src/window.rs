@@ -6,11 +6,24 @@
 //! [`EVERY`] executions. Writing a sample is two atomic operations; the percentile is read
 //! from one. A `409 in-flight` answer's `Retry-After` is the time the holder has left by that
 //! percentile (rather than the whole lease), and [`ProcessingWindow`] publishes it, with the
-//! route's TTL, for tool descriptions and clients.
+//! route's TTL, for tool descriptions and clients: in process
+//! ([`IdempotencyLayer::processing_windows`](crate::IdempotencyLayer::processing_windows)), and
+//! over HTTP as a JSON document a caller reads before calling ([`WindowsService`]).
 
+use std::convert::Infallible;
 use std::fmt;
+use std::future::{Ready, ready};
 use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
+use std::task::{Context, Poll};
 use std::time::Duration;
+
+use bytes::Bytes;
+use http::{HeaderValue, Method, Request, Response, StatusCode, header};
+use http_body_util::Full;
+use serde_json::{Value, json};
+use tower_service::Service;
+
+use crate::layer::IdempotencyLayer;
 
 /// How many recent executions the percentile is taken over.
 const SAMPLES: usize = 256;
@@ -132,6 +145,122 @@ impl ProcessingWindow {
     }
 }
 
+impl ProcessingWindow {
+    /// The window as JSON, as [`WindowsService`] serves it: `route` (`null` for the defaults),
+    /// `p99_ms` (`null` until measured), `executions`, `lease_ms`, `ttl_s`, and
+    /// `min_deadline_s`, the least deadline a caller should give an attempt.
+    pub fn to_json(&self) -> Value {
+        let ms = |d: Duration| u64::try_from(d.as_millis()).unwrap_or(u64::MAX);
+        json!({
+            "route": self.route,
+            "p99_ms": self.p99.map(ms),
+            "executions": self.executions,
+            "lease_ms": ms(self.lease),
+            "ttl_s": self.ttl.as_secs(),
+            "min_deadline_s": self.min_deadline().as_secs(),
+        })
+    }
+
+    /// A window read back from [`to_json`](Self::to_json)'s form (a client reading a server's
+    /// document); `None` if a field is missing or of the wrong type.
+    pub fn from_json(value: &Value) -> Option<Self> {
+        let route = match &value["route"] {
+            Value::Null => None,
+            Value::String(route) => Some(route.clone()),
+            _ => return None,
+        };
+        let p99 = match &value["p99_ms"] {
+            Value::Null => None,
+            ms => Some(Duration::from_millis(ms.as_u64()?)),
+        };
+        Some(Self {
+            route,
+            p99,
+            executions: value["executions"].as_u64()?,
+            lease: Duration::from_millis(value["lease_ms"].as_u64()?),
+            ttl: Duration::from_secs(value["ttl_s"].as_u64()?),
+        })
+    }
+}
+
+/// Serves a layer's processing windows as one JSON document, `{"windows": [...]}` (each as
+/// [`ProcessingWindow::to_json`]), for callers to read before they call: mount it where they
+/// look, e.g. `/.well-known/idempotency`. `GET` and `HEAD` only; never cached for long, since
+/// a window moves with its route.
+///
+/// ```
+/// use axum::Router;
+/// use tower_idempotency::{IdempotencyLayer, MemoryStore};
+///
+/// let layer = IdempotencyLayer::new(MemoryStore::new()).single_tenant();
+/// let app: Router = Router::new()
+///     .route_service("/.well-known/idempotency", layer.windows_service())
+///     .layer(layer);
+/// ```
+pub struct WindowsService<St, M> {
+    layer: IdempotencyLayer<St, M>,
+}
+
+impl<St, M: Clone> Clone for WindowsService<St, M> {
+    fn clone(&self) -> Self {
+        Self {
+            layer: self.layer.clone(),
+        }
+    }
+}
+
+impl<St, M> fmt::Debug for WindowsService<St, M> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("WindowsService").finish_non_exhaustive()
+    }
+}
+
+impl<St, M> WindowsService<St, M> {
+    pub(crate) fn new(layer: IdempotencyLayer<St, M>) -> Self {
+        Self { layer }
+    }
+}
+
+impl<St, M, B> Service<Request<B>> for WindowsService<St, M> {
+    type Response = Response<Full<Bytes>>;
+    type Error = Infallible;
+    type Future = Ready<Result<Self::Response, Infallible>>;
+
+    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, req: Request<B>) -> Self::Future {
+        let mut res = Response::new(Full::new(Bytes::new()));
+        if req.method() != Method::GET && req.method() != Method::HEAD {
+            *res.status_mut() = StatusCode::METHOD_NOT_ALLOWED;
+            res.headers_mut()
+                .insert(header::ALLOW, HeaderValue::from_static("GET, HEAD"));
+            return ready(Ok(res));
+        }
+        let windows: Vec<Value> = self
+            .layer
+            .processing_windows()
+            .iter()
+            .map(ProcessingWindow::to_json)
+            .collect();
+        let document = json!({ "windows": windows }).to_string();
+        let headers = res.headers_mut();
+        headers.insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        );
+        headers.insert(
+            header::CACHE_CONTROL,
+            HeaderValue::from_static("max-age=10"),
+        );
+        if req.method() == Method::GET {
+            *res.body_mut() = Full::new(Bytes::from(document));
+        }
+        ready(Ok(res))
+    }
+}
+
 /// A duration in the largest whole unit that fits it.
 fn human(d: Duration) -> String {
     let s = d.as_secs();
@@ -183,10 +312,28 @@ mod tests {
         let text = window.describe();
         assert!(text.contains("over 3 s"), "{text}");
         assert!(text.contains("for 1 d"), "{text}");
+        assert_eq!(
+            ProcessingWindow::from_json(&window.to_json()),
+            Some(window.clone()),
+            "read back as written"
+        );
         let unmeasured = ProcessingWindow {
             p99: None,
+            route: None,
             ..window
         };
         assert_eq!(unmeasured.min_deadline(), Duration::from_secs(30));
+        let json = unmeasured.to_json();
+        assert_eq!(json["p99_ms"], Value::Null);
+        assert_eq!(json["min_deadline_s"], 30);
+        assert_eq!(ProcessingWindow::from_json(&json), Some(unmeasured));
+        for broken in [
+            json!({}),
+            json!({"route": 7, "p99_ms": null, "executions": 0, "lease_ms": 1, "ttl_s": 1}),
+            json!({"route": null, "p99_ms": "1", "executions": 0, "lease_ms": 1, "ttl_s": 1}),
+            json!({"route": null, "p99_ms": null, "executions": -1, "lease_ms": 1, "ttl_s": 1}),
+        ] {
+            assert_eq!(ProcessingWindow::from_json(&broken), None, "{broken}");
+        }
     }
 }

@@ -126,3 +126,58 @@ async fn s22_each_route_publishes_its_window_and_ttl() {
     assert_eq!(layer.processing_windows()[1].executions, 3);
     assert_eq!(effects.count(), 6);
 }
+
+/// The windows as a document a caller reads before calling (`windows_service`): a client that
+/// reads it builds its layer `for_window`, and a timeout under the window is refused before
+/// anything is sent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s22_callers_read_the_windows_before_calling() {
+    use tower_idempotency::ProcessingWindow;
+    use tower_idempotency::client::{ClientError, IdempotentClientLayer};
+
+    let effects = Effects::default();
+    let layer = layer();
+    let app = app(layer.clone(), effects.clone())
+        .route_service("/.well-known/idempotency", layer.windows_service());
+    let addr = serve(app).await;
+    for i in 0..3 {
+        post_key(addr, "/slow", &format!("d-{i}")).await;
+    }
+    let url = format!("http://{addr}/.well-known/idempotency");
+    let res = common::client().get(&url).send().await.expect("document");
+    assert_eq!(res.status(), StatusCode::OK);
+    assert_eq!(res.headers()["content-type"], "application/json");
+    let document: serde_json::Value = res.json().await.expect("json");
+    let windows: Vec<ProcessingWindow> = document["windows"]
+        .as_array()
+        .expect("a list")
+        .iter()
+        .map(|w| ProcessingWindow::from_json(w).expect("a window"))
+        .collect();
+    assert_eq!(
+        windows,
+        layer.processing_windows(),
+        "what the server measured"
+    );
+    let slow = &windows[0];
+    assert_eq!(slow.executions, 3);
+    assert!(slow.min_deadline() >= Duration::from_secs(2), "{slow:?}");
+
+    // A client that gives attempts a second against a route that takes 1.2 s is refused.
+    let short = IdempotentClientLayer::for_window(slow).attempt_timeout(Duration::from_secs(1));
+    assert!(matches!(
+        short.check(),
+        Err(ClientError::DeadlineTooShort { .. })
+    ));
+    let enough = IdempotentClientLayer::for_window(slow).attempt_timeout(slow.min_deadline() * 2);
+    assert!(enough.check().is_ok());
+
+    // Read-only: other methods are refused; HEAD has no body.
+    let post = common::client().post(&url).send().await.expect("post");
+    assert_eq!(post.status(), StatusCode::METHOD_NOT_ALLOWED);
+    assert_eq!(post.headers()["allow"], "GET, HEAD");
+    let head = common::client().head(&url).send().await.expect("head");
+    assert_eq!(head.status(), StatusCode::OK);
+    assert!(head.bytes().await.expect("body").is_empty());
+    assert_eq!(effects.count(), 3);
+}
