@@ -33,10 +33,11 @@ pub(super) fn verdict(res: &Response<CallBody>, replayed: bool) -> Verdict {
         .flatten()
         .find(|h| h.contains_key(&STATUS));
     let Some(ended) = ended else {
-        // A 200 that never said how it ended: the stream was cut, and the call may have run;
-        // asking again under the same key reaches its outcome. Anything else is the HTTP
-        // answer of something in between (a proxy's 503, a 404).
-        return match res.status().is_success() || res.status().is_server_error() {
+        // A replay is the recorded answer, whether its status can be read here or not (a
+        // compressed gRPC-Web body). A first answer that never said how it ended: the stream
+        // was cut, and the call may have run; asking again under the same key reaches its
+        // outcome. Anything else is the HTTP answer of something in between (a proxy's 503).
+        return match !replayed && (res.status().is_success() || res.status().is_server_error()) {
             true => Verdict::Retry { retry_after: None },
             false => Verdict::Done { replayed },
         };
@@ -51,6 +52,21 @@ pub(super) fn verdict(res: &Response<CallBody>, replayed: bool) -> Verdict {
                 retry_after: details.retry_delay,
             };
         }
+        // Nothing ran, and nothing a retry changes: the message over the limit, a key or call
+        // the middleware cannot guard, a server wired wrong, a completed answer it cannot give.
+        Some(
+            "BODY_TOO_LARGE"
+            | "KEY_MISSING"
+            | "KEY_INVALID"
+            | "BODY_MALFORMED"
+            | "CALL_UNGUARDABLE"
+            | "HEADER_MISMATCH"
+            | "SCOPE_MISSING"
+            | "NOT_GUARDED"
+            | "FINGERPRINT_FAILED"
+            | "RESPONSE_NOT_STORED"
+            | "ENCODING_NOT_ACCEPTED",
+        ) => return Verdict::Done { replayed },
         _ => {}
     }
     match code {
@@ -269,6 +285,16 @@ mod tests {
             Verdict::KeyReused
         );
         assert_eq!(
+            answer(refusal(ProblemKind::BodyTooLarge, None), None, false),
+            Verdict::Done { replayed: false },
+            "RESOURCE_EXHAUSTED, but the same message is always too large"
+        );
+        assert_eq!(
+            answer(refusal(ProblemKind::ExecutionFailed, None), None, false),
+            Verdict::Retry { retry_after: None },
+            "the key was given back"
+        );
+        assert_eq!(
             answer(refusal(ProblemKind::StoreUnavailable, Some(1)), None, false),
             Verdict::Retry {
                 retry_after: Some(Duration::from_secs(1))
@@ -301,6 +327,8 @@ mod tests {
             answer(grpc(), None, false),
             Verdict::Retry { retry_after: None }
         );
+        // A replay whose status cannot be read here is still the recorded answer.
+        assert_eq!(answer(grpc(), None, true), Verdict::Done { replayed: true });
     }
 
     #[test]

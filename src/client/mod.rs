@@ -7,16 +7,21 @@
 //!   starts again derives the same key and reaches the same outcome. A request without one is
 //!   refused ([`ClientError::NoOperationKey`]): a key minted here would die with the process,
 //!   and a restarted caller would run the operation a second time.
-//! - **Byte-identical retries.** The body is read once and every attempt sends those bytes
-//!   under the same key.
+//! - **Byte-identical retries.** The body is read once and every attempt sends those bytes,
+//!   head and extensions under the same key. Answers are read whole, up to
+//!   [`max_answer_bytes`](IdempotentClientLayer::max_answer_bytes), before they are judged.
 //! - **What is retried:** failures to connect or send, attempts past their timeout, `503`
 //!   (the server's store is unavailable: nothing ran), `409 in-flight` (after its
 //!   `Retry-After`), and a `5xx` the server did not record (it gave the key back: a retry may
-//!   run it again, under the same key). Waits grow with jitter and never pass the deadline.
+//!   run it again, under the same key). Waits grow with jitter and never pass the deadline;
+//!   a server's delay (`Retry-After` in seconds, gRPC's `RetryInfo`) is followed, but never
+//!   below the first backoff (an HTTP-date `Retry-After` reads as no delay given).
 //! - **What is not:** `422` (the key was used for another request: a programming error,
 //!   [`ClientError::KeyReused`]); `409 outcome-unknown` ([`ClientError::OutcomeUnknown`], for a
-//!   reconciliation, never an automatic retry); any answer the server recorded. A new key is
-//!   never minted.
+//!   reconciliation, never an automatic retry); any answer the server recorded (a replayed
+//!   `503` too); the middleware's refusals that a retry cannot change (a body over its limit,
+//!   a server wired wrong), in every dialect: problem documents, JSON-RPC errors (the problem
+//!   in `error.data`), gRPC `ErrorInfo` reasons. A new key is never minted.
 //! - **The deadline rule.** Built [`for_window`](IdempotentClientLayer::for_window), the layer
 //!   refuses timeouts that do not outlast the route's published processing window
 //!   ([`ProcessingWindow::min_deadline`](crate::ProcessingWindow::min_deadline)): an attempt
@@ -164,6 +169,15 @@ pub enum ClientError {
         /// The least the route's window asks for.
         window: Duration,
     },
+    /// The answer's body is larger than
+    /// [`max_answer_bytes`](IdempotentClientLayer::max_answer_bytes): the operation has most
+    /// likely taken effect, and every retry would get the same answer. Raise the limit.
+    AnswerTooLarge {
+        /// The key.
+        key: String,
+        /// The limit it passed.
+        limit: usize,
+    },
     /// The request body could not be read: nothing was sent.
     Body(BoxError),
     /// The last attempt's transport error, once the deadline leaves no room for another.
@@ -194,6 +208,11 @@ impl std::fmt::Display for ClientError {
                 f,
                 "a timeout of {timeout:?} does not outlast the route's processing window \
                  ({window:?}): every slow call would be retried mid-flight"
+            ),
+            Self::AnswerTooLarge { key, limit } => write!(
+                f,
+                "the answer for {key:?} is over {limit} bytes; the operation has most likely \
+                 taken effect: raise max_answer_bytes and retry with the same key"
             ),
             Self::Body(e) => write!(f, "the request body could not be read: {e}"),
             Self::Transport(e) => write!(f, "the request could not be sent: {e}"),
@@ -235,6 +254,7 @@ pub struct IdempotentClientLayer {
     first_backoff: Duration,
     max_backoff: Duration,
     window: Option<Duration>,
+    max_answer_bytes: usize,
 }
 
 impl Default for IdempotentClientLayer {
@@ -245,7 +265,7 @@ impl Default for IdempotentClientLayer {
 
 impl IdempotentClientLayer {
     /// Retries for up to 60 s overall, backing off from 100 ms to 5 s with jitter; no
-    /// per-attempt timeout.
+    /// per-attempt timeout; answers of up to 16 MiB.
     pub fn new() -> Self {
         Self {
             header: crate::key::IDEMPOTENCY_KEY.clone(),
@@ -254,13 +274,15 @@ impl IdempotentClientLayer {
             first_backoff: Duration::from_millis(100),
             max_backoff: Duration::from_secs(5),
             window: None,
+            max_answer_bytes: 16 * 1024 * 1024,
         }
     }
 
     /// A layer for a route whose published window is `window`
-    /// ([`ProcessingWindow`](crate::ProcessingWindow)): timeouts that do not outlast its
-    /// [`min_deadline`](crate::ProcessingWindow::min_deadline) are refused, here (per-attempt
-    /// and overall, checked as they are set) and per call.
+    /// ([`ProcessingWindow`](crate::ProcessingWindow), read in process or from the server's
+    /// [`WindowsService`](crate::WindowsService) document): timeouts (per attempt and overall)
+    /// that do not outlast its [`min_deadline`](crate::ProcessingWindow::min_deadline) are
+    /// refused by [`check`](Self::check) and by every call, before anything is sent.
     pub fn for_window(window: &crate::window::ProcessingWindow) -> Self {
         Self {
             window: Some(window.min_deadline()),
@@ -286,18 +308,25 @@ impl IdempotentClientLayer {
         self
     }
 
-    /// The first pause between attempts and the longest (default 100 ms and 5 s).
+    /// The most an answer's body may hold (default 16 MiB): it is read whole, in memory, before
+    /// it is judged. A larger one ends the call with [`ClientError::AnswerTooLarge`].
+    pub fn max_answer_bytes(mut self, limit: usize) -> Self {
+        self.max_answer_bytes = limit;
+        self
+    }
+
+    /// The first pause between attempts and the longest (default 100 ms and 5 s). The first is
+    /// also the least wait a server's `Retry-After` or `RetryInfo` can ask for.
     pub fn backoff(mut self, first: Duration, max: Duration) -> Self {
         self.first_backoff = first;
         self.max_backoff = max.max(first);
         self
     }
 
-    /// Whether the configured timeouts outlast the route's window: the error a call would get.
+    /// Whether the configured timeouts outlast the route's window (and are not zero, with or
+    /// without a window): the error a call would get.
     pub fn check(&self) -> Result<(), ClientError> {
-        let Some(window) = self.window else {
-            return Ok(());
-        };
+        let window = self.window.unwrap_or(Duration::ZERO);
         for timeout in self.attempt_timeout.iter().chain([&self.deadline]) {
             if *timeout <= window {
                 return Err(ClientError::DeadlineTooShort {
@@ -385,7 +414,10 @@ where
         .to_bytes();
     let key_value = HeaderValue::from_str(key.as_str()).map_err(|e| ClientError::Body(e.into()))?;
     let started = tokio::time::Instant::now();
-    let deadline = started + config.deadline;
+    // `Duration::MAX` means no deadline of its own: a century stands in for it.
+    let deadline = started
+        .checked_add(config.deadline)
+        .unwrap_or_else(|| started + Duration::from_secs(100 * 365 * 86_400));
     let mut report = CallReport {
         key: key.as_str().to_owned(),
         attempts: 0,
@@ -394,32 +426,49 @@ where
     };
     let mut backoff = config.first_backoff;
     loop {
-        // The same head and bytes every time.
+        // The same head, extensions and bytes every time.
         let mut attempt = Request::new(Full::new(bytes.clone()));
         *attempt.method_mut() = parts.method.clone();
         *attempt.uri_mut() = parts.uri.clone();
         *attempt.version_mut() = parts.version;
         *attempt.headers_mut() = parts.headers.clone();
+        *attempt.extensions_mut() = parts.extensions.clone();
         attempt
             .headers_mut()
             .insert(config.header.clone(), key_value.clone());
-        report.attempts += 1;
-        metrics::counter!("idempotency_client_attempts_total").increment(1);
         let left = deadline.saturating_duration_since(tokio::time::Instant::now());
         let limit = config.attempt_timeout.map_or(left, |t| t.min(left));
+        let mut sent_one = false;
         let sent = tokio::time::timeout(limit, async {
             std::future::poll_fn(|cx| inner.poll_ready(cx))
                 .await
                 .map_err(Into::into)?;
+            // Counted once it leaves: an attempt that waited for readiness was never sent.
+            sent_one = true;
             let res = inner.call(attempt).await.map_err(Into::into)?;
             let (head, body) = res.into_parts();
-            // Whole, trailers included: gRPC says in them how the call ended.
-            let collected = body.collect().await.map_err(Into::into)?;
+            // Whole, trailers included: gRPC says in them how the call ended. Bounded: the
+            // answer is held in memory.
+            let collected = http_body_util::Limited::new(body, config.max_answer_bytes)
+                .collect()
+                .await?;
             let trailers = collected.trailers().cloned();
             let body = CallBody::new(collected.to_bytes(), trailers);
             Ok::<_, BoxError>(Response::from_parts(head, body))
         })
         .await;
+        if sent_one {
+            report.attempts += 1;
+            metrics::counter!("idempotency_client_attempts_total").increment(1);
+        }
+        if let Ok(Err(error)) = &sent
+            && error.is::<http_body_util::LengthLimitError>()
+        {
+            return Err(ClientError::AnswerTooLarge {
+                key: report.key,
+                limit: config.max_answer_bytes,
+            });
+        }
         let (pause, last_error) = match sent {
             Ok(Ok(res)) => match verdict(&res) {
                 Verdict::Done { replayed } => {
@@ -442,11 +491,19 @@ where
                     metrics::counter!("idempotency_client_outcome_unknown_total").increment(1);
                     return Err(ClientError::OutcomeUnknown { key: report.key });
                 }
+                // The server's delay, but never under the first backoff: a `Retry-After: 0`
+                // from something in between is not an invitation to spin.
                 Verdict::InFlight { retry_after } => {
                     report.waits += 1;
-                    (retry_after.unwrap_or(backoff), None)
+                    (
+                        retry_after.map_or(backoff, |d| d.max(config.first_backoff)),
+                        None,
+                    )
                 }
-                Verdict::Retry { retry_after } => (retry_after.unwrap_or(backoff), None),
+                Verdict::Retry { retry_after } => (
+                    retry_after.map_or(backoff, |d| d.max(config.first_backoff)),
+                    None,
+                ),
             },
             Ok(Err(error)) => (backoff, Some(error)),
             // The attempt ran out of time: the server may still be running it; the retry
@@ -454,8 +511,10 @@ where
             Err(_) => (backoff, None),
         };
         let pause = retry::jitter(pause);
-        backoff = (backoff * 2).min(config.max_backoff);
-        if tokio::time::Instant::now() + pause >= deadline {
+        backoff = backoff.saturating_mul(2).min(config.max_backoff);
+        // A pause past any clock (a hostile `Retry-After`) is past the deadline too.
+        let resume = tokio::time::Instant::now().checked_add(pause);
+        if resume.is_none_or(|resume| resume >= deadline) {
             metrics::counter!("idempotency_client_deadline_exceeded_total").increment(1);
             return Err(match last_error {
                 Some(error) => ClientError::Transport(error),

@@ -43,7 +43,10 @@ pub(super) fn verdict(res: &Response<CallBody>) -> Verdict {
         (_, Some("fingerprint-mismatch")) => Verdict::KeyReused,
         (_, Some("outcome-unknown")) => Verdict::OutcomeUnknown,
         (StatusCode::CONFLICT, Some("in-flight")) => Verdict::InFlight { retry_after },
-        (StatusCode::SERVICE_UNAVAILABLE, _) => Verdict::Retry { retry_after },
+        // The server is wired wrong: every retry would get the same answer.
+        (_, Some("scope-missing" | "not-guarded" | "fingerprint-failed")) => {
+            Verdict::Done { replayed }
+        }
         // Recorded (a replay of a failure, under a policy that records everything): definite.
         (status, _) if status.is_server_error() && !replayed => Verdict::Retry { retry_after },
         (StatusCode::TOO_MANY_REQUESTS | StatusCode::REQUEST_TIMEOUT, _) if !replayed => {
@@ -53,18 +56,22 @@ pub(super) fn verdict(res: &Response<CallBody>) -> Verdict {
     }
 }
 
-/// The last segment of a problem answer's `type` (`urn:tower-idempotency:problem:<slug>`).
+/// The last segment of the `type` (`urn:tower-idempotency:problem:<slug>`) of the middleware's
+/// own answers: a problem document, or a JSON-RPC error with the problem in `error.data` (the
+/// layer's JSON-RPC mode).
 fn problem_slug(res: &Response<CallBody>) -> Option<String> {
-    let is_problem = res
-        .headers()
-        .get(header::CONTENT_TYPE)
-        .is_some_and(|ct| ct.as_bytes().starts_with(b"application/problem+json"));
-    if !is_problem {
+    let content_type = res.headers().get(header::CONTENT_TYPE)?.to_str().ok()?;
+    let essence = content_type.split(';').next()?.trim();
+    let problem = essence.eq_ignore_ascii_case("application/problem+json");
+    if !problem && !essence.eq_ignore_ascii_case("application/json") {
         return None;
     }
     let body: serde_json::Value = serde_json::from_slice(&res.body().bytes()).ok()?;
-    body.get("type")?
-        .as_str()?
+    let kind = match problem {
+        true => &body["type"],
+        false => &body["error"]["data"]["type"],
+    };
+    kind.as_str()?
         .strip_prefix("urn:tower-idempotency:problem:")
         .map(str::to_owned)
 }
@@ -145,6 +152,42 @@ mod tests {
         assert_eq!(
             verdict(&answer(500, &[("idempotency-replayed", "true")], "boom")),
             Verdict::Done { replayed: true }
+        );
+        // A recorded 503 is the answer, like any recorded failure.
+        assert_eq!(
+            verdict(&answer(503, &[("idempotency-replayed", "true")], "down")),
+            Verdict::Done { replayed: true }
+        );
+        // The server wired wrong: a retry would get the same.
+        assert_eq!(
+            verdict(&problem(500, "scope-missing", None)),
+            Verdict::Done { replayed: false }
+        );
+        assert_eq!(
+            verdict(&problem(500, "execution-failed", None)),
+            Verdict::Retry { retry_after: None }
+        );
+        // The JSON-RPC mode's refusals carry the problem in `error.data`.
+        let jsonrpc = r#"{"jsonrpc":"2.0","id":1,"error":{"code":-31001,"message":"in flight",
+            "data":{"type":"urn:tower-idempotency:problem:in-flight"}}}"#;
+        assert_eq!(
+            verdict(&answer(
+                409,
+                &[("content-type", "application/json"), ("retry-after", "1")],
+                jsonrpc
+            )),
+            Verdict::InFlight {
+                retry_after: Some(Duration::from_secs(1))
+            }
+        );
+        // Media types are case-insensitive.
+        assert_eq!(
+            verdict(&answer(
+                409,
+                &[("content-type", "Application/Problem+JSON; charset=utf-8")],
+                r#"{"type":"urn:tower-idempotency:problem:outcome-unknown"}"#
+            )),
+            Verdict::OutcomeUnknown
         );
         // A 409 of the application's own is its answer.
         assert_eq!(

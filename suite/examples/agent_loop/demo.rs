@@ -410,7 +410,13 @@ async fn ours_step(
         let mut req = request(proxy, &op);
         req.extensions_mut().insert(key.clone());
         match client.oneshot(req).await {
-            Ok(res) if res.status() == StatusCode::CREATED => return Ours::Answered,
+            // Its own answer, not another step's.
+            Ok(res) if res.status() == StatusCode::CREATED => {
+                return match res.body().bytes() == format!("done {op}") {
+                    true => Ours::Answered,
+                    false => Ours::Failed(format!("{op}: answered {:?}", res.body().bytes())),
+                };
+            }
             Ok(res) => return Ours::Failed(format!("{op}: {}", res.status())),
             Err(ClientError::OutcomeUnknown { .. }) => return Ours::Unknown(i),
             // No definite answer in time: the same key again, never a new one.
