@@ -11,6 +11,7 @@ use http_body::{Body, Frame, SizeHint};
 use pin_project_lite::pin_project;
 
 use crate::store::BoxError;
+use crate::window::Timing;
 
 pin_project! {
     /// The request body the inner service receives: the buffered bytes of a guarded request, or
@@ -35,13 +36,19 @@ pin_project! {
     enum Kind<B> {
         Full { data: Option<Bytes>, trailers: Option<HeaderMap> },
         Inner { #[pin] body: B },
-        Resumed { prefix: Option<Bytes>, rest: Pin<Box<B>> },
+        Resumed {
+            prefix: Option<Bytes>,
+            rest: Pin<Box<B>>,
+            // The execution's timing runs until the rest is sent (or abandoned).
+            timing: Option<Timing>,
+        },
         Channel { rx: tokio::sync::mpsc::Receiver<Result<Frame<Bytes>, BoxError>> },
         Enveloped {
             prefix: Option<Bytes>,
             rest: Pin<Box<B>>,
             mode: Embed,
             tail: Option<Bytes>,
+            timing: Option<Timing>,
         },
     }
 }
@@ -151,11 +158,12 @@ impl<B> ResponseBody<B> {
         }
     }
 
-    pub(crate) fn resumed(prefix: Bytes, rest: Pin<Box<B>>) -> Self {
+    pub(crate) fn resumed(prefix: Bytes, rest: Pin<Box<B>>, timing: Option<Timing>) -> Self {
         Self {
             kind: Kind::Resumed {
                 prefix: (!prefix.is_empty()).then_some(prefix),
                 rest,
+                timing,
             },
         }
     }
@@ -164,13 +172,20 @@ impl<B> ResponseBody<B> {
 impl<B> ResponseBody<B> {
     /// `prefix`, then `rest` written into it as `mode` says, then `tail`: an envelope around a
     /// body too large to hold.
-    pub(crate) fn enveloped(prefix: Bytes, rest: Pin<Box<B>>, mode: Embed, tail: Bytes) -> Self {
+    pub(crate) fn enveloped(
+        prefix: Bytes,
+        rest: Pin<Box<B>>,
+        mode: Embed,
+        tail: Bytes,
+        timing: Option<Timing>,
+    ) -> Self {
         Self {
             kind: Kind::Enveloped {
                 prefix: Some(prefix),
                 rest,
                 mode,
                 tail: Some(tail),
+                timing,
             },
         }
     }
@@ -210,7 +225,7 @@ where
                 None => trailers.take().map(|t| Ok(Frame::trailers(t))),
             }),
             KindProj::Inner { body } => body.poll_frame(cx).map_err(Into::into),
-            KindProj::Resumed { prefix, rest } => match prefix.take() {
+            KindProj::Resumed { prefix, rest, .. } => match prefix.take() {
                 Some(data) => Poll::Ready(Some(Ok(Frame::data(data)))),
                 None => rest.as_mut().poll_frame(cx).map_err(Into::into),
             },
@@ -220,6 +235,7 @@ where
                 rest,
                 mode,
                 tail,
+                ..
             } => {
                 if let Some(data) = prefix.take() {
                     return Poll::Ready(Some(Ok(Frame::data(data))));
@@ -247,7 +263,7 @@ where
         match self {
             Kind::Full { data, trailers } => data.is_none() && trailers.is_none(),
             Kind::Inner { body } => body.is_end_stream(),
-            Kind::Resumed { prefix, rest } => prefix.is_none() && rest.is_end_stream(),
+            Kind::Resumed { prefix, rest, .. } => prefix.is_none() && rest.is_end_stream(),
             Kind::Channel { .. } => false,
             Kind::Enveloped { prefix, tail, .. } => prefix.is_none() && tail.is_none(),
         }
@@ -259,7 +275,7 @@ where
                 SizeHint::with_exact(data.as_ref().map_or(0, |d| d.len() as u64))
             }
             Kind::Inner { body } => body.size_hint(),
-            Kind::Resumed { prefix, rest } => {
+            Kind::Resumed { prefix, rest, .. } => {
                 let extra = prefix.as_ref().map_or(0, |d| d.len() as u64);
                 let rest = rest.size_hint();
                 let mut hint = SizeHint::new();
@@ -345,6 +361,7 @@ mod tests {
         let body = ResponseBody::resumed(
             Bytes::from_static(b"ab"),
             Box::pin(Full::new(Bytes::from_static(b"cd"))),
+            None,
         );
         assert_eq!(body.size_hint().exact(), Some(4));
         assert_eq!(

@@ -87,18 +87,18 @@ pub(crate) fn decide(
             };
             // Come back when the holder should be done by the route's window, not when its
             // whole lease would run out; never later than that.
-            let left = match window {
-                Some(window) => {
-                    let claimed = record
-                        .history
-                        .iter()
-                        .rev()
-                        .find(|e| e.event == crate::store::HistoryEvent::Claimed)
-                        .map_or(record.updated_at, |e| e.at);
-                    let running = now.duration_since(claimed).unwrap_or_default();
+            // The holder's own claim: a history that is full has written over it (its last
+            // entry is always the latest event), and an earlier attempt's claim would make the
+            // holder look long gone; without it, the lease is what is known.
+            let claimed = record.history.iter().rev().find(|e| {
+                e.event == crate::store::HistoryEvent::Claimed && e.token == record.lease_token
+            });
+            let left = match (window, claimed) {
+                (Some(window), Some(claimed)) => {
+                    let running = now.duration_since(claimed.at).unwrap_or_default();
                     window.saturating_sub(running).min(seen.lease_left())
                 }
-                None => seen.lease_left(),
+                _ => seen.lease_left(),
             };
             Decision::InFlight(
                 Problem::new(

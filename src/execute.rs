@@ -36,6 +36,7 @@ use crate::store::{
     StoredResponse,
 };
 use crate::unwind::CatchUnwind;
+use crate::window::Timing;
 
 /// Everything an execution needs, owned, so it can outlive the request's future.
 pub(crate) struct Execution<St> {
@@ -81,18 +82,19 @@ impl<St: IdempotencyStore> Execution<St> {
         // From before the handler's first poll to the recorded outcome: renewed on the
         // keeper's task, which a handler blocking its own thread cannot starve.
         let hold = self.hold();
-        let started = std::time::Instant::now();
+        // Into the route's window however the execution ends (see `finish`).
+        let timing = Timing::start(self.route.window.clone());
         // `call` inside the future: a service may do work (and panic) in `call` itself.
         let answered = CatchUnwind {
             inner: async move { inner.call(req).await },
         }
         .await;
         let Some(cancel) = cancel else {
-            return self.finish(answered, hold, started).await;
+            return self.finish(answered, hold, timing).await;
         };
         cancel.disarm();
         let dialect = self.dialect.clone();
-        match tokio::spawn(self.finish(answered, hold, started).in_current_span()).await {
+        match tokio::spawn(self.finish(answered, hold, timing).in_current_span()).await {
             Ok(answer) => answer,
             Err(_) => Ok(failed(
                 "recording the outcome failed",
@@ -107,7 +109,7 @@ impl<St: IdempotencyStore> Execution<St> {
         self,
         answered: Result<Result<Response<ResBody>, E>, Box<dyn Any + Send>>,
         hold: Hold<St>,
-        started: std::time::Instant,
+        timing: Timing,
     ) -> Result<Response<ResponseBody<ResBody>>, E>
     where
         ResBody: Body<Data = Bytes> + Send + 'static,
@@ -146,8 +148,13 @@ impl<St: IdempotencyStore> Execution<St> {
                 error: "the response body panicked".into(),
             }
         });
-        // The route's processing window: from the handler's start to its answer, read.
-        self.route.window.record(started.elapsed());
+        // The route's processing window: from the handler's start to its answer read whole,
+        // or, for one that goes on streaming under the lease, to the stream's end.
+        let goes_on = matches!(
+            &captured,
+            Captured::Streaming { .. } | Captured::TooLarge { .. }
+        );
+        let timing = goes_on.then_some(timing);
         match captured {
             Captured::Broken { parts, error } => {
                 // The handler answered: its effect is taken as done (DESIGN §3). Only a head
@@ -195,7 +202,7 @@ impl<St: IdempotencyStore> Execution<St> {
                 let (tx, rx) = tokio::sync::mpsc::channel(16);
                 let head = head_of(&parts);
                 // The stream's own task keeps the lease until it is recorded.
-                tokio::spawn(self.tee(id, head, body, tx, hold).in_current_span());
+                tokio::spawn(self.tee(id, head, body, tx, hold, timing).in_current_span());
                 Ok(Response::from_parts(parts, ResponseBody::channel(rx)))
             }
             Captured::TooLarge {
@@ -214,7 +221,10 @@ impl<St: IdempotencyStore> Execution<St> {
                 }
                 let (tx, rx) = tokio::sync::mpsc::channel(16);
                 let head = head_of(&parts);
-                tokio::spawn(self.tail(head, prefix, rest, tx, hold).in_current_span());
+                tokio::spawn(
+                    self.tail(head, prefix, rest, tx, hold, timing)
+                        .in_current_span(),
+                );
                 Ok(Response::from_parts(parts, ResponseBody::channel(rx)))
             }
             Captured::TooLarge {
@@ -229,7 +239,7 @@ impl<St: IdempotencyStore> Execution<St> {
                     mark: self.route.mark_first_response,
                     envelope: self.dialect.envelopes(self.route.envelope),
                 };
-                Ok(present_streaming(parts, prefix, rest, how))
+                Ok(present_streaming(parts, prefix, rest, how, timing))
             }
         }
     }
@@ -245,6 +255,8 @@ impl<St: IdempotencyStore> Execution<St> {
         mut rest: Pin<Box<B>>,
         tx: tokio::sync::mpsc::Sender<Result<http_body::Frame<Bytes>, BoxError>>,
         hold: Hold<St>,
+        // Timed to the stream's end: dropped, and recorded, when this task ends.
+        _timing: Option<Timing>,
     ) where
         B: Body<Data = Bytes>,
         B::Error: Into<BoxError>,
@@ -335,6 +347,8 @@ impl<St: IdempotencyStore> Execution<St> {
         mut body: Pin<Box<B>>,
         tx: tokio::sync::mpsc::Sender<Result<http_body::Frame<Bytes>, BoxError>>,
         hold: Hold<St>,
+        // Timed to the stream's end: dropped, and recorded, when this task ends.
+        _timing: Option<Timing>,
     ) where
         B: Body<Data = Bytes>,
         B::Error: Into<BoxError>,

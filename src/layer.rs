@@ -385,9 +385,12 @@ impl<St, M> IdempotencyLayer<St, M> {
             .iter()
             .map(|(path, route)| (crate::settings::shape(path), route.clone()))
             .collect();
+        // The defaults too: a layer built from a clone of another shares nothing it measures.
+        let mut default = c.default.clone();
+        default.window = Arc::default();
         Resolved {
             header: c.header.clone(),
-            default: Arc::new(c.default.clone()),
+            default: Arc::new(default),
             routes,
             templates,
             shapes,

@@ -227,6 +227,7 @@ pub(crate) fn present_streaming<B>(
     prefix: Bytes,
     rest: Pin<Box<B>>,
     how: Presentation,
+    timing: Option<crate::window::Timing>,
 ) -> Response<ResponseBody<B>> {
     if how.mark {
         parts.headers.insert(
@@ -235,7 +236,7 @@ pub(crate) fn present_streaming<B>(
         );
     }
     if !wraps(parts.status, how) {
-        return Response::from_parts(parts, ResponseBody::resumed(prefix, rest));
+        return Response::from_parts(parts, ResponseBody::resumed(prefix, rest, timing));
     }
     let media = parts
         .headers
@@ -266,7 +267,13 @@ pub(crate) fn present_streaming<B>(
     }
     head.extend_from_slice(&mode.apply(prefix));
     wrap_headers(&mut parts.headers);
-    let body = ResponseBody::enveloped(Bytes::from(head), rest, mode, Bytes::from_static(tail));
+    let body = ResponseBody::enveloped(
+        Bytes::from(head),
+        rest,
+        mode,
+        Bytes::from_static(tail),
+        timing,
+    );
     Response::from_parts(parts, body)
 }
 

@@ -2,9 +2,11 @@
 //! can set deadlines that outlast it and a duplicate is told when to come back.
 //!
 //! Each guarded route keeps the durations of its last [`SAMPLES`] executions (from the
-//! handler's start to its whole answer) and their 99th percentile, recomputed every
-//! [`EVERY`] executions. Writing a sample is two atomic operations; the percentile is read
-//! from one. A `409 in-flight` answer's `Retry-After` is the time the holder has left by that
+//! handler's start to its whole answer: a streamed answer's end, a failure, or the moment an
+//! execution was abandoned, which counts as at least that long) and their 99th percentile,
+//! recomputed every [`EVERY`] executions (a copy and a selection over the samples, on the
+//! execution's task). Writing a sample is two atomic operations; the percentile is read from
+//! one. A `409 in-flight` answer's `Retry-After` is the time the holder has left by that
 //! percentile (rather than the whole lease), and [`ProcessingWindow`] publishes it, with the
 //! route's TTL, for tool descriptions and clients: in process
 //! ([`IdempotencyLayer::processing_windows`](crate::IdempotencyLayer::processing_windows)), and
@@ -102,6 +104,29 @@ impl Window {
     }
 }
 
+/// One execution being timed: its duration goes into the route's window when this is dropped,
+/// however the execution ends (its answer read whole, its stream over, a panic, or abandoned).
+pub(crate) struct Timing {
+    window: std::sync::Arc<Window>,
+    started: std::time::Instant,
+}
+
+impl Timing {
+    /// Starts timing an execution on the route of `window`.
+    pub(crate) fn start(window: std::sync::Arc<Window>) -> Self {
+        Self {
+            window,
+            started: std::time::Instant::now(),
+        }
+    }
+}
+
+impl Drop for Timing {
+    fn drop(&mut self) {
+        self.window.record(self.started.elapsed());
+    }
+}
+
 /// What a guarded route publishes to its callers: how long its executions take and how long
 /// its keys are kept (see [`IdempotencyLayer::processing_windows`]).
 ///
@@ -112,7 +137,8 @@ pub struct ProcessingWindow {
     /// The route, as given to `for_path` (`None`: the layer's defaults, for every other path).
     pub route: Option<String>,
     /// The 99th percentile of its recent executions (from the handler's start to its whole
-    /// answer), once one has run.
+    /// answer, or to an answer too large to keep being recorded; an abandoned execution
+    /// counts as long as it ran), once one has run.
     pub p99: Option<Duration>,
     /// How many executions it has measured.
     pub executions: u64,
@@ -147,16 +173,17 @@ impl ProcessingWindow {
 
 impl ProcessingWindow {
     /// The window as JSON, as [`WindowsService`] serves it: `route` (`null` for the defaults),
-    /// `p99_ms` (`null` until measured), `executions`, `lease_ms`, `ttl_s`, and
-    /// `min_deadline_s`, the least deadline a caller should give an attempt.
+    /// `p99_ms` (`null` until measured), `executions`, `lease_ms`, `ttl_ms`, and
+    /// `min_deadline_s`, the least deadline a caller should give an attempt. Durations are in
+    /// whole milliseconds, rounded up: never shorter than what they stand for.
     pub fn to_json(&self) -> Value {
-        let ms = |d: Duration| u64::try_from(d.as_millis()).unwrap_or(u64::MAX);
+        let ms = |d: Duration| u64::try_from(d.as_micros().div_ceil(1000)).unwrap_or(u64::MAX);
         json!({
             "route": self.route,
             "p99_ms": self.p99.map(ms),
             "executions": self.executions,
             "lease_ms": ms(self.lease),
-            "ttl_s": self.ttl.as_secs(),
+            "ttl_ms": ms(self.ttl),
             "min_deadline_s": self.min_deadline().as_secs(),
         })
     }
@@ -178,7 +205,7 @@ impl ProcessingWindow {
             p99,
             executions: value["executions"].as_u64()?,
             lease: Duration::from_millis(value["lease_ms"].as_u64()?),
-            ttl: Duration::from_secs(value["ttl_s"].as_u64()?),
+            ttl: Duration::from_millis(value["ttl_ms"].as_u64()?),
         })
     }
 }
@@ -261,10 +288,11 @@ impl<St, M, B> Service<Request<B>> for WindowsService<St, M> {
     }
 }
 
-/// A duration in the largest whole unit that fits it.
+/// A duration in the largest whole unit that fits it (whole milliseconds under a second).
 fn human(d: Duration) -> String {
     let s = d.as_secs();
     match s {
+        0 => format!("{} ms", d.as_millis()),
         s if s >= 86_400 && s.is_multiple_of(86_400) => format!("{} d", s / 86_400),
         s if s >= 3_600 && s.is_multiple_of(3_600) => format!("{} h", s / 3_600),
         s if s >= 60 && s.is_multiple_of(60) => format!("{} min", s / 60),
@@ -317,6 +345,20 @@ mod tests {
             Some(window.clone()),
             "read back as written"
         );
+        // To the millisecond, rounded up; under a second, said in milliseconds.
+        let brief = ProcessingWindow {
+            ttl: Duration::from_millis(500),
+            lease: Duration::from_micros(30_500),
+            ..window.clone()
+        };
+        let read = ProcessingWindow::from_json(&brief.to_json()).expect("a window");
+        assert_eq!(read.ttl, Duration::from_millis(500));
+        assert_eq!(read.lease, Duration::from_millis(31));
+        assert!(
+            brief.describe().contains("for 500 ms"),
+            "{}",
+            brief.describe()
+        );
         let unmeasured = ProcessingWindow {
             p99: None,
             route: None,
@@ -329,9 +371,9 @@ mod tests {
         assert_eq!(ProcessingWindow::from_json(&json), Some(unmeasured));
         for broken in [
             json!({}),
-            json!({"route": 7, "p99_ms": null, "executions": 0, "lease_ms": 1, "ttl_s": 1}),
-            json!({"route": null, "p99_ms": "1", "executions": 0, "lease_ms": 1, "ttl_s": 1}),
-            json!({"route": null, "p99_ms": null, "executions": -1, "lease_ms": 1, "ttl_s": 1}),
+            json!({"route": 7, "p99_ms": null, "executions": 0, "lease_ms": 1, "ttl_ms": 1}),
+            json!({"route": null, "p99_ms": "1", "executions": 0, "lease_ms": 1, "ttl_ms": 1}),
+            json!({"route": null, "p99_ms": null, "executions": -1, "lease_ms": 1, "ttl_ms": 1}),
         ] {
             assert_eq!(ProcessingWindow::from_json(&broken), None, "{broken}");
         }
