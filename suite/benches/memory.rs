@@ -6,6 +6,9 @@
 //!
 //! `cargo bench -p suite --bench memory` (`BENCH_RECORDS` sets the count, default 1 000 000)
 
+#[path = "support/rss.rs"]
+mod rss;
+
 use std::alloc::System;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -13,6 +16,7 @@ use std::time::{Duration, SystemTime};
 
 use bytes::Bytes;
 use http::{HeaderMap, HeaderValue, StatusCode};
+use rss::rss_kib;
 use stats_alloc::{INSTRUMENTED_SYSTEM, Region, StatsAlloc};
 use tower_idempotency::store::{
     Claim, ClaimRequest, Fingerprint, LeaseExpiry, ScopedKey, StoredResponse,
@@ -27,17 +31,6 @@ fn live_heap(region: &Region<'_, System>) -> i64 {
     // bytes_deallocated), so the difference is the live heap.
     let stats = region.change();
     stats.bytes_allocated as i64 - stats.bytes_deallocated as i64
-}
-
-fn rss_kib() -> u64 {
-    std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("VmRSS:"))
-                .and_then(|l| l.split_whitespace().nth(1)?.parse().ok())
-        })
-        .unwrap_or(0)
 }
 
 fn main() {

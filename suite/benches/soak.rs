@@ -9,26 +9,19 @@
 //! `cargo bench -p suite --bench soak` (`BENCH_KEYS`, default 10 000 000; `BENCH_TTL_MS`,
 //! default 1 000).
 
+#[path = "support/rss.rs"]
+mod rss;
+
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use http::{HeaderMap, HeaderValue, StatusCode};
+use rss::rss_kib;
 use tower_idempotency::reconcile::{Reconciler, Reconciliation, Sweeper};
 use tower_idempotency::store::{
     Claim, ClaimRequest, Fingerprint, LeaseExpiry, Record, ScopedKey, StoredResponse,
 };
 use tower_idempotency::{IdempotencyStore, MemoryStore};
-
-fn rss_kib() -> u64 {
-    std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("VmRSS:"))
-                .and_then(|l| l.split_whitespace().nth(1)?.parse().ok())
-        })
-        .unwrap_or(0)
-}
 
 /// Nothing here is ever uncertain: the sweeper only purges.
 struct Nothing;
