@@ -256,7 +256,21 @@ impl Entry {
         self.extra.as_ref()?.downstream_id.as_deref()
     }
 
+    /// The record as a claim reports it: without its history unless it is in flight (see
+    /// [`Claim::Existing`]), so a replay allocates and copies none.
+    fn to_claimed(&self) -> Result<Record, StoreError> {
+        let in_flight = matches!(
+            self.status,
+            RecordStatus::InProgress | RecordStatus::Released
+        );
+        self.record(in_flight)
+    }
+
     fn to_record(&self) -> Result<Record, StoreError> {
+        self.record(true)
+    }
+
+    fn record(&self, with_history: bool) -> Result<Record, StoreError> {
         let response = match &self.response {
             Some(bytes) => {
                 Some(StoredResponse::from_bytes(bytes).map_err(StoreError::unavailable)?)
@@ -281,15 +295,18 @@ impl Entry {
                 .as_ref()
                 .and_then(|e| e.resolution_note.as_deref())
                 .map(str::to_owned),
-            history: self
-                .history()
-                .map(|e| HistoryEntry {
-                    attempt: e.attempt,
-                    token: e.token,
-                    at: time(e.at),
-                    event: e.event,
-                })
-                .collect(),
+            history: match with_history {
+                true => self
+                    .history()
+                    .map(|e| HistoryEntry {
+                        attempt: e.attempt,
+                        token: e.token,
+                        at: time(e.at),
+                        event: e.event,
+                    })
+                    .collect(),
+                false => Vec::new(),
+            },
         })
     }
 }
@@ -611,7 +628,7 @@ impl MemoryStore {
             }
         };
         if !takeover {
-            let existing = r.to_record().map(|record| Claim::Existing {
+            let existing = r.to_claimed().map(|record| Claim::Existing {
                 record: Box::new(record),
                 now: time(now),
             });
@@ -1080,5 +1097,55 @@ mod tests {
             "Entry is {} bytes",
             size_of::<Entry>()
         );
+    }
+
+    /// A claim that finds a completed record reports it without its history (a replay pays
+    /// for none); one that finds a holder in flight keeps it (the `Retry-After` reads its
+    /// claim); `lookup` always has it.
+    #[tokio::test]
+    async fn claims_report_history_only_for_records_in_flight() {
+        let store = MemoryStore::new();
+        let request = |key: &str| ClaimRequest {
+            key: ScopedKey::new("", key),
+            fingerprint: Fingerprint::from_bytes([7; 32]),
+            lease: Duration::from_secs(60),
+            ttl: Duration::from_secs(60),
+            on_lease_expiry: LeaseExpiry::Reclaim,
+        };
+        let existing = |claim| match claim {
+            Ok(Claim::Existing { record, .. }) => record,
+            other => panic!("expected Existing, got {other:?}"),
+        };
+        let done = request("done");
+        let Ok(Claim::Acquired(lease)) = store.claim(&done).await else {
+            panic!("acquired");
+        };
+        let response = StoredResponse {
+            status: http::StatusCode::CREATED,
+            headers: http::HeaderMap::new(),
+            body: Some(bytes::Bytes::from_static(b"ok")),
+            trailers: None,
+        };
+        store
+            .complete(&done.key, lease.token, &response, done.ttl)
+            .await
+            .expect("complete");
+        let replayed = existing(store.claim(&done).await);
+        assert!(replayed.history.is_empty());
+        assert_eq!(replayed.response, Some(response));
+        let whole = store
+            .lookup(&done.key)
+            .await
+            .expect("lookup")
+            .expect("record");
+        assert_eq!(whole.history.len(), 2, "claimed, completed");
+
+        let running = request("running");
+        let Ok(Claim::Acquired(lease)) = store.claim(&running).await else {
+            panic!("acquired");
+        };
+        let in_flight = existing(store.claim(&running).await);
+        assert_eq!(in_flight.history.len(), 1);
+        assert_eq!(in_flight.history[0].token, lease.token);
     }
 }

@@ -223,7 +223,10 @@ pub enum Claim {
     /// Someone else's record, with the store's clock at the time it was read (to compute the
     /// remaining lease without trusting this node's clock).
     Existing {
-        /// The record as it stood.
+        /// The record as it stood. Its `history` may be left out (empty) unless it is in
+        /// progress or released: a claim needs it only to tell how long a holder has run, and
+        /// a replay should not pay for it. [`lookup`](IdempotencyStore::lookup) returns the
+        /// whole record.
         record: Box<Record>,
         /// The store's clock when it read the record.
         now: SystemTime,
