@@ -44,9 +44,12 @@ fn main() {
         .expect("runtime");
     let offset = Arc::new(AtomicU64::new(0));
     let clock = offset.clone();
+    // Unbounded: the default bounds (a million records, 256 MiB) would refuse the last ones.
     let store = MemoryStore::with_clock(move || {
         SystemTime::now() + Duration::from_secs(clock.load(Ordering::SeqCst))
-    });
+    })
+    .max_records(usize::MAX)
+    .max_bytes(usize::MAX);
     let mut headers = HeaderMap::new();
     headers.insert("content-type", HeaderValue::from_static("application/json"));
     let body = Bytes::from(vec![b'x'; 200]);

