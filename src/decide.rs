@@ -87,12 +87,14 @@ pub(crate) fn decide(
             };
             // Come back when the holder should be done by the route's window, not when its
             // whole lease would run out; never later than that.
-            // The holder's own claim: a history that is full has written over it (its last
-            // entry is always the latest event), and an earlier attempt's claim would make the
-            // holder look long gone; without it, the lease is what is known.
-            let claimed = record.history.iter().rev().find(|e| {
-                e.event == crate::store::HistoryEvent::Claimed && e.token == record.lease_token
-            });
+            // When the holder began: its earliest entry, its claim (or, in a history that is
+            // full and wrote over the claim, the event that took its place, a little later).
+            // Another attempt's claim would make the holder look long gone; with no entry of
+            // its own, the lease is what is known.
+            let claimed = record
+                .history
+                .iter()
+                .find(|e| e.token == record.lease_token);
             let left = match (window, claimed) {
                 (Some(window), Some(claimed)) => {
                     let running = now.duration_since(claimed.at).unwrap_or_default();
