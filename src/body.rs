@@ -40,7 +40,7 @@ pin_project! {
             prefix: Option<Bytes>,
             rest: Pin<Box<B>>,
             // The execution's timing runs until the rest is sent (or abandoned).
-            timing: Option<Timing>,
+            timing: Timing,
         },
         Channel { rx: tokio::sync::mpsc::Receiver<Result<Frame<Bytes>, BoxError>> },
         Enveloped {
@@ -48,7 +48,7 @@ pin_project! {
             rest: Pin<Box<B>>,
             mode: Embed,
             tail: Option<Bytes>,
-            timing: Option<Timing>,
+            timing: Timing,
         },
     }
 }
@@ -158,7 +158,7 @@ impl<B> ResponseBody<B> {
         }
     }
 
-    pub(crate) fn resumed(prefix: Bytes, rest: Pin<Box<B>>, timing: Option<Timing>) -> Self {
+    pub(crate) fn resumed(prefix: Bytes, rest: Pin<Box<B>>, timing: Timing) -> Self {
         Self {
             kind: Kind::Resumed {
                 prefix: (!prefix.is_empty()).then_some(prefix),
@@ -177,7 +177,7 @@ impl<B> ResponseBody<B> {
         rest: Pin<Box<B>>,
         mode: Embed,
         tail: Bytes,
-        timing: Option<Timing>,
+        timing: Timing,
     ) -> Self {
         Self {
             kind: Kind::Enveloped {
@@ -361,7 +361,7 @@ mod tests {
         let body = ResponseBody::resumed(
             Bytes::from_static(b"ab"),
             Box::pin(Full::new(Bytes::from_static(b"cd"))),
-            None,
+            Timing::start(std::sync::Arc::default()),
         );
         assert_eq!(body.size_hint().exact(), Some(4));
         assert_eq!(

@@ -148,15 +148,12 @@ impl<St: IdempotencyStore> Execution<St> {
                 error: "the response body panicked".into(),
             }
         });
-        // The route's processing window: from the handler's start to its answer read whole,
-        // or, for one that goes on streaming under the lease, to the stream's end.
-        let goes_on = matches!(
-            &captured,
-            Captured::Streaming { .. } | Captured::TooLarge { .. }
-        );
-        let timing = goes_on.then_some(timing);
+        // The route's processing window: from the handler's start to its answer read whole
+        // (here), or, for one that goes on streaming, to the stream's end (`timing` goes with
+        // it).
         match captured {
             Captured::Broken { parts, error } => {
+                drop(timing);
                 // The handler answered: its effect is taken as done (DESIGN §3). Only a head
                 // the policy would not record (a 5xx under DefinitiveOnly) gives the key back.
                 tracing::warn!(%error, "the response body failed after the handler answered");
@@ -176,6 +173,7 @@ impl<St: IdempotencyStore> Execution<St> {
                 trailers,
                 fits,
             } => {
+                drop(timing);
                 // Over the limit with its head and trailers: recorded without them, by its
                 // final status, as any response too large to keep.
                 let body = match fits {
@@ -256,7 +254,7 @@ impl<St: IdempotencyStore> Execution<St> {
         tx: tokio::sync::mpsc::Sender<Result<http_body::Frame<Bytes>, BoxError>>,
         hold: Hold<St>,
         // Timed to the stream's end: dropped, and recorded, when this task ends.
-        _timing: Option<Timing>,
+        _timing: Timing,
     ) where
         B: Body<Data = Bytes>,
         B::Error: Into<BoxError>,
@@ -348,7 +346,7 @@ impl<St: IdempotencyStore> Execution<St> {
         tx: tokio::sync::mpsc::Sender<Result<http_body::Frame<Bytes>, BoxError>>,
         hold: Hold<St>,
         // Timed to the stream's end: dropped, and recorded, when this task ends.
-        _timing: Option<Timing>,
+        _timing: Timing,
     ) where
         B: Body<Data = Bytes>,
         B::Error: Into<BoxError>,

@@ -227,7 +227,7 @@ pub(crate) fn present_streaming<B>(
     prefix: Bytes,
     rest: Pin<Box<B>>,
     how: Presentation,
-    timing: Option<crate::window::Timing>,
+    timing: crate::window::Timing,
 ) -> Response<ResponseBody<B>> {
     if how.mark {
         parts.headers.insert(
