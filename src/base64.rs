@@ -87,6 +87,15 @@ fn decode_group(group: [u8; 4], out: &mut Vec<u8>) -> Result<(), Invalid> {
     Ok(())
 }
 
+/// Binary metadata as gRPC sends it, unpadded (or padded, as some servers do).
+pub(crate) fn decode_unpadded(text: &[u8]) -> Result<Vec<u8>, Invalid> {
+    let mut padded = text.to_vec();
+    while !padded.len().is_multiple_of(4) {
+        padded.push(b'=');
+    }
+    decode(&padded)
+}
+
 /// All of `text`, decoded: whole padded groups only.
 pub(crate) fn decode(text: &[u8]) -> Result<Vec<u8>, Invalid> {
     let mut out = Vec::with_capacity(text.len() / 4 * 3);

@@ -93,12 +93,7 @@ impl Details {
         let Some(value) = headers.get("grpc-status-details-bin") else {
             return Self::default();
         };
-        // Binary metadata comes unpadded (gRPC) or padded (some servers).
-        let mut text = value.as_bytes().to_vec();
-        while !text.len().is_multiple_of(4) {
-            text.push(b'=');
-        }
-        match crate::base64::decode(&text) {
+        match crate::base64::decode_unpadded(value.as_bytes()) {
             Ok(bytes) => Self::decode(&bytes).unwrap_or_default(),
             Err(_) => Self::default(),
         }

@@ -323,6 +323,13 @@ impl IdempotentClientLayer {
         self
     }
 
+    /// The pause before the next attempt: the server's delay, but never under the first
+    /// backoff (a `Retry-After: 0` from something in between is not an invitation to spin),
+    /// or the backoff if it gave none.
+    fn pause(&self, server_said: Option<Duration>, backoff: Duration) -> Duration {
+        server_said.map_or(backoff, |d| d.max(self.first_backoff))
+    }
+
     /// Whether the configured timeouts outlast the route's window (and are not zero, with or
     /// without a window): the error a call would get.
     pub fn check(&self) -> Result<(), ClientError> {
@@ -491,19 +498,11 @@ where
                     metrics::counter!("idempotency_client_outcome_unknown_total").increment(1);
                     return Err(ClientError::OutcomeUnknown { key: report.key });
                 }
-                // The server's delay, but never under the first backoff: a `Retry-After: 0`
-                // from something in between is not an invitation to spin.
                 Verdict::InFlight { retry_after } => {
                     report.waits += 1;
-                    (
-                        retry_after.map_or(backoff, |d| d.max(config.first_backoff)),
-                        None,
-                    )
+                    (config.pause(retry_after, backoff), None)
                 }
-                Verdict::Retry { retry_after } => (
-                    retry_after.map_or(backoff, |d| d.max(config.first_backoff)),
-                    None,
-                ),
+                Verdict::Retry { retry_after } => (config.pause(retry_after, backoff), None),
             },
             Ok(Err(error)) => (backoff, Some(error)),
             // The attempt ran out of time: the server may still be running it; the retry
