@@ -64,7 +64,7 @@ impl Window {
     /// Notes one execution that took `took`.
     pub(crate) fn record(&self, took: Duration) {
         // Whole milliseconds, rounded up: a window is never shorter than what it measured.
-        let ms = u32::try_from(took.as_micros().div_ceil(1000)).unwrap_or(u32::MAX);
+        let ms = u32::try_from(ceil_ms(took)).unwrap_or(u32::MAX);
         let n = self.next.fetch_add(1, Ordering::Relaxed);
         // Stored as ms + 1: 0 marks a slot not yet written.
         self.samples[n % SAMPLES].store(ms.saturating_add(1), Ordering::Relaxed);
@@ -169,21 +169,18 @@ impl ProcessingWindow {
             human(self.ttl)
         )
     }
-}
 
-impl ProcessingWindow {
     /// The window as JSON, as [`WindowsService`] serves it: `route` (`null` for the defaults),
     /// `p99_ms` (`null` until measured), `executions`, `lease_ms`, `ttl_ms`, and
     /// `min_deadline_s`, the least deadline a caller should give an attempt. Durations are in
     /// whole milliseconds, rounded up: never shorter than what they stand for.
     pub fn to_json(&self) -> Value {
-        let ms = |d: Duration| u64::try_from(d.as_micros().div_ceil(1000)).unwrap_or(u64::MAX);
         json!({
             "route": self.route,
-            "p99_ms": self.p99.map(ms),
+            "p99_ms": self.p99.map(ceil_ms),
             "executions": self.executions,
-            "lease_ms": ms(self.lease),
-            "ttl_ms": ms(self.ttl),
+            "lease_ms": ceil_ms(self.lease),
+            "ttl_ms": ceil_ms(self.ttl),
             "min_deadline_s": self.min_deadline().as_secs(),
         })
     }
@@ -286,6 +283,11 @@ impl<St, M, B> Service<Request<B>> for WindowsService<St, M> {
         }
         ready(Ok(res))
     }
+}
+
+/// Whole milliseconds, rounded up: never shorter than the duration.
+fn ceil_ms(d: Duration) -> u64 {
+    u64::try_from(d.as_micros().div_ceil(1000)).unwrap_or(u64::MAX)
 }
 
 /// A duration in the largest whole unit that fits it (whole milliseconds under a second).
