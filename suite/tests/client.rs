@@ -340,3 +340,43 @@ async fn s22_reqwest_through_its_tower_service() {
     assert_eq!(report.ended, Ended::Replayed, "{report:?}");
     assert_eq!(effects.count(), 1);
 }
+
+/// Eight callers of one operation at once, through a barrier, each with the client layer and
+/// the same key: the server runs it once, the others wait out `409 in-flight` under that key
+/// and get its answer. Effects counted in the handler.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s22_concurrent_callers_of_one_operation_make_one_effect() {
+    let effects = Effects::default();
+    let addr = serve(app(
+        MemoryStore::new(),
+        effects.clone(),
+        Duration::from_secs(2),
+    ))
+    .await;
+    let layer = IdempotentClientLayer::new()
+        .deadline(Duration::from_secs(20))
+        .backoff(Duration::from_millis(20), Duration::from_millis(100));
+    let key = key("together");
+    let barrier = std::sync::Arc::new(tokio::sync::Barrier::new(8));
+    let callers: Vec<_> = (0..8)
+        .map(|_| {
+            let (layer, key, barrier) = (layer.clone(), key.clone(), barrier.clone());
+            tokio::spawn(async move {
+                barrier.wait().await;
+                call(&layer, request(addr, "ms=300", Some(&key), b"order 8")).await
+            })
+        })
+        .collect();
+    let mut answered = 0;
+    for caller in callers {
+        let (status, body, report) = caller.await.expect("task").expect("answer");
+        assert_eq!(status, StatusCode::CREATED);
+        assert_eq!(
+            body, "refund 1 of 7 bytes",
+            "every caller gets the one outcome"
+        );
+        answered += usize::from(report.ended == Ended::Answered);
+    }
+    assert_eq!(answered, 1, "one ran it, the others replayed it");
+    assert_eq!(effects.count(), 1);
+}
