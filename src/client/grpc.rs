@@ -2,14 +2,13 @@
 //! trailers-only answer, or gRPC-Web's trailer frame) and, for the middleware's own statuses,
 //! the `google.rpc.ErrorInfo` reason and `RetryInfo` delay in `grpc-status-details-bin`.
 
-use std::time::Duration;
-
-use http::{HeaderMap, Response};
+use http::Response;
 
 use super::body::CallBody;
-use super::retry::Verdict;
-use crate::dialect::grpc::{ERROR_DOMAIN, STATUS, is_definitive, parse_status};
+use super::verdict::Verdict;
+use crate::dialect::grpc::{STATUS, is_definitive, parse_status};
 use crate::dialect::grpc_web;
+use crate::dialect::rpc_status::Details;
 
 /// Whether `res` is a gRPC (or gRPC-Web) answer, to be judged by [`verdict`].
 pub(super) fn is_grpc(res: &Response<CallBody>) -> bool {
@@ -78,155 +77,9 @@ pub(super) fn verdict(res: &Response<CallBody>, replayed: bool) -> Verdict {
     }
 }
 
-/// What `grpc-status-details-bin` says, as far as the caller needs it.
-#[derive(Debug, Default, PartialEq, Eq)]
-struct Details {
-    /// The `ErrorInfo` reason, if its domain is the middleware's.
-    reason: Option<String>,
-    /// `RetryInfo.retry_delay`.
-    retry_delay: Option<Duration>,
-}
-
-impl Details {
-    /// Reads the details of `headers`; anything malformed reads as no details.
-    fn of(headers: &HeaderMap) -> Self {
-        let Some(value) = headers.get("grpc-status-details-bin") else {
-            return Self::default();
-        };
-        match crate::base64::decode_unpadded(value.as_bytes()) {
-            Ok(bytes) => Self::decode(&bytes).unwrap_or_default(),
-            Err(_) => Self::default(),
-        }
-    }
-
-    /// A `google.rpc.Status`'s details: `ErrorInfo` and `RetryInfo` among its `Any`s.
-    fn decode(status: &[u8]) -> Option<Self> {
-        let mut out = Self::default();
-        for field in Fields(status) {
-            let (3, Value::Bytes(any)) = field? else {
-                continue;
-            };
-            let (mut type_url, mut value) = (&[][..], &[][..]);
-            for field in Fields(any) {
-                match field? {
-                    (1, Value::Bytes(b)) => type_url = b,
-                    (2, Value::Bytes(b)) => value = b,
-                    _ => {}
-                }
-            }
-            match type_url {
-                b"type.googleapis.com/google.rpc.ErrorInfo" => {
-                    let (mut reason, mut domain) = (None, None);
-                    for field in Fields(value) {
-                        match field? {
-                            (1, Value::Bytes(b)) => reason = std::str::from_utf8(b).ok(),
-                            (2, Value::Bytes(b)) => domain = Some(b),
-                            _ => {}
-                        }
-                    }
-                    // Another service's reasons are not the middleware's to act on.
-                    if domain == Some(ERROR_DOMAIN.as_bytes()) {
-                        out.reason = reason.map(str::to_owned);
-                    }
-                }
-                b"type.googleapis.com/google.rpc.RetryInfo" => {
-                    for field in Fields(value) {
-                        if let (1, Value::Bytes(delay)) = field? {
-                            out.retry_delay = Some(duration(delay)?);
-                        }
-                    }
-                }
-                _ => {}
-            }
-        }
-        Some(out)
-    }
-}
-
-/// A `google.protobuf.Duration`; negative or out-of-range parts read as malformed.
-fn duration(bytes: &[u8]) -> Option<Duration> {
-    let (mut seconds, mut nanos) = (0u64, 0u64);
-    for field in Fields(bytes) {
-        match field? {
-            (1, Value::Varint(s)) => seconds = s,
-            (2, Value::Varint(n)) => nanos = n,
-            _ => {}
-        }
-    }
-    // int64 seconds and int32 nanos: a negative one is a huge varint.
-    if seconds > 315_576_000_000 || nanos >= 1_000_000_000 {
-        return None;
-    }
-    Some(Duration::new(seconds, u32::try_from(nanos).ok()?))
-}
-
-/// One protobuf field's value, as far as these messages need.
-#[derive(Debug)]
-enum Value<'a> {
-    Varint(u64),
-    Bytes(&'a [u8]),
-    Fixed,
-}
-
-/// The fields of an encoded message; a malformed one ends it with `None`.
-struct Fields<'a>(&'a [u8]);
-
-impl<'a> Iterator for Fields<'a> {
-    type Item = Option<(u64, Value<'a>)>;
-
-    fn next(&mut self) -> Option<Self::Item> {
-        if self.0.is_empty() {
-            return None;
-        }
-        let field = self.field();
-        if field.is_none() {
-            // Nothing after a malformed field can be read.
-            self.0 = &[];
-        }
-        Some(field)
-    }
-}
-
-impl<'a> Fields<'a> {
-    fn field(&mut self) -> Option<(u64, Value<'a>)> {
-        let tag = self.varint()?;
-        let value = match tag & 7 {
-            0 => Value::Varint(self.varint()?),
-            1 => self.skip(8)?,
-            2 => {
-                let len = usize::try_from(self.varint()?).ok()?;
-                let (bytes, rest) = self.0.split_at_checked(len)?;
-                self.0 = rest;
-                Value::Bytes(bytes)
-            }
-            5 => self.skip(4)?,
-            _ => return None,
-        };
-        Some((tag >> 3, value))
-    }
-
-    fn skip(&mut self, n: usize) -> Option<Value<'a>> {
-        self.0 = self.0.get(n..)?;
-        Some(Value::Fixed)
-    }
-
-    fn varint(&mut self) -> Option<u64> {
-        let mut v = 0u64;
-        for i in 0..10 {
-            let (&b, rest) = self.0.split_first()?;
-            self.0 = rest;
-            v |= u64::from(b & 0x7f) << (7 * i);
-            if b < 0x80 {
-                return Some(v);
-            }
-        }
-        None
-    }
-}
-
 /// The trailers-only headers the middleware answers a refused gRPC call with (tests).
 #[cfg(test)]
-fn refusal(kind: crate::problem::ProblemKind, retry_after: Option<u64>) -> HeaderMap {
+fn refusal(kind: crate::problem::ProblemKind, retry_after: Option<u64>) -> http::HeaderMap {
     let mut problem = crate::problem::Problem::new(kind, "refused".to_owned());
     problem.retry_after = retry_after;
     let res = crate::dialect::grpc::status_response::<http_body_util::Empty<bytes::Bytes>>(
@@ -241,6 +94,8 @@ mod tests {
     use super::*;
     use crate::problem::ProblemKind;
     use bytes::Bytes;
+    use http::HeaderMap;
+    use std::time::Duration;
 
     fn answer(headers: HeaderMap, trailers: Option<HeaderMap>, replayed: bool) -> Verdict {
         let mut res = Response::new(CallBody::new(Bytes::new(), trailers));
@@ -324,56 +179,6 @@ mod tests {
         );
         // A replay whose status cannot be read here is still the recorded answer.
         assert_eq!(answer(grpc(), None, true), Verdict::Done { replayed: true });
-    }
-
-    #[test]
-    fn another_domains_reasons_and_malformed_details_are_not_acted_on() {
-        // ABORTED with an IN_FLIGHT reason of another service: a plain ABORTED.
-        let mut info = Vec::new();
-        info.extend_from_slice(&[0x0a, 9]);
-        info.extend_from_slice(b"IN_FLIGHT");
-        info.extend_from_slice(&[0x12, 5]);
-        info.extend_from_slice(b"other");
-        let url = b"type.googleapis.com/google.rpc.ErrorInfo";
-        let mut any = vec![0x0a, url.len() as u8];
-        any.extend_from_slice(url);
-        any.push(0x12);
-        any.push(info.len() as u8);
-        any.extend_from_slice(&info);
-        let mut status_msg = vec![0x08, 10, 0x1a, any.len() as u8];
-        status_msg.extend_from_slice(&any);
-        assert_eq!(
-            Details::decode(&status_msg),
-            Some(Details::default()),
-            "another domain"
-        );
-        for hostile in [
-            &[0x1a, 0xff][..],
-            &[
-                0x1a, 0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x01,
-            ],
-            &[0x0f],
-            &[0x1a, 5, 1, 2],
-        ] {
-            assert_eq!(Details::decode(hostile), None, "{hostile:?}");
-        }
-        let mut headers = status("10");
-        headers.insert(
-            "grpc-status-details-bin",
-            http::HeaderValue::from_static("!!!"),
-        );
-        assert_eq!(Details::of(&headers), Details::default());
-        // A negative delay (a ten-byte varint) is malformed, not a wait of centuries.
-        assert_eq!(
-            duration(&[
-                0x08, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0x01
-            ]),
-            None
-        );
-        assert_eq!(
-            duration(&[0x08, 2, 0x10, 0x80, 0x89, 0x7a]),
-            Some(Duration::new(2, 2_000_000))
-        );
     }
 
     #[test]

@@ -92,6 +92,7 @@ mod body;
 mod grpc;
 mod key;
 mod retry;
+mod verdict;
 
 use std::future::Future;
 use std::pin::Pin;

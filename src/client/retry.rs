@@ -6,22 +6,7 @@ use std::time::Duration;
 use http::{Response, StatusCode, header};
 
 use super::body::CallBody;
-
-/// What to do after an attempt's answer.
-#[derive(Debug, PartialEq, Eq)]
-pub(super) enum Verdict {
-    /// A definite answer: the operation's outcome (`replayed`: recorded earlier).
-    Done { replayed: bool },
-    /// The first request with this key is still running: wait, then ask again.
-    InFlight { retry_after: Option<Duration> },
-    /// Nothing definite, and asking again with the same key is safe: a store that was down,
-    /// an outcome the server did not record.
-    Retry { retry_after: Option<Duration> },
-    /// The key was used for another request.
-    KeyReused,
-    /// Whether it took effect is unknown: a reconciliation settles it.
-    OutcomeUnknown,
-}
+pub(super) use super::verdict::Verdict;
 
 /// The verdict on `res`, read from its status, its `Idempotency-Replayed` header and, for the
 /// middleware's own answers, its problem `type` (gRPC: see [`super::grpc`]).

@@ -37,14 +37,14 @@
 //! framing (binary or text) each retry's `Accept` asks for; the refusals above reach them as
 //! trailers-only answers of gRPC-Web's content type.
 
-use bytes::{BufMut, Bytes, BytesMut};
+use bytes::{Bytes, BytesMut};
 use http::{HeaderMap, HeaderValue, Response, header};
 
+use super::rpc_status::{any, bytes_field, string_field, varint_field};
 use crate::body::ResponseBody;
 use crate::problem::{Problem, ProblemKind};
 
-/// The `ErrorInfo` domain of every status the middleware answers.
-pub const ERROR_DOMAIN: &str = "tower-idempotency";
+pub use super::rpc_status::ERROR_DOMAIN;
 
 /// Whether `headers` belong to a gRPC request or response (gRPC-Web included: see
 /// [`grpc_web`](super::grpc_web) for the one that is).
@@ -266,36 +266,6 @@ fn status_details(problem: &Problem) -> Vec<u8> {
     status.to_vec()
 }
 
-fn any(type_url: &str, value: &[u8]) -> BytesMut {
-    let mut any = BytesMut::new();
-    string_field(&mut any, 1, type_url);
-    bytes_field(&mut any, 2, value);
-    any
-}
-
-fn varint(out: &mut BytesMut, mut v: u64) {
-    while v >= 0x80 {
-        out.put_u8((v as u8) | 0x80);
-        v >>= 7;
-    }
-    out.put_u8(v as u8);
-}
-
-fn varint_field(out: &mut BytesMut, field: u32, v: u64) {
-    varint(out, u64::from(field) << 3);
-    varint(out, v);
-}
-
-fn bytes_field(out: &mut BytesMut, field: u32, bytes: &[u8]) {
-    varint(out, (u64::from(field) << 3) | 2);
-    varint(out, bytes.len() as u64);
-    out.put_slice(bytes);
-}
-
-fn string_field(out: &mut BytesMut, field: u32, s: &str) {
-    bytes_field(out, field, s.as_bytes());
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -322,12 +292,5 @@ mod tests {
             let value = HeaderValue::from_str(value).expect("value");
             assert_eq!(parse_status(&value), code, "{value:?}");
         }
-    }
-
-    #[test]
-    fn varints_encode_like_protobuf() {
-        let mut out = BytesMut::new();
-        varint(&mut out, 300);
-        assert_eq!(&out[..], &[0xac, 0x02]);
     }
 }

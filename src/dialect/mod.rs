@@ -11,6 +11,7 @@ pub mod grpc;
 pub(crate) mod grpc_web;
 pub(crate) mod http;
 pub mod jsonrpc;
+pub(crate) mod rpc_status;
 
 use std::sync::Arc;
 
