@@ -434,17 +434,6 @@ impl<St, M> IdempotencyLayer<St, M> {
         windows
     }
 
-    /// A service that serves [`processing_windows`](Self::processing_windows) as a JSON
-    /// document, for callers to read before they call (see [`WindowsService`]).
-    ///
-    /// [`WindowsService`]: crate::window::WindowsService
-    pub fn windows_service(&self) -> crate::window::WindowsService<St, M>
-    where
-        M: Clone,
-    {
-        crate::window::WindowsService::new(self.clone())
-    }
-
     /// The settings every service of this layer runs with, resolved on first use.
     fn resolved(&self) -> &Arc<Resolved> {
         self.config

@@ -129,6 +129,7 @@ pub mod store;
 mod unwind;
 mod uri;
 mod window;
+mod window_document;
 mod woken;
 
 pub use body::{RequestBody, ResponseBody};
@@ -155,4 +156,5 @@ pub use store::RedisStore;
 #[cfg(feature = "sqlite")]
 pub use store::SqliteStore;
 pub use store::{IdempotencyStore, LeaseExpiry};
-pub use window::{ProcessingWindow, WindowsService};
+pub use window::ProcessingWindow;
+pub use window_document::WindowsService;

@@ -10,22 +10,14 @@
 //! percentile (rather than the whole lease), and [`ProcessingWindow`] publishes it, with the
 //! route's TTL, for tool descriptions and clients: in process
 //! ([`IdempotencyLayer::processing_windows`](crate::IdempotencyLayer::processing_windows)), and
-//! over HTTP as a JSON document a caller reads before calling ([`WindowsService`]).
+//! over HTTP as a JSON document a caller reads before calling
+//! ([`WindowsService`](crate::window_document::WindowsService)).
 
-use std::convert::Infallible;
 use std::fmt;
-use std::future::{Ready, ready};
 use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
-use std::task::{Context, Poll};
 use std::time::Duration;
 
-use bytes::Bytes;
-use http::{HeaderValue, Method, Request, Response, StatusCode, header};
-use http_body_util::Full;
 use serde_json::{Value, json};
-use tower_service::Service;
-
-use crate::layer::IdempotencyLayer;
 
 /// How many recent executions the percentile is taken over.
 const SAMPLES: usize = 256;
@@ -170,7 +162,7 @@ impl ProcessingWindow {
         )
     }
 
-    /// The window as JSON, as [`WindowsService`] serves it: `route` (`null` for the defaults),
+    /// The window as JSON, as [`WindowsService`](crate::WindowsService) serves it: `route` (`null` for the defaults),
     /// `p99_ms` (`null` until measured), `executions`, `lease_ms`, `ttl_ms`, and
     /// `min_deadline_s`, the least deadline a caller should give an attempt. Durations are in
     /// whole milliseconds, rounded up: never shorter than what they stand for.
@@ -204,84 +196,6 @@ impl ProcessingWindow {
             lease: Duration::from_millis(value["lease_ms"].as_u64()?),
             ttl: Duration::from_millis(value["ttl_ms"].as_u64()?),
         })
-    }
-}
-
-/// Serves a layer's processing windows as one JSON document, `{"windows": [...]}` (each as
-/// [`ProcessingWindow::to_json`]), for callers to read before they call: mount it where they
-/// look, e.g. `/.well-known/idempotency`. `GET` and `HEAD` only; never cached for long, since
-/// a window moves with its route.
-///
-/// ```
-/// use axum::Router;
-/// use tower_idempotency::{IdempotencyLayer, MemoryStore};
-///
-/// let layer = IdempotencyLayer::new(MemoryStore::new()).single_tenant();
-/// let app: Router = Router::new()
-///     .route_service("/.well-known/idempotency", layer.windows_service())
-///     .layer(layer);
-/// ```
-pub struct WindowsService<St, M> {
-    layer: IdempotencyLayer<St, M>,
-}
-
-impl<St, M: Clone> Clone for WindowsService<St, M> {
-    fn clone(&self) -> Self {
-        Self {
-            layer: self.layer.clone(),
-        }
-    }
-}
-
-impl<St, M> fmt::Debug for WindowsService<St, M> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("WindowsService").finish_non_exhaustive()
-    }
-}
-
-impl<St, M> WindowsService<St, M> {
-    pub(crate) fn new(layer: IdempotencyLayer<St, M>) -> Self {
-        Self { layer }
-    }
-}
-
-impl<St, M, B> Service<Request<B>> for WindowsService<St, M> {
-    type Response = Response<Full<Bytes>>;
-    type Error = Infallible;
-    type Future = Ready<Result<Self::Response, Infallible>>;
-
-    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
-        Poll::Ready(Ok(()))
-    }
-
-    fn call(&mut self, req: Request<B>) -> Self::Future {
-        let mut res = Response::new(Full::new(Bytes::new()));
-        if req.method() != Method::GET && req.method() != Method::HEAD {
-            *res.status_mut() = StatusCode::METHOD_NOT_ALLOWED;
-            res.headers_mut()
-                .insert(header::ALLOW, HeaderValue::from_static("GET, HEAD"));
-            return ready(Ok(res));
-        }
-        let windows: Vec<Value> = self
-            .layer
-            .processing_windows()
-            .iter()
-            .map(ProcessingWindow::to_json)
-            .collect();
-        let document = json!({ "windows": windows }).to_string();
-        let headers = res.headers_mut();
-        headers.insert(
-            header::CONTENT_TYPE,
-            HeaderValue::from_static("application/json"),
-        );
-        headers.insert(
-            header::CACHE_CONTROL,
-            HeaderValue::from_static("max-age=10"),
-        );
-        if req.method() == Method::GET {
-            *res.body_mut() = Full::new(Bytes::from(document));
-        }
-        ready(Ok(res))
     }
 }
 

@@ -11,7 +11,7 @@ use axum::Router;
 use axum::http::StatusCode;
 use axum::routing::post;
 use common::{Effects, serve};
-use tower_idempotency::{IdempotencyLayer, MemoryStore};
+use tower_idempotency::{IdempotencyLayer, MemoryStore, WindowsService};
 
 fn layer() -> IdempotencyLayer<MemoryStore, tower_idempotency::scope::SingleTenant> {
     IdempotencyLayer::new(MemoryStore::new())
@@ -127,7 +127,7 @@ async fn s22_each_route_publishes_its_window_and_ttl() {
     assert_eq!(effects.count(), 6);
 }
 
-/// The windows as a document a caller reads before calling (`windows_service`): a client that
+/// The windows as a document a caller reads before calling (`WindowsService`): a client that
 /// reads it builds its layer `for_window`, and a timeout under the window is refused before
 /// anything is sent.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -138,7 +138,7 @@ async fn s22_callers_read_the_windows_before_calling() {
     let effects = Effects::default();
     let layer = layer();
     let app = app(layer.clone(), effects.clone())
-        .route_service("/.well-known/idempotency", layer.windows_service());
+        .route_service("/.well-known/idempotency", WindowsService::new(&layer));
     let addr = serve(app).await;
     for i in 0..3 {
         post_key(addr, "/slow", &format!("d-{i}")).await;

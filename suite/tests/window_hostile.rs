@@ -19,7 +19,7 @@ use serde_json::{Value, json};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tower_idempotency::jsonrpc::JsonRpc;
 use tower_idempotency::scope::SingleTenant;
-use tower_idempotency::{IdempotencyLayer, MemoryStore, ProcessingWindow};
+use tower_idempotency::{IdempotencyLayer, MemoryStore, ProcessingWindow, WindowsService};
 
 type Layer = IdempotencyLayer<MemoryStore, SingleTenant>;
 
@@ -357,7 +357,7 @@ fn header_of<'a>(response: &'a str, name: &str) -> Option<&'a str> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn s22_windows_service_head_matches_get() {
     let layer = IdempotencyLayer::new(MemoryStore::new()).single_tenant();
-    let app = Router::new().route_service("/.well-known/idempotency", layer.windows_service());
+    let app = Router::new().route_service("/.well-known/idempotency", WindowsService::new(&layer));
     let addr = serve(app).await;
     let get = raw(
         addr,
@@ -382,7 +382,7 @@ async fn s22_windows_service_head_matches_get() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn s22_windows_service_odd_methods() {
     let layer = IdempotencyLayer::new(MemoryStore::new()).single_tenant();
-    let app = Router::new().route_service("/w", layer.windows_service());
+    let app = Router::new().route_service("/w", WindowsService::new(&layer));
     let addr = serve(app).await;
     for method in ["OPTIONS", "DELETE", "PUT", "TRACE"] {
         let res = raw(
@@ -481,8 +481,7 @@ async fn s22_document_order_and_round_trip() {
             Some("/m/{id}".into())
         ]
     );
-    let res = layer
-        .windows_service()
+    let res = WindowsService::new(&layer)
         .oneshot(http::Request::get("/").body(()).unwrap())
         .await
         .unwrap();
