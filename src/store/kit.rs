@@ -61,6 +61,7 @@ pub async fn run_all<S: IdempotencyStore>(store: Arc<S>) {
     uncertain_records_page_in_order(&store).await;
     reconciling_routes_never_expire_into_a_second_run(&store).await;
     waiting_for_a_change_ends_when_the_record_moves_on(&store).await;
+    concurrent_operations_each_get_their_own_answer(&store).await;
 }
 
 fn unique_key(name: &str) -> ScopedKey {
@@ -966,4 +967,134 @@ pub async fn waiting_for_a_change_ends_when_the_record_moves_on<S: IdempotencySt
     )
     .await
     .expect("wait_for_change: waited past `within`");
+}
+
+/// Claims and completions of many keys at once, in every state a claim can find (fresh,
+/// completed, in progress, released, another fingerprint, one key twice), each get the answer
+/// they would get alone: a store that sends concurrent operations together (batches) must not
+/// cross one key's answer with another's, nor let one key's state decide another's.
+pub async fn concurrent_operations_each_get_their_own_answer<S: IdempotencyStore>(store: &Arc<S>) {
+    let body = |key: &ScopedKey| {
+        let mut r = response();
+        r.body = Some(Bytes::from(format!("the answer for {}", key.key())));
+        r
+    };
+    // The standing records, made one at a time.
+    let done = unique_key("together-done");
+    let lease = acquire(&**store, &request(&done, 1, LONG, LONG), "a fresh key").await;
+    store
+        .complete(&done, lease.token, &body(&done), LONG)
+        .await
+        .expect("complete");
+    let busy = unique_key("together-busy");
+    let busy_lease = acquire(&**store, &request(&busy, 1, LONG, LONG), "a fresh key").await;
+    let released = unique_key("together-released");
+    let lease = acquire(&**store, &request(&released, 1, LONG, LONG), "a fresh key").await;
+    store
+        .release(&released, lease.token)
+        .await
+        .expect("release");
+    let twice = unique_key("together-twice");
+    let fresh: Vec<ScopedKey> = (0..24).map(|_| unique_key("together-fresh")).collect();
+
+    // Then every claim at once.
+    let mut claims: Vec<(ClaimRequest, &str)> = vec![
+        (request(&done, 1, LONG, LONG), "done"),
+        (request(&done, 2, LONG, LONG), "done, another fingerprint"),
+        (request(&busy, 1, LONG, LONG), "busy"),
+        (request(&released, 1, LONG, LONG), "released"),
+        (request(&twice, 1, LONG, LONG), "twice"),
+        (request(&twice, 1, LONG, LONG), "twice"),
+    ];
+    claims.extend(fresh.iter().map(|k| (request(k, 3, LONG, LONG), "fresh")));
+    let tasks: Vec<_> = claims
+        .iter()
+        .map(|(req, _)| {
+            let (store, req) = (store.clone(), req.clone());
+            tokio::spawn(async move { store.claim(&req).await })
+        })
+        .collect();
+    let mut leases = Vec::new();
+    let mut twice_won = 0;
+    for ((req, what), task) in claims.iter().zip(tasks) {
+        let claimed = task.await.expect("claim task");
+        match (*what, claimed) {
+            ("fresh", Ok(Claim::Acquired(lease))) => {
+                assert_eq!(lease.attempt, 1, "a fresh key is attempt 1");
+                leases.push((req.key.clone(), lease));
+            }
+            ("released", Ok(Claim::Acquired(lease))) => {
+                assert_eq!(
+                    lease.attempt, 2,
+                    "a released key is taken over as attempt 2"
+                );
+            }
+            ("twice", Ok(Claim::Acquired(_))) => twice_won += 1,
+            ("twice", Ok(Claim::Existing { record, .. })) => {
+                assert_eq!(record.key, req.key, "the record of the key claimed");
+                assert_eq!(record.status, RecordStatus::InProgress);
+            }
+            ("done" | "done, another fingerprint", Ok(Claim::Existing { record, .. })) => {
+                assert_eq!(record.key, done, "a claim gets its own key's record");
+                assert_eq!(record.status, RecordStatus::Completed);
+                assert_eq!(
+                    record.fingerprint,
+                    fingerprint(1),
+                    "the first fingerprint stands"
+                );
+                let replayed = record.response.expect("a completed record's response");
+                assert_eq!(replayed.body, body(&done).body, "its own key's answer");
+            }
+            ("busy", Ok(Claim::Existing { record, .. })) => {
+                assert_eq!(record.key, busy, "a claim gets its own key's record");
+                assert_eq!(record.status, RecordStatus::InProgress);
+                assert_eq!(
+                    record.lease_token, busy_lease.token,
+                    "the holder keeps its lease"
+                );
+            }
+            (what, other) => panic!("a concurrent claim ({what}) answered {other:?}"),
+        }
+    }
+    assert_eq!(twice_won, 1, "one of two concurrent claims of a key wins");
+    assert_eq!(leases.len(), fresh.len(), "every fresh key is acquired");
+
+    // Every completion at once, and one with a stale token among them.
+    let mut tasks: Vec<_> = leases
+        .iter()
+        .map(|(key, lease)| {
+            let (store, key, token, answer) = (store.clone(), key.clone(), lease.token, body(key));
+            tokio::spawn(async move { store.complete(&key, token, &answer, LONG).await })
+        })
+        .collect();
+    let stale = {
+        let (store, busy) = (store.clone(), busy.clone());
+        let token = super::FencingToken::new(busy_lease.token.get() ^ 1);
+        tokio::spawn(async move { store.complete(&busy, token, &response(), LONG).await })
+    };
+    for task in tasks.drain(..) {
+        task.await
+            .expect("complete task")
+            .expect("a holder's completion is written");
+    }
+    assert_fenced(
+        stale.await.expect("complete task"),
+        "a completion among others",
+    );
+    for (key, _) in &leases {
+        let (record, _) = existing(&**store, &request(key, 3, LONG, LONG), "a replay").await;
+        assert_eq!(record.status, RecordStatus::Completed);
+        let replayed = record.response.expect("a completed record's response");
+        assert_eq!(
+            replayed.body,
+            body(key).body,
+            "each key keeps its own answer"
+        );
+    }
+    let (record, _) = existing(&**store, &request(&busy, 1, LONG, LONG), "still busy").await;
+    assert_eq!(
+        record.status,
+        RecordStatus::InProgress,
+        "a fenced completion changed nothing"
+    );
 }

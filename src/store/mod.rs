@@ -7,6 +7,8 @@
 //! write.
 
 mod any;
+#[cfg(any(feature = "postgres", feature = "sqlite"))]
+mod batch;
 mod codec;
 mod history;
 #[cfg(feature = "test-kit")]
@@ -35,6 +37,8 @@ use http::{HeaderMap, StatusCode};
 pub use crate::fingerprint::Fingerprint;
 pub use crate::key::ScopedKey;
 pub use any::{AnyStore, ConnectError};
+#[cfg(any(feature = "postgres", feature = "sqlite"))]
+pub use batch::Batching;
 pub use codec::CorruptRecord;
 pub use history::{HISTORY_LIMIT, HISTORY_REFUSALS, HistoryEntry, HistoryEvent};
 #[cfg(feature = "memory")]

@@ -355,11 +355,32 @@ impl $store {
     where
         E: sqlx::Executor<'c, Database = $db>,
     {
+        self.complete_bytes(executor, key, token, &response.to_bytes(), ttl)
+            .await
+    }
+
+    /// A completion of a batch, sent on its own (a batch of one, or a failed batch's).
+    async fn complete_encoded(&self, op: &super::batch::CompleteOp) -> Result<(), StoreError> {
+        self.complete_bytes(&self.pool, &op.key, op.token, &op.response, op.ttl)
+            .await
+    }
+
+    async fn complete_bytes<'c, E>(
+        &self,
+        executor: E,
+        key: &ScopedKey,
+        token: FencingToken,
+        response: &[u8],
+        ttl: Duration,
+    ) -> Result<(), StoreError>
+    where
+        E: sqlx::Executor<'c, Database = $db>,
+    {
         let done = sqlx::query(AssertSqlSafe(self.sql.complete.clone()))
             .bind(key.scope().as_bytes())
             .bind(key.key().as_bytes())
             .bind(sql::token(token))
-            .bind(response.to_bytes())
+            .bind(response)
             .bind(millis(ttl))
             .execute(executor)
             .await
@@ -453,8 +474,20 @@ impl IdempotencyStore for $store {
         response: &StoredResponse,
         ttl: Duration,
     ) -> Result<(), StoreError> {
-        self.complete_on(&self.pool, key, token, response, ttl)
-            .await
+        match &self.batches {
+            Some(batches) => {
+                let store = self.clone();
+                batches
+                    .complete(key, token, response.to_bytes(), ttl, move |ops| {
+                        store.clone().complete_batch(ops)
+                    })
+                    .await
+            }
+            None => {
+                self.complete_on(&self.pool, key, token, response, ttl)
+                    .await
+            }
+        }
     }
 
     async fn release(

@@ -10,6 +10,7 @@ use sqlx::sqlite::{
 };
 use sqlx::{AssertSqlSafe, Connection, Row};
 
+use super::batch::{Batches, Batching, ClaimOp, CompleteOp};
 use super::codec::fresh_token;
 use super::history::{HISTORY_LIMIT, HISTORY_REFUSALS};
 use super::sql::{self, InvalidIdentifier, RawRecord, millis, unavailable};
@@ -50,6 +51,8 @@ pub struct SqliteStore {
     /// pool closes all of its own (idle ones after 10 minutes, broken ones at any time).
     #[allow(dead_code)]
     anchor: Option<Arc<std::sync::Mutex<SqliteConnection>>>,
+    /// Claims and completions sent together under concurrency, when turned on.
+    batches: Option<Arc<Batches>>,
 }
 
 #[derive(Debug)]
@@ -272,6 +275,7 @@ impl SqliteStore {
             pool,
             sql: Arc::new(Statements::new(Self::DEFAULT_TABLE)),
             anchor: None,
+            batches: None,
         }
     }
 
@@ -438,14 +442,17 @@ impl SqliteStore {
         tx.commit().await
     }
 
-    async fn try_claim(
+    /// Claims `req` with `token` on `connection`, inside a write transaction the caller
+    /// commits. The outer error is the database's (the transaction is lost); the inner one is
+    /// this record's own (it does not decode).
+    async fn claim_in(
         &self,
+        connection: &mut SqliteConnection,
         req: &ClaimRequest,
         token: FencingToken,
-    ) -> Result<Claim, sqlx::Error> {
+    ) -> Result<Result<Claim, StoreError>, sqlx::Error> {
         let (scope, key) = (req.key.scope().as_bytes(), req.key.key().as_bytes());
         // The upsert takes the write lock; the read that may follow runs under it.
-        let mut tx = self.pool.begin().await?;
         let written = sqlx::query(AssertSqlSafe(self.sql.upsert.clone()))
             .bind(scope)
             .bind(key)
@@ -454,7 +461,7 @@ impl SqliteStore {
             .bind(millis(req.lease))
             .bind(req.on_lease_expiry == LeaseExpiry::Reclaim)
             .bind(millis(req.ttl))
-            .fetch_optional(&mut *tx)
+            .fetch_optional(&mut *connection)
             .await?;
         let (row, written) = match written {
             Some(row) => (row, true),
@@ -462,23 +469,150 @@ impl SqliteStore {
                 let row = sqlx::query(AssertSqlSafe(self.sql.current.clone()))
                     .bind(scope)
                     .bind(key)
-                    .fetch_one(&mut *tx)
+                    .fetch_one(&mut *connection)
                     .await?;
                 (row, false)
             }
         };
-        tx.commit().await?;
         let (raw, now) = raw(&row)?;
-        let record = raw
+        Ok(raw
             .into_record()
-            .map_err(|e| sqlx::Error::Decode(e.into()))?;
-        Ok(sql::claim_outcome(record, now, written, token))
+            .map(|record| sql::claim_outcome(record, now, written, token)))
+    }
+
+    /// One claim in a transaction of its own.
+    async fn claim_one(
+        &self,
+        req: &ClaimRequest,
+        token: FencingToken,
+    ) -> Result<Claim, StoreError> {
+        let mut tx = self.pool.begin().await.map_err(unavailable)?;
+        let outcome = self
+            .claim_in(&mut tx, req, token)
+            .await
+            .map_err(unavailable)?;
+        tx.commit().await.map_err(unavailable)?;
+        outcome
     }
 
     async fn claim_record(&self, req: &ClaimRequest) -> Result<Claim, StoreError> {
-        self.try_claim(req, fresh_token())
-            .await
-            .map_err(unavailable)
+        let token = fresh_token();
+        match &self.batches {
+            Some(batches) => {
+                let store = self.clone();
+                batches
+                    .claim(req, token, move |ops| store.clone().claim_batch(ops))
+                    .await
+            }
+            None => self.claim_one(req, token).await,
+        }
+    }
+
+    /// Sends claims and completions that arrive while others are in flight together, one
+    /// write transaction (one commit, one turn of SQLite's single write lock) per batch, each
+    /// request answered as it would be alone: the same fencing, leases and TTLs. No timer: at
+    /// low load each operation goes alone, at once. A batch that fails as a whole is sent
+    /// again one operation at a time.
+    ///
+    /// ```no_run
+    /// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+    /// use tower_idempotency::store::{Batching, SqliteStore};
+    ///
+    /// let store = SqliteStore::connect("sqlite://idempotency.db")
+    ///     .await?
+    ///     .with_batching(Batching::default());
+    /// # Ok(()) }
+    /// ```
+    pub fn with_batching(mut self, batching: Batching) -> Self {
+        self.batches = Some(Batches::new(batching));
+        self
+    }
+
+    /// How claims and completions are batched, if they are.
+    pub fn batching(&self) -> Option<Batching> {
+        self.batches.as_ref().map(|b| b.settings())
+    }
+
+    /// A batch of claims: one transaction.
+    async fn claim_batch(self, ops: Vec<ClaimOp>) {
+        let outcomes = match ops.as_slice() {
+            [op] => vec![self.claim_one(&op.request, op.token).await],
+            _ => match self.claim_together(&ops).await {
+                Ok(outcomes) => outcomes,
+                Err(error) => {
+                    tracing::debug!(%error, "a batch of claims failed; sent one by one");
+                    let mut outcomes = Vec::with_capacity(ops.len());
+                    for op in &ops {
+                        outcomes.push(self.claim_one(&op.request, op.token).await);
+                    }
+                    outcomes
+                }
+            },
+        };
+        let mut orphaned = Vec::new();
+        for (op, outcome) in ops.into_iter().zip(outcomes) {
+            orphaned.extend(op.answer(outcome));
+        }
+        for (key, token) in orphaned {
+            if let Err(error) = self.release(&key, token).await {
+                tracing::warn!(%error, "could not give back a claim whose caller left");
+            }
+        }
+    }
+
+    async fn claim_together(
+        &self,
+        ops: &[ClaimOp],
+    ) -> Result<Vec<Result<Claim, StoreError>>, sqlx::Error> {
+        let mut tx = self.pool.begin().await?;
+        let mut outcomes = Vec::with_capacity(ops.len());
+        for op in ops {
+            outcomes.push(self.claim_in(&mut tx, &op.request, op.token).await?);
+        }
+        tx.commit().await?;
+        Ok(outcomes)
+    }
+
+    /// A batch of completions: one transaction.
+    async fn complete_batch(self, ops: Vec<CompleteOp>) {
+        let outcomes = match ops.as_slice() {
+            [op] => vec![self.complete_encoded(op).await],
+            _ => match self.complete_together(&ops).await {
+                Ok(outcomes) => outcomes,
+                Err(error) => {
+                    tracing::debug!(%error, "a batch of completions failed; sent one by one");
+                    let mut outcomes = Vec::with_capacity(ops.len());
+                    for op in &ops {
+                        outcomes.push(self.complete_encoded(op).await);
+                    }
+                    outcomes
+                }
+            },
+        };
+        for (op, outcome) in ops.into_iter().zip(outcomes) {
+            op.answer(outcome);
+        }
+    }
+
+    async fn complete_together(
+        &self,
+        ops: &[CompleteOp],
+    ) -> Result<Vec<Result<(), StoreError>>, sqlx::Error> {
+        let mut tx = self.pool.begin().await?;
+        let mut outcomes = Vec::with_capacity(ops.len());
+        for op in ops {
+            let done = sqlx::query(AssertSqlSafe(self.sql.complete.clone()))
+                .bind(op.key.scope().as_bytes())
+                .bind(op.key.key().as_bytes())
+                .bind(sql::token(op.token))
+                .bind(op.response.as_slice())
+                .bind(millis(op.ttl))
+                .execute(&mut *tx)
+                .await?;
+            outcomes.push(fenced(done.rows_affected()));
+        }
+        tx.commit().await?;
+        Ok(outcomes)
     }
 }
 

@@ -8,7 +8,7 @@ use std::time::Duration;
 use common::TestClock;
 
 use tower_idempotency::store::{
-    Claim, ClaimRequest, Fingerprint, LeaseExpiry, RecordStatus, ScopedKey, StoreError,
+    Batching, Claim, ClaimRequest, Fingerprint, LeaseExpiry, RecordStatus, ScopedKey, StoreError,
     StoredResponse, kit,
 };
 use tower_idempotency::{IdempotencyStore, MemoryStore};
@@ -54,6 +54,7 @@ macro_rules! all_checks {
             uncertain_records_page_in_order,
             reconciling_routes_never_expire_into_a_second_run,
             waiting_for_a_change_ends_when_the_record_moves_on,
+            concurrent_operations_each_get_their_own_answer,
         );
     };
 }
@@ -70,12 +71,28 @@ async fn sqlite(name: &str) -> Option<tower_idempotency::store::SqliteStore> {
 
 all_checks!(sqlite_store, sqlite);
 
+async fn sqlite_batched(name: &str) -> Option<tower_idempotency::store::SqliteStore> {
+    let store = common::sqlite(&format!("batched-{name}")).await.0;
+    Some(store.with_batching(Batching::default().in_flight(1)))
+}
+
+all_checks!(sqlite_batched_store, sqlite_batched);
+
 async fn postgres(_: &str) -> Option<tower_idempotency::store::PostgresStore> {
     // One table for the kit: its checks use keys unique to each run.
     common::postgres("tower_idempotency_kit").await
 }
 
 all_checks!(postgres_store, postgres);
+
+/// §5, issue 23 §4: the batched path passes every check; one batch in flight makes the
+/// concurrent checks' operations queue and go together.
+async fn postgres_batched(_: &str) -> Option<tower_idempotency::store::PostgresStore> {
+    let store = common::postgres("tower_idempotency_kit").await?;
+    Some(store.with_batching(Batching::default().in_flight(1)))
+}
+
+all_checks!(postgres_batched_store, postgres_batched);
 
 async fn redis(name: &str) -> Option<tower_idempotency::store::RedisStore> {
     common::redis(name).await

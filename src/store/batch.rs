@@ -1,0 +1,437 @@
+//! Claims and completions that arrive while a statement is in flight go to the database
+//! together, one statement (or transaction) per batch.
+//!
+//! There is no timer. An operation that finds fewer than [`Batching::in_flight`] batches
+//! running starts one at once, alone: at low load nothing waits. Operations that arrive while
+//! every batch slot is busy queue, and the first slot to free takes the whole queue as its
+//! next batch. Each batch runs on a task of its own, so a caller that hangs up never takes
+//! the other callers' answers with it. A batch holds each key at most once (a statement may
+//! not write one row twice); a second operation on a key waits for the next batch, and sees
+//! what the first did.
+
+use std::collections::VecDeque;
+use std::future::Future;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use tokio::sync::oneshot;
+
+use super::{Claim, ClaimRequest, FencingToken, ScopedKey, StoreError};
+
+/// How a SQL store sends claims and completions in batches (see
+/// [`PostgresStore::with_batching`](super::PostgresStore::with_batching) and
+/// [`SqliteStore::with_batching`](super::SqliteStore::with_batching)).
+///
+/// Each request gets its own answer, with the same fencing, lease and TTL semantics as alone;
+/// batching only changes how many round trips (and commits) the database sees under
+/// concurrency. There is no timer: at low load each operation goes alone, at once.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Batching {
+    in_flight: usize,
+    max: usize,
+}
+
+impl Default for Batching {
+    /// Two batches of each kind in flight, at most 64 operations each.
+    fn default() -> Self {
+        Self {
+            in_flight: 2,
+            max: 64,
+        }
+    }
+}
+
+impl Batching {
+    /// How many batches of claims (and, apart, of completions) may be in flight at once
+    /// (at least 1). Fewer make bigger batches under load; more let a slow batch hold up
+    /// fewer operations.
+    pub fn in_flight(mut self, batches: usize) -> Self {
+        self.in_flight = batches.max(1);
+        self
+    }
+
+    /// The most operations one batch carries (at least 1); the rest wait for the next.
+    pub fn max_batch(mut self, operations: usize) -> Self {
+        self.max = operations.max(1);
+        self
+    }
+
+    /// Batches of claims in flight at once.
+    pub fn get_in_flight(&self) -> usize {
+        self.in_flight
+    }
+
+    /// The most operations per batch.
+    pub fn get_max_batch(&self) -> usize {
+        self.max
+    }
+}
+
+/// A claim waiting for its batch, with the token it will hold if it wins.
+pub(crate) struct ClaimOp {
+    pub(crate) request: ClaimRequest,
+    pub(crate) token: FencingToken,
+    answer: oneshot::Sender<Result<Claim, StoreError>>,
+}
+
+impl ClaimOp {
+    /// Answers the caller. A caller that is gone leaves a won claim behind: it is returned, for
+    /// the batch to give back, so no key stays in progress until its lease runs out.
+    pub(crate) fn answer(
+        self,
+        out: Result<Claim, StoreError>,
+    ) -> Option<(ScopedKey, FencingToken)> {
+        match self.answer.send(out) {
+            Ok(()) => None,
+            Err(Ok(Claim::Acquired(lease))) => Some((self.request.key, lease.token)),
+            Err(_) => None,
+        }
+    }
+}
+
+/// A completion waiting for its batch: the response already encoded as the store keeps it.
+pub(crate) struct CompleteOp {
+    pub(crate) key: ScopedKey,
+    pub(crate) token: FencingToken,
+    pub(crate) response: Vec<u8>,
+    pub(crate) ttl: Duration,
+    answer: oneshot::Sender<Result<(), StoreError>>,
+}
+
+impl CompleteOp {
+    /// Answers the caller (if still there).
+    pub(crate) fn answer(self, out: Result<(), StoreError>) {
+        let _ = self.answer.send(out);
+    }
+}
+
+/// An operation's key, for keeping each key once per batch.
+pub(crate) trait Keyed {
+    fn key(&self) -> &ScopedKey;
+}
+
+impl Keyed for ClaimOp {
+    fn key(&self) -> &ScopedKey {
+        &self.request.key
+    }
+}
+
+impl Keyed for CompleteOp {
+    fn key(&self) -> &ScopedKey {
+        &self.key
+    }
+}
+
+/// A store's two queues: claims and completions batch apart (one statement each kind).
+#[derive(Debug)]
+pub(crate) struct Batches {
+    claims: Batcher<ClaimOp>,
+    completes: Batcher<CompleteOp>,
+    settings: Batching,
+}
+
+impl Batches {
+    pub(crate) fn new(settings: Batching) -> Arc<Self> {
+        Arc::new(Self {
+            claims: Batcher::new(settings),
+            completes: Batcher::new(settings),
+            settings,
+        })
+    }
+
+    pub(crate) fn settings(&self) -> Batching {
+        self.settings
+    }
+
+    /// Claims `request` in the next batch; `run` sends a batch (called on the batch's task).
+    pub(crate) async fn claim<F, Fut>(
+        &self,
+        request: &ClaimRequest,
+        token: FencingToken,
+        run: F,
+    ) -> Result<Claim, StoreError>
+    where
+        F: Fn(Vec<ClaimOp>) -> Fut + Send + 'static,
+        Fut: Future<Output = ()> + Send + 'static,
+    {
+        let (answer, answered) = oneshot::channel();
+        let op = ClaimOp {
+            request: request.clone(),
+            token,
+            answer,
+        };
+        self.claims.push(op, run)?;
+        answered.await.unwrap_or_else(|_| Err(lost()))
+    }
+
+    /// Completes `key` in the next batch; `run` sends a batch.
+    pub(crate) async fn complete<F, Fut>(
+        &self,
+        key: &ScopedKey,
+        token: FencingToken,
+        response: Vec<u8>,
+        ttl: Duration,
+        run: F,
+    ) -> Result<(), StoreError>
+    where
+        F: Fn(Vec<CompleteOp>) -> Fut + Send + 'static,
+        Fut: Future<Output = ()> + Send + 'static,
+    {
+        let (answer, answered) = oneshot::channel();
+        let op = CompleteOp {
+            key: key.clone(),
+            token,
+            response,
+            ttl,
+            answer,
+        };
+        self.completes.push(op, run)?;
+        answered.await.unwrap_or_else(|_| Err(lost()))
+    }
+}
+
+/// A batch ended without answering (its task was stopped: the runtime shut down, or it
+/// panicked): the operation may or may not have reached the database.
+fn lost() -> StoreError {
+    StoreError::unavailable("the batch carrying this operation ended without an answer")
+}
+
+/// One queue of operations and the batches draining it.
+struct Batcher<T> {
+    shared: Arc<Shared<T>>,
+}
+
+impl<T> std::fmt::Debug for Batcher<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let state = self.shared.lock();
+        f.debug_struct("Batcher")
+            .field("queued", &state.queue.len())
+            .field("running", &state.running)
+            .finish()
+    }
+}
+
+struct Shared<T> {
+    state: Mutex<State<T>>,
+    settings: Batching,
+}
+
+struct State<T> {
+    queue: VecDeque<T>,
+    /// Batch tasks running (each sends batches until the queue is empty).
+    running: usize,
+}
+
+impl<T> Shared<T> {
+    fn lock(&self) -> MutexGuard<'_, State<T>> {
+        // No code panics while holding it; a poisoned queue is still a consistent queue.
+        self.state
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+}
+
+impl<T: Keyed + Send + 'static> Batcher<T> {
+    fn new(settings: Batching) -> Self {
+        Self {
+            shared: Arc::new(Shared {
+                state: Mutex::new(State {
+                    queue: VecDeque::new(),
+                    running: 0,
+                }),
+                settings,
+            }),
+        }
+    }
+
+    /// Queues `op`, and starts a batch task if a slot is free.
+    fn push<F, Fut>(&self, op: T, run: F) -> Result<(), StoreError>
+    where
+        F: Fn(Vec<T>) -> Fut + Send + 'static,
+        Fut: Future<Output = ()> + Send + 'static,
+    {
+        // Checked first: without a runtime no batch could run, and the op would wait forever.
+        let runtime = tokio::runtime::Handle::try_current()
+            .map_err(|_| StoreError::unavailable("a batched store needs a tokio runtime"))?;
+        let start = {
+            let mut state = self.shared.lock();
+            state.queue.push_back(op);
+            let start = state.running < self.shared.settings.in_flight;
+            if start {
+                state.running += 1;
+            }
+            start
+        };
+        if start {
+            runtime.spawn(drain(self.shared.clone(), run));
+        }
+        Ok(())
+    }
+}
+
+/// A batch task: sends batches while operations are queued.
+async fn drain<T, F, Fut>(shared: Arc<Shared<T>>, run: F)
+where
+    T: Keyed + Send + 'static,
+    F: Fn(Vec<T>) -> Fut + Send + 'static,
+    Fut: Future<Output = ()> + Send + 'static,
+{
+    let mut slot = Slot(Some(shared));
+    loop {
+        let Some(batch) = slot.next() else { return };
+        run(batch).await;
+    }
+}
+
+/// A running batch task's place. Dropped without finishing (its runtime shut down, or a batch
+/// panicked), it gives its place back; if it was the last, the queue is dropped, so waiting
+/// callers get an error rather than waiting for a task that will never come.
+struct Slot<T: Keyed>(Option<Arc<Shared<T>>>);
+
+impl<T: Keyed> Slot<T> {
+    /// The next batch: up to `max` queued operations, each key once, in order of arrival.
+    /// `None` when the queue is empty, and the task's place is given back under the same lock,
+    /// so no operation is queued after the last task looked.
+    fn next(&mut self) -> Option<Vec<T>> {
+        let shared = self.0.as_ref()?;
+        let mut state = shared.lock();
+        if state.queue.is_empty() {
+            state.running -= 1;
+            drop(state);
+            self.0 = None;
+            return None;
+        }
+        let max = shared.settings.max;
+        let mut batch: Vec<T> = Vec::with_capacity(state.queue.len().min(max));
+        let mut later = VecDeque::new();
+        while let Some(op) = state.queue.pop_front() {
+            if batch.len() == max {
+                later.push_back(op);
+                later.extend(state.queue.drain(..));
+                break;
+            }
+            if batch.iter().any(|b| b.key() == op.key()) {
+                later.push_back(op);
+            } else {
+                batch.push(op);
+            }
+        }
+        state.queue = later;
+        Some(batch)
+    }
+}
+
+impl<T: Keyed> Drop for Slot<T> {
+    fn drop(&mut self) {
+        let Some(shared) = self.0.take() else { return };
+        let orphaned = {
+            let mut state = shared.lock();
+            state.running -= 1;
+            if state.running == 0 {
+                std::mem::take(&mut state.queue)
+            } else {
+                VecDeque::new()
+            }
+        };
+        // Dropped outside the lock: each drop answers a caller with an error.
+        drop(orphaned);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    struct Op(ScopedKey, oneshot::Sender<usize>);
+
+    impl Keyed for Op {
+        fn key(&self) -> &ScopedKey {
+            &self.0
+        }
+    }
+
+    fn op(key: &str) -> (Op, oneshot::Receiver<usize>) {
+        let (tx, rx) = oneshot::channel();
+        (Op(ScopedKey::new("s", key), tx), rx)
+    }
+
+    /// §4: at low load an operation goes at once, alone; while a batch is in flight the next
+    /// arrivals queue and go together, each key once per batch.
+    #[tokio::test]
+    async fn s4_operations_queued_behind_a_batch_go_together_each_key_once() {
+        let batcher = Batcher::new(Batching::default().in_flight(1));
+        let sizes = Arc::new(Mutex::new(Vec::new()));
+        let (gate_tx, gate_rx) = tokio::sync::watch::channel(false);
+        let run = {
+            let sizes = sizes.clone();
+            move |batch: Vec<Op>| {
+                let sizes = sizes.clone();
+                let mut gate = gate_rx.clone();
+                async move {
+                    sizes.lock().expect("sizes").push(batch.len());
+                    // The first batch is held until the others have queued behind it.
+                    let _ = gate.wait_for(|open| *open).await;
+                    for (i, Op(_, tx)) in batch.into_iter().enumerate() {
+                        let _ = tx.send(i);
+                    }
+                }
+            }
+        };
+        let (first, first_rx) = op("a");
+        batcher.push(first, run.clone()).expect("push");
+        tokio::task::yield_now().await;
+        let mut answers = vec![first_rx];
+        for key in ["b", "c", "b", "d"] {
+            let (o, rx) = op(key);
+            batcher.push(o, run.clone()).expect("push");
+            answers.push(rx);
+        }
+        gate_tx.send(true).expect("open");
+        for rx in answers {
+            rx.await.expect("every operation is answered");
+        }
+        // "a" alone, then b, c, d together, then the second "b" in a batch of its own.
+        assert_eq!(*sizes.lock().expect("sizes"), vec![1, 3, 1]);
+    }
+
+    /// A batch task that dies (here: panics) answers its queued callers with an error, never
+    /// leaves them waiting.
+    #[tokio::test]
+    async fn s4_a_dead_batch_task_leaves_no_caller_waiting() {
+        let batcher = Batcher::new(Batching::default().in_flight(1));
+        let calls = Arc::new(AtomicUsize::new(0));
+        let run = {
+            let calls = calls.clone();
+            move |batch: Vec<Op>| {
+                let calls = calls.clone();
+                async move {
+                    let _held = batch;
+                    calls.fetch_add(1, Ordering::SeqCst);
+                    tokio::task::yield_now().await;
+                    panic!("a batch that dies");
+                }
+            }
+        };
+        let mut answers = Vec::new();
+        for key in ["a", "b", "c"] {
+            let (o, rx) = op(key);
+            batcher.push(o, run.clone()).expect("push");
+            answers.push(rx);
+        }
+        for rx in answers {
+            assert!(rx.await.is_err(), "a dead batch answers with an error");
+        }
+        assert_eq!(calls.load(Ordering::SeqCst), 1);
+        assert_eq!(batcher.shared.lock().running, 0);
+        // The batcher still works afterwards.
+        let ok = move |batch: Vec<Op>| async move {
+            for Op(_, tx) in batch {
+                let _ = tx.send(7);
+            }
+        };
+        let (o, rx) = op("e");
+        batcher.push(o, ok).expect("push");
+        assert_eq!(rx.await.expect("answered"), 7);
+    }
+}
