@@ -1,11 +1,11 @@
 //! Claims and completions that arrive while a statement is in flight go to the database
 //! together, one statement (or transaction) per batch.
 //!
-//! There is no timer. An operation that finds fewer than [`Batching::in_flight`] batches
-//! running starts one at once, alone: at low load nothing waits. Operations that arrive while
-//! every batch slot is busy queue, and the first slot to free takes the whole queue as its
-//! next batch. Each batch runs on a task of its own, so a caller that hangs up never takes
-//! the other callers' answers with it. A batch holds each key at most once (a statement may
+//! There is no timer. An operation that finds a batch slot free and nothing queued goes at
+//! once, alone, on its caller's own task: at low load nothing waits and nothing is spawned.
+//! Operations that arrive while every slot is busy queue, and the first slot to free takes
+//! the whole queue as its next batch, on a task of its own, so a caller that hangs up never
+//! takes the other callers' answers with it. A batch holds each key at most once (a statement may
 //! not write one row twice); a second operation on a key waits for the next batch, and sees
 //! what the first did.
 
@@ -160,7 +160,7 @@ impl Batches {
             token,
             answer,
         };
-        self.claims.push(op, run)?;
+        self.claims.send(op, run).await?;
         answered.await.unwrap_or_else(|_| Err(lost()))
     }
 
@@ -185,7 +185,7 @@ impl Batches {
             ttl,
             answer,
         };
-        self.completes.push(op, run)?;
+        self.completes.send(op, run).await?;
         answered.await.unwrap_or_else(|_| Err(lost()))
     }
 }
@@ -244,8 +244,10 @@ impl<T: Keyed + Send + 'static> Batcher<T> {
         }
     }
 
-    /// Queues `op`, and starts a batch task if a slot is free.
-    fn push<F, Fut>(&self, op: T, run: F) -> Result<(), StoreError>
+    /// Sends `op`. With a batch slot free and nothing queued (low load), it goes at once on
+    /// the caller's own task, alone: no task to spawn, no thread to wake. Otherwise it queues,
+    /// and a batch task is started if a slot is free; its answer comes by its channel.
+    async fn send<F, Fut>(&self, op: T, run: F) -> Result<(), StoreError>
     where
         F: Fn(Vec<T>) -> Fut + Send + 'static,
         Fut: Future<Output = ()> + Send + 'static,
@@ -253,19 +255,82 @@ impl<T: Keyed + Send + 'static> Batcher<T> {
         // Checked first: without a runtime no batch could run, and the op would wait forever.
         let runtime = tokio::runtime::Handle::try_current()
             .map_err(|_| StoreError::unavailable("a batched store needs a tokio runtime"))?;
-        let start = {
+        let alone = {
             let mut state = self.shared.lock();
-            state.queue.push_back(op);
-            let start = state.running < self.shared.settings.in_flight;
-            if start {
+            if state.running < self.shared.settings.in_flight {
                 state.running += 1;
+                if state.queue.is_empty() {
+                    Some(op)
+                } else {
+                    state.queue.push_back(op);
+                    None
+                }
+            } else {
+                state.queue.push_back(op);
+                return Ok(());
             }
-            start
         };
-        if start {
-            runtime.spawn(drain(self.shared.clone(), run));
+        match alone {
+            Some(op) => {
+                // The slot passes to a batch task for what queued meanwhile, even if this
+                // caller leaves mid-statement.
+                let slot = Handoff {
+                    shared: self.shared.clone(),
+                    run: Some(run),
+                };
+                if let Some(run) = &slot.run {
+                    run(vec![op]).await;
+                }
+                drop(slot);
+            }
+            None => {
+                runtime.spawn(drain(self.shared.clone(), run));
+            }
         }
         Ok(())
+    }
+}
+
+/// The slot of an operation sent on its caller's task. Dropped (done, or left mid-statement
+/// when its caller hung up), it is given back, or handed to a batch task if operations
+/// queued behind it.
+struct Handoff<T, F, Fut>
+where
+    T: Keyed + Send + 'static,
+    F: Fn(Vec<T>) -> Fut + Send + 'static,
+    Fut: Future<Output = ()> + Send + 'static,
+{
+    shared: Arc<Shared<T>>,
+    run: Option<F>,
+}
+
+impl<T, F, Fut> Drop for Handoff<T, F, Fut>
+where
+    T: Keyed + Send + 'static,
+    F: Fn(Vec<T>) -> Fut + Send + 'static,
+    Fut: Future<Output = ()> + Send + 'static,
+{
+    fn drop(&mut self) {
+        let shared = self.shared.clone();
+        let queued = {
+            let mut state = shared.lock();
+            let queued = !state.queue.is_empty();
+            if !queued {
+                state.running -= 1;
+            }
+            queued
+        };
+        if !queued {
+            return;
+        }
+        match (self.run.take(), tokio::runtime::Handle::try_current()) {
+            (Some(run), Ok(runtime)) => {
+                runtime.spawn(drain(shared, run));
+            }
+            // No runtime left to run them (shutting down): the slot is given back, and if it
+            // was the last, the queued callers get an error.
+            _ => drop(Slot(Some(shared))),
+        }
     }
 }
 
@@ -356,11 +421,11 @@ mod tests {
         (Op(ScopedKey::new("s", key), tx), rx)
     }
 
-    /// §4: at low load an operation goes at once, alone; while a batch is in flight the next
-    /// arrivals queue and go together, each key once per batch.
+    /// §4: at low load an operation goes at once, alone, on its caller's task; while it is in
+    /// flight the next arrivals queue and go together, each key once per batch.
     #[tokio::test]
     async fn s4_operations_queued_behind_a_batch_go_together_each_key_once() {
-        let batcher = Batcher::new(Batching::default().in_flight(1));
+        let batcher = Arc::new(Batcher::new(Batching::default().in_flight(1)));
         let sizes = Arc::new(Mutex::new(Vec::new()));
         let (gate_tx, gate_rx) = tokio::sync::watch::channel(false);
         let run = {
@@ -379,27 +444,38 @@ mod tests {
             }
         };
         let (first, first_rx) = op("a");
-        batcher.push(first, run.clone()).expect("push");
+        let alone = {
+            let (batcher, run) = (batcher.clone(), run.clone());
+            tokio::spawn(async move { batcher.send(first, run).await })
+        };
         tokio::task::yield_now().await;
         let mut answers = vec![first_rx];
         for key in ["b", "c", "b", "d"] {
             let (o, rx) = op(key);
-            batcher.push(o, run.clone()).expect("push");
+            // Queued: it returns at once, and its answer comes by its channel.
+            batcher.send(o, run.clone()).await.expect("send");
             answers.push(rx);
         }
+        assert_eq!(
+            batcher.shared.lock().queue.len(),
+            4,
+            "queued behind the first"
+        );
         gate_tx.send(true).expect("open");
+        alone.await.expect("task").expect("send");
         for rx in answers {
             rx.await.expect("every operation is answered");
         }
         // "a" alone, then b, c, d together, then the second "b" in a batch of its own.
         assert_eq!(*sizes.lock().expect("sizes"), vec![1, 3, 1]);
+        assert_eq!(batcher.shared.lock().running, 0, "every slot given back");
     }
 
-    /// A batch task that dies (here: panics) answers its queued callers with an error, never
-    /// leaves them waiting.
+    /// A batch that dies (here: panics, on its caller's task and then on a batch task) answers
+    /// every queued caller with an error, never leaves one waiting, and gives its slots back.
     #[tokio::test]
-    async fn s4_a_dead_batch_task_leaves_no_caller_waiting() {
-        let batcher = Batcher::new(Batching::default().in_flight(1));
+    async fn s4_a_dead_batch_leaves_no_caller_waiting() {
+        let batcher = Arc::new(Batcher::new(Batching::default().in_flight(1)));
         let calls = Arc::new(AtomicUsize::new(0));
         let run = {
             let calls = calls.clone();
@@ -413,16 +489,27 @@ mod tests {
                 }
             }
         };
-        let mut answers = Vec::new();
-        for key in ["a", "b", "c"] {
+        let (first, first_rx) = op("a");
+        let alone = {
+            let (batcher, run) = (batcher.clone(), run.clone());
+            tokio::spawn(async move { batcher.send(first, run).await })
+        };
+        tokio::task::yield_now().await;
+        let mut answers = vec![first_rx];
+        for key in ["b", "c"] {
             let (o, rx) = op(key);
-            batcher.push(o, run.clone()).expect("push");
+            batcher.send(o, run.clone()).await.expect("send");
             answers.push(rx);
         }
+        assert!(alone.await.is_err(), "the first caller's task panicked");
         for rx in answers {
             assert!(rx.await.is_err(), "a dead batch answers with an error");
         }
-        assert_eq!(calls.load(Ordering::SeqCst), 1);
+        assert_eq!(
+            calls.load(Ordering::SeqCst),
+            2,
+            "alone, then b and c together"
+        );
         assert_eq!(batcher.shared.lock().running, 0);
         // The batcher still works afterwards.
         let ok = move |batch: Vec<Op>| async move {
@@ -431,7 +518,7 @@ mod tests {
             }
         };
         let (o, rx) = op("e");
-        batcher.push(o, ok).expect("push");
+        batcher.send(o, ok).await.expect("send");
         assert_eq!(rx.await.expect("answered"), 7);
     }
 }

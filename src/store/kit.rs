@@ -996,6 +996,23 @@ pub async fn concurrent_operations_each_get_their_own_answer<S: IdempotencyStore
         .expect("release");
     let twice = unique_key("together-twice");
     let fresh: Vec<ScopedKey> = (0..24).map(|_| unique_key("together-fresh")).collect();
+    // And the states that time makes: a lease run out (taken over, or on a reconciling route
+    // awaiting reconciliation), a record past its TTL (absent).
+    let lapsed = unique_key("together-lapsed");
+    acquire(&**store, &request(&lapsed, 1, SHORT, LONG), "a fresh key").await;
+    let reconcile = |key: &ScopedKey| ClaimRequest {
+        on_lease_expiry: LeaseExpiry::Reconcile,
+        ..request(key, 1, SHORT, LONG)
+    };
+    let unknown = unique_key("together-unknown");
+    acquire(&**store, &reconcile(&unknown), "a fresh key").await;
+    let expired = unique_key("together-expired");
+    let lease = acquire(&**store, &request(&expired, 1, SHORT, LONG), "a fresh key").await;
+    store
+        .complete(&expired, lease.token, &body(&expired), SHORT)
+        .await
+        .expect("complete");
+    tokio::time::sleep(PAST_SHORT).await;
 
     // Then every claim at once.
     let mut claims: Vec<(ClaimRequest, &str)> = vec![
@@ -1005,6 +1022,9 @@ pub async fn concurrent_operations_each_get_their_own_answer<S: IdempotencyStore
         (request(&released, 1, LONG, LONG), "released"),
         (request(&twice, 1, LONG, LONG), "twice"),
         (request(&twice, 1, LONG, LONG), "twice"),
+        (request(&lapsed, 1, LONG, LONG), "lapsed"),
+        (reconcile(&unknown), "unknown"),
+        (request(&expired, 2, LONG, LONG), "expired"),
     ];
     claims.extend(fresh.iter().map(|k| (request(k, 3, LONG, LONG), "fresh")));
     let tasks: Vec<_> = claims
@@ -1022,6 +1042,20 @@ pub async fn concurrent_operations_each_get_their_own_answer<S: IdempotencyStore
             ("fresh", Ok(Claim::Acquired(lease))) => {
                 assert_eq!(lease.attempt, 1, "a fresh key is attempt 1");
                 leases.push((req.key.clone(), lease));
+            }
+            ("lapsed", Ok(Claim::Acquired(lease))) => {
+                assert_eq!(
+                    lease.attempt, 2,
+                    "a lapsed lease is taken over as attempt 2"
+                );
+            }
+            ("unknown", Ok(Claim::Existing { record, .. })) => {
+                assert_eq!(record.key, unknown, "a claim gets its own key's record");
+                assert_eq!(record.status, RecordStatus::NeedsReconciliation);
+                assert_eq!(record.attempts, 1, "nothing was taken over");
+            }
+            ("expired", Ok(Claim::Acquired(lease))) => {
+                assert_eq!(lease.attempt, 1, "a record past its TTL counts as absent");
             }
             ("released", Ok(Claim::Acquired(lease))) => {
                 assert_eq!(

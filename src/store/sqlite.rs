@@ -53,6 +53,10 @@ pub struct SqliteStore {
     anchor: Option<Arc<std::sync::Mutex<SqliteConnection>>>,
     /// Claims and completions sent together under concurrency, when turned on.
     batches: Option<Arc<Batches>>,
+    /// Taken by each batch for its transaction: batches of this store take SQLite's one write
+    /// lock in turn, woken in order, where contending for it would put the losers to sleep in
+    /// SQLite's busy handler (1, 2, 5, 10… ms).
+    writer: Arc<tokio::sync::Mutex<()>>,
 }
 
 #[derive(Debug)]
@@ -276,6 +280,7 @@ impl SqliteStore {
             sql: Arc::new(Statements::new(Self::DEFAULT_TABLE)),
             anchor: None,
             batches: None,
+            writer: Arc::default(),
         }
     }
 
@@ -535,6 +540,7 @@ impl SqliteStore {
 
     /// A batch of claims: one transaction.
     async fn claim_batch(self, ops: Vec<ClaimOp>) {
+        let writer = self.writer.lock().await;
         let outcomes = match ops.as_slice() {
             [op] => vec![self.claim_one(&op.request, op.token).await],
             _ => match self.claim_together(&ops).await {
@@ -549,6 +555,7 @@ impl SqliteStore {
                 }
             },
         };
+        drop(writer);
         let mut orphaned = Vec::new();
         for (op, outcome) in ops.into_iter().zip(outcomes) {
             orphaned.extend(op.answer(outcome));
@@ -575,6 +582,7 @@ impl SqliteStore {
 
     /// A batch of completions: one transaction.
     async fn complete_batch(self, ops: Vec<CompleteOp>) {
+        let writer = self.writer.lock().await;
         let outcomes = match ops.as_slice() {
             [op] => vec![self.complete_encoded(op).await],
             _ => match self.complete_together(&ops).await {
@@ -589,6 +597,7 @@ impl SqliteStore {
                 }
             },
         };
+        drop(writer);
         for (op, outcome) in ops.into_iter().zip(outcomes) {
             op.answer(outcome);
         }

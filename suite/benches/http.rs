@@ -40,7 +40,7 @@ use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use hyper_util::rt::TokioIo;
 use tokio::net::{TcpListener, TcpStream};
-use tower_idempotency::store::{PostgresStore, RedisStore, SqliteStore};
+use tower_idempotency::store::{AnyStore, Batching, PostgresStore, RedisStore, SqliteStore};
 use tower_idempotency::{IdempotencyLayer, IdempotencyStore, MemoryStore};
 
 const CONNECTIONS: usize = 64;
@@ -136,12 +136,17 @@ struct Result {
     errors: usize,
 }
 
+/// Connections per scenario: `BENCH_CONNECTIONS`, default 64.
+fn connections() -> usize {
+    setting("BENCH_CONNECTIONS").unwrap_or(CONNECTIONS).max(1)
+}
+
 async fn load(addr: SocketAddr, keys: Keys, seconds: u64, run: &str) -> Result {
     let body = body();
     let cpu_before = server_cpu();
     let deadline = Instant::now() + Duration::from_secs(seconds);
     let start = Instant::now();
-    let tasks: Vec<_> = (0..CONNECTIONS)
+    let tasks: Vec<_> = (0..connections())
         .map(|c| {
             let (body, run) = (body.clone(), run.to_owned());
             tokio::spawn(async move {
@@ -380,6 +385,10 @@ async fn run() {
         println!("bare on http://127.0.0.1:3001, layer + MemoryStore on :3002, the floor on :3003");
         std::future::pending::<()>().await;
     }
+    if std::env::var("BENCH_ONLY").is_ok_and(|v| v == "batching") {
+        batching().await;
+        return;
+    }
     let rounds: usize = setting("BENCH_ROUNDS").unwrap_or(11).max(1);
     let round_seconds: u64 = setting("BENCH_SECONDS").unwrap_or(1);
     let seconds: u64 = setting("BENCH_SECONDS").unwrap_or(5);
@@ -388,8 +397,9 @@ async fn run() {
         .map_or(0, |d| d.as_millis())
         .to_string();
     println!(
-        "{} cores, {CONNECTIONS} connections, 1 KiB JSON bodies",
-        std::thread::available_parallelism().map_or(1, |n| n.get())
+        "{} cores, {} connections, 1 KiB JSON bodies",
+        std::thread::available_parallelism().map_or(1, |n| n.get()),
+        connections()
     );
     println!(
         "MemoryStore: {rounds} interleaved rounds of {round_seconds} s per scenario; \
@@ -544,4 +554,114 @@ async fn run() {
             "layer + RedisStore"
         ),
     }
+    batching().await;
+}
+
+/// Issue 23 §4: the durable stores batched against today's path, unique keys at 64
+/// connections, in interleaved rounds (`BENCH_ROUNDS`, default 5, of `BENCH_SECONDS`, default
+/// 2); `BENCH_ONLY=batching` runs only these rows.
+async fn batching() {
+    let rounds: usize = setting("BENCH_ROUNDS").unwrap_or(5).max(1);
+    let seconds: u64 = setting("BENCH_SECONDS").unwrap_or(2);
+    let run_id = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis())
+        .to_string();
+    let layered = |store| handler_app().layer(IdempotencyLayer::new(store).single_tenant());
+    let mut scenarios = vec![("bare handler", serve(handler_app()).await, Keys::None)];
+
+    let path = std::env::temp_dir().join(format!("tower-idempotency-batching-{run_id}.db"));
+    let sqlite = SqliteStore::connect(&format!("sqlite://{}", path.display()))
+        .await
+        .expect("sqlite");
+    sqlite.migrate().await.expect("migrate");
+    let batched = sqlite.clone().with_batching(Batching::default());
+    scenarios.push((
+        "SqliteStore, today's path",
+        serve(layered(AnyStore::Sqlite(sqlite))).await,
+        Keys::Unique,
+    ));
+    scenarios.push((
+        "SqliteStore, batched",
+        serve(layered(AnyStore::Sqlite(batched))).await,
+        Keys::Unique,
+    ));
+
+    let url = std::env::var("TOWER_IDEMPOTENCY_POSTGRES_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".to_owned());
+    match sqlx::postgres::PgPoolOptions::new()
+        .max_connections(32)
+        .connect(&url)
+        .await
+    {
+        Ok(pool) => {
+            let store = PostgresStore::new(pool)
+                .with_table("tower_idempotency_bench_batching")
+                .expect("table");
+            store.migrate().await.expect("migrate");
+            sqlx::query("TRUNCATE tower_idempotency_bench_batching")
+                .execute(store.pool())
+                .await
+                .expect("truncate");
+            let batched = store.clone().with_batching(Batching::default());
+            scenarios.push((
+                "PostgresStore, today's path",
+                serve(layered(AnyStore::Postgres(store))).await,
+                Keys::Unique,
+            ));
+            scenarios.push((
+                "PostgresStore, batched",
+                serve(layered(AnyStore::Postgres(batched))).await,
+                Keys::Unique,
+            ));
+        }
+        Err(e) => println!("PostgreSQL rows skipped: unreachable ({e})"),
+    }
+    println!(
+        "\nBatched durable stores (issue 23 §4): unique keys, {} connections, \
+         {rounds} interleaved rounds of {seconds} s; the batched rows' ratios are to today's path",
+        connections()
+    );
+    println!(
+        "\n{:<36} {:>8} {:>7} {:>7} {:>7} {:>10} {:>9} {:>8} {:>6}",
+        "scenario", "req/s", "p50 µs", "p99 µs", "vs base", "range", "server µs", "+µs", "errors"
+    );
+    let warm = scenarios[0].1;
+    load(warm, Keys::None, 1, "warm").await;
+    let measured = Interleaved::run(scenarios, rounds, seconds, &format!("{run_id}-b")).await;
+    measured.print(0, 0);
+    for plain in (1..measured.scenarios.len()).step_by(2) {
+        measured.print(plain, 0);
+        measured.print(plain + 1, plain);
+    }
+    println!();
+    for plain in (1..measured.scenarios.len()).step_by(2) {
+        let ratio = measured.ratio(plain + 1, plain);
+        let p99 = |i: usize| {
+            let mut p99: Vec<Duration> = measured.rounds[i].iter().map(|r| r.p99).collect();
+            median(&mut p99)
+        };
+        let (before, after) = (p99(plain), p99(plain + 1));
+        let name = measured.scenarios[plain + 1].0;
+        let (after, before) = (after.as_micros(), before.as_micros());
+        if connections() == CONNECTIONS {
+            println!(
+                "target: {name}, at least 2x today's throughput at {CONNECTIONS} connections, \
+                 p99 no worse: {ratio:.2}x, p99 {after} µs against {before} µs, {}",
+                if ratio >= 2.0 && after <= before {
+                    "met"
+                } else {
+                    "missed"
+                }
+            );
+        } else {
+            // Fewer connections: batches are small or single, and nothing should be lost.
+            println!(
+                "{name} at {} connections: {ratio:.2}x today's throughput, p99 {after} µs \
+                 against {before} µs",
+                connections()
+            );
+        }
+    }
+    let _ = std::fs::remove_file(&path);
 }

@@ -237,13 +237,34 @@ async fn s4_a_row_held_elsewhere_fails_only_its_own_claim() {
     }
 }
 
-/// Issue 23 §4: a caller that leaves while its claim is in a batch does not leave the key in
-/// progress until its lease runs out: the batch gives the won claim back.
-async fn a_caller_who_leaves_gets_its_claim_given_back<S: IdempotencyStore>(store: S) {
-    let key = ScopedKey::new(unique("leaves"), "k");
-    // Polled once (queued, its batch started), then dropped.
+/// Issue 23 §4: a caller that leaves while its claim waits in a batch does not leave the key
+/// in progress until its lease runs out: the batch gives the won claim back. `hold` keeps the
+/// first claim (sent alone, on its caller's task) in flight while the second queues behind
+/// it, and returns what lets it go.
+async fn a_caller_who_leaves_gets_its_claim_given_back<S, H, F>(store: S, hold: H)
+where
+    S: IdempotencyStore,
+    H: FnOnce(ScopedKey) -> F,
+    F: std::future::Future<Output = Box<dyn FnOnce() + Send>>,
+{
+    let store = Arc::new(store);
+    let run = unique("leaves");
+    let (first, key) = (
+        ScopedKey::new(run.clone(), "first"),
+        ScopedKey::new(run, "k"),
+    );
+    let release = hold(first.clone()).await;
+    let ahead = {
+        let (store, req) = (store.clone(), claim(&first));
+        tokio::spawn(async move { store.claim(&req).await })
+    };
+    // The first claim is now waiting for the held lock, in the batch slot.
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    // Polled once (queued behind it), then dropped.
     let left = tokio::time::timeout(Duration::ZERO, store.claim(&claim(&key))).await;
     assert!(left.is_err(), "the caller left before the answer");
+    release();
+    let _ = ahead.await.expect("the first claim's task");
     let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
     loop {
         let status = store.lookup(&key).await.expect("lookup").map(|r| r.status);
@@ -264,16 +285,66 @@ async fn a_caller_who_leaves_gets_its_claim_given_back<S: IdempotencyStore>(stor
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn s4_postgres_a_caller_who_leaves_gets_its_claim_given_back() {
-    let Some(store) = common::postgres("tower_idempotency_batching").await else {
+    let Some(store) = common::postgres("tower_idempotency_batching_leaves").await else {
         return;
     };
-    a_caller_who_leaves_gets_its_claim_given_back(store.with_batching(Batching::default())).await;
+    let pool = store.pool().clone();
+    let hold = |first: ScopedKey| async move {
+        // The first key's row, held by another transaction: its claim waits (at most 100 ms,
+        // then answers in flight), in the one batch slot.
+        sqlx::query(
+            "INSERT INTO tower_idempotency_batching_leaves (scope, key, fingerprint, status, \
+             lease_token, lease_until, attempts, created_at, updated_at, expires_at) \
+             VALUES ($1, $2, $3, 'completed', 1, now(), 1, now(), now(), now() + interval '1 hour')",
+        )
+        .bind(first.scope().as_bytes())
+        .bind(first.key().as_bytes())
+        .bind(vec![7u8; 32])
+        .execute(&pool)
+        .await
+        .expect("the first key's record");
+        let mut tx = pool.begin().await.expect("begin");
+        sqlx::query(
+            "SELECT 1 FROM tower_idempotency_batching_leaves WHERE scope = $1 AND key = $2 \
+             FOR UPDATE",
+        )
+        .bind(first.scope().as_bytes())
+        .bind(first.key().as_bytes())
+        .execute(&mut *tx)
+        .await
+        .expect("lock the row");
+        Box::new(move || drop(tx)) as Box<dyn FnOnce() + Send>
+    };
+    let store = store.with_batching(Batching::default().in_flight(1));
+    a_caller_who_leaves_gets_its_claim_given_back(store, hold).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn s4_sqlite_a_caller_who_leaves_gets_its_claim_given_back() {
-    let (store, _path) = common::sqlite("batching-leaves").await;
-    a_caller_who_leaves_gets_its_claim_given_back(store.with_batching(Batching::default())).await;
+    let (store, path) = common::sqlite("batching-leaves").await;
+    let hold = |_first: ScopedKey| async move {
+        // SQLite's write lock, held by another connection: the first claim waits for it (busy
+        // timeout 5 s) in the one batch slot.
+        let mut other = <sqlx::SqliteConnection as sqlx::Connection>::connect(&format!(
+            "sqlite://{}",
+            path.display()
+        ))
+        .await
+        .expect("a second connection");
+        sqlx::query("BEGIN IMMEDIATE")
+            .execute(&mut other)
+            .await
+            .expect("take the write lock");
+        let (tx, rx) = std::sync::mpsc::channel::<()>();
+        // Let go from a thread of its own: the closure that releases it is not async.
+        tokio::spawn(async move {
+            let _ = tokio::task::spawn_blocking(move || rx.recv()).await;
+            let _ = sqlx::query("ROLLBACK").execute(&mut other).await;
+        });
+        Box::new(move || drop(tx.send(()))) as Box<dyn FnOnce() + Send>
+    };
+    let store = store.with_batching(Batching::default().in_flight(1));
+    a_caller_who_leaves_gets_its_claim_given_back(store, hold).await;
 }
 
 /// Issue 23 §4: with the database gone, every batched claim fails closed (an error, never a
