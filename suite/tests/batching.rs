@@ -341,7 +341,9 @@ async fn s4_sqlite_a_caller_who_leaves_gets_its_claim_given_back() {
             let _ = tokio::task::spawn_blocking(move || rx.recv()).await;
             let _ = sqlx::query("ROLLBACK").execute(&mut other).await;
         });
-        Box::new(move || drop(tx.send(()))) as Box<dyn FnOnce() + Send>
+        Box::new(move || {
+            let _ = tx.send(());
+        }) as Box<dyn FnOnce() + Send>
     };
     let store = store.with_batching(Batching::default().in_flight(1));
     a_caller_who_leaves_gets_its_claim_given_back(store, hold).await;
