@@ -16,7 +16,7 @@ use std::time::Duration;
 
 use tokio::sync::oneshot;
 
-use super::{Claim, ClaimRequest, FencingToken, ScopedKey, StoreError};
+use super::{Claim, ClaimRequest, FencingToken, IdempotencyStore, ScopedKey, StoreError};
 
 /// How a SQL store sends claims and completions in batches (see
 /// [`PostgresStore::with_batching`](super::PostgresStore::with_batching) and
@@ -67,6 +67,57 @@ impl Batching {
     }
 }
 
+/// Whether a failed batch's operations go again, each on its own: the database refused the
+/// statement (a lock wait ran out, a deadlock, a busy file), which an operation alone may not
+/// meet. Any other failure (the connection, the pool) would fail each alone as it failed the
+/// batch: the batch's operations then answer it, as they would have alone.
+pub(crate) fn retry_alone(error: &sqlx::Error) -> bool {
+    matches!(error, sqlx::Error::Database(_))
+}
+
+/// A batch's failure, answered to each of its operations (as `Unavailable`, the source kept).
+#[derive(Debug, Clone)]
+pub(crate) struct BatchError(Arc<sqlx::Error>);
+
+impl BatchError {
+    pub(crate) fn new(error: sqlx::Error) -> Self {
+        Self(Arc::new(error))
+    }
+
+    pub(crate) fn to_store(&self) -> StoreError {
+        StoreError::unavailable(self.clone())
+    }
+}
+
+impl std::fmt::Display for BatchError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("the batch carrying this operation failed")
+    }
+}
+
+impl std::error::Error for BatchError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        Some(&*self.0)
+    }
+}
+
+/// Answers a claim's caller. A won claim whose caller left is given back, on a task of its
+/// own, so no key stays in progress until its lease runs out and no batch slot waits for it.
+pub(crate) fn answer_claim<S: IdempotencyStore + Clone>(
+    store: &S,
+    op: ClaimOp,
+    outcome: Result<Claim, StoreError>,
+) {
+    if let Some((key, token)) = op.answer(outcome) {
+        let store = store.clone();
+        tokio::spawn(async move {
+            if let Err(error) = store.release(&key, token).await {
+                tracing::warn!(%error, "could not give back a claim whose caller left");
+            }
+        });
+    }
+}
+
 /// A claim waiting for its batch, with the token it will hold if it wins.
 pub(crate) struct ClaimOp {
     pub(crate) request: ClaimRequest,
@@ -76,11 +127,8 @@ pub(crate) struct ClaimOp {
 
 impl ClaimOp {
     /// Answers the caller. A caller that is gone leaves a won claim behind: it is returned, for
-    /// the batch to give back, so no key stays in progress until its lease runs out.
-    pub(crate) fn answer(
-        self,
-        out: Result<Claim, StoreError>,
-    ) -> Option<(ScopedKey, FencingToken)> {
+    /// the batch to give back (see [`answer_claim`]).
+    fn answer(self, out: Result<Claim, StoreError>) -> Option<(ScopedKey, FencingToken)> {
         match self.answer.send(out) {
             Ok(()) => None,
             Err(Ok(Claim::Acquired(lease))) => Some((self.request.key, lease.token)),
@@ -284,7 +332,7 @@ impl<T: Keyed + Send + 'static> Batcher<T> {
                 drop(slot);
             }
             None => {
-                runtime.spawn(drain(self.shared.clone(), run));
+                runtime.spawn(drain(Slot(Some(self.shared.clone())), run));
             }
         }
         Ok(())
@@ -325,7 +373,7 @@ where
         }
         match (self.run.take(), tokio::runtime::Handle::try_current()) {
             (Some(run), Ok(runtime)) => {
-                runtime.spawn(drain(shared, run));
+                runtime.spawn(drain(Slot(Some(shared)), run));
             }
             // No runtime left to run them (shutting down): the slot is given back, and if it
             // was the last, the queued callers get an error.
@@ -335,13 +383,15 @@ where
 }
 
 /// A batch task: sends batches while operations are queued.
-async fn drain<T, F, Fut>(shared: Arc<Shared<T>>, run: F)
+///
+/// It takes its slot as an argument, made before the task is spawned: a task dropped before
+/// its first poll (spawned on a runtime that is shutting down) still gives the slot back.
+async fn drain<T, F, Fut>(mut slot: Slot<T>, run: F)
 where
     T: Keyed + Send + 'static,
     F: Fn(Vec<T>) -> Fut + Send + 'static,
     Fut: Future<Output = ()> + Send + 'static,
 {
-    let mut slot = Slot(Some(shared));
     loop {
         let Some(batch) = slot.next() else { return };
         run(batch).await;

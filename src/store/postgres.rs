@@ -6,7 +6,7 @@ use std::time::{Duration, SystemTime};
 use sqlx::postgres::{PgConnectOptions, PgConnection, PgPool, PgPoolOptions, PgRow};
 use sqlx::{AssertSqlSafe, Connection, Row};
 
-use super::batch::{Batches, Batching, ClaimOp, CompleteOp};
+use super::batch::{self, Batches, Batching, ClaimOp, CompleteOp};
 use super::codec::fresh_token;
 use super::history::{HISTORY_LIMIT, HISTORY_REFUSALS};
 use super::sql::{self, InvalidIdentifier, RawRecord, millis, unavailable};
@@ -100,6 +100,8 @@ struct Statements {
     complete: Arc<str>,
     /// A batch of completions in one statement.
     complete_batch: Arc<str>,
+    /// `complete`, waiting at most 100 ms for the row: a batched store's lone completion.
+    complete_bounded: Arc<str>,
     settle: Arc<str>,
     release: Arc<str>,
     lookup: Arc<str>,
@@ -325,6 +327,15 @@ impl Statements {
                    expires_at = now() + make_interval(secs => $5::float8 / 1000), updated_at = now(),
                    {}
                  WHERE {completer}",
+                log("'completed'")
+            )
+            .into(),
+            complete_bounded: format!(
+                "UPDATE {t} SET status = 'completed', response = $4,
+                   expires_at = now() + make_interval(secs => $5::float8 / 1000), updated_at = now(),
+                   {}
+                 FROM {BOUNDED}
+                 WHERE {completer} AND bounded.wait IS NOT NULL",
                 log("'completed'")
             )
             .into(),
@@ -796,47 +807,47 @@ impl PostgresStore {
         }
     }
 
-    /// A batch of claims: one statement.
+    /// A batch of claims: one statement. A batch of one (all there is at low load) goes as
+    /// today's single statement, which PostgreSQL plans and runs faster than the batch's.
     async fn claim_batch(self, ops: Vec<ClaimOp>) {
-        // A batch of one (all there is at low load) goes as today's single statement, which
-        // PostgreSQL plans and runs faster than the batch's.
-        if let [op] = ops.as_slice() {
-            let outcome = self.claim_one(&op.request, op.token).await;
-            return self.answer_claims(ops, vec![outcome]).await;
+        if ops.len() == 1 {
+            for op in ops {
+                let outcome = self.claim_one(&op.request, op.token).await;
+                batch::answer_claim(&self, op, outcome);
+            }
+            return;
         }
-        let outcomes = match self.claim_together(&ops).await {
+        match self.claim_together(&ops).await {
             Ok(found) => {
-                let mut outcomes = Vec::with_capacity(ops.len());
-                for (op, outcome) in ops.iter().zip(found) {
-                    // A row committed by another claim after this statement's snapshot
-                    // is not seen: that claim goes again on its own, as a single claim
-                    // would.
-                    outcomes.push(match outcome {
-                        Some(outcome) => outcome,
-                        None => self.claim_one(&op.request, op.token).await,
-                    });
+                for (op, outcome) in ops.into_iter().zip(found) {
+                    match outcome {
+                        Some(outcome) => batch::answer_claim(&self, op, outcome),
+                        // A row committed by another claim after the statement's snapshot is
+                        // not seen: that claim goes again alone, as a single claim would.
+                        None => self.claim_alone(op),
+                    }
                 }
-                outcomes
+            }
+            Err(error) if batch::retry_alone(&error) => {
+                tracing::debug!(%error, "a batch of claims failed; each goes alone");
+                ops.into_iter().for_each(|op| self.claim_alone(op));
             }
             Err(error) => {
-                tracing::debug!(%error, "a batch of claims failed; sent one by one");
-                self.claim_each(&ops).await
+                let error = batch::BatchError::new(error);
+                for op in ops {
+                    batch::answer_claim(&self, op, Err(error.to_store()));
+                }
             }
-        };
-        self.answer_claims(ops, outcomes).await;
+        }
     }
 
-    /// Answers each claim's caller, and gives back the claims won for callers who left.
-    async fn answer_claims(&self, ops: Vec<ClaimOp>, outcomes: Vec<Result<Claim, StoreError>>) {
-        let mut orphaned = Vec::new();
-        for (op, outcome) in ops.into_iter().zip(outcomes) {
-            orphaned.extend(op.answer(outcome));
-        }
-        for (key, token) in orphaned {
-            if let Err(error) = self.release(&key, token).await {
-                tracing::warn!(%error, "could not give back a claim whose caller left");
-            }
-        }
+    /// `op` claimed on its own, on a task of its own: it holds no batch slot while it waits.
+    fn claim_alone(&self, op: ClaimOp) {
+        let store = self.clone();
+        tokio::spawn(async move {
+            let outcome = store.claim_one(&op.request, op.token).await;
+            batch::answer_claim(&store, op, outcome);
+        });
     }
 
     /// Each claim in the one statement; `None` for a claim whose row it could not see.
@@ -874,7 +885,6 @@ impl PostgresStore {
         let mut found: Vec<Option<Result<Claim, StoreError>>> = ops.iter().map(|_| None).collect();
         for row in rows {
             let (raw, now) = raw(&row)?;
-            let written: bool = row.try_get(16)?;
             let n: i64 = row.try_get(17)?;
             // `n` counts from 1, in the order of `ops`.
             let Some(i) = usize::try_from(n - 1).ok().filter(|&i| i < ops.len()) else {
@@ -882,57 +892,64 @@ impl PostgresStore {
             };
             found[i] = Some(
                 raw.into_record()
-                    .map(|record| sql::claim_outcome(record, now, written, ops[i].token)),
+                    .map(|record| sql::claim_outcome(record, now, ops[i].token)),
             );
         }
         Ok(found)
     }
 
-    /// Each claim on its own, all at once: a failed batch's claims, each with its own answer.
-    async fn claim_each(&self, ops: &[ClaimOp]) -> Vec<Result<Claim, StoreError>> {
-        let mut each = tokio::task::JoinSet::new();
-        for (i, op) in ops.iter().enumerate() {
-            let (store, request, token) = (self.clone(), op.request.clone(), op.token);
-            each.spawn(async move { (i, store.claim_one(&request, token).await) });
-        }
-        let mut outcomes: Vec<Option<Result<Claim, StoreError>>> =
-            ops.iter().map(|_| None).collect();
-        while let Some(joined) = each.join_next().await {
-            if let Ok((i, outcome)) = joined {
-                outcomes[i] = Some(outcome);
-            }
-        }
-        outcomes
-            .into_iter()
-            .map(|o| o.unwrap_or_else(|| Err(StoreError::unavailable("a claim's task ended"))))
-            .collect()
-    }
-
-    /// A batch of completions: one statement.
+    /// A batch of completions: one statement, its row locks waited for at most 100 ms. The
+    /// completions of a batch that gives up go alone, each on a task of its own with today's
+    /// statement (which waits as long as the session allows), holding no batch slot: a row
+    /// held elsewhere delays its own completion, never another's.
     async fn complete_batch(self, ops: Vec<CompleteOp>) {
-        let outcomes = if let [op] = ops.as_slice() {
-            vec![self.complete_encoded(op).await]
-        } else {
-            self.complete_all(&ops).await
+        let outcome = match ops.as_slice() {
+            [op] => self.complete_bounded(op).await.map(|done| vec![done]),
+            _ => self.complete_together(&ops).await,
         };
-        for (op, outcome) in ops.into_iter().zip(outcomes) {
-            op.answer(outcome);
+        match outcome {
+            Ok(outcomes) => {
+                for (op, outcome) in ops.into_iter().zip(outcomes) {
+                    op.answer(outcome);
+                }
+            }
+            Err(error) if batch::retry_alone(&error) => {
+                tracing::debug!(%error, "a batch of completions failed; each goes alone");
+                for op in ops {
+                    let store = self.clone();
+                    tokio::spawn(async move {
+                        let outcome = store.complete_encoded(&op).await;
+                        op.answer(outcome);
+                    });
+                }
+            }
+            Err(error) => {
+                let error = batch::BatchError::new(error);
+                for op in ops {
+                    op.answer(Err(error.to_store()));
+                }
+            }
         }
     }
 
-    /// Completions in one statement; if it fails, one by one.
-    async fn complete_all(&self, ops: &[CompleteOp]) -> Vec<Result<(), StoreError>> {
-        match self.complete_together(ops).await {
-            Ok(outcomes) => outcomes,
-            Err(error) => {
-                tracing::debug!(%error, "a batch of completions failed; sent one by one");
-                let mut outcomes = Vec::with_capacity(ops.len());
-                for op in ops {
-                    outcomes.push(self.complete_encoded(op).await);
-                }
-                outcomes
-            }
-        }
+    /// One completion, waiting at most 100 ms for its row.
+    async fn complete_bounded(
+        &self,
+        op: &CompleteOp,
+    ) -> Result<Result<(), StoreError>, sqlx::Error> {
+        let done = sqlx::query(AssertSqlSafe(self.sql.complete_bounded.clone()))
+            .bind(op.key.scope().as_bytes())
+            .bind(op.key.key().as_bytes())
+            .bind(sql::token(op.token))
+            .bind(op.response.as_slice())
+            .bind(millis(op.ttl))
+            .execute(&self.pool)
+            .await?;
+        Ok(if done.rows_affected() == 1 {
+            Ok(())
+        } else {
+            Err(StoreError::Fenced)
+        })
     }
 
     /// The completions in one statement: each not written was fenced off.
@@ -997,9 +1014,8 @@ impl PostgresStore {
                 .await
                 .map_err(claim_failed)?;
             let Some(row) = row else { continue };
-            let written: bool = row.try_get(16).map_err(unavailable)?;
             let (raw, now) = raw(&row).map_err(unavailable)?;
-            return Ok(sql::claim_outcome(raw.into_record()?, now, written, token));
+            return Ok(sql::claim_outcome(raw.into_record()?, now, token));
         }
         Err(StoreError::unavailable(
             "claim kept racing with concurrent deletes",

@@ -221,15 +221,12 @@ impl RawRecord {
     }
 }
 
-/// What a claim statement's row means: the caller's claim won if the row was written with the
-/// caller's token and is in progress; otherwise it is the record that stands.
-pub(crate) fn claim_outcome(
-    record: Record,
-    now: SystemTime,
-    written: bool,
-    token: FencingToken,
-) -> Claim {
-    if written && record.lease_token == token && record.status == RecordStatus::InProgress {
+/// What a claim statement's row means: the caller's claim won if the row holds the caller's
+/// token and is in progress; otherwise it is the record that stands. Tokens are drawn fresh for
+/// each claim, so a row with the caller's token was written by this claim, by this statement
+/// or by an earlier send of it whose answer was lost: either way the lease is the caller's.
+pub(crate) fn claim_outcome(record: Record, now: SystemTime, token: FencingToken) -> Claim {
+    if record.lease_token == token && record.status == RecordStatus::InProgress {
         return Claim::Acquired(Lease {
             token,
             attempt: record.attempts,

@@ -10,7 +10,7 @@ use sqlx::sqlite::{
 };
 use sqlx::{AssertSqlSafe, Connection, Row};
 
-use super::batch::{Batches, Batching, ClaimOp, CompleteOp};
+use super::batch::{self, Batches, Batching, ClaimOp, CompleteOp};
 use super::codec::fresh_token;
 use super::history::{HISTORY_LIMIT, HISTORY_REFUSALS};
 use super::sql::{self, InvalidIdentifier, RawRecord, millis, unavailable};
@@ -468,21 +468,20 @@ impl SqliteStore {
             .bind(millis(req.ttl))
             .fetch_optional(&mut *connection)
             .await?;
-        let (row, written) = match written {
-            Some(row) => (row, true),
+        let row = match written {
+            Some(row) => row,
             None => {
-                let row = sqlx::query(AssertSqlSafe(self.sql.current.clone()))
+                sqlx::query(AssertSqlSafe(self.sql.current.clone()))
                     .bind(scope)
                     .bind(key)
                     .fetch_one(&mut *connection)
-                    .await?;
-                (row, false)
+                    .await?
             }
         };
         let (raw, now) = raw(&row)?;
         Ok(raw
             .into_record()
-            .map(|record| sql::claim_outcome(record, now, written, token)))
+            .map(|record| sql::claim_outcome(record, now, token)))
     }
 
     /// One claim in a transaction of its own.
@@ -538,31 +537,41 @@ impl SqliteStore {
         self.batches.as_ref().map(|b| b.settings())
     }
 
-    /// A batch of claims: one transaction.
+    /// A batch of claims: one transaction. If it fails, its claims go alone, each on a task of
+    /// its own (and its own transaction), holding neither the writer nor a batch slot.
     async fn claim_batch(self, ops: Vec<ClaimOp>) {
         let writer = self.writer.lock().await;
-        let outcomes = match ops.as_slice() {
-            [op] => vec![self.claim_one(&op.request, op.token).await],
-            _ => match self.claim_together(&ops).await {
-                Ok(outcomes) => outcomes,
-                Err(error) => {
-                    tracing::debug!(%error, "a batch of claims failed; sent one by one");
-                    let mut outcomes = Vec::with_capacity(ops.len());
-                    for op in &ops {
-                        outcomes.push(self.claim_one(&op.request, op.token).await);
-                    }
-                    outcomes
-                }
-            },
+        let outcomes = if ops.len() == 1 {
+            let mut outcomes = Vec::with_capacity(1);
+            for op in &ops {
+                outcomes.push(self.claim_one(&op.request, op.token).await);
+            }
+            Ok(outcomes)
+        } else {
+            self.claim_together(&ops).await
         };
         drop(writer);
-        let mut orphaned = Vec::new();
-        for (op, outcome) in ops.into_iter().zip(outcomes) {
-            orphaned.extend(op.answer(outcome));
-        }
-        for (key, token) in orphaned {
-            if let Err(error) = self.release(&key, token).await {
-                tracing::warn!(%error, "could not give back a claim whose caller left");
+        match outcomes {
+            Ok(outcomes) => {
+                for (op, outcome) in ops.into_iter().zip(outcomes) {
+                    batch::answer_claim(&self, op, outcome);
+                }
+            }
+            Err(error) if batch::retry_alone(&error) => {
+                tracing::debug!(%error, "a batch of claims failed; each goes alone");
+                for op in ops {
+                    let store = self.clone();
+                    tokio::spawn(async move {
+                        let outcome = store.claim_one(&op.request, op.token).await;
+                        batch::answer_claim(&store, op, outcome);
+                    });
+                }
+            }
+            Err(error) => {
+                let error = batch::BatchError::new(error);
+                for op in ops {
+                    batch::answer_claim(&self, op, Err(error.to_store()));
+                }
             }
         }
     }
@@ -580,26 +589,41 @@ impl SqliteStore {
         Ok(outcomes)
     }
 
-    /// A batch of completions: one transaction.
+    /// A batch of completions: one transaction; if it fails, each goes alone, as claims do.
     async fn complete_batch(self, ops: Vec<CompleteOp>) {
         let writer = self.writer.lock().await;
-        let outcomes = match ops.as_slice() {
-            [op] => vec![self.complete_encoded(op).await],
-            _ => match self.complete_together(&ops).await {
-                Ok(outcomes) => outcomes,
-                Err(error) => {
-                    tracing::debug!(%error, "a batch of completions failed; sent one by one");
-                    let mut outcomes = Vec::with_capacity(ops.len());
-                    for op in &ops {
-                        outcomes.push(self.complete_encoded(op).await);
-                    }
-                    outcomes
-                }
-            },
+        let outcomes = if ops.len() == 1 {
+            let mut outcomes = Vec::with_capacity(1);
+            for op in &ops {
+                outcomes.push(self.complete_encoded(op).await);
+            }
+            Ok(outcomes)
+        } else {
+            self.complete_together(&ops).await
         };
         drop(writer);
-        for (op, outcome) in ops.into_iter().zip(outcomes) {
-            op.answer(outcome);
+        match outcomes {
+            Ok(outcomes) => {
+                for (op, outcome) in ops.into_iter().zip(outcomes) {
+                    op.answer(outcome);
+                }
+            }
+            Err(error) if batch::retry_alone(&error) => {
+                tracing::debug!(%error, "a batch of completions failed; each goes alone");
+                for op in ops {
+                    let store = self.clone();
+                    tokio::spawn(async move {
+                        let outcome = store.complete_encoded(&op).await;
+                        op.answer(outcome);
+                    });
+                }
+            }
+            Err(error) => {
+                let error = batch::BatchError::new(error);
+                for op in ops {
+                    op.answer(Err(error.to_store()));
+                }
+            }
         }
     }
 
