@@ -520,11 +520,11 @@ async fn many_keys_in_bytes<S: IdempotencyStore>(stores: Vec<Arc<S>>) {
     for i in 0..150 {
         let key = match i % 6 {
             0 => ScopedKey::new(format!("{run}a"), format!("b{i}")),
-            1 => ScopedKey::new(format!("{run}"), format!("ab{i}")),
+            1 => ScopedKey::new(run.clone(), format!("ab{i}")),
             2 => ScopedKey::new(format!("{run}\0"), format!("\0{i}")),
-            3 => ScopedKey::new(format!("{run}"), format!("\0\0{i}")),
+            3 => ScopedKey::new(run.clone(), format!("\0\0{i}")),
             4 => ScopedKey::new(format!("{run}é"), format!("ключ-{i}-\u{10FFFF}")),
-            _ => ScopedKey::new(format!("{run}"), format!("{i}-{}", "x".repeat(1500))),
+            _ => ScopedKey::new(run.clone(), format!("{i}-{}", "x".repeat(1500))),
         };
         keys.push(key);
     }
