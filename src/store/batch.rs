@@ -29,14 +29,16 @@ use super::{Claim, ClaimRequest, FencingToken, IdempotencyStore, ScopedKey, Stor
 pub struct Batching {
     in_flight: usize,
     max: usize,
+    max_bytes: usize,
 }
 
 impl Default for Batching {
-    /// Two batches of each kind in flight, at most 64 operations each.
+    /// Two batches of each kind in flight, at most 64 operations and 16 MiB each.
     fn default() -> Self {
         Self {
             in_flight: 2,
             max: 64,
+            max_bytes: 16 << 20,
         }
     }
 }
@@ -54,6 +56,19 @@ impl Batching {
     pub fn max_batch(mut self, operations: usize) -> Self {
         self.max = operations.max(1);
         self
+    }
+
+    /// The most bytes (keys and responses) one batch carries; an operation bigger than this
+    /// goes alone. A statement past the database's message limit (1 GiB on PostgreSQL) would
+    /// fail the whole batch where each operation alone succeeds.
+    pub fn max_bytes(mut self, bytes: usize) -> Self {
+        self.max_bytes = bytes.max(1);
+        self
+    }
+
+    /// The most bytes per batch.
+    pub fn get_max_bytes(&self) -> usize {
+        self.max_bytes
     }
 
     /// Batches of claims in flight at once.
@@ -153,9 +168,15 @@ impl CompleteOp {
     }
 }
 
-/// An operation's key, for keeping each key once per batch.
+/// An operation's key, for keeping each key once per batch, and what it puts on the wire.
 pub(crate) trait Keyed {
     fn key(&self) -> &ScopedKey;
+
+    /// About how many bytes the operation adds to its batch's statement.
+    fn weight(&self) -> usize {
+        let key = self.key();
+        key.scope().len() + key.key().len()
+    }
 }
 
 impl Keyed for ClaimOp {
@@ -167,6 +188,10 @@ impl Keyed for ClaimOp {
 impl Keyed for CompleteOp {
     fn key(&self) -> &ScopedKey {
         &self.key
+    }
+
+    fn weight(&self) -> usize {
+        self.key.scope().len() + self.key.key().len() + self.response.len()
     }
 }
 
@@ -416,8 +441,9 @@ impl<T: Keyed> Slot<T> {
             self.0 = None;
             return None;
         }
-        let max = shared.settings.max;
+        let (max, max_bytes) = (shared.settings.max, shared.settings.max_bytes);
         let mut batch: Vec<T> = Vec::with_capacity(state.queue.len().min(max));
+        let mut bytes = 0usize;
         let mut later = VecDeque::new();
         while let Some(op) = state.queue.pop_front() {
             if batch.len() == max {
@@ -425,9 +451,12 @@ impl<T: Keyed> Slot<T> {
                 later.extend(state.queue.drain(..));
                 break;
             }
-            if batch.iter().any(|b| b.key() == op.key()) {
+            // The first operation always goes, however big: alone it is today's statement.
+            let fits = batch.is_empty() || bytes.saturating_add(op.weight()) <= max_bytes;
+            if !fits || batch.iter().any(|b| b.key() == op.key()) {
                 later.push_back(op);
             } else {
+                bytes = bytes.saturating_add(op.weight());
                 batch.push(op);
             }
         }

@@ -496,6 +496,9 @@ impl PostgresStore {
         ));
         // Its waiters listen on its own table's channel.
         self.changes = Changes::new();
+        // And its batches go to its own table: a batch is sent with the statements of the
+        // store that starts it, so stores on two tables must not share a queue.
+        self.batches = self.batches.map(|b| Batches::new(b.settings()));
         Ok(self)
     }
 
@@ -884,16 +887,16 @@ impl PostgresStore {
             .await?;
         let mut found: Vec<Option<Result<Claim, StoreError>>> = ops.iter().map(|_| None).collect();
         for row in rows {
-            let (raw, now) = raw(&row)?;
-            let n: i64 = row.try_get(17)?;
             // `n` counts from 1, in the order of `ops`.
+            let n: i64 = row.try_get(17)?;
             let Some(i) = usize::try_from(n - 1).ok().filter(|&i| i < ops.len()) else {
                 continue;
             };
-            found[i] = Some(
+            // A row that does not read fails its own claim, not the batch's others.
+            found[i] = Some(raw(&row).map_err(unavailable).and_then(|(raw, now)| {
                 raw.into_record()
-                    .map(|record| sql::claim_outcome(record, now, ops[i].token)),
-            );
+                    .map(|record| sql::claim_outcome(record, now, ops[i].token))
+            }));
         }
         Ok(found)
     }

@@ -324,6 +324,9 @@ impl SqliteStore {
     /// to name here). `PostgresStore::with_table` takes the same argument.
     pub fn with_table(mut self, table: &str) -> Result<Self, InvalidIdentifier> {
         self.sql = Arc::new(Statements::new(sql::identifier(table)?));
+        // Its batches go to its own table: a batch is sent with the statements of the
+        // store that starts it, so stores on two tables must not share a queue.
+        self.batches = self.batches.map(|b| Batches::new(b.settings()));
         Ok(self)
     }
 
@@ -478,10 +481,12 @@ impl SqliteStore {
                     .await?
             }
         };
-        let (raw, now) = raw(&row)?;
-        Ok(raw
-            .into_record()
-            .map(|record| sql::claim_outcome(record, now, token)))
+        // A row that does not read fails this claim alone, not the transaction: in a batch,
+        // the other keys' claims go on.
+        Ok(raw(&row).map_err(unavailable).and_then(|(raw, now)| {
+            raw.into_record()
+                .map(|record| sql::claim_outcome(record, now, token))
+        }))
     }
 
     /// One claim in a transaction of its own.
