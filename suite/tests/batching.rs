@@ -5,71 +5,18 @@
 
 mod common;
 
+use common::batching::{LONG, answer, claim, through_proxy, unique};
+
 use std::sync::Arc;
 use std::time::Duration;
 
 use axum::Router;
 use axum::http::StatusCode;
 use axum::routing::post;
-use common::proxy::Proxy;
 use common::{Effects, client, serve};
-use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use tokio::sync::Barrier;
-use tower_idempotency::store::{
-    Batching, Claim, ClaimRequest, Fingerprint, LeaseExpiry, PostgresStore, RecordStatus,
-    ScopedKey, SqliteStore, StoreError, StoredResponse,
-};
+use tower_idempotency::store::{Batching, Claim, RecordStatus, ScopedKey, SqliteStore, StoreError};
 use tower_idempotency::{IdempotencyLayer, IdempotencyStore};
-
-const LONG: Duration = Duration::from_secs(60);
-
-fn unique(name: &str) -> String {
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_nanos());
-    format!("{name}-{nanos}")
-}
-
-fn claim(key: &ScopedKey) -> ClaimRequest {
-    ClaimRequest {
-        key: key.clone(),
-        fingerprint: Fingerprint::from_bytes([7; 32]),
-        lease: LONG,
-        ttl: LONG,
-        on_lease_expiry: LeaseExpiry::Reclaim,
-    }
-}
-
-fn answer(key: &ScopedKey) -> StoredResponse {
-    StoredResponse {
-        status: http::StatusCode::CREATED,
-        headers: http::HeaderMap::new(),
-        body: Some(bytes::Bytes::from(format!("answer for {}", key.key()))),
-        trailers: None,
-    }
-}
-
-/// A store on a pool of `connections` through a proxy that counts statements, in `table`.
-async fn through_proxy(table: &str, connections: u32) -> Option<(PostgresStore, Proxy)> {
-    // Skips (visibly, or fails under CI) without a server.
-    common::postgres_pool().await?;
-    let options: PgConnectOptions = common::postgres_url().parse().expect("postgres url");
-    let upstream = tokio::net::lookup_host((options.get_host(), options.get_port()))
-        .await
-        .expect("resolve")
-        .next()
-        .expect("an address");
-    let proxy = Proxy::start(upstream).await;
-    let pool = PgPoolOptions::new()
-        .max_connections(connections)
-        .acquire_timeout(Duration::from_secs(2))
-        .connect_with(options.host("127.0.0.1").port(proxy.addr.port()))
-        .await
-        .expect("connect through the proxy");
-    let store = PostgresStore::new(pool).with_table(table).expect("table");
-    store.migrate().await.expect("migrate");
-    Some((store, proxy))
-}
 
 /// `n` concurrent claims of fresh keys, released together by a barrier.
 async fn claim_all<S: IdempotencyStore>(

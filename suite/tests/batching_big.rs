@@ -6,35 +6,17 @@
 
 mod common;
 
+use common::batching::{acquire, unique};
+
 use std::sync::Arc;
 use std::time::Duration;
 
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use tower_idempotency::IdempotencyStore;
-use tower_idempotency::store::{
-    Batching, Claim, ClaimRequest, FencingToken, Fingerprint, LeaseExpiry, PostgresStore,
-    ScopedKey, StoredResponse,
-};
+use tower_idempotency::store::{Batching, FencingToken, PostgresStore, ScopedKey, StoredResponse};
 
 const LONG: Duration = Duration::from_secs(600);
 const GUARD: Duration = Duration::from_secs(300);
-
-fn unique(name: &str) -> String {
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_nanos());
-    format!("{name}-{nanos}")
-}
-
-fn claim(key: &ScopedKey) -> ClaimRequest {
-    ClaimRequest {
-        key: key.clone(),
-        fingerprint: Fingerprint::from_bytes([7; 32]),
-        lease: LONG,
-        ttl: LONG,
-        on_lease_expiry: LeaseExpiry::Reclaim,
-    }
-}
 
 fn answer(body: &bytes::Bytes) -> StoredResponse {
     StoredResponse {
@@ -123,13 +105,6 @@ async fn big_batch(count: usize, size: usize) {
          first: {sample:?}",
         failed.len()
     );
-}
-
-async fn acquire<S: IdempotencyStore>(store: &S, key: &ScopedKey) -> FencingToken {
-    match store.claim(&claim(key)).await {
-        Ok(Claim::Acquired(lease)) => lease.token,
-        other => panic!("{key:?}: {other:?}"),
-    }
 }
 
 /// 72 completions of 15 MiB (about 1.05 GiB in one statement).

@@ -6,6 +6,8 @@
 
 mod common;
 
+use common::batching::{LONG, claim, unique};
+
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -13,29 +15,11 @@ use sqlx::Connection;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use tower_idempotency::IdempotencyStore;
 use tower_idempotency::store::{
-    Batching, Claim, ClaimRequest, FencingToken, Fingerprint, LeaseExpiry, PostgresStore,
-    RecordStatus, ScopedKey, SqliteStore, StoreError, StoredResponse,
+    Batching, Claim, FencingToken, PostgresStore, RecordStatus, ScopedKey, SqliteStore, StoreError,
+    StoredResponse,
 };
 
-const LONG: Duration = Duration::from_secs(60);
 const GUARD: Duration = Duration::from_secs(60);
-
-fn unique(name: &str) -> String {
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_nanos());
-    format!("{name}-{nanos}")
-}
-
-fn claim(key: &ScopedKey) -> ClaimRequest {
-    ClaimRequest {
-        key: key.clone(),
-        fingerprint: Fingerprint::from_bytes([7; 32]),
-        lease: LONG,
-        ttl: LONG,
-        on_lease_expiry: LeaseExpiry::Reclaim,
-    }
-}
 
 #[allow(dead_code)]
 fn answer(key: &ScopedKey, size: usize) -> StoredResponse {

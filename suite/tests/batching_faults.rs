@@ -6,78 +6,18 @@
 
 mod common;
 
+use common::batching::{LONG, acquire, answer, claim, through_proxy, unique};
+
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::proxy::Proxy;
 use sqlx::Connection;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use tokio::sync::Barrier;
 use tower_idempotency::IdempotencyStore;
 use tower_idempotency::store::{
-    Batching, Claim, ClaimRequest, FencingToken, Fingerprint, LeaseExpiry, PostgresStore,
-    RecordStatus, ScopedKey, SqliteStore, StoreError, StoredResponse,
+    Batching, Claim, FencingToken, PostgresStore, RecordStatus, ScopedKey, SqliteStore, StoreError,
 };
-
-const LONG: Duration = Duration::from_secs(60);
-
-fn unique(name: &str) -> String {
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_nanos());
-    format!("{name}-{nanos}")
-}
-
-fn claim(key: &ScopedKey) -> ClaimRequest {
-    ClaimRequest {
-        key: key.clone(),
-        fingerprint: Fingerprint::from_bytes([7; 32]),
-        lease: LONG,
-        ttl: LONG,
-        on_lease_expiry: LeaseExpiry::Reclaim,
-    }
-}
-
-fn answer(key: &ScopedKey) -> StoredResponse {
-    StoredResponse {
-        status: http::StatusCode::CREATED,
-        headers: http::HeaderMap::new(),
-        body: Some(bytes::Bytes::from(format!(
-            "answer for {:?}/{:?}",
-            key.scope(),
-            key.key()
-        ))),
-        trailers: None,
-    }
-}
-
-async fn acquire<S: IdempotencyStore>(store: &S, key: &ScopedKey) -> FencingToken {
-    match store.claim(&claim(key)).await {
-        Ok(Claim::Acquired(lease)) => lease.token,
-        other => panic!("{key:?}: expected Acquired, got {other:?}"),
-    }
-}
-
-/// A store on a pool of `connections` through the statement-counting proxy, in `table`.
-async fn through_proxy(table: &str, connections: u32) -> Option<(PostgresStore, Proxy)> {
-    common::postgres_pool().await?;
-    let options: PgConnectOptions = common::postgres_url().parse().expect("postgres url");
-    let upstream = tokio::net::lookup_host((options.get_host(), options.get_port()))
-        .await
-        .expect("resolve")
-        .next()
-        .expect("an address");
-    let proxy = Proxy::start(upstream).await;
-    let pool = PgPoolOptions::new()
-        .max_connections(connections)
-        .acquire_timeout(Duration::from_secs(2))
-        .connect_with(options.host("127.0.0.1").port(proxy.addr.port()))
-        .await
-        .expect("connect through the proxy");
-    let store = PostgresStore::new(pool).with_table(table).expect("table");
-    store.migrate().await.expect("migrate");
-    Some((store, proxy))
-}
 
 /// `keys.len()` concurrent completes (each with its own token), released by a barrier; the
 /// time until the last one answered.

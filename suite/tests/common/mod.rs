@@ -2,6 +2,7 @@
 //! sink, a store that fails on demand, and a clock that tests move.
 #![allow(dead_code, unreachable_pub, missing_docs)]
 
+pub mod batching;
 pub mod faulty;
 pub mod proxy;
 

@@ -1,0 +1,79 @@
+//! Helpers of the batched-store tests (issue 23 §4): keys unique to a run, a plain claim and
+//! its answer, a store through the statement-counting proxy.
+
+use std::time::Duration;
+
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use tower_idempotency::IdempotencyStore;
+use tower_idempotency::store::{
+    Claim, ClaimRequest, FencingToken, Fingerprint, LeaseExpiry, PostgresStore, ScopedKey,
+    StoredResponse,
+};
+
+use super::proxy::Proxy;
+
+/// The lease and TTL of every claim here: longer than any test.
+pub const LONG: Duration = Duration::from_secs(60);
+
+/// `name` made unique to this run.
+pub fn unique(name: &str) -> String {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    format!("{name}-{nanos}")
+}
+
+/// A claim of `key` under a long lease and TTL, one fingerprint for all.
+pub fn claim(key: &ScopedKey) -> ClaimRequest {
+    ClaimRequest {
+        key: key.clone(),
+        fingerprint: Fingerprint::from_bytes([7; 32]),
+        lease: LONG,
+        ttl: LONG,
+        on_lease_expiry: LeaseExpiry::Reclaim,
+    }
+}
+
+/// An answer that names its key, so a crossed answer shows.
+pub fn answer(key: &ScopedKey) -> StoredResponse {
+    StoredResponse {
+        status: http::StatusCode::CREATED,
+        headers: http::HeaderMap::new(),
+        body: Some(bytes::Bytes::from(format!(
+            "answer for {:?}/{:?}",
+            key.scope(),
+            key.key()
+        ))),
+        trailers: None,
+    }
+}
+
+/// Claims a fresh `key`; its token.
+pub async fn acquire<S: IdempotencyStore>(store: &S, key: &ScopedKey) -> FencingToken {
+    match store.claim(&claim(key)).await {
+        Ok(Claim::Acquired(lease)) => lease.token,
+        other => panic!("{key:?}: expected Acquired, got {other:?}"),
+    }
+}
+
+/// A store on a pool of `connections` through the statement-counting proxy, in `table`
+/// (`None`, after saying so, without a server).
+pub async fn through_proxy(table: &str, connections: u32) -> Option<(PostgresStore, Proxy)> {
+    super::postgres_pool().await?;
+    let options: PgConnectOptions = super::postgres_url().parse().expect("postgres url");
+    let upstream = tokio::net::lookup_host((options.get_host(), options.get_port()))
+        .await
+        .expect("resolve")
+        .next()
+        .expect("an address");
+    let proxy = Proxy::start(upstream).await;
+    let pool = PgPoolOptions::new()
+        .max_connections(connections)
+        .acquire_timeout(Duration::from_secs(2))
+        .connect_with(options.host("127.0.0.1").port(proxy.addr.port()))
+        .await
+        .expect("connect through the proxy");
+    let store = PostgresStore::new(pool).with_table(table).expect("table");
+    store.migrate().await.expect("migrate");
+    Some((store, proxy))
+}
