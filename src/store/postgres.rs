@@ -820,37 +820,8 @@ impl PostgresStore {
             }
             return;
         }
-        match self.claim_together(&ops).await {
-            Ok(found) => {
-                for (op, outcome) in ops.into_iter().zip(found) {
-                    match outcome {
-                        Some(outcome) => batch::answer_claim(&self, op, outcome),
-                        // A row committed by another claim after the statement's snapshot is
-                        // not seen: that claim goes again alone, as a single claim would.
-                        None => self.claim_alone(op),
-                    }
-                }
-            }
-            Err(error) if batch::retry_alone(&error) => {
-                tracing::debug!(%error, "a batch of claims failed; each goes alone");
-                ops.into_iter().for_each(|op| self.claim_alone(op));
-            }
-            Err(error) => {
-                let error = batch::BatchError::new(error);
-                for op in ops {
-                    batch::answer_claim(&self, op, Err(error.to_store()));
-                }
-            }
-        }
-    }
-
-    /// `op` claimed on its own, on a task of its own: it holds no batch slot while it waits.
-    fn claim_alone(&self, op: ClaimOp) {
-        let store = self.clone();
-        tokio::spawn(async move {
-            let outcome = store.claim_one(&op.request, op.token).await;
-            batch::answer_claim(&store, op, outcome);
-        });
+        let outcome = self.claim_together(&ops).await;
+        self.settle_claims(ops, outcome);
     }
 
     /// Each claim in the one statement; `None` for a claim whose row it could not see.
@@ -910,29 +881,7 @@ impl PostgresStore {
             [op] => self.complete_bounded(op).await.map(|done| vec![done]),
             _ => self.complete_together(&ops).await,
         };
-        match outcome {
-            Ok(outcomes) => {
-                for (op, outcome) in ops.into_iter().zip(outcomes) {
-                    op.answer(outcome);
-                }
-            }
-            Err(error) if batch::retry_alone(&error) => {
-                tracing::debug!(%error, "a batch of completions failed; each goes alone");
-                for op in ops {
-                    let store = self.clone();
-                    tokio::spawn(async move {
-                        let outcome = store.complete_encoded(&op).await;
-                        op.answer(outcome);
-                    });
-                }
-            }
-            Err(error) => {
-                let error = batch::BatchError::new(error);
-                for op in ops {
-                    op.answer(Err(error.to_store()));
-                }
-            }
-        }
+        self.settle_completes(ops, outcome);
     }
 
     /// One completion, waiting at most 100 ms for its row.

@@ -356,6 +356,81 @@ impl $store {
             .await
     }
 
+    /// What a batch of claims came to. Each claim is answered, or sent again alone on a task
+    /// of its own (holding no batch slot): a claim whose row the statement could not see, and
+    /// every claim of a batch the database refused (a lock wait ran out, a deadlock, a busy
+    /// file). Any other failure (the connection, the pool) is answered to all, as each alone
+    /// would have met it.
+    fn settle_claims(
+        &self,
+        ops: Vec<super::batch::ClaimOp>,
+        outcome: Result<Vec<Option<Result<Claim, StoreError>>>, sqlx::Error>,
+    ) {
+        use super::batch;
+        match outcome {
+            Ok(found) => {
+                for (op, outcome) in ops.into_iter().zip(found) {
+                    match outcome {
+                        Some(outcome) => batch::answer_claim(self, op, outcome),
+                        None => self.claim_alone(op),
+                    }
+                }
+            }
+            Err(error) if batch::retry_alone(&error) => {
+                tracing::debug!(%error, "a batch of claims failed; each goes alone");
+                ops.into_iter().for_each(|op| self.claim_alone(op));
+            }
+            Err(error) => {
+                let error = batch::BatchError::new(error);
+                for op in ops {
+                    batch::answer_claim(self, op, Err(error.to_store()));
+                }
+            }
+        }
+    }
+
+    /// `op` claimed on its own, on a task of its own.
+    fn claim_alone(&self, op: super::batch::ClaimOp) {
+        let store = self.clone();
+        tokio::spawn(async move {
+            let outcome = store.claim_one(&op.request, op.token).await;
+            super::batch::answer_claim(&store, op, outcome);
+        });
+    }
+
+    /// What a batch of completions came to, as [`settle_claims`](Self::settle_claims): each
+    /// sent again alone (with today's statement, which waits for its row as long as the
+    /// session allows) when the database refused the batch.
+    fn settle_completes(
+        &self,
+        ops: Vec<super::batch::CompleteOp>,
+        outcome: Result<Vec<Result<(), StoreError>>, sqlx::Error>,
+    ) {
+        match outcome {
+            Ok(outcomes) => {
+                for (op, outcome) in ops.into_iter().zip(outcomes) {
+                    op.answer(outcome);
+                }
+            }
+            Err(error) if super::batch::retry_alone(&error) => {
+                tracing::debug!(%error, "a batch of completions failed; each goes alone");
+                for op in ops {
+                    let store = self.clone();
+                    tokio::spawn(async move {
+                        let outcome = store.complete_encoded(&op).await;
+                        op.answer(outcome);
+                    });
+                }
+            }
+            Err(error) => {
+                let error = super::batch::BatchError::new(error);
+                for op in ops {
+                    op.answer(Err(error.to_store()));
+                }
+            }
+        }
+    }
+
     /// A completion of a batch, sent on its own (a batch of one, or a failed batch's).
     async fn complete_encoded(&self, op: &super::batch::CompleteOp) -> Result<(), StoreError> {
         self.complete_bytes(&self.pool, &op.key, op.token, &op.response, op.ttl)

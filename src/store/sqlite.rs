@@ -10,7 +10,7 @@ use sqlx::sqlite::{
 };
 use sqlx::{AssertSqlSafe, Connection, Row};
 
-use super::batch::{self, Batches, Batching, ClaimOp, CompleteOp};
+use super::batch::{Batches, Batching, ClaimOp, CompleteOp};
 use super::codec::fresh_token;
 use super::history::{HISTORY_LIMIT, HISTORY_REFUSALS};
 use super::sql::{self, InvalidIdentifier, RawRecord, millis, unavailable};
@@ -556,29 +556,7 @@ impl SqliteStore {
             self.claim_together(&ops).await
         };
         drop(writer);
-        match outcomes {
-            Ok(outcomes) => {
-                for (op, outcome) in ops.into_iter().zip(outcomes) {
-                    batch::answer_claim(&self, op, outcome);
-                }
-            }
-            Err(error) if batch::retry_alone(&error) => {
-                tracing::debug!(%error, "a batch of claims failed; each goes alone");
-                for op in ops {
-                    let store = self.clone();
-                    tokio::spawn(async move {
-                        let outcome = store.claim_one(&op.request, op.token).await;
-                        batch::answer_claim(&store, op, outcome);
-                    });
-                }
-            }
-            Err(error) => {
-                let error = batch::BatchError::new(error);
-                for op in ops {
-                    batch::answer_claim(&self, op, Err(error.to_store()));
-                }
-            }
-        }
+        self.settle_claims(ops, outcomes.map(|o| o.into_iter().map(Some).collect()));
     }
 
     async fn claim_together(
@@ -607,29 +585,7 @@ impl SqliteStore {
             self.complete_together(&ops).await
         };
         drop(writer);
-        match outcomes {
-            Ok(outcomes) => {
-                for (op, outcome) in ops.into_iter().zip(outcomes) {
-                    op.answer(outcome);
-                }
-            }
-            Err(error) if batch::retry_alone(&error) => {
-                tracing::debug!(%error, "a batch of completions failed; each goes alone");
-                for op in ops {
-                    let store = self.clone();
-                    tokio::spawn(async move {
-                        let outcome = store.complete_encoded(&op).await;
-                        op.answer(outcome);
-                    });
-                }
-            }
-            Err(error) => {
-                let error = batch::BatchError::new(error);
-                for op in ops {
-                    op.answer(Err(error.to_store()));
-                }
-            }
-        }
+        self.settle_completes(ops, outcomes);
     }
 
     async fn complete_together(
