@@ -88,6 +88,7 @@ fn decode_group(group: [u8; 4], out: &mut Vec<u8>) -> Result<(), Invalid> {
 }
 
 /// Binary metadata as gRPC sends it, unpadded (or padded, as some servers do).
+#[cfg(any(feature = "client", test))]
 pub(crate) fn decode_unpadded(text: &[u8]) -> Result<Vec<u8>, Invalid> {
     let mut padded = text.to_vec();
     while !padded.len().is_multiple_of(4) {

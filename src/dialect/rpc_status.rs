@@ -3,9 +3,11 @@
 //! ([`super::grpc`]), and read here for the client layer, so that both sides speak one format.
 //! Only the protobuf wire format these messages need: varints and length-delimited fields.
 
+#[cfg(any(feature = "client", test))]
 use std::time::Duration;
 
 use bytes::{BufMut, BytesMut};
+#[cfg(any(feature = "client", test))]
 use http::HeaderMap;
 
 /// The `ErrorInfo` domain of every status the middleware answers.
@@ -42,6 +44,7 @@ pub(super) fn string_field(out: &mut BytesMut, field: u32, s: &str) {
 }
 
 /// What `grpc-status-details-bin` says, as far as the caller needs it.
+#[cfg(any(feature = "client", test))]
 #[derive(Debug, Default, PartialEq, Eq)]
 pub(crate) struct Details {
     /// The `ErrorInfo` reason, if its domain is the middleware's.
@@ -50,6 +53,7 @@ pub(crate) struct Details {
     pub(crate) retry_delay: Option<Duration>,
 }
 
+#[cfg(any(feature = "client", test))]
 impl Details {
     /// Reads the details of `headers`; anything malformed reads as no details.
     pub(crate) fn of(headers: &HeaderMap) -> Self {
@@ -107,6 +111,7 @@ impl Details {
 }
 
 /// A `google.protobuf.Duration`; negative or out-of-range parts read as malformed.
+#[cfg(any(feature = "client", test))]
 fn duration(bytes: &[u8]) -> Option<Duration> {
     let (mut seconds, mut nanos) = (0u64, 0u64);
     for field in Fields(bytes) {
@@ -125,6 +130,7 @@ fn duration(bytes: &[u8]) -> Option<Duration> {
 
 /// One protobuf field's value, as far as these messages need.
 #[derive(Debug)]
+#[cfg(any(feature = "client", test))]
 enum Value<'a> {
     Varint(u64),
     Bytes(&'a [u8]),
@@ -132,8 +138,10 @@ enum Value<'a> {
 }
 
 /// The fields of an encoded message; a malformed one ends it with `None`.
+#[cfg(any(feature = "client", test))]
 struct Fields<'a>(&'a [u8]);
 
+#[cfg(any(feature = "client", test))]
 impl<'a> Iterator for Fields<'a> {
     type Item = Option<(u64, Value<'a>)>;
 
@@ -150,6 +158,7 @@ impl<'a> Iterator for Fields<'a> {
     }
 }
 
+#[cfg(any(feature = "client", test))]
 impl<'a> Fields<'a> {
     fn field(&mut self) -> Option<(u64, Value<'a>)> {
         let tag = self.varint()?;

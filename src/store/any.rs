@@ -154,6 +154,31 @@ impl AnyStore {
         }
     }
 
+    /// Batches the claims and completions of a SQL store (see
+    /// [`PostgresStore::with_batching`](super::PostgresStore::with_batching)); the memory and
+    /// Redis stores, one round trip or none per operation already, are left as they are.
+    ///
+    /// ```no_run
+    /// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+    /// use tower_idempotency::{AnyStore, store::Batching};
+    ///
+    /// let store = AnyStore::connect("postgres://postgres@127.0.0.1/app")
+    ///     .await?
+    ///     .with_batching(Batching::default());
+    /// # Ok(()) }
+    /// ```
+    #[cfg(any(feature = "sqlite", feature = "postgres"))]
+    pub fn with_batching(self, batching: super::Batching) -> Self {
+        match self {
+            #[cfg(feature = "sqlite")]
+            Self::Sqlite(store) => Self::Sqlite(store.with_batching(batching)),
+            #[cfg(feature = "postgres")]
+            Self::Postgres(store) => Self::Postgres(store.with_batching(batching)),
+            #[allow(unreachable_patterns)]
+            other => other,
+        }
+    }
+
     /// Opens the store `url` names, creating SQL tables if missing. An error names the store
     /// (without its password) and the cause.
     pub async fn connect(url: &str) -> Result<Self, ConnectError> {

@@ -53,7 +53,7 @@ pub use sql::{CheckError, InvalidIdentifier};
 pub use sqlite::SqliteStore;
 pub use uncertain::{UncertainCount, UncertainCursor, UncertainPage, UncertainQuery, Unreadable};
 pub use waiting::InFlight;
-#[cfg(any(feature = "memory", feature = "redis"))]
+#[cfg(any(feature = "memory", feature = "redis", feature = "postgres"))]
 pub(crate) use waiting::Waiters;
 pub(crate) use waiting::poll;
 

@@ -69,6 +69,12 @@ impl UncertainCursor {
     }
 
     /// A cursor at a stored row whose scope and key are these bytes.
+    #[cfg(any(
+        feature = "postgres",
+        feature = "sqlite",
+        feature = "redis",
+        feature = "console"
+    ))]
     pub(crate) fn stored(updated_at: SystemTime, scope: Vec<u8>, key: Vec<u8>) -> Self {
         let text = |bytes: &[u8]| String::from_utf8_lossy(bytes).into_owned();
         let utf8 = std::str::from_utf8(&scope).is_ok() && std::str::from_utf8(&key).is_ok();
@@ -80,6 +86,12 @@ impl UncertainCursor {
     }
 
     /// The scope's and key's bytes as stored.
+    #[cfg(any(
+        feature = "postgres",
+        feature = "sqlite",
+        feature = "redis",
+        feature = "console"
+    ))]
     pub(crate) fn bytes(&self) -> (&[u8], &[u8]) {
         match &self.raw {
             Some(raw) => (&raw.0, &raw.1),

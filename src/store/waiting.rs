@@ -38,13 +38,13 @@ fn poll_backoff(round: u32) -> Duration {
 }
 
 /// A little past the lease's end, so the claim that follows finds it over.
-#[cfg(any(feature = "memory", feature = "redis"))]
+#[cfg(any(feature = "memory", feature = "redis", feature = "postgres"))]
 const PAST_LEASE: Duration = Duration::from_millis(5);
 
-#[cfg(any(feature = "memory", feature = "redis"))]
+#[cfg(any(feature = "memory", feature = "redis", feature = "postgres"))]
 pub(crate) use registry::Waiters;
 
-#[cfg(any(feature = "memory", feature = "redis"))]
+#[cfg(any(feature = "memory", feature = "redis", feature = "postgres"))]
 mod registry {
     use std::collections::HashMap;
     use std::future::Future;
@@ -87,6 +87,7 @@ mod registry {
         }
 
         /// Wakes every waiter: changes may have been missed (a lost subscription).
+        #[cfg(any(feature = "redis", feature = "postgres"))]
         pub(crate) fn wake_all(&self) {
             for notify in self.lock().values() {
                 notify.notify_waiters();

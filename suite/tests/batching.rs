@@ -390,6 +390,21 @@ async fn s4_postgres_batched_one_effect_per_key_over_http() {
     one_effect_per_key_over_http(store.with_batching(Batching::default())).await;
 }
 
+/// `AnyStore::with_batching` batches the SQL store a URL names.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s4_any_store_batched_one_effect_per_key_over_http() {
+    let path = common::sqlite_path("batching-any");
+    let store = tower_idempotency::AnyStore::connect(&format!("sqlite://{}", path.display()))
+        .await
+        .expect("connect")
+        .with_batching(Batching::default());
+    let tower_idempotency::AnyStore::Sqlite(sqlite) = &store else {
+        panic!("a SQLite store")
+    };
+    assert_eq!(sqlite.batching(), Some(Batching::default()));
+    one_effect_per_key_over_http(store).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn s4_sqlite_batched_one_effect_per_key_over_http() {
     let (store, _path) = common::sqlite("batching-http").await;
