@@ -6,8 +6,7 @@ use std::time::{Duration, SystemTime};
 use sqlx::postgres::{PgConnectOptions, PgConnection, PgPool, PgPoolOptions, PgRow};
 use sqlx::{AssertSqlSafe, Connection, Row};
 
-use super::batch::{self, Batches, Batching, ClaimOp, CompleteOp};
-use super::codec::fresh_token;
+use super::batch::{Batches, ClaimOp, CompleteOp};
 use super::history::{HISTORY_LIMIT, HISTORY_REFUSALS};
 use super::sql::{self, InvalidIdentifier, RawRecord, millis, unavailable};
 use super::{
@@ -27,6 +26,12 @@ use super::{
 ///   `UPDATE … WHERE lease_token = $n AND status = 'in_progress'`: one round trip each.
 /// - **The database's clock.** Leases and TTLs use `now()`, never a replica's clock.
 /// - **Binary-safe.** Scope, key, fingerprint and response are `bytea`.
+/// - **Batches, under concurrency** ([`with_batching`](Self::with_batching)): claims (and,
+///   apart, completions) that arrive while a batch is in flight go in one statement, an
+///   `INSERT … SELECT FROM unnest(…)` of the claim's upsert or an `UPDATE … FROM unnest(…)`,
+///   each request answered by its place in the arrays. A batch waits at most 100 ms for a row
+///   held in another transaction; then each of its operations goes alone, so only the held
+///   key waits. Counted on the wire, 64 concurrent claims take a few statements, not 64.
 ///
 /// The table is created by [`migrate`](Self::migrate) (idempotent, serialised by an advisory
 /// lock, separate from the application's own sqlx migrations), or by running
@@ -250,9 +255,9 @@ impl Statements {
         };
         let claim = format!(
             "WITH claimed AS ({})
-             SELECT *, true FROM claimed
+             SELECT * FROM claimed
              UNION ALL
-             SELECT {cols_r}, false FROM {t} r
+             SELECT {cols_r} FROM {t} r
               WHERE r.scope = $1 AND r.key = $2 AND NOT EXISTS (SELECT 1 FROM claimed)",
             upsert(["$1", "$2", "$3", "$4", "$5", "$6", "$7"], "", ""),
         );
@@ -265,9 +270,9 @@ impl Statements {
                  WITH ORDINALITY AS i(scope, key, fingerprint, token, lease_ms, reclaim, ttl_ms, n)
              ),
              claimed AS ({})
-             SELECT c.*, true, i.n FROM claimed c JOIN input i ON i.scope = c.scope AND i.key = c.key
+             SELECT c.*, i.n FROM claimed c JOIN input i ON i.scope = c.scope AND i.key = c.key
              UNION ALL
-             SELECT {cols_r}, false, i.n FROM input i JOIN {t} r ON r.scope = i.scope AND r.key = i.key
+             SELECT {cols_r}, i.n FROM input i JOIN {t} r ON r.scope = i.scope AND r.key = i.key
               WHERE NOT EXISTS (SELECT 1 FROM claimed c WHERE c.scope = i.scope AND c.key = i.key)",
             upsert(
                 [
@@ -762,65 +767,19 @@ impl PostgresStore {
         .await
     }
 
-    /// Sends claims and completions that arrive while others are in flight together, one
-    /// statement per batch (an `INSERT … SELECT FROM unnest(…)` of the claim's upsert, an
-    /// `UPDATE … FROM unnest(…)` of the completion), each request answered as it would be
-    /// alone: the same fencing, leases and TTLs, on the database's clock. No timer: at low load
-    /// each operation goes alone, at once, as the single statement.
-    ///
-    /// A batch that fails as a whole (a row held in another transaction past 100 ms, a
-    /// deadlock) is sent again one operation at a time, so each gets its own answer. Counted on
-    /// the wire, 64 concurrent claims take a few statements, not 64.
-    ///
-    /// ```no_run
-    /// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
-    /// use tower_idempotency::store::{Batching, PostgresStore};
-    ///
-    /// let store = PostgresStore::connect("postgres://postgres@127.0.0.1/app")
-    ///     .await?
-    ///     .with_batching(Batching::default());
-    /// # Ok(()) }
-    /// ```
-    pub fn with_batching(mut self, batching: Batching) -> Self {
-        self.batches = Some(Batches::new(batching));
-        self
-    }
-
-    /// How claims and completions are batched, if they are.
-    pub fn batching(&self) -> Option<Batching> {
-        self.batches.as_ref().map(|b| b.settings())
-    }
-
     /// The statement a batch of claims runs, for `EXPLAIN`: the claim statement's parameters,
     /// each an array with one element per claim.
     pub fn claim_batch_statement(&self) -> &str {
         &self.sql.claim_batch
     }
 
-    async fn claim_record(&self, req: &ClaimRequest) -> Result<Claim, StoreError> {
-        let token = fresh_token();
-        match &self.batches {
-            Some(batches) => {
-                let store = self.clone();
-                batches
-                    .claim(req, token, move |ops| store.clone().claim_batch(ops))
-                    .await
-            }
-            None => self.claim_one(req, token).await,
-        }
-    }
-
     /// A batch of claims: one statement. A batch of one (all there is at low load) goes as
     /// today's single statement, which PostgreSQL plans and runs faster than the batch's.
     async fn claim_batch(self, ops: Vec<ClaimOp>) {
-        if ops.len() == 1 {
-            for op in ops {
-                let outcome = self.claim_one(&op.request, op.token).await;
-                batch::answer_claim(&self, op, outcome);
-            }
-            return;
-        }
-        let outcome = self.claim_together(&ops).await;
+        let outcome = match ops.as_slice() {
+            [op] => Ok(vec![Some(self.claim_one(&op.request, op.token).await)]),
+            _ => self.claim_together(&ops).await,
+        };
         self.settle_claims(ops, outcome);
     }
 
@@ -859,7 +818,7 @@ impl PostgresStore {
         let mut found: Vec<Option<Result<Claim, StoreError>>> = ops.iter().map(|_| None).collect();
         for row in rows {
             // `n` counts from 1, in the order of `ops`.
-            let n: i64 = row.try_get(17)?;
+            let n: i64 = row.try_get(16)?;
             let Some(i) = usize::try_from(n - 1).ok().filter(|&i| i < ops.len()) else {
                 continue;
             };
@@ -889,19 +848,17 @@ impl PostgresStore {
         &self,
         op: &CompleteOp,
     ) -> Result<Result<(), StoreError>, sqlx::Error> {
-        let done = sqlx::query(AssertSqlSafe(self.sql.complete_bounded.clone()))
-            .bind(op.key.scope().as_bytes())
-            .bind(op.key.key().as_bytes())
-            .bind(sql::token(op.token))
-            .bind(op.response.as_slice())
-            .bind(millis(op.ttl))
-            .execute(&self.pool)
+        let rows = self
+            .complete_rows(
+                &self.pool,
+                &self.sql.complete_bounded,
+                &op.key,
+                op.token,
+                &op.response,
+                op.ttl,
+            )
             .await?;
-        Ok(if done.rows_affected() == 1 {
-            Ok(())
-        } else {
-            Err(StoreError::Fenced)
-        })
+        Ok(fenced(rows))
     }
 
     /// The completions in one statement: each not written was fenced off.

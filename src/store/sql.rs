@@ -277,7 +277,7 @@ pub(crate) fn unavailable(e: sqlx::Error) -> StoreError {
     StoreError::unavailable(e)
 }
 
-/// Implements everything of a sqlx store except its claim (`claim_record`, which each database
+/// Implements everything of a sqlx store except its claim (`claim_one`, which each database
 /// does its own way): the fenced writes, the reads and the history appends run the same
 /// statements, prepared in the store's `Statements`, on any database.
 macro_rules! sql_store {
@@ -354,6 +354,28 @@ impl $store {
     {
         self.complete_bytes(executor, key, token, &response.to_bytes(), ttl)
             .await
+    }
+
+    /// Sends claims and completions that arrive while others are in flight together (see the
+    /// store's documentation for what a batch is on its database), each request answered as
+    /// it would be alone: the same fencing, leases and TTLs. No timer: at low load each
+    /// operation goes alone, at once, as today's statement.
+    ///
+    /// ```no_run
+    #[doc = concat!(" # async fn run(store: tower_idempotency::store::", stringify!($store), ") {")]
+    /// use tower_idempotency::store::Batching;
+    ///
+    /// let store = store.with_batching(Batching::default());
+    /// # }
+    /// ```
+    pub fn with_batching(mut self, batching: super::Batching) -> Self {
+        self.batches = Some(super::batch::Batches::new(batching));
+        self
+    }
+
+    /// How claims and completions are batched, if they are.
+    pub fn batching(&self) -> Option<super::Batching> {
+        self.batches.as_ref().map(|b| b.settings())
     }
 
     /// What a batch of claims came to. Each claim is answered, or sent again alone on a task
@@ -448,16 +470,36 @@ impl $store {
     where
         E: sqlx::Executor<'c, Database = $db>,
     {
-        let done = sqlx::query(AssertSqlSafe(self.sql.complete.clone()))
+        let rows = self
+            .complete_rows(executor, &self.sql.complete, key, token, response, ttl)
+            .await
+            .map_err(unavailable)?;
+        fenced(rows)
+    }
+
+    /// Runs a completion `statement` (today's, or one bounded in its lock wait): the rows it
+    /// wrote, 0 when fenced off.
+    async fn complete_rows<'c, E>(
+        &self,
+        executor: E,
+        statement: &Arc<str>,
+        key: &ScopedKey,
+        token: FencingToken,
+        response: &[u8],
+        ttl: Duration,
+    ) -> Result<u64, sqlx::Error>
+    where
+        E: sqlx::Executor<'c, Database = $db>,
+    {
+        let done = sqlx::query(AssertSqlSafe(statement.clone()))
             .bind(key.scope().as_bytes())
             .bind(key.key().as_bytes())
             .bind(sql::token(token))
             .bind(response)
             .bind(millis(ttl))
             .execute(executor)
-            .await
-            .map_err(unavailable)?;
-        fenced(done.rows_affected())
+            .await?;
+        Ok(done.rows_affected())
     }
 
     async fn milestone_on<'c, E>(
@@ -519,7 +561,16 @@ fn raw(row: &$row) -> Result<(RawRecord, SystemTime), sqlx::Error> {
 
 impl IdempotencyStore for $store {
     async fn claim(&self, req: &ClaimRequest) -> Result<Claim, StoreError> {
-        self.claim_record(req).await
+        let token = super::codec::fresh_token();
+        match &self.batches {
+            Some(batches) => {
+                let store = self.clone();
+                batches
+                    .claim(req, token, move |ops| store.clone().claim_batch(ops))
+                    .await
+            }
+            None => self.claim_one(req, token).await,
+        }
     }
 
     async fn renew(

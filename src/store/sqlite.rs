@@ -10,8 +10,7 @@ use sqlx::sqlite::{
 };
 use sqlx::{AssertSqlSafe, Connection, Row};
 
-use super::batch::{Batches, Batching, ClaimOp, CompleteOp};
-use super::codec::fresh_token;
+use super::batch::{Batches, ClaimOp, CompleteOp};
 use super::history::{HISTORY_LIMIT, HISTORY_REFUSALS};
 use super::sql::{self, InvalidIdentifier, RawRecord, millis, unavailable};
 use super::{
@@ -28,6 +27,11 @@ use super::{
 /// over or leaves the record, then (only when it left it) a read of the record, both under
 /// SQLite's single write lock, so no other claim can come between them. Times are milliseconds
 /// on SQLite's clock (`julianday('now')`).
+///
+/// Under concurrency, [`with_batching`](Self::with_batching) sends claims (and, apart,
+/// completions) that arrive while a batch is in flight in one write transaction: one commit,
+/// one turn of the write lock, which this store's batches take in turn instead of contending
+/// for it in SQLite's busy handler. A batch that fails is sent again one operation at a time.
 ///
 /// For tests, `sqlite::memory:` works too: [`connect`](Self::connect) then keeps one
 /// connection open for the store's life (the database lives as long as one connection does)
@@ -504,56 +508,13 @@ impl SqliteStore {
         outcome
     }
 
-    async fn claim_record(&self, req: &ClaimRequest) -> Result<Claim, StoreError> {
-        let token = fresh_token();
-        match &self.batches {
-            Some(batches) => {
-                let store = self.clone();
-                batches
-                    .claim(req, token, move |ops| store.clone().claim_batch(ops))
-                    .await
-            }
-            None => self.claim_one(req, token).await,
-        }
-    }
-
-    /// Sends claims and completions that arrive while others are in flight together, one
-    /// write transaction (one commit, one turn of SQLite's single write lock) per batch, each
-    /// request answered as it would be alone: the same fencing, leases and TTLs. No timer: at
-    /// low load each operation goes alone, at once. A batch that fails as a whole is sent
-    /// again one operation at a time.
-    ///
-    /// ```no_run
-    /// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
-    /// use tower_idempotency::store::{Batching, SqliteStore};
-    ///
-    /// let store = SqliteStore::connect("sqlite://idempotency.db")
-    ///     .await?
-    ///     .with_batching(Batching::default());
-    /// # Ok(()) }
-    /// ```
-    pub fn with_batching(mut self, batching: Batching) -> Self {
-        self.batches = Some(Batches::new(batching));
-        self
-    }
-
-    /// How claims and completions are batched, if they are.
-    pub fn batching(&self) -> Option<Batching> {
-        self.batches.as_ref().map(|b| b.settings())
-    }
-
     /// A batch of claims: one transaction. If it fails, its claims go alone, each on a task of
     /// its own (and its own transaction), holding neither the writer nor a batch slot.
     async fn claim_batch(self, ops: Vec<ClaimOp>) {
         let writer = self.writer.lock().await;
-        let outcomes = if ops.len() == 1 {
-            let mut outcomes = Vec::with_capacity(1);
-            for op in &ops {
-                outcomes.push(self.claim_one(&op.request, op.token).await);
-            }
-            Ok(outcomes)
-        } else {
-            self.claim_together(&ops).await
+        let outcomes = match ops.as_slice() {
+            [op] => Ok(vec![self.claim_one(&op.request, op.token).await]),
+            _ => self.claim_together(&ops).await,
         };
         drop(writer);
         self.settle_claims(ops, outcomes.map(|o| o.into_iter().map(Some).collect()));
@@ -575,14 +536,9 @@ impl SqliteStore {
     /// A batch of completions: one transaction; if it fails, each goes alone, as claims do.
     async fn complete_batch(self, ops: Vec<CompleteOp>) {
         let writer = self.writer.lock().await;
-        let outcomes = if ops.len() == 1 {
-            let mut outcomes = Vec::with_capacity(1);
-            for op in &ops {
-                outcomes.push(self.complete_encoded(op).await);
-            }
-            Ok(outcomes)
-        } else {
-            self.complete_together(&ops).await
+        let outcomes = match ops.as_slice() {
+            [op] => Ok(vec![self.complete_encoded(op).await]),
+            _ => self.complete_together(&ops).await,
         };
         drop(writer);
         self.settle_completes(ops, outcomes);
@@ -595,15 +551,17 @@ impl SqliteStore {
         let mut tx = self.pool.begin().await?;
         let mut outcomes = Vec::with_capacity(ops.len());
         for op in ops {
-            let done = sqlx::query(AssertSqlSafe(self.sql.complete.clone()))
-                .bind(op.key.scope().as_bytes())
-                .bind(op.key.key().as_bytes())
-                .bind(sql::token(op.token))
-                .bind(op.response.as_slice())
-                .bind(millis(op.ttl))
-                .execute(&mut *tx)
+            let rows = self
+                .complete_rows(
+                    &mut *tx,
+                    &self.sql.complete,
+                    &op.key,
+                    op.token,
+                    &op.response,
+                    op.ttl,
+                )
                 .await?;
-            outcomes.push(fenced(done.rows_affected()));
+            outcomes.push(fenced(rows));
         }
         tx.commit().await?;
         Ok(outcomes)
