@@ -6,7 +6,7 @@
 
 mod common;
 
-use common::batching::{LONG, claim, unique};
+use common::batching::{LONG, claim, spawn_claim, unique, within};
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -73,34 +73,19 @@ async fn s4_fault_pg_with_table_after_with_batching_sends_claims_to_the_other_ta
     let run = unique("tenants");
     // The pool's only connection, held: the first claim waits for it, in the batch slot.
     let held = pool.acquire().await.expect("hold the connection");
-    let first = {
-        let (a, key) = (a.clone(), ScopedKey::new(run.clone(), "a-first"));
-        tokio::spawn(async move { a.claim(&claim(&key)).await })
-    };
+    let first = spawn_claim(&a, &ScopedKey::new(run.clone(), "a-first"));
     tokio::time::sleep(Duration::from_millis(200)).await;
     let keys: Vec<ScopedKey> = (0..10)
         .map(|i| ScopedKey::new(run.clone(), format!("b-{i}")))
         .collect();
-    let queued: Vec<_> = keys
-        .iter()
-        .map(|key| {
-            let (b, key) = (b.clone(), key.clone());
-            tokio::spawn(async move { b.claim(&claim(&key)).await })
-        })
-        .collect();
+    let queued: Vec<_> = keys.iter().map(|key| spawn_claim(&b, key)).collect();
     tokio::time::sleep(Duration::from_millis(200)).await;
     drop(held);
-    let first = tokio::time::timeout(GUARD, first)
-        .await
-        .expect("hang guard")
-        .expect("task");
+    let first = within(GUARD, first).await;
     assert!(matches!(first, Ok(Claim::Acquired(_))), "{first:?}");
     let mut crossed = Vec::new();
     for (key, task) in keys.iter().zip(queued) {
-        let out = tokio::time::timeout(GUARD, task)
-            .await
-            .expect("hang guard")
-            .expect("task");
+        let out = within(GUARD, task).await;
         let Ok(Claim::Acquired(lease)) = out else {
             panic!("{key:?}: a fresh key, got {out:?}");
         };
@@ -145,37 +130,22 @@ async fn s4_fault_sqlite_with_table_after_with_batching_sends_claims_to_the_othe
         .await
         .expect("write lock");
     let run = unique("tenants");
-    let first = {
-        let (a, key) = (a.clone(), ScopedKey::new(run.clone(), "a-first"));
-        tokio::spawn(async move { a.claim(&claim(&key)).await })
-    };
+    let first = spawn_claim(&a, &ScopedKey::new(run.clone(), "a-first"));
     tokio::time::sleep(Duration::from_millis(200)).await;
     let keys: Vec<ScopedKey> = (0..10)
         .map(|i| ScopedKey::new(run.clone(), format!("b-{i}")))
         .collect();
-    let queued: Vec<_> = keys
-        .iter()
-        .map(|key| {
-            let (b, key) = (b.clone(), key.clone());
-            tokio::spawn(async move { b.claim(&claim(&key)).await })
-        })
-        .collect();
+    let queued: Vec<_> = keys.iter().map(|key| spawn_claim(&b, key)).collect();
     tokio::time::sleep(Duration::from_millis(200)).await;
     sqlx::query("ROLLBACK")
         .execute(&mut other)
         .await
         .expect("let go");
-    let first = tokio::time::timeout(GUARD, first)
-        .await
-        .expect("hang guard")
-        .expect("task");
+    let first = within(GUARD, first).await;
     assert!(matches!(first, Ok(Claim::Acquired(_))), "{first:?}");
     let mut crossed = Vec::new();
     for (key, task) in keys.iter().zip(queued) {
-        let out = tokio::time::timeout(GUARD, task)
-            .await
-            .expect("hang guard")
-            .expect("task");
+        let out = within(GUARD, task).await;
         let Ok(Claim::Acquired(lease)) = out else {
             panic!("{key:?}: a fresh key, got {out:?}");
         };
@@ -236,36 +206,21 @@ async fn s4_fault_sqlite_one_unreadable_row_fails_every_claim_of_its_batch() {
         .execute(&mut other)
         .await
         .expect("write lock");
-    let first = {
-        let (store, key) = (store.clone(), ScopedKey::new(run.clone(), "first"));
-        tokio::spawn(async move { store.claim(&claim(&key)).await })
-    };
+    let first = spawn_claim(&store, &ScopedKey::new(run.clone(), "first"));
     tokio::time::sleep(Duration::from_millis(200)).await;
     let mut keys = vec![damaged.clone()];
     keys.extend((0..10).map(|i| ScopedKey::new(run.clone(), format!("fresh-{i}"))));
-    let queued: Vec<_> = keys
-        .iter()
-        .map(|key| {
-            let (store, key) = (store.clone(), key.clone());
-            tokio::spawn(async move { store.claim(&claim(&key)).await })
-        })
-        .collect();
+    let queued: Vec<_> = keys.iter().map(|key| spawn_claim(&store, key)).collect();
     tokio::time::sleep(Duration::from_millis(200)).await;
     sqlx::query("ROLLBACK")
         .execute(&mut other)
         .await
         .expect("let go");
-    let first = tokio::time::timeout(GUARD, first)
-        .await
-        .expect("hang guard")
-        .expect("task");
+    let first = within(GUARD, first).await;
     assert!(matches!(first, Ok(Claim::Acquired(_))), "{first:?}");
     let mut failed = Vec::new();
     for (key, task) in keys.iter().zip(queued) {
-        let out = tokio::time::timeout(GUARD, task)
-            .await
-            .expect("hang guard")
-            .expect("task");
+        let out = within(GUARD, task).await;
         if key == &damaged {
             assert!(matches!(out, Err(StoreError::Unavailable(_))), "{out:?}");
         } else if !matches!(out, Ok(Claim::Acquired(_))) {
@@ -332,10 +287,7 @@ async fn renewals_race_batched_completions<S: IdempotencyStore>(store: S) {
         .collect();
     let mut answers = std::collections::HashMap::new();
     for task in tasks {
-        let (key, status, body) = tokio::time::timeout(GUARD, task)
-            .await
-            .expect("hang guard")
-            .expect("task");
+        let (key, status, body) = within(GUARD, task).await;
         assert_eq!(status, http::StatusCode::CREATED, "{key}: {body}");
         assert!(body.ends_with(&format!("for {key}")), "{key} got {body}");
         let first = answers.entry(key.clone()).or_insert_with(|| body.clone());
@@ -396,10 +348,7 @@ async fn s4_held_sqlite_memory_current_thread_500_ops_one_slot_of_one() {
         .collect();
     let mut won = std::collections::HashMap::new();
     for task in tasks {
-        let (key, out) = tokio::time::timeout(GUARD, task)
-            .await
-            .expect("hang guard")
-            .expect("task");
+        let (key, out) = within(GUARD, task).await;
         match out {
             Ok(Claim::Acquired(lease)) => {
                 assert!(won.insert(key, lease.token).is_none(), "two winners");
@@ -417,11 +366,7 @@ async fn s4_held_sqlite_memory_current_thread_500_ops_one_slot_of_one() {
         })
         .collect();
     for task in tasks {
-        tokio::time::timeout(GUARD, task)
-            .await
-            .expect("hang guard")
-            .expect("task")
-            .expect("complete");
+        within(GUARD, task).await.expect("complete");
     }
 }
 
@@ -439,10 +384,7 @@ async fn s4_held_pg_one_batch_of_3000_claims() {
     let store = Arc::new(plain.with_batching(Batching::default().in_flight(1).max_batch(10_000)));
     let run = unique("huge");
     let held = pool.acquire().await.expect("hold");
-    let first = {
-        let (store, key) = (store.clone(), ScopedKey::new(run.clone(), "first"));
-        tokio::spawn(async move { store.claim(&claim(&key)).await })
-    };
+    let first = spawn_claim(&store, &ScopedKey::new(run.clone(), "first"));
     tokio::time::sleep(Duration::from_millis(200)).await;
     let tasks: Vec<_> = (0..4000)
         .map(|i| {
@@ -465,10 +407,7 @@ async fn s4_held_pg_one_batch_of_3000_claims() {
     let mut won = std::collections::HashMap::new();
     let mut seen = Vec::new();
     for task in tasks {
-        let (key, out) = tokio::time::timeout(GUARD, task)
-            .await
-            .expect("hang guard")
-            .expect("task");
+        let (key, out) = within(GUARD, task).await;
         match out {
             Ok(Claim::Acquired(lease)) => {
                 assert!(won.insert(key, lease.token).is_none(), "two winners");

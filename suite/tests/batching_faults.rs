@@ -6,7 +6,7 @@
 
 mod common;
 
-use common::batching::{LONG, acquire, answer, claim, through_proxy, unique};
+use common::batching::{LONG, acquire, answer, claim, spawn_claim, through_proxy, unique};
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -334,10 +334,7 @@ async fn s4_fault_a_runtime_shutting_down_leaves_queued_callers_and_the_store_ha
         })
     };
     in_slot_rx.await.expect("the first claim is in its slot");
-    let queued = {
-        let (store, key) = (store.clone(), queued_key.clone());
-        tokio::spawn(async move { store.claim(&claim(&key)).await })
-    };
+    let queued = spawn_claim(&store, &queued_key);
     tokio::time::sleep(Duration::from_millis(100)).await;
     stop_tx.send(()).expect("stop A");
     tokio::task::spawn_blocking(move || thread.join())
@@ -612,10 +609,7 @@ async fn s4_held_pg_inline_caller_cancelled_while_others_queue() {
     .execute(&mut *tx)
     .await
     .expect("lock");
-    let inline = {
-        let (store, key) = (store.clone(), first.clone());
-        tokio::spawn(async move { store.claim(&claim(&key)).await })
-    };
+    let inline = spawn_claim(&store, &first);
     tokio::time::sleep(Duration::from_millis(20)).await;
     let keys: Vec<ScopedKey> = (0..10)
         .map(|i| ScopedKey::new(run.clone(), format!("k-{i}")))
@@ -826,10 +820,7 @@ async fn s4_fault_pg_a_claim_batch_whose_answer_is_lost_answers_in_flight_for_it
     .execute(&mut *tx)
     .await
     .expect("lock");
-    let gated = {
-        let (store, key) = (store.clone(), gate.clone());
-        tokio::spawn(async move { store.claim(&claim(&key)).await })
-    };
+    let gated = spawn_claim(&store, &gate);
     tokio::time::sleep(Duration::from_millis(20)).await;
     armed.store(true, std::sync::atomic::Ordering::SeqCst);
     let keys: Vec<ScopedKey> = (0..5)

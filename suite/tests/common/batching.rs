@@ -7,7 +7,7 @@ use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use tower_idempotency::IdempotencyStore;
 use tower_idempotency::store::{
     Claim, ClaimRequest, FencingToken, Fingerprint, LeaseExpiry, PostgresStore, ScopedKey,
-    StoredResponse,
+    StoreError, StoredResponse,
 };
 
 use super::proxy::Proxy;
@@ -76,4 +76,21 @@ pub async fn through_proxy(table: &str, connections: u32) -> Option<(PostgresSto
     let store = PostgresStore::new(pool).with_table(table).expect("table");
     store.migrate().await.expect("migrate");
     Some((store, proxy))
+}
+
+/// The claim of `key` on `store`, sent on a task of its own.
+pub fn spawn_claim<S: IdempotencyStore + Clone>(
+    store: &S,
+    key: &ScopedKey,
+) -> tokio::task::JoinHandle<Result<Claim, StoreError>> {
+    let (store, req) = (store.clone(), claim(key));
+    tokio::spawn(async move { store.claim(&req).await })
+}
+
+/// What `task` returned, within `guard`: a hang guard with wide slack, never a measurement.
+pub async fn within<T>(guard: Duration, task: tokio::task::JoinHandle<T>) -> T {
+    tokio::time::timeout(guard, task)
+        .await
+        .expect("hang guard")
+        .expect("task")
 }
