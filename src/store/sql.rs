@@ -796,6 +796,59 @@ pub(crate) use sql_store;
 mod tests {
     use super::*;
 
+    fn row(status: &str, token: i64) -> Record {
+        RawRecord {
+            scope: b"s".to_vec(),
+            key: b"k".to_vec(),
+            fingerprint: vec![7; 32],
+            status: status.to_owned(),
+            lease_token: token,
+            lease_until_ms: 2_000,
+            attempts: 2,
+            effect_started: false,
+            downstream_id: None,
+            response: None,
+            created_at_ms: 1_000,
+            updated_at_ms: 1_000,
+            expires_at_ms: 9_000,
+            history: String::new(),
+            resolution_note: None,
+        }
+        .into_record()
+        .expect("a readable row")
+    }
+
+    /// Issue 23 §4: a claim that finds its own token on a record in progress holds that lease
+    /// (a claim sent again after its answer was lost, or after a batch that wrote nothing);
+    /// another token, or its own token on a record no longer in progress, is what stands.
+    #[test]
+    fn s4_a_claim_that_finds_its_own_token_in_progress_holds_the_lease() {
+        let now = from_millis(1_500);
+        let mine = FencingToken::new(42);
+        match claim_outcome(row("in_progress", 42), now, mine) {
+            Claim::Acquired(lease) => {
+                assert_eq!(lease.token, mine);
+                assert_eq!(lease.attempt, 2, "the record's attempt");
+                assert_eq!(lease.until, from_millis(2_000), "the record's lease");
+            }
+            other => panic!("its own lease, got {other:?}"),
+        }
+        for (status, token) in [
+            ("in_progress", 41),
+            ("completed", 42),
+            ("released", 42),
+            ("needs_reconciliation", 42),
+        ] {
+            assert!(
+                matches!(
+                    claim_outcome(row(status, token), now, mine),
+                    Claim::Existing { .. }
+                ),
+                "{status} with token {token} is the record that stands"
+            );
+        }
+    }
+
     /// Issue 15 §8: an index name derived from a 63-byte table name fits PostgreSQL's limit
     /// and differs from the table's own name and from another long table's.
     #[test]
