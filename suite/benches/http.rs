@@ -510,22 +510,8 @@ async fn run() {
     row("layer + SqliteStore, unique keys", &r);
     let _ = std::fs::remove_file(&path);
 
-    let url = std::env::var("TOWER_IDEMPOTENCY_POSTGRES_URL")
-        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".to_owned());
-    match sqlx::postgres::PgPoolOptions::new()
-        .max_connections(32)
-        .connect(&url)
-        .await
-    {
-        Ok(pool) => {
-            let store = PostgresStore::new(pool)
-                .with_table("tower_idempotency_bench")
-                .expect("table");
-            store.migrate().await.expect("migrate");
-            sqlx::query("TRUNCATE tower_idempotency_bench")
-                .execute(store.pool())
-                .await
-                .expect("truncate");
+    match postgres_store("tower_idempotency_bench").await {
+        Ok(store) => {
             let r = scenario(store.clone(), Keys::Unique, seconds, &format!("{run_id}-p")).await;
             row("layer + PostgresStore, unique keys", &r);
             let r = scenario(store, Keys::Repeated, seconds, &format!("{run_id}-pr")).await;
@@ -555,6 +541,23 @@ async fn run() {
         ),
     }
     batching().await;
+}
+
+/// A PostgresStore on a pool of 32 in `table`, emptied (`TOWER_IDEMPOTENCY_POSTGRES_URL`,
+/// default `postgres://postgres@127.0.0.1:5432/test`).
+async fn postgres_store(table: &str) -> std::result::Result<PostgresStore, sqlx::Error> {
+    let url = std::env::var("TOWER_IDEMPOTENCY_POSTGRES_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".to_owned());
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(32)
+        .connect(&url)
+        .await?;
+    let store = PostgresStore::new(pool).with_table(table).expect("table");
+    store.migrate().await?;
+    sqlx::query(sqlx::AssertSqlSafe(format!("TRUNCATE {table}")))
+        .execute(store.pool())
+        .await?;
+    Ok(store)
 }
 
 /// Issue 23 §4: the durable stores batched against today's path, unique keys at 64
@@ -587,22 +590,8 @@ async fn batching() {
         Keys::Unique,
     ));
 
-    let url = std::env::var("TOWER_IDEMPOTENCY_POSTGRES_URL")
-        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".to_owned());
-    match sqlx::postgres::PgPoolOptions::new()
-        .max_connections(32)
-        .connect(&url)
-        .await
-    {
-        Ok(pool) => {
-            let store = PostgresStore::new(pool)
-                .with_table("tower_idempotency_bench_batching")
-                .expect("table");
-            store.migrate().await.expect("migrate");
-            sqlx::query("TRUNCATE tower_idempotency_bench_batching")
-                .execute(store.pool())
-                .await
-                .expect("truncate");
+    match postgres_store("tower_idempotency_bench_batching").await {
+        Ok(store) => {
             let batched = store.clone().with_batching(Batching::default());
             scenarios.push((
                 "PostgresStore, today's path",
