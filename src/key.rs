@@ -185,6 +185,13 @@ impl ScopedKey {
     fn parts(&self) -> (&str, &str) {
         self.joined.split_at(self.split)
     }
+
+    /// Scope and key as one string, and where the key begins in it: what a store that keeps
+    /// keys as bytes compares.
+    #[cfg(feature = "memory")]
+    pub(crate) fn joined(&self) -> (&str, usize) {
+        (&self.joined, self.split)
+    }
 }
 
 thread_local! {

@@ -32,6 +32,13 @@ impl StoredResponse {
     /// The response as bytes, exactly: status, every header (repeats and opaque bytes kept, in
     /// order), body, trailers.
     pub fn to_bytes(&self) -> Vec<u8> {
+        self.to_bytes_after(&[])
+    }
+
+    /// `prefix`, then the response as [`to_bytes`](Self::to_bytes) writes it, in one
+    /// allocation of exactly that size (a store that keeps the key beside the response).
+    #[cfg_attr(not(feature = "memory"), allow(dead_code))]
+    pub(crate) fn to_bytes_after(&self, prefix: &[u8]) -> Vec<u8> {
         // Sized exactly, so turning it into `Bytes` or a boxed slice needs no second
         // allocation.
         let headers_len = |h: &HeaderMap| {
@@ -43,7 +50,8 @@ impl StoredResponse {
                     })
                     .sum::<usize>()
         };
-        let len = MAGIC.len()
+        let len = prefix.len()
+            + MAGIC.len()
             + 2
             + headers_len(&self.headers)
             + 1
@@ -54,6 +62,7 @@ impl StoredResponse {
             + 1
             + self.trailers.as_ref().map_or(0, headers_len);
         let mut out = Vec::with_capacity(len);
+        out.put_slice(prefix);
         out.put_slice(MAGIC);
         out.put_u16(self.status.as_u16());
         put_headers(&mut out, &self.headers);

@@ -1,6 +1,8 @@
 //! The embedded, in-process store.
 
-use std::collections::BTreeSet;
+mod entry;
+mod shard;
+
 use std::fmt;
 use std::hash::{BuildHasher, RandomState};
 use std::ops::Bound::{Excluded, Unbounded};
@@ -8,29 +10,42 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, SystemTime};
 
-use hashbrown::HashTable;
-
 use super::history::{HISTORY_LIMIT, HISTORY_REFUSALS};
 use super::{
-    Claim, ClaimRequest, FencingToken, Fingerprint, HistoryEntry, HistoryEvent, IdempotencyStore,
-    InFlight, Lease, LeaseExpiry, Milestone, Record, RecordStatus, Resolution, ScopedKey,
-    StoreError, StoredResponse, UncertainCount, UncertainCursor, UncertainPage, UncertainQuery,
-    Unreadable,
+    Claim, ClaimRequest, FencingToken, HistoryEvent, IdempotencyStore, InFlight, Lease,
+    LeaseExpiry, Milestone, Record, RecordStatus, Resolution, ScopedKey, StoreError,
+    StoredResponse, UncertainCount, UncertainCursor, UncertainPage, UncertainQuery, Unreadable,
 };
+use entry::{Entry, span, time};
+use shard::{Shard, now_tick, tick};
 
 const SHARDS: usize = 64;
-/// A shard sweeps its expired records after this many claims, so memory stays bounded even
-/// when nobody calls [`IdempotencyStore::purge_expired`].
-const SWEEP_EVERY: u64 = 1024;
+/// A purge takes this many due records per hold of a shard's lock, and frees them after
+/// letting go: a request that meets a purge waits for a slice, not for the shard.
+const SLICE: usize = 64;
+/// Claims purge too, so memory stays bounded when nobody calls
+/// [`IdempotencyStore::purge_expired`]: up to this many of their shard's records that have
+/// been due for [`CLAIMS_LAG_MS`], more than each claim adds.
+const CLAIM_PURGES: usize = 2;
+/// How long records may stay due before claims purge them: a purger that runs more often
+/// than this leaves claims nothing to do.
+const CLAIMS_LAG_MS: u64 = 1000;
+/// Every this many claims a shard also looks at its records in progress, whose holders may
+/// have left without a word.
+const POLL_EVERY: u64 = 1024;
 
 type Clock = Arc<dyn Fn() -> SystemTime + Send + Sync>;
 
 /// The embedded store: one process, no dependencies, bounded memory.
 ///
 /// Records live in 64 independently locked shards, so concurrent requests on different keys
-/// rarely contend and no lock is held across an `.await`. Expired records are swept as claims
-/// arrive (and by [`purge_expired`](IdempotencyStore::purge_expired)); records under a live
-/// lease never expire, so in-flight keys are never evicted. The store is bounded by default, in
+/// rarely contend and no lock is held across an `.await`. Each shard indexes its settled
+/// records by expiry, so purging visits what expires, not what is stored:
+/// [`purge_expired`](IdempotencyStore::purge_expired) (which a
+/// [`Sweeper`](crate::reconcile::Sweeper) calls on every pass) takes expired records a slice at
+/// a time and frees them after letting go of the lock, and when nobody purges, claims take
+/// what has been due for a second, more than they add. Records under a live lease never
+/// expire, so in-flight keys are never evicted. The store is bounded by default, in
 /// records ([`max_records`](Self::max_records)) and in bytes ([`max_bytes`](Self::max_bytes)):
 /// a claim of a new key that does not fit fails with [`StoreError::Full`] (answered 503,
 /// nothing runs) instead of growing without limit or evicting live and completed records.
@@ -47,6 +62,8 @@ struct Inner {
     shards: Vec<Padded<Mutex<Shard>>>,
     hasher: RandomState,
     clock: Clock,
+    /// The clock at the store's creation (ms): expiry ticks count from it.
+    base: u64,
     max_records: AtomicUsize,
     max_bytes: AtomicUsize,
     /// Written by claims; apart from what every operation reads.
@@ -75,254 +92,10 @@ impl<T> std::ops::Deref for Padded<T> {
     }
 }
 
-#[derive(Default)]
-struct Shard {
-    /// Boxed records: a slot is one pointer, so the table's empty slots (up to half of them
-    /// after it doubles) cost 8 bytes each.
-    records: HashTable<Box<Entry>>,
-    claims: u64,
-    /// No record of this shard expires before this time (ms), so sweeping earlier would find
-    /// nothing: a lower bound, lowered by every write that sets an expiry.
-    next_expiry: u64,
-    /// The records only a reconciliation can settle once their holder is gone (see
-    /// [`watched`]), by last change and key: listing them costs the page, not the shard.
-    watch: BTreeSet<(u64, ScopedKey)>,
-}
-
-impl Shard {
-    fn expires(&mut self, at: u64) {
-        self.next_expiry = self.next_expiry.min(at);
-    }
-
-    /// Keeps the watch index in step with one record's change: `before` and `after` are what
-    /// [`watched`] said of it.
-    fn rewatch(&mut self, key: &ScopedKey, before: Option<u64>, after: Option<u64>) {
-        if before == after {
-            return;
-        }
-        if let Some(at) = before {
-            self.watch.remove(&(at, key.clone()));
-        }
-        if let Some(at) = after {
-            self.watch.insert((at, key.clone()));
-        }
-    }
-
-    fn find(&self, hash: u64, key: &ScopedKey) -> Option<&Entry> {
-        self.records.find(hash, |e| e.is(hash, key)).map(|e| &**e)
-    }
-
-    fn find_mut(&mut self, hash: u64, key: &ScopedKey) -> Option<&mut Entry> {
-        self.records
-            .find_mut(hash, |e| e.is(hash, key))
-            .map(|e| &mut **e)
-    }
-}
-
-/// A record as this store keeps it: times in milliseconds, its key shared with the request
-/// that claimed it (scope and key in one allocation already), its response encoded (a
-/// `HeaderMap` costs hundreds of bytes; its encoded form, its content), what few records need
-/// set apart. At most 168 bytes, so that with the allocator's 8-byte header it fills a
-/// 176-byte chunk (checked by a test).
-struct Entry {
-    /// The key's hash: it picked the shard and places the slot, so a key is hashed once per
-    /// operation and growing the table reads no keys.
-    hash: u64,
-    key: ScopedKey,
-    fingerprint: Fingerprint,
-    lease_token: FencingToken,
-    /// The first claim's token. A record's history starts with that claim, always: at
-    /// `created_at`, attempt 1, so it is kept as this token alone.
-    first_token: FencingToken,
-    lease_until: u64,
-    created_at: u64,
-    updated_at: u64,
-    expires_at: u64,
-    attempts: u32,
-    status: RecordStatus,
-    effect_started: bool,
-    /// Claimed on a route that reconciles expired leases ([`LeaseExpiry::Reconcile`]): a dead
-    /// holder's record then awaits reconciliation instead of being taken over.
-    reconcile_on_expiry: bool,
-    /// Owned, not `Bytes` (16 bytes smaller, and no shared-count header added by the first
-    /// replay): a replay copies the parts it sends, one pass over bytes it then writes to the
-    /// socket anyway, and most records are never replayed at all.
-    response: Option<Box<[u8]>>,
-    /// The history event after the first claim (for most records, their outcome).
-    next: Option<Event>,
-    /// A downstream id, history beyond those two events: most records have neither.
-    extra: Option<Box<Extra>>,
-}
-
-#[derive(Default)]
-struct Extra {
-    downstream_id: Option<Box<str>>,
-    history: Vec<Event>,
-    resolution_note: Option<Box<str>>,
-}
-
-/// One history entry, compactly.
-#[derive(Clone, Copy)]
-struct Event {
-    at: u64,
-    token: FencingToken,
-    attempt: u32,
-    event: HistoryEvent,
-}
-
-impl Entry {
-    /// A record just claimed by `req`'s first attempt; `hash` is its key's.
-    fn claimed(
-        req: &ClaimRequest,
-        hash: u64,
-        token: FencingToken,
-        now: u64,
-        lease_until: u64,
-    ) -> Self {
-        Entry {
-            hash,
-            key: req.key.clone(),
-            fingerprint: req.fingerprint,
-            status: RecordStatus::InProgress,
-            lease_token: token,
-            first_token: token,
-            lease_until,
-            attempts: 1,
-            effect_started: false,
-            reconcile_on_expiry: req.on_lease_expiry == LeaseExpiry::Reconcile,
-            response: None,
-            created_at: now,
-            updated_at: now,
-            expires_at: (now + span(req.ttl)).max(lease_until),
-            next: None,
-            extra: None,
-        }
-    }
-
-    /// What this record counts toward the byte bound: its own size, its key and its response.
-    fn weight(&self) -> usize {
-        size_of::<Self>()
-            + self.key.scope().len()
-            + self.key.key().len()
-            + self.response.as_ref().map_or(0, |r| r.len())
-            + self.extra.as_ref().map_or(0, |e| {
-                size_of::<Extra>()
-                    + e.history.capacity() * size_of::<Event>()
-                    + e.downstream_id.as_ref().map_or(0, |d| d.len())
-                    + e.resolution_note.as_ref().map_or(0, |n| n.len())
-            })
-    }
-
-    fn is(&self, hash: u64, key: &ScopedKey) -> bool {
-        self.hash == hash && self.key == *key
-    }
-
-    /// Appends `event` while the history holds fewer than `cap` entries.
-    fn push_history(&mut self, event: Event, cap: usize) {
-        let held = 1
-            + usize::from(self.next.is_some())
-            + self.extra.as_ref().map_or(0, |e| e.history.len());
-        if held >= cap {
-            // A refusal note is dropped; any other event takes the last entry's place, so the
-            // history keeps its first attempts and always its latest event.
-            if cap != HISTORY_REFUSALS
-                && let Some(last) = self.extra.as_mut().and_then(|e| e.history.last_mut())
-            {
-                *last = event;
-            }
-            return;
-        }
-        match &mut self.next {
-            slot @ None => *slot = Some(event),
-            Some(_) => self.extra.get_or_insert_default().history.push(event),
-        }
-    }
-
-    fn history(&self) -> impl Iterator<Item = Event> {
-        let claimed = Event {
-            at: self.created_at,
-            token: self.first_token,
-            attempt: 1,
-            event: HistoryEvent::Claimed,
-        };
-        let rest = self
-            .extra
-            .iter()
-            .flat_map(|extra| extra.history.iter().copied());
-        std::iter::once(claimed).chain(self.next).chain(rest)
-    }
-
-    fn downstream_id(&self) -> Option<&str> {
-        self.extra.as_ref()?.downstream_id.as_deref()
-    }
-
-    /// The record as a claim reports it: without its history unless it is in flight (see
-    /// [`Claim::Existing`]), so a replay allocates and copies none.
-    fn to_claimed(&self) -> Result<Record, StoreError> {
-        let in_flight = matches!(
-            self.status,
-            RecordStatus::InProgress | RecordStatus::Released
-        );
-        self.record(in_flight)
-    }
-
-    fn to_record(&self) -> Result<Record, StoreError> {
-        self.record(true)
-    }
-
-    fn record(&self, with_history: bool) -> Result<Record, StoreError> {
-        let response = match &self.response {
-            Some(bytes) => {
-                Some(StoredResponse::from_bytes(bytes).map_err(StoreError::unavailable)?)
-            }
-            None => None,
-        };
-        Ok(Record {
-            key: self.key.clone(),
-            fingerprint: self.fingerprint,
-            status: self.status,
-            lease_token: self.lease_token,
-            lease_until: time(self.lease_until),
-            attempts: self.attempts,
-            effect_started: self.effect_started,
-            downstream_id: self.downstream_id().map(str::to_owned),
-            response,
-            created_at: time(self.created_at),
-            updated_at: time(self.updated_at),
-            expires_at: time(self.expires_at),
-            resolution_note: self
-                .extra
-                .as_ref()
-                .and_then(|e| e.resolution_note.as_deref())
-                .map(str::to_owned),
-            history: match with_history {
-                true => self
-                    .history()
-                    .map(|e| HistoryEntry {
-                        attempt: e.attempt,
-                        token: e.token,
-                        at: time(e.at),
-                        event: e.event,
-                    })
-                    .collect(),
-                false => Vec::new(),
-            },
-        })
-    }
-}
-
 /// Milliseconds since the Unix epoch.
 fn ms(t: SystemTime) -> u64 {
     t.duration_since(SystemTime::UNIX_EPOCH)
         .map_or(0, |d| d.as_millis() as u64)
-}
-
-fn time(ms: u64) -> SystemTime {
-    SystemTime::UNIX_EPOCH + Duration::from_millis(ms)
-}
-
-fn span(d: Duration) -> u64 {
-    u64::try_from(d.as_millis()).unwrap_or(u64::MAX / 2)
 }
 
 impl fmt::Debug for MemoryStore {
@@ -373,11 +146,13 @@ impl MemoryStore {
         let seed = SystemTime::now()
             .duration_since(SystemTime::UNIX_EPOCH)
             .map_or(1, |d| d.as_nanos() as u64);
+        let base = ms(clock());
         Self {
             inner: Arc::new(Inner {
                 shards: (0..SHARDS).map(|_| Padded(Mutex::default())).collect(),
                 hasher: RandomState::new(),
                 clock: Arc::new(clock),
+                base,
                 max_records: AtomicUsize::new(Self::DEFAULT_MAX_RECORDS),
                 max_bytes: AtomicUsize::new(Self::DEFAULT_MAX_BYTES),
                 counts: Padded(Counts {
@@ -433,13 +208,122 @@ impl MemoryStore {
         }
     }
 
-    /// Sweeps every shard, one lock at a time; returns how many records went.
+    /// Purges every shard, one lock at a time and a slice per hold; returns how many records
+    /// went.
     fn sweep_all(&self, now: u64) -> u64 {
-        self.inner
-            .shards
-            .iter()
-            .map(|shard| self.sweep(&mut lock(shard), now))
-            .sum()
+        (0..SHARDS).map(|i| self.purge_shard(i, now)).sum()
+    }
+
+    /// Purges one shard of what expired by `now`: its records in progress (few: as many as
+    /// requests in flight), then its due records, [`SLICE`] per hold of the lock, freed after
+    /// letting go of it.
+    fn purge_shard(&self, i: usize, now: u64) -> u64 {
+        let until = now_tick(now, self.inner.base);
+        let mut freed = Vec::new();
+        {
+            let mut shard = lock(&self.inner.shards[i]);
+            self.look_at_polled(&mut shard, now, &mut freed);
+        }
+        let mut removed = self.forget(&mut freed);
+        let mut popped = Vec::with_capacity(SLICE);
+        loop {
+            popped.clear();
+            {
+                let mut shard = lock(&self.inner.shards[i]);
+                shard.pop_due(until, SLICE, &mut popped);
+                self.look_at_due(&mut shard, &popped, now, &mut freed);
+                if popped.len() < SLICE {
+                    shard.shrink(&self.inner.hasher);
+                }
+            }
+            removed += self.forget(&mut freed);
+            if popped.len() < SLICE {
+                return removed;
+            }
+        }
+    }
+
+    /// Records taken out of a shard, off the counts and freed (outside the shard's lock);
+    /// how many.
+    fn forget(&self, freed: &mut Vec<Entry>) -> u64 {
+        let n = freed.len();
+        if n > 0 {
+            let weight: usize = freed.iter().map(Entry::weight).sum();
+            self.inner.counts.len.fetch_sub(n, Ordering::Relaxed);
+            self.inner.counts.bytes.fetch_sub(weight, Ordering::Relaxed);
+            freed.clear();
+        }
+        n as u64
+    }
+
+    /// Takes record `i` out of its shard if it expired by `now`.
+    fn take_if_expired(&self, shard: &mut Shard, i: u32, now: u64, freed: &mut Vec<Entry>) -> bool {
+        let Some(entry) = shard.get(i).filter(|e| expired(e, now)) else {
+            return false;
+        };
+        // Expired records are never watched (those never expire), so the watch index is
+        // untouched.
+        let hash = self.inner.hasher.hash_one(entry.key_parts());
+        freed.extend(shard.remove(hash, i));
+        true
+    }
+
+    /// Looks at the records due entries named: expired ones go, stale entries (a later
+    /// expiry, a slot reused) are dropped.
+    fn look_at_due(
+        &self,
+        shard: &mut Shard,
+        popped: &[(u32, u32)],
+        now: u64,
+        freed: &mut Vec<Entry>,
+    ) {
+        for &(at, i) in popped {
+            if self.take_if_expired(shard, i, now, freed) {
+                continue;
+            }
+            let Some(entry) = shard.get(i) else { continue };
+            // In progress or uncertain: the polled set or the settling write has it.
+            let settled = matches!(
+                entry.status,
+                RecordStatus::Completed | RecordStatus::Released
+            );
+            if !settled || entry.polled() {
+                continue;
+            }
+            // Every change of status or expiry indexed the record anew: an entry of another
+            // tick is stale. Its own entry come due unexpired means a clock stepped back past
+            // the store's start, where ticks cannot date it: it is polled from then on.
+            if tick(entry.expires_at, self.inner.base) == Some(at) {
+                shard.poll(i);
+            }
+        }
+    }
+
+    /// Looks at the shard's polled records: expired ones go, settled ones a tick can now
+    /// date go back to the due index.
+    fn look_at_polled(&self, shard: &mut Shard, now: u64, freed: &mut Vec<Entry>) {
+        for i in shard.polled() {
+            if !self.take_if_expired(shard, i, now, freed) {
+                shard.reindex(i, None, self.inner.base);
+            }
+        }
+    }
+
+    /// A claim's share of purging, under its shard's lock: a few records due for a while
+    /// (none while a purger keeps up), and now and then the records in progress.
+    fn purge_for_claim(&self, shard: &mut Shard, now: u64) {
+        shard.claims += 1;
+        let mut freed = Vec::new();
+        if shard.claims.is_multiple_of(POLL_EVERY) {
+            self.look_at_polled(shard, now, &mut freed);
+        }
+        let until = now_tick(now.saturating_sub(CLAIMS_LAG_MS), self.inner.base);
+        if shard.due_by(until) {
+            let mut popped = Vec::with_capacity(CLAIM_PURGES);
+            shard.pop_due(until, CLAIM_PURGES, &mut popped);
+            self.look_at_due(shard, &popped, now, &mut freed);
+        }
+        self.forget(&mut freed);
     }
 
     /// How many records the store holds, expired ones not yet purged included.
@@ -470,32 +354,6 @@ impl MemoryStore {
         FencingToken(self.inner.counts.next_token.fetch_add(1, Ordering::Relaxed))
     }
 
-    /// Removes expired, settled records from one shard; returns how many.
-    fn sweep(&self, shard: &mut Shard, now: u64) -> u64 {
-        // Walking every record is the cost; skip it while nothing can have expired.
-        if now < shard.next_expiry {
-            return 0;
-        }
-        let before = shard.records.len();
-        let mut next = u64::MAX;
-        let mut freed = 0;
-        shard.records.retain(|e| {
-            let keep = !expired(e, now);
-            if !keep {
-                freed += e.weight();
-            } else if e.expires_at > now {
-                // Records kept past their TTL (unsettled) would make every sweep look due.
-                next = next.min(e.expires_at);
-            }
-            keep
-        });
-        shard.next_expiry = next;
-        let removed = before - shard.records.len();
-        self.inner.counts.len.fetch_sub(removed, Ordering::Relaxed);
-        self.inner.counts.bytes.fetch_sub(freed, Ordering::Relaxed);
-        removed as u64
-    }
-
     /// Applies a fenced write: `f` runs only on the caller's in-progress record.
     fn fenced<T>(
         &self,
@@ -517,27 +375,32 @@ impl MemoryStore {
     ) -> Result<T, StoreError> {
         let now = self.now();
         let (hash, mut shard) = self.shard(key);
-        match shard.find_mut(hash, key) {
-            Some(r) if r.lease_token == token && allowed(r, now) => {
-                let watched_before = watched(r);
-                let status_before = r.status;
-                r.updated_at = now;
-                let before = r.weight();
-                let out = f(r, now);
-                self.weigh(before, r.weight());
-                let moved_on = r.status != status_before || r.lease_token != token;
-                let (expires_at, watched_after) = (r.expires_at, watched(r));
-                shard.expires(expires_at);
-                shard.rewatch(key, watched_before, watched_after);
-                drop(shard);
-                // A renewal or a milestone wakes no one: the record is still in flight.
-                if moved_on {
-                    self.inner.waiters.wake(key);
-                }
-                Ok(out)
-            }
-            _ => Err(StoreError::Fenced),
+        let Some(i) = shard.find(hash, key) else {
+            return Err(StoreError::Fenced);
+        };
+        let Some(r) = shard
+            .get_mut(i)
+            .filter(|r| r.lease_token == token && allowed(r, now))
+        else {
+            return Err(StoreError::Fenced);
+        };
+        let watched_before = watched(r);
+        let indexed = (r.status, r.expires_at);
+        // Before the touch: writing out an implied history weighs too.
+        let before = r.weight();
+        r.touch(now);
+        let out = f(r, now);
+        self.weigh(before, r.weight());
+        let moved_on = r.status != indexed.0 || r.lease_token != token;
+        let watched_after = watched(r);
+        shard.reindex(i, Some(indexed), self.inner.base);
+        shard.rewatch(key, watched_before, watched_after);
+        drop(shard);
+        // A renewal or a milestone wakes no one: the record is still in flight.
+        if moved_on {
+            self.inner.waiters.wake(key);
         }
+        Ok(out)
     }
 }
 
@@ -546,25 +409,18 @@ impl MemoryStore {
     fn claim_now(&self, req: &ClaimRequest) -> Result<Claim, StoreError> {
         let now = self.now();
         let (hash, mut shard) = self.shard(&req.key);
-        shard.claims += 1;
-        if shard.claims.is_multiple_of(SWEEP_EVERY) {
-            self.sweep(&mut shard, now);
-        }
+        self.purge_for_claim(&mut shard, now);
         let lease_until = now + span(req.lease);
-        let acquired = |token, attempt| {
-            Ok(Claim::Acquired(Lease {
-                token,
-                attempt,
-                until: time(lease_until),
-            }))
-        };
         // Tokens only for claims that acquire: a replay takes none, so it writes nothing the
         // other threads read.
-        if let Some(r) = shard.find_mut(hash, &req.key) {
+        if let Some(i) = shard.find(hash, &req.key)
+            && let Some(r) = shard.get_mut(i)
+        {
             let watched_before = watched(r);
-            let (claim, expires_at) = self.claim_existing(r, req, hash, now, lease_until);
+            let indexed = (r.status, r.expires_at);
+            let claim = self.claim_existing(r, req, now, lease_until);
             let watched_after = watched(r);
-            shard.expires(expires_at);
+            shard.reindex(i, Some(indexed), self.inner.base);
             shard.rewatch(&req.key, watched_before, watched_after);
             return claim;
         }
@@ -573,24 +429,26 @@ impl MemoryStore {
         }
         self.inner.counts.len.fetch_add(1, Ordering::Relaxed);
         let token = self.token();
-        let entry = Box::new(Entry::claimed(req, hash, token, now, lease_until));
+        let entry = Entry::claimed(req, token, now, lease_until);
         self.weigh(0, entry.weight());
-        shard.expires(entry.expires_at);
         shard.rewatch(&req.key, None, watched(&entry));
-        shard.records.insert_unique(hash, entry, |e| e.hash);
-        acquired(token, 1)
+        let i = shard.insert(hash, entry, &self.inner.hasher);
+        shard.reindex(i, None, self.inner.base);
+        Ok(Claim::Acquired(Lease {
+            token,
+            attempt: 1,
+            until: time(lease_until),
+        }))
     }
 
-    /// A claim of a key the shard holds a record for (expired or not); the claim, and the
-    /// record's expiry for the shard's bound.
+    /// A claim of a key the shard holds a record for (expired or not).
     fn claim_existing(
         &self,
         r: &mut Entry,
         req: &ClaimRequest,
-        hash: u64,
         now: u64,
         lease_until: u64,
-    ) -> (Result<Claim, StoreError>, u64) {
+    ) -> Result<Claim, StoreError> {
         let acquired = |token, attempt| {
             Ok(Claim::Acquired(Lease {
                 token,
@@ -599,12 +457,15 @@ impl MemoryStore {
             }))
         };
         if expired(r, now) {
-            // Counts as absent: its slot takes the new claim.
+            // Counts as absent: its slot takes the new claim (and stays where the shard's
+            // indexes have it).
             let token = self.token();
             let before = r.weight();
-            *r = Entry::claimed(req, hash, token, now, lease_until);
+            let polled = r.polled();
+            *r = Entry::claimed(req, token, now, lease_until);
+            r.set_polled(polled);
             self.weigh(before, r.weight());
-            return (acquired(token, 1), r.expires_at);
+            return acquired(token, 1);
         }
         let takeover = if r.fingerprint != req.fingerprint {
             false
@@ -612,14 +473,14 @@ impl MemoryStore {
             match r.status {
                 RecordStatus::Released => true,
                 RecordStatus::InProgress if r.lease_until <= now => {
-                    if req.on_lease_expiry == LeaseExpiry::Reclaim && !r.effect_started {
+                    if req.on_lease_expiry == LeaseExpiry::Reclaim && !r.effect_started() {
                         true
                     } else {
                         let before = r.weight();
+                        r.touch(now);
                         log(r, now, HistoryEvent::LeaseExpired);
-                        self.weigh(before, r.weight());
                         r.status = RecordStatus::NeedsReconciliation;
-                        r.updated_at = now;
+                        self.weigh(before, r.weight());
                         self.inner.waiters.wake(&req.key);
                         false
                     }
@@ -628,25 +489,24 @@ impl MemoryStore {
             }
         };
         if !takeover {
-            let existing = r.to_claimed().map(|record| Claim::Existing {
+            return r.to_claimed(&req.key).map(|record| Claim::Existing {
                 record: Box::new(record),
                 now: time(now),
             });
-            return (existing, r.expires_at);
         }
         let token = self.token();
+        let before = r.weight();
+        r.set_token(token);
+        r.touch(now);
         r.status = RecordStatus::InProgress;
-        r.lease_token = token;
         r.lease_until = lease_until;
         r.attempts += 1;
-        r.updated_at = now;
-        r.reconcile_on_expiry = req.on_lease_expiry == LeaseExpiry::Reconcile;
-        // Only ever later: the shard's next expiry stays a lower bound.
+        r.set_reconcile_on_expiry(req.on_lease_expiry);
+        // Only ever later: a retry does not shorten what the record was promised.
         r.expires_at = r.expires_at.max(now + span(req.ttl)).max(lease_until);
-        let before = r.weight();
         log(r, now, HistoryEvent::Claimed);
         self.weigh(before, r.weight());
-        (acquired(token, r.attempts), r.expires_at)
+        acquired(token, r.attempts)
     }
 }
 
@@ -676,7 +536,7 @@ impl MemoryStore {
         };
         let is_uncertain = |(_, key): &&(u64, ScopedKey)| {
             let hash = self.inner.hasher.hash_one(key);
-            shard.find(hash, key).is_some_and(|r| uncertain(r, now))
+            shard.entry(hash, key).is_some_and(|r| uncertain(r, now))
         };
         if desc {
             range.rev().filter(is_uncertain).take(n).cloned().collect()
@@ -732,7 +592,7 @@ impl IdempotencyStore for MemoryStore {
         };
         self.write_if(key, token, may, |r, now| {
             r.status = RecordStatus::Completed;
-            r.response = Some(response.to_bytes().into_boxed_slice());
+            r.set_response(response);
             r.expires_at = now + span(ttl);
             log(r, now, HistoryEvent::Completed);
         })
@@ -744,7 +604,7 @@ impl IdempotencyStore for MemoryStore {
         token: FencingToken,
     ) -> Result<RecordStatus, StoreError> {
         self.fenced(key, token, |r, now| {
-            let (status, event) = if r.effect_started {
+            let (status, event) = if r.effect_started() {
                 (
                     RecordStatus::NeedsReconciliation,
                     HistoryEvent::NeedsReconciliation,
@@ -769,19 +629,15 @@ impl IdempotencyStore for MemoryStore {
         let now = self.now();
         let (hash, shard) = self.shard(key);
         shard
-            .find(hash, key)
+            .entry(hash, key)
             .filter(|r| !expired(r, now))
-            .map(Entry::to_record)
+            .map(|r| r.to_record(key))
             .transpose()
     }
 
     async fn remove(&self, key: &ScopedKey) -> Result<bool, StoreError> {
         let (hash, mut shard) = self.shard(key);
-        let removed = shard
-            .records
-            .find_entry(hash, |e| e.is(hash, key))
-            .map(|slot| slot.remove().0)
-            .ok();
+        let removed = shard.find(hash, key).and_then(|i| shard.remove(hash, i));
         if let Some(entry) = &removed {
             self.inner.counts.len.fetch_sub(1, Ordering::Relaxed);
             self.weigh(entry.weight(), 0);
@@ -793,14 +649,7 @@ impl IdempotencyStore for MemoryStore {
     }
 
     async fn purge_expired(&self) -> Result<u64, StoreError> {
-        let now = self.now();
-        let mut removed = 0;
-        for shard in &self.inner.shards {
-            let mut shard = lock(shard);
-            removed += self.sweep(&mut shard, now);
-            shard.records.shrink_to_fit(|e| e.hash);
-        }
-        Ok(removed)
+        Ok(self.sweep_all(self.now()))
     }
 
     async fn record_milestone(
@@ -811,11 +660,11 @@ impl IdempotencyStore for MemoryStore {
     ) -> Result<(), StoreError> {
         self.fenced(key, token, |r, now| match milestone {
             Milestone::EffectStarted => {
-                r.effect_started = true;
+                r.start_effect();
                 log(r, now, HistoryEvent::EffectStarted);
             }
             Milestone::DownstreamId(id) => {
-                r.extra.get_or_insert_default().downstream_id = Some(id.as_str().into());
+                r.set_downstream_id(id.as_str());
                 log(r, now, HistoryEvent::DownstreamId);
             }
         })
@@ -880,10 +729,10 @@ impl IdempotencyStore for MemoryStore {
         for (_, key) in &found {
             let (hash, shard) = self.shard(key);
             // Settled since it was found: not part of the page any more.
-            let Some(r) = shard.find(hash, key).filter(|r| uncertain(r, now)) else {
+            let Some(r) = shard.entry(hash, key).filter(|r| uncertain(r, now)) else {
                 continue;
             };
-            match r.to_record() {
+            match r.to_record(key) {
                 Ok(record) => records.push(record),
                 Err(error) => unreadable.push(Unreadable {
                     key: key.clone(),
@@ -904,7 +753,7 @@ impl IdempotencyStore for MemoryStore {
             let shard = lock(shard);
             for (at, key) in &shard.watch {
                 let hash = self.inner.hasher.hash_one(key);
-                if shard.find(hash, key).is_some_and(|r| uncertain(r, now)) {
+                if shard.entry(hash, key).is_some_and(|r| uncertain(r, now)) {
                     count.count += 1;
                     let at = time(*at);
                     count.oldest = Some(count.oldest.map_or(at, |oldest| oldest.min(at)));
@@ -926,18 +775,18 @@ impl IdempotencyStore for MemoryStore {
         let fresh = self.token();
         self.write_if(key, token, uncertain, |r, now| {
             if let Some(note) = note {
-                r.extra.get_or_insert_default().resolution_note = Some(note.into());
+                r.set_resolution_note(note);
             }
             match resolution {
                 Resolution::Applied(response) => {
-                    r.lease_token = fresh;
+                    r.set_token(fresh);
                     r.status = RecordStatus::Completed;
-                    r.response = Some(response.to_bytes().into_boxed_slice());
+                    r.set_response(response);
                     r.expires_at = now + span(ttl);
                     log(r, now, HistoryEvent::ReconciledApplied);
                 }
                 Resolution::NotApplied => {
-                    r.lease_token = fresh;
+                    r.set_token(fresh);
                     r.status = RecordStatus::Released;
                     log(r, now, HistoryEvent::ReconciledNotApplied);
                 }
@@ -948,7 +797,7 @@ impl IdempotencyStore for MemoryStore {
     async fn append_history(&self, key: &ScopedKey, event: HistoryEvent) -> Result<(), StoreError> {
         let now = self.now();
         let (hash, mut shard) = self.shard(key);
-        if let Some(r) = shard.find_mut(hash, key)
+        if let Some(r) = shard.find(hash, key).and_then(|i| shard.get_mut(i))
             && !expired(r, now)
         {
             let before = r.weight();
@@ -970,7 +819,7 @@ impl IdempotencyStore for MemoryStore {
         let moved_on = async {
             let now = self.now();
             let (hash, shard) = self.shard(key);
-            shard.find(hash, key).is_none_or(|r| {
+            shard.entry(hash, key).is_none_or(|r| {
                 expired(r, now)
                     || r.status != RecordStatus::InProgress
                     || r.lease_token != seen.token
@@ -994,15 +843,7 @@ fn log(r: &mut Entry, now: u64, event: HistoryEvent) {
 }
 
 fn log_capped(r: &mut Entry, now: u64, event: HistoryEvent, cap: usize) {
-    r.push_history(
-        Event {
-            at: now,
-            token: r.lease_token,
-            attempt: r.attempts,
-            event,
-        },
-        cap,
-    );
+    r.log(now, event, cap);
 }
 
 /// Whether a record counts as absent: past its TTL, and its outcome not unknown. A record
@@ -1012,7 +853,7 @@ fn expired(r: &Entry, now: u64) -> bool {
     r.expires_at <= now
         && match r.status {
             RecordStatus::Completed | RecordStatus::Released => true,
-            RecordStatus::InProgress => !r.effect_started && !r.reconcile_on_expiry,
+            RecordStatus::InProgress => !r.effect_started() && !r.reconcile_on_expiry(),
             RecordStatus::NeedsReconciliation => false,
         }
 }
@@ -1024,10 +865,10 @@ fn expired(r: &Entry, now: u64) -> bool {
 fn watched(r: &Entry) -> Option<u64> {
     let watch = match r.status {
         RecordStatus::NeedsReconciliation => true,
-        RecordStatus::InProgress => r.effect_started || r.reconcile_on_expiry,
+        RecordStatus::InProgress => r.effect_started() || r.reconcile_on_expiry(),
         RecordStatus::Completed | RecordStatus::Released => false,
     };
-    watch.then_some(r.updated_at)
+    watch.then_some(r.updated_at())
 }
 
 /// Whether only a reconciliation can settle the record now: marked uncertain, or watched and
@@ -1038,7 +879,11 @@ fn uncertain(r: &Entry, now: u64) -> bool {
 }
 
 #[cfg(test)]
-mod tests {
+mod tests;
+
+#[cfg(test)]
+mod unit {
+    use super::super::Fingerprint;
     use super::*;
 
     /// Issue 15 §6: leases and TTLs run on a monotonic clock. A store whose clock started at
@@ -1085,18 +930,6 @@ mod tests {
         );
         const { assert!(MemoryStore::DEFAULT_MAX_RECORDS < usize::MAX) };
         const { assert!(MemoryStore::DEFAULT_MAX_BYTES <= 1 << 30) };
-    }
-
-    /// The record's size is part of the memory bound (issue 5: raw bytes + 256 B per record):
-    /// glibc rounds an allocation plus its 8-byte header up to 16 bytes, so 168 bytes fill a
-    /// 176-byte chunk and 169 would take 192.
-    #[test]
-    fn a_record_fits_a_176_byte_chunk() {
-        assert!(
-            size_of::<Entry>() <= 168,
-            "Entry is {} bytes",
-            size_of::<Entry>()
-        );
     }
 
     /// A claim that finds a completed record reports it without its history (a replay pays

@@ -1,0 +1,278 @@
+//! One of the memory store's shards: its records in a slab, found by key through a table of
+//! slab indices, and found by expiry through an index of what is due, so that purging visits
+//! what expires and not everything stored.
+
+use std::cmp::Reverse;
+use std::collections::{BTreeSet, BinaryHeap};
+use std::hash::BuildHasher;
+
+use hashbrown::HashTable;
+
+use super::super::{RecordStatus, ScopedKey};
+use super::entry::Entry;
+
+/// Records per slab chunk: 56 KiB each, so growing never copies records and a chunk not yet
+/// filled is not yet resident.
+const CHUNK: usize = 512;
+
+/// Expiry ticks are this many milliseconds: coarse enough that a tick fits 32 bits for two
+/// years, fine enough that a record goes within a tick of its TTL.
+pub(super) const TICK_MS: u64 = 16;
+
+/// A shard. No lock is taken inside: the store holds the shard's lock around every call.
+#[derive(Default)]
+pub(super) struct Shard {
+    /// Slab indices, placed by their key's hash: a slot is four bytes.
+    table: HashTable<u32>,
+    slab: Slab,
+    /// Settled records (completed, released) by expiry tick, soonest first, packed as
+    /// `tick << 32 | index`. An entry may be stale (its record changed or went since): it is
+    /// checked against the record when it comes due, never trusted.
+    due: BinaryHeap<Reverse<u64>>,
+    /// The records the index does not cover, checked by every purge: those in progress (their
+    /// holder's lease and TTL can change at every renewal; there are as many as requests in
+    /// flight) and those whose expiry is beyond what a tick can say.
+    polled: HashTable<u32>,
+    /// The records only a reconciliation can settle once their holder is gone (see
+    /// `watched`), by last change and key: listing them costs the page, not the shard.
+    pub(super) watch: BTreeSet<(u64, ScopedKey)>,
+    /// Claims made in this shard, for [`POLL_EVERY`](super::POLL_EVERY).
+    pub(super) claims: u64,
+}
+
+/// Records in chunks that never move, with a free list: a record costs its size and nothing
+/// more (no allocator header, no rounding), and a slot freed is the next one used.
+#[derive(Default)]
+struct Slab {
+    chunks: Vec<Vec<Option<Entry>>>,
+    free: Vec<u32>,
+    len: usize,
+}
+
+impl Slab {
+    fn get(&self, i: u32) -> Option<&Entry> {
+        let i = i as usize;
+        self.chunks.get(i / CHUNK)?.get(i % CHUNK)?.as_ref()
+    }
+
+    fn get_mut(&mut self, i: u32) -> Option<&mut Entry> {
+        let i = i as usize;
+        self.chunks.get_mut(i / CHUNK)?.get_mut(i % CHUNK)?.as_mut()
+    }
+
+    fn insert(&mut self, entry: Entry) -> u32 {
+        self.len += 1;
+        if let Some(i) = self.free.pop()
+            && let Some(slot) = self.chunks[i as usize / CHUNK].get_mut(i as usize % CHUNK)
+        {
+            *slot = Some(entry);
+            return i;
+        }
+        let room = self.chunks.last().is_some_and(|c| c.len() < CHUNK);
+        if !room {
+            self.chunks.push(Vec::with_capacity(CHUNK));
+        }
+        let n = self.chunks.len() - 1;
+        let chunk = &mut self.chunks[n];
+        chunk.push(Some(entry));
+        // Indices fit 32 bits: a shard holds far fewer than four billion records.
+        (n * CHUNK + chunk.len() - 1) as u32
+    }
+
+    fn take(&mut self, i: u32) -> Option<Entry> {
+        let entry = self
+            .chunks
+            .get_mut(i as usize / CHUNK)?
+            .get_mut(i as usize % CHUNK)?
+            .take()?;
+        self.len -= 1;
+        if self.len == 0 {
+            // Empty: give the chunks back, as a purge that empties the store promises.
+            *self = Slab::default();
+        } else {
+            self.free.push(i);
+        }
+        Some(entry)
+    }
+}
+
+/// Spreads a slab index over 64 bits for the polled set's table.
+fn spread(i: u32) -> u64 {
+    u64::from(i).wrapping_mul(0x9E37_79B9_7F4A_7C15)
+}
+
+impl Shard {
+    pub(super) fn find(&self, hash: u64, key: &ScopedKey) -> Option<u32> {
+        let slab = &self.slab;
+        self.table
+            .find(hash, |&i| slab.get(i).is_some_and(|e| e.is(key)))
+            .copied()
+    }
+
+    /// What the shard's table, slab, due index and polled set hold (capacities), for tests.
+    #[cfg(test)]
+    pub(super) fn held(&self) -> (usize, usize, usize, usize) {
+        (
+            self.table.capacity(),
+            self.slab.chunks.capacity(),
+            self.due.capacity(),
+            self.polled.capacity(),
+        )
+    }
+
+    /// `key`'s record.
+    pub(super) fn entry(&self, hash: u64, key: &ScopedKey) -> Option<&Entry> {
+        self.slab.get(self.find(hash, key)?)
+    }
+
+    /// Keeps the watch index in step with one record's change: `before` and `after` are what
+    /// `watched` said of it.
+    pub(super) fn rewatch(&mut self, key: &ScopedKey, before: Option<u64>, after: Option<u64>) {
+        if before == after {
+            return;
+        }
+        if let Some(at) = before {
+            self.watch.remove(&(at, key.clone()));
+        }
+        if let Some(at) = after {
+            self.watch.insert((at, key.clone()));
+        }
+    }
+
+    pub(super) fn get(&self, i: u32) -> Option<&Entry> {
+        self.slab.get(i)
+    }
+
+    pub(super) fn get_mut(&mut self, i: u32) -> Option<&mut Entry> {
+        self.slab.get_mut(i)
+    }
+
+    /// Adds a record under `hash` (its key's, by `hasher`); its slab index.
+    pub(super) fn insert(&mut self, hash: u64, entry: Entry, hasher: &impl BuildHasher) -> u32 {
+        let i = self.slab.insert(entry);
+        let slab = &self.slab;
+        // Growing the table rehashes its keys (read from the records): rare, and it spares
+        // every slot the eight bytes a stored hash would take.
+        self.table.insert_unique(hash, i, |&j| {
+            slab.get(j).map_or(0, |e| hasher.hash_one(e.key_parts()))
+        });
+        i
+    }
+
+    /// Removes record `i`, found under `hash`; the record.
+    pub(super) fn remove(&mut self, hash: u64, i: u32) -> Option<Entry> {
+        if let Ok(slot) = self.table.find_entry(hash, |&j| j == i) {
+            slot.remove();
+        }
+        let entry = self.slab.take(i)?;
+        if entry.polled() {
+            self.unpoll(i);
+        }
+        if self.slab.len == 0 {
+            // Empty: give back the table and the indexes too.
+            self.table = HashTable::new();
+            self.due = BinaryHeap::new();
+            self.polled = HashTable::new();
+        }
+        Some(entry)
+    }
+
+    fn unpoll(&mut self, i: u32) {
+        if let Ok(slot) = self.polled.find_entry(spread(i), |&j| j == i) {
+            slot.remove();
+        }
+    }
+
+    /// Puts record `i` where a purge will find it, after a change: in the due index if it is
+    /// settled (at its expiry, whenever its expiry or status changed), in the polled set while
+    /// it is in progress. `before` is its (status, expiry) before the change, if it existed.
+    pub(super) fn reindex(&mut self, i: u32, before: Option<(RecordStatus, u64)>, base: u64) {
+        let Some(entry) = self.slab.get_mut(i) else {
+            return;
+        };
+        let (status, expires_at) = (entry.status, entry.expires_at);
+        let tick = tick(expires_at, base);
+        let poll = match status {
+            RecordStatus::InProgress => true,
+            RecordStatus::Completed | RecordStatus::Released => tick.is_none(),
+            // Never expires; the write that settles it indexes it.
+            RecordStatus::NeedsReconciliation => false,
+        };
+        let was_polled = entry.polled();
+        entry.set_polled(poll);
+        match (was_polled, poll) {
+            (false, true) => {
+                self.polled.insert_unique(spread(i), i, |&j| spread(j));
+            }
+            (true, false) => self.unpoll(i),
+            _ => {}
+        }
+        let settled = matches!(status, RecordStatus::Completed | RecordStatus::Released);
+        if settled
+            && !poll
+            && (before != Some((status, expires_at)) || was_polled)
+            && let Some(tick) = tick
+        {
+            self.due.push(Reverse(u64::from(tick) << 32 | u64::from(i)));
+        }
+    }
+
+    /// Takes up to `n` due entries (tick at most `until`) off the index, as (tick, index):
+    /// the records to be looked at. Stale entries are among them.
+    pub(super) fn pop_due(&mut self, until: u32, n: usize, out: &mut Vec<(u32, u32)>) {
+        while out.len() < n {
+            match self.due.peek() {
+                Some(Reverse(packed)) if (packed >> 32) as u32 <= until => {
+                    out.push(((packed >> 32) as u32, *packed as u32));
+                    self.due.pop();
+                }
+                _ => break,
+            }
+        }
+    }
+
+    /// Whether the oldest due entry is at most `until`.
+    pub(super) fn due_by(&self, until: u32) -> bool {
+        self.due
+            .peek()
+            .is_some_and(|Reverse(packed)| (packed >> 32) as u32 <= until)
+    }
+
+    /// The polled records, to be looked at.
+    pub(super) fn polled(&self) -> Vec<u32> {
+        self.polled.iter().copied().collect()
+    }
+
+    /// Gives back what a shard emptied or far below its peak keeps: only when the table
+    /// would halve (rehashing is a walk of the shard).
+    pub(super) fn shrink(&mut self, hasher: &impl BuildHasher) {
+        if self.slab.len > 0 && self.slab.len * 4 <= self.table.capacity() {
+            let slab = &self.slab;
+            self.table
+                .shrink_to_fit(|&j| slab.get(j).map_or(0, |e| hasher.hash_one(e.key_parts())));
+            self.due.shrink_to_fit();
+        }
+    }
+
+    /// Moves settled record `i` to the polled set: its expiry is one no tick can date (a
+    /// clock stepped back past the store's start).
+    pub(super) fn poll(&mut self, i: u32) {
+        if let Some(entry) = self.slab.get_mut(i)
+            && !entry.polled()
+        {
+            entry.set_polled(true);
+            self.polled.insert_unique(spread(i), i, |&j| spread(j));
+        }
+    }
+}
+
+/// The tick a record expiring at `at` (ms) is due at, counted from `base`: rounded up, so a
+/// record is never looked at before it expires. `None` beyond what 32 bits hold.
+pub(super) fn tick(at: u64, base: u64) -> Option<u32> {
+    u32::try_from(at.saturating_sub(base).div_ceil(TICK_MS)).ok()
+}
+
+/// The last tick that has fully passed at `now`.
+pub(super) fn now_tick(now: u64, base: u64) -> u32 {
+    u32::try_from(now.saturating_sub(base) / TICK_MS).unwrap_or(u32::MAX)
+}
