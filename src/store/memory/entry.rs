@@ -16,6 +16,8 @@ const EFFECT_STARTED: u8 = 1;
 const RECONCILE_ON_EXPIRY: u8 = 2;
 /// In its shard's polled set (see [`super::shard::Shard`]).
 const POLLED: u8 = 4;
+/// Named by an entry of its shard's due index at or before its expiry.
+const QUEUED: u8 = 8;
 
 /// A record: times in milliseconds on the store's clock, no pointer it can do without. It
 /// lives in its shard's slab, not in an allocation of its own, and weighs 112 bytes (checked by
@@ -150,6 +152,17 @@ impl Entry {
         match polled {
             true => self.flags |= POLLED,
             false => self.flags &= !POLLED,
+        }
+    }
+
+    pub(super) fn queued(&self) -> bool {
+        self.flags & QUEUED != 0
+    }
+
+    pub(super) fn set_queued(&mut self, queued: bool) {
+        match queued {
+            true => self.flags |= QUEUED,
+            false => self.flags &= !QUEUED,
         }
     }
 

@@ -23,13 +23,11 @@ const SHARDS: usize = 64;
 /// A purge takes this many due records per hold of a shard's lock, and frees them after
 /// letting go: a request that meets a purge waits for a slice, not for the shard.
 const SLICE: usize = 64;
-/// Claims purge too, so memory stays bounded when nobody calls
-/// [`IdempotencyStore::purge_expired`]: up to this many of their shard's records that have
-/// been due for [`CLAIMS_LAG_MS`], more than each claim adds.
+/// Each claim purges up to this many of its shard's due records: more than it adds, so
+/// purging is spread over requests as records expire (no request waits for a walk of a shard,
+/// nor for a purger's slice, nor shares a core with a purger's burst) and memory stays bounded
+/// when nobody calls [`IdempotencyStore::purge_expired`].
 const CLAIM_PURGES: usize = 2;
-/// How long records may stay due before claims purge them: a purger that runs more often
-/// than this leaves claims nothing to do.
-const CLAIMS_LAG_MS: u64 = 1000;
 /// Every this many claims a shard also looks at its records in progress, whose holders may
 /// have left without a word.
 const POLL_EVERY: u64 = 1024;
@@ -43,8 +41,9 @@ type Clock = Arc<dyn Fn() -> SystemTime + Send + Sync>;
 /// records by expiry, so purging visits what expires, not what is stored:
 /// [`purge_expired`](IdempotencyStore::purge_expired) (which a
 /// [`Sweeper`](crate::reconcile::Sweeper) calls on every pass) takes expired records a slice at
-/// a time and frees them after letting go of the lock, and when nobody purges, claims take
-/// what has been due for a second, more than they add. Records under a live lease never
+/// a time and frees them after letting go of the lock, and each claim takes up to two of its
+/// shard's expired records, more than it adds, so purging is spread over requests as records
+/// expire. Records under a live lease never
 /// expire, so in-flight keys are never evicted. The store is bounded by default, in
 /// records ([`max_records`](Self::max_records)) and in bytes ([`max_bytes`](Self::max_bytes)):
 /// a claim of a new key that does not fit fails with [`StoreError::Full`] (answered 503,
@@ -216,7 +215,7 @@ impl MemoryStore {
 
     /// Purges one shard of what expired by `now`: its records in progress (few: as many as
     /// requests in flight), then its due records, [`SLICE`] per hold of the lock, freed after
-    /// letting go of it.
+    /// letting go of it; then gives back memory the shard no longer needs.
     fn purge_shard(&self, i: usize, now: u64) -> u64 {
         let until = now_tick(now, self.inner.base);
         let mut freed = Vec::new();
@@ -232,15 +231,15 @@ impl MemoryStore {
                 let mut shard = lock(&self.inner.shards[i]);
                 shard.pop_due(until, SLICE, &mut popped);
                 self.look_at_due(&mut shard, &popped, now, &mut freed);
-                if popped.len() < SLICE {
-                    shard.shrink(&self.inner.hasher);
-                }
             }
             removed += self.forget(&mut freed);
             if popped.len() < SLICE {
-                return removed;
+                break;
             }
         }
+        // Far below its peak, the shard gives memory back, a slice at a time too.
+        while lock(&self.inner.shards[i]).compact(SLICE, &self.inner.hasher, self.inner.base) {}
+        removed
     }
 
     /// Records taken out of a shard, off the counts and freed (outside the shard's lock);
@@ -268,8 +267,8 @@ impl MemoryStore {
         true
     }
 
-    /// Looks at the records due entries named: expired ones go, stale entries (a later
-    /// expiry, a slot reused) are dropped.
+    /// Looks at the records due entries named: expired ones go, one whose expiry moved later
+    /// is queued at it, stale entries are dropped.
     fn look_at_due(
         &self,
         shard: &mut Shard,
@@ -281,20 +280,27 @@ impl MemoryStore {
             if self.take_if_expired(shard, i, now, freed) {
                 continue;
             }
-            let Some(entry) = shard.get(i) else { continue };
-            // In progress or uncertain: the polled set or the settling write has it.
+            // Not this record's entry (it was removed, its slot reused), or one it no longer
+            // needs.
+            let Some(entry) = shard.get_mut(i).filter(|e| e.queued()) else {
+                continue;
+            };
             let settled = matches!(
                 entry.status,
                 RecordStatus::Completed | RecordStatus::Released
             );
             if !settled || entry.polled() {
+                // In progress or uncertain: the polled set or the write that settles it has
+                // it, and that write queues it anew.
+                entry.set_queued(false);
                 continue;
             }
-            // Every change of status or expiry indexed the record anew: an entry of another
-            // tick is stale. Its own entry come due unexpired means a clock stepped back past
-            // the store's start, where ticks cannot date it: it is polled from then on.
-            if tick(entry.expires_at, self.inner.base) == Some(at) {
-                shard.poll(i);
+            match tick(entry.expires_at, self.inner.base) {
+                // Its expiry moved later since it was queued: the entry moves with it.
+                Some(due) if due > at => shard.requeue(i, due),
+                // Due and not expired: a clock stepped back past the store's start, where
+                // ticks cannot date it. It is polled from then on.
+                _ => shard.poll(i),
             }
         }
     }
@@ -309,15 +315,15 @@ impl MemoryStore {
         }
     }
 
-    /// A claim's share of purging, under its shard's lock: a few records due for a while
-    /// (none while a purger keeps up), and now and then the records in progress.
+    /// A claim's share of purging, under its shard's lock: a few due records, and now and
+    /// then the records in progress.
     fn purge_for_claim(&self, shard: &mut Shard, now: u64) {
         shard.claims += 1;
         let mut freed = Vec::new();
         if shard.claims.is_multiple_of(POLL_EVERY) {
             self.look_at_polled(shard, now, &mut freed);
         }
-        let until = now_tick(now.saturating_sub(CLAIMS_LAG_MS), self.inner.base);
+        let until = now_tick(now, self.inner.base);
         if shard.due_by(until) {
             let mut popped = Vec::with_capacity(CLAIM_PURGES);
             shard.pop_due(until, CLAIM_PURGES, &mut popped);
@@ -385,13 +391,13 @@ impl MemoryStore {
             return Err(StoreError::Fenced);
         };
         let watched_before = watched(r);
-        let indexed = (r.status, r.expires_at);
+        let (indexed, status_before) = (r.expires_at, r.status);
         // Before the touch: writing out an implied history weighs too.
         let before = r.weight();
         r.touch(now);
         let out = f(r, now);
         self.weigh(before, r.weight());
-        let moved_on = r.status != indexed.0 || r.lease_token != token;
+        let moved_on = r.status != status_before || r.lease_token != token;
         let watched_after = watched(r);
         shard.reindex(i, Some(indexed), self.inner.base);
         shard.rewatch(key, watched_before, watched_after);
@@ -417,7 +423,7 @@ impl MemoryStore {
             && let Some(r) = shard.get_mut(i)
         {
             let watched_before = watched(r);
-            let indexed = (r.status, r.expires_at);
+            let indexed = r.expires_at;
             let claim = self.claim_existing(r, req, now, lease_until);
             let watched_after = watched(r);
             shard.reindex(i, Some(indexed), self.inner.base);
@@ -461,9 +467,10 @@ impl MemoryStore {
             // indexes have it).
             let token = self.token();
             let before = r.weight();
-            let polled = r.polled();
+            let (polled, queued) = (r.polled(), r.queued());
             *r = Entry::claimed(req, token, now, lease_until);
             r.set_polled(polled);
+            r.set_queued(queued);
             self.weigh(before, r.weight());
             return acquired(token, 1);
         }

@@ -11,8 +11,8 @@ use hashbrown::HashTable;
 use super::super::{RecordStatus, ScopedKey};
 use super::entry::Entry;
 
-/// Records per slab chunk: 56 KiB each, so growing never copies records and a chunk not yet
-/// filled is not yet resident.
+/// Records per slab chunk: 56 KiB each, so growing never copies records (but the first
+/// chunk's) and a chunk not yet filled is not yet resident.
 const CHUNK: usize = 512;
 
 /// Expiry ticks are this many milliseconds: coarse enough that a tick fits 32 bits for two
@@ -70,7 +70,12 @@ impl Slab {
         }
         let room = self.chunks.last().is_some_and(|c| c.len() < CHUNK);
         if !room {
-            self.chunks.push(Vec::with_capacity(CHUNK));
+            // The first chunk grows as it fills (a small store stays small); later ones are
+            // whole from the start, so no record is ever copied to grow them.
+            self.chunks.push(match self.chunks.is_empty() {
+                true => Vec::new(),
+                false => Vec::with_capacity(CHUNK),
+            });
         }
         let n = self.chunks.len() - 1;
         let chunk = &mut self.chunks[n];
@@ -109,12 +114,12 @@ impl Shard {
             .copied()
     }
 
-    /// What the shard's table, slab, due index and polled set hold (capacities), for tests.
+    /// Capacities of the shard's table, due index and polled set, and its slab chunks, for tests.
     #[cfg(test)]
     pub(super) fn held(&self) -> (usize, usize, usize, usize) {
         (
             self.table.capacity(),
-            self.slab.chunks.capacity(),
+            self.slab.chunks.len(),
             self.due.capacity(),
             self.polled.capacity(),
         )
@@ -183,10 +188,12 @@ impl Shard {
         }
     }
 
-    /// Puts record `i` where a purge will find it, after a change: in the due index if it is
-    /// settled (at its expiry, whenever its expiry or status changed), in the polled set while
-    /// it is in progress. `before` is its (status, expiry) before the change, if it existed.
-    pub(super) fn reindex(&mut self, i: u32, before: Option<(RecordStatus, u64)>, base: u64) {
+    /// Puts record `i` where a purge will find it, after a change: in the polled set while it
+    /// is in progress, in the due index once it is settled. A record has one due entry at or
+    /// before its expiry, not one per change: a later expiry (a retry, a renewal, a second
+    /// completion) keeps the entry, which moves on when it comes due early; only an earlier one
+    /// adds an entry. `before` is its expiry before the change, if it existed.
+    pub(super) fn reindex(&mut self, i: u32, before: Option<u64>, base: u64) {
         let Some(entry) = self.slab.get_mut(i) else {
             return;
         };
@@ -200,20 +207,19 @@ impl Shard {
         };
         let was_polled = entry.polled();
         entry.set_polled(poll);
+        let settled = matches!(status, RecordStatus::Completed | RecordStatus::Released);
+        let sooner = before.is_some_and(|before| expires_at < before);
+        let queue = settled && !poll && (!entry.queued() || sooner);
+        if let Some(tick) = tick.filter(|_| queue) {
+            entry.set_queued(true);
+            self.due.push(Reverse(u64::from(tick) << 32 | u64::from(i)));
+        }
         match (was_polled, poll) {
             (false, true) => {
                 self.polled.insert_unique(spread(i), i, |&j| spread(j));
             }
             (true, false) => self.unpoll(i),
             _ => {}
-        }
-        let settled = matches!(status, RecordStatus::Completed | RecordStatus::Released);
-        if settled
-            && !poll
-            && (before != Some((status, expires_at)) || was_polled)
-            && let Some(tick) = tick
-        {
-            self.due.push(Reverse(u64::from(tick) << 32 | u64::from(i)));
         }
     }
 
@@ -243,15 +249,97 @@ impl Shard {
         self.polled.iter().copied().collect()
     }
 
-    /// Gives back what a shard emptied or far below its peak keeps: only when the table
-    /// would halve (rehashing is a walk of the shard).
-    pub(super) fn shrink(&mut self, hasher: &impl BuildHasher) {
+    /// Gives back what a shard far below its peak keeps, `n` records' worth of work per call
+    /// (the caller holds the lock for one call): moves records out of the slab's last chunk
+    /// into free slots below it, gives back the chunk once it is empty, and shrinks the table
+    /// and the indexes. Whether there is more to do.
+    pub(super) fn compact(&mut self, n: usize, hasher: &impl BuildHasher, base: u64) -> bool {
+        let chunks = self.slab.chunks.len();
+        if chunks <= 1 || self.slab.len * 4 > chunks * CHUNK {
+            self.shrink(hasher);
+            return false;
+        }
+        let last = chunks - 1;
+        let floor = last * CHUNK;
+        let mut moved = 0;
+        // Free slots inside the last chunk go with it.
+        let mut spare = Vec::new();
+        while moved < n {
+            let Some(j) = self.slab.chunks[last].iter().rposition(Option::is_some) else {
+                break;
+            };
+            let Some(i) = self.free_below(floor, &mut spare) else {
+                break;
+            };
+            let j = (floor + j) as u32;
+            self.relocate(j, i, hasher, base);
+            // Free again, should the chunk stay (new records filling the shard meanwhile).
+            spare.push(j);
+            moved += 1;
+        }
+        self.slab.free.extend(spare);
+        if self.slab.chunks[last].iter().all(Option::is_none) {
+            self.slab.chunks.pop();
+            self.slab.free.retain(|&i| (i as usize) < floor);
+            self.slab.free.shrink_to_fit();
+            self.slab.chunks.shrink_to_fit();
+            return true;
+        }
+        moved > 0
+    }
+
+    /// A free slot below `floor`, off the free list; those at or above it go to `spare`.
+    fn free_below(&mut self, floor: usize, spare: &mut Vec<u32>) -> Option<u32> {
+        while let Some(i) = self.slab.free.pop() {
+            if (i as usize) < floor {
+                return Some(i);
+            }
+            spare.push(i);
+        }
+        None
+    }
+
+    /// Moves record `j` to free slot `i`, and every index that names it with it.
+    fn relocate(&mut self, j: u32, i: u32, hasher: &impl BuildHasher, base: u64) {
+        let Some(entry) = self.slab.chunks[j as usize / CHUNK][j as usize % CHUNK].take() else {
+            return;
+        };
+        let hash = hasher.hash_one(entry.key_parts());
+        if let Ok(mut slot) = self.table.find_entry(hash, |&x| x == j) {
+            *slot.get_mut() = i;
+        }
+        let (polled, queued, expires_at) = (entry.polled(), entry.queued(), entry.expires_at);
+        self.slab.chunks[i as usize / CHUNK][i as usize % CHUNK] = Some(entry);
+        if polled {
+            self.unpoll(j);
+            self.polled.insert_unique(spread(i), i, |&x| spread(x));
+        }
+        // Entries naming `j` find an empty slot and are dropped; the record is queued anew.
+        if queued && let Some(tick) = tick(expires_at, base) {
+            self.requeue(i, tick);
+        }
+    }
+
+    /// Shrinks the table and the due index when they would halve (rehashing is a walk of
+    /// the shard's keys).
+    fn shrink(&mut self, hasher: &impl BuildHasher) {
         if self.slab.len > 0 && self.slab.len * 4 <= self.table.capacity() {
             let slab = &self.slab;
             self.table
                 .shrink_to_fit(|&j| slab.get(j).map_or(0, |e| hasher.hash_one(e.key_parts())));
+        }
+        if self.due.len() * 4 <= self.due.capacity() {
             self.due.shrink_to_fit();
         }
+        if self.polled.len() * 4 <= self.polled.capacity() {
+            self.polled.shrink_to_fit(|&x| spread(x));
+        }
+    }
+
+    /// Re-adds record `i`'s due entry at `tick`: it came due before the record expired (its
+    /// expiry moved later since).
+    pub(super) fn requeue(&mut self, i: u32, tick: u32) {
+        self.due.push(Reverse(u64::from(tick) << 32 | u64::from(i)));
     }
 
     /// Moves settled record `i` to the polled set: its expiry is one no tick can date (a
@@ -260,6 +348,7 @@ impl Shard {
         if let Some(entry) = self.slab.get_mut(i)
             && !entry.polled()
         {
+            entry.set_queued(false);
             entry.set_polled(true);
             self.polled.insert_unique(spread(i), i, |&j| spread(j));
         }
