@@ -1,5 +1,6 @@
 //! The embedded, in-process store.
 
+mod due;
 mod entry;
 mod shard;
 

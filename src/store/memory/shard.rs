@@ -2,13 +2,13 @@
 //! slab indices, and found by expiry through an index of what is due, so that purging visits
 //! what expires and not everything stored.
 
-use std::cmp::Reverse;
-use std::collections::{BTreeSet, BinaryHeap};
+use std::collections::BTreeSet;
 use std::hash::BuildHasher;
 
 use hashbrown::HashTable;
 
 use super::super::{RecordStatus, ScopedKey};
+use super::due::Due;
 use super::entry::Entry;
 
 /// Records per slab chunk: 56 KiB each, so growing never copies records (but the first
@@ -25,10 +25,10 @@ pub(super) struct Shard {
     /// Slab indices, placed by their key's hash: a slot is four bytes.
     table: HashTable<u32>,
     slab: Slab,
-    /// Settled records (completed, released) by expiry tick, soonest first, packed as
-    /// `tick << 32 | index`. An entry may be stale (its record changed or went since): it is
-    /// checked against the record when it comes due, never trusted.
-    due: BinaryHeap<Reverse<u64>>,
+    /// Settled records (completed, released) by expiry tick, soonest first. An entry may be
+    /// stale (its record changed or went since): it is checked against the record when it
+    /// comes due, never trusted.
+    due: Due,
     /// The records the index does not cover, checked by every purge: those in progress (their
     /// holder's lease and TTL can change at every renewal; there are as many as requests in
     /// flight) and those whose expiry is beyond what a tick can say.
@@ -176,7 +176,7 @@ impl Shard {
         if self.slab.len == 0 {
             // Empty: give back the table and the indexes too.
             self.table = HashTable::new();
-            self.due = BinaryHeap::new();
+            self.due = Due::default();
             self.polled = HashTable::new();
         }
         Some(entry)
@@ -212,7 +212,7 @@ impl Shard {
         let queue = settled && !poll && (!entry.queued() || sooner);
         if let Some(tick) = tick.filter(|_| queue) {
             entry.set_queued(true);
-            self.due.push(Reverse(u64::from(tick) << 32 | u64::from(i)));
+            self.due.push(tick, i);
         }
         match (was_polled, poll) {
             (false, true) => {
@@ -227,21 +227,16 @@ impl Shard {
     /// the records to be looked at. Stale entries are among them.
     pub(super) fn pop_due(&mut self, until: u32, n: usize, out: &mut Vec<(u32, u32)>) {
         while out.len() < n {
-            match self.due.peek() {
-                Some(Reverse(packed)) if (packed >> 32) as u32 <= until => {
-                    out.push(((packed >> 32) as u32, *packed as u32));
-                    self.due.pop();
-                }
-                _ => break,
+            match self.due.pop(until) {
+                Some(entry) => out.push(entry),
+                None => break,
             }
         }
     }
 
-    /// Whether the oldest due entry is at most `until`.
+    /// Whether an entry is due by `until`.
     pub(super) fn due_by(&self, until: u32) -> bool {
-        self.due
-            .peek()
-            .is_some_and(|Reverse(packed)| (packed >> 32) as u32 <= until)
+        self.due.any_by(until)
     }
 
     /// The polled records, to be looked at.
@@ -328,9 +323,7 @@ impl Shard {
             self.table
                 .shrink_to_fit(|&j| slab.get(j).map_or(0, |e| hasher.hash_one(e.key_parts())));
         }
-        if self.due.len() * 4 <= self.due.capacity() {
-            self.due.shrink_to_fit();
-        }
+        self.due.shrink();
         if self.polled.len() * 4 <= self.polled.capacity() {
             self.polled.shrink_to_fit(|&x| spread(x));
         }
@@ -339,7 +332,7 @@ impl Shard {
     /// Re-adds record `i`'s due entry at `tick`: it came due before the record expired (its
     /// expiry moved later since).
     pub(super) fn requeue(&mut self, i: u32, tick: u32) {
-        self.due.push(Reverse(u64::from(tick) << 32 | u64::from(i)));
+        self.due.push(tick, i);
     }
 
     /// Moves settled record `i` to the polled set: its expiry is one no tick can date (a
