@@ -1,6 +1,7 @@
 //! One record as the memory store keeps it: compact, its key and response in one allocation,
 //! its history written out only when it is more than a claim and one event.
 
+use std::hash::{BuildHasher, Hasher};
 use std::time::{Duration, SystemTime};
 
 use super::super::history::HISTORY_REFUSALS;
@@ -107,11 +108,11 @@ impl Entry {
         self.data.get(..self.key_len as usize).unwrap_or_default()
     }
 
-    /// Scope and key, as [`ScopedKey`]'s hash reads them.
-    pub(super) fn key_parts(&self) -> (&str, &str) {
-        let key = std::str::from_utf8(self.key_bytes()).unwrap_or_default();
-        key.split_at_checked(self.split as usize)
-            .unwrap_or_default()
+    /// The key's hash by `hasher`, as [`ScopedKey`] hashes it.
+    pub(super) fn key_hash(&self, hasher: &impl BuildHasher) -> u64 {
+        let mut state = hasher.build_hasher();
+        crate::key::hash_joined(self.key_bytes(), self.split as usize, &mut state);
+        state.finish()
     }
 
     /// The encoded response, if one is recorded.

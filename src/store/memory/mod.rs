@@ -263,7 +263,7 @@ impl MemoryStore {
         };
         // Expired records are never watched (those never expire), so the watch index is
         // untouched.
-        let hash = self.inner.hasher.hash_one(entry.key_parts());
+        let hash = entry.key_hash(&self.inner.hasher);
         freed.extend(shard.remove(hash, i));
         true
     }
@@ -286,13 +286,8 @@ impl MemoryStore {
             let Some(entry) = shard.get_mut(i).filter(|e| e.queued()) else {
                 continue;
             };
-            let settled = matches!(
-                entry.status,
-                RecordStatus::Completed | RecordStatus::Released
-            );
-            if !settled || entry.polled() {
-                // In progress or uncertain: the polled set or the write that settles it has
-                // it, and that write queues it anew.
+            if entry.polled() || entry.status == RecordStatus::NeedsReconciliation {
+                // The polled set has it, or the write that settles it queues it anew.
                 entry.set_queued(false);
                 continue;
             }

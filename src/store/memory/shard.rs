@@ -25,13 +25,14 @@ pub(super) struct Shard {
     /// Slab indices, placed by their key's hash: a slot is four bytes.
     table: HashTable<u32>,
     slab: Slab,
-    /// Settled records (completed, released) by expiry tick, soonest first. An entry may be
+    /// Records by expiry tick, soonest first: settled ones, and those in progress whose TTL
+    /// outlasts their lease. An entry may be
     /// stale (its record changed or went since): it is checked against the record when it
     /// comes due, never trusted.
     due: Due,
-    /// The records the index does not cover, checked by every purge: those in progress (their
-    /// holder's lease and TTL can change at every renewal; there are as many as requests in
-    /// flight) and those whose expiry is beyond what a tick can say.
+    /// The records the index does not cover, checked by every purge: those in progress under
+    /// a lease longer than their TTL or with an outcome only a reconciliation can tell (at most
+    /// as many as requests in flight), and those whose expiry no tick can say.
     polled: HashTable<u32>,
     /// The records only a reconciliation can settle once their holder is gone (see
     /// `watched`), by last change and key: listing them costs the page, not the shard.
@@ -158,9 +159,8 @@ impl Shard {
         let slab = &self.slab;
         // Growing the table rehashes its keys (read from the records): rare, and it spares
         // every slot the eight bytes a stored hash would take.
-        self.table.insert_unique(hash, i, |&j| {
-            slab.get(j).map_or(0, |e| hasher.hash_one(e.key_parts()))
-        });
+        self.table
+            .insert_unique(hash, i, |&j| slab.get(j).map_or(0, |e| e.key_hash(hasher)));
         i
     }
 
@@ -188,8 +188,9 @@ impl Shard {
         }
     }
 
-    /// Puts record `i` where a purge will find it, after a change: in the polled set while it
-    /// is in progress, in the due index once it is settled. A record has one due entry at or
+    /// Puts record `i` where a purge will find it, after a change: in the due index by its
+    /// expiry, or in the polled set while in progress under a lease longer than its TTL (or
+    /// with an outcome only a reconciliation can tell). A record has one due entry at or
     /// before its expiry, not one per change: a later expiry (a retry, a renewal, a second
     /// completion) keeps the entry, which moves on when it comes due early; only an earlier one
     /// adds an entry. `before` is its expiry before the change, if it existed.
@@ -199,17 +200,26 @@ impl Shard {
         };
         let (status, expires_at) = (entry.status, entry.expires_at);
         let tick = tick(expires_at, base);
-        let poll = match status {
-            RecordStatus::InProgress => true,
-            RecordStatus::Completed | RecordStatus::Released => tick.is_none(),
+        let (poll, queue) = match status {
+            // Queued at its expiry while its TTL outlasts its lease, as it will once settled
+            // (a completion then expires later, and keeps the entry). A lease that outlasts
+            // the TTL would leave its entry behind a completion for the lease's length, and a
+            // record that can only be reconciled never expires in progress: those are polled.
+            RecordStatus::InProgress => {
+                let queued = tick.is_some()
+                    && expires_at > entry.lease_until
+                    && !entry.effect_started()
+                    && !entry.reconcile_on_expiry();
+                (!queued, queued)
+            }
+            RecordStatus::Completed | RecordStatus::Released => (tick.is_none(), tick.is_some()),
             // Never expires; the write that settles it indexes it.
-            RecordStatus::NeedsReconciliation => false,
+            RecordStatus::NeedsReconciliation => (false, false),
         };
         let was_polled = entry.polled();
         entry.set_polled(poll);
-        let settled = matches!(status, RecordStatus::Completed | RecordStatus::Released);
         let sooner = before.is_some_and(|before| expires_at < before);
-        let queue = settled && !poll && (!entry.queued() || sooner);
+        let queue = queue && (!entry.queued() || sooner);
         if let Some(tick) = tick.filter(|_| queue) {
             entry.set_queued(true);
             self.due.push(tick, i);
@@ -299,7 +309,7 @@ impl Shard {
         let Some(entry) = self.slab.chunks[j as usize / CHUNK][j as usize % CHUNK].take() else {
             return;
         };
-        let hash = hasher.hash_one(entry.key_parts());
+        let hash = entry.key_hash(hasher);
         if let Ok(mut slot) = self.table.find_entry(hash, |&x| x == j) {
             *slot.get_mut() = i;
         }
@@ -321,7 +331,7 @@ impl Shard {
         if self.slab.len > 0 && self.slab.len * 4 <= self.table.capacity() {
             let slab = &self.slab;
             self.table
-                .shrink_to_fit(|&j| slab.get(j).map_or(0, |e| hasher.hash_one(e.key_parts())));
+                .shrink_to_fit(|&j| slab.get(j).map_or(0, |e| e.key_hash(hasher)));
         }
         self.due.shrink();
         if self.polled.len() * 4 <= self.polled.capacity() {
@@ -335,8 +345,8 @@ impl Shard {
         self.due.push(tick, i);
     }
 
-    /// Moves settled record `i` to the polled set: its expiry is one no tick can date (a
-    /// clock stepped back past the store's start).
+    /// Moves record `i` to the polled set: its due entry came due before it expired, so its
+    /// expiry is one no tick can date (a clock stepped back past the store's start).
     pub(super) fn poll(&mut self, i: u32) {
         if let Some(entry) = self.slab.get_mut(i)
             && !entry.polled()
