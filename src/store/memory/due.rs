@@ -47,6 +47,19 @@ impl Due {
         Some(((soonest >> 32) as u32, soonest as u32))
     }
 
+    pub(super) fn len(&self) -> usize {
+        self.queue.len() + self.heap.len()
+    }
+
+    /// Keeps only the entries `(tick, index)` for which `keep` holds.
+    pub(super) fn retain(&mut self, mut keep: impl FnMut(u32, u32) -> bool) {
+        let mut keep = |packed: u64| keep((packed >> 32) as u32, packed as u32);
+        self.queue.retain(|&p| keep(p));
+        let mut heap = std::mem::take(&mut self.heap).into_vec();
+        heap.retain(|Reverse(p)| keep(*p));
+        self.heap = BinaryHeap::from(heap);
+    }
+
     /// Whether an entry is due by `until`.
     pub(super) fn any_by(&self, until: u32) -> bool {
         let by = |packed: u64| (packed >> 32) as u32 <= until;

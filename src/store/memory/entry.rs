@@ -17,16 +17,18 @@ const EFFECT_STARTED: u8 = 1;
 const RECONCILE_ON_EXPIRY: u8 = 2;
 /// In its shard's polled set (see [`super::shard::Shard`]).
 const POLLED: u8 = 4;
-/// Named by an entry of its shard's due index at or before its expiry.
+/// Named by a live entry of its shard's due index (at `queued_at`), at or before its expiry.
 const QUEUED: u8 = 8;
+/// Where the key begins in a record's data, after the scope's length.
+const KEY_AT: usize = 4;
 
 /// A record: times in milliseconds on the store's clock, no pointer it can do without. It
 /// lives in its shard's slab, not in an allocation of its own, and weighs 112 bytes (checked by
 /// a test): with the key and response in one allocation, the history implied while it is short,
 /// and its flags in one byte.
 pub(super) struct Entry {
-    /// Scope and key (`key_len` bytes, the key from `split`), then the encoded response once
-    /// there is one. Owned, not `Bytes`: no shared-count header, and a replay copies what it
+    /// Where the key begins after the scope (four bytes), scope and key (`key_len` bytes), then
+    /// the encoded response once there is one. Owned, not `Bytes`: no shared-count header, and a replay copies what it
     /// sends in one pass over bytes it then writes to the socket anyway.
     data: Box<[u8]>,
     pub(super) fingerprint: Fingerprint,
@@ -39,7 +41,8 @@ pub(super) struct Entry {
     /// records have none of them.
     extra: Option<Box<Extra>>,
     key_len: u32,
-    split: u32,
+    /// The tick of its one live entry in the due index, while [`QUEUED`].
+    queued_at: u32,
     pub(super) attempts: u32,
     pub(super) status: RecordStatus,
     flags: u8,
@@ -78,8 +81,12 @@ impl Entry {
             LeaseExpiry::Reconcile => RECONCILE_ON_EXPIRY,
             _ => 0,
         };
+        let split = u32::try_from(split).unwrap_or(u32::MAX);
+        let mut data = Vec::with_capacity(KEY_AT + joined.len());
+        data.extend_from_slice(&split.to_le_bytes());
+        data.extend_from_slice(joined.as_bytes());
         Entry {
-            data: joined.as_bytes().into(),
+            data: data.into_boxed_slice(),
             fingerprint: req.fingerprint,
             lease_token: token,
             lease_until,
@@ -90,7 +97,7 @@ impl Entry {
             // A key longer than 4 GiB does not reach a store: the request carrying it would
             // not have been buffered.
             key_len: u32::try_from(joined.len()).unwrap_or(u32::MAX),
-            split: u32::try_from(split).unwrap_or(u32::MAX),
+            queued_at: 0,
             attempts: 1,
             status: RecordStatus::InProgress,
             flags,
@@ -101,29 +108,44 @@ impl Entry {
     /// Whether this is `key`'s record.
     pub(super) fn is(&self, key: &ScopedKey) -> bool {
         let (joined, split) = key.joined();
-        self.split as usize == split && self.key_bytes() == joined.as_bytes()
+        self.split() == split && self.key_bytes() == joined.as_bytes()
     }
 
     fn key_bytes(&self) -> &[u8] {
-        self.data.get(..self.key_len as usize).unwrap_or_default()
+        self.data
+            .get(KEY_AT..KEY_AT + self.key_len as usize)
+            .unwrap_or_default()
+    }
+
+    fn split(&self) -> usize {
+        let at = self
+            .data
+            .first_chunk::<KEY_AT>()
+            .copied()
+            .unwrap_or_default();
+        u32::from_le_bytes(at) as usize
     }
 
     /// The key's hash by `hasher`, as [`ScopedKey`] hashes it.
     pub(super) fn key_hash(&self, hasher: &impl BuildHasher) -> u64 {
         let mut state = hasher.build_hasher();
-        crate::key::hash_joined(self.key_bytes(), self.split as usize, &mut state);
+        crate::key::hash_joined(self.key_bytes(), self.split(), &mut state);
         state.finish()
     }
 
     /// The encoded response, if one is recorded.
     pub(super) fn response(&self) -> Option<&[u8]> {
         self.data
-            .get(self.key_len as usize..)
+            .get(KEY_AT + self.key_len as usize..)
             .filter(|r| !r.is_empty())
     }
 
     pub(super) fn set_response(&mut self, response: &StoredResponse) {
-        self.data = response.to_bytes_after(self.key_bytes()).into_boxed_slice();
+        let key = self
+            .data
+            .get(..KEY_AT + self.key_len as usize)
+            .unwrap_or_default();
+        self.data = response.to_bytes_after(key).into_boxed_slice();
     }
 
     pub(super) fn effect_started(&self) -> bool {
@@ -156,14 +178,19 @@ impl Entry {
         }
     }
 
-    pub(super) fn queued(&self) -> bool {
-        self.flags & QUEUED != 0
+    /// The tick of its live due entry, if it has one.
+    pub(super) fn queued(&self) -> Option<u32> {
+        (self.flags & QUEUED != 0).then_some(self.queued_at)
     }
 
-    pub(super) fn set_queued(&mut self, queued: bool) {
-        match queued {
-            true => self.flags |= QUEUED,
-            false => self.flags &= !QUEUED,
+    /// Records its live due entry's tick (`None`: it has none).
+    pub(super) fn set_queued(&mut self, at: Option<u32>) {
+        match at {
+            Some(at) => {
+                self.flags |= QUEUED;
+                self.queued_at = at;
+            }
+            None => self.flags &= !QUEUED,
         }
     }
 

@@ -239,7 +239,7 @@ impl MemoryStore {
             }
         }
         // Far below its peak, the shard gives memory back, a slice at a time too.
-        while lock(&self.inner.shards[i]).compact(SLICE, &self.inner.hasher, self.inner.base) {}
+        while lock(&self.inner.shards[i]).compact(SLICE, &self.inner.hasher) {}
         removed
     }
 
@@ -283,12 +283,15 @@ impl MemoryStore {
             }
             // Not this record's entry (it was removed, its slot reused), or one it no longer
             // needs.
-            let Some(entry) = shard.get_mut(i).filter(|e| e.queued()) else {
+            if !shard.live(at, i) {
+                continue;
+            }
+            let Some(entry) = shard.get_mut(i) else {
                 continue;
             };
             if entry.polled() || entry.status == RecordStatus::NeedsReconciliation {
                 // The polled set has it, or the write that settles it queues it anew.
-                entry.set_queued(false);
+                entry.set_queued(None);
                 continue;
             }
             match tick(entry.expires_at, self.inner.base) {

@@ -39,6 +39,9 @@ pub(super) struct Shard {
     pub(super) watch: BTreeSet<(u64, ScopedKey)>,
     /// Claims made in this shard, for [`POLL_EVERY`](super::POLL_EVERY).
     pub(super) claims: u64,
+    /// Due entries no longer live (their record went, moved, or was queued sooner since), at
+    /// most: when they outnumber the live ones, the index is rebuilt without them.
+    stale: usize,
 }
 
 /// Records in chunks that never move, with a free list: a record costs its size and nothing
@@ -173,6 +176,10 @@ impl Shard {
         if entry.polled() {
             self.unpoll(i);
         }
+        if entry.queued().is_some() {
+            self.stale += 1;
+            self.forget_stale();
+        }
         if self.slab.len == 0 {
             // Empty: give back the table and the indexes too.
             self.table = HashTable::new();
@@ -219,10 +226,14 @@ impl Shard {
         let was_polled = entry.polled();
         entry.set_polled(poll);
         let sooner = before.is_some_and(|before| expires_at < before);
-        let queue = queue && (!entry.queued() || sooner);
+        let was_queued = entry.queued();
+        let queue = queue && (was_queued.is_none() || sooner);
         if let Some(tick) = tick.filter(|_| queue) {
-            entry.set_queued(true);
+            entry.set_queued(Some(tick));
             self.due.push(tick, i);
+            if was_queued.is_some() {
+                self.stale += 1;
+            }
         }
         match (was_polled, poll) {
             (false, true) => {
@@ -231,6 +242,7 @@ impl Shard {
             (true, false) => self.unpoll(i),
             _ => {}
         }
+        self.forget_stale();
     }
 
     /// Takes up to `n` due entries (tick at most `until`) off the index, as (tick, index):
@@ -258,7 +270,7 @@ impl Shard {
     /// (the caller holds the lock for one call): moves records out of the slab's last chunk
     /// into free slots below it, gives back the chunk once it is empty, and shrinks the table
     /// and the indexes. Whether there is more to do.
-    pub(super) fn compact(&mut self, n: usize, hasher: &impl BuildHasher, base: u64) -> bool {
+    pub(super) fn compact(&mut self, n: usize, hasher: &impl BuildHasher) -> bool {
         let chunks = self.slab.chunks.len();
         if chunks <= 1 || self.slab.len * 4 > chunks * CHUNK {
             self.shrink(hasher);
@@ -277,7 +289,7 @@ impl Shard {
                 break;
             };
             let j = (floor + j) as u32;
-            self.relocate(j, i, hasher, base);
+            self.relocate(j, i, hasher);
             // Free again, should the chunk stay (new records filling the shard meanwhile).
             spare.push(j);
             moved += 1;
@@ -305,7 +317,7 @@ impl Shard {
     }
 
     /// Moves record `j` to free slot `i`, and every index that names it with it.
-    fn relocate(&mut self, j: u32, i: u32, hasher: &impl BuildHasher, base: u64) {
+    fn relocate(&mut self, j: u32, i: u32, hasher: &impl BuildHasher) {
         let Some(entry) = self.slab.chunks[j as usize / CHUNK][j as usize % CHUNK].take() else {
             return;
         };
@@ -313,15 +325,16 @@ impl Shard {
         if let Ok(mut slot) = self.table.find_entry(hash, |&x| x == j) {
             *slot.get_mut() = i;
         }
-        let (polled, queued, expires_at) = (entry.polled(), entry.queued(), entry.expires_at);
+        let (polled, queued) = (entry.polled(), entry.queued());
         self.slab.chunks[i as usize / CHUNK][i as usize % CHUNK] = Some(entry);
         if polled {
             self.unpoll(j);
             self.polled.insert_unique(spread(i), i, |&x| spread(x));
         }
-        // Entries naming `j` find an empty slot and are dropped; the record is queued anew.
-        if queued && let Some(tick) = tick(expires_at, base) {
-            self.requeue(i, tick);
+        // Entries naming `j` are stale now; the record is queued anew, at the same tick.
+        if let Some(at) = queued {
+            self.due.push(at, i);
+            self.stale += 1;
         }
     }
 
@@ -342,7 +355,30 @@ impl Shard {
     /// Re-adds record `i`'s due entry at `tick`: it came due before the record expired (its
     /// expiry moved later since).
     pub(super) fn requeue(&mut self, i: u32, tick: u32) {
-        self.due.push(tick, i);
+        if let Some(entry) = self.slab.get_mut(i) {
+            entry.set_queued(Some(tick));
+            self.due.push(tick, i);
+        }
+    }
+
+    /// Whether a due entry just popped is record `i`'s live one; a stale one is counted off.
+    pub(super) fn live(&mut self, at: u32, i: u32) -> bool {
+        let live = self.slab.get(i).is_some_and(|e| e.queued() == Some(at));
+        if !live {
+            self.stale = self.stale.saturating_sub(1);
+        }
+        live
+    }
+
+    /// Rebuilds the due index without its stale entries once they outnumber the live ones:
+    /// a walk of the index, paid for by as many changes that each made one entry stale.
+    fn forget_stale(&mut self) {
+        if self.stale > 1024 && self.stale * 2 > self.due.len() {
+            let slab = &self.slab;
+            self.due
+                .retain(|at, i| slab.get(i).is_some_and(|e| e.queued() == Some(at)));
+            self.stale = 0;
+        }
     }
 
     /// Moves record `i` to the polled set: its due entry came due before it expired, so its
@@ -351,7 +387,7 @@ impl Shard {
         if let Some(entry) = self.slab.get_mut(i)
             && !entry.polled()
         {
-            entry.set_queued(false);
+            entry.set_queued(None);
             entry.set_polled(true);
             self.polled.insert_unique(spread(i), i, |&j| spread(j));
         }
