@@ -309,7 +309,7 @@ impl MemoryStore {
     fn look_at_polled(&self, shard: &mut Shard, now: u64, freed: &mut Vec<Entry>) {
         for i in shard.polled() {
             if !self.take_if_expired(shard, i, now, freed) {
-                shard.reindex(i, None, self.inner.base);
+                shard.reindex(i, self.inner.base);
             }
         }
     }
@@ -390,7 +390,7 @@ impl MemoryStore {
             return Err(StoreError::Fenced);
         };
         let watched_before = watched(r);
-        let (indexed, status_before) = (r.expires_at, r.status);
+        let status_before = r.status;
         // Before the touch: writing out an implied history weighs too.
         let before = r.weight();
         r.touch(now);
@@ -398,7 +398,7 @@ impl MemoryStore {
         self.weigh(before, r.weight());
         let moved_on = r.status != status_before || r.lease_token != token;
         let watched_after = watched(r);
-        shard.reindex(i, Some(indexed), self.inner.base);
+        shard.reindex(i, self.inner.base);
         shard.rewatch(key, watched_before, watched_after);
         drop(shard);
         // A renewal or a milestone wakes no one: the record is still in flight.
@@ -422,10 +422,9 @@ impl MemoryStore {
             && let Some(r) = shard.get_mut(i)
         {
             let watched_before = watched(r);
-            let indexed = r.expires_at;
             let claim = self.claim_existing(r, req, now, lease_until);
             let watched_after = watched(r);
-            shard.reindex(i, Some(indexed), self.inner.base);
+            shard.reindex(i, self.inner.base);
             shard.rewatch(&req.key, watched_before, watched_after);
             return claim;
         }
@@ -438,7 +437,7 @@ impl MemoryStore {
         self.weigh(0, entry.weight());
         shard.rewatch(&req.key, None, watched(&entry));
         let i = shard.insert(hash, entry, &self.inner.hasher);
-        shard.reindex(i, None, self.inner.base);
+        shard.reindex(i, self.inner.base);
         Ok(Claim::Acquired(Lease {
             token,
             attempt: 1,

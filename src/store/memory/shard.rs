@@ -184,6 +184,7 @@ impl Shard {
             // Empty: give back the table and the indexes too.
             self.table = HashTable::new();
             self.due = Due::default();
+            self.stale = 0;
             self.polled = HashTable::new();
         }
         Some(entry)
@@ -200,8 +201,8 @@ impl Shard {
     /// with an outcome only a reconciliation can tell). A record has one due entry at or
     /// before its expiry, not one per change: a later expiry (a retry, a renewal, a second
     /// completion) keeps the entry, which moves on when it comes due early; only an earlier one
-    /// adds an entry. `before` is its expiry before the change, if it existed.
-    pub(super) fn reindex(&mut self, i: u32, before: Option<u64>, base: u64) {
+    /// adds an entry.
+    pub(super) fn reindex(&mut self, i: u32, base: u64) {
         let Some(entry) = self.slab.get_mut(i) else {
             return;
         };
@@ -225,9 +226,10 @@ impl Shard {
         };
         let was_polled = entry.polled();
         entry.set_polled(poll);
-        let sooner = before.is_some_and(|before| expires_at < before);
+        // Its live entry stands while it is at or before the expiry; a sooner expiry takes a
+        // new one.
         let was_queued = entry.queued();
-        let queue = queue && (was_queued.is_none() || sooner);
+        let queue = queue && was_queued.is_none_or(|at| tick.is_some_and(|tick| tick < at));
         if let Some(tick) = tick.filter(|_| queue) {
             entry.set_queued(Some(tick));
             self.due.push(tick, i);
