@@ -27,9 +27,9 @@ const KEY_AT: usize = 4;
 /// a test): with the key and response in one allocation, the history implied while it is short,
 /// and its flags in one byte.
 pub(super) struct Entry {
-    /// Where the key begins after the scope (four bytes), scope and key (`key_len` bytes), then
-    /// the encoded response once there is one. Owned, not `Bytes`: no shared-count header, and a replay copies what it
-    /// sends in one pass over bytes it then writes to the socket anyway.
+    /// The scope's length (four bytes), scope and key (`key_len` bytes), then the encoded
+    /// response once there is one. Owned, not `Bytes`: no shared-count header, and a replay
+    /// copies what it sends in one pass over bytes it then writes to the socket anyway.
     data: Box<[u8]>,
     pub(super) fingerprint: Fingerprint,
     pub(super) lease_token: FencingToken,
@@ -47,7 +47,7 @@ pub(super) struct Entry {
     pub(super) status: RecordStatus,
     flags: u8,
     /// The one event after the first claim while the history is implied (see
-    /// [`history`](Self::history)).
+    /// [`events`](Self::events)).
     tail: Option<HistoryEvent>,
 }
 

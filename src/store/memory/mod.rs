@@ -29,8 +29,8 @@ const SLICE: usize = 64;
 /// nor for a purger's slice, nor shares a core with a purger's burst) and memory stays bounded
 /// when nobody calls [`IdempotencyStore::purge_expired`].
 const CLAIM_PURGES: usize = 2;
-/// Every this many claims a shard also looks at its records in progress, whose holders may
-/// have left without a word.
+/// Every this many claims a shard also looks at its polled records (in progress under a lease
+/// longer than their TTL), whose holders may have left without a word.
 const POLL_EVERY: u64 = 1024;
 
 type Clock = Arc<dyn Fn() -> SystemTime + Send + Sync>;
