@@ -6,20 +6,17 @@
 
 use std::alloc::System;
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicI64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
-use bytes::Bytes;
-use http::{HeaderMap, StatusCode};
 use stats_alloc::{INSTRUMENTED_SYSTEM, Region, StatsAlloc};
+use tower_idempotency::IdempotencyStore;
 use tower_idempotency::reconcile::{Reconciler, Reconciliation, Sweeper};
 use tower_idempotency::store::{
-    Claim, ClaimRequest, FencingToken, Fingerprint, HISTORY_LIMIT, HISTORY_REFUSALS, HistoryEntry,
-    HistoryEvent, LeaseExpiry, Milestone, Record, RecordStatus, Resolution, ScopedKey, StoreError,
-    StoredResponse,
+    Claim, FencingToken, HISTORY_LIMIT, HISTORY_REFUSALS, HistoryEntry, HistoryEvent, Milestone,
+    Record, RecordStatus, Resolution, ScopedKey, StoreError,
 };
-use tower_idempotency::{IdempotencyStore, MemoryStore};
 
 // ---------------------------------------------------------------------------------------------
 // Allocation counting (the tests of this file run one at a time, so the global counts are this
@@ -28,101 +25,9 @@ use tower_idempotency::{IdempotencyStore, MemoryStore};
 #[global_allocator]
 static GLOBAL: &StatsAlloc<System> = &INSTRUMENTED_SYSTEM;
 
-fn live_heap(region: &Region<'_, System>) -> i64 {
-    let stats = region.change();
-    stats.bytes_allocated as i64 - stats.bytes_deallocated as i64
-}
+mod common;
 
-static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
-
-/// One test at a time: the allocation counts are global.
-async fn serial() -> tokio::sync::MutexGuard<'static, ()> {
-    SERIAL.lock().await
-}
-
-// ---------------------------------------------------------------------------------------------
-// Helpers.
-
-/// A clock starting at a whole number of 16 ms ticks since the epoch, moved by the test (also
-/// backwards, below where the store started).
-#[derive(Clone)]
-struct Clock {
-    offset: Arc<AtomicI64>,
-}
-
-const START_MS: u64 = 1_800_000_000_000;
-
-impl Clock {
-    fn new() -> Self {
-        Self {
-            offset: Arc::new(AtomicI64::new(0)),
-        }
-    }
-
-    fn store(&self) -> MemoryStore {
-        let offset = self.offset.clone();
-        MemoryStore::with_clock(move || {
-            let ms = START_MS as i64 + offset.load(Ordering::SeqCst);
-            SystemTime::UNIX_EPOCH + Duration::from_millis(ms as u64)
-        })
-        .max_records(usize::MAX)
-        .max_bytes(usize::MAX)
-    }
-
-    fn advance(&self, ms: i64) {
-        self.offset.fetch_add(ms, Ordering::SeqCst);
-    }
-
-    fn now(&self) -> SystemTime {
-        SystemTime::UNIX_EPOCH
-            + Duration::from_millis((START_MS as i64 + self.offset.load(Ordering::SeqCst)) as u64)
-    }
-}
-
-fn ms(n: u64) -> Duration {
-    Duration::from_millis(n)
-}
-
-fn req(key: &ScopedKey, lease: u64, ttl: u64) -> ClaimRequest {
-    ClaimRequest {
-        key: key.clone(),
-        fingerprint: Fingerprint::from_bytes([7; 32]),
-        lease: ms(lease),
-        ttl: ms(ttl),
-        on_lease_expiry: LeaseExpiry::Reclaim,
-    }
-}
-
-fn reconcile_req(key: &ScopedKey, lease: u64, ttl: u64) -> ClaimRequest {
-    ClaimRequest {
-        on_lease_expiry: LeaseExpiry::Reconcile,
-        ..req(key, lease, ttl)
-    }
-}
-
-fn response(body: &'static [u8]) -> StoredResponse {
-    StoredResponse {
-        status: StatusCode::CREATED,
-        headers: HeaderMap::new(),
-        body: Some(Bytes::from_static(body)),
-        trailers: None,
-    }
-}
-
-async fn acquire(store: &MemoryStore, request: &ClaimRequest) -> FencingToken {
-    match store.claim(request).await {
-        Ok(Claim::Acquired(lease)) => lease.token,
-        other => panic!("expected {:?} acquired, got {other:?}", request.key),
-    }
-}
-
-async fn record(store: &MemoryStore, key: &ScopedKey) -> Record {
-    store
-        .lookup(key)
-        .await
-        .expect("lookup")
-        .unwrap_or_else(|| panic!("{key:?} has a record"))
-}
+use common::memory::*;
 
 fn entry(attempt: u32, token: FencingToken, at: SystemTime, event: HistoryEvent) -> HistoryEntry {
     HistoryEntry {
@@ -382,7 +287,7 @@ async fn bytes_follow_what_records_hold() {
     assert_eq!(store.bytes(), 2 * one, "same length, same weight");
     static BIG: [u8; 100_000] = [b'x'; 100_000];
     store
-        .complete(&a, ta, &response(&BIG), ms(10_000))
+        .complete(&a, ta, &response(BIG.as_slice()), ms(10_000))
         .await
         .expect("complete");
     let big = store.bytes();
@@ -1215,7 +1120,7 @@ fn runtime() -> tokio::runtime::Runtime {
 /// remove at once, and nothing is left counted.
 #[test]
 fn concurrent_claims_acquire_each_key_once_and_counts_end_exact() {
-    let _serial = SERIAL.blocking_lock();
+    let _serial = serial_blocking();
     runtime().block_on(async {
         let clock = Clock::new();
         let store = clock.store();
@@ -1326,7 +1231,7 @@ fn concurrent_claims_acquire_each_key_once_and_counts_end_exact() {
 /// holder per key at most; at the end, everything expired and nothing is left counted.
 #[test]
 fn churn_with_purges_and_a_sweeper_ends_with_exact_counts() {
-    let _serial = SERIAL.blocking_lock();
+    let _serial = serial_blocking();
     runtime().block_on(async {
         let clock = Clock::new();
         let store = clock.store();
@@ -1428,7 +1333,7 @@ impl Reconciler for Settles {
 /// resolved, none is lost or counted twice, and once their TTL passes they are all purged.
 #[test]
 fn a_sweeper_resolving_while_claims_go_on_loses_nothing() {
-    let _serial = SERIAL.blocking_lock();
+    let _serial = serial_blocking();
     runtime().block_on(async {
         let clock = Clock::new();
         let store = clock.store();
@@ -1509,7 +1414,7 @@ fn a_sweeper_resolving_while_claims_go_on_loses_nothing() {
 /// as a new first attempt, and exactly one record is left.
 #[test]
 fn a_purge_racing_a_claim_of_the_same_expired_key() {
-    let _serial = SERIAL.blocking_lock();
+    let _serial = serial_blocking();
     runtime().block_on(async {
         let clock = Clock::new();
         let store = clock.store();
@@ -1574,7 +1479,7 @@ fn a_purge_racing_a_claim_of_the_same_expired_key() {
 /// history is capped.
 #[test]
 fn concurrent_refusals_on_one_hot_record_keep_weight_consistent() {
-    let _serial = SERIAL.blocking_lock();
+    let _serial = serial_blocking();
     runtime().block_on(async {
         let clock = Clock::new();
         let store = clock.store();

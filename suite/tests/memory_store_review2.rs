@@ -6,15 +6,14 @@
 use std::alloc::System;
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, SystemTime};
 
 use bytes::Bytes;
-use http::{HeaderMap, StatusCode};
 use stats_alloc::{INSTRUMENTED_SYSTEM, Region, StatsAlloc};
 use tower_idempotency::store::{
-    Claim, ClaimRequest, FencingToken, Fingerprint, InFlight, LeaseExpiry, Milestone, Record,
-    RecordStatus, Resolution, ScopedKey, StoredResponse, UncertainQuery,
+    Claim, FencingToken, InFlight, Milestone, Record, RecordStatus, Resolution, ScopedKey,
+    UncertainQuery,
 };
 use tower_idempotency::{IdempotencyStore, MemoryStore};
 
@@ -24,107 +23,11 @@ use tower_idempotency::{IdempotencyStore, MemoryStore};
 #[global_allocator]
 static GLOBAL: &StatsAlloc<System> = &INSTRUMENTED_SYSTEM;
 
-fn live_heap(region: &Region<'_, System>) -> i64 {
-    let stats = region.change();
-    stats.bytes_allocated as i64 - stats.bytes_deallocated as i64
-}
+mod common;
 
-static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+use common::memory::*;
 
-async fn serial() -> tokio::sync::MutexGuard<'static, ()> {
-    SERIAL.lock().await
-}
-
-// ---------------------------------------------------------------------------------------------
-// Helpers.
-
-const START_MS: u64 = 1_800_000_000_000;
 const HOUR: u64 = 3_600_000;
-
-/// A clock the test moves, starting on a whole tick.
-#[derive(Clone)]
-struct Clock {
-    offset: Arc<AtomicI64>,
-}
-
-impl Clock {
-    fn new() -> Self {
-        Self {
-            offset: Arc::new(AtomicI64::new(0)),
-        }
-    }
-
-    fn store(&self) -> MemoryStore {
-        let offset = self.offset.clone();
-        MemoryStore::with_clock(move || {
-            let ms = START_MS as i64 + offset.load(Ordering::SeqCst);
-            SystemTime::UNIX_EPOCH + Duration::from_millis(ms as u64)
-        })
-        .max_records(usize::MAX)
-        .max_bytes(usize::MAX)
-    }
-
-    fn advance(&self, ms: i64) {
-        self.offset.fetch_add(ms, Ordering::SeqCst);
-    }
-
-    /// Milliseconds since the store's start.
-    fn elapsed(&self) -> u64 {
-        self.offset.load(Ordering::SeqCst) as u64
-    }
-}
-
-fn ms(n: u64) -> Duration {
-    Duration::from_millis(n)
-}
-
-fn req(key: &ScopedKey, lease: u64, ttl: u64) -> ClaimRequest {
-    ClaimRequest {
-        key: key.clone(),
-        fingerprint: Fingerprint::from_bytes([7; 32]),
-        lease: ms(lease),
-        ttl: ms(ttl),
-        on_lease_expiry: LeaseExpiry::Reclaim,
-    }
-}
-
-fn reconcile_req(key: &ScopedKey, lease: u64, ttl: u64) -> ClaimRequest {
-    ClaimRequest {
-        on_lease_expiry: LeaseExpiry::Reconcile,
-        ..req(key, lease, ttl)
-    }
-}
-
-fn response(body: impl Into<Bytes>) -> StoredResponse {
-    StoredResponse {
-        status: StatusCode::CREATED,
-        headers: HeaderMap::new(),
-        body: Some(body.into()),
-        trailers: None,
-    }
-}
-
-async fn acquire(store: &MemoryStore, request: &ClaimRequest) -> FencingToken {
-    match store.claim(request).await {
-        Ok(Claim::Acquired(lease)) => lease.token,
-        other => panic!("expected {:?} acquired, got {other:?}", request.key),
-    }
-}
-
-async fn existing(store: &MemoryStore, request: &ClaimRequest) -> Record {
-    match store.claim(request).await {
-        Ok(Claim::Existing { record, .. }) => *record,
-        other => panic!("expected {:?} existing, got {other:?}", request.key),
-    }
-}
-
-async fn record(store: &MemoryStore, key: &ScopedKey) -> Record {
-    store
-        .lookup(key)
-        .await
-        .expect("lookup")
-        .unwrap_or_else(|| panic!("{key:?} has a record"))
-}
 
 /// `n` records that expire 16 ms after now (completed with a 16 ms TTL): enough, spread over
 /// the 64 shards, that each shard grows past one 512-record chunk.
@@ -354,7 +257,7 @@ async fn moved_records_of_every_kind_stay_findable_writable_and_purgeable() {
 /// the counts end exact.
 #[test]
 fn holders_racing_compacting_purges_never_lose_their_records() {
-    let _serial = SERIAL.blocking_lock();
+    let _serial = serial_blocking();
     let rt = runtime();
     rt.block_on(async {
         let clock = Clock::new();

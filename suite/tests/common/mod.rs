@@ -4,6 +4,7 @@
 
 pub mod batching;
 pub mod faulty;
+pub mod memory;
 pub mod proxy;
 
 use std::net::SocketAddr;
