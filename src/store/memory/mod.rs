@@ -318,17 +318,24 @@ impl MemoryStore {
     /// then the records in progress.
     fn purge_for_claim(&self, shard: &mut Shard, now: u64) {
         shard.claims += 1;
-        let mut freed = Vec::new();
-        if shard.claims.is_multiple_of(POLL_EVERY) {
+        let poll = shard.claims.is_multiple_of(POLL_EVERY);
+        let until = now_tick(now, self.inner.base);
+        if !poll && !shard.due_by(until) {
+            return;
+        }
+        // The shard's own buffer: a claim that purges allocates nothing to do it.
+        let mut freed = std::mem::take(&mut shard.freed);
+        if poll {
             self.look_at_polled(shard, now, &mut freed);
         }
-        let until = now_tick(now, self.inner.base);
-        if shard.due_by(until) {
-            let mut popped = Vec::with_capacity(CLAIM_PURGES);
-            shard.pop_due(until, CLAIM_PURGES, &mut popped);
-            self.look_at_due(shard, &popped, now, &mut freed);
+        for _ in 0..CLAIM_PURGES {
+            let Some(due) = shard.next_due(until) else {
+                break;
+            };
+            self.look_at_due(shard, &[due], now, &mut freed);
         }
         self.forget(&mut freed);
+        shard.freed = freed;
     }
 
     /// How many records the store holds, expired ones not yet purged included.

@@ -42,6 +42,8 @@ pub(super) struct Shard {
     /// Due entries no longer live (their record went, moved, or was queued sooner since), at
     /// most: when they outnumber the live ones, the index is rebuilt without them.
     stale: usize,
+    /// Where a claim puts the records it purges, kept so that purging allocates nothing.
+    pub(super) freed: Vec<Entry>,
 }
 
 /// Records in chunks that never move, with a free list: a record costs its size and nothing
@@ -256,6 +258,11 @@ impl Shard {
                 None => break,
             }
         }
+    }
+
+    /// The soonest due entry (tick at most `until`), taken off the index.
+    pub(super) fn next_due(&mut self, until: u32) -> Option<(u32, u32)> {
+        self.due.pop(until)
     }
 
     /// Whether an entry is due by `until`.
