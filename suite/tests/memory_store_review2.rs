@@ -29,6 +29,14 @@ use common::memory::*;
 
 const HOUR: u64 = 3_600_000;
 
+/// Completes `key` with `body` for `ttl` ms: a write that must succeed.
+async fn complete(store: &MemoryStore, key: &ScopedKey, token: FencingToken, body: &str, ttl: u64) {
+    store
+        .complete(key, token, &response(body), ms(ttl))
+        .await
+        .expect("complete");
+}
+
 /// `n` records that expire 16 ms after now (completed with a 16 ms TTL): enough, spread over
 /// the 64 shards, that each shard grows past one 512-record chunk.
 async fn burst(store: &MemoryStore, tag: &str, n: usize) {
@@ -528,9 +536,7 @@ fn scenarios() -> Vec<(&'static str, Scenario)> {
                     env.between().await;
                     let t = acquire(s, &req(&key, 1000, HOUR)).await;
                     env.between().await;
-                    s.complete(&key, t, &response("x"), ms(16))
-                        .await
-                        .expect("complete");
+                    complete(s, &key, t, "x", 16).await;
                     env.between().await;
                     env.advance(100);
                     env.between().await;
@@ -623,9 +629,7 @@ fn scenarios() -> Vec<(&'static str, Scenario)> {
                     env.between().await;
                     env.advance(200);
                     env.between().await;
-                    s.complete(&key, t, &response("x"), ms(16))
-                        .await
-                        .expect("complete");
+                    complete(s, &key, t, "x", 16).await;
                     env.between().await;
                 })
             }),
@@ -637,9 +641,7 @@ fn scenarios() -> Vec<(&'static str, Scenario)> {
                     let s = &env.store;
                     let t = acquire(s, &req(&key, 1000, 1000)).await;
                     for ttl in [HOUR, 16, HOUR, 16] {
-                        s.complete(&key, t, &response("x"), ms(ttl))
-                            .await
-                            .expect("complete");
+                        complete(s, &key, t, "x", ttl).await;
                         env.between().await;
                         // Less than the short TTL: the record is never expired here.
                         env.advance(8);
@@ -654,18 +656,14 @@ fn scenarios() -> Vec<(&'static str, Scenario)> {
                 Box::pin(async move {
                     let s = &env.store;
                     let t = acquire(s, &req(&key, 16, 16)).await;
-                    s.complete(&key, t, &response("x"), ms(16))
-                        .await
-                        .expect("complete");
+                    complete(s, &key, t, "x", 16).await;
                     env.advance(48);
                     env.between().await;
                     let t = acquire(s, &req(&key, 1000, 1000)).await;
                     env.between().await;
                     env.advance(40);
                     env.between().await;
-                    s.complete(&key, t, &response("y"), ms(HOUR))
-                        .await
-                        .expect("complete");
+                    complete(s, &key, t, "y", HOUR).await;
                     env.between().await;
                 })
             }),
@@ -676,15 +674,11 @@ fn scenarios() -> Vec<(&'static str, Scenario)> {
                 Box::pin(async move {
                     let s = &env.store;
                     let t = acquire(s, &req(&key, 16, 16)).await;
-                    s.complete(&key, t, &response("x"), ms(16))
-                        .await
-                        .expect("complete");
+                    complete(s, &key, t, "x", 16).await;
                     env.advance(48);
                     let t = acquire(s, &req(&key, HOUR, 16)).await;
                     env.between().await;
-                    s.complete(&key, t, &response("y"), ms(16))
-                        .await
-                        .expect("complete");
+                    complete(s, &key, t, "y", 16).await;
                     env.between().await;
                 })
             }),
@@ -722,17 +716,13 @@ fn scenarios() -> Vec<(&'static str, Scenario)> {
                 Box::pin(async move {
                     let s = &env.store;
                     let t = acquire(s, &req(&key, 1000, HOUR)).await;
-                    s.complete(&key, t, &response("x"), ms(HOUR))
-                        .await
-                        .expect("complete");
+                    complete(s, &key, t, "x", HOUR).await;
                     env.between().await;
                     assert!(s.remove(&key).await.expect("remove"));
                     env.between().await;
                     let t = acquire(s, &req(&key, 1000, 1000)).await;
                     env.between().await;
-                    s.complete(&key, t, &response("x"), ms(16))
-                        .await
-                        .expect("complete");
+                    complete(s, &key, t, "x", 16).await;
                     env.between().await;
                 })
             }),
@@ -746,9 +736,7 @@ fn scenarios() -> Vec<(&'static str, Scenario)> {
                     env.between().await;
                     env.advance(40);
                     env.between().await;
-                    s.complete(&key, t, &response("x"), ms(16))
-                        .await
-                        .expect("complete");
+                    complete(s, &key, t, "x", 16).await;
                     env.between().await;
                 })
             }),
@@ -762,9 +750,7 @@ fn scenarios() -> Vec<(&'static str, Scenario)> {
                     env.between().await;
                     env.advance(40);
                     env.between().await;
-                    s.complete(&key, t, &response("x"), ms(16))
-                        .await
-                        .expect("complete");
+                    complete(s, &key, t, "x", 16).await;
                     env.between().await;
                 })
             }),
