@@ -34,23 +34,25 @@ pub(crate) fn decide(
 ) -> Decision {
     let (record, now) = match claim {
         Claim::Acquired(lease) => return Decision::Run(lease),
+        Claim::Completed {
+            fingerprint: recorded,
+            response,
+        } => {
+            if recorded != *fingerprint {
+                return mismatch(covers, RecordStatus::Completed);
+            }
+            observe::count(Event::Replay);
+            return Decision::Replay(*response);
+        }
         Claim::Existing { record, now } => (*record, now),
     };
     let state = record.status.as_str();
     if record.fingerprint != *fingerprint {
-        observe::count(Event::Mismatch);
-        return Decision::Refuse(
-            Problem::new(
-                ProblemKind::FingerprintMismatch,
-                format!(
-                    "this idempotency key was first used with a different request ({covers}); \
-                     nothing was run. Use a new key for a new request"
-                ),
-            )
-            .state(state),
-        );
+        return mismatch(covers, record.status);
     }
     match record.status {
+        // A store should answer a completed record as `Claim::Completed`; one it reported
+        // whole is replayed all the same.
         RecordStatus::Completed => match record.response {
             Some(response) => {
                 observe::count(Event::Replay);
@@ -116,6 +118,21 @@ pub(crate) fn decide(
     }
 }
 
+/// The key was first used with another request: refused before anything runs.
+fn mismatch(covers: &str, status: RecordStatus) -> Decision {
+    observe::count(Event::Mismatch);
+    Decision::Refuse(
+        Problem::new(
+            ProblemKind::FingerprintMismatch,
+            format!(
+                "this idempotency key was first used with a different request ({covers}); \
+                 nothing was run. Use a new key for a new request"
+            ),
+        )
+        .state(status.as_str()),
+    )
+}
+
 /// A claim that found the key's record locked by a transaction in flight: answered as in
 /// flight, without waiting for the lock.
 pub(crate) fn busy() -> Decision {
@@ -141,7 +158,88 @@ pub(crate) fn ceil_secs(d: Duration) -> u64 {
 
 #[cfg(test)]
 mod tests {
+    use std::time::SystemTime;
+
+    use http::{HeaderMap, StatusCode};
+
     use super::*;
+    use crate::store::{FencingToken, Record, ScopedKey};
+
+    fn response() -> StoredResponse {
+        StoredResponse {
+            status: StatusCode::CREATED,
+            headers: HeaderMap::new(),
+            body: Some(bytes::Bytes::from_static(b"{}")),
+            trailers: None,
+        }
+    }
+
+    fn record(status: RecordStatus, response: Option<StoredResponse>) -> Record {
+        let at = SystemTime::UNIX_EPOCH;
+        Record {
+            key: ScopedKey::new("", "k"),
+            fingerprint: Fingerprint::from_bytes([1; 32]),
+            status,
+            lease_token: FencingToken::new(1),
+            lease_until: at,
+            attempts: 1,
+            effect_started: false,
+            downstream_id: None,
+            response,
+            created_at: at,
+            updated_at: at,
+            expires_at: at,
+            history: Vec::new(),
+            resolution_note: None,
+        }
+    }
+
+    /// DESIGN §1 step 6, issue 23 §2: a completed record answered with only its fingerprint
+    /// and response replays to the same request and is a mismatch to another, reported as
+    /// completed; `Claim::existing` picks that answer for a completed record and keeps every
+    /// other (and a completed one without a response) whole.
+    #[test]
+    fn a_completed_claim_replays_or_is_a_mismatch() {
+        let same = Fingerprint::from_bytes([1; 32]);
+        let other = Fingerprint::from_bytes([2; 32]);
+        let now = SystemTime::UNIX_EPOCH;
+        let claim = Claim::existing(record(RecordStatus::Completed, Some(response())), now);
+        assert!(matches!(claim, Claim::Completed { .. }), "{claim:?}");
+        match decide(claim.clone(), &same, "the body", None) {
+            Decision::Replay(replayed) => assert_eq!(replayed, response()),
+            other => panic!("{other:?}"),
+        }
+        match decide(claim, &other, "the body", None) {
+            Decision::Refuse(problem) => {
+                assert_eq!(problem.kind, ProblemKind::FingerprintMismatch);
+                assert_eq!(problem.state, "completed");
+            }
+            other => panic!("{other:?}"),
+        }
+        for status in [RecordStatus::InProgress, RecordStatus::NeedsReconciliation] {
+            let claim = Claim::existing(record(status, None), now);
+            assert!(matches!(claim, Claim::Existing { .. }), "{claim:?}");
+        }
+        let claim = Claim::existing(record(RecordStatus::Completed, None), now);
+        match decide(claim, &same, "the body", None) {
+            Decision::Refuse(problem) => assert_eq!(problem.kind, ProblemKind::StoreUnavailable),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    /// A store written before `Claim::Completed` that reports a completed record whole still
+    /// has it replayed.
+    #[test]
+    fn a_completed_record_reported_whole_still_replays() {
+        let claim = Claim::Existing {
+            record: Box::new(record(RecordStatus::Completed, Some(response()))),
+            now: SystemTime::UNIX_EPOCH,
+        };
+        match decide(claim, &Fingerprint::from_bytes([1; 32]), "the body", None) {
+            Decision::Replay(replayed) => assert_eq!(replayed, response()),
+            other => panic!("{other:?}"),
+        }
+    }
 
     #[test]
     fn retry_after_rounds_up_and_is_never_zero() {

@@ -363,11 +363,8 @@ impl<St: IdempotencyStore> ClaimToEnd<St> {
                         RecordStatus::Completed | RecordStatus::NeedsReconciliation
                     )
                 {
-                    return Ok(Claim::Existing {
-                        record: Box::new(record),
-                        // Read for an in-flight answer's delay only, which this is not.
-                        now: std::time::SystemTime::now(),
-                    });
+                    // `now` is read for an in-flight answer's delay only, which this is not.
+                    return Ok(Claim::existing(record, std::time::SystemTime::now()));
                 }
                 owned.claim(&request).await
             })),

@@ -123,6 +123,21 @@ async fn existing<S: IdempotencyStore>(
     }
 }
 
+/// A claim of a completed key: what a replay reads, the first fingerprint and the response.
+async fn completed<S: IdempotencyStore>(
+    store: &S,
+    req: &ClaimRequest,
+    rule: &str,
+) -> (super::Fingerprint, StoredResponse) {
+    match store.claim(req).await {
+        Ok(Claim::Completed {
+            fingerprint,
+            response,
+        }) => (fingerprint, *response),
+        other => panic!("{rule}: expected Completed, got {other:?}"),
+    }
+}
+
 fn response() -> StoredResponse {
     let mut headers = HeaderMap::new();
     headers.insert("location", HeaderValue::from_static("/tickets/7"));
@@ -180,7 +195,7 @@ pub async fn claim_race_has_one_winner<S: IdempotencyStore>(store: &Arc<S>) {
     for task in tasks {
         match task.await.expect("claim task") {
             Ok(Claim::Acquired(_)) => winners += 1,
-            Ok(Claim::Existing { .. }) => {}
+            Ok(Claim::Existing { .. } | Claim::Completed { .. }) => {}
             Err(e) => panic!("a racing claim failed: {e}"),
         }
     }
@@ -199,9 +214,8 @@ pub async fn fingerprint_mismatch_is_reported<S: IdempotencyStore>(store: &S) {
         .complete(&key, lease.token, &response(), LONG)
         .await
         .expect("complete");
-    let (record, _) = existing(store, &other, "another fingerprint once completed").await;
-    assert_eq!(record.fingerprint, fingerprint(1));
-    assert_eq!(record.status, RecordStatus::Completed);
+    let (first, _) = completed(store, &other, "another fingerprint once completed").await;
+    assert_eq!(first, fingerprint(1));
 }
 
 /// A completed record returns its response exactly: status, repeated and binary headers, every
@@ -214,13 +228,8 @@ pub async fn complete_then_replay_exactly<S: IdempotencyStore>(store: &S) {
         .complete(&key, lease.token, &response(), LONG)
         .await
         .expect("complete");
-    let (record, _) = existing(store, &req, "a completed key").await;
-    assert_eq!(record.status, RecordStatus::Completed);
-    assert_eq!(
-        record.response,
-        Some(response()),
-        "the response round-trips exactly"
-    );
+    let (_, replayed) = completed(store, &req, "a completed key").await;
+    assert_eq!(replayed, response(), "the response round-trips exactly");
     let looked_up = store.lookup(&key).await.expect("lookup").expect("record");
     assert_eq!(looked_up.response, Some(response()));
     // A marker for a response too large to keep also round-trips.
@@ -236,8 +245,8 @@ pub async fn complete_then_replay_exactly<S: IdempotencyStore>(store: &S) {
         .complete(&key, lease.token, &marker, LONG)
         .await
         .expect("complete");
-    let (record, _) = existing(store, &req, "a completed key").await;
-    assert_eq!(record.response, Some(marker));
+    let (_, replayed) = completed(store, &req, "a completed key").await;
+    assert_eq!(replayed, marker);
 }
 
 /// After a release the next claim takes the key over with a new token and `attempts + 1`.
@@ -278,9 +287,8 @@ pub async fn mark_uncertain_blocks_claims<S: IdempotencyStore>(store: &S) {
         .complete(&key, lease.token, &response(), LONG)
         .await
         .expect("the holder settles its uncertain record with its outcome");
-    let (record, _) = existing(store, &req, "a settled key").await;
-    assert_eq!(record.status, RecordStatus::Completed);
-    assert_eq!(record.response, Some(response()));
+    let (_, replayed) = completed(store, &req, "a settled key").await;
+    assert_eq!(replayed, response());
 }
 
 /// Issue 15 §5: a resolution is final. Resolving an uncertain record gives it a new token, so
@@ -379,8 +387,7 @@ pub async fn expired_lease_with_reconcile_needs_reconciliation<S: IdempotencySto
         .complete(&key, lease.token, &response(), LONG)
         .await
         .expect("the holder completes its record awaiting reconciliation");
-    let (record, _) = existing(store, &req, "a settled key").await;
-    assert_eq!(record.status, RecordStatus::Completed);
+    completed(store, &req, "a settled key").await;
 }
 
 /// A renewed lease is not taken over when its first length passes.
@@ -594,9 +601,14 @@ pub async fn uncertain_records_are_listed_and_resolved<S: IdempotencyStore>(stor
         )
         .await
         .expect("resolve applied");
-    let (record, _) = existing(store, &request(&marked, 1, LONG, LONG), "a resolved key").await;
+    let (_, replayed) = completed(store, &request(&marked, 1, LONG, LONG), "a resolved key").await;
+    assert_eq!(replayed, response());
+    let record = store
+        .lookup(&marked)
+        .await
+        .expect("lookup")
+        .expect("record");
     assert_eq!(record.status, RecordStatus::Completed);
-    assert_eq!(record.response, Some(response()));
     assert_eq!(
         record.resolution_note.as_deref(),
         Some("checked with the provider: charge ch_1 exists"),
@@ -1068,16 +1080,15 @@ pub async fn concurrent_operations_each_get_their_own_answer<S: IdempotencyStore
                 assert_eq!(record.key, req.key, "the record of the key claimed");
                 assert_eq!(record.status, RecordStatus::InProgress);
             }
-            ("done" | "done, another fingerprint", Ok(Claim::Existing { record, .. })) => {
-                assert_eq!(record.key, done, "a claim gets its own key's record");
-                assert_eq!(record.status, RecordStatus::Completed);
-                assert_eq!(
-                    record.fingerprint,
-                    fingerprint(1),
-                    "the first fingerprint stands"
-                );
-                let replayed = record.response.expect("a completed record's response");
-                assert_eq!(replayed.body, body(&done).body, "its own key's answer");
+            (
+                "done" | "done, another fingerprint",
+                Ok(Claim::Completed {
+                    fingerprint: first,
+                    response,
+                }),
+            ) => {
+                assert_eq!(first, fingerprint(1), "the first fingerprint stands");
+                assert_eq!(response.body, body(&done).body, "its own key's answer");
             }
             ("busy", Ok(Claim::Existing { record, .. })) => {
                 assert_eq!(record.key, busy, "a claim gets its own key's record");
@@ -1116,9 +1127,7 @@ pub async fn concurrent_operations_each_get_their_own_answer<S: IdempotencyStore
         "a completion among others",
     );
     for (key, _) in &leases {
-        let (record, _) = existing(&**store, &request(key, 3, LONG, LONG), "a replay").await;
-        assert_eq!(record.status, RecordStatus::Completed);
-        let replayed = record.response.expect("a completed record's response");
+        let (_, replayed) = completed(&**store, &request(key, 3, LONG, LONG), "a replay").await;
         assert_eq!(
             replayed.body,
             body(key).body,

@@ -220,21 +220,58 @@ pub struct Lease {
 }
 
 /// The answer to a claim: either the caller now holds the key, or here is what stands.
+///
+/// A completed record is answered as [`Completed`](Self::Completed), with only what a replay
+/// reads: every retry of a finished request takes this path, so a store need not load (nor the
+/// layer decode and drop) the rest of the record. [`Claim::existing`] picks the variant for a
+/// store that reads whole records.
 #[derive(Debug, Clone)]
 pub enum Claim {
     /// The key was absent, expired, released or reclaimable: the caller holds it now.
     Acquired(Lease),
-    /// Someone else's record, with the store's clock at the time it was read (to compute the
+    /// The record is completed: the caller replays `response` if its fingerprint is
+    /// `fingerprint`, and refuses the request (422) otherwise.
+    Completed {
+        /// The fingerprint of the request that first claimed the key.
+        fingerprint: Fingerprint,
+        /// The recorded response.
+        response: Box<StoredResponse>,
+    },
+    /// Someone else's record that is not completed (in progress, released, awaiting
+    /// reconciliation), with the store's clock at the time it was read (to compute the
     /// remaining lease without trusting this node's clock).
     Existing {
         /// The record as it stood. Its `history` may be left out (empty) unless it is in
-        /// progress or released: a claim needs it only to tell how long a holder has run, and
-        /// a replay should not pay for it. [`lookup`](IdempotencyStore::lookup) returns the
-        /// whole record.
+        /// progress or released: a claim needs it only to tell how long a holder has run.
+        /// [`lookup`](IdempotencyStore::lookup) returns the whole record.
         record: Box<Record>,
         /// The store's clock when it read the record.
         now: SystemTime,
     },
+}
+
+impl Claim {
+    /// What a claim that found `record` (read at `now` on the store's clock) answers:
+    /// [`Completed`](Self::Completed) for a completed record with its response, otherwise
+    /// [`Existing`](Self::Existing). A completed record without a response cannot be
+    /// replayed: it is answered as `Existing`, which the layer reports as a store failure.
+    pub fn existing(record: Record, now: SystemTime) -> Self {
+        match record {
+            Record {
+                status: RecordStatus::Completed,
+                response: Some(response),
+                fingerprint,
+                ..
+            } => Self::Completed {
+                fingerprint,
+                response: Box::new(response),
+            },
+            record => Self::Existing {
+                record: Box::new(record),
+                now,
+            },
+        }
+    }
 }
 
 /// Why a store operation failed.
@@ -291,8 +328,9 @@ impl std::error::Error for StoreError {
 ///    A record whose outcome is unknown (`needs_reconciliation`, or `in_progress` with its
 ///    effect marked started) never expires: it stays until it is resolved, so uncertainty
 ///    never turns into a second run;
-/// 2. a record with another fingerprint -> `Existing` (the caller answers 422);
-/// 3. `completed` or `needs_reconciliation` -> `Existing`;
+/// 2. a record with another fingerprint -> `Completed` if it is completed, else `Existing`
+///    (the caller compares fingerprints and answers 422);
+/// 3. `completed` -> `Completed`; `needs_reconciliation` -> `Existing`;
 /// 4. `released` -> taken over: new token, `attempts + 1`, `in_progress`;
 /// 5. `in_progress` with a live lease -> `Existing`;
 /// 6. `in_progress` with an expired lease -> taken over as in 4 when the request says

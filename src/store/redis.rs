@@ -969,10 +969,7 @@ impl IdempotencyStore for RedisStore {
                 until: record.lease_until,
             }));
         }
-        Ok(Claim::Existing {
-            record: Box::new(record),
-            now,
-        })
+        Ok(Claim::existing(record, now))
     }
 
     async fn renew(

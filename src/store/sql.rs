@@ -233,10 +233,7 @@ pub(crate) fn claim_outcome(record: Record, now: SystemTime, token: FencingToken
             until: record.lease_until,
         });
     }
-    Claim::Existing {
-        record: Box::new(record),
-        now,
-    }
+    Claim::existing(record, now)
 }
 
 /// `history` with `entry` appended while it holds fewer than `cap` entries (each ends in `;`),
@@ -842,7 +839,7 @@ mod tests {
             assert!(
                 matches!(
                     claim_outcome(row(status, token), now, mine),
-                    Claim::Existing { .. }
+                    Claim::Existing { .. } | Claim::Completed { .. }
                 ),
                 "{status} with token {token} is the record that stands"
             );

@@ -147,7 +147,7 @@ async fn count_statements(url: &str, claim_sql: &str, complete_sql: &str, run: u
         .complete(warm, lease.token, &response(), Duration::from_secs(3600))
         .await
         .expect("complete");
-    let Ok(Claim::Existing { .. }) = store.claim(&claim_request(warm)).await else {
+    let Ok(Claim::Completed { .. }) = store.claim(&claim_request(warm)).await else {
         panic!("replay")
     };
     let mut tokens = Vec::new();
@@ -169,7 +169,7 @@ async fn count_statements(url: &str, claim_sql: &str, complete_sql: &str, run: u
     let complete = per_op(before);
     let before = proxy.statements();
     for key in keys {
-        let Ok(Claim::Existing { .. }) = store.claim(&claim_request(key)).await else {
+        let Ok(Claim::Completed { .. }) = store.claim(&claim_request(key)).await else {
             panic!("replay")
         };
     }

@@ -676,6 +676,9 @@ async fn s4_held_pg_claim_and_complete_batches_cross_on_the_same_keys() {
                             assert_eq!(record.key, key);
                             assert_eq!(record.lease_token, token, "{key:?}");
                         }
+                        Ok(Claim::Completed { response, .. }) => {
+                            assert_eq!(*response, answer(&key), "{key:?}: its own answer");
+                        }
                         Err(StoreError::Busy) => {}
                         other => panic!("{key:?}: a retry got {other:?}"),
                     }

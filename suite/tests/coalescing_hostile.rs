@@ -180,9 +180,9 @@ async fn s21_a_lease_that_runs_out_under_waiters_has_one_taker() {
                                     store.wait_for_change(&key, &seen, round, within).await;
                                     round += 1;
                                 }
-                                RecordStatus::Completed => return ("replayed", started.elapsed()),
                                 other => panic!("{other:?}"),
                             },
+                            Claim::Completed { .. } => return ("replayed", started.elapsed()),
                         }
                     }
                 })

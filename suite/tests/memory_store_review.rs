@@ -146,12 +146,8 @@ async fn very_long_and_empty_keys_are_kept_and_weighed() {
     let prefix = ScopedKey::new("s".repeat(1 << 20), "k".repeat((1 << 20) - 1));
     assert!(store.lookup(&prefix).await.expect("lookup").is_none());
     match store.claim(&req(&long, 1000, 1000)).await {
-        Ok(Claim::Existing { record, .. }) => {
-            assert_eq!(record.status, RecordStatus::Completed);
-            assert_eq!(
-                record.response.expect("r").body.as_deref(),
-                Some(&b"long"[..])
-            );
+        Ok(Claim::Completed { response, .. }) => {
+            assert_eq!(response.body.as_deref(), Some(&b"long"[..]));
         }
         other => panic!("a replay: {other:?}"),
     }
@@ -1152,7 +1148,7 @@ fn concurrent_claims_acquire_each_key_once_and_counts_end_exact() {
                             won[i].fetch_add(1, Ordering::SeqCst);
                             tokens.lock().unwrap().insert(i, lease.token);
                         }
-                        Ok(Claim::Existing { .. }) => {}
+                        Ok(Claim::Existing { .. } | Claim::Completed { .. }) => {}
                         Err(e) => panic!("claim: {e}"),
                     }
                 }
@@ -1424,9 +1420,7 @@ fn a_purge_racing_a_claim_of_the_same_expired_key() {
                 // Fill the shard's due index with others expiring at the same time.
                 let tok = match store.claim(&req(&key, 16, 16)).await.expect("claim") {
                     Claim::Acquired(lease) => lease.token,
-                    Claim::Existing { record, .. } => {
-                        panic!("round {round}: the key was left live: {record:?}")
-                    }
+                    other => panic!("round {round}: the key was left live: {other:?}"),
                 };
                 store
                     .complete(&key, tok, &response(b"ok"), ms(16))
@@ -1451,9 +1445,7 @@ fn a_purge_racing_a_claim_of_the_same_expired_key() {
                 purge.await.expect("purge");
                 let lease = match claim.await.expect("claim") {
                     Claim::Acquired(lease) => lease,
-                    Claim::Existing { record, .. } => {
-                        panic!("round {round}: an expired record was served: {record:?}")
-                    }
+                    other => panic!("round {round}: an expired record was served: {other:?}"),
                 };
                 assert_eq!(lease.attempt, 1);
                 let r = record(&store, &key).await;

@@ -203,9 +203,9 @@ async fn moved_records_of_every_kind_stay_findable_writable_and_purgeable() {
             .await
             .expect("complete a moved record with its token");
         let key = k("done", i);
-        let r = existing(&store, &req(&key, 1000, 10_000)).await;
+        let r = replayed(&store, &req(&key, 1000, 10_000)).await;
         assert_eq!(
-            r.response.and_then(|r| r.body),
+            r.body,
             Some(Bytes::from(format!("done-{i}"))),
             "a moved record replays its own response"
         );
@@ -306,11 +306,8 @@ fn holders_racing_compacting_purges_never_lose_their_records() {
                             .await
                             .unwrap_or_else(|e| panic!("{key:?} complete: {e:?}"));
                         tokio::task::yield_now().await;
-                        let r = existing(&store, &req(&key, 10 * HOUR, 10 * HOUR)).await;
-                        assert_eq!(
-                            r.response.and_then(|r| r.body),
-                            Some(Bytes::from(format!("{w}-{round}-{i}")))
-                        );
+                        let r = replayed(&store, &req(&key, 10 * HOUR, 10 * HOUR)).await;
+                        assert_eq!(r.body, Some(Bytes::from(format!("{w}-{round}-{i}"))));
                         if i % 2 == 0 {
                             assert!(store.remove(&key).await.expect("remove"), "{key:?} removed");
                             assert!(store.lookup(&key).await.expect("lookup").is_none());
@@ -877,7 +874,7 @@ async fn claims_of_other_keys_alone_purge_expired_and_abandoned_records() {
     clock.advance(100);
     for round in 0..80 {
         for key in &live {
-            existing(&store, &req(key, 1000, HOUR)).await;
+            replayed(&store, &req(key, 1000, HOUR)).await;
         }
         if round % 20 == 19 {
             clock.advance(16);
@@ -975,7 +972,7 @@ async fn claims_never_purge_a_record_that_has_not_expired() {
     for round in 0..60 {
         clock.advance(20);
         for key in &others {
-            existing(&store, &req(key, 1000, 10 * HOUR)).await;
+            replayed(&store, &req(key, 1000, 10 * HOUR)).await;
         }
         if round % 10 == 0 {
             store.purge_expired().await.expect("purge");

@@ -46,7 +46,7 @@ fn response(body: &str) -> StoredResponse {
 async fn acquire<S: IdempotencyStore>(store: &S, r: &ClaimRequest) -> FencingToken {
     match store.claim(r).await.expect("claim") {
         Claim::Acquired(lease) => lease.token,
-        Claim::Existing { record, .. } => panic!("expected a fresh key, got {:?}", record.status),
+        other => panic!("expected a fresh key, got {other:?}"),
     }
 }
 
@@ -335,7 +335,7 @@ async fn s21_odd_keys_round_trip_through_every_operation() {
                     assert_eq!(record.status, RecordStatus::NeedsReconciliation);
                     assert_eq!(record.key, *k);
                 }
-                Claim::Acquired(_) => panic!("{cluster}: a second claim of {:?} won", k.key()),
+                other => panic!("{cluster}: a second claim of {:?}: {other:?}", k.key()),
             }
         }
         // Paged one at a time both ways: exactly our keys (plus none of theirs).
@@ -442,7 +442,7 @@ async fn s21_extreme_durations() {
     // TTL expiry of a completed record: the next claim is a fresh attempt 1.
     match store.claim(&req(&s, LONG, LONG)).await.expect("claim") {
         Claim::Acquired(lease) => assert_eq!(lease.attempt, 1),
-        Claim::Existing { record, .. } => panic!("{:?}", record.status),
+        other => panic!("{other:?}"),
     }
 }
 

@@ -4,10 +4,12 @@
 use std::hash::{BuildHasher, Hasher};
 use std::time::{Duration, SystemTime};
 
+use bytes::Bytes;
+
 use super::super::history::HISTORY_REFUSALS;
 use super::super::{
-    ClaimRequest, FencingToken, Fingerprint, HistoryEntry, HistoryEvent, LeaseExpiry, Record,
-    RecordStatus, ScopedKey, StoreError, StoredResponse,
+    Claim, ClaimRequest, FencingToken, Fingerprint, HistoryEntry, HistoryEvent, LeaseExpiry,
+    Record, RecordStatus, ScopedKey, StoreError, StoredResponse,
 };
 
 /// The holder marked its effect started.
@@ -300,15 +302,29 @@ impl Entry {
         self.extra.get_or_insert_default().resolution_note = Some(note.into());
     }
 
-    /// The record as a claim reports it: without its history unless it is in flight (see
-    /// [`Claim::Existing`](super::super::Claim::Existing)), so a replay allocates and copies
-    /// none.
-    pub(super) fn to_claimed(&self, key: &ScopedKey) -> Result<Record, StoreError> {
+    /// What a claim that found this record answers: a completed record's fingerprint and
+    /// response (decoded from one copy of its bytes, which the headers and body share), or
+    /// the record without its history unless it is in flight (see
+    /// [`Claim::Existing`](super::super::Claim::Existing)).
+    pub(super) fn to_claim(&self, key: &ScopedKey, now: u64) -> Result<Claim, StoreError> {
+        if self.status == RecordStatus::Completed
+            && let Some(bytes) = self.response()
+        {
+            let response = StoredResponse::from_shared(&Bytes::copy_from_slice(bytes))
+                .map_err(StoreError::unavailable)?;
+            return Ok(Claim::Completed {
+                fingerprint: self.fingerprint,
+                response: Box::new(response),
+            });
+        }
         let in_flight = matches!(
             self.status,
             RecordStatus::InProgress | RecordStatus::Released
         );
-        self.record(key, in_flight)
+        Ok(Claim::Existing {
+            record: Box::new(self.record(key, in_flight)?),
+            now: time(now),
+        })
     }
 
     /// The whole record; `key` is its key (the caller looked it up by it).

@@ -501,10 +501,7 @@ impl MemoryStore {
             }
         };
         if !takeover {
-            return r.to_claimed(&req.key).map(|record| Claim::Existing {
-                record: Box::new(record),
-                now: time(now),
-            });
+            return r.to_claim(&req.key, now);
         }
         let token = self.token();
         let before = r.weight();
@@ -944,8 +941,8 @@ mod unit {
         const { assert!(MemoryStore::DEFAULT_MAX_BYTES <= 1 << 30) };
     }
 
-    /// A claim that finds a completed record reports it without its history (a replay pays
-    /// for none); one that finds a holder in flight keeps it (the `Retry-After` reads its
+    /// A claim that finds a completed record reports only its fingerprint and response (a
+    /// replay pays for no history); one that finds a holder in flight keeps it (the `Retry-After` reads its
     /// claim); `lookup` always has it.
     #[tokio::test]
     async fn claims_report_history_only_for_records_in_flight() {
@@ -975,9 +972,15 @@ mod unit {
             .complete(&done.key, lease.token, &response, done.ttl)
             .await
             .expect("complete");
-        let replayed = existing(store.claim(&done).await);
-        assert!(replayed.history.is_empty());
-        assert_eq!(replayed.response, Some(response));
+        let Ok(Claim::Completed {
+            fingerprint,
+            response: replayed,
+        }) = store.claim(&done).await
+        else {
+            panic!("a completed record is claimed as Completed");
+        };
+        assert_eq!(fingerprint, done.fingerprint);
+        assert_eq!(*replayed, response);
         let whole = store
             .lookup(&done.key)
             .await

@@ -111,10 +111,19 @@ pub async fn acquire(store: &MemoryStore, request: &ClaimRequest) -> FencingToke
     }
 }
 
+/// The record a claim of a key that is not completed reports.
 pub async fn existing(store: &MemoryStore, request: &ClaimRequest) -> Record {
     match store.claim(request).await {
         Ok(Claim::Existing { record, .. }) => *record,
         other => panic!("expected {:?} existing, got {other:?}", request.key),
+    }
+}
+
+/// The response a claim of a completed key replays.
+pub async fn replayed(store: &MemoryStore, request: &ClaimRequest) -> StoredResponse {
+    match store.claim(request).await {
+        Ok(Claim::Completed { response, .. }) => *response,
+        other => panic!("expected {:?} completed, got {other:?}", request.key),
     }
 }
 
