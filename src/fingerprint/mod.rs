@@ -235,11 +235,13 @@ const SCRATCH_KEEP: usize = 64 * 1024;
 /// are only those that provably change nothing: `boundary` of a multipart body (its parts are
 /// what counts) and `charset=utf-8` of JSON (JSON is UTF-8 by definition). `text/plain;
 /// charset=latin1` and `text/plain` are different requests.
-pub(crate) fn media_with_parameters(content_type: &str) -> std::borrow::Cow<'_, str> {
-    let media = media_type(content_type);
+pub(crate) fn media_with_parameters<'a>(
+    content_type: &'a str,
+    media: &std::borrow::Cow<'a, str>,
+) -> std::borrow::Cow<'a, str> {
     // Most requests: no parameters, nothing to allocate.
     if !content_type.contains(';') {
-        return media;
+        return media.clone();
     }
     let mut parameters: Vec<(String, String)> = split_outside_quotes(content_type.as_bytes(), b';')
         .into_iter()
@@ -261,11 +263,11 @@ pub(crate) fn media_with_parameters(content_type: &str) -> std::borrow::Cow<'_, 
         })
         .collect();
     if parameters.is_empty() {
-        return media;
+        return media.clone();
     }
     // By name only, and stable: a repeated parameter keeps its order, which may be data.
     parameters.sort_by(|a, b| a.0.cmp(&b.0));
-    let mut out = media.into_owned();
+    let mut out = media.clone().into_owned();
     for (name, value) in parameters {
         // Length-framed, so no value can imitate another parameter.
         out.push_str(&format!(";{}:{name}={}:{value}", name.len(), value.len()));
@@ -318,7 +320,12 @@ fn unquote(quoted: &str) -> String {
 
 /// The media type of a `Content-Type` value: lower-cased, parameters dropped.
 pub(crate) fn media_type(content_type: &str) -> std::borrow::Cow<'_, str> {
-    let media = content_type.split(';').next().unwrap_or_default().trim();
+    // `;` is ASCII, so the cut is at a character boundary.
+    let end = content_type
+        .bytes()
+        .position(|b| b == b';')
+        .unwrap_or(content_type.len());
+    let media = content_type[..end].trim();
     if media.bytes().any(|b| b.is_ascii_uppercase()) {
         media.to_ascii_lowercase().into()
     } else {
@@ -349,18 +356,18 @@ pub(crate) fn fingerprint_fields(
     let mut h = Sha256::new();
     put_field(&mut h, b"tower-idempotency/fingerprint/v1");
     put_field(&mut h, parts.method.as_str().as_bytes());
-    let content_type = head_into(&mut h, parts, options)?;
-    let media = media_type(content_type);
+    let (content_type, media) = head_into(&mut h, parts, options)?;
     body_into(&mut h, &media, content_type, body, options, fields)?;
     Ok(Fingerprint(h.finalize().into()))
 }
 
-/// Path, query, media type and fingerprint headers; hands back `Content-Type`.
+/// Path, query, media type and fingerprint headers; hands back `Content-Type` and its media
+/// type.
 fn head_into<'p>(
     h: &mut Sha256,
     parts: &'p Parts,
     options: &FingerprintOptions,
-) -> Result<&'p str, MalformedBody> {
+) -> Result<(&'p str, std::borrow::Cow<'p, str>), MalformedBody> {
     // The path the client sent: a `nest` prefix axum stripped still counts.
     let uri = crate::uri::sent(&parts.extensions, &parts.uri);
     put_field(h, uri.path().as_bytes());
@@ -371,7 +378,8 @@ fn head_into<'p>(
             .map_err(|_| MalformedBody::new("Content-Type is not visible ASCII"))?,
         None => "",
     };
-    put_field(h, media_with_parameters(content_type).as_bytes());
+    let media = media_type(content_type);
+    put_field(h, media_with_parameters(content_type, &media).as_bytes());
     for name in &options.headers {
         // As an HTTP field value (RFC 9110 §5.3, §5.6.1): lines joined by commas, each list
         // element without the whitespace around it, empty elements ignored. One line `a, b`
@@ -382,7 +390,7 @@ fn head_into<'p>(
             put_field(h, element);
         }
     }
-    Ok(content_type)
+    Ok((content_type, media))
 }
 
 fn body_into(
