@@ -4,8 +4,8 @@
 //! Each guarded route keeps the durations of its last [`SAMPLES`] executions (from the
 //! handler's start to its whole answer: a streamed answer's end, a failure, or the moment an
 //! execution was abandoned, which counts as at least that long) and their 99th percentile,
-//! recomputed every [`EVERY`] executions (a copy and a selection over the samples, on the
-//! execution's task). Writing a sample is two atomic operations; the percentile is read from
+//! recomputed every [`EVERY`] executions (one pass over the samples, on the execution's
+//! task). Writing a sample is two atomic operations; the percentile is read from
 //! one. A `409 in-flight` answer's `Retry-After` is the time the holder has left by that
 //! percentile (rather than the whole lease), and [`ProcessingWindow`] publishes it, with the
 //! route's TTL, for tool descriptions and clients: in process
@@ -67,19 +67,9 @@ impl Window {
     }
 
     fn recompute(&self) {
-        let mut taken: Vec<u32> = self
-            .samples
-            .iter()
-            .map(|s| s.load(Ordering::Relaxed))
-            .filter(|&ms| ms > 0)
-            .collect();
-        if taken.is_empty() {
-            return;
+        if let Some(p99) = p99_of(self.samples.iter().map(|s| s.load(Ordering::Relaxed))) {
+            self.p99_ms.store(u64::from(p99 - 1), Ordering::Relaxed);
         }
-        // The nearest rank: with fewer than 100 samples, the largest.
-        let rank = (taken.len() * 99).div_ceil(100).max(1) - 1;
-        let (_, p99, _) = taken.select_nth_unstable(rank);
-        self.p99_ms.store(u64::from(*p99 - 1), Ordering::Relaxed);
     }
 
     /// The 99th percentile of the recent executions, once there is one.
@@ -199,6 +189,30 @@ impl ProcessingWindow {
     }
 }
 
+/// The 99th percentile (nearest rank: with fewer than 100 samples, the largest) of the written
+/// slots (non-zero) among at most [`SAMPLES`]. Below 400 samples that is one of the four
+/// largest, so one pass keeping those replaces a copy and a selection: it runs on the
+/// execution's task every [`EVERY`] executions.
+fn p99_of(slots: impl Iterator<Item = u32>) -> Option<u32> {
+    const { assert!(SAMPLES < 400) };
+    // The four largest, largest first.
+    let (mut n, mut top) = (0usize, [0u32; 4]);
+    for ms in slots.filter(|&ms| ms > 0) {
+        n += 1;
+        if ms > top[3] {
+            let mut i = 3;
+            while i > 0 && top[i - 1] < ms {
+                top[i] = top[i - 1];
+                i -= 1;
+            }
+            top[i] = ms;
+        }
+    }
+    // Its index in ascending order, then from the top.
+    let rank = (n * 99).div_ceil(100).checked_sub(1)?;
+    top.get(n - 1 - rank).copied()
+}
+
 /// Whole milliseconds, rounded up: never shorter than the duration.
 fn ceil_ms(d: Duration) -> u64 {
     u64::try_from(d.as_micros().div_ceil(1000)).unwrap_or(u64::MAX)
@@ -241,6 +255,30 @@ mod tests {
         }
         assert_eq!(window.p99(), Some(Duration::from_millis(400)));
         assert_eq!(window.executions(), (1 + 98 + 1 + EVERY + SAMPLES) as u64);
+    }
+
+    /// The one-pass percentile is the nearest-rank percentile of a sorted copy, for every
+    /// count of samples up to the window's and any values (repeats, outliers, unwritten slots).
+    #[test]
+    fn the_one_pass_percentile_is_the_sorted_ones() {
+        use proptest::prelude::*;
+        let sorted = |slots: &[u32]| {
+            let mut taken: Vec<u32> = slots.iter().copied().filter(|&ms| ms > 0).collect();
+            taken.sort_unstable();
+            let rank = (taken.len() * 99).div_ceil(100).checked_sub(1)?;
+            taken.get(rank).copied()
+        };
+        proptest!(|(slots in proptest::collection::vec(
+            prop_oneof![Just(0u32), 1u32..4, 1u32..u32::MAX],
+            0..=SAMPLES,
+        ))| {
+            prop_assert_eq!(p99_of(slots.iter().copied()), sorted(&slots));
+        });
+        for n in 0..=SAMPLES {
+            // Distinct values in descending order: the worst order for the kept four.
+            let slots: Vec<u32> = (1..=n as u32).rev().collect();
+            assert_eq!(p99_of(slots.iter().copied()), sorted(&slots), "{n} samples");
+        }
     }
 
     #[test]
