@@ -257,7 +257,7 @@ pub(crate) fn media_with_parameters<'a>(
                 None => value.to_owned(),
             };
             let redundant = (name == "boundary" && media == "multipart/form-data")
-                || (name == "charset" && is_json(&media) && value.eq_ignore_ascii_case("utf-8"))
+                || (name == "charset" && is_json(media) && value.eq_ignore_ascii_case("utf-8"))
                 || name.is_empty();
             (!redundant).then_some((name, value))
         })

@@ -199,7 +199,10 @@ fn main() {
                 panic!("BENCH_ONLY: no scenario {only:?}");
             };
             let cost = per_request(scenario.router, scenario.key).await;
-            println!("{only}: {:.2} µs/request", cost.micros);
+            println!(
+                "{only}: {:.2} µs/request, {:.1} allocations/request",
+                cost.micros, cost.allocations
+            );
             return;
         }
         let mut costs = Vec::new();
