@@ -9,6 +9,7 @@
 //! record the store refuses is retried in the background, under the same lease, until it lands.
 
 use std::any::Any;
+use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
@@ -105,139 +106,154 @@ impl<St: IdempotencyStore> Execution<St> {
     }
 
     /// Reads the handler's answer and records it (steps 8–9).
-    async fn finish<ResBody, E>(
+    ///
+    /// An `async` block rather than an `async fn`: a coroutine keeps its arguments for its
+    /// whole life and an `async fn` copies them into locals besides, which the future's every
+    /// state would carry.
+    #[expect(
+        clippy::manual_async_fn,
+        reason = "an async fn's future keeps its arguments twice (see above)"
+    )]
+    fn finish<ResBody, E>(
         self,
         answered: Result<Result<Response<ResBody>, E>, Box<dyn Any + Send>>,
         hold: Hold<St>,
         timing: Timing,
-    ) -> Result<Response<ResponseBody<ResBody>>, E>
+    ) -> impl Future<Output = Result<Response<ResponseBody<ResBody>>, E>>
     where
         ResBody: Body<Data = Bytes> + Send + 'static,
         ResBody::Error: Into<BoxError>,
     {
-        let res = match answered {
-            Err(_panic) => {
-                tracing::error!("the idempotent handler panicked; releasing the key");
-                let state = self.release().await;
-                return Ok(failed(
-                    "the handler panicked; nothing was recorded",
-                    state,
-                    &self.dialect,
-                ));
-            }
-            Ok(Err(service_error)) => {
-                // No response exists to record, whatever the policy: give the key back.
-                self.release().await;
-                return Err(service_error);
-            }
-            Ok(Ok(res)) => res,
-        };
-        let limit = self.route.response_limit;
-        // JSON-RPC event streams go to the client as they arrive (progress notifications).
-        let status = res.status();
-        let captured = CatchUnwind {
-            inner: capture(res, limit, self.dialect.watches()),
-        }
-        .await
-        .unwrap_or_else(|_panic| {
-            // A panic while the body is produced: the handler had answered all the same.
-            let mut head = Response::new(());
-            *head.status_mut() = status;
-            Captured::Broken {
-                parts: head.into_parts().0,
-                error: "the response body panicked".into(),
-            }
-        });
-        // The route's processing window: from the handler's start to its answer read whole
-        // (here), or, for one that goes on streaming, to the stream's end (`timing` goes with
-        // it).
-        match captured {
-            Captured::Broken { parts, error } => {
-                drop(timing);
-                // The handler answered: its effect is taken as done (DESIGN §3). Only a head
-                // the policy would not record (a 5xx under DefinitiveOnly) gives the key back.
-                tracing::warn!(%error, "the response body failed after the handler answered");
-                let state = self.record_lost(&parts).await;
-                let detail = if state == RecordStatus::Completed.as_str() {
-                    "the handler answered but its response body failed; the operation is taken \
-                     as done and will not run again, and its response is not available"
-                } else {
-                    "the handler answered with a failure and its response body failed; nothing \
-                     was recorded"
-                };
-                Ok(failed(detail, state, &self.dialect))
-            }
-            Captured::Complete {
-                mut parts,
-                body,
-                trailers,
-                fits,
-            } => {
-                drop(timing);
-                // Over the limit with its head and trailers: recorded without them, by its
-                // final status, as any response too large to keep.
-                let body = match fits {
-                    true => self.record(&mut parts, Some(body), trailers.as_ref()).await,
-                    false => {
-                        self.record_without_body(&parts, trailers.as_ref(), false)
-                            .await;
-                        Some(body)
+        async move {
+            // A block, so the response read is not kept in this future's later states.
+            let captured = {
+                let res = match answered {
+                    Err(_panic) => {
+                        tracing::error!("the idempotent handler panicked; releasing the key");
+                        let state = self.release().await;
+                        return Ok(failed(
+                            "the handler panicked; nothing was recorded",
+                            state,
+                            &self.dialect,
+                        ));
                     }
-                }
-                .unwrap_or_default();
-                let how = Presentation {
-                    replayed: false,
-                    mark: self.route.mark_first_response,
-                    envelope: self.dialect.envelopes(self.route.envelope),
+                    Ok(Err(service_error)) => {
+                        // No response exists to record, whatever the policy: give the key back.
+                        self.release().await;
+                        return Err(service_error);
+                    }
+                    Ok(Ok(res)) => res,
                 };
-                Ok(present(parts.status, parts.headers, body, trailers, how))
-            }
-            Captured::Streaming {
-                parts,
-                body,
-                watched: id,
-            } => {
-                let (tx, rx) = tokio::sync::mpsc::channel(16);
-                let head = head_of(&parts);
-                // The stream's own task keeps the lease until it is recorded.
-                tokio::spawn(self.tee(id, head, body, tx, hold, timing).in_current_span());
-                Ok(Response::from_parts(parts, ResponseBody::channel(rx)))
-            }
-            Captured::TooLarge {
-                mut parts,
-                prefix,
-                rest,
-            } if self.dialect.outcome_in_trailers() => {
-                // Too large to keep, and how it ended is only told at its end: forwarded as it
-                // comes, recorded (without its response) by its final status, before that
-                // status reaches the client.
-                if self.route.mark_first_response {
-                    parts.headers.insert(
-                        crate::replay::IDEMPOTENCY_REPLAYED.clone(),
-                        http::HeaderValue::from_static("false"),
+                let limit = self.route.response_limit;
+                // JSON-RPC event streams go to the client as they arrive (progress
+                // notifications).
+                let status = res.status();
+                CatchUnwind {
+                    inner: capture(res, limit, self.dialect.watches()),
+                }
+                .await
+                .unwrap_or_else(|_panic| {
+                    // A panic while the body is produced: the handler had answered all the same.
+                    let mut head = Response::new(());
+                    *head.status_mut() = status;
+                    Captured::Broken {
+                        parts: head.into_parts().0,
+                        error: "the response body panicked".into(),
+                    }
+                })
+            };
+            // The route's processing window: from the handler's start to its answer read whole
+            // (here), or, for one that goes on streaming, to the stream's end (`timing` goes with
+            // it).
+            match captured {
+                Captured::Broken { parts, error } => {
+                    drop(timing);
+                    // The handler answered: its effect is taken as done (DESIGN §3). Only a head
+                    // the policy would not record (a 5xx under DefinitiveOnly) gives the key back.
+                    tracing::warn!(%error, "the response body failed after the handler answered");
+                    // Rare paths are boxed, so the common one's future stays small.
+                    let state = Box::pin(self.record_lost(&parts)).await;
+                    let detail = if state == RecordStatus::Completed.as_str() {
+                        "the handler answered but its response body failed; the operation is taken \
+                         as done and will not run again, and its response is not available"
+                    } else {
+                        "the handler answered with a failure and its response body failed; nothing \
+                         was recorded"
+                    };
+                    Ok(failed(detail, state, &self.dialect))
+                }
+                Captured::Complete {
+                    mut parts,
+                    body,
+                    trailers,
+                    fits,
+                } => {
+                    drop(timing);
+                    // Over the limit with its head and trailers: recorded without them, by its
+                    // final status, as any response too large to keep.
+                    let body = match fits {
+                        true => self.record(&mut parts, Some(body), trailers.as_ref()).await,
+                        false => {
+                            Box::pin(self.record_without_body(&parts, trailers.as_ref(), false))
+                                .await;
+                            Some(body)
+                        }
+                    }
+                    .unwrap_or_default();
+                    let how = Presentation {
+                        replayed: false,
+                        mark: self.route.mark_first_response,
+                        envelope: self.dialect.envelopes(self.route.envelope),
+                    };
+                    Ok(present(parts.status, parts.headers, body, trailers, how))
+                }
+                Captured::Streaming {
+                    parts,
+                    body,
+                    watched: id,
+                } => {
+                    let (tx, rx) = tokio::sync::mpsc::channel(16);
+                    let head = head_of(&parts);
+                    // The stream's own task keeps the lease until it is recorded.
+                    tokio::spawn(self.tee(id, head, body, tx, hold, timing).in_current_span());
+                    Ok(Response::from_parts(parts, ResponseBody::channel(rx)))
+                }
+                Captured::TooLarge {
+                    mut parts,
+                    prefix,
+                    rest,
+                } if self.dialect.outcome_in_trailers() => {
+                    // Too large to keep, and how it ended is only told at its end: forwarded as it
+                    // comes, recorded (without its response) by its final status, before that
+                    // status reaches the client.
+                    if self.route.mark_first_response {
+                        parts.headers.insert(
+                            crate::replay::IDEMPOTENCY_REPLAYED.clone(),
+                            http::HeaderValue::from_static("false"),
+                        );
+                    }
+                    let (tx, rx) = tokio::sync::mpsc::channel(16);
+                    let head = head_of(&parts);
+                    tokio::spawn(
+                        self.tail(head, prefix, rest, tx, hold, timing)
+                            .in_current_span(),
                     );
+                    Ok(Response::from_parts(parts, ResponseBody::channel(rx)))
                 }
-                let (tx, rx) = tokio::sync::mpsc::channel(16);
-                let head = head_of(&parts);
-                tokio::spawn(
-                    self.tail(head, prefix, rest, tx, hold, timing)
-                        .in_current_span(),
-                );
-                Ok(Response::from_parts(parts, ResponseBody::channel(rx)))
-            }
-            Captured::TooLarge {
-                mut parts,
-                prefix,
-                rest,
-            } => {
-                // Recorded without a body: the key stays consumed, never a second run.
-                self.record(&mut parts, None, None).await;
-                let how = Presentation {
-                    replayed: false,
-                    mark: self.route.mark_first_response,
-                    envelope: self.dialect.envelopes(self.route.envelope),
-                };
-                Ok(present_streaming(parts, prefix, rest, how, timing))
+                Captured::TooLarge {
+                    mut parts,
+                    prefix,
+                    rest,
+                } => {
+                    // Recorded without a body: the key stays consumed, never a second run.
+                    Box::pin(self.record(&mut parts, None, None)).await;
+                    let how = Presentation {
+                        replayed: false,
+                        mark: self.route.mark_first_response,
+                        envelope: self.dialect.envelopes(self.route.envelope),
+                    };
+                    Ok(present_streaming(parts, prefix, rest, how, timing))
+                }
             }
         }
     }
@@ -511,23 +527,23 @@ impl<St: IdempotencyStore> Execution<St> {
         match self.dialect.recording(&parts.headers, body.as_ref()) {
             Recording::AsIs => {}
             Recording::Web(Some((messages, trailers))) => {
-                // Kept in its gRPC form; the client still gets the answer as it was sent.
-                self.record_copied(parts, Some(messages), trailers.as_ref(), false)
-                    .await;
+                // Kept in its gRPC form; the client still gets the answer as it was sent. The
+                // rare paths are boxed, so the common one's future stays small.
+                Box::pin(self.record_copied(parts, Some(messages), trailers.as_ref(), false)).await;
                 return body;
             }
             Recording::Opaque => {
-                self.record_opaque(parts, body.clone()).await;
+                Box::pin(self.record_opaque(parts, body.clone())).await;
                 return body;
             }
             Recording::Web(None) => {
                 // Not gRPC-Web: its status cannot be read, so it is UNKNOWN.
                 tracing::warn!("a gRPC-Web answer is not well formed; recorded as UNKNOWN");
-                self.record_without_body(parts, None, false).await;
+                Box::pin(self.record_without_body(parts, None, false)).await;
                 return body;
             }
             Recording::Call(message) => {
-                self.record_call(parts, message, trailers).await;
+                Box::pin(self.record_call(parts, message, trailers)).await;
                 return body;
             }
             Recording::Interim => {
@@ -535,36 +551,40 @@ impl<St: IdempotencyStore> Execution<St> {
                 return body;
             }
         }
-        // What of the trailers may be kept: the same deny list as the headers (credentials,
-        // per-call ids and trace context never reach a retry nor the store). A gRPC answer
-        // that never said how the call ended is UNKNOWN, not a success.
-        let trailers = self.dialect.stored_trailers(
-            &parts.headers,
-            trailers,
-            &self.config.denied_headers,
-            body.is_some(),
-        );
-        let outcome = Outcome {
-            status: parts.status,
-            headers: &parts.headers,
-            trailers: trailers.as_ref(),
-            jsonrpc: None,
-        };
-        if !self.route.cache_policy.records(&outcome) {
-            self.release().await;
-            return body;
-        }
-        // The live headers are lent to the record, not copied; the ones never recorded step
-        // aside meanwhile.
-        let mut headers = std::mem::take(&mut parts.headers);
-        // A whole body's length is recomputed by the server, as for replays; a body too large
-        // to keep streams on with the length its handler gave.
-        let withheld = withhold(&mut headers, &self.config.denied_headers, body.is_some());
-        let stored = StoredResponse {
-            status: parts.status,
-            headers,
-            body,
-            trailers,
+        // A block, so that only the record waits on the store, not the parts it was made of.
+        let (stored, withheld) = {
+            // What of the trailers may be kept: the same deny list as the headers (credentials,
+            // per-call ids and trace context never reach a retry nor the store). A gRPC answer
+            // that never said how the call ended is UNKNOWN, not a success.
+            let trailers = self.dialect.stored_trailers(
+                &parts.headers,
+                trailers,
+                &self.config.denied_headers,
+                body.is_some(),
+            );
+            let records = self.route.cache_policy.records(&Outcome {
+                status: parts.status,
+                headers: &parts.headers,
+                trailers: trailers.as_ref(),
+                jsonrpc: None,
+            });
+            if !records {
+                self.release().await;
+                return body;
+            }
+            // The live headers are lent to the record, not copied; the ones never recorded
+            // step aside meanwhile.
+            let mut headers = std::mem::take(&mut parts.headers);
+            // A whole body's length is recomputed by the server, as for replays; a body too
+            // large to keep streams on with the length its handler gave.
+            let withheld = withhold(&mut headers, &self.config.denied_headers, body.is_some());
+            let stored = StoredResponse {
+                status: parts.status,
+                headers,
+                body,
+                trailers,
+            };
+            (stored, withheld)
         };
         self.complete(&stored).await;
         parts.headers = stored.headers;
