@@ -962,6 +962,30 @@ mod tests {
         }
     }
 
+    /// Every pair of adjacent bytes at every position of a word pair (borrows run from a byte
+    /// into the next, and across the two words): the scans agree with a byte-at-a-time one.
+    #[test]
+    fn special_agrees_with_a_plain_scan_on_every_pair_of_bytes() {
+        let plain = |v: &[u8]| v.iter().position(|&b| b == b'"' || b == b'\\' || b < 0x20);
+        let or_high = |v: &[u8]| {
+            v.iter()
+                .position(|&b| b == b'"' || b == b'\\' || !(0x20..0x80).contains(&b))
+        };
+        let mut v = [b'a'; 17];
+        for at in 0..16 {
+            for first in 0..=255u8 {
+                for second in 0..=255u8 {
+                    v[at] = first;
+                    v[at + 1] = second;
+                    assert_eq!(special(&v), plain(&v), "{v:?}");
+                    assert_eq!(special_or_non_ascii(&v), or_high(&v), "{v:?}");
+                }
+            }
+            v[at] = b'a';
+            v[at + 1] = b'a';
+        }
+    }
+
     #[test]
     fn special_finds_the_first_quote_backslash_or_control() {
         for (input, want) in [
