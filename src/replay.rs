@@ -57,15 +57,16 @@ pub(crate) fn withhold(
         headers.remove(header::CONTENT_LENGTH);
     }
     let mut withheld = Vec::new();
-    // Hop-by-hop headers a response names in `Connection` are for this hop alone.
-    let named: Vec<HeaderName> = headers
-        .get_all(header::CONNECTION)
-        .iter()
-        .filter_map(|value| value.to_str().ok())
-        .flat_map(|value| value.split(','))
-        .filter_map(|token| HeaderName::from_bytes(token.trim().as_bytes()).ok())
-        .collect();
+    // `Connection` is denied itself, so a response naming hop-by-hop headers in it has one.
     if headers.keys().any(|name| denied.contains(name)) {
+        // Hop-by-hop headers a response names in `Connection` are for this hop alone.
+        let named: Vec<HeaderName> = headers
+            .get_all(header::CONNECTION)
+            .iter()
+            .filter_map(|value| value.to_str().ok())
+            .flat_map(|value| value.split(','))
+            .filter_map(|token| HeaderName::from_bytes(token.trim().as_bytes()).ok())
+            .collect();
         for name in denied.iter().chain(&named) {
             if let header::Entry::Occupied(entry) = headers.entry(name) {
                 let (name, values) = entry.remove_entry_mult();
