@@ -80,8 +80,9 @@ pub(crate) fn decide(
         }
         // A store takes a released record over on claim; seeing one means another request
         // just did, so it is in flight.
+        // Counted as a conflict where it is answered (a request that waits and then replays
+        // was not refused).
         RecordStatus::InProgress | RecordStatus::Released => {
-            observe::count(Event::Conflict);
             let seen = InFlight {
                 token: record.lease_token,
                 lease_until: record.lease_until,
@@ -136,7 +137,6 @@ fn mismatch(covers: &str, status: RecordStatus) -> Decision {
 /// A claim that found the key's record locked by a transaction in flight: answered as in
 /// flight, without waiting for the lock.
 pub(crate) fn busy() -> Decision {
-    observe::count(Event::Conflict);
     Decision::InFlight(
         Problem::new(
             ProblemKind::InFlight,

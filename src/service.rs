@@ -463,6 +463,8 @@ impl<St, M> Pipeline<St, M> {
             Decision::Run(lease) => Next::Run(lease),
             Decision::InFlight(_, seen) if can_wait => Next::Wait(seen),
             Decision::InFlight(problem, _) => {
+                // Once per request refused, however often it waited first.
+                observe::count(Event::Conflict);
                 self.outcome(problem.kind.slug());
                 Next::Answer(dialect.refuse(&problem), note(HistoryEvent::Conflict))
             }
