@@ -425,11 +425,12 @@ impl<St: IdempotencyStore> Execution<St> {
     }
 
     /// Records a response whose body was lost after its head: as completed without a body
-    /// when the policy records it (the head's status; for gRPC, UNKNOWN: the status never
-    /// came), else gives the key back. Where the outcome travels in the lost body (JSON-RPC)
-    /// the head says nothing: taken as done. Returns the key's state.
+    /// when the policy records the status its head carries, else gives the key back. A head
+    /// that carries no outcome (a gRPC head before its messages, whose status was to come in
+    /// the trailers; any JSON-RPC call's) is taken as done: the handler answered, and the
+    /// key is never run again (DESIGN §3). Returns the key's state.
     async fn record_lost(&self, parts: &Parts) -> &'static str {
-        let done = !self.dialect.head_tells_outcome();
+        let done = !self.dialect.head_tells_outcome(&parts.headers);
         self.record_without_body(parts, None, done).await
     }
 

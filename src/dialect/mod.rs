@@ -280,10 +280,16 @@ impl Dialect {
         }
     }
 
-    /// Whether the head of an answer whose body was lost says anything about its outcome: a
-    /// JSON-RPC call's outcome travels in the body, so its head is taken as done.
-    pub(crate) fn head_tells_outcome(&self) -> bool {
-        !matches!(self, Self::JsonRpc(_))
+    /// Whether `head`, the head of an answer whose body was lost, says how it ended: an HTTP
+    /// status does; a gRPC call's status travels in its trailers, so only a trailers-only head
+    /// has one; a JSON-RPC call's outcome travels in the body. A head that says nothing is
+    /// taken as done (DESIGN §3: once a head is returned, the key is never given back).
+    pub(crate) fn head_tells_outcome(&self, head: &HeaderMap) -> bool {
+        match self {
+            Self::Http => true,
+            Self::Grpc | Self::GrpcWeb { .. } => grpc::has_status(head, None),
+            Self::JsonRpc(_) => false,
+        }
     }
 
     /// A replay of `stored` to a retry whose head is `request`, as this dialect answers it:
