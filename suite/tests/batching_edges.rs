@@ -254,8 +254,14 @@ async fn renewals_race_batched_completions<S: IdempotencyStore>(store: S) {
         .route(
             "/charge",
             post(move |body: String| async move {
-                // Several lease lengths: the keeper renews while the handler runs.
-                tokio::time::sleep(Duration::from_millis(700)).await;
+                // Several lease lengths: the keeper renews while the handler runs. A renewal
+                // is due a third into the lease and must land before its end. With a 200 ms
+                // lease that left about 100 ms, which is one bounded lock wait: a renewal
+                // queued behind waiters' claims of the same row, whose commits were slow
+                // while the 3 000-claim test loaded the same server, missed it once in CI, and
+                // a waiter took the key over as from a dead holder. 600 ms leaves 400 ms and
+                // still renews every key at least twice while its handler runs.
+                tokio::time::sleep(Duration::from_millis(1_500)).await;
                 let n = sink.hit();
                 (http::StatusCode::CREATED, format!("effect {n} for {body}"))
             }),
@@ -263,7 +269,7 @@ async fn renewals_race_batched_completions<S: IdempotencyStore>(store: S) {
         .layer(
             IdempotencyLayer::new(store)
                 .single_tenant()
-                .lease(Duration::from_millis(200))
+                .lease(Duration::from_millis(600))
                 .wait_for_in_flight(Duration::from_secs(20)),
         );
     let addr = serve(app).await;
