@@ -5,7 +5,7 @@ use std::time::Duration;
 use crate::fingerprint::Fingerprint;
 use crate::observe::{self, Event};
 use crate::problem::{Problem, ProblemKind};
-use crate::store::{Claim, InFlight, Lease, RecordStatus, StoredResponse};
+use crate::store::{Claim, InFlight, Lease, Record, RecordStatus, StoredResponse};
 
 /// What a request does after its claim.
 #[derive(Debug)]
@@ -37,36 +37,33 @@ pub(crate) fn decide(
         Claim::Completed {
             fingerprint: recorded,
             response,
-        } => {
-            if recorded != *fingerprint {
-                return mismatch(covers, RecordStatus::Completed);
-            }
-            observe::count(Event::Replay);
-            return Decision::Replay(*response);
-        }
-        Claim::Existing { record, now } => (*record, now),
+        } => return completed(&recorded, *response, fingerprint, covers),
+        Claim::Existing { record, now } => match *record {
+            // A store should answer a completed record as `Claim::Completed`; one it reported
+            // whole replays all the same.
+            Record {
+                status: RecordStatus::Completed,
+                response: Some(response),
+                fingerprint: recorded,
+                ..
+            } => return completed(&recorded, response, fingerprint, covers),
+            record => (record, now),
+        },
     };
     let state = record.status.as_str();
     if record.fingerprint != *fingerprint {
         return mismatch(covers, record.status);
     }
     match record.status {
-        // A store should answer a completed record as `Claim::Completed`; one it reported
-        // whole is replayed all the same.
-        RecordStatus::Completed => match record.response {
-            Some(response) => {
-                observe::count(Event::Replay);
-                Decision::Replay(response)
-            }
-            None => Decision::Refuse(
-                Problem::new(
-                    ProblemKind::StoreUnavailable,
-                    "a completed record has no response",
-                )
-                .state(state)
-                .retry_after(1),
-            ),
-        },
+        // Completed without a response (see `Claim::existing`): nothing to replay.
+        RecordStatus::Completed => Decision::Refuse(
+            Problem::new(
+                ProblemKind::StoreUnavailable,
+                "a completed record has no response",
+            )
+            .state(state)
+            .retry_after(1),
+        ),
         RecordStatus::NeedsReconciliation => {
             observe::count(Event::Unknown);
             Decision::Refuse(
@@ -119,6 +116,21 @@ pub(crate) fn decide(
     }
 }
 
+/// A completed record's answer: its response for the request that recorded it, a mismatch
+/// for any other.
+fn completed(
+    recorded: &Fingerprint,
+    response: StoredResponse,
+    fingerprint: &Fingerprint,
+    covers: &str,
+) -> Decision {
+    if recorded != fingerprint {
+        return mismatch(covers, RecordStatus::Completed);
+    }
+    observe::count(Event::Replay);
+    Decision::Replay(response)
+}
+
 /// The key was first used with another request: refused before anything runs.
 fn mismatch(covers: &str, status: RecordStatus) -> Decision {
     observe::count(Event::Mismatch);
@@ -163,7 +175,7 @@ mod tests {
     use http::{HeaderMap, StatusCode};
 
     use super::*;
-    use crate::store::{FencingToken, Record, ScopedKey};
+    use crate::store::{FencingToken, ScopedKey};
 
     fn response() -> StoredResponse {
         StoredResponse {
@@ -235,8 +247,20 @@ mod tests {
             record: Box::new(record(RecordStatus::Completed, Some(response()))),
             now: SystemTime::UNIX_EPOCH,
         };
-        match decide(claim, &Fingerprint::from_bytes([1; 32]), "the body", None) {
+        match decide(
+            claim.clone(),
+            &Fingerprint::from_bytes([1; 32]),
+            "the body",
+            None,
+        ) {
             Decision::Replay(replayed) => assert_eq!(replayed, response()),
+            other => panic!("{other:?}"),
+        }
+        match decide(claim, &Fingerprint::from_bytes([2; 32]), "the body", None) {
+            Decision::Refuse(problem) => {
+                assert_eq!(problem.kind, ProblemKind::FingerprintMismatch);
+                assert_eq!(problem.state, "completed");
+            }
             other => panic!("{other:?}"),
         }
     }
