@@ -234,14 +234,15 @@ const SCRATCH_KEEP: usize = 64 * 1024;
 /// type and parameter names lower-cased, quoted values unquoted, parameters sorted; dropped
 /// are only those that provably change nothing: `boundary` of a multipart body (its parts are
 /// what counts) and `charset=utf-8` of JSON (JSON is UTF-8 by definition). `text/plain;
-/// charset=latin1` and `text/plain` are different requests.
-pub(crate) fn media_with_parameters<'a>(
-    content_type: &'a str,
-    media: &std::borrow::Cow<'a, str>,
-) -> std::borrow::Cow<'a, str> {
+/// charset=latin1` and `text/plain` are different requests. `media` is the value's
+/// [`media_type`], read once by the caller, which the body's fingerprint uses too.
+pub(crate) fn media_with_parameters<'m>(
+    content_type: &str,
+    media: &'m str,
+) -> std::borrow::Cow<'m, str> {
     // Most requests: no parameters, nothing to allocate.
     if !content_type.contains(';') {
-        return media.clone();
+        return media.into();
     }
     let mut parameters: Vec<(String, String)> = split_outside_quotes(content_type.as_bytes(), b';')
         .into_iter()
@@ -263,11 +264,11 @@ pub(crate) fn media_with_parameters<'a>(
         })
         .collect();
     if parameters.is_empty() {
-        return media.clone();
+        return media.into();
     }
     // By name only, and stable: a repeated parameter keeps its order, which may be data.
     parameters.sort_by(|a, b| a.0.cmp(&b.0));
-    let mut out = media.clone().into_owned();
+    let mut out = media.to_owned();
     for (name, value) in parameters {
         // Length-framed, so no value can imitate another parameter.
         out.push_str(&format!(";{}:{name}={}:{value}", name.len(), value.len()));

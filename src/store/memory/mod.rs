@@ -942,8 +942,8 @@ mod unit {
     }
 
     /// A claim that finds a completed record reports only its fingerprint and response (a
-    /// replay pays for no history); one that finds a holder in flight keeps it (the `Retry-After` reads its
-    /// claim); `lookup` always has it.
+    /// replay pays for no history); one that finds a holder in flight keeps its history (the
+    /// `Retry-After` reads its claim); `lookup` always has it.
     #[tokio::test]
     async fn claims_report_history_only_for_records_in_flight() {
         let store = MemoryStore::new();
