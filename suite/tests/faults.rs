@@ -406,6 +406,41 @@ async fn s15_3_a_hang_up_after_the_handler_answered_never_cancels_its_record() {
     assert_eq!(effects.count(), 1);
 }
 
+/// DESIGN §4: the lease is kept renewed from before the handler starts until its outcome is
+/// recorded. The answer is in hand but the store takes four leases to write it: a retry
+/// meanwhile finds the key in flight, never a lapsed lease to take over, and afterwards replays
+/// the one effect's answer.
+#[tokio::test]
+async fn s4_the_lease_is_held_while_the_outcome_is_written() {
+    let store = Faulty::new(MemoryStore::new());
+    *store.pause_before_complete.lock().expect("lock") = Some(Duration::from_millis(1_200));
+    let effects = Effects::default();
+    let layer = IdempotencyLayer::new(store.clone())
+        .single_tenant()
+        .lease(Duration::from_millis(300));
+    let addr = serve(effect_route(layer, effects.clone(), false)).await;
+    let key = unique("held-while-written");
+    let first = tokio::spawn({
+        let key = key.clone();
+        async move { post_key(addr, &key).await }
+    });
+    // Past two leases, while the outcome is still being written.
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    let retry = post_key(addr, &key).await;
+    assert_eq!(retry.status(), StatusCode::CONFLICT, "still in flight");
+    assert_eq!(effects.count(), 1, "the retry did not take the key over");
+    let first = tokio::time::timeout(Duration::from_secs(20), first)
+        .await
+        .expect("the first request answers")
+        .expect("task");
+    assert_eq!(first.status(), StatusCode::CREATED);
+    *store.pause_before_complete.lock().expect("lock") = None;
+    let replay = post_key(addr, &key).await;
+    assert_eq!(replay.headers()["idempotency-replayed"], "true");
+    assert_eq!(replay.text().await.expect("body"), "effect 1");
+    assert_eq!(effects.count(), 1);
+}
+
 // ---- 5. A resolved outcome is final -----------------------------------------------------------
 
 /// The holder's renewals fail, so its lease runs out while it runs; a retry finds the key
