@@ -1026,9 +1026,7 @@ async fn woken_waiters_of_an_oversized_answer_never_run<St: IdempotencyStore + C
     assert_eq!(first.status, 201, "{tag}");
     assert_eq!(first.body.len(), 8192, "{tag}: the live answer is whole");
     for (i, waiter) in waiters.iter().enumerate() {
-        assert_eq!(waiter.status, 409, "{tag}: waiter {i}: {waiter:?}");
-        let p = waiter.json();
-        assert_eq!(p["type"], problem_type("response-not-stored"), "{tag}: {i}");
+        let p = not_stored(waiter, &format!("{tag}: waiter {i}"));
         assert_eq!(p["state"], "completed", "{tag}: {i}");
     }
     assert_eq!(effects.count(), 1, "{tag}: an oversized answer ran twice");
@@ -1338,6 +1336,18 @@ fn paths_app<St: IdempotencyStore>(store: St, effects: Effects) -> Router {
         )
 }
 
+/// Checks that `answer` is the 409 of an outcome recorded without its response; its problem.
+fn not_stored(answer: &Raw, what: &str) -> Value {
+    assert_eq!(answer.status, 409, "{what}: {answer:?}");
+    let problem = answer.json();
+    assert_eq!(
+        problem["type"],
+        problem_type("response-not-stored"),
+        "{what}"
+    );
+    problem
+}
+
 async fn post_path(addr: SocketAddr, path: &str, key: &str) -> Raw {
     raw_post(
         addr,
@@ -1367,10 +1377,8 @@ async fn a_body_that_panics_is_never_run_again<St: IdempotencyStore + Clone>(sto
     );
     for i in 0..3 {
         let retry = post_path(addr, "/body-panics", &key).await;
-        assert_eq!(retry.status, 409, "{tag}: retry {i}: {retry:?}");
         assert!(retry.replayed(), "{tag}: retry {i}: a replay of the record");
-        let p = retry.json();
-        assert_eq!(p["type"], problem_type("response-not-stored"), "{tag}: {i}");
+        not_stored(&retry, &format!("{tag}: retry {i}"));
         assert!(
             !String::from_utf8_lossy(&retry.body).contains("partial"),
             "{tag}: a fabricated body was replayed"
@@ -1416,13 +1424,8 @@ async fn answers_too_large_to_keep_are_never_run_again<St: IdempotencyStore + Cl
         "{tag}: the live answer is whole"
     );
     let retry = post_path(addr, "/too-large", &key).await;
-    assert_eq!(retry.status, 409, "{tag}: {retry:?}");
     assert!(retry.replayed(), "{tag}");
-    assert_eq!(
-        retry.json()["type"],
-        problem_type("response-not-stored"),
-        "{tag}"
-    );
+    not_stored(&retry, tag);
 
     let key = unique("head-too-large");
     let first = post_path(addr, "/head-too-large", &key).await;
@@ -1434,12 +1437,7 @@ async fn answers_too_large_to_keep_are_never_run_again<St: IdempotencyStore + Cl
         "{tag}: the live head is whole"
     );
     let retry = post_path(addr, "/head-too-large", &key).await;
-    assert_eq!(retry.status, 409, "{tag}: {retry:?}");
-    assert_eq!(
-        retry.json()["type"],
-        problem_type("response-not-stored"),
-        "{tag}"
-    );
+    not_stored(&retry, tag);
     assert_eq!(
         effects.count(),
         2,
