@@ -743,8 +743,8 @@ fn json_number_grammar(text: &str) -> bool {
 }
 
 /// The index of the first byte that ends a plain run inside a JSON string: `"`, `\\` or a
-/// control character. Sixteen bytes at a time (SWAR on two words, one branch), since strings
-/// are most of most bodies.
+/// control character. A block of 64 bytes at a time, then sixteen (SWAR on two words, one
+/// branch), since strings are most of most bodies.
 fn special(bytes: &[u8]) -> Option<usize> {
     find::<false>(bytes)
 }
@@ -755,8 +755,28 @@ fn special_or_non_ascii(bytes: &[u8]) -> Option<usize> {
     find::<true>(bytes)
 }
 
-/// The scan behind [`special`] and (`NON_ASCII`) [`special_or_non_ascii`].
+/// The scan behind [`special`] and (`NON_ASCII`) [`special_or_non_ascii`]: long runs a block of
+/// 64 bytes at a time, then the words where the first hit (or the end) is.
 fn find<const NON_ASCII: bool>(bytes: &[u8]) -> Option<usize> {
+    let ends_run = |b: u8| (b == b'"') | (b == b'\\') | (b < 0x20) | (NON_ASCII & (b >= 0x80));
+    let mut blocks = bytes.chunks_exact(BLOCK);
+    let mut at = 0;
+    for block in &mut blocks {
+        // No early exit inside a block, so LLVM compiles the test to vector compares and one
+        // branch (SSE2, the x86-64 baseline): half the instructions of the words' scan.
+        if block.iter().fold(false, |hit, &b| hit | ends_run(b)) {
+            break;
+        }
+        at += BLOCK;
+    }
+    find_in_words::<NON_ASCII>(&bytes[at..]).map(|i| at + i)
+}
+
+/// The bytes [`find`] tests at once.
+const BLOCK: usize = 64;
+
+/// [`find`] on a short run, or inside the block that holds the first hit.
+fn find_in_words<const NON_ASCII: bool>(bytes: &[u8]) -> Option<usize> {
     const ONES: u64 = 0x0101_0101_0101_0101;
     const HIGH: u64 = 0x8080_8080_8080_8080;
     // The high bit of each byte of `v` that is zero / below `n` (n <= 128). A borrow can also
@@ -952,7 +972,7 @@ mod tests {
                     1 => 0u8..0x20,
                     2 => 0x80u8..=0xff,
                 ],
-                0..80,
+                0..200,
             ),
         ) {
             let plain = bytes.iter().position(|&b| b == b'"' || b == b'\\' || b < 0x20);
@@ -983,6 +1003,30 @@ mod tests {
             }
             v[at] = b'a';
             v[at + 1] = b'a';
+        }
+    }
+
+    /// Every byte at every position of runs that span one, two and three blocks and a tail,
+    /// with a later hit behind it: the block test and the words agree with a plain scan.
+    #[test]
+    fn special_agrees_with_a_plain_scan_across_blocks() {
+        let plain = |v: &[u8]| v.iter().position(|&b| b == b'"' || b == b'\\' || b < 0x20);
+        let or_high = |v: &[u8]| {
+            v.iter()
+                .position(|&b| b == b'"' || b == b'\\' || !(0x20..0x80).contains(&b))
+        };
+        for len in [BLOCK, BLOCK + 1, 2 * BLOCK + 15, 3 * BLOCK + 7] {
+            let mut v = vec![b'a'; len];
+            v[len - 1] = b'"';
+            for at in 0..len {
+                let kept = v[at];
+                for byte in 0..=255u8 {
+                    v[at] = byte;
+                    assert_eq!(special(&v), plain(&v), "{len} {at} {byte}");
+                    assert_eq!(special_or_non_ascii(&v), or_high(&v), "{len} {at} {byte}");
+                }
+                v[at] = kept;
+            }
         }
     }
 
