@@ -336,10 +336,23 @@ type ClaimFuture = std::pin::Pin<Box<dyn Future<Output = Result<Claim, StoreErro
 /// hanging up during a PostgreSQL round trip): dropped unfinished, it finishes on a task of its
 /// own and gives back a key it won, since no handler ever ran under it. Nothing is left in
 /// progress, nor awaiting reconciliation, for a request that ran nothing.
+///
+/// A store that claims at once (in process, [`IdempotencyStore::claim_now`]) is asked first:
+/// nothing can drop such a claim midway, so it needs no boxed future.
 struct ClaimToEnd<St: IdempotencyStore> {
-    claim: Option<ClaimFuture>,
+    claim: Claiming,
     store: Arc<St>,
     key: ScopedKey,
+}
+
+/// Where a [`ClaimToEnd`] stands.
+enum Claiming {
+    /// Made at once by the store; given out when polled.
+    Made(Result<Claim, StoreError>),
+    /// On its way.
+    InFlight(ClaimFuture),
+    /// Given out.
+    Done,
 }
 
 impl<St: IdempotencyStore> ClaimToEnd<St> {
@@ -350,9 +363,18 @@ impl<St: IdempotencyStore> ClaimToEnd<St> {
     /// row, and a hundred woken waiters would queue behind one another's commits.
     fn new(store: &Arc<St>, request: &ClaimRequest, woken: Option<Arc<Resolved>>) -> Self {
         let (owned, key) = (store.clone(), request.key.clone());
+        if woken.is_none()
+            && let Some(made) = store.claim_now(request)
+        {
+            return Self {
+                claim: Claiming::Made(made),
+                store: owned,
+                key,
+            };
+        }
         let request = request.clone();
         Self {
-            claim: Some(Box::pin(async move {
+            claim: Claiming::InFlight(Box::pin(async move {
                 let read = match &woken {
                     Some(config) => config.woken.lookup(&*owned, &request.key).await,
                     None => None,
@@ -378,20 +400,27 @@ impl<St: IdempotencyStore> Future for ClaimToEnd<St> {
     type Output = Result<Claim, StoreError>;
 
     fn poll(mut self: std::pin::Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        let Some(claim) = self.claim.as_mut() else {
+        let out = match &mut self.claim {
+            Claiming::InFlight(claim) => std::task::ready!(claim.as_mut().poll(cx)),
+            Claiming::Made(_) => match std::mem::replace(&mut self.claim, Claiming::Done) {
+                Claiming::Made(made) => made,
+                _ => return Poll::Pending,
+            },
             // Polled after it finished: a caller bug that must not panic in a server.
-            return Poll::Pending;
+            Claiming::Done => return Poll::Pending,
         };
-        let out = std::task::ready!(claim.as_mut().poll(cx));
-        self.claim = None;
+        self.claim = Claiming::Done;
         Poll::Ready(out)
     }
 }
 
 impl<St: IdempotencyStore> Drop for ClaimToEnd<St> {
     fn drop(&mut self) {
-        let Some(claim) = self.claim.take() else {
-            return;
+        let claim = match std::mem::replace(&mut self.claim, Claiming::Done) {
+            Claiming::Done => return,
+            Claiming::InFlight(claim) => claim,
+            // Made but never given out: the same as a claim finished after the drop.
+            Claiming::Made(made) => Box::pin(std::future::ready(made)),
         };
         let (store, key) = (self.store.clone(), self.key.clone());
         // Without a runtime (shutting down) a won claim's lease runs out instead.
@@ -546,5 +575,67 @@ impl<S: fmt::Debug, St: fmt::Debug, M: fmt::Debug> fmt::Debug for Idempotency<S,
             .field("make_scope", &self.make_scope)
             .field("config", &self.config)
             .finish()
+    }
+}
+
+#[cfg(all(test, feature = "memory"))]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+    use crate::MemoryStore;
+    use crate::store::{Fingerprint, LeaseExpiry};
+
+    fn request(key: &ScopedKey) -> ClaimRequest {
+        ClaimRequest {
+            key: key.clone(),
+            fingerprint: Fingerprint::from_bytes([7; 32]),
+            lease: Duration::from_secs(60),
+            ttl: Duration::from_secs(60),
+            on_lease_expiry: LeaseExpiry::Reclaim,
+        }
+    }
+
+    /// A claim the store made at once, dropped before the request read it: no handler ran
+    /// under it, so the key is given back, as for a claim dropped in flight (DESIGN §4).
+    #[tokio::test]
+    async fn s4_a_claim_made_at_once_and_dropped_unread_gives_the_key_back() {
+        let store = Arc::new(MemoryStore::new());
+        let key = ScopedKey::new("", "dropped");
+        let claim = ClaimToEnd::new(&store, &request(&key), None);
+        assert!(matches!(
+            claim.claim,
+            Claiming::Made(Ok(Claim::Acquired(_)))
+        ));
+        drop(claim);
+        // The release runs on a task of its own.
+        let mut released = false;
+        for _ in 0..100 {
+            tokio::task::yield_now().await;
+            let record = store.lookup(&key).await.expect("lookup").expect("record");
+            if record.status == RecordStatus::Released {
+                released = true;
+                break;
+            }
+        }
+        assert!(released, "the key won and never read is given back");
+        match store.claim(&request(&key)).await {
+            Ok(Claim::Acquired(lease)) => assert_eq!(lease.attempt, 2),
+            other => panic!("the next request takes the key over, got {other:?}"),
+        }
+    }
+
+    /// A claim made at once and read is not given back when it is dropped afterwards.
+    #[tokio::test]
+    async fn s4_a_claim_made_at_once_and_read_is_kept() {
+        let store = Arc::new(MemoryStore::new());
+        let key = ScopedKey::new("", "read");
+        let claimed = ClaimToEnd::new(&store, &request(&key), None).await;
+        assert!(matches!(claimed, Ok(Claim::Acquired(_))));
+        for _ in 0..10 {
+            tokio::task::yield_now().await;
+        }
+        let record = store.lookup(&key).await.expect("lookup").expect("record");
+        assert_eq!(record.status, RecordStatus::InProgress);
     }
 }

@@ -280,6 +280,10 @@ impl IdempotencyStore for AnyStore {
         each!(self, s => s.claim(request).await)
     }
 
+    fn claim_now(&self, request: &ClaimRequest) -> Option<Result<Claim, StoreError>> {
+        each!(self, s => s.claim_now(request))
+    }
+
     async fn renew(
         &self,
         key: &ScopedKey,

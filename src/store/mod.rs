@@ -352,6 +352,17 @@ pub trait IdempotencyStore: Send + Sync + 'static {
         request: &ClaimRequest,
     ) -> impl Future<Output = Result<Claim, StoreError>> + Send;
 
+    /// [`claim`](Self::claim) answered at once, by a store that needs no I/O to claim (the
+    /// in-process `MemoryStore`); `None`, the default, says to await `claim` instead.
+    ///
+    /// Where it answers, it decides exactly as `claim` would, under the same atomicity. The
+    /// layer asks it first: a claim made at once needs no boxed future seen to its end in case
+    /// the request is dropped mid-claim, since nothing can drop it midway.
+    fn claim_now(&self, request: &ClaimRequest) -> Option<Result<Claim, StoreError>> {
+        let _ = request;
+        None
+    }
+
     /// Extends the holder's lease to `lease` from now (and `expires_at` with it, if needed);
     /// returns the new end.
     fn renew(
@@ -487,6 +498,10 @@ impl<S: IdempotencyStore> IdempotencyStore for Arc<S> {
         request: &ClaimRequest,
     ) -> impl Future<Output = Result<Claim, StoreError>> + Send {
         (**self).claim(request)
+    }
+
+    fn claim_now(&self, request: &ClaimRequest) -> Option<Result<Claim, StoreError>> {
+        (**self).claim_now(request)
     }
 
     fn renew(

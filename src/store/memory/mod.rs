@@ -418,7 +418,7 @@ impl MemoryStore {
 
 impl MemoryStore {
     /// One claim under one shard lock; [`StoreError::Full`] when a new record does not fit.
-    fn claim_now(&self, req: &ClaimRequest) -> Result<Claim, StoreError> {
+    fn claim_locked(&self, req: &ClaimRequest) -> Result<Claim, StoreError> {
         let now = self.now();
         let (hash, mut shard) = self.shard(&req.key);
         self.purge_for_claim(&mut shard, now);
@@ -450,6 +450,21 @@ impl MemoryStore {
             attempt: 1,
             until: time(lease_until),
         }))
+    }
+
+    /// What [`claim`](IdempotencyStore::claim) and
+    /// [`claim_now`](IdempotencyStore::claim_now) answer.
+    fn claim_at_once(&self, req: &ClaimRequest) -> Result<Claim, StoreError> {
+        match self.claim_locked(req) {
+            // Expired records anywhere make room, not only the claiming shard's: sweep them
+            // all, one lock at a time (never two at once), then claim afresh. Full only when
+            // live records fill the store.
+            Err(StoreError::Full) => {
+                self.sweep_all(self.now());
+                self.claim_locked(req)
+            }
+            other => other,
+        }
     }
 
     /// A claim of a key the shard holds a record for (expired or not).
@@ -557,16 +572,12 @@ impl MemoryStore {
 
 impl IdempotencyStore for MemoryStore {
     async fn claim(&self, req: &ClaimRequest) -> Result<Claim, StoreError> {
-        match self.claim_now(req) {
-            // Expired records anywhere make room, not only the claiming shard's: sweep them
-            // all, one lock at a time (never two at once), then claim afresh. Full only when
-            // live records fill the store.
-            Err(StoreError::Full) => {
-                self.sweep_all(self.now());
-                self.claim_now(req)
-            }
-            other => other,
-        }
+        self.claim_at_once(req)
+    }
+
+    /// Always at once: a claim here is a few operations under one shard's lock.
+    fn claim_now(&self, req: &ClaimRequest) -> Option<Result<Claim, StoreError>> {
+        Some(self.claim_at_once(req))
     }
 
     async fn renew(
