@@ -36,13 +36,32 @@ const SHORT: Duration = Duration::from_millis(400);
 /// Past `SHORT` on any sane clock, with slack for a busy machine.
 const PAST_SHORT: Duration = Duration::from_millis(900);
 
-/// Runs every check in turn.
+/// Runs every check in turn through [`IdempotencyStore::claim`], then, for a store that answers
+/// [`IdempotencyStore::claim_now`], every check again with its claims made at once (in the race
+/// checks, every other claim): both are held to every rule, and raced against each other.
 pub async fn run_all<S: IdempotencyStore>(store: Arc<S>) {
+    run_checks(&store).await;
+    let probe = request(&unique_key("probe"), 1, SHORT, SHORT);
+    if store.claim_now(&probe).is_some() {
+        claiming_at_once(run_checks(&store)).await;
+    }
+}
+
+/// Runs `check` (any of this module's checks) with its claims made through
+/// [`IdempotencyStore::claim_now`] where the store answers it, and in the race checks every
+/// other claim: a store that claims at once runs each check this way as well as plainly.
+pub async fn claiming_at_once<F: std::future::Future>(check: F) -> F::Output {
+    AT_ONCE.scope(true, check).await
+}
+
+async fn run_checks<S: IdempotencyStore>(store: &Arc<S>) {
+    let store = store.clone();
     claim_then_existing(&store).await;
     claim_race_has_one_winner(&store).await;
     fingerprint_mismatch_is_reported(&store).await;
     complete_then_replay_exactly(&store).await;
     release_lets_the_next_claim_take_over(&store).await;
+    another_request_never_takes_over_a_released_or_uncertain_key(&store).await;
     mark_uncertain_blocks_claims(&store).await;
     fenced_writes_are_refused_after_takeover(&store).await;
     expired_lease_with_reconcile_needs_reconciliation(&store).await;
@@ -62,6 +81,26 @@ pub async fn run_all<S: IdempotencyStore>(store: Arc<S>) {
     reconciling_routes_never_expire_into_a_second_run(&store).await;
     waiting_for_a_change_ends_when_the_record_moves_on(&store).await;
     concurrent_operations_each_get_their_own_answer(&store).await;
+}
+
+tokio::task_local! {
+    /// Set for the kit's pass that claims through `claim_now`.
+    static AT_ONCE: bool;
+}
+
+/// Whether this task's claims go through `claim_now` (see [`run_all`]).
+fn at_once() -> bool {
+    AT_ONCE.try_with(|at_once| *at_once).unwrap_or(false)
+}
+
+/// Spawns `check`'s task in this pass's mode; `turn` alternates the mode among tasks raced
+/// against each other in the pass that claims at once.
+fn spawn_in_pass<F>(turn: usize, check: F) -> tokio::task::JoinHandle<F::Output>
+where
+    F: std::future::Future + Send + 'static,
+    F::Output: Send + 'static,
+{
+    tokio::spawn(AT_ONCE.scope(at_once() && turn.is_multiple_of(2), check))
 }
 
 fn unique_key(name: &str) -> ScopedKey {
@@ -105,12 +144,10 @@ async fn all_uncertain<S: IdempotencyStore>(store: &S, page: usize) -> Vec<Recor
     }
 }
 
-/// A claim, made by turns through [`IdempotencyStore::claim_now`] (where the store answers it)
-/// and [`IdempotencyStore::claim`]: every check holds both to the same rules, and the races
-/// race them against each other.
+/// A claim through [`IdempotencyStore::claim_now`] in the pass that claims at once (where the
+/// store answers it), else through [`IdempotencyStore::claim`].
 async fn claim<S: IdempotencyStore>(store: &S, req: &ClaimRequest) -> Result<Claim, StoreError> {
-    static TURN: AtomicU64 = AtomicU64::new(0);
-    if TURN.fetch_add(1, Ordering::Relaxed).is_multiple_of(2)
+    if at_once()
         && let Some(made) = store.claim_now(req)
     {
         return made;
@@ -198,10 +235,10 @@ pub async fn claim_then_existing<S: IdempotencyStore>(store: &S) {
 pub async fn claim_race_has_one_winner<S: IdempotencyStore>(store: &Arc<S>) {
     let key = unique_key("race");
     let tasks: Vec<_> = (0..32)
-        .map(|_| {
+        .map(|turn| {
             let store = store.clone();
             let req = request(&key, 1, LONG, LONG);
-            tokio::spawn(async move { claim(&*store, &req).await })
+            spawn_in_pass(turn, async move { claim(&*store, &req).await })
         })
         .collect();
     let mut winners = 0;
@@ -273,6 +310,46 @@ pub async fn release_lets_the_next_claim_take_over<S: IdempotencyStore>(store: &
     assert_eq!(second.attempt, 2, "a takeover counts the attempt");
     assert_ne!(second.token, first.token, "a takeover gets a new token");
     assert_fenced(store.release(&key, first.token).await, "release");
+}
+
+/// A released key, or one whose outcome is unknown, is answered as it stands to a request
+/// with another fingerprint (rule 2: the caller refuses it, 422), never taken over by it; only
+/// the same request takes a released key over.
+pub async fn another_request_never_takes_over_a_released_or_uncertain_key<S: IdempotencyStore>(
+    store: &S,
+) {
+    let rule = "a record with another fingerprint is answered, not taken over";
+    let released = unique_key("released-other");
+    let lease = acquire(store, &request(&released, 1, LONG, LONG), "a fresh key").await;
+    store
+        .release(&released, lease.token)
+        .await
+        .expect("release");
+    let (record, _) = existing(store, &request(&released, 2, LONG, LONG), rule).await;
+    assert_eq!(record.fingerprint, fingerprint(1), "{rule}: released");
+    assert_eq!(record.status, RecordStatus::Released, "{rule}: released");
+
+    let uncertain = unique_key("uncertain-other");
+    let lease = acquire(store, &request(&uncertain, 1, LONG, LONG), "a fresh key").await;
+    store
+        .mark_uncertain(&uncertain, lease.token)
+        .await
+        .expect("mark_uncertain");
+    let (record, _) = existing(store, &request(&uncertain, 2, LONG, LONG), rule).await;
+    assert_eq!(record.fingerprint, fingerprint(1), "{rule}: uncertain");
+    assert_eq!(
+        record.status,
+        RecordStatus::NeedsReconciliation,
+        "{rule}: uncertain"
+    );
+
+    let again = acquire(
+        store,
+        &request(&released, 1, LONG, LONG),
+        "the same request takes a released key over",
+    )
+    .await;
+    assert_eq!(again.attempt, 2, "a takeover counts the attempt");
 }
 
 /// After `mark_uncertain` claims return the record as `needs_reconciliation`; the holder that
@@ -945,7 +1022,7 @@ pub async fn waiting_for_a_change_ends_when_the_record_moves_on<S: IdempotencySt
     let waiters: Vec<_> = (0..4)
         .map(|round| {
             let (store, key) = (store.clone(), key.clone());
-            tokio::spawn(async move {
+            spawn_in_pass(round as usize, async move {
                 loop {
                     store.wait_for_change(&key, &seen, round, LONG).await;
                     match claim(&*store, &request(&key, 1, LONG, LONG)).await {
@@ -1054,9 +1131,10 @@ pub async fn concurrent_operations_each_get_their_own_answer<S: IdempotencyStore
     claims.extend(fresh.iter().map(|k| (request(k, 3, LONG, LONG), "fresh")));
     let tasks: Vec<_> = claims
         .iter()
-        .map(|(req, _)| {
+        .enumerate()
+        .map(|(turn, (req, _))| {
             let (store, req) = (store.clone(), req.clone());
-            tokio::spawn(async move { claim(&*store, &req).await })
+            spawn_in_pass(turn, async move { claim(&*store, &req).await })
         })
         .collect();
     let mut leases = Vec::new();

@@ -14,28 +14,35 @@ use tower_idempotency::store::{
 use tower_idempotency::{IdempotencyStore, MemoryStore};
 
 macro_rules! conformance {
-    ($backend:ident, $make:expr; $($check:ident),* $(,)?) => {
+    ($backend:ident, $make:expr, $how:ident; $($check:ident),* $(,)?) => {
         mod $backend {
             use super::*;
             $(
                 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
                 async fn $check() {
                     let Some(store) = $make(stringify!($check)).await else { return };
-                    kit::$check(&Arc::new(store)).await;
+                    conformance!(@$how kit::$check(&Arc::new(store)));
                 }
             )*
         }
     };
+    (@plain $check:expr) => { $check.await };
+    // Claims through `claim_now`, for a store that answers it.
+    (@at_once $check:expr) => { kit::claiming_at_once($check).await };
 }
 
 macro_rules! all_checks {
     ($backend:ident, $make:expr) => {
-        conformance!($backend, $make;
+        all_checks!($backend, $make, plain);
+    };
+    ($backend:ident, $make:expr, $how:ident) => {
+        conformance!($backend, $make, $how;
             claim_then_existing,
             claim_race_has_one_winner,
             fingerprint_mismatch_is_reported,
             complete_then_replay_exactly,
             release_lets_the_next_claim_take_over,
+            another_request_never_takes_over_a_released_or_uncertain_key,
             mark_uncertain_blocks_claims,
             fenced_writes_are_refused_after_takeover,
             expired_lease_with_reconcile_needs_reconciliation,
@@ -64,6 +71,8 @@ async fn memory(_: &str) -> Option<MemoryStore> {
 }
 
 all_checks!(memory_store, memory);
+// Every check again with its claims made at once (`claim_now`), as `kit::run_all` runs them.
+all_checks!(memory_store_at_once, memory, at_once);
 
 async fn sqlite(name: &str) -> Option<tower_idempotency::store::SqliteStore> {
     Some(common::sqlite(name).await.0)
