@@ -424,7 +424,12 @@ async fn run() {
             ("layer + MemoryStore, unique keys", Keys::Unique),
             ("layer + MemoryStore, replays", Keys::Repeated),
         ] {
-            let layered = app().layer(IdempotencyLayer::new(MemoryStore::new()).single_tenant());
+            // Unbounded, as the floor is: eleven rounds write over a million keys, past the
+            // default bound, and a full store answers 503 instead of serving.
+            let store = MemoryStore::new()
+                .max_records(usize::MAX)
+                .max_bytes(usize::MAX);
+            let layered = app().layer(IdempotencyLayer::new(store).single_tenant());
             scenarios.push((name, serve(layered).await, keys));
         }
     }
