@@ -400,17 +400,18 @@ impl<St: IdempotencyStore> Future for ClaimToEnd<St> {
     type Output = Result<Claim, StoreError>;
 
     fn poll(mut self: std::pin::Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        let out = match &mut self.claim {
-            Claiming::InFlight(claim) => std::task::ready!(claim.as_mut().poll(cx)),
-            Claiming::Made(_) => match std::mem::replace(&mut self.claim, Claiming::Done) {
-                Claiming::Made(made) => made,
-                _ => return Poll::Pending,
-            },
+        match std::mem::replace(&mut self.claim, Claiming::Done) {
+            Claiming::Made(made) => Poll::Ready(made),
+            Claiming::InFlight(mut claim) => {
+                let out = claim.as_mut().poll(cx);
+                if out.is_pending() {
+                    self.claim = Claiming::InFlight(claim);
+                }
+                out
+            }
             // Polled after it finished: a caller bug that must not panic in a server.
-            Claiming::Done => return Poll::Pending,
-        };
-        self.claim = Claiming::Done;
-        Poll::Ready(out)
+            Claiming::Done => Poll::Pending,
+        }
     }
 }
 
