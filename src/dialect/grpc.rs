@@ -48,10 +48,16 @@ pub use super::rpc_status::ERROR_DOMAIN;
 
 /// Whether `headers` belong to a gRPC request or response (gRPC-Web included: see
 /// [`grpc_web`](super::grpc_web) for the one that is).
+#[cfg(feature = "client")]
 pub(crate) fn is_grpc(headers: &HeaderMap) -> bool {
     headers
         .get(header::CONTENT_TYPE)
-        .is_some_and(|ct| ct.as_bytes().starts_with(b"application/grpc"))
+        .is_some_and(|ct| is_grpc_type(ct.as_bytes()))
+}
+
+/// [`is_grpc`], from the message's `Content-Type`.
+pub(crate) fn is_grpc_type(content_type: &[u8]) -> bool {
+    content_type.starts_with(b"application/grpc")
 }
 
 /// The trailer (or trailers-only header) that says how a call ended. Looked up on every

@@ -29,10 +29,16 @@ const TRAILERS: u8 = 0x80;
 pub(crate) const STREAMED_TRAILERS_MAX: usize = 16 * 1024 * 1024;
 
 /// Whether a message is gRPC-Web (`application/grpc-web…`).
+#[cfg(feature = "client")]
 pub(crate) fn is_grpc_web(headers: &HeaderMap) -> bool {
     headers
         .get(header::CONTENT_TYPE)
-        .is_some_and(|ct| ct.as_bytes().starts_with(b"application/grpc-web"))
+        .is_some_and(|ct| is_grpc_web_type(ct.as_bytes()))
+}
+
+/// [`is_grpc_web`], from the message's `Content-Type`.
+pub(crate) fn is_grpc_web_type(content_type: &[u8]) -> bool {
+    content_type.starts_with(b"application/grpc-web")
 }
 
 /// Whether a request asks for its answer in text (base64): its `Accept` is exactly

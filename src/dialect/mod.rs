@@ -140,12 +140,16 @@ pub(crate) fn admit<M: MakeScope>(
 impl Dialect {
     /// HTTP, gRPC or gRPC-Web, by the request's `Content-Type`.
     fn of(headers: &HeaderMap) -> Self {
-        if grpc_web::is_grpc_web(headers) {
+        // One lookup for both: every request asks.
+        let content_type = headers
+            .get(::http::header::CONTENT_TYPE)
+            .map_or(&b""[..], HeaderValue::as_bytes);
+        if grpc_web::is_grpc_web_type(content_type) {
             return Self::GrpcWeb {
                 text: grpc_web::answers_text(headers),
             };
         }
-        match grpc::is_grpc(headers) {
+        match grpc::is_grpc_type(content_type) {
             true => Self::Grpc,
             false => Self::Http,
         }
