@@ -12,13 +12,13 @@ use crate::dialect::rpc_status::Details;
 
 /// Whether `res` is a gRPC (or gRPC-Web) answer, to be judged by [`verdict`].
 pub(super) fn is_grpc(res: &Response<CallBody>) -> bool {
-    crate::dialect::grpc::is_grpc(res.headers())
+    crate::dialect::grpc::is_grpc(crate::dialect::content_type(res.headers()))
 }
 
 /// The verdict on a gRPC answer.
 pub(super) fn verdict(res: &Response<CallBody>, replayed: bool) -> Verdict {
     let web_trailers;
-    let trailers = match grpc_web::is_grpc_web(res.headers()) {
+    let trailers = match grpc_web::is_grpc_web(crate::dialect::content_type(res.headers())) {
         true => {
             let text = grpc_web::is_text(res.headers());
             web_trailers = grpc_web::split(&res.body().bytes(), text).and_then(|(_, t)| t);

@@ -46,17 +46,9 @@ use crate::problem::{Problem, ProblemKind};
 
 pub use super::rpc_status::ERROR_DOMAIN;
 
-/// Whether `headers` belong to a gRPC request or response (gRPC-Web included: see
-/// [`grpc_web`](super::grpc_web) for the one that is).
-#[cfg(feature = "client")]
-pub(crate) fn is_grpc(headers: &HeaderMap) -> bool {
-    headers
-        .get(header::CONTENT_TYPE)
-        .is_some_and(|ct| is_grpc_type(ct.as_bytes()))
-}
-
-/// [`is_grpc`], from the message's `Content-Type`.
-pub(crate) fn is_grpc_type(content_type: &[u8]) -> bool {
+/// Whether a request or response with this `Content-Type` ([`content_type`](super::content_type))
+/// is gRPC (gRPC-Web included: see [`grpc_web`](super::grpc_web) for the one that is).
+pub(crate) fn is_grpc(content_type: &[u8]) -> bool {
     content_type.starts_with(b"application/grpc")
 }
 

@@ -28,16 +28,9 @@ const TRAILERS: u8 = 0x80;
 /// until it is recorded): past this, its status is not read, and the answer is UNKNOWN.
 pub(crate) const STREAMED_TRAILERS_MAX: usize = 16 * 1024 * 1024;
 
-/// Whether a message is gRPC-Web (`application/grpc-web…`).
-#[cfg(feature = "client")]
-pub(crate) fn is_grpc_web(headers: &HeaderMap) -> bool {
-    headers
-        .get(header::CONTENT_TYPE)
-        .is_some_and(|ct| is_grpc_web_type(ct.as_bytes()))
-}
-
-/// [`is_grpc_web`], from the message's `Content-Type`.
-pub(crate) fn is_grpc_web_type(content_type: &[u8]) -> bool {
+/// Whether a message with this `Content-Type` ([`content_type`](super::content_type)) is
+/// gRPC-Web (`application/grpc-web…`).
+pub(crate) fn is_grpc_web(content_type: &[u8]) -> bool {
     content_type.starts_with(b"application/grpc-web")
 }
 

@@ -137,19 +137,24 @@ pub(crate) fn admit<M: MakeScope>(
     }
 }
 
+/// A message's `Content-Type`, as bytes (empty without one): what tells the dialects apart.
+pub(crate) fn content_type(headers: &HeaderMap) -> &[u8] {
+    headers
+        .get(::http::header::CONTENT_TYPE)
+        .map_or(&b""[..], HeaderValue::as_bytes)
+}
+
 impl Dialect {
     /// HTTP, gRPC or gRPC-Web, by the request's `Content-Type`.
     fn of(headers: &HeaderMap) -> Self {
         // One lookup for both: every request asks.
-        let content_type = headers
-            .get(::http::header::CONTENT_TYPE)
-            .map_or(&b""[..], HeaderValue::as_bytes);
-        if grpc_web::is_grpc_web_type(content_type) {
+        let content_type = content_type(headers);
+        if grpc_web::is_grpc_web(content_type) {
             return Self::GrpcWeb {
                 text: grpc_web::answers_text(headers),
             };
         }
-        match grpc::is_grpc_type(content_type) {
+        match grpc::is_grpc(content_type) {
             true => Self::Grpc,
             false => Self::Http,
         }
