@@ -55,32 +55,31 @@ pub async fn claiming_at_once<F: std::future::Future>(check: F) -> F::Output {
 }
 
 async fn run_checks<S: IdempotencyStore>(store: &Arc<S>) {
-    let store = store.clone();
-    claim_then_existing(&store).await;
-    claim_race_has_one_winner(&store).await;
-    fingerprint_mismatch_is_reported(&store).await;
-    complete_then_replay_exactly(&store).await;
-    release_lets_the_next_claim_take_over(&store).await;
-    another_request_never_takes_over_a_released_or_uncertain_key(&store).await;
-    mark_uncertain_blocks_claims(&store).await;
-    fenced_writes_are_refused_after_takeover(&store).await;
-    expired_lease_with_reconcile_needs_reconciliation(&store).await;
-    renew_keeps_the_lease_alive(&store).await;
-    ttl_expiry_counts_as_absent_and_is_purged(&store).await;
-    lookup_and_remove(&store).await;
-    keys_round_trip_exactly(&store).await;
-    milestones_are_fenced_and_durable(&store).await;
-    effect_started_turns_an_expired_lease_into_reconciliation(&store).await;
-    uncertain_records_are_listed_and_resolved(&store).await;
-    resolution_fences_out_the_old_holder(&store).await;
-    history_tells_what_happened(&store).await;
-    history_is_bounded(&store).await;
-    history_keeps_its_first_attempts_and_its_outcome(&store).await;
-    unsettled_records_never_expire(&store).await;
-    uncertain_records_page_in_order(&store).await;
-    reconciling_routes_never_expire_into_a_second_run(&store).await;
-    waiting_for_a_change_ends_when_the_record_moves_on(&store).await;
-    concurrent_operations_each_get_their_own_answer(&store).await;
+    claim_then_existing(store).await;
+    claim_race_has_one_winner(store).await;
+    fingerprint_mismatch_is_reported(store).await;
+    complete_then_replay_exactly(store).await;
+    release_lets_the_next_claim_take_over(store).await;
+    another_request_never_takes_over_a_released_or_uncertain_key(store).await;
+    mark_uncertain_blocks_claims(store).await;
+    fenced_writes_are_refused_after_takeover(store).await;
+    expired_lease_with_reconcile_needs_reconciliation(store).await;
+    renew_keeps_the_lease_alive(store).await;
+    ttl_expiry_counts_as_absent_and_is_purged(store).await;
+    lookup_and_remove(store).await;
+    keys_round_trip_exactly(store).await;
+    milestones_are_fenced_and_durable(store).await;
+    effect_started_turns_an_expired_lease_into_reconciliation(store).await;
+    uncertain_records_are_listed_and_resolved(store).await;
+    resolution_fences_out_the_old_holder(store).await;
+    history_tells_what_happened(store).await;
+    history_is_bounded(store).await;
+    history_keeps_its_first_attempts_and_its_outcome(store).await;
+    unsettled_records_never_expire(store).await;
+    uncertain_records_page_in_order(store).await;
+    reconciling_routes_never_expire_into_a_second_run(store).await;
+    waiting_for_a_change_ends_when_the_record_moves_on(store).await;
+    concurrent_operations_each_get_their_own_answer(store).await;
 }
 
 tokio::task_local! {
