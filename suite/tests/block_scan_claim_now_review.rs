@@ -896,6 +896,10 @@ enum Lie {
     /// Takes a released key over whatever fingerprint the new request has (rule 2 of the
     /// trait's claim order skipped for released records).
     TakesOverReleasedOfAnotherRequest,
+    /// Fails: the store cannot be reached (nothing claimed).
+    Unavailable,
+    /// Fails: the record is locked elsewhere (nothing claimed).
+    Busy,
 }
 
 /// A MemoryStore whose `claim_now` is counted (and, by `lie`, broken); `claim` is the inner
@@ -927,6 +931,11 @@ impl IdempotencyStore for Probe {
 
     fn claim_now(&self, request: &ClaimRequest) -> Option<Result<Claim, StoreError>> {
         self.claims_now.fetch_add(1, Ordering::SeqCst);
+        match self.lie {
+            Lie::Unavailable => return Some(Err(StoreError::unavailable("the store is down"))),
+            Lie::Busy => return Some(Err(StoreError::Busy)),
+            _ => {}
+        }
         let made = self.inner.claim_now(request)?;
         Some(match (self.lie, made) {
             (Lie::IgnoresFingerprint, Ok(Claim::Existing { mut record, now })) => {
@@ -1257,6 +1266,50 @@ async fn post_gated(addr: SocketAddr, key: &str) -> reqwest::Response {
     )
     .await
     .expect("send")
+}
+
+/// DESIGN §4 (a store that fails refuses, never runs) on the claim made at once: a store whose
+/// `claim_now` answers an error runs nothing. Unreachable: 503 `store-unavailable` with a
+/// `Retry-After`; its record locked elsewhere: 409 in flight. Counted at the sink, and no claim
+/// went through `claim` behind the error's back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s4_a_claim_made_at_once_that_fails_runs_nothing() {
+    for (lie, status, slug) in [
+        (
+            Lie::Unavailable,
+            StatusCode::SERVICE_UNAVAILABLE,
+            "store-unavailable",
+        ),
+        (Lie::Busy, StatusCode::CONFLICT, "in-flight"),
+    ] {
+        let (entered, effects, gate) = (
+            Effects::default(),
+            Effects::default(),
+            Arc::new(Semaphore::new(0)),
+        );
+        gate.add_permits(10);
+        let store = Probe::new(MemoryStore::new(), lie);
+        let app = gated(entered.clone(), effects.clone(), gate.clone())
+            .layer(IdempotencyLayer::new(store.clone()).single_tenant());
+        let addr = serve(app).await;
+        let key = unique("claim-now-fails");
+        for attempt in 0..3 {
+            let res = post_gated(addr, &key).await;
+            assert_eq!(res.status(), status, "{lie:?}, attempt {attempt}");
+            assert!(
+                res.headers().contains_key("retry-after"),
+                "{lie:?}: a delay to retry after"
+            );
+            assert_eq!(problem(res).await["type"], problem_type(slug), "{lie:?}");
+        }
+        assert_eq!(
+            (entered.count(), effects.count()),
+            (0, 0),
+            "{lie:?}: nothing ran"
+        );
+        assert_eq!(store.claims_now.load(Ordering::SeqCst), 3, "{lie:?}");
+        assert_eq!(store.claims.load(Ordering::SeqCst), 0, "{lie:?}");
+    }
 }
 
 /// DESIGN §1 step 7 and §4 with a claim made at once: a client that hangs up right after its
