@@ -5,7 +5,7 @@ use std::time::Duration;
 use crate::fingerprint::Fingerprint;
 use crate::observe::{self, Event};
 use crate::problem::{Problem, ProblemKind};
-use crate::store::{Claim, InFlight, Lease, Record, RecordStatus, StoredResponse};
+use crate::store::{Claim, InFlight, Lease, RecordStatus, StoredResponse};
 
 /// What a request does after its claim.
 #[derive(Debug)]
@@ -38,16 +38,11 @@ pub(crate) fn decide(
             fingerprint: recorded,
             response,
         } => return completed(&recorded, *response, fingerprint, covers),
-        Claim::Existing { record, now } => match *record {
-            // A store should answer a completed record as `Claim::Completed`; one it reported
-            // whole replays all the same.
-            Record {
-                status: RecordStatus::Completed,
-                response: Some(response),
-                fingerprint: recorded,
-                ..
-            } => return completed(&recorded, response, fingerprint, covers),
-            record => (record, now),
+        // A store should answer a completed record as `Claim::Completed`; one it reported
+        // whole replays all the same.
+        Claim::Existing { record, now } => match record.into_replay() {
+            Ok((recorded, response)) => return completed(&recorded, response, fingerprint, covers),
+            Err(record) => (record, now),
         },
     };
     let state = record.status.as_str();
@@ -175,7 +170,7 @@ mod tests {
     use http::{HeaderMap, StatusCode};
 
     use super::*;
-    use crate::store::{FencingToken, ScopedKey};
+    use crate::store::{FencingToken, Record, ScopedKey};
 
     fn response() -> StoredResponse {
         StoredResponse {

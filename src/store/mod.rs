@@ -256,20 +256,35 @@ impl Claim {
     /// [`Existing`](Self::Existing). A completed record without a response cannot be
     /// replayed: it is answered as `Existing`, which the layer reports as a store failure.
     pub fn existing(record: Record, now: SystemTime) -> Self {
-        match record {
+        match record.into_replay() {
+            Ok((fingerprint, response)) => Self::Completed {
+                fingerprint,
+                response: Box::new(response),
+            },
+            Err(record) => Self::Existing {
+                record: Box::new(record),
+                now,
+            },
+        }
+    }
+}
+
+impl Record {
+    /// What a replay reads, the fingerprint and the response, of a record completed with its
+    /// response; any other record as it is.
+    #[expect(
+        clippy::result_large_err,
+        reason = "matched at once by its two callers, as the record itself was before"
+    )]
+    pub(crate) fn into_replay(self) -> Result<(Fingerprint, StoredResponse), Self> {
+        match self {
             Record {
                 status: RecordStatus::Completed,
                 response: Some(response),
                 fingerprint,
                 ..
-            } => Self::Completed {
-                fingerprint,
-                response: Box::new(response),
-            },
-            record => Self::Existing {
-                record: Box::new(record),
-                now,
-            },
+            } => Ok((fingerprint, response)),
+            record => Err(record),
         }
     }
 }
