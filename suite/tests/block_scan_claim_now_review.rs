@@ -27,7 +27,7 @@ use std::time::{Duration, SystemTime};
 use axum::Router;
 use axum::routing::post;
 use bytes::Bytes;
-use common::{Effects, TestClock, problem, problem_type, serve};
+use common::{Effects, TestClock, guard, problem, problem_type, serve, until};
 use futures_util::FutureExt;
 use http::StatusCode;
 use proptest::prelude::*;
@@ -43,25 +43,6 @@ use tower_idempotency::store::{
     UncertainPage, UncertainQuery, kit,
 };
 use tower_idempotency::{IdempotencyContext, IdempotencyLayer, IdempotencyStore, MemoryStore};
-
-/// The longest any single step may take before the test calls it a hang.
-const PATIENCE: Duration = Duration::from_secs(60);
-
-async fn guard<F: Future>(what: &str, f: F) -> F::Output {
-    tokio::time::timeout(PATIENCE, f)
-        .await
-        .unwrap_or_else(|_| panic!("{what} hung for {PATIENCE:?}"))
-}
-
-/// Polls `done` every 5 ms until it holds (guarded).
-async fn until(what: &str, mut done: impl FnMut() -> bool) {
-    guard(what, async {
-        while !done() {
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
-    })
-    .await;
-}
 
 /// A key no other test of this run uses.
 fn unique(name: &str) -> String {
@@ -745,15 +726,6 @@ fn request(key: &ScopedKey, fp: u8, lease: Duration, ttl: Duration) -> ClaimRequ
         lease,
         ttl,
         on_lease_expiry: LeaseExpiry::Reclaim,
-    }
-}
-
-fn stored(body: &'static [u8]) -> StoredResponse {
-    StoredResponse {
-        status: StatusCode::CREATED,
-        headers: http::HeaderMap::new(),
-        body: Some(Bytes::from_static(body)),
-        trailers: None,
     }
 }
 
@@ -1749,7 +1721,7 @@ fn s5_claim_now_and_claim_decide_alike_step_by_step() {
                                             .complete(
                                                 &k,
                                                 t,
-                                                &stored(b"r"),
+                                                &common::memory::response(b"r"),
                                                 Duration::from_millis(ttl_ms)
                                             )
                                             .await

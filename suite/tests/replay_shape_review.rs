@@ -20,7 +20,7 @@ use axum::Router;
 use axum::body::Body;
 use axum::routing::post;
 use bytes::Bytes;
-use common::{Effects, FlakyStore, problem_type, serve};
+use common::{Effects, FlakyStore, guard, problem_type, serve, until};
 use http::{HeaderMap, HeaderValue, Response, StatusCode};
 use http_body::Frame;
 use http_body_util::{BodyExt, Full, StreamBody};
@@ -37,31 +37,12 @@ use tower_idempotency::store::{
 };
 use tower_idempotency::{IdempotencyContext, IdempotencyLayer, IdempotencyStore, MemoryStore};
 
-/// The longest any single step may take before the test calls it a hang.
-const PATIENCE: Duration = Duration::from_secs(60);
-
-async fn guard<F: Future>(what: &str, f: F) -> F::Output {
-    tokio::time::timeout(PATIENCE, f)
-        .await
-        .unwrap_or_else(|_| panic!("{what} hung for {PATIENCE:?}"))
-}
-
 /// A key no earlier run (PostgreSQL and Redis keep rows) has used.
 fn unique(name: &str) -> String {
     let nanos = SystemTime::now()
         .duration_since(SystemTime::UNIX_EPOCH)
         .map_or(0, |d| d.as_nanos());
     format!("{name}-{}-{nanos}", std::process::id())
-}
-
-/// Polls `done` every 10 ms until it holds (guarded).
-async fn until(what: &str, mut done: impl FnMut() -> bool) {
-    guard(what, async {
-        while !done() {
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-    })
-    .await;
 }
 
 // ---------------------------------------------------------------------------------------------

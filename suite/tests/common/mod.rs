@@ -17,6 +17,26 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tower_idempotency::MemoryStore;
 
+/// The longest any single step may take before a test calls it a hang.
+pub const PATIENCE: Duration = Duration::from_secs(60);
+
+/// `f`, failing the test if it takes longer than [`PATIENCE`].
+pub async fn guard<F: std::future::Future>(what: &str, f: F) -> F::Output {
+    tokio::time::timeout(PATIENCE, f)
+        .await
+        .unwrap_or_else(|_| panic!("{what} hung for {PATIENCE:?}"))
+}
+
+/// Polls `done` every 5 ms until it holds ([`guard`]ed).
+pub async fn until(what: &str, mut done: impl FnMut() -> bool) {
+    guard(what, async {
+        while !done() {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    })
+    .await;
+}
+
 /// Serves `app` on an ephemeral loopback port; the server lives as long as the test runtime.
 pub async fn serve(app: Router) -> SocketAddr {
     let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
