@@ -6,6 +6,7 @@ use std::pin::Pin;
 use std::task::{Context, Poll};
 
 use http::Response;
+use tracing::Instrument;
 
 use crate::body::ResponseBody;
 
@@ -33,7 +34,7 @@ type BoxStep<B, E> = Pin<Box<dyn Future<Output = Step<B, E>> + Send>>;
 pub struct ResponseFuture<B, E> {
     state: State<B, E>,
     /// Spawns an execution whose client left; made where the bounds a task needs are known.
-    spawn: fn(BoxFuture<B, E>),
+    spawn: fn(BoxFuture<B, E>, tracing::Span),
     /// Entered while polling, so the boxed futures need not carry it.
     span: tracing::Span,
 }
@@ -79,14 +80,18 @@ where
     }
 }
 
-fn spawn_rest<B: Send + 'static, E: Send + 'static>(run: BoxFuture<B, E>) {
+fn spawn_rest<B: Send + 'static, E: Send + 'static>(run: BoxFuture<B, E>, span: tracing::Span) {
     // Without a runtime (it is shutting down) there is nothing to run on: the lease runs out
     // and the next claim decides, as for a process that died.
     if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-        runtime.spawn(async move {
-            // The answer has no one left to go to; the outcome is recorded inside.
-            drop(run.await);
-        });
+        runtime.spawn(
+            async move {
+                // The answer has no one left to go to; the outcome is recorded inside.
+                drop(run.await);
+            }
+            // On its own task it is polled inside its span as it was here.
+            .instrument(span),
+        );
     }
 }
 
@@ -122,11 +127,16 @@ impl<B, E> Future for ResponseFuture<B, E> {
 
 impl<B, E> Drop for ResponseFuture<B, E> {
     fn drop(&mut self) {
-        // The future is already on the heap: handing it on moves a pointer, nothing else.
-        if let State::Running { run, detach: true } =
-            std::mem::replace(&mut self.state, State::Done)
-        {
-            (self.spawn)(run);
+        match std::mem::replace(&mut self.state, State::Done) {
+            // The future is already on the heap: handing it on moves a pointer, nothing else.
+            State::Running { run, detach: true } => (self.spawn)(run, self.span.clone()),
+            // Dropped unfinished: inside its span, as it was polled (what it does on drop, such
+            // as giving a key back, is traced with the request).
+            unfinished @ (State::Deciding(_) | State::Running { .. }) => {
+                let _entered = self.span.enter();
+                drop(unfinished);
+            }
+            State::Done => {}
         }
     }
 }

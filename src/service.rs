@@ -10,7 +10,6 @@ use bytes::Bytes;
 use http::{Request, Response};
 use http_body::Body;
 use tower_service::Service;
-use tracing::Instrument;
 
 use crate::body::{RequestBody, ResponseBody};
 use crate::context::IdempotencyContext;
@@ -305,14 +304,15 @@ impl<St: IdempotencyStore, M: MakeScope> Pipeline<St, M> {
                 token,
             };
             return Step::Run {
-                run: Box::pin(execution.run(inner, req, Some(guard)).in_current_span()),
+                run: Box::pin(execution.run(inner, req, Some(guard))),
                 detach: false,
             };
         }
         // Run to completion: a client hanging up from here on detaches this future instead
-        // of cancelling it.
+        // of cancelling it. The response future polls it inside the request's span, here and
+        // once detached, so it carries no span of its own.
         Step::Run {
-            run: Box::pin(execution.run(inner, req, None).in_current_span()),
+            run: Box::pin(execution.run(inner, req, None)),
             detach: true,
         }
     }
