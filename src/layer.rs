@@ -395,7 +395,7 @@ impl<St, M> IdempotencyLayer<St, M> {
             templates,
             shapes,
             fingerprint: c.fingerprint.clone(),
-            denied_headers: c.denied_headers.clone().into(),
+            denied_headers: Arc::new(crate::replay::DeniedHeaders::new(c.denied_headers.clone())),
             woken: crate::woken::WokenReads::default(),
         }
     }

@@ -44,13 +44,47 @@ pub(crate) fn default_denied_headers() -> Vec<HeaderName> {
     .collect()
 }
 
+/// The names a response never records, with a filter that tells most other names apart
+/// without comparing them against the whole list: every recorded response's headers are
+/// checked against it.
+#[derive(Debug)]
+pub(crate) struct DeniedHeaders {
+    names: Vec<HeaderName>,
+    /// One bit per [`slot`] any denied name falls in.
+    filter: [u64; 4],
+}
+
+/// A name's place in [`DeniedHeaders`]'s filter: its length and last byte, mixed.
+fn slot(name: &HeaderName) -> usize {
+    let name = name.as_str().as_bytes();
+    let last = name.last().copied().unwrap_or(0);
+    usize::from((name.len() as u8).wrapping_mul(13).wrapping_add(last))
+}
+
+impl DeniedHeaders {
+    pub(crate) fn new(names: Vec<HeaderName>) -> Self {
+        let mut filter = [0u64; 4];
+        for name in &names {
+            let i = slot(name);
+            filter[i / 64] |= 1 << (i % 64);
+        }
+        Self { names, filter }
+    }
+
+    /// Whether `name` is denied.
+    pub(crate) fn contains(&self, name: &HeaderName) -> bool {
+        let i = slot(name);
+        self.filter[i / 64] & (1 << (i % 64)) != 0 && self.names.contains(name)
+    }
+}
+
 /// Takes the headers never recorded out of `headers`, to be put back with [`restore`] once
 /// the rest is recorded, so a response's headers are lent to its record rather than copied.
 /// With `drop_length`, `Content-Length` is dropped instead of kept: the server recomputes it
 /// from the whole body, as it does for every replay.
 pub(crate) fn withhold(
     headers: &mut HeaderMap,
-    denied: &[HeaderName],
+    denied: &DeniedHeaders,
     drop_length: bool,
 ) -> Vec<(HeaderName, HeaderValue)> {
     if drop_length {
@@ -67,7 +101,7 @@ pub(crate) fn withhold(
             .flat_map(|value| value.split(','))
             .filter_map(|token| HeaderName::from_bytes(token.trim().as_bytes()).ok())
             .collect();
-        for name in denied.iter().chain(&named) {
+        for name in denied.names.iter().chain(&named) {
             if let header::Entry::Occupied(entry) = headers.entry(name) {
                 let (name, values) = entry.remove_entry_mult();
                 withheld.extend(values.map(|value| (name.clone(), value)));
@@ -337,6 +371,87 @@ fn lossless_text(body: &[u8]) -> serde_json::Value {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::prelude::*;
+
+    /// Standard names and names like the denied ones (same length, same last byte).
+    const NAMES: &[&str] = &[
+        "accept",
+        "accept-encoding",
+        "age",
+        "cache-control",
+        "content-encoding",
+        "content-language",
+        "content-location",
+        "content-type",
+        "etag",
+        "expires",
+        "last-modified",
+        "link",
+        "location",
+        "retry-after",
+        "server",
+        "vary",
+        "via",
+        "x-request-ie",
+        "x-request-id",
+        "set-cookie",
+        "set-cookiee",
+        "date",
+        "data",
+        "grpc-status",
+        "grpc-message",
+        "idempotency-replayed",
+        "idempotency-key",
+        "te",
+        "tf",
+        "x-custom",
+        "connection",
+        "keep-alive",
+        "content-length",
+        "transfer-encoding",
+        "trailer",
+        "upgrade",
+        "traceparent",
+        "tracestate",
+        "www-authenticate",
+    ];
+
+    #[test]
+    fn the_denied_filter_agrees_with_the_list() {
+        // §5: a denied header is never recorded. The filter may only skip the list's
+        // comparisons for names the list does not hold.
+        let names = default_denied_headers();
+        let denied = DeniedHeaders::new(names.clone());
+        for name in NAMES
+            .iter()
+            .map(|n| HeaderName::from_static(n))
+            .chain(names.clone())
+        {
+            assert_eq!(denied.contains(&name), names.contains(&name), "{name}");
+        }
+        let added = DeniedHeaders::new(vec![HeaderName::from_static("x-secret")]);
+        assert!(added.contains(&HeaderName::from_static("x-secret")));
+        assert!(!added.contains(&HeaderName::from_static("x-secrets")));
+    }
+
+    proptest! {
+        #[test]
+        fn the_denied_filter_agrees_on_any_name(
+            list in proptest::collection::vec("[a-z0-9-]{1,24}", 0..8),
+            name in "[a-z0-9-]{1,24}",
+        ) {
+            let list: Vec<HeaderName> =
+                list.iter().filter_map(|n| HeaderName::from_bytes(n.as_bytes()).ok()).collect();
+            let Ok(name) = HeaderName::from_bytes(name.as_bytes()) else {
+                return Ok(());
+            };
+            let denied = DeniedHeaders::new(list.clone());
+            prop_assert_eq!(denied.contains(&name), list.contains(&name));
+            for listed in &list {
+                prop_assert!(denied.contains(listed));
+            }
+        }
+    }
 
     #[test]
     fn withheld_headers_are_not_recorded_and_come_back() {
@@ -349,10 +464,14 @@ mod tests {
         h.append("date", "now".parse().expect("v"));
         h.append("content-length", "3".parse().expect("v"));
         let mut kept = h.clone();
-        let withheld = withhold(&mut kept, &default_denied_headers(), false);
+        let withheld = withhold(
+            &mut kept,
+            &DeniedHeaders::new(default_denied_headers()),
+            false,
+        );
         restore(&mut kept, withheld);
         assert_eq!(kept["content-length"], "3", "kept unless the body is whole");
-        let withheld = withhold(&mut h, &default_denied_headers(), true);
+        let withheld = withhold(&mut h, &DeniedHeaders::new(default_denied_headers()), true);
         // What is recorded: no secrets, no per-response values, repeats in order.
         assert!(h.get("set-cookie").is_none());
         assert!(h.get("date").is_none());
@@ -391,7 +510,7 @@ mod tests {
         ] {
             h.append(name, value.parse().expect("v"));
         }
-        let withheld = withhold(&mut h, &default_denied_headers(), true);
+        let withheld = withhold(&mut h, &DeniedHeaders::new(default_denied_headers()), true);
         assert_eq!(h.keys().map(|n| n.as_str()).collect::<Vec<_>>(), ["x-kept"]);
         assert_eq!(withheld.len(), 9);
     }

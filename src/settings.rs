@@ -21,7 +21,7 @@ pub(crate) struct Resolved {
     /// The same, by [`shape`], for the route axum matched.
     pub(crate) shapes: HashMap<String, Arc<RouteConfig>>,
     pub(crate) fingerprint: FingerprintOptions,
-    pub(crate) denied_headers: Arc<[HeaderName]>,
+    pub(crate) denied_headers: Arc<crate::replay::DeniedHeaders>,
     /// The reads of requests woken together by one record's change, shared.
     pub(crate) woken: crate::woken::WokenReads,
 }

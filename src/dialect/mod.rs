@@ -15,7 +15,7 @@ pub(crate) mod rpc_status;
 
 use std::sync::Arc;
 
-use ::http::{HeaderMap, HeaderName, HeaderValue, Response, request::Parts};
+use ::http::{HeaderMap, HeaderValue, Response, request::Parts};
 use bytes::Bytes;
 
 use self::http::{Admitted, Reading};
@@ -245,7 +245,7 @@ impl Dialect {
         &self,
         headers: &HeaderMap,
         trailers: Option<&HeaderMap>,
-        denied: &[::http::HeaderName],
+        denied: &crate::replay::DeniedHeaders,
         complete: bool,
     ) -> Option<HeaderMap> {
         let mut kept = trailers.cloned();
@@ -313,7 +313,7 @@ impl Dialect {
         request: &HeaderMap,
         envelope: bool,
         settings: Option<&JsonRpc>,
-        denied: &[HeaderName],
+        denied: &crate::replay::DeniedHeaders,
     ) -> Response<ResponseBody<B>> {
         let how = Presentation {
             replayed: true,

@@ -350,7 +350,10 @@ fn trim_ascii_whitespace(text: &str) -> &str {
     let space = |b: &u8| matches!(b, b' ' | b'\t'..=b'\r');
     let bytes = text.as_bytes();
     let start = bytes.iter().position(|b| !space(b)).unwrap_or(bytes.len());
-    let end = bytes.iter().rposition(|b| !space(b)).map_or(start, |i| i + 1);
+    let end = bytes
+        .iter()
+        .rposition(|b| !space(b))
+        .map_or(start, |i| i + 1);
     // ASCII: every byte offset is a character boundary.
     text.get(start..end).unwrap_or_default()
 }

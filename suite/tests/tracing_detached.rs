@@ -64,10 +64,7 @@ impl Subscriber for Spans {
             .expect("lock")
             .last()
             .map(|id| names[(*id - 1) as usize]);
-        self.events
-            .lock()
-            .expect("lock")
-            .push((message, current));
+        self.events.lock().expect("lock").push((message, current));
     }
 
     fn enter(&self, id: &Id) {

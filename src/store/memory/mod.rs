@@ -33,7 +33,17 @@ const CLAIM_PURGES: usize = 2;
 /// longer than their TTL), whose holders may have left without a word.
 const POLL_EVERY: u64 = 1024;
 
-type Clock = Arc<dyn Fn() -> SystemTime + Send + Sync>;
+/// Where the store reads the time.
+enum Clock {
+    /// The wall clock read once (as time since the epoch), then `Instant`: what every read
+    /// costs is one `Instant::now`.
+    Monotonic {
+        since_epoch: std::time::Duration,
+        start: std::time::Instant,
+    },
+    /// A clock the application (a test) moves.
+    Given(Arc<dyn Fn() -> SystemTime + Send + Sync>),
+}
 
 /// The embedded store: one process, no dependencies, bounded memory.
 ///
@@ -93,6 +103,16 @@ impl<T> std::ops::Deref for Padded<T> {
 }
 
 /// Milliseconds since the Unix epoch.
+/// `clock`'s time, in milliseconds since the epoch.
+fn read(clock: &Clock) -> u64 {
+    match clock {
+        Clock::Monotonic { since_epoch, start } => {
+            (*since_epoch + start.elapsed()).as_millis() as u64
+        }
+        Clock::Given(clock) => ms(clock()),
+    }
+}
+
 fn ms(t: SystemTime) -> u64 {
     t.duration_since(SystemTime::UNIX_EPOCH)
         .map_or(0, |d| d.as_millis() as u64)
@@ -136,22 +156,29 @@ impl MemoryStore {
     /// A store whose clock reads `base` at creation and then moves with `Instant`: the wall
     /// clock is read once, never again.
     fn monotonic_since(base: SystemTime) -> Self {
+        let since_epoch = base
+            .duration_since(SystemTime::UNIX_EPOCH)
+            .unwrap_or_default();
         let start = std::time::Instant::now();
-        Self::with_clock(move || base + start.elapsed())
+        Self::on(Clock::Monotonic { since_epoch, start })
     }
 
     /// An empty store reading time from `clock` (tests move time forward with it), with the
     /// default bounds.
     pub fn with_clock(clock: impl Fn() -> SystemTime + Send + Sync + 'static) -> Self {
+        Self::on(Clock::Given(Arc::new(clock)))
+    }
+
+    fn on(clock: Clock) -> Self {
         let seed = SystemTime::now()
             .duration_since(SystemTime::UNIX_EPOCH)
             .map_or(1, |d| d.as_nanos() as u64);
-        let base = ms(clock());
+        let base = read(&clock);
         Self {
             inner: Arc::new(Inner {
                 shards: (0..SHARDS).map(|_| Padded(Mutex::default())).collect(),
                 hasher: RandomState::new(),
-                clock: Arc::new(clock),
+                clock,
                 base,
                 max_records: AtomicUsize::new(Self::DEFAULT_MAX_RECORDS),
                 max_bytes: AtomicUsize::new(Self::DEFAULT_MAX_BYTES),
@@ -359,7 +386,7 @@ impl MemoryStore {
 
     /// The store's clock, in milliseconds.
     fn now(&self) -> u64 {
-        ms((self.inner.clock)())
+        read(&self.inner.clock)
     }
 
     fn token(&self) -> FencingToken {
