@@ -5,7 +5,7 @@ use std::borrow::Cow;
 use std::fmt;
 use std::sync::Arc;
 
-use http::{HeaderMap, HeaderName};
+use http::{HeaderMap, HeaderName, HeaderValue};
 
 /// The longest key accepted, in bytes, after removing sf-string quoting.
 pub const MAX_KEY_LEN: usize = 255;
@@ -57,11 +57,11 @@ pub(crate) fn parse_key<'h>(
     headers: &'h HeaderMap,
     name: &HeaderName,
 ) -> Result<Option<Cow<'h, str>>, KeyError> {
-    let mut values = headers.get_all(name).iter();
-    let Some(value) = values.next() else {
+    let (value, another) = first_two(headers, name);
+    let Some(value) = value else {
         return Ok(None);
     };
-    if values.next().is_some() {
+    if another {
         return Err(KeyError::Multiple);
     }
     let raw = value.as_bytes();
@@ -99,6 +99,19 @@ pub(crate) fn parse_key<'h>(
     }
     .map(Some)
     .map_err(|_| KeyError::InvalidCharacter)
+}
+
+/// The first value of `name` in `headers`, and whether it has another, as `get_all` would
+/// give them. A request's few header lines are compared one by one for less than a custom
+/// name costs to hash (byte by byte); a map with many names is searched by hash.
+fn first_two<'h>(headers: &'h HeaderMap, name: &HeaderName) -> (Option<&'h HeaderValue>, bool) {
+    const SCAN: usize = 8;
+    if headers.keys_len() <= SCAN {
+        let mut values = headers.iter().filter(|(n, _)| *n == name).map(|(_, v)| v);
+        return (values.next(), values.next().is_some());
+    }
+    let mut values = headers.get_all(name).iter();
+    (values.next(), values.next().is_some())
 }
 
 /// The checks every key passes, wherever it came from (the header, or `params._meta` in
@@ -329,6 +342,30 @@ mod tests {
                 return Ok(());
             }
             proptest::prop_assert_eq!(parse(&[&raw]), bare_reference(&raw));
+        }
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn first_two_reads_what_get_all_reads(
+            lines in proptest::collection::vec((0usize..24, 0u8..4), 0..40),
+            wanted in 0usize..24,
+        ) {
+            // §3.1: two key lines are refused; the scan over a small map must see exactly
+            // what the hashed lookup sees, on maps below and above the scan's size.
+            let name = |i: usize| match i {
+                0 => IDEMPOTENCY_KEY.clone(),
+                1 => http::header::CONTENT_TYPE,
+                i => HeaderName::from_bytes(format!("x-h{i}").as_bytes()).expect("name"),
+            };
+            let mut headers = HeaderMap::new();
+            for (i, v) in &lines {
+                headers.append(name(*i), HeaderValue::from(u16::from(*v)));
+            }
+            let wanted = name(wanted);
+            let mut all = headers.get_all(&wanted).iter();
+            let expected = (all.next(), all.next().is_some());
+            proptest::prop_assert_eq!(first_two(&headers, &wanted), expected);
         }
     }
 
