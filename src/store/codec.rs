@@ -7,14 +7,79 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::SystemTime;
 
 use bytes::{Buf, BufMut, Bytes};
-use http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
+use http::{HeaderMap, HeaderName, HeaderValue, StatusCode, header};
 
 use super::{FencingToken, StoredResponse};
 
-/// The format written: lengths as varints. Stores keep what they wrote, so [`LEGACY`]
-/// (fixed-width lengths, 15 bytes more for a typical response) still decodes.
-const MAGIC: &[u8; 4] = b"TIR2";
+/// The format written: lengths as varints, and the header names of [`KNOWN`] as their index
+/// (a zero length, then one byte). Stores keep what they wrote, so [`VARINT`] (every name
+/// spelled out) and [`LEGACY`] (fixed-width lengths besides, 15 bytes more for a typical
+/// response) still decode.
+const MAGIC: &[u8; 4] = b"TIR3";
+const VARINT: &[u8; 4] = b"TIR2";
 const LEGACY: &[u8; 4] = b"TIR1";
+
+/// The header names written as one byte: what responses send most. Append only: a stored
+/// record names a header by its place here.
+static KNOWN: [HeaderName; 24] = [
+    header::CONTENT_TYPE,
+    header::CONTENT_ENCODING,
+    header::CACHE_CONTROL,
+    header::ETAG,
+    header::LAST_MODIFIED,
+    header::LOCATION,
+    header::VARY,
+    header::CONTENT_LANGUAGE,
+    header::CONTENT_DISPOSITION,
+    header::EXPIRES,
+    header::LINK,
+    header::RETRY_AFTER,
+    header::SERVER,
+    header::ACCESS_CONTROL_ALLOW_ORIGIN,
+    header::CONTENT_LOCATION,
+    header::AGE,
+    header::ALLOW,
+    header::ACCEPT_RANGES,
+    header::CONTENT_RANGE,
+    header::X_CONTENT_TYPE_OPTIONS,
+    header::STRICT_TRANSPORT_SECURITY,
+    HeaderName::from_static("grpc-status"),
+    HeaderName::from_static("grpc-message"),
+    HeaderName::from_static("grpc-status-details-bin"),
+];
+
+/// `name`'s place in [`KNOWN`], if it has one.
+fn known(name: &HeaderName) -> Option<u8> {
+    // Compared by text: one `match` on the length and bytes, not a search of the table.
+    let i = match name.as_str() {
+        "content-type" => 0,
+        "content-encoding" => 1,
+        "cache-control" => 2,
+        "etag" => 3,
+        "last-modified" => 4,
+        "location" => 5,
+        "vary" => 6,
+        "content-language" => 7,
+        "content-disposition" => 8,
+        "expires" => 9,
+        "link" => 10,
+        "retry-after" => 11,
+        "server" => 12,
+        "access-control-allow-origin" => 13,
+        "content-location" => 14,
+        "age" => 15,
+        "allow" => 16,
+        "accept-ranges" => 17,
+        "content-range" => 18,
+        "x-content-type-options" => 19,
+        "strict-transport-security" => 20,
+        "grpc-status" => 21,
+        "grpc-message" => 22,
+        "grpc-status-details-bin" => 23,
+        _ => return None,
+    };
+    Some(i)
+}
 
 /// Stored bytes that do not decode: written by something else, or damaged.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -45,8 +110,11 @@ impl StoredResponse {
             varint_len(h.len())
                 + h.iter()
                     .map(|(n, v)| {
-                        let (n, v) = (n.as_str().len(), v.len());
-                        varint_len(n) + n + varint_len(v) + v
+                        let n = match known(n) {
+                            Some(_) => 2,
+                            None => varint_len(n.as_str().len()) + n.as_str().len(),
+                        };
+                        n + varint_len(v.len()) + v.len()
                     })
                     .sum::<usize>()
         };
@@ -98,25 +166,27 @@ impl StoredResponse {
 
     fn decode(bytes: &[u8], share: impl Fn(&[u8]) -> Bytes) -> Result<Self, CorruptRecord> {
         let mut buf = bytes;
-        let lengths = match buf.get(..MAGIC.len()) {
-            Some(m) if m == MAGIC => Lengths::Varint,
-            Some(m) if m == LEGACY => Lengths::Fixed,
+        let (lengths, names) = match buf.get(..MAGIC.len()) {
+            Some(m) if m == MAGIC => (Lengths::Varint, Names::Indexed),
+            Some(m) if m == VARINT => (Lengths::Varint, Names::Spelled),
+            Some(m) if m == LEGACY => (Lengths::Fixed, Names::Spelled),
             _ => return Err(CorruptRecord("unknown format")),
         };
+        let format = Format { lengths, names };
         buf.advance(MAGIC.len());
         let status = StatusCode::from_u16(get_u16(&mut buf)?)
             .map_err(|_| CorruptRecord("invalid status"))?;
-        let headers = get_headers(&mut buf, lengths, &share)?;
+        let headers = get_headers(&mut buf, format, &share)?;
         let body = match get_u8(&mut buf)? {
             0 => None,
             _ => {
-                let len = lengths.get(&mut buf, 8)?;
+                let len = format.lengths.get(&mut buf, 8)?;
                 Some(share(take(&mut buf, len)?))
             }
         };
         let trailers = match get_u8(&mut buf)? {
             0 => None,
-            _ => Some(get_headers(&mut buf, lengths, &share)?),
+            _ => Some(get_headers(&mut buf, format, &share)?),
         };
         if !buf.is_empty() {
             return Err(CorruptRecord("trailing bytes"));
@@ -128,6 +198,22 @@ impl StoredResponse {
             trailers,
         })
     }
+}
+
+/// How a format writes lengths and header names.
+#[derive(Clone, Copy)]
+struct Format {
+    lengths: Lengths,
+    names: Names,
+}
+
+/// How a format writes header names.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Names {
+    /// Every name spelled out (`TIR1`, `TIR2`).
+    Spelled,
+    /// The names of [`KNOWN`] as a zero length and their index (`TIR3`).
+    Indexed,
 }
 
 /// How a format writes counts and lengths.
@@ -187,8 +273,14 @@ fn get_varint(buf: &mut &[u8]) -> Result<u64, CorruptRecord> {
 fn put_headers(out: &mut Vec<u8>, headers: &HeaderMap) {
     put_varint(out, headers.len());
     for (name, value) in headers {
-        put_varint(out, name.as_str().len());
-        out.put_slice(name.as_str().as_bytes());
+        match known(name) {
+            // A name is never empty: a zero length says an index follows.
+            Some(i) => out.put_slice(&[0, i]),
+            None => {
+                put_varint(out, name.as_str().len());
+                out.put_slice(name.as_str().as_bytes());
+            }
+        }
         put_varint(out, value.len());
         out.put_slice(value.as_bytes());
     }
@@ -196,9 +288,10 @@ fn put_headers(out: &mut Vec<u8>, headers: &HeaderMap) {
 
 fn get_headers(
     buf: &mut &[u8],
-    lengths: Lengths,
+    format: Format,
     share: &impl Fn(&[u8]) -> Bytes,
 ) -> Result<HeaderMap, CorruptRecord> {
+    let lengths = format.lengths;
     let count = lengths.get(buf, 4)?;
     // Room for what a replay adds (its mark), and never less than a map's first allocation
     // (six entries): hyper keeps a response's map for the next request's headers, and a
@@ -206,8 +299,14 @@ fn get_headers(
     let mut headers = HeaderMap::with_capacity((count.min(64) + 1).max(6));
     for _ in 0..count {
         let len = lengths.get(buf, 4)?;
-        let name = HeaderName::from_bytes(take(buf, len)?)
-            .map_err(|_| CorruptRecord("invalid header name"))?;
+        let name = match (len, format.names) {
+            (0, Names::Indexed) => KNOWN
+                .get(usize::from(get_u8(buf)?))
+                .cloned()
+                .ok_or(CorruptRecord("unknown header index"))?,
+            _ => HeaderName::from_bytes(take(buf, len)?)
+                .map_err(|_| CorruptRecord("invalid header name"))?,
+        };
         let len = lengths.get(buf, 4)?;
         let value = HeaderValue::from_maybe_shared(share(take(buf, len)?))
             .map_err(|_| CorruptRecord("invalid header value"))?;
@@ -323,11 +422,86 @@ mod tests {
     }
 
     /// The memory bound per record (issue 5) counts on this size: a JSON response of 200 B
-    /// takes 11 bytes of framing beside its 230 bytes of status, header and body (it took 26).
+    /// takes 12 bytes of framing beside its status, header value and body, and its header's
+    /// name none (it took 26 bytes of framing, then 11 and the name's 12 in `TIR2`).
     #[test]
-    fn a_typical_response_takes_eleven_bytes_of_framing() {
+    fn a_typical_response_takes_twelve_bytes_of_framing_and_no_name() {
         let response = json(Some(Bytes::from(vec![b'x'; 200])), None);
-        assert_eq!(response.to_bytes().len(), 2 + 12 + 16 + 200 + 11);
+        assert_eq!(response.to_bytes().len(), 2 + 16 + 200 + 12);
+    }
+
+    /// Records written before header names had indexes still replay (SQL stores keep them).
+    #[test]
+    fn decodes_the_spelled_out_varint_format() {
+        // As `TIR2` wrote it: status 201, one header, body "{}", one trailer.
+        let v2 = [
+            &b"TIR2\x00\xc9\x01"[..],
+            b"\x0ccontent-type\x10application/json",
+            b"\x01\x02{}",
+            b"\x01\x01\x0bgrpc-status\x010",
+        ]
+        .concat();
+        let mut trailers = HeaderMap::new();
+        trailers.insert("grpc-status", HeaderValue::from_static("0"));
+        let expected = json(Some(Bytes::from_static(b"{}")), Some(trailers));
+        assert_eq!(StoredResponse::from_bytes(&v2), Ok(expected.clone()));
+        assert_eq!(
+            StoredResponse::from_shared(&Bytes::from(v2)),
+            Ok(expected.clone())
+        );
+        // Written today, the same response names both headers by index.
+        assert_eq!(
+            expected.to_bytes(),
+            [
+                &b"TIR3\x00\xc9\x01"[..],
+                b"\x00\x00\x10application/json",
+                b"\x01\x02{}",
+                b"\x01\x01\x00\x15\x010",
+            ]
+            .concat()
+        );
+    }
+
+    /// The table and the lookup are written apart: every name of the one is found by the other
+    /// at its own place, round trips, and takes two bytes.
+    #[test]
+    fn every_known_name_is_written_as_its_index() {
+        for (i, name) in KNOWN.iter().enumerate() {
+            assert_eq!(known(name), Some(i as u8), "{name}");
+            let mut headers = HeaderMap::new();
+            headers.insert(name.clone(), HeaderValue::from_static("v"));
+            let response = StoredResponse {
+                status: StatusCode::OK,
+                headers,
+                body: None,
+                trailers: None,
+            };
+            let bytes = response.to_bytes();
+            assert_eq!(&bytes[7..9], &[0, i as u8], "{name}");
+            assert_eq!(StoredResponse::from_bytes(&bytes), Ok(response), "{name}");
+        }
+        assert_eq!(known(&HeaderName::from_static("x-content-type")), None);
+        assert_eq!(known(&HeaderName::from_static("content-typ")), None);
+    }
+
+    /// An index past the table, or an index in a format that has none, is corrupt.
+    #[test]
+    fn unknown_indexes_are_corrupt() {
+        let past = [
+            &b"TIR3\x00\xc8\x01\x00"[..],
+            &[KNOWN.len() as u8],
+            b"\x01v\x00\x00",
+        ]
+        .concat();
+        assert_eq!(
+            StoredResponse::from_bytes(&past),
+            Err(CorruptRecord("unknown header index"))
+        );
+        let spelled = b"TIR2\x00\xc8\x01\x00\x00\x01v\x00\x00";
+        assert_eq!(
+            StoredResponse::from_bytes(spelled),
+            Err(CorruptRecord("invalid header name"))
+        );
     }
 
     #[test]
@@ -367,7 +541,7 @@ mod tests {
             (&[0x80; 11], "length"),
             (&[0x80], "truncated"),
         ] {
-            let mut bytes = b"TIR2\x00\xc8".to_vec();
+            let mut bytes = b"TIR3\x00\xc8".to_vec();
             bytes.extend_from_slice(varint);
             assert_eq!(
                 StoredResponse::from_bytes(&bytes),
@@ -389,7 +563,15 @@ mod tests {
         fn any_response_round_trips_exactly(
             status in 100u16..1000,
             headers in proptest::collection::vec(
-                ("[a-z][a-z0-9-]{0,20}", proptest::collection::vec(0x20u8..0x7f, 0..300)),
+                (
+                    proptest::prop_oneof![
+                        "[a-z][a-z0-9-]{0,20}",
+                        proptest::sample::select(
+                            KNOWN.iter().map(|n| n.as_str().to_owned()).collect::<Vec<_>>()
+                        ),
+                    ],
+                    proptest::collection::vec(0x20u8..0x7f, 0..300),
+                ),
                 0..8,
             ),
             body in proptest::option::of(proptest::collection::vec(proptest::num::u8::ANY, 0..600)),

@@ -302,41 +302,58 @@ async fn restart_replays_from_sqlite() {
     restart_replays(&format!("sqlite://{}", path.display())).await;
 }
 
-/// §2 across versions: a response stored by 0.1 (format `TIR1`, fixed-width lengths) still
-/// replays byte for byte, without running the handler, after the format moved on (`TIR2`).
+/// §2 across versions: a response stored by 0.1 (format `TIR1`, fixed-width lengths) or by
+/// the format after it (`TIR2`, varints, names spelled out) still replays byte for byte,
+/// without running the handler, after the format moved on (`TIR3`, known names as indexes).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn s2_a_response_stored_in_the_legacy_format_still_replays_from_sqlite() {
+async fn s2_a_response_stored_in_an_earlier_format_still_replays_from_sqlite() {
     let (store, _path) = common::sqlite("legacy").await;
     let effects = Effects::default();
     let addr = serve(tickets(store.clone(), effects.clone())).await;
-    let key = unique("legacy");
-    let body = json!({ "title": "stored long ago" });
-    assert_eq!(
-        create(addr, &key, &body).await.status(),
-        StatusCode::CREATED
-    );
-    // As 0.1 wrote it: 201, content-type text/plain, body "ticket 7 (0.1)", no trailers.
+    // Each: 201, content-type text/plain, the body, no trailers.
     let v1 = [
         &b"TIR1\x00\xc9\x00\x00\x00\x01"[..],
         b"\x00\x00\x00\x0ccontent-type\x00\x00\x00\x0atext/plain",
         b"\x01\x00\x00\x00\x00\x00\x00\x00\x0eticket 7 (0.1)\x00",
     ]
     .concat();
-    let rewritten = sqlx::query("UPDATE idempotency_records SET response = ? WHERE key = ?")
-        .bind(v1)
-        .bind(key.as_bytes())
-        .execute(store.pool())
-        .await
-        .expect("rewrite the row")
-        .rows_affected();
-    assert_eq!(rewritten, 1);
+    let v2 = [
+        &b"TIR2\x00\xc9\x01"[..],
+        b"\x0ccontent-type\x0atext/plain",
+        b"\x01\x0fticket 8 (TIR2)\x00",
+    ]
+    .concat();
+    for (format, stored, text) in [
+        ("TIR1", v1, "ticket 7 (0.1)"),
+        ("TIR2", v2, "ticket 8 (TIR2)"),
+    ] {
+        let key = unique("legacy");
+        let body = json!({ "title": "stored long ago" });
+        let before = effects.count();
+        assert_eq!(
+            create(addr, &key, &body).await.status(),
+            StatusCode::CREATED
+        );
+        let rewritten = sqlx::query("UPDATE idempotency_records SET response = ? WHERE key = ?")
+            .bind(stored)
+            .bind(key.as_bytes())
+            .execute(store.pool())
+            .await
+            .expect("rewrite the row")
+            .rows_affected();
+        assert_eq!(rewritten, 1, "{format}");
 
-    let replay = create(addr, &key, &body).await;
-    assert_eq!(replay.status(), StatusCode::CREATED);
-    assert_eq!(replay.headers()["idempotency-replayed"], "true");
-    assert_eq!(replay.headers()["content-type"], "text/plain");
-    assert_eq!(replay.text().await.expect("body"), "ticket 7 (0.1)");
-    assert_eq!(effects.count(), 1, "the replay ran nothing");
+        let replay = create(addr, &key, &body).await;
+        assert_eq!(replay.status(), StatusCode::CREATED, "{format}");
+        assert_eq!(replay.headers()["idempotency-replayed"], "true", "{format}");
+        assert_eq!(replay.headers()["content-type"], "text/plain", "{format}");
+        assert_eq!(replay.text().await.expect("body"), text, "{format}");
+        assert_eq!(
+            effects.count(),
+            before + 1,
+            "{format}: the replay ran nothing"
+        );
+    }
 }
 
 /// A store whose every connection to PostgreSQL passes through `proxy`.
