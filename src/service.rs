@@ -123,12 +123,17 @@ struct Pipeline<St, M> {
 impl<St: IdempotencyStore, M: MakeScope> Pipeline<St, M> {
     /// Steps 1–6, and the future that runs steps 7–9. Every byte of this future is allocated
     /// per request: what waits across an `.await` is kept small, rare paths are boxed.
-    async fn run<S, ReqBody, ResBody>(
+    ///
+    /// A function returning an `async` block, not an `async fn`: an `async fn` keeps its
+    /// arguments twice in its state (as captured and as locals), and the request's head alone
+    /// is 224 bytes. Kept under glibc's per-thread cache size (1 032 bytes), the box this
+    /// future goes into is allocated and freed from the cache.
+    fn run<S, ReqBody, ResBody>(
         self,
         inner: S,
         parts: http::request::Parts,
         body: ReqBody,
-    ) -> Step<ResBody, S::Error>
+    ) -> impl Future<Output = Step<ResBody, S::Error>> + Send + 'static
     where
         S: Service<Request<RequestBody<ReqBody>>, Response = Response<ResBody>> + Send + 'static,
         S::Future: Send + 'static,
@@ -138,87 +143,89 @@ impl<St: IdempotencyStore, M: MakeScope> Pipeline<St, M> {
         ResBody: Body<Data = Bytes> + Send + 'static,
         ResBody::Error: Into<BoxError>,
     {
-        let route = &self.route;
+        async move {
+            let route = &self.route;
 
-        // 1–4. Key and scope from the head, the whole body, then the fingerprint, as the
-        // route's dialect reads them. Each `.await` stands on its own, outside any `match`: a
-        // matched value lives to the end of its `match` and would stay in this future's state.
-        let pending = match dialect::head(&self.reading(), route.jsonrpc.as_deref(), &parts) {
-            Head::Read(pending) => pending,
-            Head::PassThrough => {
-                self.outcome("pass_through");
-                let req = Request::from_parts(parts, RequestBody::passthrough(body));
-                return Step::Run {
-                    run: Box::pin(pass_through(inner, req)),
-                    detach: false,
-                };
-            }
-            Head::Refuse(refusal) => return Step::Answer(Ok(self.refuse(refusal))),
-        };
-        // A block, so the read's result is not kept in this future's state later on.
-        let bytes = {
-            // A gRPC call is read message by message: a guarded method must be unary, and a
-            // streaming call is refused rather than buffered until a client that waits for a
-            // reply gives up (never a hang).
-            let buffered = match pending.reads_one_message() {
-                true => {
-                    let text = crate::dialect::grpc_web::is_text(&parts.headers);
-                    Box::pin(read_unary(body, route.body_limit, text)).await
+            // 1–4. Key and scope from the head, the whole body, then the fingerprint, as the
+            // route's dialect reads them. Each `.await` stands on its own, outside any `match`: a
+            // matched value lives to the end of its `match` and would stay in this future's state.
+            let pending = match dialect::head(&self.reading(), route.jsonrpc.as_deref(), &parts) {
+                Head::Read(pending) => pending,
+                Head::PassThrough => {
+                    self.outcome("pass_through");
+                    let req = Request::from_parts(parts, RequestBody::passthrough(body));
+                    return Step::Run {
+                        run: Box::pin(pass_through(inner, req)),
+                        detach: false,
+                    };
                 }
-                false => buffer(&parts, body, route.body_limit).await,
+                Head::Refuse(refusal) => return Step::Answer(Ok(self.refuse(refusal))),
             };
-            match buffered {
-                Ok(bytes) => bytes,
-                Err(problem) => {
-                    let refusal = refuse_body(problem, pending.dialect());
-                    return Step::Answer(Ok(self.refuse(refusal)));
+            // A block, so the read's result is not kept in this future's state later on.
+            let bytes = {
+                // A gRPC call is read message by message: a guarded method must be unary, and a
+                // streaming call is refused rather than buffered until a client that waits for a
+                // reply gives up (never a hang).
+                let buffered = match pending.reads_one_message() {
+                    true => {
+                        let text = crate::dialect::grpc_web::is_text(&parts.headers);
+                        Box::pin(read_unary(body, route.body_limit, text)).await
+                    }
+                    false => buffer(&parts, body, route.body_limit).await,
+                };
+                match buffered {
+                    Ok(bytes) => bytes,
+                    Err(problem) => {
+                        let refusal = refuse_body(problem, pending.dialect());
+                        return Step::Answer(Ok(self.refuse(refusal)));
+                    }
                 }
-            }
-        };
-        let (key, fingerprint, dialect) = match dialect::admit(
-            &self.reading(),
-            route.jsonrpc.as_deref(),
-            &parts,
-            &bytes,
-            pending,
-        ) {
-            Admitted::Guard {
+            };
+            let (key, fingerprint, dialect) = match dialect::admit(
+                &self.reading(),
+                route.jsonrpc.as_deref(),
+                &parts,
+                &bytes,
+                pending,
+            ) {
+                Admitted::Guard {
+                    key,
+                    fingerprint,
+                    reply,
+                } => (key, fingerprint, reply),
+                Admitted::PassThrough => {
+                    self.outcome("pass_through");
+                    let req = Request::from_parts(parts, RequestBody::buffered(bytes));
+                    return Step::Run {
+                        run: Box::pin(pass_through(inner, req)),
+                        detach: false,
+                    };
+                }
+                Admitted::Refuse(refusal) => return Step::Answer(Ok(self.refuse(refusal))),
+            };
+
+            // 5–6. Claim, and decide; on routes that wait, an in-flight key is claimed again as
+            // its holder finishes, until it replays, runs here (released) or the wait is over.
+            let request = ClaimRequest {
                 key,
                 fingerprint,
-                reply,
-            } => (key, fingerprint, reply),
-            Admitted::PassThrough => {
-                self.outcome("pass_through");
-                let req = Request::from_parts(parts, RequestBody::buffered(bytes));
-                return Step::Run {
-                    run: Box::pin(pass_through(inner, req)),
-                    detach: false,
-                };
-            }
-            Admitted::Refuse(refusal) => return Step::Answer(Ok(self.refuse(refusal))),
-        };
-
-        // 5–6. Claim, and decide; on routes that wait, an in-flight key is claimed again as
-        // its holder finishes, until it replays, runs here (released) or the wait is over.
-        let request = ClaimRequest {
-            key,
-            fingerprint,
-            lease: route.lease,
-            ttl: route.ttl,
-            on_lease_expiry: route.on_lease_expiry,
-        };
-        let wait_until = route
-            .wait_for_in_flight
-            .map(|wait| tokio::time::Instant::now() + wait);
-        let mut round = 0u32;
-        let lease = loop {
-            // Seen to its end even if this request is dropped meanwhile (see `ClaimToEnd`).
-            // A record locked by a transaction is answered at once, and not noted in its
-            // history: that write would wait for the same lock.
-            // After a wait, a claim is what a recorded outcome needs least: read it first.
-            let woken = (round > 0).then(|| self.config.clone());
-            let (decision, noted) =
-                match ClaimToEnd::new(self.keeper.store(), &request, woken).await {
+                lease: route.lease,
+                ttl: route.ttl,
+                on_lease_expiry: route.on_lease_expiry,
+            };
+            let wait_until = route
+                .wait_for_in_flight
+                .map(|wait| tokio::time::Instant::now() + wait);
+            let mut round = 0u32;
+            let lease = loop {
+                // Seen to its end even if this request is dropped meanwhile (see `ClaimToEnd`).
+                // A record locked by a transaction is answered at once, and not noted in its
+                // history: that write would wait for the same lock.
+                // After a wait, a claim is what a recorded outcome needs least: read it first.
+                let woken = (round > 0).then(|| self.config.clone());
+                let (decision, noted) = match ClaimToEnd::new(self.keeper.store(), &request, woken)
+                    .await
+                {
                     Ok(claim) => {
                         let window = route.window.p99();
                         let decided = decide(claim, &request.fingerprint, dialect.covers(), window);
@@ -232,88 +239,89 @@ impl<St: IdempotencyStore, M: MakeScope> Pipeline<St, M> {
                         return Step::Answer(Ok(unavailable(route, &dialect)));
                     }
                 };
-            let can_wait = wait_until.is_some_and(|until| tokio::time::Instant::now() < until);
-            let mut seen = None;
-            let noting = match self.next(decision, can_wait, &dialect, &parts.headers) {
-                Next::Run(lease) => break lease,
-                Next::Wait(in_flight) => {
-                    seen = in_flight;
-                    None
-                }
-                Next::Answer(response, Some(event)) if noted => {
-                    Some(Box::pin(self.noted(&request.key, event, response)))
-                }
-                Next::Answer(response, _) => return Step::Answer(Ok(response)),
-            };
-            match noting {
-                Some(noting) => return Step::Answer(Ok(noting.await)),
-                // Woken by the store when the record moves on (or it polls), then claim again:
-                // a replay, a run (the key was released), or at the deadline the usual 409.
-                None => {
-                    let within = wait_until.map_or(Duration::ZERO, |until| {
-                        until.saturating_duration_since(tokio::time::Instant::now())
-                    });
-                    match seen {
-                        Some(seen) => {
-                            let store = self.keeper.store();
-                            Box::pin(store.wait_for_change(&request.key, &seen, round, within))
-                                .await
-                        }
-                        // A locked record says nothing to wait on: poll.
-                        None => Box::pin(poll(round, within)).await,
+                let can_wait = wait_until.is_some_and(|until| tokio::time::Instant::now() < until);
+                let mut seen = None;
+                let noting = match self.next(decision, can_wait, &dialect, &parts.headers) {
+                    Next::Run(lease) => break lease,
+                    Next::Wait(in_flight) => {
+                        seen = in_flight;
+                        None
                     }
-                    round = round.saturating_add(1);
+                    Next::Answer(response, Some(event)) if noted => {
+                        Some(Box::pin(self.noted(&request.key, event, response)))
+                    }
+                    Next::Answer(response, _) => return Step::Answer(Ok(response)),
+                };
+                match noting {
+                    Some(noting) => return Step::Answer(Ok(noting.await)),
+                    // Woken by the store when the record moves on (or it polls), then claim again:
+                    // a replay, a run (the key was released), or at the deadline the usual 409.
+                    None => {
+                        let within = wait_until.map_or(Duration::ZERO, |until| {
+                            until.saturating_duration_since(tokio::time::Instant::now())
+                        });
+                        match seen {
+                            Some(seen) => {
+                                let store = self.keeper.store();
+                                Box::pin(store.wait_for_change(&request.key, &seen, round, within))
+                                    .await
+                            }
+                            // A locked record says nothing to wait on: poll.
+                            None => Box::pin(poll(round, within)).await,
+                        }
+                        round = round.saturating_add(1);
+                    }
                 }
-            }
-        };
-        self.span.record("attempt", lease.attempt);
+            };
+            self.span.record("attempt", lease.attempt);
 
-        // 7–9. Execute to completion, record, respond.
-        self.outcome("executed");
-        let mut parts = parts;
-        // Recorded uncompressed, so that every retry can read the replay (see `coding`).
-        dialect.ask_identity(&mut parts.headers);
-        let mut req = Request::from_parts(parts, RequestBody::buffered(bytes));
-        // The key moves on from the claim request: no second copy waits in this future.
-        let key = request.key;
-        let context = IdempotencyContext::new(key.clone(), &lease, self.keeper.store().clone());
-        req.extensions_mut().insert(context);
-        let cancel_on_disconnect = route.cancel_on_disconnect;
-        let token = lease.token;
-        // The pipeline's shared handles move on to the execution: no clone per request.
-        let Pipeline {
-            keeper,
-            route,
-            config,
-            ..
-        } = self;
-        let execution = Execution {
-            keeper,
-            key,
-            lease,
-            route,
-            config,
-            dialect,
-        };
-        if cancel_on_disconnect {
-            // The server treats a hang-up as cancellation: give the key back if this future
-            // is dropped before the outcome is recorded.
-            let guard = ReleaseOnDrop {
-                store: Some(execution.keeper.store().clone()),
-                key: execution.key.clone(),
-                token,
+            // 7–9. Execute to completion, record, respond.
+            self.outcome("executed");
+            let mut parts = parts;
+            // Recorded uncompressed, so that every retry can read the replay (see `coding`).
+            dialect.ask_identity(&mut parts.headers);
+            let mut req = Request::from_parts(parts, RequestBody::buffered(bytes));
+            // The key moves on from the claim request: no second copy waits in this future.
+            let key = request.key;
+            let context = IdempotencyContext::new(key.clone(), &lease, self.keeper.store().clone());
+            req.extensions_mut().insert(context);
+            let cancel_on_disconnect = route.cancel_on_disconnect;
+            let token = lease.token;
+            // The pipeline's shared handles move on to the execution: no clone per request.
+            let Pipeline {
+                keeper,
+                route,
+                config,
+                ..
+            } = self;
+            let execution = Execution {
+                keeper,
+                key,
+                lease,
+                route,
+                config,
+                dialect,
             };
-            return Step::Run {
-                run: Box::pin(execution.run(inner, req, Some(guard))),
-                detach: false,
-            };
-        }
-        // Run to completion: a client hanging up from here on detaches this future instead
-        // of cancelling it. The response future polls it inside the request's span, here and
-        // once detached, so it carries no span of its own.
-        Step::Run {
-            run: Box::pin(execution.run(inner, req, None)),
-            detach: true,
+            if cancel_on_disconnect {
+                // The server treats a hang-up as cancellation: give the key back if this future
+                // is dropped before the outcome is recorded.
+                let guard = ReleaseOnDrop {
+                    store: Some(execution.keeper.store().clone()),
+                    key: execution.key.clone(),
+                    token,
+                };
+                return Step::Run {
+                    run: Box::pin(execution.run(inner, req, Some(guard))),
+                    detach: false,
+                };
+            }
+            // Run to completion: a client hanging up from here on detaches this future instead
+            // of cancelling it. The response future polls it inside the request's span, here and
+            // once detached, so it carries no span of its own.
+            Step::Run {
+                run: Box::pin(execution.run(inner, req, None)),
+                detach: true,
+            }
         }
     }
 }
