@@ -128,6 +128,10 @@ impl<St: IdempotencyStore, M: MakeScope> Pipeline<St, M> {
     /// arguments twice in its state (as captured and as locals), and the request's head alone
     /// is 224 bytes. Kept under glibc's per-thread cache size (1 032 bytes), the box this
     /// future goes into is allocated and freed from the cache.
+    #[expect(
+        clippy::manual_async_fn,
+        reason = "an async fn's future keeps its arguments twice (see above)"
+    )]
     fn run<S, ReqBody, ResBody>(
         self,
         inner: S,

@@ -19,6 +19,9 @@ use tracing::field::{Field, Visit};
 use tracing::span::{Attributes, Id, Record};
 use tracing::{Event, Metadata, Subscriber};
 
+/// Each event's message, with the name of the span it was emitted in.
+type Seen = Arc<Mutex<Vec<(String, Option<&'static str>)>>>;
+
 /// Spans by id, the entered stack (one thread: a current-thread runtime), and each event's
 /// message with the span it was emitted in.
 #[derive(Default)]
@@ -26,7 +29,7 @@ struct Spans {
     next_id: AtomicU64,
     names: Mutex<Vec<&'static str>>,
     stack: Mutex<Vec<u64>>,
-    events: Arc<Mutex<Vec<(String, Option<&'static str>)>>>,
+    events: Seen,
 }
 
 struct Message<'a>(&'a mut String);
