@@ -83,15 +83,22 @@ where
 fn spawn_rest<B: Send + 'static, E: Send + 'static>(run: BoxFuture<B, E>, span: tracing::Span) {
     // Without a runtime (it is shutting down) there is nothing to run on: the lease runs out
     // and the next claim decides, as for a process that died.
-    if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-        runtime.spawn(
-            async move {
-                // The answer has no one left to go to; the outcome is recorded inside.
-                drop(run.await);
-            }
-            // On its own task it is polled inside its span as it was here.
-            .instrument(span),
-        );
+    match tokio::runtime::Handle::try_current() {
+        Ok(runtime) => {
+            runtime.spawn(
+                async move {
+                    // The answer has no one left to go to; the outcome is recorded inside.
+                    drop(run.await);
+                }
+                // On its own task it is polled inside its span as it was here.
+                .instrument(span),
+            );
+        }
+        // Dropped here, inside its span, as it would have been polled.
+        Err(_) => {
+            let _entered = span.enter();
+            drop(run);
+        }
     }
 }
 
