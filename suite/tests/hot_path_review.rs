@@ -751,7 +751,7 @@ fn lines_of(headers: &HeaderMap, names: &[String]) -> Vec<(String, Vec<u8>)> {
 /// them in a denied name's slot: each name is replayed exactly when it is not denied.
 #[tokio::test]
 async fn s3_random_deny_lists_keep_exactly_the_names_they_do_not_list() {
-    let mut rng = Rng(0xdead_beef_15);
+    let mut rng = Rng(0x00de_adbe_ef15);
     let alphabet = b"abcdefghijklmnopqrstuvwxyz0123456789-";
     let name = |rng: &mut Rng| {
         let len = 1 + rng.below(12);
@@ -759,7 +759,7 @@ async fn s3_random_deny_lists_keep_exactly_the_names_they_do_not_list() {
             .map(|_| alphabet[rng.below(alphabet.len())] as char)
             .collect();
         // Never a name the defaults deny, nor a framing one: this test is about `deny_header`.
-        s.insert_str(0, "z");
+        s.insert(0, 'z');
         s
     };
     for case in 0..40 {
@@ -1557,12 +1557,15 @@ async fn s7_4_after_the_ttl_the_key_runs_again_on_the_default_clock() {
 // 6. Spans (future.rs, service.rs): DESIGN §6 (spans per request) with §1 step 7.
 // =============================================================================================
 
+/// A span's name and its `path`, if it has one.
+type Named = (&'static str, Option<String>);
+
 /// One process-wide subscriber (worker threads need it too), with an entered-span stack per
 /// thread: each event is kept with the `idempotency` spans around it (their `path`).
 struct Shared {
     next: AtomicU64,
-    spans: Mutex<HashMap<u64, (&'static str, Option<String>)>>,
-    events: Mutex<Vec<(String, Vec<(&'static str, Option<String>)>)>>,
+    spans: Mutex<HashMap<u64, Named>>,
+    events: Mutex<Vec<(String, Vec<Named>)>>,
 }
 
 thread_local! {
