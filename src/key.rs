@@ -66,30 +66,21 @@ pub(crate) fn parse_key<'h>(
     }
     let raw = value.as_bytes();
     let key = match raw.first() {
-        Some(b'"') => Cow::Owned(unquote(raw)?),
-        _ => {
-            // One pass without an early exit (vector compares) clears nearly every key; only
-            // a key it flags is scanned again for which refusal it earns.
-            let flagged = raw
-                .iter()
-                .fold(false, |f, &b| f | !(0x21..=0x7e).contains(&b) | (b == b','));
-            if flagged {
-                if raw.iter().any(|b| !(0x21..=0x7e).contains(b)) {
-                    return Err(KeyError::InvalidCharacter);
-                }
-                // A list in RFC 8941 terms, or what an intermediary makes of two key lines
-                // folded into one: two operations, refused as two headers are.
-                return Err(KeyError::Multiple);
+        Some(b'"') => {
+            let key = unquote(raw)?;
+            if key.is_empty() {
+                return Err(KeyError::Empty);
             }
+            if key.len() > MAX_KEY_LEN {
+                return Err(KeyError::TooLong);
+            }
+            Cow::Owned(key)
+        }
+        _ => {
+            validate(raw)?;
             Cow::Borrowed(raw)
         }
     };
-    if key.is_empty() {
-        return Err(KeyError::Empty);
-    }
-    if key.len() > MAX_KEY_LEN {
-        return Err(KeyError::TooLong);
-    }
     // Only ASCII bytes got through both branches.
     match key {
         Cow::Borrowed(raw) => std::str::from_utf8(raw).map(Cow::Borrowed),
@@ -120,10 +111,17 @@ pub(crate) fn validate(key: &[u8]) -> Result<(), KeyError> {
     if key.is_empty() {
         return Err(KeyError::Empty);
     }
-    if key.iter().any(|b| !(0x21..=0x7e).contains(b)) {
-        return Err(KeyError::InvalidCharacter);
-    }
-    if key.contains(&b',') {
+    // One pass without an early exit (vector compares) clears nearly every key; only a key it
+    // flags is scanned again for which refusal it earns.
+    let flagged = key
+        .iter()
+        .fold(false, |f, &b| f | !(0x21..=0x7e).contains(&b) | (b == b','));
+    if flagged {
+        if key.iter().any(|b| !(0x21..=0x7e).contains(b)) {
+            return Err(KeyError::InvalidCharacter);
+        }
+        // A list in RFC 8941 terms, or what an intermediary makes of two key lines folded
+        // into one: two operations, refused as two headers are.
         return Err(KeyError::Multiple);
     }
     if key.len() > MAX_KEY_LEN {
