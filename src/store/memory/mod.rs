@@ -102,8 +102,7 @@ impl<T> std::ops::Deref for Padded<T> {
     }
 }
 
-/// Milliseconds since the Unix epoch.
-/// `clock`'s time, in milliseconds since the epoch.
+/// `clock`'s time, in milliseconds since the Unix epoch.
 fn read(clock: &Clock) -> u64 {
     match clock {
         Clock::Monotonic { since_epoch, start } => {
@@ -113,6 +112,7 @@ fn read(clock: &Clock) -> u64 {
     }
 }
 
+/// Milliseconds since the Unix epoch.
 fn ms(t: SystemTime) -> u64 {
     t.duration_since(SystemTime::UNIX_EPOCH)
         .map_or(0, |d| d.as_millis() as u64)
