@@ -20,16 +20,15 @@ use axum::Router;
 use axum::body::Body;
 use axum::routing::post;
 use bytes::Bytes;
+use common::memory::req;
 use common::{Effects, guard, serve, until};
 use http::{HeaderMap, HeaderName, HeaderValue, Request, Response, StatusCode};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::sync::Notify;
 use tower::ServiceExt;
-use tower_idempotency::store::{Claim, ClaimRequest, ScopedKey, StoredResponse};
-use tower_idempotency::{
-    Fingerprint, IdempotencyLayer, IdempotencyStore, KeyError, LeaseExpiry, MemoryStore,
-};
+use tower_idempotency::store::{Claim, ScopedKey, StoredResponse};
+use tower_idempotency::{Fingerprint, IdempotencyLayer, IdempotencyStore, KeyError, MemoryStore};
 
 /// A key no earlier run (PostgreSQL and Redis keep rows) has used.
 fn unique(name: &str) -> String {
@@ -1110,16 +1109,6 @@ fn s2_indexes_outside_the_table_or_the_format_are_corrupt() {
     assert_eq!(r.headers["grpc-status-details-bin"], "v");
 }
 
-fn claim_request(key: &ScopedKey, lease: Duration, ttl: Duration) -> ClaimRequest {
-    ClaimRequest {
-        key: key.clone(),
-        fingerprint: Fingerprint::from_bytes([7; 32]),
-        lease,
-        ttl,
-        on_lease_expiry: LeaseExpiry::Reclaim,
-    }
-}
-
 /// Completes a fresh key with each of `responses` in `store` and reads each back by a claim
 /// and by a lookup: the same response, in order.
 async fn round_trip_in<St: IdempotencyStore>(store: &St, name: &str) {
@@ -1127,7 +1116,7 @@ async fn round_trip_in<St: IdempotencyStore>(store: &St, name: &str) {
     for case in 0..30 {
         let response = hostile_response(&mut rng);
         let key = ScopedKey::new("s15", unique(&format!("{name}-{case}")));
-        let request = claim_request(&key, Duration::from_secs(30), Duration::from_secs(600));
+        let request = req(&key, 30_000, 600_000);
         let lease = match guard("a claim", store.claim(&request))
             .await
             .expect("claim")
@@ -1316,9 +1305,8 @@ fn ms_since_epoch(t: SystemTime) -> u128 {
 async fn s4_the_default_clock_reads_wall_time_and_sets_exact_lease_and_ttl() {
     let store = MemoryStore::new();
     let key = ScopedKey::new("s15", unique("clock"));
-    let lease = Duration::from_millis(30_000);
-    let ttl = Duration::from_millis(7_000);
-    let request = claim_request(&key, lease, ttl);
+    let (lease, ttl) = (Duration::from_millis(30_000), Duration::from_millis(7_000));
+    let request = req(&key, 30_000, 7_000);
     let before = SystemTime::now();
     let Claim::Acquired(held) = store.claim(&request).await.expect("claim") else {
         panic!("a fresh key");
@@ -1359,7 +1347,7 @@ async fn s4_the_default_clock_reads_wall_time_and_sets_exact_lease_and_ttl() {
 async fn s1_6_leases_and_ttls_run_out_on_the_default_clock() {
     let store = MemoryStore::new();
     let long = ScopedKey::new("s15", unique("long"));
-    let request = claim_request(&long, Duration::from_secs(60), Duration::from_secs(60));
+    let request = req(&long, 60_000, 60_000);
     assert!(matches!(
         store.claim(&request).await,
         Ok(Claim::Acquired(_))
@@ -1374,7 +1362,7 @@ async fn s1_6_leases_and_ttls_run_out_on_the_default_clock() {
     let short = ScopedKey::new("s15", unique("short"));
     // A long TTL: the record outlives the lease, so the claim finds an expired lease, not
     // an expired record.
-    let request = claim_request(&short, Duration::from_millis(80), Duration::from_secs(60));
+    let request = req(&short, 80, 60_000);
     let Ok(Claim::Acquired(first)) = store.claim(&request).await else {
         panic!("a fresh key");
     };
@@ -1405,7 +1393,7 @@ async fn s1_6_leases_and_ttls_run_out_on_the_default_clock() {
     assert_ne!(taken.token, first.token);
 
     let done = ScopedKey::new("s15", unique("ttl"));
-    let request = claim_request(&done, Duration::from_secs(60), Duration::from_millis(100));
+    let request = req(&done, 60_000, 100);
     let Ok(Claim::Acquired(held)) = store.claim(&request).await else {
         panic!("a fresh key");
     };
@@ -1449,11 +1437,7 @@ async fn s1_6_a_given_clock_expires_leases_and_ttls_to_the_millisecond() {
     };
     let t0 = now.load(Ordering::SeqCst);
     let key = ScopedKey::new("s15", "given");
-    let request = claim_request(
-        &key,
-        Duration::from_millis(1_000),
-        Duration::from_millis(5_000),
-    );
+    let request = req(&key, 1_000, 5_000);
     let Ok(Claim::Acquired(first)) = store.claim(&request).await else {
         panic!("a fresh key");
     };
@@ -2086,7 +2070,7 @@ async fn s5_memory_weight_returns_to_its_start_after_tir3_records_go() {
     for case in 0..50 {
         let response = hostile_response(&mut rng);
         let key = ScopedKey::new("s15", format!("weight-{case}"));
-        let request = claim_request(&key, Duration::from_secs(30), Duration::from_secs(600));
+        let request = req(&key, 30_000, 600_000);
         let Ok(Claim::Acquired(lease)) = store.claim(&request).await else {
             panic!("a fresh key");
         };
