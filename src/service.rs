@@ -657,7 +657,7 @@ mod tests {
             span: tracing::Span::none(),
             route: service.config.default.clone(),
             keeper: service.keeper.clone(),
-            make_scope: service.make_scope.clone(),
+            make_scope: service.make_scope,
             config: service.config.clone(),
         };
         let (parts, body) = Request::new(axum::body::Body::empty()).into_parts();
