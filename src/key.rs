@@ -93,15 +93,9 @@ pub(crate) fn parse_key<'h>(
 }
 
 /// The first value of `name` in `headers`, and whether it has another, as `get_all` would
-/// give them. A request's few header lines are compared one by one for less than a custom
-/// name costs to hash (byte by byte); a map with many names is searched by hash.
+/// give them (read as [`crate::lines`] reads them).
 fn first_two<'h>(headers: &'h HeaderMap, name: &HeaderName) -> (Option<&'h HeaderValue>, bool) {
-    const SCAN: usize = 8;
-    if headers.keys_len() <= SCAN {
-        let mut values = headers.iter().filter(|(n, _)| *n == name).map(|(_, v)| v);
-        return (values.next(), values.next().is_some());
-    }
-    let mut values = headers.get_all(name).iter();
+    let mut values = crate::lines::get_all(headers, name);
     (values.next(), values.next().is_some())
 }
 

@@ -116,6 +116,7 @@ mod hold;
 mod json_text;
 mod key;
 mod layer;
+mod lines;
 mod observe;
 mod policy;
 pub mod problem;

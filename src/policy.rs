@@ -25,7 +25,7 @@ impl Outcome<'_> {
     /// headers first (a client stops there), else from the trailers; a value that is not a
     /// code (`00`, `+0`, `0 `, `17`) is UNKNOWN (2).
     pub fn grpc_status(&self) -> Option<u16> {
-        let from = |h: &HeaderMap| h.get(&grpc::STATUS).map(grpc::parse_status);
+        let from = |h: &HeaderMap| crate::lines::get(h, &grpc::STATUS).map(grpc::parse_status);
         from(self.headers).or_else(|| self.trailers.and_then(from))
     }
 

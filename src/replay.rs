@@ -159,9 +159,7 @@ where
 {
     let (parts, body) = res.into_parts();
     let mut body = Box::pin(body);
-    let is_stream = parts
-        .headers
-        .get(header::CONTENT_TYPE)
+    let is_stream = crate::lines::get(&parts.headers, &header::CONTENT_TYPE)
         .is_some_and(|ct| ct.as_bytes().starts_with(b"text/event-stream"));
     if let Some(watched) = watched
         && is_stream

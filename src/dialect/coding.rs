@@ -35,9 +35,7 @@ pub(crate) fn ask_identity_grpc(headers: &mut HeaderMap) {
 
 /// The comma-separated items of every value of `name`, trimmed, empty ones skipped.
 fn items<'a>(headers: &'a HeaderMap, name: &HeaderName) -> impl Iterator<Item = &'a str> {
-    headers
-        .get_all(name)
-        .iter()
+    crate::lines::get_all(headers, name)
         .filter_map(|value| value.to_str().ok())
         .flat_map(|value| value.split(','))
         .map(str::trim)

@@ -131,9 +131,7 @@ where
     B: Body<Data = Bytes>,
     B::Error: Into<BoxError>,
 {
-    let declared = parts
-        .headers
-        .get(header::CONTENT_LENGTH)
+    let declared = crate::lines::get(&parts.headers, &header::CONTENT_LENGTH)
         .and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
     if declared.is_some_and(|len| len > limit as u64) {
         return Err(too_large(limit));

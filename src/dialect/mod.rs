@@ -139,8 +139,7 @@ pub(crate) fn admit<M: MakeScope>(
 
 /// A message's `Content-Type`, as bytes (empty without one): what tells the dialects apart.
 pub(crate) fn content_type(headers: &HeaderMap) -> &[u8] {
-    headers
-        .get(::http::header::CONTENT_TYPE)
+    crate::lines::get(headers, &::http::header::CONTENT_TYPE)
         .map_or(&b""[..], HeaderValue::as_bytes)
 }
 

@@ -397,7 +397,7 @@ fn head_into<'p>(
     let uri = crate::uri::sent(&parts.extensions, &parts.uri);
     put_field(h, uri.path().as_bytes());
     put_field(h, uri.query().unwrap_or_default().as_bytes());
-    let content_type = match parts.headers.get(http::header::CONTENT_TYPE) {
+    let content_type = match crate::lines::get(&parts.headers, &http::header::CONTENT_TYPE) {
         Some(value) => value
             .to_str()
             .map_err(|_| MalformedBody::new("Content-Type is not visible ASCII"))?,
@@ -409,7 +409,8 @@ fn head_into<'p>(
         // As an HTTP field value (RFC 9110 §5.3, §5.6.1): lines joined by commas, each list
         // element without the whitespace around it, empty elements ignored. One line `a, b`
         // is two lines `a` and `b`; a missing header and an empty one count the same.
-        let elements = field_elements(parts.headers.get_all(name).iter().map(|v| v.as_bytes()));
+        let elements =
+            field_elements(crate::lines::get_all(&parts.headers, name).map(|v| v.as_bytes()));
         put_len(h, elements.len());
         for element in elements {
             put_field(h, element);
