@@ -218,16 +218,10 @@ impl Eq for ScopedKey {}
 
 impl std::hash::Hash for ScopedKey {
     fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
-        hash_joined(self.joined.as_bytes(), self.split, state);
+        // Scope and key joined, and where the key begins: equal keys, equal both.
+        state.write(self.joined.as_bytes());
+        state.write_usize(self.split);
     }
-}
-
-/// How a scoped key hashes, from scope and key joined and where the key begins (equal keys,
-/// equal both): what a store that keeps keys as bytes hashes too, without making strings of
-/// them first.
-pub(crate) fn hash_joined<H: std::hash::Hasher>(joined: &[u8], split: usize, state: &mut H) {
-    state.write(joined);
-    state.write_usize(split);
 }
 
 impl PartialOrd for ScopedKey {

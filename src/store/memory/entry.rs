@@ -1,7 +1,6 @@
 //! One record as the memory store keeps it: compact, its key and response in one allocation,
 //! its history written out only when it is more than a claim and one event.
 
-use std::hash::{BuildHasher, Hasher};
 use std::time::{Duration, SystemTime};
 
 use bytes::Bytes;
@@ -11,6 +10,7 @@ use super::super::{
     Claim, ClaimRequest, FencingToken, Fingerprint, HistoryEntry, HistoryEvent, LeaseExpiry,
     Record, RecordStatus, ScopedKey, StoreError, StoredResponse,
 };
+use super::shard::KeyHash;
 
 /// The holder marked its effect started.
 const EFFECT_STARTED: u8 = 1;
@@ -21,16 +21,17 @@ const RECONCILE_ON_EXPIRY: u8 = 2;
 const POLLED: u8 = 4;
 /// Named by a live entry of its shard's due index (at `queued_at`), at or before its expiry.
 const QUEUED: u8 = 8;
-/// Where the key begins in a record's data, after the scope's length.
-const KEY_AT: usize = 4;
+/// The data's head is wide: the scope's length and the joined key's four bytes each, for a
+/// key with a scope or a length past 16 bits; two bytes each otherwise (nearly every key).
+const WIDE_HEAD: u8 = 16;
 
 /// A record: times in milliseconds on the store's clock, no pointer it can do without. It
 /// lives in its shard's slab, not in an allocation of its own, and weighs 112 bytes (checked by
 /// a test): with the key and response in one allocation, the history implied while it is short,
 /// and its flags in one byte.
 pub(super) struct Entry {
-    /// The scope's length (four bytes), scope and key (`key_len` bytes), then the encoded
-    /// response once there is one. Owned, not `Bytes`: no shared-count header, and a replay
+    /// The scope's length and the joined key's (two bytes each, four for a wide head), scope
+    /// and key, then the encoded response once there is one. Owned, not `Bytes`: no shared-count header, and a replay
     /// copies what it sends in one pass over bytes it then writes to the socket anyway.
     data: Box<[u8]>,
     pub(super) fingerprint: Fingerprint,
@@ -42,7 +43,10 @@ pub(super) struct Entry {
     /// A downstream id, a resolution note, a history longer than a claim and one event: most
     /// records have none of them.
     extra: Option<Box<Extra>>,
-    key_len: u32,
+    /// Its key's hash (see [`super::shard::KeyHash`]): growing, shrinking and compacting the
+    /// shard's table, and purging, never hash a key again, nor read it. Four bytes the record
+    /// had to spare once the key's length went into its data's head, beside the scope's.
+    hash: KeyHash,
     /// The tick of its one live entry in the due index, while [`QUEUED`].
     queued_at: u32,
     pub(super) attempts: u32,
@@ -74,18 +78,37 @@ impl Entry {
     /// A record just claimed by `req`'s first attempt.
     pub(super) fn claimed(
         req: &ClaimRequest,
+        hash: KeyHash,
         token: FencingToken,
         now: u64,
         lease_until: u64,
     ) -> Self {
         let (joined, split) = req.key.joined();
-        let flags = match req.on_lease_expiry {
+        let mut flags = match req.on_lease_expiry {
             LeaseExpiry::Reconcile => RECONCILE_ON_EXPIRY,
             _ => 0,
         };
-        let split = u32::try_from(split).unwrap_or(u32::MAX);
-        let mut data = Vec::with_capacity(KEY_AT + joined.len());
-        data.extend_from_slice(&split.to_le_bytes());
+        // Exactly as long as it is written: a boxed slice made from spare capacity would be
+        // reallocated.
+        let mut data = match (u16::try_from(split), u16::try_from(joined.len())) {
+            (Ok(split), Ok(len)) => {
+                let mut data = Vec::with_capacity(4 + joined.len());
+                data.extend_from_slice(&split.to_le_bytes());
+                data.extend_from_slice(&len.to_le_bytes());
+                data
+            }
+            _ => {
+                flags |= WIDE_HEAD;
+                // A key longer than 4 GiB does not reach a store: the request carrying it
+                // would not have been buffered.
+                let split = u32::try_from(split).unwrap_or(u32::MAX);
+                let len = u32::try_from(joined.len()).unwrap_or(u32::MAX);
+                let mut data = Vec::with_capacity(8 + joined.len());
+                data.extend_from_slice(&split.to_le_bytes());
+                data.extend_from_slice(&len.to_le_bytes());
+                data
+            }
+        };
         data.extend_from_slice(joined.as_bytes());
         Entry {
             data: data.into_boxed_slice(),
@@ -96,9 +119,7 @@ impl Entry {
             updated_at: now,
             expires_at: (now + span(req.ttl)).max(lease_until),
             extra: None,
-            // A key longer than 4 GiB does not reach a store: the request carrying it would
-            // not have been buffered.
-            key_len: u32::try_from(joined.len()).unwrap_or(u32::MAX),
+            hash,
             queued_at: 0,
             attempts: 1,
             status: RecordStatus::InProgress,
@@ -110,43 +131,42 @@ impl Entry {
     /// Whether this is `key`'s record.
     pub(super) fn is(&self, key: &ScopedKey) -> bool {
         let (joined, split) = key.joined();
-        self.split() == split && self.key_bytes() == joined.as_bytes()
+        let (own_split, at) = self.head();
+        own_split == split && self.data.get(at) == Some(joined.as_bytes())
     }
 
-    fn key_bytes(&self) -> &[u8] {
-        self.data
-            .get(KEY_AT..KEY_AT + self.key_len as usize)
-            .unwrap_or_default()
+    /// The scope's length, and where scope and key lie in the data.
+    fn head(&self) -> (usize, std::ops::Range<usize>) {
+        if self.flags & WIDE_HEAD == 0 {
+            let at = self.data.first_chunk::<4>().copied().unwrap_or_default();
+            let (split, len) = ([at[0], at[1]], [at[2], at[3]]);
+            let (split, len) = (u16::from_le_bytes(split), u16::from_le_bytes(len));
+            return (usize::from(split), 4..4 + usize::from(len));
+        }
+        let length = |n: usize| {
+            let at = self.data.get(n * 4..).and_then(|d| d.first_chunk::<4>());
+            u32::from_le_bytes(at.copied().unwrap_or_default()) as usize
+        };
+        (length(0), 8..8 + length(1))
     }
 
-    fn split(&self) -> usize {
-        let at = self
-            .data
-            .first_chunk::<KEY_AT>()
-            .copied()
-            .unwrap_or_default();
-        u32::from_le_bytes(at) as usize
+    /// Where the key ends and the response begins in the data.
+    fn key_end(&self) -> usize {
+        self.head().1.end
     }
 
-    /// The key's hash by `hasher`, as [`ScopedKey`] hashes it.
-    pub(super) fn key_hash(&self, hasher: &impl BuildHasher) -> u64 {
-        let mut state = hasher.build_hasher();
-        crate::key::hash_joined(self.key_bytes(), self.split(), &mut state);
-        state.finish()
+    /// The key's hash, as it was claimed.
+    pub(super) fn key_hash(&self) -> KeyHash {
+        self.hash
     }
 
     /// The encoded response, if one is recorded.
     pub(super) fn response(&self) -> Option<&[u8]> {
-        self.data
-            .get(KEY_AT + self.key_len as usize..)
-            .filter(|r| !r.is_empty())
+        self.data.get(self.key_end()..).filter(|r| !r.is_empty())
     }
 
     pub(super) fn set_response(&mut self, response: &StoredResponse) {
-        let key = self
-            .data
-            .get(..KEY_AT + self.key_len as usize)
-            .unwrap_or_default();
+        let key = self.data.get(..self.key_end()).unwrap_or_default();
         self.data = response.to_bytes_after(key).into_boxed_slice();
     }
 

@@ -18,7 +18,7 @@ use super::{
     StoredResponse, UncertainCount, UncertainCursor, UncertainPage, UncertainQuery, Unreadable,
 };
 use entry::{Entry, span, time};
-use shard::{Shard, now_tick, tick};
+use shard::{KeyHash, Shard, now_tick, tick};
 
 const SHARDS: usize = 64;
 /// A purge takes this many due records per hold of a shard's lock, and frees them after
@@ -266,7 +266,7 @@ impl MemoryStore {
             }
         }
         // Far below its peak, the shard gives memory back, a slice at a time too.
-        while lock(&self.inner.shards[i]).compact(SLICE, &self.inner.hasher) {}
+        while lock(&self.inner.shards[i]).compact(SLICE) {}
         removed
     }
 
@@ -285,13 +285,12 @@ impl MemoryStore {
 
     /// Takes record `i` out of its shard if it expired by `now`.
     fn take_if_expired(&self, shard: &mut Shard, i: u32, now: u64, freed: &mut Vec<Entry>) -> bool {
-        let Some(entry) = shard.get(i).filter(|e| expired(e, now)) else {
+        if !shard.get(i).is_some_and(|e| expired(e, now)) {
             return false;
-        };
+        }
         // Expired records are never watched (those never expire), so the watch index is
         // untouched.
-        let hash = entry.key_hash(&self.inner.hasher);
-        freed.extend(shard.remove(hash, i));
+        freed.extend(shard.remove(i));
         true
     }
 
@@ -376,12 +375,17 @@ impl MemoryStore {
     }
 
     /// The key's hash, and its shard locked.
-    fn shard(&self, key: &ScopedKey) -> (u64, MutexGuard<'_, Shard>) {
+    fn shard(&self, key: &ScopedKey) -> (KeyHash, MutexGuard<'_, Shard>) {
         let hash = self.inner.hasher.hash_one(key);
-        // The table places slots by the hash's low bits and tags them with its top seven, so
-        // the shard comes from bits in between: within a shard, the low bits still vary.
+        // The shard's table places and tags slots by the low 32 bits (spread), so the shard
+        // comes from bits above them: within a shard, those bits still vary.
         let i = (hash >> 40) as usize % SHARDS;
-        (hash, lock(&self.inner.shards[i]))
+        (key_hash(hash), lock(&self.inner.shards[i]))
+    }
+
+    /// The key's hash as its shard keeps it.
+    fn key_hash(&self, key: &ScopedKey) -> KeyHash {
+        key_hash(self.inner.hasher.hash_one(key))
     }
 
     /// The store's clock, in milliseconds.
@@ -467,10 +471,10 @@ impl MemoryStore {
         }
         self.inner.counts.len.fetch_add(1, Ordering::Relaxed);
         let token = self.token();
-        let entry = Entry::claimed(req, token, now, lease_until);
+        let entry = Entry::claimed(req, hash, token, now, lease_until);
         self.weigh(0, entry.weight());
         shard.rewatch(&req.key, None, watched(&entry));
-        let i = shard.insert(hash, entry, &self.inner.hasher);
+        let i = shard.insert(entry);
         shard.reindex(i, self.inner.base);
         Ok(Claim::Acquired(Lease {
             token,
@@ -515,7 +519,7 @@ impl MemoryStore {
             let token = self.token();
             let before = r.weight();
             let (polled, queued) = (r.polled(), r.queued());
-            *r = Entry::claimed(req, token, now, lease_until);
+            *r = Entry::claimed(req, r.key_hash(), token, now, lease_until);
             r.set_polled(polled);
             r.set_queued(queued);
             self.weigh(before, r.weight());
@@ -586,8 +590,9 @@ impl MemoryStore {
             (None, _) => shard.watch.range::<(u64, ScopedKey), _>(..),
         };
         let is_uncertain = |(_, key): &&(u64, ScopedKey)| {
-            let hash = self.inner.hasher.hash_one(key);
-            shard.entry(hash, key).is_some_and(|r| uncertain(r, now))
+            shard
+                .entry(self.key_hash(key), key)
+                .is_some_and(|r| uncertain(r, now))
         };
         if desc {
             range.rev().filter(is_uncertain).take(n).cloned().collect()
@@ -684,7 +689,7 @@ impl IdempotencyStore for MemoryStore {
 
     async fn remove(&self, key: &ScopedKey) -> Result<bool, StoreError> {
         let (hash, mut shard) = self.shard(key);
-        let removed = shard.find(hash, key).and_then(|i| shard.remove(hash, i));
+        let removed = shard.find(hash, key).and_then(|i| shard.remove(i));
         if let Some(entry) = &removed {
             self.inner.counts.len.fetch_sub(1, Ordering::Relaxed);
             self.weigh(entry.weight(), 0);
@@ -799,8 +804,10 @@ impl IdempotencyStore for MemoryStore {
         for shard in &self.inner.shards {
             let shard = lock(shard);
             for (at, key) in &shard.watch {
-                let hash = self.inner.hasher.hash_one(key);
-                if shard.entry(hash, key).is_some_and(|r| uncertain(r, now)) {
+                if shard
+                    .entry(self.key_hash(key), key)
+                    .is_some_and(|r| uncertain(r, now))
+                {
                     count.count += 1;
                     let at = time(*at);
                     count.oldest = Some(count.oldest.map_or(at, |oldest| oldest.min(at)));
@@ -878,6 +885,11 @@ impl IdempotencyStore for MemoryStore {
 
 /// Locks a shard. A panic while holding one cannot leave a record half-written (every update
 /// is a single assignment), so a poisoned lock is safe to keep using.
+/// The low 32 bits of a key's keyed hash: what its record keeps (see [`KeyHash`]).
+fn key_hash(hash: u64) -> KeyHash {
+    KeyHash(hash as u32)
+}
+
 fn lock(shard: &Mutex<Shard>) -> MutexGuard<'_, Shard> {
     shard
         .lock()
@@ -961,6 +973,94 @@ mod unit {
         );
         let record = store.lookup(&key).await.expect("lookup").expect("record");
         assert_eq!(record.status, RecordStatus::InProgress, "the lease is live");
+    }
+
+    /// Issue 23 §2: a record carries its key's hash, so that growing a shard's table (and
+    /// shrinking it, compacting, purging) never hashes a key again. Through many growths of
+    /// every shard's table, each record's hash stays the one its key hashes to, and every key
+    /// is still found by it.
+    #[tokio::test]
+    async fn a_record_keeps_its_keys_hash_through_growth() {
+        let store = MemoryStore::new();
+        let key = |i: usize| ScopedKey::new(format!("tenant-{}", i % 7), format!("key-{i}"));
+        // About 310 keys a shard (never near 112: the shard is picked by the keyed hash).
+        const KEYS: usize = 20_000;
+        for i in 0..KEYS {
+            let request = ClaimRequest {
+                key: key(i),
+                fingerprint: Fingerprint::from_bytes([1; 32]),
+                lease: Duration::from_secs(60),
+                ttl: Duration::from_secs(60),
+                on_lease_expiry: LeaseExpiry::Reclaim,
+            };
+            assert!(matches!(
+                store.claim(&request).await,
+                Ok(Claim::Acquired(_))
+            ));
+        }
+        for i in 0..KEYS {
+            let (hash, shard) = store.shard(&key(i));
+            let record = shard.entry(hash, &key(i)).expect("found after growth");
+            assert_eq!(record.key_hash(), hash, "key {i}");
+            assert!(record.is(&key(i)));
+        }
+        let grown = store
+            .inner
+            .shards
+            .iter()
+            .filter(|s| lock(s).held().0 >= 112)
+            .count();
+        assert_eq!(grown, SHARDS, "every shard's table grew five times or more");
+    }
+
+    /// Issue 23 §2: a record's data begins with the scope's and the key's lengths (two bytes
+    /// each, four past 16 bits), then the key, then the response. Scopes and keys on both sides
+    /// of that boundary are found, told apart from their neighbours one byte shorter or longer
+    /// (and from the same bytes split elsewhere between scope and key), and replay the
+    /// response stored after them.
+    #[tokio::test]
+    async fn keys_of_every_length_keep_their_response() {
+        let store = MemoryStore::new().max_bytes(usize::MAX);
+        let response = |n: usize| StoredResponse {
+            status: http::StatusCode::CREATED,
+            headers: http::HeaderMap::new(),
+            body: Some(bytes::Bytes::from(format!("response {n}"))),
+            trailers: None,
+        };
+        let mut keys = Vec::new();
+        // Heads of two bytes a length up to 65 535 (scope, and scope and key together), of
+        // four past it.
+        for scope in [0, 1, 255, 256, 65_279, 65_280, 65_281, 70_000] {
+            for key in [1, 254, 255] {
+                keys.push(ScopedKey::new("s".repeat(scope), "k".repeat(key)));
+            }
+        }
+        // The same bytes, split one further along: another key.
+        keys.push(ScopedKey::new("s".repeat(255) + "k", "k".repeat(254)));
+        keys.push(ScopedKey::new("s".repeat(65_280) + "k", "k".repeat(254)));
+        let request = |key: &ScopedKey| ClaimRequest {
+            key: key.clone(),
+            fingerprint: Fingerprint::from_bytes([3; 32]),
+            lease: Duration::from_secs(60),
+            ttl: Duration::from_secs(60),
+            on_lease_expiry: LeaseExpiry::Reclaim,
+        };
+        for (n, key) in keys.iter().enumerate() {
+            let Ok(Claim::Acquired(lease)) = store.claim(&request(key)).await else {
+                panic!("key {n} is new");
+            };
+            store
+                .complete(key, lease.token, &response(n), Duration::from_secs(60))
+                .await
+                .expect("complete");
+        }
+        assert_eq!(store.len(), keys.len());
+        for (n, key) in keys.iter().enumerate() {
+            match store.claim(&request(key)).await {
+                Ok(Claim::Completed { response: r, .. }) => assert_eq!(*r, response(n), "key {n}"),
+                other => panic!("key {n}: {other:?}"),
+            }
+        }
     }
 
     /// Issue 15 §6: a new store is bounded, in records and in bytes.

@@ -3,7 +3,6 @@
 //! what expires and not everything stored.
 
 use std::collections::BTreeSet;
-use std::hash::BuildHasher;
 
 use hashbrown::HashTable;
 
@@ -18,6 +17,21 @@ const CHUNK: usize = 512;
 /// Expiry ticks are this many milliseconds: coarse enough that a tick fits 32 bits for two
 /// years, fine enough that a record goes within a tick of its TTL.
 pub(super) const TICK_MS: u64 = 16;
+
+/// A key's hash as its shard keeps it: 32 bits of the store's keyed hash, carried by its
+/// record (in the four bytes its key's length took before it moved into the record's data),
+/// so that growing the table re-places slots without hashing a key again. The table places
+/// and tags slots by these bits spread over 64; the shard itself is chosen by other bits of the
+/// keyed hash (see `MemoryStore::shard`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct KeyHash(pub(super) u32);
+
+impl KeyHash {
+    /// The hash the table places and tags the key's slot by.
+    fn slot(self) -> u64 {
+        spread(self.0)
+    }
+}
 
 /// A shard. No lock is taken inside: the store holds the shard's lock around every call.
 #[derive(Default)]
@@ -107,16 +121,24 @@ impl Slab {
     }
 }
 
-/// Spreads a slab index over 64 bits for the polled set's table.
+/// Spreads 32 bits over 64 for a table: a slab index for the polled set's, a key's hash for
+/// the keys'. A multiplication by an odd constant: no two inputs collide, and the top bits
+/// (the table's tags) depend on every bit of the input.
 fn spread(i: u32) -> u64 {
     u64::from(i).wrapping_mul(0x9E37_79B9_7F4A_7C15)
 }
 
+/// Where the table places a record's slot (a slot naming no record is never rehashed: the
+/// table only holds live records' indices).
+fn slot_of(entry: Option<&Entry>) -> u64 {
+    entry.map_or(0, |e| e.key_hash().slot())
+}
+
 impl Shard {
-    pub(super) fn find(&self, hash: u64, key: &ScopedKey) -> Option<u32> {
+    pub(super) fn find(&self, hash: KeyHash, key: &ScopedKey) -> Option<u32> {
         let slab = &self.slab;
         self.table
-            .find(hash, |&i| slab.get(i).is_some_and(|e| e.is(key)))
+            .find(hash.slot(), |&i| slab.get(i).is_some_and(|e| e.is(key)))
             .copied()
     }
 
@@ -132,7 +154,7 @@ impl Shard {
     }
 
     /// `key`'s record.
-    pub(super) fn entry(&self, hash: u64, key: &ScopedKey) -> Option<&Entry> {
+    pub(super) fn entry(&self, hash: KeyHash, key: &ScopedKey) -> Option<&Entry> {
         self.slab.get(self.find(hash, key)?)
     }
 
@@ -158,20 +180,21 @@ impl Shard {
         self.slab.get_mut(i)
     }
 
-    /// Adds a record under `hash` (its key's, by `hasher`); its slab index.
-    pub(super) fn insert(&mut self, hash: u64, entry: Entry, hasher: &impl BuildHasher) -> u32 {
+    /// Adds a record (under the hash it carries); its slab index.
+    pub(super) fn insert(&mut self, entry: Entry) -> u32 {
+        let hash = entry.key_hash();
         let i = self.slab.insert(entry);
         let slab = &self.slab;
-        // Growing the table rehashes its keys (read from the records): rare, and it spares
-        // every slot the eight bytes a stored hash would take.
+        // Growing the table re-places every key by the hash its record carries.
         self.table
-            .insert_unique(hash, i, |&j| slab.get(j).map_or(0, |e| e.key_hash(hasher)));
+            .insert_unique(hash.slot(), i, |&j| slot_of(slab.get(j)));
         i
     }
 
-    /// Removes record `i`, found under `hash`; the record.
-    pub(super) fn remove(&mut self, hash: u64, i: u32) -> Option<Entry> {
-        if let Ok(slot) = self.table.find_entry(hash, |&j| j == i) {
+    /// Removes record `i`; the record.
+    pub(super) fn remove(&mut self, i: u32) -> Option<Entry> {
+        let hash = self.slab.get(i)?.key_hash();
+        if let Ok(slot) = self.table.find_entry(hash.slot(), |&j| j == i) {
             slot.remove();
         }
         let entry = self.slab.take(i)?;
@@ -279,10 +302,10 @@ impl Shard {
     /// (the caller holds the lock for one call): moves records out of the slab's last chunk
     /// into free slots below it, gives back the chunk once it is empty, and shrinks the table
     /// and the indexes. Whether there is more to do.
-    pub(super) fn compact(&mut self, n: usize, hasher: &impl BuildHasher) -> bool {
+    pub(super) fn compact(&mut self, n: usize) -> bool {
         let chunks = self.slab.chunks.len();
         if chunks <= 1 || self.slab.len * 4 > chunks * CHUNK {
-            self.shrink(hasher);
+            self.shrink();
             return false;
         }
         let last = chunks - 1;
@@ -298,7 +321,7 @@ impl Shard {
                 break;
             };
             let j = (floor + j) as u32;
-            self.relocate(j, i, hasher);
+            self.relocate(j, i);
             // Free again, should the chunk stay (new records filling the shard meanwhile).
             spare.push(j);
             moved += 1;
@@ -326,12 +349,11 @@ impl Shard {
     }
 
     /// Moves record `j` to free slot `i`, and every index that names it with it.
-    fn relocate(&mut self, j: u32, i: u32, hasher: &impl BuildHasher) {
+    fn relocate(&mut self, j: u32, i: u32) {
         let Some(entry) = self.slab.chunks[j as usize / CHUNK][j as usize % CHUNK].take() else {
             return;
         };
-        let hash = entry.key_hash(hasher);
-        if let Ok(mut slot) = self.table.find_entry(hash, |&x| x == j) {
+        if let Ok(mut slot) = self.table.find_entry(entry.key_hash().slot(), |&x| x == j) {
             *slot.get_mut() = i;
         }
         let (polled, queued) = (entry.polled(), entry.queued());
@@ -349,11 +371,10 @@ impl Shard {
 
     /// Shrinks the table and the due index when they would halve (rehashing is a walk of
     /// the shard's keys).
-    fn shrink(&mut self, hasher: &impl BuildHasher) {
+    fn shrink(&mut self) {
         if self.slab.len > 0 && self.slab.len * 4 <= self.table.capacity() {
             let slab = &self.slab;
-            self.table
-                .shrink_to_fit(|&j| slab.get(j).map_or(0, |e| e.key_hash(hasher)));
+            self.table.shrink_to_fit(|&j| slot_of(slab.get(j)));
         }
         self.due.shrink();
         if self.polled.len() * 4 <= self.polled.capacity() {
