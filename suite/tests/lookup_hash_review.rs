@@ -842,12 +842,15 @@ fn line(name: &'static str, value: &'static str) -> (HeaderName, HeaderValue) {
     )
 }
 
+/// A request's header lines, and its body.
+type Case = (Vec<(HeaderName, HeaderValue)>, &'static [u8]);
+
 /// Public API (`Fingerprint::of`): the fingerprint of a request with filler lines is the one
 /// without them, at every map size from 0 to 20 names, and two Content-Type lines fingerprint
 /// as their first line alone.
 #[test]
 fn fingerprints_do_not_depend_on_the_size_of_the_map() {
-    let cases: Vec<(Vec<(HeaderName, HeaderValue)>, &[u8])> = vec![
+    let cases: Vec<Case> = vec![
         (vec![], b"raw"),
         (
             vec![line("content-type", "application/json")],
