@@ -31,8 +31,9 @@ const WIDE_HEAD: u8 = 16;
 /// and its flags in one byte.
 pub(super) struct Entry {
     /// The scope's length and the joined key's (two bytes each, four for a wide head), scope
-    /// and key, then the encoded response once there is one. Owned, not `Bytes`: no shared-count header, and a replay
-    /// copies what it sends in one pass over bytes it then writes to the socket anyway.
+    /// and key, then the encoded response once there is one. Owned, not `Bytes`: no
+    /// shared-count header, and a replay copies what it sends in one pass over bytes it then
+    /// writes to the socket anyway.
     data: Box<[u8]>,
     pub(super) fingerprint: Fingerprint,
     pub(super) lease_token: FencingToken,
@@ -88,14 +89,12 @@ impl Entry {
             LeaseExpiry::Reconcile => RECONCILE_ON_EXPIRY,
             _ => 0,
         };
-        // Exactly as long as it is written: a boxed slice made from spare capacity would be
-        // reallocated.
-        let mut data = match (u16::try_from(split), u16::try_from(joined.len())) {
+        let mut head = [0u8; 8];
+        let head = match (u16::try_from(split), u16::try_from(joined.len())) {
             (Ok(split), Ok(len)) => {
-                let mut data = Vec::with_capacity(4 + joined.len());
-                data.extend_from_slice(&split.to_le_bytes());
-                data.extend_from_slice(&len.to_le_bytes());
-                data
+                head[..2].copy_from_slice(&split.to_le_bytes());
+                head[2..4].copy_from_slice(&len.to_le_bytes());
+                &head[..4]
             }
             _ => {
                 flags |= WIDE_HEAD;
@@ -103,12 +102,15 @@ impl Entry {
                 // would not have been buffered.
                 let split = u32::try_from(split).unwrap_or(u32::MAX);
                 let len = u32::try_from(joined.len()).unwrap_or(u32::MAX);
-                let mut data = Vec::with_capacity(8 + joined.len());
-                data.extend_from_slice(&split.to_le_bytes());
-                data.extend_from_slice(&len.to_le_bytes());
-                data
+                head[..4].copy_from_slice(&split.to_le_bytes());
+                head[4..].copy_from_slice(&len.to_le_bytes());
+                &head[..]
             }
         };
+        // Exactly as long as it is written: a boxed slice made from spare capacity would be
+        // reallocated.
+        let mut data = Vec::with_capacity(head.len() + joined.len());
+        data.extend_from_slice(head);
         data.extend_from_slice(joined.as_bytes());
         Entry {
             data: data.into_boxed_slice(),

@@ -380,12 +380,12 @@ impl MemoryStore {
         // The shard's table places and tags slots by the low 32 bits (spread), so the shard
         // comes from bits above them: within a shard, those bits still vary.
         let i = (hash >> 40) as usize % SHARDS;
-        (key_hash(hash), lock(&self.inner.shards[i]))
+        (KeyHash::of(hash), lock(&self.inner.shards[i]))
     }
 
     /// The key's hash as its shard keeps it.
     fn key_hash(&self, key: &ScopedKey) -> KeyHash {
-        key_hash(self.inner.hasher.hash_one(key))
+        KeyHash::of(self.inner.hasher.hash_one(key))
     }
 
     /// The store's clock, in milliseconds.
@@ -885,11 +885,6 @@ impl IdempotencyStore for MemoryStore {
 
 /// Locks a shard. A panic while holding one cannot leave a record half-written (every update
 /// is a single assignment), so a poisoned lock is safe to keep using.
-/// The low 32 bits of a key's keyed hash: what its record keeps (see [`KeyHash`]).
-fn key_hash(hash: u64) -> KeyHash {
-    KeyHash(hash as u32)
-}
-
 fn lock(shard: &Mutex<Shard>) -> MutexGuard<'_, Shard> {
     shard
         .lock()

@@ -24,9 +24,14 @@ pub(super) const TICK_MS: u64 = 16;
 /// and tags slots by these bits spread over 64; the shard itself is chosen by other bits of the
 /// keyed hash (see `MemoryStore::shard`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) struct KeyHash(pub(super) u32);
+pub(super) struct KeyHash(u32);
 
 impl KeyHash {
+    /// The bits of the store's keyed hash `keyed` that a record keeps.
+    pub(super) fn of(keyed: u64) -> Self {
+        Self(keyed as u32)
+    }
+
     /// The hash the table places and tags the key's slot by.
     fn slot(self) -> u64 {
         spread(self.0)
