@@ -1111,7 +1111,8 @@ fn s2_indexes_outside_the_table_or_the_format_are_corrupt() {
 
 /// Completes a fresh key with each of `responses` in `store` and reads each back by a claim
 /// and by a lookup: the same response, in order.
-async fn round_trip_in<St: IdempotencyStore>(store: &St, name: &str) {
+async fn round_trip_in<St: IdempotencyStore>(store: St, name: &str) {
+    let store = &store;
     let mut rng = Rng(0x51_0e + name.len() as u64);
     for case in 0..30 {
         let response = hostile_response(&mut rng);
@@ -1151,32 +1152,9 @@ async fn round_trip_in<St: IdempotencyStore>(store: &St, name: &str) {
     }
 }
 
-/// §5 (one behaviour for every store) with §2: hostile responses round-trip exactly through
-/// MemoryStore and SQLite.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn s5_stored_responses_round_trip_through_memory_and_sqlite() {
-    round_trip_in(&MemoryStore::new(), "memory").await;
-    let (sqlite, _path) = common::sqlite("s15-codec").await;
-    round_trip_in(&sqlite, "sqlite").await;
-}
-
-/// §5 with §2, through PostgreSQL (skipped visibly when the server is down outside CI).
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn s5_stored_responses_round_trip_through_postgres() {
-    let Some(store) = common::postgres("tower_idempotency_s15_codec").await else {
-        return;
-    };
-    round_trip_in(&store, "postgres").await;
-}
-
-/// §5 with §2, through Redis (skipped visibly when the server is down outside CI).
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn s5_stored_responses_round_trip_through_redis() {
-    let Some(store) = common::redis("s15-codec").await else {
-        return;
-    };
-    round_trip_in(&store, "redis").await;
-}
+// §5 (one behaviour for every store) with §2: hostile responses round-trip exactly through
+// every store.
+common::on_every_store!(round_trip_in);
 
 /// The lines a replay must repeat: known names (repeated), near-known ones, others.
 fn replayed_lines() -> Vec<(&'static str, &'static str)> {
@@ -1268,24 +1246,8 @@ async fn replays_over_http<St: IdempotencyStore + Clone>(store: St, name: &str) 
     assert_eq!(effects.count(), 1, "{name}");
 }
 
-/// §7.1 with §5: replays over HTTP from MemoryStore and SQLite.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn s7_1_replays_over_http_are_the_first_answer_from_memory_and_sqlite() {
-    replays_over_http(MemoryStore::new(), "http-memory").await;
-    let (sqlite, _path) = common::sqlite("s15-http").await;
-    replays_over_http(sqlite, "http-sqlite").await;
-}
-
-/// §7.1 with §5: replays over HTTP from PostgreSQL and Redis (each skipped visibly when down).
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn s7_1_replays_over_http_are_the_first_answer_from_postgres_and_redis() {
-    if let Some(store) = common::postgres("tower_idempotency_s15_http").await {
-        replays_over_http(store, "http-postgres").await;
-    }
-    if let Some(store) = common::redis("s15-http").await {
-        replays_over_http(store, "http-redis").await;
-    }
-}
+// §7.1 with §5: replays over HTTP are the first answer, from every store.
+common::on_every_store!(replays_over_http);
 
 // =============================================================================================
 // 5. MemoryStore's clock (`Clock::Monotonic`, `with_clock`): DESIGN §1 step 6 (in flight while
@@ -2036,26 +1998,10 @@ async fn grpc_replays<St: IdempotencyStore + Clone>(store: St, name: &str) {
     assert_eq!(trail.effects.count(), 1, "{name}");
 }
 
-/// §1 (gRPC: stored response + trailers) through MemoryStore and SQLite: a rejected call's
-/// status, message, details and every trailer line (known gRPC names, names one byte off,
-/// repeats) replay as first sent; one effect.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn s1_grpc_trailers_replay_exactly_from_memory_and_sqlite() {
-    grpc_replays(MemoryStore::new(), "grpc-memory").await;
-    let (sqlite, _path) = common::sqlite("s15-grpc").await;
-    grpc_replays(sqlite, "grpc-sqlite").await;
-}
-
-/// §1 (gRPC) through PostgreSQL and Redis (each skipped visibly when down).
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn s1_grpc_trailers_replay_exactly_from_postgres_and_redis() {
-    if let Some(store) = common::postgres("tower_idempotency_s15_grpc").await {
-        grpc_replays(store, "grpc-postgres").await;
-    }
-    if let Some(store) = common::redis("s15-grpc").await {
-        grpc_replays(store, "grpc-redis").await;
-    }
-}
+// §1 (gRPC: stored response + trailers) from every store: a rejected call's status, message,
+// details and every trailer line (known gRPC names, names one byte off, repeats) replay as
+// first sent; one effect.
+common::on_every_store!(grpc_replays);
 
 /// §5 (MemoryStore bounds its memory): what records weigh is counted from their stored bytes
 /// (now `TIR3`), both ways: completing and removing hostile records brings the weight back to

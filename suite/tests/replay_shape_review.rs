@@ -351,53 +351,6 @@ impl<S: IdempotencyStore> IdempotencyStore for Shaped<S> {
     }
 }
 
-/// Runs `scenario` on every store the crate ships: MemoryStore, SQLite on a real file,
-/// PostgreSQL (plain and batching) and Redis. A missing server skips visibly (CI fails).
-macro_rules! on_every_store {
-    ($scenario:ident) => {
-        mod $scenario {
-            use super::*;
-
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn memory() {
-                super::$scenario(MemoryStore::new(), "memory").await;
-            }
-
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn sqlite() {
-                let (store, path) = common::sqlite(stringify!($scenario)).await;
-                super::$scenario(store, "sqlite").await;
-                let _ = std::fs::remove_file(path);
-            }
-
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn postgres() {
-                let Some(store) = common::postgres("replay_shape_review").await else {
-                    return;
-                };
-                super::$scenario(store, "postgres").await;
-            }
-
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn postgres_batching() {
-                let Some(store) = common::postgres("replay_shape_review").await else {
-                    return;
-                };
-                let store = store.with_batching(tower_idempotency::store::Batching::default());
-                super::$scenario(store, "postgres+batching").await;
-            }
-
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn redis() {
-                let Some(store) = common::redis(stringify!($scenario)).await else {
-                    return;
-                };
-                super::$scenario(store, "redis").await;
-            }
-        }
-    };
-}
-
 // ---------------------------------------------------------------------------------------------
 // 1. A completed key replays exactly, over real TCP, on every store.
 // ---------------------------------------------------------------------------------------------
@@ -589,7 +542,7 @@ async fn exact_replay<St: IdempotencyStore + Clone>(store: St, tag: &str) {
     );
 }
 
-on_every_store!(exact_replay);
+common::on_every_store!(exact_replay);
 
 // ---------------------------------------------------------------------------------------------
 // 2. gRPC over HTTP/2: trailers replayed exactly through every store's `Claim::Completed`.
@@ -796,7 +749,7 @@ async fn grpc_replay_with_trailers<St: IdempotencyStore + Clone>(store: St, tag:
     );
 }
 
-on_every_store!(grpc_replay_with_trailers);
+common::on_every_store!(grpc_replay_with_trailers);
 
 /// The gRPC status of an answer: its head's (trailers-only) or its trailers'.
 fn grpc_status(headers: &HeaderMap, trailers: Option<&HeaderMap>) -> Option<String> {
@@ -840,7 +793,7 @@ async fn a_grpc_answer_too_large_to_keep_is_never_run_again<St: IdempotencyStore
     assert_eq!(ledger.effects.count(), 1, "{tag}: a large answer ran twice");
 }
 
-on_every_store!(a_grpc_answer_too_large_to_keep_is_never_run_again);
+common::on_every_store!(a_grpc_answer_too_large_to_keep_is_never_run_again);
 
 /// DESIGN §3: "Once the inner service has returned a response head, the effect is taken as
 /// done: a failure of the response body afterwards never releases the key; the record is kept
@@ -993,7 +946,7 @@ async fn woken_waiters_replay_exactly<St: IdempotencyStore + Clone>(store: St, t
     );
 }
 
-on_every_store!(woken_waiters_replay_exactly);
+common::on_every_store!(woken_waiters_replay_exactly);
 
 /// DESIGN §3 ("A response over the cache size limit is never silently re-executed: the key
 /// stays consumed ... replays get a documented answer, never a second run"), through the woken
@@ -1013,7 +966,7 @@ async fn woken_waiters_of_an_oversized_answer_never_run<St: IdempotencyStore + C
     assert_eq!(effects.count(), 1, "{tag}: an oversized answer ran twice");
 }
 
-on_every_store!(woken_waiters_of_an_oversized_answer_never_run);
+common::on_every_store!(woken_waiters_of_an_oversized_answer_never_run);
 
 /// DESIGN §3/§4: a failure after the effect started goes to `needs_reconciliation`; woken
 /// waiters are told "outcome unknown", never run.
@@ -1035,7 +988,7 @@ async fn woken_waiters_of_an_unknown_outcome_never_run<St: IdempotencyStore + Cl
     assert_eq!(effects.count(), 1, "{tag}: an unknown outcome ran twice");
 }
 
-on_every_store!(woken_waiters_of_an_unknown_outcome_never_run);
+common::on_every_store!(woken_waiters_of_an_unknown_outcome_never_run);
 
 // ---------------------------------------------------------------------------------------------
 // 4. Third-party stores that answer completed records the old way, or brokenly.
@@ -1069,7 +1022,7 @@ async fn whole_record_stores_still_replay<St: IdempotencyStore + Clone>(store: S
     assert_eq!(effects.count(), 1, "{tag}");
 }
 
-on_every_store!(whole_record_stores_still_replay);
+common::on_every_store!(whole_record_stores_still_replay);
 
 /// The response a reconciler (or an operator) settles an uncertain key with: every shape a
 /// replay must keep.
@@ -1183,7 +1136,7 @@ async fn a_key_resolved_as_applied_replays_the_resolution<St: IdempotencyStore +
     assert_eq!(effects.count(), 1, "{tag}: a resolved key ran again");
 }
 
-on_every_store!(a_key_resolved_as_applied_replays_the_resolution);
+common::on_every_store!(a_key_resolved_as_applied_replays_the_resolution);
 
 /// DESIGN §1 step 6 ("store unavailable / errors -> 503 + Retry-After, nothing run (fail
 /// closed)"): a store that reports a completed record without its response cannot be
@@ -1383,7 +1336,7 @@ async fn a_body_that_panics_is_never_run_again<St: IdempotencyStore + Clone>(sto
     );
 }
 
-on_every_store!(a_body_that_panics_is_never_run_again);
+common::on_every_store!(a_body_that_panics_is_never_run_again);
 
 /// DESIGN §3 ("every stored byte (headers and trailers too) counts toward the limit"; "A
 /// response over the cache size limit is never silently re-executed"): a body streamed past
@@ -1426,7 +1379,7 @@ async fn answers_too_large_to_keep_are_never_run_again<St: IdempotencyStore + Cl
     );
 }
 
-on_every_store!(answers_too_large_to_keep_are_never_run_again);
+common::on_every_store!(answers_too_large_to_keep_are_never_run_again);
 
 /// DESIGN §3 (panics release the claim "unless the handler marked the effect as started
 /// (§4), then the record goes to needs_reconciliation"): the `finish` panic path, with a
@@ -1457,7 +1410,7 @@ async fn a_panic_after_the_effect_started_is_unknown<St: IdempotencyStore + Clon
     assert_eq!(effects.count(), 1, "{tag}: an uncertain effect ran twice");
 }
 
-on_every_store!(a_panic_after_the_effect_started_is_unknown);
+common::on_every_store!(a_panic_after_the_effect_started_is_unknown);
 
 /// DESIGN §4 ("when recording the outcome fails, the holder keeps renewing and retrying the
 /// write ... instead of letting the lease lapse"), §7.7: the second store operation (the
@@ -1754,7 +1707,7 @@ async fn jsonrpc_calls_replay_under_the_new_id<St: IdempotencyStore + Clone>(sto
     assert_eq!(effects.count(), 2, "{tag}: one run per key");
 }
 
-on_every_store!(jsonrpc_calls_replay_under_the_new_id);
+common::on_every_store!(jsonrpc_calls_replay_under_the_new_id);
 
 fn tool_app<St: IdempotencyStore>(store: St, effects: Effects) -> Router {
     Router::new()
@@ -1824,7 +1777,7 @@ async fn jsonrpc_calls_whose_answer_is_lost_or_too_large_never_run_again<
     );
 }
 
-on_every_store!(jsonrpc_calls_whose_answer_is_lost_or_too_large_never_run_again);
+common::on_every_store!(jsonrpc_calls_whose_answer_is_lost_or_too_large_never_run_again);
 
 // ---------------------------------------------------------------------------------------------
 // 7. gRPC-Web (the boxed `record_copied` and `record_opaque`) on every store.
@@ -1939,7 +1892,7 @@ async fn grpc_web_answers_through_every_store<St: IdempotencyStore + Clone>(stor
     assert_eq!(effects.count(), 1, "{tag}: an opaque answer ran twice");
 }
 
-on_every_store!(grpc_web_answers_through_every_store);
+common::on_every_store!(grpc_web_answers_through_every_store);
 
 // ---------------------------------------------------------------------------------------------
 // 8. Metrics: compile-time keys, the recorder asked on every count.

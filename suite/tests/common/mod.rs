@@ -347,3 +347,54 @@ pub async fn redis_cluster(name: &str) -> Option<tower_idempotency::store::Redis
         }
     }
 }
+
+/// Runs `scenario(store, name)` on every store the crate ships, one test each: MemoryStore,
+/// SQLite on a real file, PostgreSQL (plain and batching, in a table of the scenario's own)
+/// and Redis (under a prefix of its own). A missing server skips visibly (CI fails).
+#[allow(unused_macros)]
+macro_rules! on_every_store {
+    ($scenario:ident) => {
+        mod $scenario {
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn memory() {
+                super::$scenario(tower_idempotency::MemoryStore::new(), "memory").await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn sqlite() {
+                let (store, path) = $crate::common::sqlite(stringify!($scenario)).await;
+                super::$scenario(store, "sqlite").await;
+                let _ = std::fs::remove_file(path);
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn postgres() {
+                let table = concat!("tower_idempotency_", stringify!($scenario));
+                let Some(store) = $crate::common::postgres(table).await else {
+                    return;
+                };
+                super::$scenario(store, "postgres").await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn postgres_batching() {
+                let table = concat!("tower_idempotency_", stringify!($scenario));
+                let Some(store) = $crate::common::postgres(table).await else {
+                    return;
+                };
+                let store = store.with_batching(tower_idempotency::store::Batching::default());
+                super::$scenario(store, "postgres+batching").await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn redis() {
+                let Some(store) = $crate::common::redis(stringify!($scenario)).await else {
+                    return;
+                };
+                super::$scenario(store, "redis").await;
+            }
+        }
+    };
+}
+#[allow(unused_imports)]
+pub(crate) use on_every_store;
