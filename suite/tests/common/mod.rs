@@ -349,8 +349,8 @@ pub async fn redis_cluster(name: &str) -> Option<tower_idempotency::store::Redis
 }
 
 /// Runs `scenario(store, name)` on every store the crate ships, one test each: MemoryStore,
-/// SQLite on a real file, PostgreSQL (plain and batching, in a table of the scenario's own)
-/// and Redis (under a prefix of its own). A missing server skips visibly (CI fails).
+/// SQLite on a real file, PostgreSQL (plain and batching; one table, each scenario's keys its
+/// own) and Redis (under a prefix of its own). A missing server skips visibly (CI fails).
 #[allow(unused_macros)]
 macro_rules! on_every_store {
     ($scenario:ident) => {
@@ -369,8 +369,8 @@ macro_rules! on_every_store {
 
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn postgres() {
-                let table = concat!("tower_idempotency_", stringify!($scenario));
-                let Some(store) = $crate::common::postgres(table).await else {
+                let Some(store) = $crate::common::postgres("tower_idempotency_every_store").await
+                else {
                     return;
                 };
                 super::$scenario(store, "postgres").await;
@@ -378,8 +378,8 @@ macro_rules! on_every_store {
 
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn postgres_batching() {
-                let table = concat!("tower_idempotency_", stringify!($scenario));
-                let Some(store) = $crate::common::postgres(table).await else {
+                let Some(store) = $crate::common::postgres("tower_idempotency_every_store").await
+                else {
                     return;
                 };
                 let store = store.with_batching(tower_idempotency::store::Batching::default());
