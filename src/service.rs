@@ -185,27 +185,66 @@ impl<St: IdempotencyStore, M: MakeScope> Pipeline<St, M> {
                     }
                 }
             };
-            let (key, fingerprint, dialect) = match dialect::admit(
-                &self.reading(),
-                route.jsonrpc.as_deref(),
-                &parts,
-                &bytes,
-                pending,
-            ) {
-                Admitted::Guard {
-                    key,
-                    fingerprint,
-                    reply,
-                } => (key, fingerprint, reply),
-                Admitted::PassThrough => {
-                    self.outcome("pass_through");
-                    let req = Request::from_parts(parts, RequestBody::buffered(bytes));
-                    return Step::Run {
-                        run: Box::pin(pass_through(inner, req)),
-                        detach: false,
-                    };
+            // A retry of a finished request is answered from a read (see
+            // `IdempotencyStore::completed_now`): nothing to claim, and a body its record's
+            // fingerprint hashed as sent is recognised by hashing it as sent, unread. A read that
+            // fails is left to the claim, which reports it. A block, so that nothing of the
+            // read stays in this future's state.
+            let (key, fingerprint, dialect) = {
+                let recorded = pending
+                    .key()
+                    .and_then(|key| self.keeper.store().completed_now(key))
+                    .and_then(Result::ok);
+                let hint = match &recorded {
+                    Some(Claim::Completed { fingerprint, .. }) => Some(*fingerprint),
+                    _ => None,
+                };
+                let admitted = match dialect::admit(
+                    &self.reading(),
+                    route.jsonrpc.as_deref(),
+                    &parts,
+                    &bytes,
+                    pending,
+                    hint.as_ref(),
+                ) {
+                    Admitted::Guard {
+                        key,
+                        fingerprint,
+                        reply,
+                    } => (key, fingerprint, reply),
+                    Admitted::PassThrough => {
+                        self.outcome("pass_through");
+                        let req = Request::from_parts(parts, RequestBody::buffered(bytes));
+                        return Step::Run {
+                            run: Box::pin(pass_through(inner, req)),
+                            detach: false,
+                        };
+                    }
+                    Admitted::Refuse(refusal) => return Step::Answer(Ok(self.refuse(refusal))),
+                };
+                // 6, from the read: a completed record is answered (replayed, or refused on a
+                // mismatch), never run nor waited on.
+                if let Some(claim) = recorded {
+                    let (_, fingerprint, dialect) = &admitted;
+                    let window = route.window.p99();
+                    let decision = decide(claim, fingerprint, dialect.covers(), window);
+                    match self.next(decision, false, dialect, &parts.headers) {
+                        // Noted on a future of its own: one more `.await` here would lay out
+                        // this future's state again, larger.
+                        Next::Answer(response, Some(event)) => {
+                            let key = admitted.0;
+                            let noting = async move { Ok(self.noted(&key, event, response).await) };
+                            return Step::Run {
+                                run: Box::pin(noting),
+                                detach: false,
+                            };
+                        }
+                        Next::Answer(response, None) => return Step::Answer(Ok(response)),
+                        // Not from a completed record: claim as usual.
+                        Next::Run(_) | Next::Wait(_) => {}
+                    }
                 }
-                Admitted::Refuse(refusal) => return Step::Answer(Ok(self.refuse(refusal))),
+                admitted
             };
 
             // 5–6. Claim, and decide; on routes that wait, an in-flight key is claimed again as

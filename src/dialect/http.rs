@@ -84,8 +84,10 @@ pub(crate) fn fingerprint<M>(
     reading: &Reading<'_, M>,
     parts: &Parts,
     bytes: &[u8],
+    recorded: Option<&Fingerprint>,
 ) -> Result<Fingerprint, Refusal<()>> {
-    fingerprint_fields(parts, bytes, reading.fingerprint, reading.json_fields).map_err(|error| {
+    let (options, fields) = (reading.fingerprint, reading.json_fields);
+    fingerprint_fields(parts, bytes, options, fields, recorded).map_err(|error| {
         // The application's canonicaliser panicked: the server's fault, not the body's.
         let kind = match error.panicked() {
             true => ProblemKind::FingerprintFailed,

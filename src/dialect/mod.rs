@@ -21,6 +21,7 @@ use bytes::Bytes;
 use self::http::{Admitted, Reading};
 use self::jsonrpc::{Id, JsonRpc};
 use crate::body::ResponseBody;
+use crate::fingerprint::Fingerprint;
 use crate::key::ScopedKey;
 use crate::problem::{Problem, ProblemKind};
 use crate::replay::{IDEMPOTENCY_REPLAYED, Presentation, present};
@@ -71,6 +72,14 @@ impl Pending {
         )
     }
 
+    /// The key, where the head holds it (not a JSON-RPC call's, which its body holds).
+    pub(crate) fn key(&self) -> Option<&ScopedKey> {
+        match self {
+            Self::Keyed(key, _) => Some(key),
+            Self::Call => None,
+        }
+    }
+
     /// Whom a refusal while the body is read answers.
     pub(crate) fn dialect(&self) -> Dialect {
         match self {
@@ -109,16 +118,19 @@ pub(crate) fn admit<M: MakeScope>(
     parts: &Parts,
     bytes: &[u8],
     pending: Pending,
+    recorded: Option<&Fingerprint>,
 ) -> Admitted<Dialect> {
     match (pending, settings) {
-        (Pending::Keyed(key, dialect), _) => match http::fingerprint(reading, parts, bytes) {
-            Ok(fingerprint) => Admitted::Guard {
-                key,
-                fingerprint,
-                reply: dialect,
-            },
-            Err(refusal) => Admitted::Refuse(refusal.map_reply(|()| dialect)),
-        },
+        (Pending::Keyed(key, dialect), _) => {
+            match http::fingerprint(reading, parts, bytes, recorded) {
+                Ok(fingerprint) => Admitted::Guard {
+                    key,
+                    fingerprint,
+                    reply: dialect,
+                },
+                Err(refusal) => Admitted::Refuse(refusal.map_reply(|()| dialect)),
+            }
+        }
         (Pending::Call, Some(settings)) => match jsonrpc::admit(reading, settings, parts, bytes) {
             Admitted::Guard {
                 key,

@@ -35,8 +35,32 @@ pub use fields::{InvalidPointer, JsonFields};
 use sha2::{Digest, Sha256};
 
 /// The SHA-256 fingerprint of a request: equal fingerprints mean the same operation.
-#[derive(Clone, Copy, PartialEq, Eq, Hash)]
-pub struct Fingerprint([u8; 32]);
+///
+/// Equality and hashing are over the 32 bytes alone. A fingerprint also remembers whether its
+/// request's body went into the hash exactly as sent (a JSON body already in canonical form):
+/// a hint an in-process store may keep with the record, so that a byte-identical retry is
+/// recognised by hashing it as sent, without reading it a second time (see
+/// [`IdempotencyStore::completed_now`](crate::store::IdempotencyStore::completed_now)). A
+/// store that keeps only the bytes loses the hint, and nothing else.
+#[derive(Clone, Copy)]
+pub struct Fingerprint {
+    bytes: [u8; 32],
+    as_sent: bool,
+}
+
+impl PartialEq for Fingerprint {
+    fn eq(&self, other: &Self) -> bool {
+        self.bytes == other.bytes
+    }
+}
+
+impl Eq for Fingerprint {}
+
+impl std::hash::Hash for Fingerprint {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        self.bytes.hash(state);
+    }
+}
 
 impl Fingerprint {
     /// The fingerprint of a request with these parts and body, as the layer computes it with
@@ -45,20 +69,43 @@ impl Fingerprint {
         fingerprint(parts, body, &FingerprintOptions::default())
     }
 
-    /// A fingerprint from its 32 bytes (as a store reads it back).
+    /// A fingerprint from its 32 bytes (as a store reads it back), without the hint.
     pub const fn from_bytes(bytes: [u8; 32]) -> Self {
-        Self(bytes)
+        Self {
+            bytes,
+            as_sent: false,
+        }
     }
 
     /// The 32 bytes.
     pub const fn as_bytes(&self) -> &[u8; 32] {
-        &self.0
+        &self.bytes
+    }
+
+    /// Whether the request's body went into the hash exactly as sent (see above).
+    pub const fn body_as_sent(&self) -> bool {
+        self.as_sent
+    }
+
+    /// These bytes, with the hint set as given (a store reading back what it kept).
+    pub const fn with_body_as_sent(self, as_sent: bool) -> Self {
+        Self {
+            bytes: self.bytes,
+            as_sent,
+        }
+    }
+
+    fn finish(h: Sha256, as_sent: bool) -> Self {
+        Self {
+            bytes: h.finalize().into(),
+            as_sent,
+        }
     }
 }
 
 impl fmt::Debug for Fingerprint {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "Fingerprint({})", crate::key::hex(&self.0[..8]))
+        write!(f, "Fingerprint({})", crate::key::hex(&self.bytes[..8]))
     }
 }
 
@@ -145,7 +192,7 @@ pub(crate) fn jsonrpc(
             canonical_field(&mut h, b"params", |buf| fields::exact(&kept, buf))?;
         }
     }
-    Ok(Fingerprint(h.finalize().into()))
+    Ok(Fingerprint::finish(h, false))
 }
 
 /// Whether two JSON number texts name exactly the same value (`0` and `-0` included).
@@ -189,11 +236,13 @@ impl Sink for Vec<u8> {
     }
 }
 
+#[inline]
 fn put_len(out: &mut impl Sink, len: usize) {
     out.put(&(len as u64).to_le_bytes());
 }
 
 /// A length-prefixed field, so that no two field sequences hash alike.
+#[inline]
 fn put_field(out: &mut impl Sink, bytes: &[u8]) {
     put_len(out, bytes.len());
     out.put(bytes);
@@ -368,22 +417,47 @@ pub(crate) fn fingerprint(
     body: &[u8],
     options: &FingerprintOptions,
 ) -> Result<Fingerprint, MalformedBody> {
-    fingerprint_fields(parts, body, options, None)
+    fingerprint_fields(parts, body, options, None, None)
 }
 
 /// Fingerprints a request, counting only the JSON `fields` a route chose, if any.
+///
+/// `recorded` is the fingerprint of the outcome already recorded under the request's key, if
+/// any. Where its body went into the hash as sent, a JSON body is hashed as sent first: equal,
+/// these bytes are that request's canonical body, so they need no reading. The answer is the
+/// same either way; only a retry whose bytes changed and are not canonical pays a second hash.
 pub(crate) fn fingerprint_fields(
     parts: &Parts,
     body: &[u8],
     options: &FingerprintOptions,
     fields: Option<&JsonFields>,
+    recorded: Option<&Fingerprint>,
 ) -> Result<Fingerprint, MalformedBody> {
     let mut h = Sha256::new();
     put_field(&mut h, b"tower-idempotency/fingerprint/v1");
     put_field(&mut h, parts.method.as_str().as_bytes());
     let (content_type, media) = head_into(&mut h, parts, options)?;
-    body_into(&mut h, &media, content_type, body, options, fields)?;
-    Ok(Fingerprint(h.finalize().into()))
+    let recorded = recorded.filter(|r| r.as_sent);
+    match body_into(
+        &mut h,
+        &media,
+        content_type,
+        body,
+        options,
+        fields,
+        recorded,
+    )? {
+        Hashed::Fed { as_sent } => Ok(Fingerprint::finish(h, as_sent)),
+        Hashed::Done(fingerprint) => Ok(fingerprint),
+    }
+}
+
+/// What [`body_into`] did with the hash.
+enum Hashed {
+    /// Fed it the body (`as_sent`: the JSON body exactly as sent).
+    Fed { as_sent: bool },
+    /// Finished a copy of it: the fingerprint of a JSON body hashed as sent.
+    Done(Fingerprint),
 }
 
 /// Path, query, media type and fingerprint headers; hands back `Content-Type` and its media
@@ -426,7 +500,9 @@ fn body_into(
     body: &[u8],
     options: &FingerprintOptions,
     fields: Option<&JsonFields>,
-) -> Result<(), MalformedBody> {
+    recorded: Option<&Fingerprint>,
+) -> Result<Hashed, MalformedBody> {
+    const FED: Result<Hashed, MalformedBody> = Ok(Hashed::Fed { as_sent: false });
     if let Some((_, custom)) = options.custom.iter().find(|(m, _)| m == media) {
         put_field(h, b"custom");
         // The application's code: a panic in it is a server error answered as such, not a
@@ -441,50 +517,70 @@ fn body_into(
                 }
             })??;
         put_field(h, &canonical);
-        return Ok(());
+        return FED;
     }
     if body.is_empty() {
         put_field(h, b"raw");
         put_field(h, body);
-        return Ok(());
+        return FED;
     }
     if let Some(fields) = fields.filter(|_| is_json(media)) {
         // Valid JSON first: a malformed body is refused whatever fields count.
         canonical_json(body)?;
         let text = std::str::from_utf8(body).map_err(|_| MalformedBody::new(json::NOT_UTF8))?;
-        return canonical_field(h, b"json-fields", |buf| fields.canonicalize(text, buf));
+        canonical_field(h, b"json-fields", |buf| fields.canonicalize(text, buf))?;
+        return FED;
     }
     if is_json(media) {
-        // A body already in canonical form is its own canonical form: hash it as it is (the
-        // check also proves it UTF-8).
-        if json::verbatim(body) {
+        if let Some(recorded) = recorded {
+            // A retry of a body recorded as sent: hashed as sent, before anything reads it. The
+            // same hash means the same framed bytes in the same domain, so this body is the
+            // recorded request's canonical body, and canonical itself.
+            let sent = json_as_sent(h, body);
+            if sent == *recorded || json::verbatim(body) {
+                return Ok(Hashed::Done(sent));
+            }
+        } else if json::verbatim(body) {
+            // A body already in canonical form is its own canonical form: hash it as it is
+            // (the check also proves it UTF-8).
             put_field(h, b"json");
             put_field(h, body);
-            return Ok(());
+            return Ok(Hashed::Fed { as_sent: true });
         }
         let text = std::str::from_utf8(body).map_err(|_| MalformedBody::new(json::NOT_UTF8))?;
         match canonical_field(h, b"json", |buf| json::canonicalize_text(text, buf)) {
-            Ok(()) => return Ok(()),
+            Ok(()) => return FED,
             Err(json::JsonError::Malformed(reason)) => return Err(MalformedBody::new(reason)),
             Err(json::JsonError::NotCanonical) => {
                 // Its own domain: never equal to a body of another media type's raw bytes.
                 put_field(h, b"json-raw");
                 put_field(h, body);
-                return Ok(());
+                return FED;
             }
         }
     } else if media == "application/x-www-form-urlencoded" {
         put_field(h, b"form");
         form::canonicalize(body, h);
-        return Ok(());
+        return FED;
     } else if media == "multipart/form-data" {
-        return canonical_field(h, b"multipart", |buf| {
+        canonical_field(h, b"multipart", |buf| {
             multipart::canonicalize(content_type, body, buf)
-        });
+        })?;
+        return FED;
     }
     put_field(h, b"raw");
     put_field(h, body);
-    Ok(())
+    FED
+}
+
+/// The fingerprint of a JSON body hashed as sent, from a copy of the hash so far. Apart, so
+/// that the common path's hashing is compiled as it was without it.
+#[inline(never)]
+fn json_as_sent(h: &Sha256, body: &[u8]) -> Fingerprint {
+    let mut sent = h.clone();
+    put_field(&mut sent, b"json");
+    put_field(&mut sent, body);
+    Fingerprint::finish(sent, true)
 }
 
 #[cfg(test)]
@@ -646,6 +742,29 @@ mod tests {
         }
     }
 
+    /// The hint is not part of the fingerprint: equal bytes, equal fingerprints, one hash.
+    #[test]
+    fn the_hint_is_not_part_of_the_fingerprint() {
+        use std::hash::BuildHasher;
+        let a = Fingerprint::from_bytes([9; 32]);
+        let b = a.with_body_as_sent(true);
+        assert!(!a.body_as_sent() && b.body_as_sent());
+        assert_eq!(a, b);
+        let state = std::hash::RandomState::new();
+        assert_eq!(state.hash_one(a), state.hash_one(b));
+        assert_ne!(a, Fingerprint::from_bytes([8; 32]).with_body_as_sent(true));
+        // Hashed as sent only where the body went in as sent.
+        let canonical = fp("POST", "/", "application/json", br#"{"a":1}"#).expect("fp");
+        let spaced = fp("POST", "/", "application/json", br#"{ "a": 1 }"#).expect("fp");
+        assert_eq!(canonical, spaced);
+        assert!(canonical.body_as_sent() && !spaced.body_as_sent());
+        assert!(
+            !fp("POST", "/", "text/plain", b"x")
+                .expect("fp")
+                .body_as_sent()
+        );
+    }
+
     #[test]
     fn non_canonical_json_is_hashed_raw_never_merged() {
         let dup = fp("POST", "/", "application/json", br#"{"a":1,"a":2}"#).expect("fp");
@@ -800,6 +919,59 @@ mod tests {
             let a = fp("POST", "/t", "application/json", &compact).expect("fp");
             let b = fp("POST", "/t", "application/json", &reference).expect("fp");
             prop_assert_eq!(a, b);
+        }
+
+        /// The fingerprint of a retry is the same with the recorded fingerprint's hint as
+        /// without it, whatever the first body and the retry (the same bytes, reordered,
+        /// changed, broken, not UTF-8, in another media type): the hint only saves reading a
+        /// body sent again as it was recorded.
+        #[test]
+        fn a_recorded_fingerprint_changes_no_fingerprint(
+            v in json_value(),
+            shape in 0..7u8,
+            at in any::<prop::sample::Index>(),
+            byte in any::<u8>(),
+        ) {
+            let canonical = serde_json_canonicalizer::to_vec(&v).expect("reference");
+            let mut changed = v.clone();
+            perturb(&mut changed);
+            let retry: Vec<u8> = match shape {
+                0 => canonical.clone(),
+                1 => reorder(&v).into_bytes(),
+                2 => serde_json_canonicalizer::to_vec(&changed).expect("reference"),
+                3 => { let mut b = canonical.clone(); let i = at.index(b.len()); b[i] = byte; b }
+                4 => canonical[..at.index(canonical.len())].to_vec(),
+                5 => [&canonical[..], b" "].concat(),
+                _ => [&b" "[..], &canonical[..]].concat(),
+            };
+            let parts = |ct: &str| Request::post("/t").header("content-type", ct).body(()).expect("request").into_parts().0;
+            let options = FingerprintOptions::default();
+            let json = parts("application/json");
+            let recorded = fingerprint_fields(&json, &canonical, &options, None, None).expect("fp");
+            prop_assert!(recorded.body_as_sent(), "a canonical body is hashed as sent");
+            for ct in ["application/json", "application/problem+json", "text/plain"] {
+                let parts = parts(ct);
+                let plain = fingerprint_fields(&parts, &retry, &options, None, None);
+                let hinted = fingerprint_fields(&parts, &retry, &options, None, Some(&recorded));
+                match (&plain, &hinted) {
+                    (Ok(a), Ok(b)) => {
+                        prop_assert_eq!(a.as_bytes(), b.as_bytes());
+                        prop_assert_eq!(a.body_as_sent(), b.body_as_sent());
+                    }
+                    (Err(a), Err(b)) => prop_assert_eq!(a, b),
+                    _ => prop_assert!(false, "{plain:?} / {hinted:?}"),
+                }
+                // A hint from a record whose body was not hashed as sent is not used.
+                let other = Fingerprint::from_bytes(*recorded.as_bytes());
+                let unhinted = fingerprint_fields(&parts, &retry, &options, None, Some(&other));
+                prop_assert_eq!(plain.map(|f| *f.as_bytes()), unhinted.map(|f| *f.as_bytes()));
+            }
+            prop_assert_eq!(
+                fingerprint_fields(&json, &retry, &options, None, Some(&recorded)).ok() == Some(recorded),
+                retry == canonical || serde_json::from_slice::<Value>(&retry).ok()
+                    .and_then(|r| serde_json_canonicalizer::to_vec(&r).ok()) == Some(canonical.clone()),
+                "a retry matches exactly when it is the same JSON"
+            );
         }
 
         #[test]

@@ -284,6 +284,10 @@ impl IdempotencyStore for AnyStore {
         each!(self, s => s.claim_now(request))
     }
 
+    fn completed_now(&self, key: &ScopedKey) -> Option<Result<Claim, StoreError>> {
+        each!(self, s => s.completed_now(key))
+    }
+
     async fn renew(
         &self,
         key: &ScopedKey,

@@ -80,6 +80,7 @@ async fn run_checks<S: IdempotencyStore>(store: &Arc<S>) {
     reconciling_routes_never_expire_into_a_second_run(store).await;
     waiting_for_a_change_ends_when_the_record_moves_on(store).await;
     concurrent_operations_each_get_their_own_answer(store).await;
+    completed_now_answers_only_what_a_claim_would(store).await;
 }
 
 tokio::task_local! {
@@ -296,6 +297,102 @@ pub async fn complete_then_replay_exactly<S: IdempotencyStore>(store: &S) {
         .expect("complete");
     let (_, replayed) = completed(store, &req, "a completed key").await;
     assert_eq!(replayed, marker);
+}
+
+/// [`IdempotencyStore::completed_now`], where the store answers it, answers a completed,
+/// unexpired record exactly as a claim does (the fingerprint with its hint, the response) and
+/// nothing else: no record, one in flight, released or awaiting reconciliation, or expired.
+/// It claims nothing: a claim after it still finds the record as it was.
+pub async fn completed_now_answers_only_what_a_claim_would<S: IdempotencyStore>(store: &S) {
+    let rule = "completed_now";
+    let read = |key: &ScopedKey| match store.completed_now(key) {
+        None => None,
+        Some(Ok(Claim::Completed {
+            fingerprint,
+            response,
+        })) => Some((fingerprint, *response)),
+        Some(other) => panic!("{rule}: a completed record is answered as Completed, got {other:?}"),
+    };
+    let key = unique_key("completed-now");
+    assert!(read(&key).is_none(), "{rule}: no record, no answer");
+    let mut req = request(&key, 1, LONG, LONG);
+    req.fingerprint = req.fingerprint.with_body_as_sent(true);
+    let lease = acquire(store, &req, "a fresh key").await;
+    assert!(
+        read(&key).is_none(),
+        "{rule}: a record in flight is claimed, not read"
+    );
+    store
+        .complete(&key, lease.token, &response(), LONG)
+        .await
+        .expect("complete");
+    let answered = match read(&key) {
+        // A store that cannot answer without I/O never does.
+        None => {
+            assert!(read(&unique_key("absent")).is_none());
+            return;
+        }
+        Some(answered) => answered,
+    };
+    let (fingerprint, replayed) = completed(store, &req, "a completed key").await;
+    assert_eq!(answered.0, fingerprint, "{rule}: the claim's fingerprint");
+    assert!(
+        answered.0.body_as_sent(),
+        "{rule}: the fingerprint's hint is kept with the record"
+    );
+    assert_eq!(answered.1, replayed, "{rule}: the claim's response");
+    assert_eq!(replayed, response());
+    // Without the hint, none comes back.
+    let plain = unique_key("completed-now-plain");
+    let plain_req = request(&plain, 2, LONG, LONG);
+    let lease = acquire(store, &plain_req, "a fresh key").await;
+    store
+        .complete(&plain, lease.token, &response(), LONG)
+        .await
+        .expect("complete");
+    let (fingerprint, _) = read(&plain).expect("a completed record is answered");
+    assert_eq!(fingerprint, plain_req.fingerprint);
+    assert!(!fingerprint.body_as_sent(), "{rule}: no hint, none kept");
+    // Released, uncertain: claimed as usual.
+    let released = unique_key("completed-now-released");
+    let lease = acquire(store, &request(&released, 1, LONG, LONG), "a fresh key").await;
+    store
+        .release(&released, lease.token)
+        .await
+        .expect("release");
+    assert!(
+        read(&released).is_none(),
+        "{rule}: a released record is claimed"
+    );
+    let unsure = unique_key("completed-now-uncertain");
+    let lease = acquire(store, &request(&unsure, 1, LONG, LONG), "a fresh key").await;
+    store
+        .mark_uncertain(&unsure, lease.token)
+        .await
+        .expect("mark_uncertain");
+    assert!(
+        read(&unsure).is_none(),
+        "{rule}: an uncertain record is claimed"
+    );
+    // Expired: absent, and the next claim runs.
+    let expiring = unique_key("completed-now-expired");
+    let expiring_req = request(&expiring, 1, SHORT, LONG);
+    let lease = acquire(store, &expiring_req, "a fresh key").await;
+    store
+        .complete(&expiring, lease.token, &response(), SHORT)
+        .await
+        .expect("complete");
+    assert!(
+        read(&expiring).is_some(),
+        "{rule}: completed, not yet expired"
+    );
+    tokio::time::sleep(PAST_SHORT).await;
+    assert!(
+        read(&expiring).is_none(),
+        "{rule}: an expired record is absent"
+    );
+    let again = acquire(store, &expiring_req, "an expired record").await;
+    assert_eq!(again.attempt, 1);
 }
 
 /// After a release the next claim takes the key over with a new token and `attempts + 1`.

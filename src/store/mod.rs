@@ -378,6 +378,20 @@ pub trait IdempotencyStore: Send + Sync + 'static {
         None
     }
 
+    /// What [`claim`](Self::claim) would answer for `key` if its record is completed and not
+    /// expired ([`Claim::Completed`]), read at once and without claiming; `None` for any other
+    /// record, for none, and from a store that cannot answer without I/O (the default). The
+    /// layer then claims as usual.
+    ///
+    /// The layer asks it before it fingerprints a request: most retries of a finished request
+    /// find their outcome here, with the hint of the recorded [`Fingerprint`] (whether its body
+    /// was hashed as sent), so that a byte-identical retry is recognised without reading its
+    /// body again. A store that answers it keeps that hint with the record.
+    fn completed_now(&self, key: &ScopedKey) -> Option<Result<Claim, StoreError>> {
+        let _ = key;
+        None
+    }
+
     /// Extends the holder's lease to `lease` from now (and `expires_at` with it, if needed);
     /// returns the new end.
     fn renew(
@@ -517,6 +531,10 @@ impl<S: IdempotencyStore> IdempotencyStore for Arc<S> {
 
     fn claim_now(&self, request: &ClaimRequest) -> Option<Result<Claim, StoreError>> {
         (**self).claim_now(request)
+    }
+
+    fn completed_now(&self, key: &ScopedKey) -> Option<Result<Claim, StoreError>> {
+        (**self).completed_now(key)
     }
 
     fn renew(

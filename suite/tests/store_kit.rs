@@ -62,6 +62,7 @@ macro_rules! all_checks {
             reconciling_routes_never_expire_into_a_second_run,
             waiting_for_a_change_ends_when_the_record_moves_on,
             concurrent_operations_each_get_their_own_answer,
+            completed_now_answers_only_what_a_claim_would,
         );
     };
 }

@@ -24,6 +24,10 @@ const QUEUED: u8 = 8;
 /// The data's head is wide: the scope's length and the joined key's four bytes each, for a
 /// key with a scope or a length past 16 bits; two bytes each otherwise (nearly every key).
 const WIDE_HEAD: u8 = 16;
+/// The fingerprint's hint: its request's body went into the hash as sent (see
+/// [`Fingerprint`]). Kept here, since the fingerprint's own copy of it would cost the record
+/// eight bytes of padding.
+const BODY_AS_SENT: u8 = 32;
 
 /// A record: times in milliseconds on the store's clock, no pointer it can do without. It
 /// lives in its shard's slab, not in an allocation of its own, and weighs 112 bytes (checked by
@@ -35,7 +39,8 @@ pub(super) struct Entry {
     /// shared-count header, and a replay copies what it sends in one pass over bytes it then
     /// writes to the socket anyway.
     data: Box<[u8]>,
-    pub(super) fingerprint: Fingerprint,
+    /// The fingerprint's bytes; its hint is a flag ([`BODY_AS_SENT`]).
+    fingerprint: [u8; 32],
     pub(super) lease_token: FencingToken,
     pub(super) lease_until: u64,
     pub(super) created_at: u64,
@@ -89,6 +94,9 @@ impl Entry {
             LeaseExpiry::Reconcile => RECONCILE_ON_EXPIRY,
             _ => 0,
         };
+        if req.fingerprint.body_as_sent() {
+            flags |= BODY_AS_SENT;
+        }
         let mut head = [0u8; 8];
         let head = match (u16::try_from(split), u16::try_from(joined.len())) {
             (Ok(split), Ok(len)) => {
@@ -114,7 +122,7 @@ impl Entry {
         data.extend_from_slice(joined.as_bytes());
         Entry {
             data: data.into_boxed_slice(),
-            fingerprint: req.fingerprint,
+            fingerprint: *req.fingerprint.as_bytes(),
             lease_token: token,
             lease_until,
             created_at: now,
@@ -188,6 +196,25 @@ impl Entry {
         match on {
             LeaseExpiry::Reconcile => self.flags |= RECONCILE_ON_EXPIRY,
             _ => self.flags &= !RECONCILE_ON_EXPIRY,
+        }
+    }
+
+    /// The fingerprint, with its hint.
+    pub(super) fn fingerprint(&self) -> Fingerprint {
+        Fingerprint::from_bytes(self.fingerprint).with_body_as_sent(self.flags & BODY_AS_SENT != 0)
+    }
+
+    /// Whether `fingerprint` is this record's (by its bytes; the hint does not count).
+    pub(super) fn fingerprinted(&self, fingerprint: &Fingerprint) -> bool {
+        self.fingerprint == *fingerprint.as_bytes()
+    }
+
+    /// The hint of the request now running under this record (a takeover: the same bytes,
+    /// perhaps sent differently).
+    pub(super) fn set_body_as_sent(&mut self, fingerprint: &Fingerprint) {
+        match fingerprint.body_as_sent() {
+            true => self.flags |= BODY_AS_SENT,
+            false => self.flags &= !BODY_AS_SENT,
         }
     }
 
@@ -335,7 +362,7 @@ impl Entry {
             let response = StoredResponse::from_shared(&Bytes::copy_from_slice(bytes))
                 .map_err(StoreError::unavailable)?;
             return Ok(Claim::Completed {
-                fingerprint: self.fingerprint,
+                fingerprint: self.fingerprint(),
                 response: Box::new(response),
             });
         }
@@ -364,7 +391,7 @@ impl Entry {
         let extra = self.extra.as_deref();
         Ok(Record {
             key: key.clone(),
-            fingerprint: self.fingerprint,
+            fingerprint: self.fingerprint(),
             status: self.status,
             lease_token: self.lease_token,
             lease_until: time(self.lease_until),

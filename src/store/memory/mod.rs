@@ -525,7 +525,7 @@ impl MemoryStore {
             self.weigh(before, r.weight());
             return acquired(token, 1);
         }
-        let takeover = if r.fingerprint != req.fingerprint {
+        let takeover = if !r.fingerprinted(&req.fingerprint) {
             false
         } else {
             match r.status {
@@ -557,6 +557,7 @@ impl MemoryStore {
         r.lease_until = lease_until;
         r.attempts += 1;
         r.set_reconcile_on_expiry(req.on_lease_expiry);
+        r.set_body_as_sent(&req.fingerprint);
         // Only ever later: a retry does not shorten what the record was promised.
         r.expires_at = r.expires_at.max(now + span(req.ttl)).max(lease_until);
         log(r, now, HistoryEvent::Claimed);
@@ -610,6 +611,18 @@ impl IdempotencyStore for MemoryStore {
     /// Always at once: a claim here is a few operations under one shard's lock.
     fn claim_now(&self, req: &ClaimRequest) -> Option<Result<Claim, StoreError>> {
         Some(self.claim_at_once(req))
+    }
+
+    /// A read under the key's shard lock: what a claim of a completed record answers, and
+    /// all it does (a claim that finds one changes nothing).
+    fn completed_now(&self, key: &ScopedKey) -> Option<Result<Claim, StoreError>> {
+        let (hash, shard) = self.shard(key);
+        let r = shard
+            .entry(hash, key)
+            .filter(|r| r.status == RecordStatus::Completed)?;
+        // The clock only for a record to answer: a new key (most requests) reads none here.
+        let now = self.now();
+        (!expired(r, now)).then(|| r.to_claim(key, now))
     }
 
     async fn renew(
