@@ -202,6 +202,13 @@ impl ScopedKey {
     pub(crate) fn joined(&self) -> (&str, usize) {
         (&self.joined, self.split)
     }
+
+    /// Whether `other` is a clone of this key (the same allocation, the same split): then
+    /// equal, without a byte compared.
+    #[cfg(feature = "memory")]
+    pub(crate) fn is_clone_of(&self, other: &Self) -> bool {
+        Arc::ptr_eq(&self.joined, &other.joined) && self.split == other.split
+    }
 }
 
 thread_local! {
