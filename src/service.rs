@@ -185,27 +185,22 @@ impl<St: IdempotencyStore, M: MakeScope> Pipeline<St, M> {
                     }
                 }
             };
-            // A retry of a finished request is answered from a read (see
-            // `IdempotencyStore::completed_now`): nothing to claim, and a body its record's
-            // fingerprint hashed as sent is recognised by hashing it as sent, unread. A read that
-            // fails is left to the claim, which reports it. A block, so that nothing of the
-            // read stays in this future's state.
+            // A retry of a finished request is answered from a read: its record's fingerprint
+            // first, for its hint (see `IdempotencyStore::recorded_fingerprint_now`), so that a
+            // body hashed as sent and sent again byte for byte is recognised unread. A block, so
+            // that nothing of the reads stays in this future's state.
             let (key, fingerprint, dialect) = {
+                let store = self.keeper.store();
                 let recorded = pending
                     .key()
-                    .and_then(|key| self.keeper.store().completed_now(key))
-                    .and_then(Result::ok);
-                let hint = match &recorded {
-                    Some(Claim::Completed { fingerprint, .. }) => Some(*fingerprint),
-                    _ => None,
-                };
+                    .and_then(|key| store.recorded_fingerprint_now(key));
                 let admitted = match dialect::admit(
                     &self.reading(),
                     route.jsonrpc.as_deref(),
                     &parts,
                     &bytes,
                     pending,
-                    hint.as_ref(),
+                    recorded.as_ref(),
                 ) {
                     Admitted::Guard {
                         key,
@@ -222,10 +217,14 @@ impl<St: IdempotencyStore, M: MakeScope> Pipeline<St, M> {
                     }
                     Admitted::Refuse(refusal) => return Step::Answer(Ok(self.refuse(refusal))),
                 };
-                // 6, from the read: a completed record is answered (replayed, or refused on a
-                // mismatch), never run nor waited on.
-                if let Some(claim) = recorded {
-                    let (_, fingerprint, dialect) = &admitted;
+                // 5–6 for a completed record: read again, now that the request is fingerprinted
+                // (it may have expired meanwhile), in place of a claim that would change
+                // nothing; answered (replayed, or refused on a mismatch), never run nor waited
+                // on. A read that finds nothing, or fails, is left to the claim.
+                let (key, fingerprint, dialect) = &admitted;
+                if recorded.is_some()
+                    && let Some(Ok(claim)) = store.completed_now(key)
+                {
                     let window = route.window.p99();
                     let decision = decide(claim, fingerprint, dialect.covers(), window);
                     match self.next(decision, false, dialect, &parts.headers) {

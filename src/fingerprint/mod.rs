@@ -40,7 +40,7 @@ use sha2::{Digest, Sha256};
 /// request's body went into the hash exactly as sent (a JSON body already in canonical form):
 /// a hint an in-process store may keep with the record, so that a byte-identical retry is
 /// recognised by hashing it as sent, without reading it a second time (see
-/// [`IdempotencyStore::completed_now`](crate::store::IdempotencyStore::completed_now)). A
+/// [`IdempotencyStore::recorded_fingerprint_now`](crate::store::IdempotencyStore::recorded_fingerprint_now)). A
 /// store that keeps only the bytes loses the hint, and nothing else.
 #[derive(Clone, Copy)]
 pub struct Fingerprint {

@@ -14,8 +14,8 @@ use std::fmt;
 use std::time::{Duration, SystemTime};
 
 use super::{
-    BoxError, Claim, ClaimRequest, FencingToken, HistoryEvent, IdempotencyStore, InFlight,
-    Milestone, Record, RecordStatus, Resolution, ScopedKey, StoreError, StoredResponse,
+    BoxError, Claim, ClaimRequest, FencingToken, Fingerprint, HistoryEvent, IdempotencyStore,
+    InFlight, Milestone, Record, RecordStatus, Resolution, ScopedKey, StoreError, StoredResponse,
     UncertainCount, UncertainPage, UncertainQuery,
 };
 
@@ -282,6 +282,10 @@ impl IdempotencyStore for AnyStore {
 
     fn claim_now(&self, request: &ClaimRequest) -> Option<Result<Claim, StoreError>> {
         each!(self, s => s.claim_now(request))
+    }
+
+    fn recorded_fingerprint_now(&self, key: &ScopedKey) -> Option<Fingerprint> {
+        each!(self, s => s.recorded_fingerprint_now(key))
     }
 
     fn completed_now(&self, key: &ScopedKey) -> Option<Result<Claim, StoreError>> {

@@ -302,34 +302,50 @@ pub async fn complete_then_replay_exactly<S: IdempotencyStore>(store: &S) {
 /// [`IdempotencyStore::completed_now`], where the store answers it, answers a completed,
 /// unexpired record exactly as a claim does (the fingerprint with its hint, the response) and
 /// nothing else: no record, one in flight, released or awaiting reconciliation, or expired.
-/// It claims nothing: a claim after it still finds the record as it was.
+/// [`IdempotencyStore::recorded_fingerprint_now`] answers the same records with the same
+/// fingerprint (and may answer an expired one). Neither claims: a claim after them still finds
+/// the record as it was.
 pub async fn completed_now_answers_only_what_a_claim_would<S: IdempotencyStore>(store: &S) {
     let rule = "completed_now";
-    let read = |key: &ScopedKey| match store.completed_now(key) {
-        None => None,
-        Some(Ok(Claim::Completed {
-            fingerprint,
-            response,
-        })) => Some((fingerprint, *response)),
-        Some(other) => panic!("{rule}: a completed record is answered as Completed, got {other:?}"),
+    let read = |key: &ScopedKey, expired: bool| {
+        let fingerprint = store.recorded_fingerprint_now(key);
+        let read = match store.completed_now(key) {
+            None => None,
+            Some(Ok(Claim::Completed {
+                fingerprint,
+                response,
+            })) => Some((fingerprint, *response)),
+            Some(other) => {
+                panic!("{rule}: a completed record is answered as Completed, got {other:?}")
+            }
+        };
+        if read.is_some() || !expired {
+            assert_eq!(
+                fingerprint.map(|f| (f, f.body_as_sent())),
+                read.as_ref().map(|(f, _)| (*f, f.body_as_sent())),
+                "recorded_fingerprint_now: the record completed_now reads, its fingerprint and \
+                 hint"
+            );
+        }
+        read
     };
     let key = unique_key("completed-now");
-    assert!(read(&key).is_none(), "{rule}: no record, no answer");
+    assert!(read(&key, false).is_none(), "{rule}: no record, no answer");
     let mut req = request(&key, 1, LONG, LONG);
     req.fingerprint = req.fingerprint.with_body_as_sent(true);
     let lease = acquire(store, &req, "a fresh key").await;
     assert!(
-        read(&key).is_none(),
+        read(&key, false).is_none(),
         "{rule}: a record in flight is claimed, not read"
     );
     store
         .complete(&key, lease.token, &response(), LONG)
         .await
         .expect("complete");
-    let answered = match read(&key) {
+    let answered = match read(&key, false) {
         // A store that cannot answer without I/O never does.
         None => {
-            assert!(read(&unique_key("absent")).is_none());
+            assert!(read(&unique_key("absent"), false).is_none());
             return;
         }
         Some(answered) => answered,
@@ -350,7 +366,7 @@ pub async fn completed_now_answers_only_what_a_claim_would<S: IdempotencyStore>(
         .complete(&plain, lease.token, &response(), LONG)
         .await
         .expect("complete");
-    let (fingerprint, _) = read(&plain).expect("a completed record is answered");
+    let (fingerprint, _) = read(&plain, false).expect("a completed record is answered");
     assert_eq!(fingerprint, plain_req.fingerprint);
     assert!(!fingerprint.body_as_sent(), "{rule}: no hint, none kept");
     // Released, uncertain: claimed as usual.
@@ -361,7 +377,7 @@ pub async fn completed_now_answers_only_what_a_claim_would<S: IdempotencyStore>(
         .await
         .expect("release");
     assert!(
-        read(&released).is_none(),
+        read(&released, false).is_none(),
         "{rule}: a released record is claimed"
     );
     let unsure = unique_key("completed-now-uncertain");
@@ -371,7 +387,7 @@ pub async fn completed_now_answers_only_what_a_claim_would<S: IdempotencyStore>(
         .await
         .expect("mark_uncertain");
     assert!(
-        read(&unsure).is_none(),
+        read(&unsure, false).is_none(),
         "{rule}: an uncertain record is claimed"
     );
     // Expired: absent, and the next claim runs.
@@ -383,12 +399,12 @@ pub async fn completed_now_answers_only_what_a_claim_would<S: IdempotencyStore>(
         .await
         .expect("complete");
     assert!(
-        read(&expiring).is_some(),
+        read(&expiring, false).is_some(),
         "{rule}: completed, not yet expired"
     );
     tokio::time::sleep(PAST_SHORT).await;
     assert!(
-        read(&expiring).is_none(),
+        read(&expiring, true).is_none(),
         "{rule}: an expired record is absent"
     );
     let again = acquire(store, &expiring_req, "an expired record").await;

@@ -378,15 +378,29 @@ pub trait IdempotencyStore: Send + Sync + 'static {
         None
     }
 
+    /// The fingerprint of `key`'s record if it is completed, with its hint (whether the body
+    /// was hashed as sent: see [`Fingerprint`]), read at once; `None` for any other record, for
+    /// none, and from a store that cannot answer without I/O (the default). Whether the record
+    /// has expired may be left unchecked.
+    ///
+    /// The layer asks it before it fingerprints a request, for the hint alone: a retry whose
+    /// body is the recorded one, byte for byte, is then recognised without being read again.
+    /// A store that answers it keeps the hint with the record. Nothing is decided from it: the
+    /// layer decides from [`completed_now`](Self::completed_now) or a claim, made after the
+    /// fingerprint as DESIGN §1 orders them.
+    fn recorded_fingerprint_now(&self, key: &ScopedKey) -> Option<Fingerprint> {
+        let _ = key;
+        None
+    }
+
     /// What [`claim`](Self::claim) would answer for `key` if its record is completed and not
     /// expired ([`Claim::Completed`]), read at once and without claiming; `None` for any other
     /// record, for none, and from a store that cannot answer without I/O (the default). The
     /// layer then claims as usual.
     ///
-    /// The layer asks it before it fingerprints a request: most retries of a finished request
-    /// find their outcome here, with the hint of the recorded [`Fingerprint`] (whether its body
-    /// was hashed as sent), so that a byte-identical retry is recognised without reading its
-    /// body again. A store that answers it keeps that hint with the record.
+    /// A claim that finds a completed record changes nothing, so a read answers it as well: the
+    /// layer asks this in place of a claim where
+    /// [`recorded_fingerprint_now`](Self::recorded_fingerprint_now) found a completed record.
     fn completed_now(&self, key: &ScopedKey) -> Option<Result<Claim, StoreError>> {
         let _ = key;
         None
@@ -531,6 +545,10 @@ impl<S: IdempotencyStore> IdempotencyStore for Arc<S> {
 
     fn claim_now(&self, request: &ClaimRequest) -> Option<Result<Claim, StoreError>> {
         (**self).claim_now(request)
+    }
+
+    fn recorded_fingerprint_now(&self, key: &ScopedKey) -> Option<Fingerprint> {
+        (**self).recorded_fingerprint_now(key)
     }
 
     fn completed_now(&self, key: &ScopedKey) -> Option<Result<Claim, StoreError>> {

@@ -1,9 +1,11 @@
-//! A retry of a finished request answered from a read (`IdempotencyStore::completed_now`), its
-//! body recognised by hashing it as sent when the record's was (the fingerprint's hint): DESIGN
-//! §1 steps 4–6 must answer exactly as a claim would. Every case is sent, over TCP, to the
-//! layer on a `MemoryStore` (which reads) and on the same store behind a wrapper that does not
-//! (`Faulty` leaves `completed_now` to the trait's default): statuses, bodies, markers and the
-//! effects counted in the handler must agree.
+//! A retry of a finished request answered from reads: the record's fingerprint before the
+//! request's (`IdempotencyStore::recorded_fingerprint_now`, for its hint: a body hashed as sent
+//! is recognised by hashing it as sent), then the record after it
+//! (`IdempotencyStore::completed_now`, in place of a claim). DESIGN §1 steps 4–6 must answer
+//! exactly as a claim would. Every case is sent, over TCP, to the layer on a `MemoryStore`
+//! (which reads) and on the same store behind a wrapper that does not (`Faulty` leaves both to
+//! the trait's defaults): statuses, bodies, markers and the effects counted in the handler must
+//! agree.
 
 mod common;
 

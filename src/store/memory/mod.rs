@@ -13,8 +13,8 @@ use std::time::{Duration, SystemTime};
 
 use super::history::{HISTORY_LIMIT, HISTORY_REFUSALS};
 use super::{
-    Claim, ClaimRequest, FencingToken, HistoryEvent, IdempotencyStore, InFlight, Lease,
-    LeaseExpiry, Milestone, Record, RecordStatus, Resolution, ScopedKey, StoreError,
+    Claim, ClaimRequest, FencingToken, Fingerprint, HistoryEvent, IdempotencyStore, InFlight,
+    Lease, LeaseExpiry, Milestone, Record, RecordStatus, Resolution, ScopedKey, StoreError,
     StoredResponse, UncertainCount, UncertainCursor, UncertainPage, UncertainQuery, Unreadable,
 };
 use entry::{Entry, span, time};
@@ -663,6 +663,15 @@ impl IdempotencyStore for MemoryStore {
         Some(self.claim_at_once(req))
     }
 
+    /// Expired or not: only a hint, and the clock is not read for it.
+    fn recorded_fingerprint_now(&self, key: &ScopedKey) -> Option<Fingerprint> {
+        let (hash, shard) = self.shard(key);
+        shard
+            .entry(hash, key)
+            .filter(|r| r.status == RecordStatus::Completed)
+            .map(Entry::fingerprint)
+    }
+
     /// A read under the key's shard lock: what a claim of a completed record answers, and
     /// all it does (a claim that finds one changes nothing).
     fn completed_now(&self, key: &ScopedKey) -> Option<Result<Claim, StoreError>> {
@@ -670,7 +679,7 @@ impl IdempotencyStore for MemoryStore {
         let r = shard
             .entry(hash, key)
             .filter(|r| r.status == RecordStatus::Completed)?;
-        // The clock only for a record to answer: a new key (most requests) reads none here.
+        // The clock only for a record to answer: a new key reads none here.
         let now = self.now();
         (!expired(r, now)).then(|| r.to_claim(key, now))
     }
