@@ -532,20 +532,24 @@ fn body_into(
         return FED;
     }
     if is_json(media) {
-        if let Some(recorded) = recorded {
-            // A retry of a body recorded as sent: hashed as sent, before anything reads it. The
-            // same hash means the same framed bytes in the same domain, so this body is the
-            // recorded request's canonical body, and canonical itself.
-            let sent = json_as_sent(h, body);
+        // A retry of a body recorded as sent is hashed as sent before anything reads it: the
+        // same hash means the same framed bytes in the same domain, so this body is the
+        // recorded request's canonical body, and canonical itself. Otherwise the hash goes on
+        // from where it was.
+        let before = recorded.map(|_| h.clone());
+        // A body already in canonical form is its own canonical form: hash it as it is (the
+        // check also proves it UTF-8).
+        if before.is_some() || json::verbatim(body) {
+            put_field(h, b"json");
+            put_field(h, body);
+            let (Some(recorded), Some(before)) = (recorded, before) else {
+                return Ok(Hashed::Fed { as_sent: true });
+            };
+            let sent = Fingerprint::finish(h.clone(), true);
             if sent == *recorded || json::verbatim(body) {
                 return Ok(Hashed::Done(sent));
             }
-        } else if json::verbatim(body) {
-            // A body already in canonical form is its own canonical form: hash it as it is
-            // (the check also proves it UTF-8).
-            put_field(h, b"json");
-            put_field(h, body);
-            return Ok(Hashed::Fed { as_sent: true });
+            *h = before;
         }
         let text = std::str::from_utf8(body).map_err(|_| MalformedBody::new(json::NOT_UTF8))?;
         match canonical_field(h, b"json", |buf| json::canonicalize_text(text, buf)) {
@@ -571,16 +575,6 @@ fn body_into(
     put_field(h, b"raw");
     put_field(h, body);
     FED
-}
-
-/// The fingerprint of a JSON body hashed as sent, from a copy of the hash so far. Apart, so
-/// that the common path's hashing is compiled as it was without it.
-#[inline(never)]
-fn json_as_sent(h: &Sha256, body: &[u8]) -> Fingerprint {
-    let mut sent = h.clone();
-    put_field(&mut sent, b"json");
-    put_field(&mut sent, body);
-    Fingerprint::finish(sent, true)
 }
 
 #[cfg(test)]
