@@ -240,8 +240,12 @@ impl<S> Shaped<S> {
 
 impl<S: IdempotencyStore> IdempotencyStore for Shaped<S> {
     async fn claim(&self, request: &ClaimRequest) -> Result<Claim, StoreError> {
+        let claim = self.inner.claim(request).await;
+        // Counted once answered: a batching store holds a claim until its batch reaches the
+        // database, and a test that opens a gate once every claim is counted must not open it
+        // while one is still queued (it would find the outcome recorded, not in flight).
         self.claims.fetch_add(1, Ordering::SeqCst);
-        let claim = self.inner.claim(request).await?;
+        let claim = claim?;
         let Claim::Completed { .. } = &claim else {
             return Ok(claim);
         };
