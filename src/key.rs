@@ -167,19 +167,20 @@ impl ScopedKey {
     pub fn new(scope: impl AsRef<str>, key: impl AsRef<str>) -> Self {
         let (scope, key) = (scope.as_ref(), key.as_ref());
         // One buffer per thread, so the shared allocation is the only one.
-        JOIN.with_borrow_mut(|buf| {
-            buf.clear();
-            buf.push_str(scope);
-            buf.push_str(key);
-            let joined = Arc::from(buf.as_str());
-            if buf.capacity() > 1024 {
-                *buf = String::new();
-            }
-            Self {
-                joined,
-                split: scope.len(),
-            }
-        })
+        let joined = crate::reuse::with(
+            &JOIN,
+            |buf| buf.capacity() <= 1024,
+            |buf| {
+                buf.clear();
+                buf.push_str(scope);
+                buf.push_str(key);
+                Arc::from(buf.as_str())
+            },
+        );
+        Self {
+            joined,
+            split: scope.len(),
+        }
     }
 
     /// The scope (tenant, account, principal).

@@ -122,6 +122,7 @@ mod policy;
 pub mod problem;
 pub mod reconcile;
 mod replay;
+mod reuse;
 mod route;
 pub mod scope;
 mod service;

@@ -64,6 +64,7 @@ enum Node {
 
 /// A parsed document, reused by each thread: once its buffers have grown to the documents a
 /// thread sees, canonicalising allocates nothing.
+#[derive(Default)]
 struct Tree {
     nodes: Vec<Node>,
     /// The decoded text of strings with escapes.
@@ -109,18 +110,16 @@ pub(crate) fn canonicalize_text(text: &str, out: &mut impl Sink) -> Result<(), J
     if u32::try_from(text.len()).is_err() {
         return Err(JsonError::NotCanonical);
     }
-    TREE.with_borrow_mut(|tree| {
-        tree.nodes.clear();
-        tree.decoded.clear();
-        tree.order.clear();
-        let result = canonicalize_into(text, tree, out);
-        if tree.nodes.capacity() > KEEP_NODES {
-            tree.nodes = Vec::new();
-            tree.decoded = String::new();
-            tree.order = Vec::new();
-        }
-        result
-    })
+    crate::reuse::with(
+        &TREE,
+        |tree| tree.nodes.capacity() <= KEEP_NODES,
+        |tree| {
+            tree.nodes.clear();
+            tree.decoded.clear();
+            tree.order.clear();
+            canonicalize_into(text, tree, out)
+        },
+    )
 }
 
 fn canonicalize_into(text: &str, tree: &mut Tree, out: &mut impl Sink) -> Result<(), JsonError> {

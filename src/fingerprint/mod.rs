@@ -256,19 +256,20 @@ fn canonical_field<E>(
     tag: &[u8],
     canonicalize: impl FnOnce(&mut Vec<u8>) -> Result<(), E>,
 ) -> Result<(), E> {
-    SCRATCH.with_borrow_mut(|buf| {
-        buf.clear();
-        let result = canonicalize(buf);
-        if result.is_ok() {
-            put_field(h, tag);
-            put_field(h, buf);
-        }
-        // Do not let one huge body pin its buffer for the thread's lifetime.
-        if buf.capacity() > SCRATCH_KEEP {
-            *buf = Vec::new();
-        }
-        result
-    })
+    // Do not let one huge body pin its buffer for the thread's lifetime.
+    crate::reuse::with(
+        &SCRATCH,
+        |buf| buf.capacity() <= SCRATCH_KEEP,
+        |buf| {
+            buf.clear();
+            let result = canonicalize(buf);
+            if result.is_ok() {
+                put_field(h, tag);
+                put_field(h, buf);
+            }
+            result
+        },
+    )
 }
 
 thread_local! {
