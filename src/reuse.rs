@@ -51,17 +51,22 @@ mod tests {
     /// buffers' own destructors ran; `Err` if it panicked.
     type Seen = Result<(String, String, Fingerprint, Option<Vec<u8>>), String>;
 
+    fn json_post() -> http::request::Parts {
+        Request::post("/orders")
+            .header("content-type", "application/json")
+            .body(())
+            .expect("request")
+            .into_parts()
+            .0
+    }
+
     struct LateUser(Option<mpsc::Sender<Seen>>);
 
     impl Drop for LateUser {
         fn drop(&mut self) {
             let seen = std::panic::catch_unwind(|| {
                 let key = ScopedKey::new("tenant-b", "late-key");
-                let (parts, ()) = Request::post("/orders")
-                    .header("content-type", "application/json")
-                    .body(())
-                    .expect("request")
-                    .into_parts();
+                let parts = json_post();
                 let fingerprint =
                     Fingerprint::of(&parts, br#"{"b":1,"a":[true,null]}"#).expect("fingerprint");
                 let canonical = canonical_json(br#"{ "z": 1, "a": 2 }"#).expect("canonical");
@@ -95,11 +100,7 @@ mod tests {
     /// panic, which in a destructor aborts the process.
     #[test]
     fn keys_and_fingerprints_work_after_the_threads_buffers_are_gone() {
-        let (parts, ()) = Request::post("/orders")
-            .header("content-type", "application/json")
-            .body(())
-            .expect("request")
-            .into_parts();
+        let parts = json_post();
         let expected_fingerprint =
             Fingerprint::of(&parts, br#"{"a":[true,null],"b":1}"#).expect("fingerprint");
         let (tx, rx) = mpsc::channel();
