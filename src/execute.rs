@@ -17,6 +17,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use http::{HeaderMap, Request, Response, response::Parts};
 use http_body::Body;
+use pin_project_lite::pin_project;
 use tower_service::Service;
 use tracing::Instrument;
 
@@ -38,6 +39,16 @@ use crate::store::{
 };
 use crate::unwind::CatchUnwind;
 use crate::window::Timing;
+
+mod run;
+
+use run::Run;
+
+/// What a panic caught while the handler ran carries.
+type Panic = Box<dyn Any + Send>;
+
+/// The handler's answer (its response or its error), or its panic.
+type Answered<B, E> = Result<Result<Response<B>, E>, Panic>;
 
 /// Everything an execution needs, owned, so it can outlive the request's future.
 pub(crate) struct Execution<St> {
@@ -67,42 +78,22 @@ impl<St: IdempotencyStore> Execution<St> {
     /// this future is dropped while the handler runs. Once the handler has answered, its
     /// outcome is recorded on a task of its own, so a hang-up can no longer drop it (the
     /// handler answered: its effect happened).
-    pub(crate) async fn run<S, ReqBody, ResBody>(
+    ///
+    /// The lease is held and `inner` called here, not at the first poll: the pipeline makes a
+    /// run only to poll it at once (see [`run::Run`]).
+    pub(crate) fn run<S, ReqBody, ResBody>(
         self,
-        mut inner: S,
+        inner: S,
         req: Request<RequestBody<ReqBody>>,
         cancel: Option<ReleaseOnDrop<St>>,
-    ) -> Result<Response<ResponseBody<ResBody>>, S::Error>
+    ) -> impl Future<Output = Result<Response<ResponseBody<ResBody>>, S::Error>>
     where
         S: Service<Request<RequestBody<ReqBody>>, Response = Response<ResBody>>,
         S::Error: Send + 'static,
         ResBody: Body<Data = Bytes> + Send + 'static,
         ResBody::Error: Into<BoxError>,
     {
-        observe::count(Event::Execution);
-        // From before the handler's first poll to the recorded outcome: renewed on the
-        // keeper's task, which a handler blocking its own thread cannot starve.
-        let hold = self.hold();
-        // Into the route's window however the execution ends (see `finish`).
-        let timing = Timing::start(self.route.window.clone());
-        // `call` inside the future: a service may do work (and panic) in `call` itself.
-        let answered = CatchUnwind {
-            inner: async move { inner.call(req).await },
-        }
-        .await;
-        let Some(cancel) = cancel else {
-            return self.finish(answered, hold, timing).await;
-        };
-        cancel.disarm();
-        let dialect = self.dialect.clone();
-        match tokio::spawn(self.finish(answered, hold, timing).in_current_span()).await {
-            Ok(answer) => answer,
-            Err(_) => Ok(failed(
-                "recording the outcome failed",
-                "in_progress",
-                &dialect,
-            )),
-        }
+        Run::new(self, inner, req, cancel, Self::finish::<ResBody, S::Error>)
     }
 
     /// Reads the handler's answer and records it (steps 8–9).
@@ -116,7 +107,7 @@ impl<St: IdempotencyStore> Execution<St> {
     )]
     fn finish<ResBody, E>(
         self,
-        answered: Result<Result<Response<ResBody>, E>, Box<dyn Any + Send>>,
+        answered: Answered<ResBody, E>,
         hold: Hold<St>,
         timing: Timing,
     ) -> impl Future<Output = Result<Response<ResponseBody<ResBody>>, E>>
@@ -125,31 +116,41 @@ impl<St: IdempotencyStore> Execution<St> {
         ResBody::Error: Into<BoxError>,
     {
         async move {
-            // A block, so the response read is not kept in this future's later states.
-            let captured = {
-                let res = match answered {
-                    Err(_panic) => {
-                        tracing::error!("the idempotent handler panicked; releasing the key");
-                        let state = self.release().await;
-                        return Ok(failed(
-                            "the handler panicked; nothing was recorded",
-                            state,
-                            &self.dialect,
-                        ));
-                    }
-                    Ok(Err(service_error)) => {
-                        // No response exists to record, whatever the policy: give the key back.
-                        self.release().await;
-                        return Err(service_error);
-                    }
-                    Ok(Ok(res)) => res,
-                };
-                let limit = self.route.response_limit;
-                // JSON-RPC event streams go to the client as they arrive (progress
-                // notifications).
-                let status = res.status();
-                CatchUnwind {
-                    inner: capture(res, limit, self.dialect.watches()),
+            // In a block of its own: neither the handler's answer nor the whole of what was read
+            // of it keeps its room in the states that record it (a coroutine keeps a local's
+            // room for as long as it is in scope).
+            let ((mut parts, body, trailers, fits), hold) = {
+                let status;
+                let captured = CatchUnwind {
+                    inner: capture(
+                        match answered {
+                            Err(_panic) => {
+                                tracing::error!(
+                                    "the idempotent handler panicked; releasing the key"
+                                );
+                                let state = self.release().await;
+                                return Ok(failed(
+                                    "the handler panicked; nothing was recorded",
+                                    state,
+                                    &self.dialect,
+                                ));
+                            }
+                            Ok(Err(service_error)) => {
+                                // No response exists to record, whatever the policy: give the
+                                // key back.
+                                self.release().await;
+                                return Err(service_error);
+                            }
+                            Ok(Ok(res)) => {
+                                status = res.status();
+                                res
+                            }
+                        },
+                        self.route.response_limit,
+                        // JSON-RPC event streams go to the client as they arrive (progress
+                        // notifications).
+                        self.dialect.watches(),
+                    ),
                 }
                 .await
                 .unwrap_or_else(|_panic| {
@@ -160,102 +161,162 @@ impl<St: IdempotencyStore> Execution<St> {
                         parts: head.into_parts().0,
                         error: "the response body panicked".into(),
                     }
-                })
+                });
+                // One await for every rare path, after `captured` is gone: a local kept across
+                // two awaits keeps its room in every state of this future.
+                match self.next(captured, hold, timing) {
+                    Next::Record { answer, hold } => (answer, hold),
+                    Next::Answered(answer) => return answer,
+                    Next::Rare(answer) => return answer.await,
+                }
             };
-            // The route's processing window: from the handler's start to its answer read whole
-            // (here), or, for one that goes on streaming, to the stream's end (`timing` goes with
-            // it).
-            match captured {
-                Captured::Broken { parts, error } => {
-                    drop(timing);
-                    // The handler answered: its effect is taken as done (DESIGN §3). Only a head
-                    // the policy would not record (a 5xx under DefinitiveOnly) gives the key back.
-                    tracing::warn!(%error, "the response body failed after the handler answered");
-                    // Rare paths are boxed, so the common one's future stays small.
-                    let state = Box::pin(self.record_lost(&parts)).await;
-                    let detail = if state == RecordStatus::Completed.as_str() {
-                        "the handler answered but its response body failed; the operation is taken \
-                         as done and will not run again, and its response is not available"
-                    } else {
-                        "the handler answered with a failure and its response body failed; nothing \
-                         was recorded"
-                    };
-                    Ok(failed(detail, state, &self.dialect))
-                }
-                Captured::Complete {
-                    mut parts,
-                    body,
-                    trailers,
-                    fits,
-                } => {
-                    drop(timing);
-                    // Over the limit with its head and trailers: recorded without them, by its
-                    // final status, as any response too large to keep.
-                    let body = match fits {
-                        true => self.record(&mut parts, Some(body), trailers.as_ref()).await,
-                        false => {
-                            Box::pin(self.record_without_body(&parts, trailers.as_ref(), false))
-                                .await;
-                            Some(body)
-                        }
-                    }
-                    .unwrap_or_default();
-                    let how = Presentation {
-                        replayed: false,
-                        mark: self.route.mark_first_response,
-                        envelope: self.dialect.envelopes(self.route.envelope),
-                    };
-                    Ok(present(parts.status, parts.headers, body, trailers, how))
-                }
-                Captured::Streaming {
-                    parts,
-                    body,
-                    watched: id,
-                } => {
-                    let (tx, rx) = tokio::sync::mpsc::channel(16);
-                    let head = head_of(&parts);
-                    // The stream's own task keeps the lease until it is recorded.
-                    tokio::spawn(self.tee(id, head, body, tx, hold, timing).in_current_span());
-                    Ok(Response::from_parts(parts, ResponseBody::channel(rx)))
-                }
-                Captured::TooLarge {
-                    mut parts,
-                    prefix,
-                    rest,
-                } if self.dialect.outcome_in_trailers() => {
-                    // Too large to keep, and how it ended is only told at its end: forwarded as it
-                    // comes, recorded (without its response) by its final status, before that
-                    // status reaches the client.
-                    if self.route.mark_first_response {
-                        parts.headers.insert(
-                            crate::replay::IDEMPOTENCY_REPLAYED.clone(),
-                            http::HeaderValue::from_static("false"),
-                        );
-                    }
-                    let (tx, rx) = tokio::sync::mpsc::channel(16);
-                    let head = head_of(&parts);
-                    tokio::spawn(
-                        self.tail(head, prefix, rest, tx, hold, timing)
-                            .in_current_span(),
+            // Over the limit with its head and trailers: recorded without them, by its final
+            // status, as any response too large to keep.
+            let body = self
+                .record(&mut parts, Some(body), trailers.as_deref(), fits)
+                .await
+                .unwrap_or_default();
+            drop(hold);
+            let how = Presentation {
+                replayed: false,
+                mark: self.route.mark_first_response,
+                envelope: self.dialect.envelopes(self.route.envelope),
+            };
+            Ok(present(
+                parts.status,
+                parts.headers,
+                body,
+                trailers.map(|trailers| *trailers),
+                how,
+            ))
+        }
+    }
+
+    /// What follows a captured answer. The route's processing window runs from the handler's
+    /// start to its answer read whole (here), or, for one that goes on streaming, to the
+    /// stream's end (`timing` goes with it).
+    fn next<'a, B, E>(
+        &'a self,
+        captured: Captured<B, Arc<Id>>,
+        hold: Hold<St>,
+        timing: Timing,
+    ) -> Next<'a, St, B, E>
+    where
+        B: Body<Data = Bytes> + Send + 'static,
+        B::Error: Into<BoxError>,
+        E: 'a,
+    {
+        match captured {
+            Captured::Complete {
+                parts,
+                body,
+                trailers,
+                fits,
+            } => {
+                drop(timing);
+                let answer = (parts, body, trailers, fits);
+                Next::Record { answer, hold }
+            }
+            Captured::Streaming {
+                parts,
+                body,
+                watched: id,
+            } => Next::Answered(forwarded(parts, |head, tx| {
+                // The stream's own task keeps the lease until it is recorded.
+                self.detached().tee(id, head, body, tx, hold, timing)
+            })),
+            Captured::TooLarge {
+                mut parts,
+                prefix,
+                rest,
+            } if self.dialect.outcome_in_trailers() => {
+                // Too large to keep, and how it ended is only told at its end: forwarded as it
+                // comes, recorded (without its response) by its final status, before that
+                // status reaches the client.
+                if self.route.mark_first_response {
+                    parts.headers.insert(
+                        crate::replay::IDEMPOTENCY_REPLAYED.clone(),
+                        http::HeaderValue::from_static("false"),
                     );
-                    Ok(Response::from_parts(parts, ResponseBody::channel(rx)))
                 }
-                Captured::TooLarge {
-                    mut parts,
-                    prefix,
-                    rest,
-                } => {
-                    // Recorded without a body: the key stays consumed, never a second run.
-                    Box::pin(self.record(&mut parts, None, None)).await;
-                    let how = Presentation {
-                        replayed: false,
-                        mark: self.route.mark_first_response,
-                        envelope: self.dialect.envelopes(self.route.envelope),
-                    };
-                    Ok(present_streaming(parts, prefix, rest, how, timing))
-                }
+                Next::Answered(forwarded(parts, |head, tx| {
+                    self.detached().tail(head, prefix, rest, tx, hold, timing)
+                }))
+            }
+            // Rare paths are boxed, so the common one's future stays small; the lease is kept
+            // until they are recorded.
+            Captured::TooLarge {
+                parts,
+                prefix,
+                rest,
+            } => Next::Rare(Box::pin(async move {
+                let answer = self.answer_too_large(parts, prefix, rest, timing).await;
+                drop(hold);
+                answer
+            })),
+            Captured::Broken { parts, error } => {
+                drop(timing);
+                Next::Rare(Box::pin(async move {
+                    let answer = self.answer_broken(parts, error).await;
+                    drop(hold);
+                    answer
+                }))
             }
         }
+    }
+
+    /// This execution again, for a task of its own that records a stream's outcome.
+    fn detached(&self) -> Self {
+        Self {
+            keeper: self.keeper.clone(),
+            key: self.key.clone(),
+            lease: self.lease,
+            route: self.route.clone(),
+            config: self.config.clone(),
+            dialect: self.dialect.clone(),
+        }
+    }
+
+    /// A response whose body failed after the handler answered: the handler answered, so its
+    /// effect is taken as done (DESIGN §3). Only a head the policy would not record (a 5xx
+    /// under DefinitiveOnly) gives the key back.
+    async fn answer_broken<B, E>(
+        &self,
+        parts: Parts,
+        error: BoxError,
+    ) -> Result<Response<ResponseBody<B>>, E> {
+        tracing::warn!(%error, "the response body failed after the handler answered");
+        let state = self.record_lost(&parts).await;
+        let detail = if state == RecordStatus::Completed.as_str() {
+            "the handler answered but its response body failed; the operation is taken as done \
+             and will not run again, and its response is not available"
+        } else {
+            "the handler answered with a failure and its response body failed; nothing was \
+             recorded"
+        };
+        Ok(failed(detail, state, &self.dialect))
+    }
+
+    /// A response too large to keep whose outcome its head tells: recorded without a body (the
+    /// key stays consumed, never a second run), then streamed on.
+    async fn answer_too_large<B, E>(
+        &self,
+        mut parts: Parts,
+        prefix: Bytes,
+        rest: Pin<Box<B>>,
+        timing: Timing,
+    ) -> Result<Response<ResponseBody<B>>, E>
+    where
+        B: Body<Data = Bytes> + Send + 'static,
+        B::Error: Into<BoxError>,
+    {
+        self.record(&mut parts, None, None, true).await;
+        let how = Presentation {
+            replayed: false,
+            mark: self.route.mark_first_response,
+            envelope: self.dialect.envelopes(self.route.envelope),
+        };
+        Ok(present_streaming(parts, prefix, rest, how, timing))
     }
 
     /// Forwards the rest of a response too large to keep, then records it without its
@@ -325,7 +386,7 @@ impl<St: IdempotencyStore> Execution<St> {
         }
         if left {
             drop(rest);
-            self.record(&mut head, None, None).await;
+            self.record(&mut head, None, None, true).await;
             return;
         }
         // A gRPC-Web answer's trailers are its trailer frame (none, or not gRPC-Web: its
@@ -518,79 +579,124 @@ impl<St: IdempotencyStore> Execution<St> {
     }
 
     /// Step 8: records the outcome if the route's policy keeps it, else releases the key.
-    /// Hands `body` back: it moves through the record rather than being shared with it.
-    async fn record(
+    /// Hands `body` back: it moves through the record rather than being shared with it. An
+    /// answer that does not `fit` the limit with its head and trailers is recorded without
+    /// them, by its final status, as any response too large to keep.
+    ///
+    /// Decided before the first await: the common path's future waits on the store with the
+    /// record alone, and the rare paths' are boxed, so the futures that wait on this one stay
+    /// small.
+    fn record<'a>(
+        &'a self,
+        parts: &'a mut Parts,
+        body: Option<Bytes>,
+        trailers: Option<&'a HeaderMap>,
+        fits: bool,
+    ) -> RecordFuture<'a, impl Future<Output = Option<Bytes>> + 'a> {
+        match self.stored(parts, body, trailers, fits) {
+            Stored::Record(stored, withheld) => RecordFuture::Store {
+                store: async move {
+                    self.complete(&stored).await;
+                    parts.headers = stored.headers;
+                    restore(&mut parts.headers, withheld);
+                    stored.body
+                },
+            },
+            Stored::Rare(rare, body) => {
+                let head: &'a Parts = parts;
+                let sent = match rare {
+                    Rare::Dialect(Recording::Opaque) => body.clone(),
+                    _ => None,
+                };
+                RecordFuture::Rare {
+                    rare: Box::pin(self.record_rare(head, rare, sent, trailers)),
+                    body: Some(body),
+                }
+            }
+        }
+    }
+
+    /// Records an answer off the common path (see [`record`](Self::record)).
+    async fn record_rare(
+        &self,
+        parts: &Parts,
+        rare: Rare,
+        sent: Option<Bytes>,
+        trailers: Option<&HeaderMap>,
+    ) {
+        match rare {
+            Rare::TooLarge => {
+                self.record_without_body(parts, trailers, false).await;
+            }
+            Rare::Release | Rare::Dialect(Recording::Interim) => {
+                self.release().await;
+            }
+            Rare::Dialect(Recording::Web(Some((messages, trailers)))) => {
+                // Kept in its gRPC form; the client still gets the answer as it was sent.
+                self.record_copied(parts, Some(messages), trailers.as_ref(), false)
+                    .await;
+            }
+            Rare::Dialect(Recording::Opaque) => self.record_opaque(parts, sent).await,
+            Rare::Dialect(Recording::Web(None)) => {
+                // Not gRPC-Web: its status cannot be read, so it is UNKNOWN.
+                tracing::warn!("a gRPC-Web answer is not well formed; recorded as UNKNOWN");
+                self.record_without_body(parts, None, false).await;
+            }
+            Rare::Dialect(Recording::Call(message)) => {
+                self.record_call(parts, message, trailers).await;
+            }
+            // Never rare: recorded on the common path.
+            Rare::Dialect(Recording::AsIs) => {}
+        }
+    }
+
+    /// The record of an answer and the headers withheld from it meanwhile, or, off the common
+    /// path, which rare path it takes and the body to hand back.
+    fn stored(
         &self,
         parts: &mut Parts,
         body: Option<Bytes>,
         trailers: Option<&HeaderMap>,
-    ) -> Option<Bytes> {
+        fits: bool,
+    ) -> Stored {
+        if !fits {
+            return Stored::Rare(Rare::TooLarge, body);
+        }
         match self.dialect.recording(&parts.headers, body.as_ref()) {
             Recording::AsIs => {}
-            Recording::Web(Some((messages, trailers))) => {
-                // Kept in its gRPC form; the client still gets the answer as it was sent. The
-                // rare paths are boxed, so the common one's future stays small.
-                Box::pin(self.record_copied(parts, Some(messages), trailers.as_ref(), false)).await;
-                return body;
-            }
-            Recording::Opaque => {
-                Box::pin(self.record_opaque(parts, body.clone())).await;
-                return body;
-            }
-            Recording::Web(None) => {
-                // Not gRPC-Web: its status cannot be read, so it is UNKNOWN.
-                tracing::warn!("a gRPC-Web answer is not well formed; recorded as UNKNOWN");
-                Box::pin(self.record_without_body(parts, None, false)).await;
-                return body;
-            }
-            Recording::Call(message) => {
-                Box::pin(self.record_call(parts, message, trailers)).await;
-                return body;
-            }
-            Recording::Interim => {
-                self.release().await;
-                return body;
-            }
+            other => return Stored::Rare(Rare::Dialect(other), body),
         }
-        // A block, so that only the record waits on the store, not the parts it was made of.
-        let (stored, withheld) = {
-            // What of the trailers may be kept: the same deny list as the headers (credentials,
-            // per-call ids and trace context never reach a retry nor the store). A gRPC answer
-            // that never said how the call ended is UNKNOWN, not a success.
-            let trailers = self.dialect.stored_trailers(
-                &parts.headers,
-                trailers,
-                &self.config.denied_headers,
-                body.is_some(),
-            );
-            let records = self.route.cache_policy.records(&Outcome {
-                status: parts.status,
-                headers: &parts.headers,
-                trailers: trailers.as_ref(),
-                jsonrpc: None,
-            });
-            if !records {
-                self.release().await;
-                return body;
-            }
-            // The live headers are lent to the record, not copied; the ones never recorded
-            // step aside meanwhile.
-            let mut headers = std::mem::take(&mut parts.headers);
-            // A whole body's length is recomputed by the server, as for replays; a body too
-            // large to keep streams on with the length its handler gave.
-            let withheld = withhold(&mut headers, &self.config.denied_headers, body.is_some());
-            let stored = StoredResponse {
-                status: parts.status,
-                headers,
-                body,
-                trailers,
-            };
-            (stored, withheld)
+        // What of the trailers may be kept: the same deny list as the headers (credentials,
+        // per-call ids and trace context never reach a retry nor the store). A gRPC answer
+        // that never said how the call ended is UNKNOWN, not a success.
+        let trailers = self.dialect.stored_trailers(
+            &parts.headers,
+            trailers,
+            &self.config.denied_headers,
+            body.is_some(),
+        );
+        let records = self.route.cache_policy.records(&Outcome {
+            status: parts.status,
+            headers: &parts.headers,
+            trailers: trailers.as_ref(),
+            jsonrpc: None,
+        });
+        if !records {
+            return Stored::Rare(Rare::Release, body);
+        }
+        // The live headers are lent to the record, not copied; the ones never recorded step
+        // aside meanwhile.
+        let mut headers = std::mem::take(&mut parts.headers);
+        // A whole body's length is recomputed by the server, as for replays; a body too large
+        // to keep streams on with the length its handler gave.
+        let withheld = withhold(&mut headers, &self.config.denied_headers, body.is_some());
+        let stored = StoredResponse {
+            status: parts.status,
+            headers,
+            body,
+            trailers,
         };
-        self.complete(&stored).await;
-        parts.headers = stored.headers;
-        restore(&mut parts.headers, withheld);
-        stored.body
+        Stored::Record(stored, withheld)
     }
 
     /// Records a call's final response (`None`: too large to keep), or releases the key when
@@ -736,6 +842,71 @@ impl<St: IdempotencyStore> Recorder<St> {
     }
 }
 
+/// An answer made ready for the store (see [`Execution::stored`]).
+enum Stored {
+    /// The record, and the headers withheld from it meanwhile.
+    Record(StoredResponse, Vec<(http::HeaderName, http::HeaderValue)>),
+    /// Off the common path: which one, and the body to hand back.
+    Rare(Rare, Option<Bytes>),
+}
+
+/// An answer's recording off the common path (see [`Execution::record`]).
+enum Rare {
+    /// Too large to keep with its head and trailers: recorded without them.
+    TooLarge,
+    /// The route's policy does not record it: the key is given back.
+    Release,
+    /// Recorded in its dialect's own way.
+    Dialect(Recording),
+}
+
+pin_project! {
+    /// The future of [`Execution::record`]: the common path's, or a rare path's, boxed.
+    #[project = RecordProj]
+    pub(crate) enum RecordFuture<'a, F> {
+        Store { #[pin] store: F },
+        Rare {
+            rare: Pin<Box<dyn Future<Output = ()> + Send + 'a>>,
+            body: Option<Option<Bytes>>,
+        },
+    }
+}
+
+impl<F: Future<Output = Option<Bytes>>> Future for RecordFuture<'_, F> {
+    type Output = Option<Bytes>;
+
+    fn poll(
+        self: Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Self::Output> {
+        match self.project() {
+            RecordProj::Store { store } => store.poll(cx),
+            RecordProj::Rare { rare, body } => {
+                std::task::ready!(rare.as_mut().poll(cx));
+                std::task::Poll::Ready(body.take().flatten())
+            }
+        }
+    }
+}
+
+/// A rare path's recording and answer, boxed.
+type Answering<'a, B, E> =
+    Pin<Box<dyn Future<Output = Result<Response<ResponseBody<B>>, E>> + Send + 'a>>;
+
+/// What follows a captured answer (see [`Execution::next`]).
+enum Next<'a, St, B, E> {
+    /// The common path: record the answer (head, body, trailers, and whether they fit the
+    /// limit), then send it.
+    Record {
+        answer: (Parts, Bytes, Option<Box<HeaderMap>>, bool),
+        hold: Hold<St>,
+    },
+    /// Answered at once: a stream whose outcome a task of its own records.
+    Answered(Result<Response<ResponseBody<B>>, E>),
+    /// A rare path (a body that failed, or one too large to keep), recorded, then answered.
+    Rare(Answering<'a, B, E>),
+}
+
 /// Releases a claim whose execution was dropped while its handler ran (routes that cancel on
 /// disconnect); disarmed once the handler has answered.
 pub(crate) struct ReleaseOnDrop<St: IdempotencyStore> {
@@ -782,6 +953,20 @@ fn outcome_only(trailers: HeaderMap) -> HeaderMap {
         kept.insert(crate::dialect::grpc::MESSAGE.clone(), message.clone());
     }
     kept
+}
+
+/// An answer whose body a task of its own forwards as it arrives (and records at its end):
+/// `task` gets a copy of the head and the channel's sending end.
+fn forwarded<B, E, T>(
+    parts: Parts,
+    task: impl FnOnce(Parts, tokio::sync::mpsc::Sender<Result<http_body::Frame<Bytes>, BoxError>>) -> T,
+) -> Result<Response<ResponseBody<B>>, E>
+where
+    T: Future<Output = ()> + Send + 'static,
+{
+    let (tx, rx) = tokio::sync::mpsc::channel(16);
+    tokio::spawn(task(head_of(&parts), tx).in_current_span());
+    Ok(Response::from_parts(parts, ResponseBody::channel(rx)))
 }
 
 /// A copy of a response head (status and headers) for recording after the head is sent.

@@ -125,7 +125,8 @@ pub(crate) enum Captured<B, W> {
     Complete {
         parts: Parts,
         body: Bytes,
-        trailers: Option<HeaderMap>,
+        /// Boxed: rare, and its room would be kept in every state of the future recording it.
+        trailers: Option<Box<HeaderMap>>,
         fits: bool,
     },
     /// A stream to pass on as it arrives (an SSE answer to the watched call), read by no one
@@ -205,7 +206,7 @@ where
     Captured::Complete {
         parts,
         body: data.freeze(),
-        trailers,
+        trailers: trailers.map(Box::new),
         fits: stored <= limit,
     }
 }
