@@ -32,7 +32,7 @@ pin_project! {
         /// The handler runs.
         Calling {
             #[pin]
-            call: C,
+            call: Call<C>,
             execution: Execution<St>,
             hold: Hold<St>,
             timing: Timing,
@@ -140,9 +140,15 @@ where
         let timing = Timing::start(execution.route.window.clone());
         // A service may do work (and panic) in `call` itself. The service goes once called: its
         // future owns what it needs, as with tower's `Oneshot`.
-        match std::panic::catch_unwind(AssertUnwindSafe(|| inner.call(req))) {
+        // The service is dropped inside the catch too: its `Drop` is code the layer does not own.
+        let called = std::panic::catch_unwind(AssertUnwindSafe(move || {
+            let call = inner.call(req);
+            drop(inner);
+            call
+        }));
+        match called {
             Ok(call) => Run::Calling {
-                call,
+                call: Call::Running { call },
                 execution,
                 hold,
                 timing,
@@ -172,5 +178,35 @@ where
         let dialect = execution.dialect.clone();
         let handle = tokio::spawn(finish(execution, answered, hold, timing).in_current_span());
         Run::Detached { handle, dialect }
+    }
+}
+
+pin_project! {
+    /// The handler's future, dropped as soon as it answers, inside the poll that read the
+    /// answer: a panic in its `Drop` is caught with the poll's (as an `async` block's `.await`
+    /// drops what it awaited), never between the answer and its recording.
+    #[project = CallProj]
+    pub(crate) enum Call<C> {
+        Running {
+            #[pin]
+            call: C,
+        },
+        Answered,
+    }
+}
+
+impl<C: Future> Future for Call<C> {
+    type Output = C::Output;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        match self.as_mut().project() {
+            CallProj::Running { call } => {
+                let answer = ready!(call.poll(cx));
+                self.set(Call::Answered);
+                Poll::Ready(answer)
+            }
+            // Polled after it answered: never, as `Run` moves on at once.
+            CallProj::Answered => Poll::Pending,
+        }
     }
 }

@@ -20,12 +20,12 @@ use axum::Router;
 use axum::body::Body;
 use axum::routing::post;
 use bytes::Bytes;
+use common::raw::{Raw, raw_post, unique};
 use common::{Effects, FlakyStore, guard, problem_type, serve, until};
 use http::{HeaderMap, HeaderValue, Response, StatusCode};
 use http_body::Frame;
 use http_body_util::{BodyExt, Full, StreamBody};
 use serde_json::{Value, json};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{Barrier, Notify};
 use tower::ServiceExt;
@@ -38,25 +38,6 @@ use tower_idempotency::store::{
 use tower_idempotency::{IdempotencyContext, IdempotencyLayer, IdempotencyStore, MemoryStore};
 
 /// A key no earlier run (PostgreSQL and Redis keep rows) has used.
-fn unique(name: &str) -> String {
-    let nanos = SystemTime::now()
-        .duration_since(SystemTime::UNIX_EPOCH)
-        .map_or(0, |d| d.as_nanos());
-    format!("{name}-{}-{nanos}", std::process::id())
-}
-
-// ---------------------------------------------------------------------------------------------
-// A raw HTTP/1.1 client: the exact head, body and trailers the server wrote.
-// ---------------------------------------------------------------------------------------------
-
-#[derive(Debug, Clone, PartialEq)]
-struct Raw {
-    status: u16,
-    headers: Vec<(String, Vec<u8>)>,
-    body: Vec<u8>,
-    trailers: Vec<(String, Vec<u8>)>,
-}
-
 /// Headers a replay does not repeat by design: framing, per-response values, the marker.
 const NOT_REPLAYED: &[&str] = &[
     "date",
@@ -68,129 +49,15 @@ const NOT_REPLAYED: &[&str] = &[
     "idempotency-replayed",
 ];
 
-impl Raw {
-    fn all(&self, name: &str) -> Vec<&[u8]> {
-        self.headers
-            .iter()
-            .filter(|(n, _)| n == name)
-            .map(|(_, v)| v.as_slice())
-            .collect()
-    }
-
-    fn one(&self, name: &str) -> Option<&[u8]> {
-        self.all(name).first().copied()
-    }
-
-    /// Every header a replay must repeat, each name's values in order.
-    fn replayable(&self) -> BTreeMap<String, Vec<Vec<u8>>> {
-        let mut out: BTreeMap<String, Vec<Vec<u8>>> = BTreeMap::new();
-        for (name, value) in &self.headers {
-            if !NOT_REPLAYED.contains(&name.as_str()) {
-                out.entry(name.clone()).or_default().push(value.clone());
-            }
+/// Every header of `raw` a replay must repeat, each name's values in order.
+fn replayable(raw: &Raw) -> BTreeMap<String, Vec<Vec<u8>>> {
+    let mut out: BTreeMap<String, Vec<Vec<u8>>> = BTreeMap::new();
+    for (name, value) in &raw.headers {
+        if !NOT_REPLAYED.contains(&name.as_str()) {
+            out.entry(name.clone()).or_default().push(value.clone());
         }
-        out
-    }
-
-    fn json(&self) -> Value {
-        serde_json::from_slice(&self.body)
-            .unwrap_or_else(|e| panic!("not JSON ({e}): {:?}", String::from_utf8_lossy(&self.body)))
-    }
-
-    fn replayed(&self) -> bool {
-        self.one("idempotency-replayed") == Some(b"true")
-    }
-}
-
-fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
-    hay.windows(needle.len()).position(|w| w == needle)
-}
-
-fn header_lines(block: &[u8]) -> Vec<(String, Vec<u8>)> {
-    let mut out = Vec::new();
-    for line in block.split(|&b| b == b'\n') {
-        let line = line.strip_suffix(b"\r").unwrap_or(line);
-        if line.is_empty() {
-            continue;
-        }
-        let colon = line.iter().position(|&b| b == b':').expect("a header line");
-        let name = String::from_utf8_lossy(&line[..colon]).to_ascii_lowercase();
-        let value = line[colon + 1..].trim_ascii().to_vec();
-        out.push((name, value));
     }
     out
-}
-
-fn parse_raw(buf: &[u8]) -> Raw {
-    let end = find(buf, b"\r\n\r\n").expect("a complete head");
-    let head = &buf[..end];
-    let mut rest = &buf[end + 4..];
-    let first_line_end = find(head, b"\r\n").unwrap_or(head.len());
-    let status_line = String::from_utf8_lossy(&head[..first_line_end]).into_owned();
-    let status: u16 = status_line
-        .split_whitespace()
-        .nth(1)
-        .and_then(|s| s.parse().ok())
-        .unwrap_or_else(|| panic!("status line {status_line:?}"));
-    let headers = header_lines(&head[first_line_end.min(head.len())..]);
-    let chunked = headers
-        .iter()
-        .any(|(n, v)| n == "transfer-encoding" && find(v, b"chunked").is_some());
-    let mut body = Vec::new();
-    let mut trailers = Vec::new();
-    if chunked {
-        loop {
-            let line_end = find(rest, b"\r\n").expect("a chunk size line");
-            let size_text = String::from_utf8_lossy(&rest[..line_end]).into_owned();
-            let size_text = size_text.split(';').next().unwrap_or_default().trim();
-            let size = usize::from_str_radix(size_text, 16).expect("a hex chunk size");
-            rest = &rest[line_end + 2..];
-            if size == 0 {
-                let block_end = find(rest, b"\r\n\r\n").map_or(rest.len(), |i| i + 2);
-                // `0\r\n\r\n`: no trailers.
-                if !rest.starts_with(b"\r\n") {
-                    trailers = header_lines(&rest[..block_end]);
-                }
-                break;
-            }
-            body.extend_from_slice(&rest[..size]);
-            rest = &rest[size + 2..];
-        }
-    } else if let Some((_, len)) = headers.iter().find(|(n, _)| n == "content-length") {
-        let len: usize = String::from_utf8_lossy(len).parse().expect("length");
-        body.extend_from_slice(&rest[..len]);
-    } else {
-        body.extend_from_slice(rest);
-    }
-    Raw {
-        status,
-        headers,
-        body,
-        trailers,
-    }
-}
-
-/// One POST on a connection of its own, `TE: trailers` (so the server may send trailers),
-/// read to the connection's close.
-async fn raw_post(addr: SocketAddr, path: &str, headers: &[(&str, &str)], body: &[u8]) -> Raw {
-    guard("a raw request", async {
-        let mut stream = TcpStream::connect(addr).await.expect("connect");
-        let mut head = format!(
-            "POST {path} HTTP/1.1\r\nhost: {addr}\r\nte: trailers\r\nconnection: close\r\n\
-             content-length: {}\r\n",
-            body.len()
-        );
-        for (name, value) in headers {
-            head.push_str(&format!("{name}: {value}\r\n"));
-        }
-        head.push_str("\r\n");
-        stream.write_all(head.as_bytes()).await.expect("write");
-        stream.write_all(body).await.expect("write");
-        let mut buf = Vec::new();
-        stream.read_to_end(&mut buf).await.expect("read");
-        parse_raw(&buf)
-    })
-    .await
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -446,7 +313,7 @@ fn exact_headers(key: &str) -> Vec<(&str, &str)> {
 fn assert_replays(tag: &str, first: &Raw, replay: &Raw) {
     assert_eq!(replay.status, first.status, "{tag}: status");
     assert!(replay.replayed(), "{tag}: the replay marker: {replay:?}");
-    assert_eq!(replay.replayable(), first.replayable(), "{tag}: headers");
+    assert_eq!(replayable(replay), replayable(first), "{tag}: headers");
     assert!(
         replay.one("set-cookie").is_none(),
         "{tag}: a cookie replayed"

@@ -6,6 +6,7 @@ pub mod batching;
 pub mod faulty;
 pub mod memory;
 pub mod proxy;
+pub mod raw;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
