@@ -177,11 +177,7 @@ impl<St: IdempotencyStore> Execution<St> {
                 .await
                 .unwrap_or_default();
             drop(hold);
-            let how = Presentation {
-                replayed: false,
-                mark: self.route.mark_first_response,
-                envelope: self.dialect.envelopes(self.route.envelope),
-            };
+            let how = self.first_presentation();
             Ok(present(
                 parts.status,
                 parts.headers,
@@ -265,6 +261,15 @@ impl<St: IdempotencyStore> Execution<St> {
         }
     }
 
+    /// How the first answer (not a replay) goes to the client.
+    fn first_presentation(&self) -> Presentation {
+        Presentation {
+            replayed: false,
+            mark: self.route.mark_first_response,
+            envelope: self.dialect.envelopes(self.route.envelope),
+        }
+    }
+
     /// This execution again, for a task of its own that records a stream's outcome.
     fn detached(&self) -> Self {
         Self {
@@ -311,11 +316,7 @@ impl<St: IdempotencyStore> Execution<St> {
         B::Error: Into<BoxError>,
     {
         self.record(&mut parts, None, None, true).await;
-        let how = Presentation {
-            replayed: false,
-            mark: self.route.mark_first_response,
-            envelope: self.dialect.envelopes(self.route.envelope),
-        };
+        let how = self.first_presentation();
         Ok(present_streaming(parts, prefix, rest, how, timing))
     }
 
@@ -602,51 +603,36 @@ impl<St: IdempotencyStore> Execution<St> {
                     stored.body
                 },
             },
-            Stored::Rare(rare, body) => {
-                let head: &'a Parts = parts;
-                let sent = match rare {
-                    Rare::Dialect(Recording::Opaque) => body.clone(),
-                    _ => None,
-                };
-                RecordFuture::Rare {
-                    rare: Box::pin(self.record_rare(head, rare, sent, trailers)),
-                    body: Some(body),
-                }
-            }
+            Stored::Rare(rare, body) => RecordFuture::Rare {
+                rare: Box::pin(self.record_rare(parts, rare, trailers)),
+                body: Some(body),
+            },
         }
     }
 
     /// Records an answer off the common path (see [`record`](Self::record)).
-    async fn record_rare(
-        &self,
-        parts: &Parts,
-        rare: Rare,
-        sent: Option<Bytes>,
-        trailers: Option<&HeaderMap>,
-    ) {
+    async fn record_rare(&self, parts: &Parts, rare: Rare, trailers: Option<&HeaderMap>) {
         match rare {
             Rare::TooLarge => {
                 self.record_without_body(parts, trailers, false).await;
             }
-            Rare::Release | Rare::Dialect(Recording::Interim) => {
+            Rare::Release => {
                 self.release().await;
             }
-            Rare::Dialect(Recording::Web(Some((messages, trailers)))) => {
+            Rare::Web(messages, trailers) => {
                 // Kept in its gRPC form; the client still gets the answer as it was sent.
                 self.record_copied(parts, Some(messages), trailers.as_ref(), false)
                     .await;
             }
-            Rare::Dialect(Recording::Opaque) => self.record_opaque(parts, sent).await,
-            Rare::Dialect(Recording::Web(None)) => {
+            Rare::Opaque(sent) => self.record_opaque(parts, sent).await,
+            Rare::NotWeb => {
                 // Not gRPC-Web: its status cannot be read, so it is UNKNOWN.
                 tracing::warn!("a gRPC-Web answer is not well formed; recorded as UNKNOWN");
                 self.record_without_body(parts, None, false).await;
             }
-            Rare::Dialect(Recording::Call(message)) => {
+            Rare::Call(message) => {
                 self.record_call(parts, message, trailers).await;
             }
-            // Never rare: recorded on the common path.
-            Rare::Dialect(Recording::AsIs) => {}
         }
     }
 
@@ -662,9 +648,16 @@ impl<St: IdempotencyStore> Execution<St> {
         if !fits {
             return Stored::Rare(Rare::TooLarge, body);
         }
-        match self.dialect.recording(&parts.headers, body.as_ref()) {
-            Recording::AsIs => {}
-            other => return Stored::Rare(Rare::Dialect(other), body),
+        let rare = match self.dialect.recording(&parts.headers, body.as_ref()) {
+            Recording::AsIs => None,
+            Recording::Web(Some((messages, trailers))) => Some(Rare::Web(messages, trailers)),
+            Recording::Web(None) => Some(Rare::NotWeb),
+            Recording::Opaque => Some(Rare::Opaque(body.clone())),
+            Recording::Call(message) => Some(Rare::Call(message)),
+            Recording::Interim => Some(Rare::Release),
+        };
+        if let Some(rare) = rare {
+            return Stored::Rare(rare, body);
         }
         // What of the trailers may be kept: the same deny list as the headers (credentials,
         // per-call ids and trace context never reach a retry nor the store). A gRPC answer
@@ -854,10 +847,17 @@ enum Stored {
 enum Rare {
     /// Too large to keep with its head and trailers: recorded without them.
     TooLarge,
-    /// The route's policy does not record it: the key is given back.
+    /// Nothing to record (the route's policy keeps no such answer, or an interim one): the key
+    /// is given back.
     Release,
-    /// Recorded in its dialect's own way.
-    Dialect(Recording),
+    /// A gRPC-Web answer, kept in its gRPC form: messages and trailers.
+    Web(Bytes, Option<HeaderMap>),
+    /// Not well-formed gRPC-Web: its status cannot be read.
+    NotWeb,
+    /// A gRPC-Web answer that cannot be read (compressed whole), kept as it was sent.
+    Opaque(Option<Bytes>),
+    /// A JSON-RPC call's final response (`None`: too large to keep).
+    Call(Option<Bytes>),
 }
 
 pin_project! {
