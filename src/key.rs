@@ -212,6 +212,13 @@ impl ScopedKey {
     }
 }
 
+/// Whether this thread's key buffer is destroyed (its thread is ending): for tests that reach
+/// [`crate::reuse`]'s fallback.
+#[cfg(test)]
+pub(crate) fn buffer_gone() -> bool {
+    JOIN.try_with(|_| ()).is_err()
+}
+
 thread_local! {
     static JOIN: std::cell::RefCell<String> = const { std::cell::RefCell::new(String::new()) };
 }

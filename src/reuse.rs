@@ -49,7 +49,10 @@ mod tests {
 
     /// What a thread-local's destructor computed with the crate's reused buffers, after those
     /// buffers' own destructors ran; `Err` if it panicked.
-    type Seen = Result<(String, String, Fingerprint, Option<Vec<u8>>), String>;
+    type Seen = (
+        bool,
+        Result<(String, String, Fingerprint, Option<Vec<u8>>), String>,
+    );
 
     fn json_post() -> http::request::Parts {
         Request::post("/orders")
@@ -64,7 +67,10 @@ mod tests {
 
     impl Drop for LateUser {
         fn drop(&mut self) {
-            let seen = std::panic::catch_unwind(|| {
+            // Checked before anything here could make them again: the case under test is
+            // reached only if the crate's buffers are already gone.
+            let gone = crate::key::buffer_gone() && crate::fingerprint::buffers_gone();
+            let made = std::panic::catch_unwind(|| {
                 let key = ScopedKey::new("tenant-b", "late-key");
                 let parts = json_post();
                 let fingerprint =
@@ -85,7 +91,7 @@ mod tests {
                     .unwrap_or_default()
             });
             if let Some(tx) = self.0.take() {
-                let _ = tx.send(seen);
+                let _ = tx.send((gone, made));
             }
         }
     }
@@ -113,8 +119,12 @@ mod tests {
         })
         .join()
         .expect("the thread ends");
-        let seen = rx.recv().expect("the destructor ran and reported");
-        let (scope, key, fingerprint, canonical) = seen.expect("no panic in the destructor");
+        let (gone, made) = rx.recv().expect("the destructor ran and reported");
+        assert!(
+            gone,
+            "the crate's buffers were destroyed before the late destructor ran"
+        );
+        let (scope, key, fingerprint, canonical) = made.expect("no panic in the destructor");
         assert_eq!((scope.as_str(), key.as_str()), ("tenant-b", "late-key"));
         assert_eq!(fingerprint, expected_fingerprint);
         assert_eq!(canonical.as_deref(), Some(&br#"{"a":2,"z":1}"#[..]));

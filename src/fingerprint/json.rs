@@ -83,6 +83,12 @@ struct Member {
     node: u32,
 }
 
+/// Whether this thread's parse tree is destroyed (see [`super::buffers_gone`]).
+#[cfg(test)]
+pub(super) fn tree_gone() -> bool {
+    TREE.try_with(|_| ()).is_err()
+}
+
 thread_local! {
     static TREE: RefCell<Tree> = const {
         RefCell::new(Tree {

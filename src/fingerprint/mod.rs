@@ -272,6 +272,13 @@ fn canonical_field<E>(
     )
 }
 
+/// Whether this thread's fingerprint buffers are destroyed (its thread is ending): for tests
+/// that reach [`crate::reuse`]'s fallback.
+#[cfg(test)]
+pub(crate) fn buffers_gone() -> bool {
+    SCRATCH.try_with(|_| ()).is_err() && json::tree_gone()
+}
+
 thread_local! {
     /// The canonical form of the JSON body being fingerprinted on this thread.
     static SCRATCH: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
