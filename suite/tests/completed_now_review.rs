@@ -26,7 +26,7 @@ use axum::body::Body;
 use axum::routing::post;
 use bytes::Bytes;
 use common::memory::Clock;
-use common::{Effects, guard, serve};
+use common::{Effects, grpc_frame, guard, serve};
 use futures_util::FutureExt;
 use http::{HeaderMap, HeaderName, HeaderValue, Method, Response, StatusCode};
 use http_body::Frame;
@@ -1252,13 +1252,6 @@ struct Counter {
 
 impl tonic::server::NamedService for Counter {
     const NAME: &'static str = "zz.Counter";
-}
-
-fn grpc_frame(payload: &[u8]) -> Vec<u8> {
-    let mut frame = vec![0u8];
-    frame.extend((payload.len() as u32).to_be_bytes());
-    frame.extend_from_slice(payload);
-    frame
 }
 
 impl<B: Send + 'static> tower::Service<http::Request<B>> for Counter {

@@ -21,7 +21,7 @@ use axum::body::Body;
 use axum::routing::post;
 use bytes::Bytes;
 use common::raw::{Raw, raw_post, unique};
-use common::{Effects, FlakyStore, guard, problem_type, serve, until};
+use common::{Effects, FlakyStore, grpc_frame, guard, problem_type, serve, until};
 use http::{HeaderMap, HeaderValue, Response, StatusCode};
 use http_body::Frame;
 use http_body_util::{BodyExt, Full, StreamBody};
@@ -432,13 +432,6 @@ struct Ledger {
 
 impl tonic::server::NamedService for Ledger {
     const NAME: &'static str = "zz.Ledger";
-}
-
-fn grpc_frame(payload: &[u8]) -> Vec<u8> {
-    let mut frame = vec![0u8];
-    frame.extend((payload.len() as u32).to_be_bytes());
-    frame.extend_from_slice(payload);
-    frame
 }
 
 fn ledger_trailers(n: usize) -> HeaderMap {
