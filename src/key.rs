@@ -204,11 +204,11 @@ impl ScopedKey {
         (&self.joined, self.split)
     }
 
-    /// Whether `other` is a clone of this key (the same allocation, the same split): then
-    /// equal, without a byte compared.
-    #[cfg(feature = "memory")]
-    pub(crate) fn is_clone_of(&self, other: &Self) -> bool {
-        Arc::ptr_eq(&self.joined, &other.joined) && self.split == other.split
+    /// Whether anything still holds this key's allocation once `self` and its clones are
+    /// gone: for tests of what keeps a key.
+    #[cfg(test)]
+    pub(crate) fn downgrade(&self) -> std::sync::Weak<str> {
+        Arc::downgrade(&self.joined)
     }
 }
 
