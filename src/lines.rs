@@ -12,6 +12,7 @@ use http::{HeaderMap, HeaderName, HeaderValue};
 const SCAN: usize = 8;
 
 /// The first value of `name`, as [`HeaderMap::get`] gives it.
+#[inline]
 pub(crate) fn get<'h>(headers: &'h HeaderMap, name: &HeaderName) -> Option<&'h HeaderValue> {
     if headers.keys_len() <= SCAN {
         return headers.iter().find_map(|(n, v)| (n == name).then_some(v));
@@ -20,6 +21,7 @@ pub(crate) fn get<'h>(headers: &'h HeaderMap, name: &HeaderName) -> Option<&'h H
 }
 
 /// Every value of `name`, in order, as [`HeaderMap::get_all`] gives them.
+#[inline]
 pub(crate) fn get_all<'h, 'n>(headers: &'h HeaderMap, name: &'n HeaderName) -> Values<'h, 'n> {
     if headers.keys_len() <= SCAN {
         return Values::Scan(headers.iter(), name);
@@ -38,6 +40,7 @@ pub(crate) enum Values<'h, 'n> {
 impl<'h> Iterator for Values<'h, '_> {
     type Item = &'h HeaderValue;
 
+    #[inline]
     fn next(&mut self) -> Option<Self::Item> {
         match self {
             Self::Scan(lines, name) => lines.find_map(|(n, v)| (n == *name).then_some(v)),
