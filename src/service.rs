@@ -631,21 +631,8 @@ impl<S: fmt::Debug, St: fmt::Debug, M: fmt::Debug> fmt::Debug for Idempotency<S,
 
 #[cfg(all(test, feature = "memory"))]
 mod tests {
-    use std::time::Duration;
-
     use super::*;
     use crate::MemoryStore;
-    use crate::store::{Fingerprint, LeaseExpiry};
-
-    fn request(key: &ScopedKey) -> ClaimRequest {
-        ClaimRequest {
-            key: key.clone(),
-            fingerprint: Fingerprint::from_bytes([7; 32]),
-            lease: Duration::from_secs(60),
-            ttl: Duration::from_secs(60),
-            on_lease_expiry: LeaseExpiry::Reclaim,
-        }
-    }
 
     /// A claim the store made at once, dropped before the request read it: no handler ran
     /// under it, so the key is given back, as for a claim dropped in flight (DESIGN §4).
@@ -653,7 +640,7 @@ mod tests {
     async fn s4_a_claim_made_at_once_and_dropped_unread_gives_the_key_back() {
         let store = Arc::new(MemoryStore::new());
         let key = ScopedKey::new("", "dropped");
-        let claim = ClaimToEnd::new(&store, &request(&key), None);
+        let claim = ClaimToEnd::new(&store, &ClaimRequest::a_minute(&key), None);
         assert!(matches!(
             claim.claim,
             Claiming::Made(Ok(Claim::Acquired(_)))
@@ -670,7 +657,7 @@ mod tests {
             }
         }
         assert!(released, "the key won and never read is given back");
-        match store.claim(&request(&key)).await {
+        match store.claim(&ClaimRequest::a_minute(&key)).await {
             Ok(Claim::Acquired(lease)) => assert_eq!(lease.attempt, 2),
             other => panic!("the next request takes the key over, got {other:?}"),
         }
@@ -752,7 +739,7 @@ mod tests {
     async fn s4_a_claim_made_at_once_and_read_is_kept() {
         let store = Arc::new(MemoryStore::new());
         let key = ScopedKey::new("", "read");
-        let claimed = ClaimToEnd::new(&store, &request(&key), None).await;
+        let claimed = ClaimToEnd::new(&store, &ClaimRequest::a_minute(&key), None).await;
         assert!(matches!(claimed, Ok(Claim::Acquired(_))));
         for _ in 0..10 {
             tokio::task::yield_now().await;

@@ -208,6 +208,20 @@ pub struct ClaimRequest {
     pub on_lease_expiry: LeaseExpiry,
 }
 
+#[cfg(all(test, feature = "memory"))]
+impl ClaimRequest {
+    /// A claim of `key` with a minute's lease and TTL, for unit tests.
+    pub(crate) fn a_minute(key: &ScopedKey) -> Self {
+        Self {
+            key: key.clone(),
+            fingerprint: Fingerprint::from_bytes([7; 32]),
+            lease: Duration::from_secs(60),
+            ttl: Duration::from_secs(60),
+            on_lease_expiry: LeaseExpiry::Reclaim,
+        }
+    }
+}
+
 /// The lease a claim won.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Lease {

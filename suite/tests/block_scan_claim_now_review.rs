@@ -27,7 +27,7 @@ use std::time::{Duration, SystemTime};
 use axum::Router;
 use axum::routing::post;
 use bytes::Bytes;
-use common::{Effects, TestClock, guard, problem, problem_type, serve, until};
+use common::{Effects, Rng, TestClock, guard, problem, problem_type, serve, until};
 use futures_util::FutureExt;
 use http::StatusCode;
 use proptest::prelude::*;
@@ -116,22 +116,6 @@ fn build(pieces: &[(usize, usize)], tail: usize) -> String {
         n += 1;
     }
     s
-}
-
-/// A small deterministic generator (xorshift).
-struct Rng(u64);
-
-impl Rng {
-    fn new(seed: u64) -> Self {
-        Self(seed | 1)
-    }
-
-    fn next(&mut self, n: u64) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0 % n
-    }
 }
 
 /// A document that puts `s` (and a name made of it) where the scan meets it, `pad` bytes

@@ -27,6 +27,7 @@ static GLOBAL: &StatsAlloc<System> = &INSTRUMENTED_SYSTEM;
 
 mod common;
 
+use common::Rng;
 use common::memory::*;
 
 fn entry(attempt: u32, token: FencingToken, at: SystemTime, event: HistoryEvent) -> HistoryEntry {
@@ -35,18 +36,6 @@ fn entry(attempt: u32, token: FencingToken, at: SystemTime, event: HistoryEvent)
         token,
         at,
         event,
-    }
-}
-
-/// A small deterministic generator (xorshift).
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self, n: u64) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0 % n
     }
 }
 

@@ -1050,13 +1050,7 @@ mod unit {
         let wall = SystemTime::now();
         let store = MemoryStore::monotonic_since(wall - Duration::from_secs(3600));
         let key = ScopedKey::new("", "monotonic");
-        let request = ClaimRequest {
-            key: key.clone(),
-            fingerprint: Fingerprint::from_bytes([7; 32]),
-            lease: Duration::from_secs(60),
-            ttl: Duration::from_secs(60),
-            on_lease_expiry: LeaseExpiry::Reclaim,
-        };
+        let request = ClaimRequest::a_minute(&key);
         let Ok(Claim::Acquired(lease)) = store.claim(&request).await else {
             panic!("a fresh key is acquired");
         };
@@ -1120,13 +1114,7 @@ mod unit {
         let store = MemoryStore::new();
         for len in [1, 36, REMEMBERED, REMEMBERED + 1] {
             let key = ScopedKey::new("tenant", "k".repeat(len));
-            let request = ClaimRequest {
-                key: key.clone(),
-                fingerprint: Fingerprint::from_bytes([7; 32]),
-                lease: Duration::from_secs(60),
-                ttl: Duration::from_secs(60),
-                on_lease_expiry: LeaseExpiry::Reclaim,
-            };
+            let request = ClaimRequest::a_minute(&key);
             let Claim::Acquired(lease) = store.claim(&request).await.expect("claim") else {
                 panic!("a new key is acquired");
             };

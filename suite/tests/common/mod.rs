@@ -407,3 +407,40 @@ macro_rules! on_every_store {
 }
 #[allow(unused_imports)]
 pub(crate) use on_every_store;
+
+/// A small deterministic generator (xorshift): reproducible "random" cases without a crate.
+pub struct Rng(pub u64);
+
+impl Rng {
+    /// Seeded; never the all-zero state xorshift cannot leave.
+    pub fn new(seed: u64) -> Self {
+        Self(seed | 1)
+    }
+
+    /// The next number below `n`.
+    pub fn next(&mut self, n: u64) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0 % n
+    }
+}
+
+/// Runs the test `test` of this test binary again in a child process with `var` set (the
+/// test then does its child's half), and fails unless the child passed and printed
+/// `TEARDOWN-CHILD-OK`: for what must happen while a process's threads end.
+pub fn run_child(test: &str, var: &str) {
+    let exe = std::env::current_exe().expect("exe");
+    let out = std::process::Command::new(exe)
+        .args([test, "--exact", "--nocapture", "--test-threads=1"])
+        .env(var, "1")
+        .output()
+        .expect("child");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success() && stdout.contains("TEARDOWN-CHILD-OK") && stdout.contains("1 passed"),
+        "child failed: {:?}\nstdout:\n{stdout}\nstderr:\n{stderr}",
+        out.status
+    );
+}
