@@ -1,6 +1,6 @@
 //! Review of fae836c (`src/store/memory/mod.rs`: `hash_of`, `Hashed`, `REMEMBERED`): a thread
 //! remembers the last key it hashed for a store as a copy of its bytes (scope and key joined,
-//! up to 256 bytes), the split, the store's id and the hash, instead of a clone of the key.
+//! up to 512 bytes since a later change; 256 when written), the split, the store's id and the hash, instead of a clone of the key.
 //!
 //! Written to break it, through the public API only:
 //!
@@ -94,10 +94,10 @@ fn base(n: usize) -> String {
         .collect()
 }
 
-/// Lengths of scope and key together, around the 256 bytes remembered (and its neighbours,
+/// Lengths of scope and key together, around the length a thread remembers (256 bytes, then 512) (and its neighbours,
 /// and far past it).
 const LENS: &[usize] = &[
-    1, 2, 3, 36, 37, 128, 254, 255, 256, 257, 258, 259, 300, 512, 513, 700,
+    1, 2, 3, 36, 37, 128, 254, 255, 256, 257, 258, 259, 300, 510, 511, 512, 513, 700,
 ];
 
 /// (scope, key) pairs: every length of [`LENS`] cut from the one [`base`], split at the start,
@@ -182,7 +182,7 @@ fn check_from_another_thread(stores: &[MemoryStore], keys: &[(String, String)]) 
 // 1. Hash correctness, one thread.
 // ---------------------------------------------------------------------------------------------
 
-/// Every key of the family (lengths 1..700 around 256, each split five ways, prefixes of each
+/// Every key of the family (lengths 1..700 around 256 and 512, each split five ways, prefixes of each
 /// other) in two stores: each is acquired exactly once and replays its own response, read
 /// right after every other key of either store (so the thread remembers that key's bytes,
 /// split, store and hash when it reads this one), through fresh allocations. Then checked from
@@ -294,14 +294,14 @@ fn every_key_after_every_other_key_finds_its_own_record() {
 }
 
 /// Issue 23 §3's own example, by the book: `("ab", "c")` and `("a", "bc")` are two keys, and
-/// so are the same 256 (and 257) bytes split one apart. Each asked right after the other, in
+/// so are the same 256 (and 257, 512, 513) bytes split one apart. Each asked right after the other, in
 /// both orders, in one store and across stores, each claim of a new one is `Acquired` once;
 /// then each replays its own.
 #[test]
 fn the_same_bytes_split_one_apart_are_two_keys_at_every_length() {
     let _serial = serial_blocking();
-    let b = base(300);
-    for total in [3usize, 255, 256, 257] {
+    let b = base(600);
+    for total in [3usize, 255, 256, 257, 511, 512, 513] {
         for at in [1usize, total / 2, total - 2] {
             let x = (b[..at + 1].to_owned(), b[at + 1..total].to_owned());
             let y = (b[..at].to_owned(), b[at..total].to_owned());
@@ -846,7 +846,7 @@ fn key_alloc(joined: usize) -> usize {
 
 /// Dropping the last handle of a key frees its allocation right there, whatever the store did
 /// with it last (claimed, completed, replayed, read, removed, released and taken over, asked
-/// at once, in another store too), whatever its length around the 256 bytes remembered, and
+/// at once, in another store too), whatever its length around the length a thread remembers (256 bytes, then 512), and
 /// whether the store was last used with it on this thread or on another one that is still
 /// alive. A thread remembering the key by a clone would keep it (no deallocation at the drop).
 #[test]
@@ -937,7 +937,9 @@ fn dropping_a_keys_last_handle_frees_it_whatever_the_store_did() {
     ];
     let mut checked = 0;
     for (name, ops) in &sequences {
-        for len in [1usize, 36, 200, 248, 249, 250, 255, 256, 257, 1000] {
+        for len in [
+            1usize, 36, 200, 248, 249, 250, 255, 256, 257, 504, 505, 506, 1000,
+        ] {
             for elsewhere in [false, true] {
                 let scope = "tenant-";
                 let tail = format!("{name}-{elsewhere}-");
@@ -990,7 +992,7 @@ fn dropping_a_keys_last_handle_frees_it_whatever_the_store_did() {
             }
         }
     }
-    assert_eq!(checked, sequences.len() * 20);
+    assert_eq!(checked, sequences.len() * 26);
     assert!(stores.iter().all(MemoryStore::is_empty));
 }
 
@@ -1146,7 +1148,7 @@ async fn call(app: &Router, scope: &str, key: &str) -> (StatusCode, String) {
 }
 
 /// Through the layer (in process, `oneshot`): scope and key splits of the same bytes, with
-/// scope and key together (`custom:` included) around the 256 bytes remembered, each sent
+/// scope and key together (`custom:` included) around the length a thread remembers (256 bytes, then 512), each sent
 /// three times in three orders. The handler runs once per pair, every retry replays that
 /// run's answer, and no pair gets another's.
 #[test]

@@ -41,9 +41,10 @@ struct Hashed {
     bytes: [u8; REMEMBERED],
 }
 
-/// The longest scoped key (scope and key together) a thread remembers: a scope and a UUID
-/// fit several times. A longer one is hashed on each of its request's store calls.
-const REMEMBERED: usize = 256;
+/// The longest scoped key (scope and key together) a thread remembers: the longest key a
+/// request may send (255 bytes) fits beside a scope of as many. A longer one is hashed on each
+/// of its request's store calls.
+const REMEMBERED: usize = 512;
 
 impl Hashed {
     /// The remembered hash, if `joined` (split at `split`) is the key it was taken of, in
