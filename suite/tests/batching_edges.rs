@@ -259,9 +259,12 @@ async fn renewals_race_batched_completions<S: IdempotencyStore>(store: S) {
                 // lease that left about 100 ms, which is one bounded lock wait: a renewal
                 // queued behind waiters' claims of the same row, whose commits were slow
                 // while the 3 000-claim test loaded the same server, missed it once in CI, and
-                // a waiter took the key over as from a dead holder. 600 ms leaves 400 ms and
-                // still renews every key at least twice while its handler runs.
-                tokio::time::sleep(Duration::from_millis(1_500)).await;
+                // a waiter took the key over as from a dead holder. 600 ms (400 ms to land)
+                // missed it once more in CI (session 19, a run 25% slower than usual): a
+                // missed renewal is a dead holder by design, so the lease must outlast the
+                // host's stalls, not the store's. 1.5 s leaves 1 s and still renews every key
+                // several times while its handler runs.
+                tokio::time::sleep(Duration::from_millis(3_000)).await;
                 let n = sink.hit();
                 (http::StatusCode::CREATED, format!("effect {n} for {body}"))
             }),
@@ -269,7 +272,7 @@ async fn renewals_race_batched_completions<S: IdempotencyStore>(store: S) {
         .layer(
             IdempotencyLayer::new(store)
                 .single_tenant()
-                .lease(Duration::from_millis(600))
+                .lease(Duration::from_millis(1_500))
                 .wait_for_in_flight(Duration::from_secs(20)),
         );
     let addr = serve(app).await;
