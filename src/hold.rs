@@ -117,7 +117,11 @@ impl<St: IdempotencyStore> Keeper<St> {
     /// Starts the keeper task on the current runtime if none runs.
     fn start(&self, lease: Duration) {
         let ms = u64::try_from(lease.as_millis()).unwrap_or(u64::MAX);
-        self.shared.shortest.fetch_min(ms, Ordering::Relaxed);
+        // Read first: the shortest lease rarely changes, and a write on every request would
+        // move this line between the cores serving requests.
+        if ms < self.shared.shortest.load(Ordering::Relaxed) {
+            self.shared.shortest.fetch_min(ms, Ordering::Relaxed);
+        }
         if self.shared.running.load(Ordering::Acquire) {
             return;
         }
