@@ -55,6 +55,16 @@ impl Hashed {
             && self.bytes.get(..self.len) == Some(joined.as_bytes());
         same.then_some(self.hash)
     }
+
+    /// Remembers `hash` as the hash of `joined` (split at `split`) in the store `store`;
+    /// `joined` is at most [`REMEMBERED`] bytes long.
+    fn remember(&mut self, store: u64, hash: u64, joined: &str, split: usize) {
+        self.store = store;
+        self.hash = hash;
+        self.split = split;
+        self.len = joined.len();
+        self.bytes[..joined.len()].copy_from_slice(joined.as_bytes());
+    }
 }
 
 thread_local! {
@@ -442,18 +452,14 @@ impl MemoryStore {
             }
             let hash = self.inner.hasher.hash_one(key);
             if joined.len() <= REMEMBERED {
-                let last = last.get_or_insert_with(|| Hashed {
+                last.get_or_insert_with(|| Hashed {
                     store: id,
                     hash,
                     split,
                     len: 0,
                     bytes: [0; REMEMBERED],
-                });
-                last.store = id;
-                last.hash = hash;
-                last.split = split;
-                last.len = joined.len();
-                last.bytes[..joined.len()].copy_from_slice(joined.as_bytes());
+                })
+                .remember(id, hash, joined, split);
             }
             Some(hash)
         });
