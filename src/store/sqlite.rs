@@ -1,7 +1,7 @@
 //! [`SqliteStore`]: durable records for the processes of one host.
 
 use std::str::FromStr;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, SystemTime};
 
 use sqlx::sqlite::{
@@ -12,7 +12,7 @@ use sqlx::{AssertSqlSafe, Connection, Row};
 
 use super::batch::{Batches, ClaimOp, CompleteOp};
 use super::history::{HISTORY_LIMIT, HISTORY_REFUSALS};
-use super::sql::{self, InvalidIdentifier, RawRecord, millis, unavailable};
+use super::sql::{self, InvalidIdentifier, RawRecord, RowError, millis, unavailable};
 use super::{
     Claim, ClaimRequest, FencingToken, HistoryEvent, IdempotencyStore, InFlight, LeaseExpiry,
     Milestone, Record, RecordStatus, Resolution, ScopedKey, StoreError, StoredResponse,
@@ -31,7 +31,10 @@ use super::{
 /// Under concurrency, [`with_batching`](Self::with_batching) sends claims (and, apart,
 /// completions) that arrive while a batch is in flight in one write transaction: one commit,
 /// one turn of the write lock, which this store's batches take in turn instead of contending
-/// for it in SQLite's busy handler. A batch that fails is sent again one operation at a time.
+/// for it in SQLite's busy handler. Within it, a chunk of up to 64 claims is one upsert and one
+/// read answered in a single row, and a chunk of completions one update: sqlx hands every
+/// statement and every row between its connection's thread and the caller, which costs more
+/// than SQLite's own work. A batch that fails is sent again one operation at a time.
 ///
 /// For tests, `sqlite::memory:` works too: [`connect`](Self::connect) then keeps one
 /// connection open for the store's life (the database lives as long as one connection does)
@@ -84,6 +87,226 @@ struct Statements {
     count_uncertain: Arc<str>,
     resolve: Arc<str>,
     append_history: Arc<str>,
+    /// The batch statements, made on first use for each chunk size (see [`chunks`]).
+    batch: BatchStatements,
+}
+
+/// A batch goes to SQLite in chunks of these sizes (largest first: 45 claims are chunks of
+/// 32, 8, 4 and 1), each one statement for all of its rows: a handful of statement texts to
+/// prepare and keep in sqlx's per-connection cache (100 by default), where one text per batch
+/// size would crowd it.
+const CHUNK_SIZES: [usize; 6] = [64, 32, 16, 8, 4, 2];
+
+/// The sizes of the chunks `n` operations go in, largest first; a chunk of 1 goes with the
+/// single operation's statements.
+fn chunks(mut n: usize) -> impl Iterator<Item = usize> {
+    std::iter::from_fn(move || {
+        let size = CHUNK_SIZES.into_iter().find(|&size| size <= n).unwrap_or(n);
+        n -= size;
+        (size > 0).then_some(size)
+    })
+}
+
+/// Statements for a chunk of claims or completions, one of each per size in [`CHUNK_SIZES`].
+#[derive(Debug)]
+struct BatchStatements {
+    table: String,
+    /// The claim's `ON CONFLICT` clause, whichever the number of rows.
+    conflict: String,
+    claims: [OnceLock<Arc<str>>; CHUNK_SIZES.len()],
+    current: [OnceLock<Arc<str>>; CHUNK_SIZES.len()],
+    completions: [OnceLock<Arc<str>>; CHUNK_SIZES.len()],
+}
+
+/// The statement for a chunk of `size`, made once per size in [`CHUNK_SIZES`] (any other size
+/// is made each time: [`chunks`] never asks for one).
+fn cached(
+    cache: &[OnceLock<Arc<str>>; CHUNK_SIZES.len()],
+    size: usize,
+    make: impl FnOnce() -> String,
+) -> Arc<str> {
+    match CHUNK_SIZES.iter().position(|&s| s == size) {
+        Some(slot) => cache[slot].get_or_init(|| make().into()).clone(),
+        None => make().into(),
+    }
+}
+
+impl BatchStatements {
+    /// `size` claims' upserts in one statement: the single claim's, a row of values each
+    /// (parameters `?1`–`?7` for the first, `?8`–`?14` for the second, …).
+    fn claims(&self, size: usize) -> Arc<str> {
+        cached(&self.claims, size, || {
+            let rows = (0..size)
+                .map(|i| claim_values(&params(i, 7)))
+                .collect::<Vec<_>>()
+                .join(", ");
+            format!(
+                "INSERT INTO \"{}\" AS r ({COLUMNS}, reconcile_on_expiry) VALUES {rows} {}",
+                self.table, self.conflict
+            )
+        })
+    }
+
+    /// `size` records read in one statement and answered in one row: a JSON array of each
+    /// record's place and columns (blobs in hex; a response over [`BIG`] bytes left out), and
+    /// the statement's time. One row, where a row per record would be a hand-off per record
+    /// between sqlx's connection thread and the caller, which costs more than SQLite's work.
+    /// Parameters: `?1`, `?2` the first record's scope and key, `?3`, `?4` the second's, ….
+    fn current(&self, size: usize) -> Arc<str> {
+        cached(&self.current, size, || {
+            let rows = (0..size)
+                .map(|i| {
+                    let p = params(i, 2);
+                    format!("({}, {}, {i})", p[0], p[1])
+                })
+                .collect::<Vec<_>>()
+                .join(", ");
+            format!(
+                "SELECT json_group_array(json_array(v.column3, hex(r.scope), hex(r.key),
+                       hex(r.fingerprint), {}, r.lease_token, r.lease_until, r.attempts,
+                       r.effect_started, {},
+                       CASE WHEN r.response IS NULL THEN NULL
+                            WHEN length(r.response) > {BIG} THEN 0 ELSE hex(r.response) END,
+                       r.created_at, r.updated_at, r.expires_at, {}, {})),
+                       {NOW}
+                     FROM (VALUES {rows}) AS v
+                       JOIN \"{}\" r ON r.scope = v.column1 AND r.key = v.column2",
+                text("r.status"),
+                text("r.downstream_id"),
+                text("r.history"),
+                text("r.resolution_note"),
+                self.table
+            )
+        })
+    }
+
+    /// `size` completions in one statement (parameters as the single completion's, five a
+    /// row). It writes every row whose holder still holds it: when it writes fewer than
+    /// `size`, the others were fenced off.
+    fn completions(&self, size: usize) -> Arc<str> {
+        cached(&self.completions, size, || {
+            let rows = (0..size)
+                .map(|i| format!("({})", params(i, 5).join(", ")))
+                .collect::<Vec<_>>()
+                .join(", ");
+            format!(
+                "UPDATE \"{}\" AS r SET status = 'completed', response = v.column4,
+                       expires_at = {NOW} + v.column5, updated_at = {NOW}, history = {}
+                     FROM (VALUES {rows}) AS v
+                     WHERE r.scope = v.column1 AND r.key = v.column2 AND r.lease_token = v.column3
+                       AND r.status IN ('in_progress', 'completed', 'needs_reconciliation')",
+                self.table,
+                sql::appended(
+                    "r.history",
+                    &entry("r.attempts", "r.lease_token", "'completed'"),
+                    HISTORY_LIMIT
+                )
+            )
+        })
+    }
+}
+
+/// A record as the batch read gives it: a JSON array of its place and [`READ`]'s columns, blobs
+/// and text in hex (see [`text`]).
+fn raw_of_json(v: &serde_json::Value) -> Result<RawRecord, StoreError> {
+    // `READ`'s columns, in its order, after the record's place.
+    const NAMES: [&str; 15] = [
+        "scope",
+        "key",
+        "fingerprint",
+        "status",
+        "lease_token",
+        "lease_until",
+        "attempts",
+        "effect_started",
+        "downstream_id",
+        "response",
+        "created_at",
+        "updated_at",
+        "expires_at",
+        "history",
+        "resolution_note",
+    ];
+    let bad = |i: usize| {
+        StoreError::unavailable(RowError(format!(
+            "column {} does not read",
+            NAMES.get(i - 1).unwrap_or(&"?")
+        )))
+    };
+    let blob = |i: usize| -> Result<Vec<u8>, StoreError> {
+        let hex = v[i].as_str().ok_or_else(|| bad(i))?;
+        (0..hex.len())
+            .step_by(2)
+            .map(|j| {
+                hex.get(j..j + 2)
+                    .and_then(|b| u8::from_str_radix(b, 16).ok())
+                    .ok_or_else(|| bad(i))
+            })
+            .collect()
+    };
+    let int = |i: usize| v[i].as_i64().ok_or_else(|| bad(i));
+    let text = |i: usize| String::from_utf8(blob(i)?).map_err(|_| bad(i));
+    let optional_text = |i: usize| match &v[i] {
+        serde_json::Value::Null => Ok(None),
+        _ => text(i).map(Some),
+    };
+    Ok(RawRecord {
+        scope: blob(1)?,
+        key: blob(2)?,
+        fingerprint: blob(3)?,
+        status: text(4)?,
+        lease_token: int(5)?,
+        lease_until_ms: int(6)?,
+        attempts: int(7)?,
+        effect_started: int(8)? != 0,
+        downstream_id: optional_text(9)?,
+        response: match &v[10] {
+            serde_json::Value::Null => None,
+            _ => Some(blob(10)?),
+        },
+        created_at_ms: int(11)?,
+        updated_at_ms: int(12)?,
+        expires_at_ms: int(13)?,
+        history: text(14)?,
+        resolution_note: optional_text(15)?,
+    })
+}
+
+/// What a claim with `token` came to, from its record's `row`. A row that does not read fails
+/// this claim alone, not the transaction: in a batch, the other keys' claims go on.
+fn claimed(row: &SqliteRow, token: FencingToken) -> Result<Claim, StoreError> {
+    raw(row).map_err(unavailable).and_then(|(raw, now)| {
+        raw.into_record()
+            .map(|record| sql::claim_outcome(record, now, token))
+    })
+}
+
+/// A text column as a batch's read gives it: its bytes in hex (JSON holds no text that is not
+/// UTF-8, nor a blob), `null`, or `0` for a value that is neither text nor null, which does not
+/// read, as it would not alone.
+fn text(column: &str) -> String {
+    format!("CASE typeof({column}) WHEN 'text' THEN hex({column}) WHEN 'null' THEN NULL ELSE 0 END")
+}
+
+/// A response longer than this is not read back in a batch's one row (hex doubles it): its
+/// claim goes alone.
+const BIG: usize = 64 * 1024;
+
+/// The `per` numbered parameters of row `i` of a batch statement.
+fn params(i: usize, per: usize) -> Vec<String> {
+    (1..=per).map(|p| format!("?{}", i * per + p)).collect()
+}
+
+/// A claim's row of values, from its seven parameters: scope, key, fingerprint, token, lease
+/// (ms), whether an expired lease is reclaimed, TTL (ms).
+fn claim_values(p: &[String]) -> String {
+    let (scope, key, fingerprint, token, lease, reclaim, ttl) =
+        (&p[0], &p[1], &p[2], &p[3], &p[4], &p[5], &p[6]);
+    format!(
+        "({scope}, {key}, {fingerprint}, 'in_progress', {token}, {NOW} + {lease}, 1, 0, NULL, \
+         NULL, {NOW}, {NOW}, {NOW} + MAX({lease}, {ttl}), {}, NOT {reclaim})",
+        entry("1", token, "'claimed'")
+    )
 }
 
 /// Milliseconds since the Unix epoch on SQLite's clock; fixed within one statement.
@@ -121,15 +344,15 @@ impl Statements {
         );
         let same = "r.fingerprint = excluded.fingerprint";
         let lease_over = format!("r.status = 'in_progress' AND r.lease_until <= {NOW}");
+        // Whether this claim reclaims an expired lease, read from its own row of values (where
+        // `reconcile_on_expiry` is its negation), so that a batch's rows each keep their own.
         let takeover = format!(
-            "({same} AND (r.status = 'released' OR ({lease_over} AND ?6 AND NOT r.effect_started)))"
+            "({same} AND (r.status = 'released' OR ({lease_over} \
+             AND NOT excluded.reconcile_on_expiry AND NOT r.effect_started)))"
         );
         let fresh_or_takeover = format!("({expired} OR {takeover})");
-        let upsert = format!(
-            "INSERT INTO {t} AS r ({COLUMNS}, reconcile_on_expiry)
-             VALUES (?1, ?2, ?3, 'in_progress', ?4, {NOW} + ?5, 1, 0, NULL, NULL, {NOW}, {NOW},
-                     {NOW} + MAX(?5, ?7), {claimed_first}, NOT ?6)
-             ON CONFLICT (scope, key) DO UPDATE SET
+        let conflict = format!(
+            "ON CONFLICT (scope, key) DO UPDATE SET
                fingerprint = CASE WHEN {expired} THEN excluded.fingerprint ELSE r.fingerprint END,
                status = CASE WHEN {fresh_or_takeover} THEN 'in_progress' ELSE 'needs_reconciliation' END,
                lease_token = CASE WHEN {fresh_or_takeover} THEN excluded.lease_token ELSE r.lease_token END,
@@ -148,9 +371,7 @@ impl Statements {
                history = CASE WHEN {expired} THEN excluded.history
                               WHEN {takeover} THEN {claimed_again}
                               ELSE {lease_expired} END
-             WHERE {expired} OR ({same} AND (r.status = 'released' OR ({lease_over})))
-             RETURNING {READ}, {NOW}",
-            claimed_first = entry("1", "?4", "'claimed'"),
+             WHERE {expired} OR ({same} AND (r.status = 'released' OR ({lease_over})))",
             claimed_again = sql::appended(
                 "r.history",
                 &entry("r.attempts + 1", "excluded.lease_token", "'claimed'"),
@@ -161,6 +382,12 @@ impl Statements {
                 &entry("r.attempts", "r.lease_token", "'lease_expired'"),
                 HISTORY_LIMIT
             ),
+        );
+        let single: Vec<String> = (1..=7).map(|p| format!("?{p}")).collect();
+        let upsert = format!(
+            "INSERT INTO {t} AS r ({COLUMNS}, reconcile_on_expiry) VALUES {} {conflict}
+             RETURNING {READ}, {NOW}",
+            claim_values(&single)
         );
         let log_capped = |event: &str, cap: usize| {
             format!(
@@ -265,6 +492,13 @@ impl Statements {
                 log_capped("?3", HISTORY_REFUSALS)
             )
             .into(),
+            batch: BatchStatements {
+                table: table.to_owned(),
+                conflict,
+                claims: Default::default(),
+                current: Default::default(),
+                completions: Default::default(),
+            },
         }
     }
 }
@@ -475,22 +709,26 @@ impl SqliteStore {
             .bind(millis(req.ttl))
             .fetch_optional(&mut *connection)
             .await?;
-        let row = match written {
-            Some(row) => row,
-            None => {
-                sqlx::query(AssertSqlSafe(self.sql.current.clone()))
-                    .bind(scope)
-                    .bind(key)
-                    .fetch_one(&mut *connection)
-                    .await?
-            }
-        };
-        // A row that does not read fails this claim alone, not the transaction: in a batch,
-        // the other keys' claims go on.
-        Ok(raw(&row).map_err(unavailable).and_then(|(raw, now)| {
-            raw.into_record()
-                .map(|record| sql::claim_outcome(record, now, token))
-        }))
+        match written {
+            Some(row) => Ok(claimed(&row, token)),
+            None => self.read_claimed(connection, &req.key, token).await,
+        }
+    }
+
+    /// What a claim with `token` came to, read from `key`'s record on `connection` (inside
+    /// the claim's transaction).
+    async fn read_claimed(
+        &self,
+        connection: &mut SqliteConnection,
+        key: &ScopedKey,
+        token: FencingToken,
+    ) -> Result<Result<Claim, StoreError>, sqlx::Error> {
+        let row = sqlx::query(AssertSqlSafe(self.sql.current.clone()))
+            .bind(key.scope().as_bytes())
+            .bind(key.key().as_bytes())
+            .fetch_one(&mut *connection)
+            .await?;
+        Ok(claimed(&row, token))
     }
 
     /// One claim in a transaction of its own.
@@ -508,26 +746,96 @@ impl SqliteStore {
         outcome
     }
 
-    /// A batch of claims: one transaction. If it fails, its claims go alone, each on a task of
+    /// A batch of claims: one transaction, two statements for each chunk of it (the upserts,
+    /// then the records as they stand). If it fails, its claims go alone, each on a task of
     /// its own (and its own transaction), holding neither the writer nor a batch slot.
     async fn claim_batch(self, ops: Vec<ClaimOp>) {
         let writer = self.writer.lock().await;
         let outcomes = match ops.as_slice() {
-            [op] => Ok(vec![self.claim_one(&op.request, op.token).await]),
+            [op] => Ok(vec![Some(self.claim_one(&op.request, op.token).await)]),
             _ => self.claim_together(&ops).await,
         };
         drop(writer);
-        self.settle_claims(ops, outcomes.map(|o| o.into_iter().map(Some).collect()));
+        self.settle_claims(ops, outcomes);
     }
 
+    /// Each claim of the batch; `None` for one whose record the transaction could not read
+    /// back (it then goes alone).
     async fn claim_together(
         &self,
         ops: &[ClaimOp],
-    ) -> Result<Vec<Result<Claim, StoreError>>, sqlx::Error> {
+    ) -> Result<Vec<Option<Result<Claim, StoreError>>>, sqlx::Error> {
         let mut tx = self.pool.begin().await?;
-        let mut outcomes = Vec::with_capacity(ops.len());
-        for op in ops {
-            outcomes.push(self.claim_in(&mut tx, &op.request, op.token).await?);
+        let mut outcomes: Vec<Option<Result<Claim, StoreError>>> =
+            ops.iter().map(|_| None).collect();
+        let mut start = 0;
+        for size in chunks(ops.len()) {
+            let (chunk, found) = (
+                &ops[start..start + size],
+                &mut outcomes[start..start + size],
+            );
+            start += size;
+            if let [op] = chunk {
+                found[0] = Some(self.claim_in(&mut tx, &op.request, op.token).await?);
+                continue;
+            }
+            let mut upsert = sqlx::query(AssertSqlSafe(self.sql.batch.claims(size)));
+            for op in chunk {
+                let req = &op.request;
+                upsert = upsert
+                    .bind(req.key.scope().as_bytes())
+                    .bind(req.key.key().as_bytes())
+                    .bind(req.fingerprint.as_bytes().as_slice())
+                    .bind(sql::token(op.token))
+                    .bind(millis(req.lease))
+                    .bind(req.on_lease_expiry == LeaseExpiry::Reclaim)
+                    .bind(millis(req.ttl));
+            }
+            upsert.execute(&mut *tx).await?;
+            // Whether a claim won is read from its record, as alone: its own token in progress.
+            let mut current = sqlx::query(AssertSqlSafe(self.sql.batch.current(size)));
+            for op in chunk {
+                current = current
+                    .bind(op.request.key.scope().as_bytes())
+                    .bind(op.request.key.key().as_bytes());
+            }
+            let row = current.fetch_one(&mut *tx).await?;
+            let read = row
+                .try_get::<String, _>(0)
+                .ok()
+                .and_then(|records| serde_json::from_str::<Vec<serde_json::Value>>(&records).ok());
+            if let (Some(records), Ok(now)) = (read, row.try_get::<i64, _>(1)) {
+                let now = sql::from_millis(now);
+                for record in records {
+                    let Some(i) = record[0]
+                        .as_u64()
+                        .and_then(|i| usize::try_from(i).ok())
+                        .filter(|&i| i < size)
+                    else {
+                        continue;
+                    };
+                    // A response too big to read back here: read below.
+                    if record[10].is_number() {
+                        continue;
+                    }
+                    // A record that does not read fails its own claim, not the batch's others.
+                    found[i] = Some(raw_of_json(&record).and_then(|raw| {
+                        raw.into_record()
+                            .map(|record| sql::claim_outcome(record, now, chunk[i].token))
+                    }));
+                }
+            }
+            // What the one row did not give (a response too big for it), read one by one in
+            // this transaction: never claimed again, which a lease run out meanwhile would turn
+            // into a takeover of the claim's own key.
+            for (op, found) in chunk.iter().zip(found.iter_mut()) {
+                if found.is_none() {
+                    *found = Some(
+                        self.read_claimed(&mut tx, &op.request.key, op.token)
+                            .await?,
+                    );
+                }
+            }
         }
         tx.commit().await?;
         Ok(outcomes)
@@ -544,24 +852,67 @@ impl SqliteStore {
         self.settle_completes(ops, outcomes);
     }
 
+    /// The completions of a batch, one statement for each chunk of it: each not written was
+    /// fenced off.
     async fn complete_together(
         &self,
         ops: &[CompleteOp],
     ) -> Result<Vec<Result<(), StoreError>>, sqlx::Error> {
         let mut tx = self.pool.begin().await?;
-        let mut outcomes = Vec::with_capacity(ops.len());
-        for op in ops {
-            let rows = self
-                .complete_rows(
-                    &mut *tx,
-                    &self.sql.complete,
-                    &op.key,
-                    op.token,
-                    &op.response,
-                    op.ttl,
-                )
-                .await?;
-            outcomes.push(fenced(rows));
+        let mut outcomes: Vec<Result<(), StoreError>> =
+            ops.iter().map(|_| Err(StoreError::Fenced)).collect();
+        let mut start = 0;
+        for size in chunks(ops.len()) {
+            let (chunk, done) = (
+                &ops[start..start + size],
+                &mut outcomes[start..start + size],
+            );
+            start += size;
+            if let [op] = chunk {
+                let rows = self
+                    .complete_rows(
+                        &mut *tx,
+                        &self.sql.complete,
+                        &op.key,
+                        op.token,
+                        &op.response,
+                        op.ttl,
+                    )
+                    .await?;
+                done[0] = fenced(rows);
+                continue;
+            }
+            let mut complete = sqlx::query(AssertSqlSafe(self.sql.batch.completions(size)));
+            for op in chunk {
+                complete = complete
+                    .bind(op.key.scope().as_bytes())
+                    .bind(op.key.key().as_bytes())
+                    .bind(sql::token(op.token))
+                    .bind(op.response.as_slice())
+                    .bind(millis(op.ttl));
+            }
+            let written = complete.execute(&mut *tx).await?.rows_affected();
+            if written == size as u64 {
+                done.iter_mut().for_each(|d| *d = Ok(()));
+                continue;
+            }
+            // Some were fenced off: which, read record by record (rare).
+            for (op, d) in chunk.iter().zip(done.iter_mut()) {
+                let row = sqlx::query(AssertSqlSafe(self.sql.current.clone()))
+                    .bind(op.key.scope().as_bytes())
+                    .bind(op.key.key().as_bytes())
+                    .fetch_optional(&mut *tx)
+                    .await?;
+                // Only the status and the token: a holder's completion of a row whose other
+                // columns do not read was written all the same.
+                let mine = row.is_some_and(|row| {
+                    row.try_get::<i64, _>(4).ok() == Some(sql::token(op.token))
+                        && row.try_get::<&str, _>(3).ok() == Some("completed")
+                });
+                if mine {
+                    *d = Ok(());
+                }
+            }
         }
         tx.commit().await?;
         Ok(outcomes)
@@ -578,3 +929,30 @@ impl SqliteStore {
 }
 
 sql::sql_store!(SqliteStore, sqlx::Sqlite, sqlx::SqliteConnection, SqliteRow);
+
+#[cfg(test)]
+mod tests {
+    use super::{CHUNK_SIZES, chunks};
+
+    /// A batch of any size is cut into chunks that add up to it, each a size whose statement
+    /// is made once (or a single operation), largest first.
+    #[test]
+    fn s4_a_batch_is_cut_into_chunks_of_the_cached_sizes() {
+        assert_eq!(chunks(45).collect::<Vec<_>>(), [32, 8, 4, 1]);
+        assert_eq!(chunks(100).collect::<Vec<_>>(), [64, 32, 4]);
+        assert_eq!(chunks(0).count(), 0);
+        for n in 1..=300 {
+            let sizes: Vec<usize> = chunks(n).collect();
+            assert_eq!(sizes.iter().sum::<usize>(), n, "{n}: {sizes:?}");
+            assert!(sizes.is_sorted_by(|a, b| a >= b), "{n}: {sizes:?}");
+            assert!(
+                sizes.iter().all(|s| *s == 1 || CHUNK_SIZES.contains(s)),
+                "{n}: {sizes:?}"
+            );
+            assert!(
+                sizes.iter().filter(|s| **s == 1).count() <= 1,
+                "{n}: {sizes:?}"
+            );
+        }
+    }
+}

@@ -7,6 +7,7 @@ pub mod faulty;
 pub mod memory;
 pub mod proxy;
 pub mod raw;
+pub mod statements;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
