@@ -759,8 +759,8 @@ impl SqliteStore {
         self.settle_claims(ops, outcomes);
     }
 
-    /// Each claim of the batch; `None` for one whose record the transaction could not read
-    /// back (it then goes alone).
+    /// Each claim of the batch, every one answered here (never `None`, which would send it
+    /// alone: claimed again, after this commit).
     async fn claim_together(
         &self,
         ops: &[ClaimOp],

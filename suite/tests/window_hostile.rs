@@ -278,9 +278,11 @@ async fn s22_cancelled_executions_still_widen_the_window() {
     }
     tokio::time::sleep(Duration::from_millis(200)).await;
     let window = layer.processing_windows().remove(0);
-    // Two of the four executions ran for at least 1.2 s before the caller gave up.
+    // Two of the four executions ran until the caller gave up at 1.2 s (measured from before
+    // it connected, so a little less on the server: 1.194 s was seen on a slow host), the
+    // others 10 ms: a window that knows the cancelled ones is past a second.
     assert!(
-        window.p99.is_some_and(|p| p >= Duration::from_millis(1200)),
+        window.p99.is_some_and(|p| p >= Duration::from_millis(1000)),
         "the window only knows the survivors: {window:?}; min_deadline {:?}",
         window.min_deadline()
     );
