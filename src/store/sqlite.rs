@@ -97,13 +97,19 @@ struct Statements {
 /// size would crowd it.
 const CHUNK_SIZES: [usize; 6] = [64, 32, 16, 8, 4, 2];
 
-/// The sizes of the chunks `n` operations go in, largest first; a chunk of 1 goes with the
-/// single operation's statements.
-fn chunks(mut n: usize) -> impl Iterator<Item = usize> {
+/// The chunks `n` operations go in, as ranges of them, largest first; a chunk of 1 goes with
+/// the single operation's statements.
+fn chunks(n: usize) -> impl Iterator<Item = std::ops::Range<usize>> {
+    let mut start = 0;
     std::iter::from_fn(move || {
-        let size = CHUNK_SIZES.into_iter().find(|&size| size <= n).unwrap_or(n);
-        n -= size;
-        (size > 0).then_some(size)
+        let left = n - start;
+        let size = CHUNK_SIZES
+            .into_iter()
+            .find(|&size| size <= left)
+            .unwrap_or(left);
+        let chunk = start..start + size;
+        start += size;
+        (size > 0).then_some(chunk)
     })
 }
 
@@ -161,20 +167,15 @@ impl BatchStatements {
                 })
                 .collect::<Vec<_>>()
                 .join(", ");
+            let columns = CARRIED
+                .iter()
+                .map(|&(column, how)| how.carry(column))
+                .collect::<Vec<_>>()
+                .join(", ");
             format!(
-                "SELECT json_group_array(json_array(v.column3, hex(r.scope), hex(r.key),
-                       hex(r.fingerprint), {}, r.lease_token, r.lease_until, r.attempts,
-                       r.effect_started, {},
-                       CASE WHEN r.response IS NULL THEN NULL
-                            WHEN length(r.response) > {BIG} THEN 0 ELSE hex(r.response) END,
-                       r.created_at, r.updated_at, r.expires_at, {}, {})),
-                       {NOW}
-                     FROM (VALUES {rows}) AS v
-                       JOIN \"{}\" r ON r.scope = v.column1 AND r.key = v.column2",
-                text("r.status"),
-                text("r.downstream_id"),
-                text("r.history"),
-                text("r.resolution_note"),
+                "SELECT json_group_array(json_array(v.column3, {columns})), {NOW}
+                 FROM (VALUES {rows}) AS v
+                   JOIN \"{}\" r ON r.scope = v.column1 AND r.key = v.column2",
                 self.table
             )
         })
@@ -189,49 +190,45 @@ impl BatchStatements {
                 .map(|i| format!("({})", params(i, 5).join(", ")))
                 .collect::<Vec<_>>()
                 .join(", ");
-            format!(
-                "UPDATE \"{}\" AS r SET status = 'completed', response = v.column4,
-                       expires_at = {NOW} + v.column5, updated_at = {NOW}, history = {}
-                     FROM (VALUES {rows}) AS v
-                     WHERE r.scope = v.column1 AND r.key = v.column2 AND r.lease_token = v.column3
-                       AND r.status IN ('in_progress', 'completed', 'needs_reconciliation')",
-                self.table,
-                sql::appended(
-                    "r.history",
-                    &entry("r.attempts", "r.lease_token", "'completed'"),
-                    HISTORY_LIMIT
-                )
+            completion(
+                &self.table,
+                [
+                    "v.column1",
+                    "v.column2",
+                    "v.column3",
+                    "v.column4",
+                    "v.column5",
+                ],
+                &format!("FROM (VALUES {rows}) AS v"),
             )
         })
     }
 }
 
-/// A record as the batch read gives it: a JSON array of its place and [`READ`]'s columns, blobs
-/// and text in hex (see [`text`]).
+/// A completion: of one key (`?1`–`?5`), or of each row of a chunk's values (named in `from`),
+/// given scope, key, token, response and TTL (ms). It writes a record its token still holds,
+/// which the holder may complete again (in its own transaction, say).
+fn completion(table: &str, [scope, key, token, response, ttl]: [&str; 5], from: &str) -> String {
+    format!(
+        "UPDATE \"{table}\" AS r SET status = 'completed', response = {response},
+           expires_at = {NOW} + {ttl}, updated_at = {NOW}, history = {}
+         {from}
+         WHERE r.scope = {scope} AND r.key = {key} AND r.lease_token = {token}
+           AND r.status IN ('in_progress', 'completed', 'needs_reconciliation')",
+        sql::appended(
+            "r.history",
+            &entry("r.attempts", "r.lease_token", "'completed'"),
+            HISTORY_LIMIT
+        )
+    )
+}
+
+/// A record as the batch read gives it: a JSON array of its place and [`READ`]'s columns, as
+/// [`CARRIED`] says.
 fn raw_of_json(v: &serde_json::Value) -> Result<RawRecord, StoreError> {
-    // `READ`'s columns, in its order, after the record's place.
-    const NAMES: [&str; 15] = [
-        "scope",
-        "key",
-        "fingerprint",
-        "status",
-        "lease_token",
-        "lease_until",
-        "attempts",
-        "effect_started",
-        "downstream_id",
-        "response",
-        "created_at",
-        "updated_at",
-        "expires_at",
-        "history",
-        "resolution_note",
-    ];
     let bad = |i: usize| {
-        StoreError::unavailable(RowError(format!(
-            "column {} does not read",
-            NAMES.get(i - 1).unwrap_or(&"?")
-        )))
+        let column = CARRIED.get(i - 1).map_or("?", |&(column, _)| column);
+        StoreError::unavailable(RowError(format!("column {column} does not read")))
     };
     let blob = |i: usize| -> Result<Vec<u8>, StoreError> {
         let hex = v[i].as_str().ok_or_else(|| bad(i))?;
@@ -281,11 +278,57 @@ fn claimed(row: &SqliteRow, token: FencingToken) -> Result<Claim, StoreError> {
     })
 }
 
-/// A text column as a batch's read gives it: its bytes in hex (JSON holds no text that is not
-/// UTF-8, nor a blob), `null`, or `0` for a value that is neither text nor null, which does not
-/// read, as it would not alone.
-fn text(column: &str) -> String {
-    format!("CASE typeof({column}) WHEN 'text' THEN hex({column}) WHEN 'null' THEN NULL ELSE 0 END")
+/// [`READ`]'s columns in its order, each with how a batch's one-row read carries it (see
+/// [`raw_of_json`], which reads them back by place).
+const CARRIED: [(&str, Carried); 15] = [
+    ("scope", Carried::Blob),
+    ("key", Carried::Blob),
+    ("fingerprint", Carried::Blob),
+    ("status", Carried::Text),
+    ("lease_token", Carried::Integer),
+    ("lease_until", Carried::Integer),
+    ("attempts", Carried::Integer),
+    ("effect_started", Carried::Integer),
+    ("downstream_id", Carried::Text),
+    ("response", Carried::Response),
+    ("created_at", Carried::Integer),
+    ("updated_at", Carried::Integer),
+    ("expires_at", Carried::Integer),
+    ("history", Carried::Text),
+    ("resolution_note", Carried::Text),
+];
+
+/// How a column travels in JSON, which holds neither blobs nor text that is not UTF-8.
+#[derive(Clone, Copy, Debug)]
+enum Carried {
+    /// Its bytes in hex.
+    Blob,
+    /// Its bytes in hex, `null`, or `0` for a value that is neither text nor null, which does
+    /// not read, as it would not alone.
+    Text,
+    /// As it is: a value that is not an integer does not read.
+    Integer,
+    /// A blob, or `0` past [`BIG`] bytes: read alone.
+    Response,
+}
+
+impl Carried {
+    /// The expression carrying `column` of the record `r`.
+    fn carry(self, column: &str) -> String {
+        let c = format!("r.{column}");
+        match self {
+            Carried::Blob => format!("hex({c})"),
+            Carried::Text => {
+                format!(
+                    "CASE typeof({c}) WHEN 'text' THEN hex({c}) WHEN 'null' THEN NULL ELSE 0 END"
+                )
+            }
+            Carried::Integer => c,
+            Carried::Response => format!(
+                "CASE WHEN {c} IS NULL THEN NULL WHEN length({c}) > {BIG} THEN 0 ELSE hex({c}) END"
+            ),
+        }
+    }
 }
 
 /// A response longer than this is not read back in a batch's one row (hex doubles it): its
@@ -383,11 +426,10 @@ impl Statements {
                 HISTORY_LIMIT
             ),
         );
-        let single: Vec<String> = (1..=7).map(|p| format!("?{p}")).collect();
         let upsert = format!(
             "INSERT INTO {t} AS r ({COLUMNS}, reconcile_on_expiry) VALUES {} {conflict}
              RETURNING {READ}, {NOW}",
-            claim_values(&single)
+            claim_values(&params(0, 7))
         );
         let log_capped = |event: &str, cap: usize| {
             format!(
@@ -397,9 +439,6 @@ impl Statements {
         };
         let log = |event: &str| log_capped(event, HISTORY_LIMIT);
         let fenced = "scope = ?1 AND key = ?2 AND lease_token = ?3 AND status = 'in_progress'";
-        // The holder may complete again what it completed in its own transaction.
-        let completer = "scope = ?1 AND key = ?2 AND lease_token = ?3 \
-                         AND status IN ('in_progress', 'completed', 'needs_reconciliation')";
         // Records only a reconciliation can settle once their holder is gone (the partial
         // index's condition, word for word, so SQLite sees that it may use it), and those of
         // them whose outcome is unknown now.
@@ -425,13 +464,7 @@ impl Statements {
                  WHERE {fenced} RETURNING lease_until"
             )
             .into(),
-            complete: format!(
-                "UPDATE {t} SET status = 'completed', response = ?4, expires_at = {NOW} + ?5,
-                   updated_at = {NOW}, {}
-                 WHERE {completer}",
-                log("'completed'")
-            )
-            .into(),
+            complete: completion(table, ["?1", "?2", "?3", "?4", "?5"], "").into(),
             settle: format!(
                 "UPDATE {t} SET status = ?4, updated_at = {NOW}, {} WHERE {fenced}",
                 log("?4")
@@ -768,13 +801,9 @@ impl SqliteStore {
         let mut tx = self.pool.begin().await?;
         let mut outcomes: Vec<Option<Result<Claim, StoreError>>> =
             ops.iter().map(|_| None).collect();
-        let mut start = 0;
-        for size in chunks(ops.len()) {
-            let (chunk, found) = (
-                &ops[start..start + size],
-                &mut outcomes[start..start + size],
-            );
-            start += size;
+        for range in chunks(ops.len()) {
+            let size = range.len();
+            let (chunk, found) = (&ops[range.clone()], &mut outcomes[range]);
             if let [op] = chunk {
                 found[0] = Some(self.claim_in(&mut tx, &op.request, op.token).await?);
                 continue;
@@ -861,13 +890,9 @@ impl SqliteStore {
         let mut tx = self.pool.begin().await?;
         let mut outcomes: Vec<Result<(), StoreError>> =
             ops.iter().map(|_| Err(StoreError::Fenced)).collect();
-        let mut start = 0;
-        for size in chunks(ops.len()) {
-            let (chunk, done) = (
-                &ops[start..start + size],
-                &mut outcomes[start..start + size],
-            );
-            start += size;
+        for range in chunks(ops.len()) {
+            let size = range.len();
+            let (chunk, done) = (&ops[range.clone()], &mut outcomes[range]);
             if let [op] = chunk {
                 let rows = self
                     .complete_rows(
@@ -934,15 +959,32 @@ sql::sql_store!(SqliteStore, sqlx::Sqlite, sqlx::SqliteConnection, SqliteRow);
 mod tests {
     use super::{CHUNK_SIZES, chunks};
 
+    /// The batch's one-row read carries exactly `READ`'s columns, in its order: `raw_of_json`
+    /// reads them back by place.
+    #[test]
+    fn s4_a_batch_read_carries_what_every_read_returns() {
+        let read: Vec<&str> = super::READ.split(',').map(str::trim).collect();
+        let carried: Vec<&str> = super::CARRIED.iter().map(|&(c, _)| c).collect();
+        assert_eq!(carried, read);
+    }
+
     /// A batch of any size is cut into chunks that add up to it, each a size whose statement
     /// is made once (or a single operation), largest first.
     #[test]
     fn s4_a_batch_is_cut_into_chunks_of_the_cached_sizes() {
-        assert_eq!(chunks(45).collect::<Vec<_>>(), [32, 8, 4, 1]);
-        assert_eq!(chunks(100).collect::<Vec<_>>(), [64, 32, 4]);
+        let sizes = |n| chunks(n).map(|r| r.len()).collect::<Vec<_>>();
+        assert_eq!(sizes(45), [32, 8, 4, 1]);
+        assert_eq!(sizes(100), [64, 32, 4]);
         assert_eq!(chunks(0).count(), 0);
         for n in 1..=300 {
-            let sizes: Vec<usize> = chunks(n).collect();
+            // The ranges follow one another from 0 to n.
+            let ranges: Vec<_> = chunks(n).collect();
+            assert!(
+                ranges.windows(2).all(|w| w[0].end == w[1].start),
+                "{n}: {ranges:?}"
+            );
+            assert_eq!(ranges.first().map(|r| r.start), Some(0), "{n}: {ranges:?}");
+            let sizes = sizes(n);
             assert_eq!(sizes.iter().sum::<usize>(), n, "{n}: {sizes:?}");
             assert!(sizes.is_sorted_by(|a, b| a >= b), "{n}: {sizes:?}");
             assert!(
