@@ -13,7 +13,7 @@
 
 mod common;
 
-use common::batching::{LONG, answer, claim, unique};
+use common::batching::{LONG, acquired, answer, claim, claim_with, unique};
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -175,22 +175,6 @@ async fn complete_burst(store: &SqliteStore, ops: &[Completion]) -> Vec<Result<(
     let first = out.remove(0);
     assert!(first.is_ok(), "the leading completion: {first:?}");
     out
-}
-
-async fn acquired<S: IdempotencyStore>(store: &S, req: &ClaimRequest) -> FencingToken {
-    match store.claim(req).await {
-        Ok(Claim::Acquired(lease)) => lease.token,
-        other => panic!("{:?}: expected Acquired, got {other:?}", req.key),
-    }
-}
-
-fn request(key: &ScopedKey, lease: Duration, ttl: Duration, route: LeaseExpiry) -> ClaimRequest {
-    ClaimRequest {
-        lease,
-        ttl,
-        on_lease_expiry: route,
-        ..claim(key)
-    }
 }
 
 fn with_fingerprint(req: ClaimRequest, fingerprint: [u8; 32]) -> ClaimRequest {
@@ -416,7 +400,7 @@ async fn prepare<S: IdempotencyStore>(
     key: &ScopedKey,
     state: State,
 ) -> Vec<FencingToken> {
-    let short = |route| request(key, SHORT, LONG, route);
+    let short = |route| claim_with(key, SHORT, LONG, route);
     match state {
         State::Fresh => vec![],
         State::Completed | State::CompletedOtherFingerprint | State::CompletedLastByte => {
@@ -475,7 +459,7 @@ async fn prepare<S: IdempotencyStore>(
             vec![token]
         }
         State::Expired => {
-            let token = acquired(store, &request(key, SHORT, SHORT, LeaseExpiry::Reclaim)).await;
+            let token = acquired(store, &claim_with(key, SHORT, SHORT, LeaseExpiry::Reclaim)).await;
             store
                 .complete(key, token, &answer(key), SHORT)
                 .await
@@ -483,7 +467,7 @@ async fn prepare<S: IdempotencyStore>(
             vec![token]
         }
         State::ExpiredInProgress => {
-            vec![acquired(store, &request(key, SHORT, SHORT, LeaseExpiry::Reclaim)).await]
+            vec![acquired(store, &claim_with(key, SHORT, SHORT, LeaseExpiry::Reclaim)).await]
         }
         State::Uncertain => {
             let token = acquired(store, &claim(key)).await;
@@ -549,7 +533,7 @@ fn claim_for(key: &ScopedKey, state: State) -> ClaimRequest {
         | State::ReleasedOtherFingerprint
         | State::ResolvedNotApplied => with_fingerprint(claim(key), [9; 32]),
         State::CompletedLastByte => with_fingerprint(claim(key), last_byte_differs()),
-        State::Lapsed(_, route) => request(key, LONG, LONG, route),
+        State::Lapsed(_, route) => claim_with(key, LONG, LONG, route),
         _ => claim(key),
     }
 }
@@ -932,7 +916,7 @@ async fn prepare_completion<S: IdempotencyStore>(
 ) -> Vec<FencingToken> {
     let lapsing = matches!(case, Case::TakenOver | Case::Lapsed);
     let lease = if lapsing { SHORT } else { LONG };
-    let token = acquired(store, &request(key, lease, LONG, LeaseExpiry::Reclaim)).await;
+    let token = acquired(store, &claim_with(key, lease, LONG, LeaseExpiry::Reclaim)).await;
     match case {
         Case::Again => store
             .complete(key, token, &answer(key), LONG)
@@ -1122,7 +1106,7 @@ async fn claims_beside_an_unreadable_row_are_not_claimed_twice() {
             _ => LeaseExpiry::Reconcile,
         };
         let key = ScopedKey::new("resent", format!("zero-{i}"));
-        reqs.push(request(&key, Duration::ZERO, LONG, route));
+        reqs.push(claim_with(&key, Duration::ZERO, LONG, route));
     }
     let together = claim_burst(&pair.batched, &reqs).await;
     assert_eq!(
@@ -1200,7 +1184,7 @@ async fn histories_at_the_cap_end_as_alone() {
             } else {
                 LeaseExpiry::Reclaim
             };
-            let token = acquired(store, &request(key, lease, LONG, route)).await;
+            let token = acquired(store, &claim_with(key, lease, LONG, route)).await;
             labels.add(token, format!("{j}:holder"));
             if *kind == "released" {
                 store.release(key, token).await.expect("release");
@@ -1226,7 +1210,7 @@ async fn histories_at_the_cap_end_as_alone() {
         .iter()
         .filter(|(_, kind, _, _)| *kind != "held")
         .map(|(key, kind, _, _)| match *kind {
-            "lapsed-reconcile" => request(key, LONG, LONG, LeaseExpiry::Reconcile),
+            "lapsed-reconcile" => claim_with(key, LONG, LONG, LeaseExpiry::Reconcile),
             _ => claim(key),
         })
         .collect();
@@ -1301,7 +1285,7 @@ async fn extreme_leases_and_ttls_answer_as_alone() {
                 continue;
             }
             let key = ScopedKey::new("extremes", format!("{i}-{j}"));
-            reqs.push(request(&key, *lease, *ttl, LeaseExpiry::Reclaim));
+            reqs.push(claim_with(&key, *lease, *ttl, LeaseExpiry::Reclaim));
         }
     }
     let together = claim_burst(&pair.batched, &reqs).await;

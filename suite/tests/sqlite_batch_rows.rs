@@ -6,7 +6,7 @@
 
 mod common;
 
-use common::batching::{LONG, answer, claim, unique};
+use common::batching::{LONG, acquired, answer, claim, claim_with, unique};
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -58,19 +58,6 @@ const STATES: [State; 10] = [
     State::Corrupt,
 ];
 
-fn request(key: &ScopedKey, lease: Duration, ttl: Duration, reconcile: bool) -> ClaimRequest {
-    ClaimRequest {
-        lease,
-        ttl,
-        on_lease_expiry: if reconcile {
-            LeaseExpiry::Reconcile
-        } else {
-            LeaseExpiry::Reclaim
-        },
-        ..claim(key)
-    }
-}
-
 /// A response over the 64 KiB a batch reads back in its row, naming its key.
 fn big(key: &ScopedKey) -> StoredResponse {
     let mut body = format!("big answer for {:?};", key.key()).into_bytes();
@@ -78,13 +65,6 @@ fn big(key: &ScopedKey) -> StoredResponse {
     StoredResponse {
         body: Some(Bytes::from(body)),
         ..answer(key)
-    }
-}
-
-async fn acquired<S: IdempotencyStore>(store: &S, req: &ClaimRequest) -> FencingToken {
-    match store.claim(req).await {
-        Ok(Claim::Acquired(lease)) => lease.token,
-        other => panic!("{:?}: expected Acquired, got {other:?}", req.key),
     }
 }
 
@@ -114,13 +94,13 @@ async fn prepare<S: IdempotencyStore>(store: &S, key: &ScopedKey, state: State) 
             store.release(key, token).await.expect("release");
         }
         State::Lapsed => {
-            acquired(store, &request(key, SHORT, LONG, false)).await;
+            acquired(store, &claim_with(key, SHORT, LONG, LeaseExpiry::Reclaim)).await;
         }
         State::LapsedReconcile => {
-            acquired(store, &request(key, SHORT, LONG, true)).await;
+            acquired(store, &claim_with(key, SHORT, LONG, LeaseExpiry::Reconcile)).await;
         }
         State::Expired => {
-            let token = acquired(store, &request(key, SHORT, SHORT, false)).await;
+            let token = acquired(store, &claim_with(key, SHORT, SHORT, LeaseExpiry::Reclaim)).await;
             store
                 .complete(key, token, &answer(key), SHORT)
                 .await
@@ -136,7 +116,7 @@ fn claim_for(key: &ScopedKey, state: State) -> ClaimRequest {
             fingerprint: Fingerprint::from_bytes([9; 32]),
             ..claim(key)
         },
-        State::LapsedReconcile => request(key, LONG, LONG, true),
+        State::LapsedReconcile => claim_with(key, LONG, LONG, LeaseExpiry::Reconcile),
         _ => claim(key),
     }
 }

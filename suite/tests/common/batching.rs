@@ -48,11 +48,31 @@ pub fn answer(key: &ScopedKey) -> StoredResponse {
     }
 }
 
+/// [`claim`] with its own lease, TTL and route's way with an expired lease.
+pub fn claim_with(
+    key: &ScopedKey,
+    lease: Duration,
+    ttl: Duration,
+    on_lease_expiry: LeaseExpiry,
+) -> ClaimRequest {
+    ClaimRequest {
+        lease,
+        ttl,
+        on_lease_expiry,
+        ..claim(key)
+    }
+}
+
 /// Claims a fresh `key`; its token.
 pub async fn acquire<S: IdempotencyStore>(store: &S, key: &ScopedKey) -> FencingToken {
-    match store.claim(&claim(key)).await {
+    acquired(store, &claim(key)).await
+}
+
+/// Makes `req`, which must win; the token it holds.
+pub async fn acquired<S: IdempotencyStore>(store: &S, req: &ClaimRequest) -> FencingToken {
+    match store.claim(req).await {
         Ok(Claim::Acquired(lease)) => lease.token,
-        other => panic!("{key:?}: expected Acquired, got {other:?}"),
+        other => panic!("{:?}: expected Acquired, got {other:?}", req.key),
     }
 }
 
