@@ -15,8 +15,8 @@ use bytes::Bytes;
 use tokio::sync::Barrier;
 use tower_idempotency::IdempotencyStore;
 use tower_idempotency::store::{
-    Batching, Claim, ClaimRequest, FencingToken, Fingerprint, LeaseExpiry, RecordStatus, ScopedKey,
-    SqliteStore, StoreError, StoredResponse,
+    Batching, Claim, ClaimRequest, FencingToken, Fingerprint, HistoryEvent, LeaseExpiry,
+    RecordStatus, ScopedKey, SqliteStore, StoreError, StoredResponse,
 };
 
 /// How long the short leases and TTLs here last, and how long to wait for them to run out.
@@ -361,4 +361,147 @@ async fn s4_sqlite_a_batch_goes_in_few_statements() {
 
 fn count(table: &str) -> usize {
     common::statements::count(table, "")
+}
+
+/// A batch that fails at its very last step, the commit, after its chunks' upserts and reads
+/// ran: nothing of it stays, and each of its operations goes alone, as if the batch had never
+/// been. A key whose own commit fails is answered unavailable and left as it was; every other
+/// key is claimed once (attempt 1, one `claimed` in its history) and completed once, with its
+/// own answer. The commit is made to fail by SQLite itself: triggers that, for some keys,
+/// break a deferred foreign key, which SQLite checks only when the transaction commits.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s4_sqlite_a_batch_whose_commit_fails_leaves_nothing_and_goes_alone() {
+    let table = format!("doomed_{}", unique("commit")).replace('-', "_");
+    let store = sqlite(&table)
+        .await
+        .with_table(&table)
+        .expect("a table name");
+    store.migrate().await.expect("migrate");
+    for statement in [
+        "CREATE TABLE doom_parent (id INTEGER PRIMARY KEY)".to_owned(),
+        "CREATE TABLE doom_child (parent INTEGER REFERENCES doom_parent (id)
+           DEFERRABLE INITIALLY DEFERRED)"
+            .to_owned(),
+        format!(
+            "CREATE TRIGGER doom_claim AFTER INSERT ON \"{table}\"
+               WHEN CAST(NEW.key AS TEXT) LIKE 'doomed-claim%'
+             BEGIN INSERT INTO doom_child VALUES (1); END"
+        ),
+        format!(
+            "CREATE TRIGGER doom_complete AFTER UPDATE OF status ON \"{table}\"
+               WHEN NEW.status = 'completed' AND CAST(NEW.key AS TEXT) LIKE 'doomed-complete%'
+             BEGIN INSERT INTO doom_child VALUES (1); END"
+        ),
+    ] {
+        sqlx::query(sqlx::AssertSqlSafe(statement))
+            .execute(store.pool())
+            .await
+            .expect("set up the doom");
+    }
+    let store = Arc::new(store.with_batching(Batching::default()));
+    common::statements::watch(&table);
+    let key = |name: String| ScopedKey::new("doom", name);
+    // Not vacuous: a doomed key fails alone, at its commit.
+    let alone = store.claim(&claim(&key("doomed-claim-alone".into()))).await;
+    assert!(
+        matches!(alone, Err(StoreError::Unavailable(_))),
+        "the trigger fails a doomed claim's commit: {alone:?}"
+    );
+
+    // Claims: 36 that commit alone, 4 whose commit fails, 4 whose completion will.
+    let keys: Vec<ScopedKey> = (0..44)
+        .map(|i| match i % 11 {
+            3 => key(format!("doomed-claim-{i}")),
+            7 => key(format!("doomed-complete-{i}")),
+            _ => key(format!("fine-{i}")),
+        })
+        .collect();
+    let claims_before = common::statements::count(&table, "json_group_array");
+    let barrier = Arc::new(Barrier::new(keys.len()));
+    let tasks: Vec<_> = keys
+        .iter()
+        .map(|key| {
+            let (store, barrier, req) = (store.clone(), barrier.clone(), claim(key));
+            tokio::spawn(async move {
+                barrier.wait().await;
+                store.claim(&req).await
+            })
+        })
+        .collect();
+    let mut held = Vec::new();
+    for (key, task) in keys.iter().zip(tasks) {
+        let claimed = task.await.expect("claim task");
+        if key.key().starts_with("doomed-claim") {
+            assert!(
+                matches!(claimed, Err(StoreError::Unavailable(_))),
+                "{key:?}: its commit fails, alone too: {claimed:?}"
+            );
+            assert!(
+                store.lookup(key).await.expect("lookup").is_none(),
+                "{key:?}: nothing of the failed commit stays"
+            );
+            continue;
+        }
+        match claimed {
+            Ok(Claim::Acquired(lease)) => {
+                assert_eq!(lease.attempt, 1, "{key:?}: claimed once");
+                held.push((key.clone(), lease.token));
+            }
+            other => panic!("{key:?}: expected Acquired, got {other:?}"),
+        }
+    }
+    assert!(
+        common::statements::count(&table, "json_group_array") > claims_before,
+        "the claims went in a batch whose chunk ran before its commit failed"
+    );
+
+    // Completions: those of the doomed-complete keys fail their batch's commit.
+    let completes_before = common::statements::count(&table, "v.column4");
+    let barrier = Arc::new(Barrier::new(held.len()));
+    let tasks: Vec<_> = held
+        .iter()
+        .map(|(key, token)| {
+            let (store, barrier, key, token) =
+                (store.clone(), barrier.clone(), key.clone(), *token);
+            tokio::spawn(async move {
+                barrier.wait().await;
+                store.complete(&key, token, &answer(&key), LONG).await
+            })
+        })
+        .collect();
+    for ((key, _), task) in held.iter().zip(tasks) {
+        let completed = task.await.expect("complete task");
+        let record = store.lookup(key).await.expect("lookup").expect("record");
+        let claimed = record
+            .history
+            .iter()
+            .filter(|entry| entry.event == HistoryEvent::Claimed)
+            .count();
+        assert_eq!(claimed, 1, "{key:?}: one claim in its history");
+        assert_eq!(record.attempts, 1, "{key:?}");
+        if key.key().starts_with("doomed-complete") {
+            assert!(
+                matches!(completed, Err(StoreError::Unavailable(_))),
+                "{key:?}: its commit fails, alone too: {completed:?}"
+            );
+            assert_eq!(
+                record.status,
+                RecordStatus::InProgress,
+                "{key:?}: left as it was"
+            );
+            assert!(record.response.is_none(), "{key:?}");
+        } else {
+            assert!(completed.is_ok(), "{key:?}: {completed:?}");
+            assert_eq!(record.status, RecordStatus::Completed, "{key:?}");
+            assert_eq!(
+                record.response.map(|r| r.body),
+                Some(answer(key).body),
+                "{key:?}: its own answer, once"
+            );
+        }
+    }
+    assert!(
+        common::statements::count(&table, "v.column4") > completes_before,
+        "the completions went in a batch whose chunk ran before its commit failed"
+    );
 }
