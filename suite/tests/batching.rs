@@ -5,7 +5,7 @@
 
 mod common;
 
-use common::batching::{LONG, answer, claim, through_proxy, unique};
+use common::batching::{LONG, answer, claim, claim_together, through_proxy, unique};
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -19,26 +19,11 @@ use tower_idempotency::store::{Batching, Claim, RecordStatus, ScopedKey, SqliteS
 use tower_idempotency::{IdempotencyLayer, IdempotencyStore};
 
 /// `n` concurrent claims of fresh keys, released together by a barrier.
-async fn claim_all<S: IdempotencyStore>(
+async fn claim_all<S: IdempotencyStore + 'static>(
     store: &Arc<S>,
     keys: &[ScopedKey],
 ) -> Vec<Result<Claim, StoreError>> {
-    let barrier = Arc::new(Barrier::new(keys.len()));
-    let tasks: Vec<_> = keys
-        .iter()
-        .map(|key| {
-            let (store, barrier, req) = (store.clone(), barrier.clone(), claim(key));
-            tokio::spawn(async move {
-                barrier.wait().await;
-                store.claim(&req).await
-            })
-        })
-        .collect();
-    let mut out = Vec::new();
-    for task in tasks {
-        out.push(task.await.expect("claim task"));
-    }
-    out
+    claim_together(store, keys.iter().map(claim).collect()).await
 }
 
 /// Issue 23 §4: 64 concurrent claims and then 64 completions of fresh keys go to PostgreSQL in

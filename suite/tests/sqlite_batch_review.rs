@@ -13,7 +13,7 @@
 
 mod common;
 
-use common::batching::{LONG, acquired, answer, claim, claim_with, unique};
+use common::batching::{LONG, acquired, answer, claim, claim_with, recorded, unique};
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -404,19 +404,11 @@ async fn prepare<S: IdempotencyStore>(
     match state {
         State::Fresh => vec![],
         State::Completed | State::CompletedOtherFingerprint | State::CompletedLastByte => {
-            let token = acquired(store, &claim(key)).await;
-            store
-                .complete(key, token, &answer(key), LONG)
-                .await
-                .expect("complete");
+            let token = recorded(store, &claim(key), &answer(key), LONG).await;
             vec![token]
         }
         State::CompletedTwice => {
-            let token = acquired(store, &claim(key)).await;
-            store
-                .complete(key, token, &answer(key), LONG)
-                .await
-                .expect("complete");
+            let token = recorded(store, &claim(key), &answer(key), LONG).await;
             let again = sized(key, 300);
             store
                 .complete(key, token, &again, LONG)
@@ -459,11 +451,13 @@ async fn prepare<S: IdempotencyStore>(
             vec![token]
         }
         State::Expired => {
-            let token = acquired(store, &claim_with(key, SHORT, SHORT, LeaseExpiry::Reclaim)).await;
-            store
-                .complete(key, token, &answer(key), SHORT)
-                .await
-                .expect("complete");
+            let token = recorded(
+                store,
+                &claim_with(key, SHORT, SHORT, LeaseExpiry::Reclaim),
+                &answer(key),
+                SHORT,
+            )
+            .await;
             vec![token]
         }
         State::ExpiredInProgress => {

@@ -6,7 +6,9 @@
 
 mod common;
 
-use common::batching::{LONG, acquired, answer, claim, claim_with, unique};
+use common::batching::{
+    LONG, acquired, answer, claim, claim_together, claim_with, complete_together, recorded, unique,
+};
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -73,18 +75,10 @@ async fn prepare<S: IdempotencyStore>(store: &S, key: &ScopedKey, state: State) 
     match state {
         State::Fresh => {}
         State::Completed | State::CompletedOtherFingerprint => {
-            let token = acquired(store, &claim(key)).await;
-            store
-                .complete(key, token, &answer(key), LONG)
-                .await
-                .expect("complete");
+            recorded(store, &claim(key), &answer(key), LONG).await;
         }
         State::CompletedBig => {
-            let token = acquired(store, &claim(key)).await;
-            store
-                .complete(key, token, &big(key), LONG)
-                .await
-                .expect("complete");
+            recorded(store, &claim(key), &big(key), LONG).await;
         }
         State::InProgress | State::Corrupt => {
             acquired(store, &claim(key)).await;
@@ -100,11 +94,13 @@ async fn prepare<S: IdempotencyStore>(store: &S, key: &ScopedKey, state: State) 
             acquired(store, &claim_with(key, SHORT, LONG, LeaseExpiry::Reconcile)).await;
         }
         State::Expired => {
-            let token = acquired(store, &claim_with(key, SHORT, SHORT, LeaseExpiry::Reclaim)).await;
-            store
-                .complete(key, token, &answer(key), SHORT)
-                .await
-                .expect("complete");
+            recorded(
+                store,
+                &claim_with(key, SHORT, SHORT, LeaseExpiry::Reclaim),
+                &answer(key),
+                SHORT,
+            )
+            .await;
         }
     }
 }
@@ -204,22 +200,13 @@ async fn s4_sqlite_a_batch_answers_each_claim_as_alone() {
         }
         tokio::time::sleep(PAST_SHORT).await;
 
-        let barrier = Arc::new(Barrier::new(keys.len()));
-        let tasks: Vec<_> = keys
+        let reqs = keys.iter().map(|(key, state)| claim_for(key, *state));
+        let claimed = claim_together(&batched, reqs.collect()).await;
+        let together: Vec<String> = keys
             .iter()
-            .map(|(key, state)| {
-                let (store, barrier, req) =
-                    (batched.clone(), barrier.clone(), claim_for(key, *state));
-                tokio::spawn(async move {
-                    barrier.wait().await;
-                    store.claim(&req).await
-                })
-            })
+            .zip(claimed)
+            .map(|((key, state), claimed)| shape(key, *state, claimed))
             .collect();
-        let mut together = Vec::new();
-        for ((key, state), task) in keys.iter().zip(tasks) {
-            together.push(shape(key, *state, task.await.expect("claim task")));
-        }
         for ((key, state), got) in keys.iter().zip(&together) {
             let expected = shape(key, *state, alone.claim(&claim_for(key, *state)).await);
             assert_eq!(
@@ -256,24 +243,19 @@ async fn s4_sqlite_completions_sent_together_are_fenced_one_by_one() {
     }
     // Every third completion carries a token that is not the holder's.
     let stale = |i: usize| i % 3 == 1;
-    let barrier = Arc::new(Barrier::new(held.len()));
-    let tasks: Vec<_> = held
+    let sent: Vec<(ScopedKey, FencingToken)> = held
         .iter()
         .enumerate()
-        .map(|(i, (key, token))| {
-            let token = match stale(i) {
-                true => FencingToken::new(token.get() ^ 1),
-                false => *token,
-            };
-            let (store, barrier, key) = (store.clone(), barrier.clone(), key.clone());
-            tokio::spawn(async move {
-                barrier.wait().await;
-                store.complete(&key, token, &answer(&key), LONG).await
-            })
+        .map(|(i, (key, token))| match stale(i) {
+            true => (key.clone(), FencingToken::new(token.get() ^ 1)),
+            false => (key.clone(), *token),
         })
         .collect();
-    for (i, task) in tasks.into_iter().enumerate() {
-        let completed = task.await.expect("complete task");
+    for (i, completed) in complete_together(&store, &sent)
+        .await
+        .into_iter()
+        .enumerate()
+    {
         match stale(i) {
             true => assert!(
                 matches!(completed, Err(StoreError::Fenced)),
@@ -417,20 +399,9 @@ async fn s4_sqlite_a_batch_whose_commit_fails_leaves_nothing_and_goes_alone() {
         })
         .collect();
     let claims_before = common::statements::count(&table, "json_group_array");
-    let barrier = Arc::new(Barrier::new(keys.len()));
-    let tasks: Vec<_> = keys
-        .iter()
-        .map(|key| {
-            let (store, barrier, req) = (store.clone(), barrier.clone(), claim(key));
-            tokio::spawn(async move {
-                barrier.wait().await;
-                store.claim(&req).await
-            })
-        })
-        .collect();
+    let claimed = claim_together(&store, keys.iter().map(claim).collect()).await;
     let mut held = Vec::new();
-    for (key, task) in keys.iter().zip(tasks) {
-        let claimed = task.await.expect("claim task");
+    for (key, claimed) in keys.iter().zip(claimed) {
         if key.key().starts_with("doomed-claim") {
             assert!(
                 matches!(claimed, Err(StoreError::Unavailable(_))),
@@ -457,20 +428,8 @@ async fn s4_sqlite_a_batch_whose_commit_fails_leaves_nothing_and_goes_alone() {
 
     // Completions: those of the doomed-complete keys fail their batch's commit.
     let completes_before = common::statements::count(&table, "v.column4");
-    let barrier = Arc::new(Barrier::new(held.len()));
-    let tasks: Vec<_> = held
-        .iter()
-        .map(|(key, token)| {
-            let (store, barrier, key, token) =
-                (store.clone(), barrier.clone(), key.clone(), *token);
-            tokio::spawn(async move {
-                barrier.wait().await;
-                store.complete(&key, token, &answer(&key), LONG).await
-            })
-        })
-        .collect();
-    for ((key, _), task) in held.iter().zip(tasks) {
-        let completed = task.await.expect("complete task");
+    let completed = complete_together(&store, &held).await;
+    for ((key, _), completed) in held.iter().zip(completed) {
         let record = store.lookup(key).await.expect("lookup").expect("record");
         let claimed = record
             .history

@@ -68,6 +68,21 @@ pub async fn acquire<S: IdempotencyStore>(store: &S, key: &ScopedKey) -> Fencing
     acquired(store, &claim(key)).await
 }
 
+/// Makes `req`, which must win, and completes it with `response` kept for `ttl`: the token.
+pub async fn recorded<S: IdempotencyStore>(
+    store: &S,
+    req: &ClaimRequest,
+    response: &StoredResponse,
+    ttl: Duration,
+) -> FencingToken {
+    let token = acquired(store, req).await;
+    store
+        .complete(&req.key, token, response, ttl)
+        .await
+        .expect("complete");
+    token
+}
+
 /// Makes `req`, which must win; the token it holds.
 pub async fn acquired<S: IdempotencyStore>(store: &S, req: &ClaimRequest) -> FencingToken {
     match store.claim(req).await {
@@ -113,4 +128,53 @@ pub async fn within<T>(guard: Duration, task: tokio::task::JoinHandle<T>) -> T {
         .await
         .expect("hang guard")
         .expect("task")
+}
+
+/// Each of `reqs` claimed at once (the tasks released together by a barrier): their answers,
+/// in order.
+pub async fn claim_together<S: IdempotencyStore + 'static>(
+    store: &std::sync::Arc<S>,
+    reqs: Vec<ClaimRequest>,
+) -> Vec<Result<Claim, StoreError>> {
+    let barrier = std::sync::Arc::new(tokio::sync::Barrier::new(reqs.len()));
+    let tasks: Vec<_> = reqs
+        .into_iter()
+        .map(|req| {
+            let (store, barrier) = (store.clone(), barrier.clone());
+            tokio::spawn(async move {
+                barrier.wait().await;
+                store.claim(&req).await
+            })
+        })
+        .collect();
+    let mut out = Vec::new();
+    for task in tasks {
+        out.push(task.await.expect("claim task"));
+    }
+    out
+}
+
+/// Each key completed at once with its token and its own [`answer`] (the tasks released
+/// together by a barrier): their answers, in order.
+pub async fn complete_together<S: IdempotencyStore + 'static>(
+    store: &std::sync::Arc<S>,
+    work: &[(ScopedKey, FencingToken)],
+) -> Vec<Result<(), StoreError>> {
+    let barrier = std::sync::Arc::new(tokio::sync::Barrier::new(work.len()));
+    let tasks: Vec<_> = work
+        .iter()
+        .map(|(key, token)| {
+            let (store, barrier, key, token) =
+                (store.clone(), barrier.clone(), key.clone(), *token);
+            tokio::spawn(async move {
+                barrier.wait().await;
+                store.complete(&key, token, &answer(&key), LONG).await
+            })
+        })
+        .collect();
+    let mut out = Vec::new();
+    for task in tasks {
+        out.push(task.await.expect("complete task"));
+    }
+    out
 }
