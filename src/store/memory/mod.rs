@@ -296,6 +296,31 @@ impl MemoryStore {
         (0..SHARDS).map(|i| self.purge_shard(i, now)).sum()
     }
 
+    /// Takes what expired since the tick under way began: a sweep by whole ticks leaves it
+    /// (records are due at their expiry's tick, rounded up), and a full store needs the room.
+    /// One hold of each shard's lock for the tick's records; those not expired keep their
+    /// entries.
+    fn sweep_tick_under_way(&self, now: u64) {
+        let base = self.inner.base;
+        let Some(under_way) = tick(now, base).filter(|&t| t > now_tick(now, base)) else {
+            return;
+        };
+        let (mut popped, mut freed) = (Vec::new(), Vec::new());
+        for shard in &self.inner.shards {
+            {
+                let mut shard = lock(shard);
+                popped.clear();
+                shard.pop_due(under_way, usize::MAX, &mut popped);
+                for &(at, i) in &popped {
+                    if !self.take_if_expired(&mut shard, i, now, &mut freed) && shard.live(at, i) {
+                        shard.requeue(i, at);
+                    }
+                }
+            }
+            self.forget(&mut freed);
+        }
+    }
+
     /// Purges one shard of what expired by `now`: its records in progress (few: as many as
     /// requests in flight), then its due records, [`SLICE`] per hold of the lock, freed after
     /// letting go of it; then gives back memory the shard no longer needs.
@@ -577,7 +602,11 @@ impl MemoryStore {
             // all, one lock at a time (never two at once), then claim afresh. Full only when
             // live records fill the store.
             Err(StoreError::Full) => {
-                self.sweep_all(self.now());
+                let now = self.now();
+                self.sweep_all(now);
+                if self.full() {
+                    self.sweep_tick_under_way(now);
+                }
                 self.claim_locked(req)
             }
             other => other,

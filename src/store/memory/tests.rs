@@ -366,3 +366,64 @@ async fn s5_a_purge_takes_exactly_the_expired_among_many() {
         assert_eq!(shard.held(), (0, 0, 0, 0), "an empty shard keeps nothing");
     }
 }
+
+/// DESIGN §5 (a full store): a claim of a new key is refused only when live records fill the
+/// store. The due index dates records by whole ticks, rounded up, so a sweep by ticks leaves
+/// those that expired since the tick under way began: they make room as well, at every point
+/// of a tick, while a record one millisecond from its expiry is kept.
+#[tokio::test]
+async fn s5_a_full_store_makes_room_of_records_expired_within_the_tick() {
+    for ttl_ms in 1..=3 * shard::TICK_MS {
+        let offset = Arc::new(AtomicU64::new(0));
+        let clock = offset.clone();
+        let start = SystemTime::UNIX_EPOCH + Duration::from_secs(1_800_000_000);
+        let store = MemoryStore::with_clock(move || {
+            start + Duration::from_millis(clock.load(Ordering::SeqCst))
+        })
+        .max_records(2);
+        let claim = |name: &str, ttl_ms: u64| ClaimRequest {
+            key: ScopedKey::new("t", name),
+            fingerprint: Fingerprint::from_bytes([1; 32]),
+            lease: Duration::from_millis(1),
+            ttl: Duration::from_millis(ttl_ms),
+            on_lease_expiry: LeaseExpiry::Reclaim,
+        };
+        for (name, ttl) in [("expires", ttl_ms), ("stays", ttl_ms + 1)] {
+            let request = claim(name, ttl);
+            let Ok(Claim::Acquired(lease)) = store.claim(&request).await else {
+                panic!("claim {name}");
+            };
+            store
+                .complete(&request.key, lease.token, &response(), request.ttl)
+                .await
+                .expect("complete");
+        }
+        offset.store(ttl_ms, Ordering::SeqCst);
+        assert!(
+            matches!(
+                store.claim(&claim("new", 60_000)).await,
+                Ok(Claim::Acquired(_))
+            ),
+            "ttl {ttl_ms} ms: the expired record makes room"
+        );
+        assert!(
+            matches!(
+                store.claim(&claim("stays", 60_000)).await,
+                Ok(Claim::Completed { .. })
+            ),
+            "ttl {ttl_ms} ms: the record still live is kept"
+        );
+        assert!(
+            matches!(
+                store.claim(&claim("another", 60_000)).await,
+                Err(StoreError::Full)
+            ),
+            "ttl {ttl_ms} ms: live records fill the store"
+        );
+        assert_eq!(store.len(), 2);
+        // The kept record's due entry still finds it once it expires.
+        offset.store(ttl_ms + 1 + shard::TICK_MS, Ordering::SeqCst);
+        store.purge_expired().await.expect("purge");
+        assert_eq!(store.len(), 1, "ttl {ttl_ms} ms: only the new key is left");
+    }
+}
