@@ -110,6 +110,8 @@ struct Statements {
     settle: Arc<str>,
     release: Arc<str>,
     lookup: Arc<str>,
+    /// The record of `$1`/`$2` if a claim with fingerprint `$3` would leave it as it is.
+    unchanged: Arc<str>,
     remove: Arc<str>,
     purge: Arc<str>,
     effect_started: Arc<str>,
@@ -135,9 +137,10 @@ const EXPIRED: &str = "(r.expires_at <= now() AND (r.status IN ('completed', 're
 
 /// How long a claim, a renewal or a refusal note waits for a record locked by another
 /// transaction (a handler recording its milestone in its own transaction) before giving up: a
-/// claim then answers "in flight", and none queues behind a long transaction holding a pooled
-/// connection. A one-row subquery sets the lock wait before any row is locked (the row comes
-/// from a join with it); `set_config(.., true)` lasts the statement's own transaction, so it is
+/// claim then answers from what is committed if it would change nothing there, and "in
+/// flight" otherwise; none queues behind a long transaction holding a pooled connection. A
+/// one-row subquery sets the lock wait before any row is locked (the row comes from a join
+/// with it); `set_config(.., true)` lasts the statement's own transaction, so it is
 /// only in statements that never run inside a caller's transaction.
 const BOUNDED: &str = "(SELECT set_config('lock_timeout', '100ms', true) AS wait) AS bounded";
 
@@ -203,6 +206,16 @@ impl Statements {
              AND NOT r.effect_started)))"
         );
         let fresh_or_takeover = format!("({EXPIRED} OR {takeover})");
+        // Whether a claim with `fingerprint` changes the record `r`: it has expired, or it is
+        // the same request's and released or past its lease (taken over, or sent to
+        // reconciliation).
+        let changes = |r: &str, fingerprint: &str| {
+            format!(
+                "({} OR ({r}.fingerprint = {fingerprint} AND ({r}.status = 'released' \
+                 OR ({r}.status = 'in_progress' AND {r}.lease_until <= now()))))",
+                EXPIRED.replace("r.", &format!("{r}."))
+            )
+        };
         let cols_r = cols("r");
         // The upsert, for the values `v` (scope, key, fingerprint, token, lease ms, reclaim,
         // TTL ms) selected `from` a source, in an `order` that locks rows in one order.
@@ -218,7 +231,10 @@ impl Statements {
                    now() + make_interval(secs => GREATEST({lease}, {ttl})::float8 / 1000), {claimed_first},
                    NOT {reclaim}
                FROM {from}{BOUNDED}
-               WHERE bounded.wait IS NOT NULL {order}
+               WHERE bounded.wait IS NOT NULL
+                 AND NOT EXISTS (SELECT 1 FROM {t} held WHERE held.scope = {scope} AND held.key = {key}
+                                   AND NOT {held_changes})
+               {order}
                ON CONFLICT (scope, key) DO UPDATE SET
                  fingerprint = CASE WHEN {EXPIRED} THEN excluded.fingerprint ELSE r.fingerprint END,
                  status = CASE WHEN {fresh_or_takeover} THEN 'in_progress' ELSE 'needs_reconciliation' END,
@@ -238,8 +254,13 @@ impl Statements {
                  history = CASE WHEN {EXPIRED} THEN excluded.history
                                 WHEN {takeover} THEN {claimed_again}
                                 ELSE {lease_expired} END
-               WHERE {EXPIRED} OR ({same} AND (r.status = 'released' OR ({lease_over})))
+               WHERE {changes}
                RETURNING {cols_r}",
+                // A record the claim would leave as it is (live, or another request's) is
+                // answered from the read, without the conflict's row lock: replays and waiting
+                // duplicates neither queue on the row nor write its tuple.
+                held_changes = changes("held", fingerprint),
+                changes = changes("r", "excluded.fingerprint"),
                 claimed_first = entry("1", token, "'claimed'"),
                 claimed_again = sql::appended(
                     "r.history",
@@ -376,6 +397,11 @@ impl Statements {
                 cols("r")
             )
             .into(),
+            unchanged: format!(
+                "SELECT {cols_r} FROM {t} r WHERE r.scope = $1 AND r.key = $2 AND NOT {}",
+                changes("r", "$3")
+            )
+            .into(),
             remove: format!("DELETE FROM {t} WHERE scope = $1 AND key = $2").into(),
             purge: format!("DELETE FROM {t} r WHERE {EXPIRED}").into(),
             effect_started: format!(
@@ -460,8 +486,10 @@ impl PostgresStore {
     ///
     /// Its connections wait at most 5 s for a lock and run a statement for at most 30 s
     /// (`lock_timeout`, `statement_timeout`), so a stuck transaction elsewhere cannot hold the
-    /// store's connections without bound; a claim waits at most 100 ms for a locked record and
-    /// then answers "in flight". A pool you pass to [`new`](Self::new) keeps its own settings;
+    /// store's connections without bound. A claim that would leave its record as it is (a
+    /// replay, a duplicate in flight) reads it without waiting for its lock; one that would
+    /// change it waits at most 100 ms for a locked record and then answers from what is
+    /// committed, or "in flight". A pool you pass to [`new`](Self::new) keeps its own settings;
     /// claims are bounded on it all the same.
     pub async fn connect(url: &str) -> Result<Self, sqlx::Error> {
         let options = url.parse::<PgConnectOptions>()?.options(SESSION_LIMITS);
@@ -903,6 +931,33 @@ impl PostgresStore {
         Ok(outcomes)
     }
 
+    /// A claim whose statement failed with `error`. One that gave up waiting for the row's
+    /// lock (queued behind a crowd of duplicates, or a handler's transaction) reads what is
+    /// committed: if the claim would leave that record as it is, the read answers it (no lock
+    /// needed); otherwise the key is in flight.
+    async fn claim_gave_up(
+        &self,
+        req: &ClaimRequest,
+        token: FencingToken,
+        error: sqlx::Error,
+    ) -> Result<Claim, StoreError> {
+        if !lock_not_available(&error) {
+            return Err(unavailable(error));
+        }
+        let row = sqlx::query(AssertSqlSafe(self.sql.unchanged.clone()))
+            .bind(req.key.scope().as_bytes())
+            .bind(req.key.key().as_bytes())
+            .bind(req.fingerprint.as_bytes().as_slice())
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(unavailable)?;
+        let Some(row) = row else {
+            return Err(StoreError::Busy);
+        };
+        let (raw, now) = raw(&row).map_err(unavailable)?;
+        Ok(sql::claim_outcome(raw.into_record()?, now, token))
+    }
+
     async fn claim_one(
         &self,
         req: &ClaimRequest,
@@ -911,7 +966,7 @@ impl PostgresStore {
         // A second attempt only when a concurrent claim committed between our snapshot and
         // our conflict check; a third would mean the row vanished twice in between.
         for _ in 0..3 {
-            let row = sqlx::query(AssertSqlSafe(self.sql.claim.clone()))
+            let row = match sqlx::query(AssertSqlSafe(self.sql.claim.clone()))
                 .bind(req.key.scope().as_bytes())
                 .bind(req.key.key().as_bytes())
                 .bind(req.fingerprint.as_bytes().as_slice())
@@ -921,7 +976,10 @@ impl PostgresStore {
                 .bind(millis(req.ttl))
                 .fetch_optional(&self.pool)
                 .await
-                .map_err(claim_failed)?;
+            {
+                Ok(row) => row,
+                Err(error) => return self.claim_gave_up(req, token, error).await,
+            };
             let Some(row) = row else { continue };
             let (raw, now) = raw(&row).map_err(unavailable)?;
             return Ok(sql::claim_outcome(raw.into_record()?, now, token));
@@ -932,17 +990,12 @@ impl PostgresStore {
     }
 }
 
-/// A claim that gave up waiting for a locked record is in flight, not failed.
-fn claim_failed(error: sqlx::Error) -> StoreError {
-    let lock_not_available = error
+/// Whether a statement gave up waiting for a lock (`lock_timeout`).
+fn lock_not_available(error: &sqlx::Error) -> bool {
+    error
         .as_database_error()
         .and_then(|e| e.code())
-        .is_some_and(|code| code == "55P03");
-    if lock_not_available {
-        StoreError::Busy
-    } else {
-        unavailable(error)
-    }
+        .is_some_and(|code| code == "55P03")
 }
 
 /// How often a quiet `LISTEN` is checked: that its store still lives, and that its

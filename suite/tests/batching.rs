@@ -123,7 +123,9 @@ async fn s4_concurrent_operations_go_in_few_statements_counted_on_the_wire() {
 
 /// Issue 23 §4: a record held in another transaction fails only its own claim: the batch gives
 /// up after its bounded lock wait, its claims go again one by one, the held key answers
-/// `Busy` (in flight) and every other key is acquired once.
+/// `Busy` (in flight) and every other key is acquired once. The held record is released, so
+/// its claim would take it over and must wait for the lock (a claim that changes nothing
+/// reads the record without it).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn s4_a_row_held_elsewhere_fails_only_its_own_claim() {
     // A table of its own: another test's `migrate()` (DDL) would queue behind the held row's
@@ -134,9 +136,10 @@ async fn s4_a_row_held_elsewhere_fails_only_its_own_claim() {
     let store = Arc::new(store.with_batching(Batching::default().in_flight(1)));
     let run = unique("held");
     let held = ScopedKey::new(run.clone(), "held");
-    let Ok(Claim::Acquired(_)) = store.claim(&claim(&held)).await else {
+    let Ok(Claim::Acquired(lease)) = store.claim(&claim(&held)).await else {
         panic!("claim the held key")
     };
+    store.release(&held, lease.token).await.expect("release");
     // Another transaction holds the record's row, as a handler's own transaction does.
     let mut tx = store.pool().begin().await.expect("begin");
     sqlx::query(
@@ -222,12 +225,13 @@ async fn s4_postgres_a_caller_who_leaves_gets_its_claim_given_back() {
     };
     let pool = store.pool().clone();
     let hold = |first: ScopedKey| async move {
-        // The first key's row, held by another transaction: its claim waits (at most 100 ms,
-        // then answers in flight), in the one batch slot.
+        // The first key's row, expired and held by another transaction: its claim (which
+        // would start it afresh) waits for the lock (at most 100 ms, then answers in flight),
+        // in the one batch slot.
         sqlx::query(
             "INSERT INTO tower_idempotency_batching_leaves (scope, key, fingerprint, status, \
              lease_token, lease_until, attempts, created_at, updated_at, expires_at) \
-             VALUES ($1, $2, $3, 'completed', 1, now(), 1, now(), now(), now() + interval '1 hour')",
+             VALUES ($1, $2, $3, 'completed', 1, now(), 1, now(), now(), now() - interval '1 hour')",
         )
         .bind(first.scope().as_bytes())
         .bind(first.key().as_bytes())

@@ -599,7 +599,10 @@ async fn s4_held_pg_inline_caller_cancelled_while_others_queue() {
     let store = Arc::new(store.with_batching(Batching::default().in_flight(1)));
     let run = unique("cancel");
     let first = ScopedKey::new(run.clone(), "first");
-    acquire(&*store, &first).await;
+    // Released, so the inline claim would take it over: it waits for the row's lock (a claim
+    // that changes nothing reads the record without it).
+    let token = acquire(&*store, &first).await;
+    store.release(&first, token).await.expect("release");
     let mut tx = pool.begin().await.expect("begin");
     sqlx::query(sqlx::AssertSqlSafe(format!(
         "SELECT 1 FROM {table} WHERE scope = $1 AND key = $2 FOR UPDATE"
@@ -813,7 +816,9 @@ async fn s4_fault_pg_a_claim_batch_whose_answer_is_lost_answers_in_flight_for_it
     let run = unique("lost");
     // The gate: a claim alone in the one slot, waiting (100 ms) for a row held elsewhere.
     let gate = ScopedKey::new(run.clone(), "gate");
-    acquire(&direct, &gate).await;
+    // Released, so the gate's claim would take it over and waits for the lock.
+    let token = acquire(&direct, &gate).await;
+    direct.release(&gate, token).await.expect("release");
     let mut tx = direct.pool().begin().await.expect("begin");
     sqlx::query(sqlx::AssertSqlSafe(format!(
         "SELECT 1 FROM {table} WHERE scope = $1 AND key = $2 FOR UPDATE"

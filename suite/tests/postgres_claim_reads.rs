@@ -1,0 +1,397 @@
+//! DESIGN §5 on PostgreSQL: a claim that leaves its record as it is (a replay of a completed
+//! record, a duplicate of one in flight, another request's key) is answered from a read. It
+//! neither waits for the row's lock (a handler's own transaction, a completion, a crowd of
+//! duplicates claiming together) nor writes the row; a claim that changes the record (a
+//! released key taken over, an expired one claimed afresh) still takes the lock, and waits
+//! for it as long as before. Alone and batched alike.
+
+mod common;
+
+use common::batching::{LONG, acquire, answer, claim, claim_together, claim_with, unique};
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use sqlx::AssertSqlSafe;
+use tower_idempotency::IdempotencyStore;
+use tower_idempotency::store::{
+    Batching, Claim, ClaimRequest, FencingToken, Fingerprint, LeaseExpiry, PostgresStore,
+    RecordStatus, ScopedKey, StoreError,
+};
+
+const TABLE: &str = "tower_idempotency_claim_reads";
+
+/// The five kinds of record a claim meets, one key each, in a run of their own.
+struct Records {
+    /// Completed, replayed by the same request.
+    done: ScopedKey,
+    /// In progress under a live lease: a duplicate waits for it.
+    live: ScopedKey,
+    /// Completed by another request (another fingerprint claims it).
+    other: ScopedKey,
+    /// Released by its holder: the same request takes it over.
+    released: ScopedKey,
+    /// Completed and expired: a claim starts it afresh.
+    expired: ScopedKey,
+}
+
+impl Records {
+    /// Writes the five records through `store`.
+    async fn new(store: &PostgresStore, name: &str) -> Self {
+        let run = unique(name);
+        let key = |k: &str| ScopedKey::new(run.clone(), k);
+        let records = Records {
+            done: key("done"),
+            live: key("live"),
+            other: key("other"),
+            released: key("released"),
+            expired: key("expired"),
+        };
+        for k in [&records.done, &records.other, &records.expired] {
+            let token = acquire(store, k).await;
+            store
+                .complete(k, token, &answer(k), LONG)
+                .await
+                .expect("complete");
+        }
+        acquire(store, &records.live).await;
+        let token = acquire(store, &records.released).await;
+        store
+            .release(&records.released, token)
+            .await
+            .expect("release");
+        sqlx::query(AssertSqlSafe(format!(
+            "UPDATE {TABLE} SET expires_at = now() - interval '1 second' \
+             WHERE scope = $1 AND key = $2"
+        )))
+        .bind(records.expired.scope().as_bytes())
+        .bind(records.expired.key().as_bytes())
+        .execute(store.pool())
+        .await
+        .expect("expire a record");
+        records
+    }
+
+    /// The claims, in the order of [`Records::keys`]: `other` under another fingerprint.
+    fn claims(&self) -> Vec<ClaimRequest> {
+        let mut other = claim(&self.other);
+        other.fingerprint = Fingerprint::from_bytes([9; 32]);
+        vec![
+            claim(&self.done),
+            claim(&self.live),
+            other,
+            claim(&self.released),
+            claim(&self.expired),
+        ]
+    }
+
+    fn keys(&self) -> [&ScopedKey; 5] {
+        [
+            &self.done,
+            &self.live,
+            &self.other,
+            &self.released,
+            &self.expired,
+        ]
+    }
+}
+
+/// The row's physical version and its lock mark: a claim that locks or writes the row
+/// changes them.
+async fn version(store: &PostgresStore, key: &ScopedKey) -> (String, String) {
+    sqlx::query_as(AssertSqlSafe(format!(
+        "SELECT ctid::text, xmax::text FROM {TABLE} WHERE scope = $1 AND key = $2"
+    )))
+    .bind(key.scope().as_bytes())
+    .bind(key.key().as_bytes())
+    .fetch_one(store.pool())
+    .await
+    .expect("the row")
+}
+
+/// What the three claims that leave their records as they are answer.
+fn assert_read(records: &Records, answers: &[Result<Claim, StoreError>], tag: &str) {
+    match &answers[0] {
+        Ok(Claim::Completed { response, .. }) => {
+            assert_eq!(
+                response.body,
+                answer(&records.done).body,
+                "{tag}: its own bytes"
+            )
+        }
+        other => panic!("{tag}: a replay of a completed record, got {other:?}"),
+    }
+    match &answers[1] {
+        Ok(Claim::Existing { record, .. }) => {
+            assert_eq!(record.status, RecordStatus::InProgress, "{tag}");
+            assert_eq!(record.attempts, 1, "{tag}: not taken over");
+        }
+        other => panic!("{tag}: a duplicate of a live record is in flight, got {other:?}"),
+    }
+    match &answers[2] {
+        Ok(Claim::Completed { fingerprint, .. }) => assert_eq!(
+            *fingerprint,
+            Fingerprint::from_bytes([7; 32]),
+            "{tag}: the first request's fingerprint, for a 422"
+        ),
+        other => panic!("{tag}: another request's completed record, got {other:?}"),
+    }
+}
+
+/// Every claim of `records` while another transaction holds their rows, then the two that
+/// change their records once it lets go.
+async fn claims_against_held_rows<S: IdempotencyStore + 'static>(
+    store: Arc<S>,
+    plain: &PostgresStore,
+    records: &Records,
+    together: bool,
+    tag: &str,
+) {
+    let mut tx = plain.pool().begin().await.expect("begin");
+    for key in records.keys() {
+        sqlx::query(AssertSqlSafe(format!(
+            "SELECT 1 FROM {TABLE} WHERE scope = $1 AND key = $2 FOR UPDATE"
+        )))
+        .bind(key.scope().as_bytes())
+        .bind(key.key().as_bytes())
+        .execute(&mut *tx)
+        .await
+        .expect("hold the row");
+    }
+    let answers = if together {
+        claim_together(&store, records.claims()).await
+    } else {
+        let mut answers = Vec::new();
+        for req in records.claims() {
+            answers.push(store.claim(&req).await);
+        }
+        answers
+    };
+    tx.rollback().await.expect("let go");
+    assert_read(records, &answers, tag);
+    for (i, what) in [(3, "a released key"), (4, "an expired key")] {
+        assert!(
+            matches!(answers[i], Err(StoreError::Busy)),
+            "{tag}: {what} is changed under the row's lock, so it waits for it and answers \
+             in flight, got {:?}",
+            answers[i]
+        );
+    }
+    // Let go: the claims that change their records take them.
+    match store.claim(&claim(&records.released)).await {
+        Ok(Claim::Acquired(lease)) => assert_eq!(lease.attempt, 2, "{tag}: taken over"),
+        other => panic!("{tag}: the released key is taken over, got {other:?}"),
+    }
+    match store.claim(&claim(&records.expired)).await {
+        Ok(Claim::Acquired(lease)) => assert_eq!(lease.attempt, 1, "{tag}: afresh"),
+        other => panic!("{tag}: the expired key is claimed afresh, got {other:?}"),
+    }
+}
+
+/// A handler's transaction (or a completion, or a crowd of duplicates) holding the rows: the
+/// replay, the duplicate in flight and the other request's claim are answered at once from
+/// what is committed; the released and expired keys wait for the lock (bounded) and answer in
+/// flight. Alone, then batched.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s5_postgres_claims_that_change_nothing_do_not_wait_for_a_held_row() {
+    // A table of its own: another test's `migrate()` (DDL) would queue behind the held rows.
+    let Some(plain) = common::postgres(TABLE).await else {
+        return;
+    };
+    let records = Records::new(&plain, "held-alone").await;
+    claims_against_held_rows(Arc::new(plain.clone()), &plain, &records, false, "alone").await;
+
+    let records = Records::new(&plain, "held-batched").await;
+    let batched = Arc::new(plain.clone().with_batching(Batching::default()));
+    claims_against_held_rows(batched, &plain, &records, true, "batched").await;
+}
+
+/// A claim that leaves its record as it is writes nothing: the row keeps its version and
+/// takes no lock mark (a conflict's lock would set its `xmax`), however many duplicates claim
+/// it; a claim that takes a record over writes a new version.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s5_postgres_replays_and_duplicates_write_nothing() {
+    let Some(plain) = common::postgres(TABLE).await else {
+        return;
+    };
+    let plain = Arc::new(plain);
+    let batched = Arc::new((*plain).clone().with_batching(Batching::default()));
+    let records = Records::new(&plain, "unwritten").await;
+    let read_only = [&records.done, &records.live, &records.other];
+    let mut before = Vec::new();
+    for key in read_only {
+        before.push(version(&plain, key).await);
+    }
+    // Alone, then many at once through the batched store.
+    let claims = records.claims();
+    let mut answers = Vec::new();
+    for req in &claims[..3] {
+        answers.push(plain.claim(req).await);
+    }
+    assert_read(&records, &answers, "alone");
+    let crowd: Vec<ClaimRequest> = (0..30).flat_map(|_| claims[..3].to_vec()).collect();
+    let answers = claim_together(&batched, crowd).await;
+    for chunk in answers.chunks(3) {
+        assert_read(&records, chunk, "batched");
+    }
+    for (key, before) in read_only.into_iter().zip(before) {
+        assert_eq!(
+            version(&plain, key).await,
+            before,
+            "{key:?}: a claim that changes nothing neither writes nor locks the row"
+        );
+    }
+    // A lapsed lease on a reconciling route does change its record: it goes to
+    // reconciliation, written under the lock.
+    let lapsed = ScopedKey::new(unique("lapsed"), "k");
+    let short = claim_with(
+        &lapsed,
+        Duration::from_millis(1),
+        LONG,
+        LeaseExpiry::Reconcile,
+    );
+    acquire(&*plain, &lapsed).await;
+    sqlx::query(AssertSqlSafe(format!(
+        "UPDATE {TABLE} SET lease_until = now() - interval '1 second', \
+         reconcile_on_expiry = true WHERE scope = $1 AND key = $2"
+    )))
+    .bind(lapsed.scope().as_bytes())
+    .bind(lapsed.key().as_bytes())
+    .execute(plain.pool())
+    .await
+    .expect("lapse the lease");
+    let lapsed_before = version(&plain, &lapsed).await;
+    match plain.claim(&short).await {
+        Ok(Claim::Existing { record, .. }) => {
+            assert_eq!(record.status, RecordStatus::NeedsReconciliation)
+        }
+        other => panic!("a lapsed lease on a reconciling route, got {other:?}"),
+    }
+    assert_ne!(
+        version(&plain, &lapsed).await,
+        lapsed_before,
+        "written under the lock"
+    );
+    // A takeover writes its record.
+    let released_before = version(&plain, &records.released).await;
+    let Ok(Claim::Acquired(_)) = plain.claim(&claims[3]).await else {
+        panic!("the released key is taken over")
+    };
+    assert_ne!(version(&plain, &records.released).await, released_before);
+}
+
+/// What a claim that met the key taken over (by token 999) while it waited answers: the
+/// record under the new holder; or, when it got through the lock, the released record as its
+/// statement first saw it (`token` its holder's), which the layer reads as "another request
+/// just took it over". In flight either way.
+fn in_flight(record: &tower_idempotency::store::Record, token: FencingToken) -> bool {
+    (record.status == RecordStatus::InProgress && record.lease_token.get() == 999)
+        || (record.status == RecordStatus::Released && record.lease_token == token)
+}
+
+/// Claims queued behind other transactions on their row give up after their bounded wait, as
+/// before; if what is then committed is a record they would leave as it is, that answers them
+/// (a crowd of duplicates queued on one row is answered, not refused: the kit's race, DESIGN
+/// §5, at its worst). Here the row is released (a claim would take it over) and held by
+/// `first`; `second` queues for it, then the claims; `first` takes the key over for another
+/// holder and commits, `second` gets the lock and keeps it past the claims' wait: each claim
+/// answers the key in flight, never an error, and none takes it over. One claim and a crowd
+/// of 32, alone and batched.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s5_postgres_claims_that_give_up_waiting_answer_from_what_is_committed() {
+    let Some(plain) = common::postgres(TABLE).await else {
+        return;
+    };
+    // A connection for each claim, opened before they race: all of them queue on the row.
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(40)
+        .min_connections(36)
+        .connect(&common::postgres_url())
+        .await
+        .expect("a pool");
+    let mut open = Vec::new();
+    for _ in 0..36 {
+        open.push(pool.acquire().await.expect("a connection"));
+    }
+    drop(open);
+    let wide = PostgresStore::new(pool).with_table(TABLE).expect("table");
+    for (batched, n) in [(false, 1), (true, 1), (false, 32), (true, 32)] {
+        let tag = format!("batched {batched}, {n} claims");
+        let store = Arc::new(match batched {
+            false => wide.clone(),
+            true => wide.clone().with_batching(Batching::default()),
+        });
+        let key = ScopedKey::new(unique("queued"), "k");
+        let token = acquire(&*store, &key).await;
+        store.release(&key, token).await.expect("release");
+        let lock = format!("SELECT 1 FROM {TABLE} WHERE scope = $1 AND key = $2 FOR UPDATE");
+        let mut first = plain.pool().begin().await.expect("begin");
+        sqlx::query(AssertSqlSafe(lock.clone()))
+            .bind(key.scope().as_bytes())
+            .bind(key.key().as_bytes())
+            .execute(&mut *first)
+            .await
+            .expect("first holds the row");
+        let (held_tx, held_rx) = tokio::sync::oneshot::channel();
+        let (done_tx, done_rx) = tokio::sync::oneshot::channel::<()>();
+        let second = {
+            let (pool, lock, key) = (plain.pool().clone(), lock.clone(), key.clone());
+            tokio::spawn(async move {
+                let mut second = pool.begin().await.expect("begin");
+                sqlx::query(AssertSqlSafe(lock))
+                    .bind(key.scope().as_bytes())
+                    .bind(key.key().as_bytes())
+                    .execute(&mut *second)
+                    .await
+                    .expect("second queues, then holds the row");
+                let _ = held_tx.send(());
+                // Held until the claims have answered.
+                let _ = done_rx.await;
+                second.rollback().await.expect("second lets go");
+            })
+        };
+        // Queued behind `first` before the claims (an ordering aid: the other order answers
+        // alike, through the lock).
+        tokio::time::sleep(Duration::from_millis(30)).await;
+        let claims: Vec<_> = (0..n)
+            .map(|_| {
+                let (store, req) = (store.clone(), claim(&key));
+                tokio::spawn(async move { store.claim(&req).await })
+            })
+            .collect();
+        tokio::time::sleep(Duration::from_millis(30)).await;
+        sqlx::query(AssertSqlSafe(format!(
+            "UPDATE {TABLE} SET status = 'in_progress', lease_token = 999, \
+             attempts = attempts + 1, lease_until = now() + interval '1 minute' \
+             WHERE scope = $1 AND key = $2"
+        )))
+        .bind(key.scope().as_bytes())
+        .bind(key.key().as_bytes())
+        .execute(&mut *first)
+        .await
+        .expect("first takes the key over");
+        first.commit().await.expect("first commits");
+        held_rx.await.expect("second holds the row");
+        let mut answers = Vec::new();
+        for claim in claims {
+            answers.push(claim.await.expect("claim task"));
+        }
+        let _ = done_tx.send(());
+        second.await.expect("second");
+        for (i, answer) in answers.into_iter().enumerate() {
+            match answer {
+                Ok(Claim::Existing { record, .. }) => assert!(
+                    in_flight(&record, token),
+                    "{tag}: claim {i} in flight, got {record:?}"
+                ),
+                other => panic!("{tag}: claim {i}: the key is in flight, got {other:?}"),
+            }
+        }
+        let record = store.lookup(&key).await.expect("lookup").expect("record");
+        assert_eq!(
+            (record.lease_token.get(), record.attempts),
+            (999, 2),
+            "{tag}: nothing taken over"
+        );
+    }
+}
