@@ -274,13 +274,20 @@ impl Statements {
                 ),
             )
         };
+        // Unclaimed, the record is answered as the statement read it, but only one the claim
+        // leaves as it is: a record it would change (expired, released, lapsed) was changed
+        // by another claim while this one waited for its lock, and the statement's snapshot
+        // holds the version before. No row then, and the claim goes again on a fresh one
+        // (an expired response is never replayed, a takeover never missed).
         let claim = format!(
             "WITH claimed AS ({})
              SELECT * FROM claimed
              UNION ALL
              SELECT {cols_r} FROM {t} r
-              WHERE r.scope = $1 AND r.key = $2 AND NOT EXISTS (SELECT 1 FROM claimed)",
+              WHERE r.scope = $1 AND r.key = $2 AND NOT EXISTS (SELECT 1 FROM claimed)
+                AND NOT {}",
             upsert(["$1", "$2", "$3", "$4", "$5", "$6", "$7"], "", ""),
+            changes("r", "$3"),
         );
         // A batch: the same upsert for every row of the arrays, in key order (two batches
         // lock their rows in one order), each row answered with its place in the arrays.
@@ -294,7 +301,8 @@ impl Statements {
              SELECT c.*, i.n FROM claimed c JOIN input i ON i.scope = c.scope AND i.key = c.key
              UNION ALL
              SELECT {cols_r}, i.n FROM input i JOIN {t} r ON r.scope = i.scope AND r.key = i.key
-              WHERE NOT EXISTS (SELECT 1 FROM claimed c WHERE c.scope = i.scope AND c.key = i.key)",
+              WHERE NOT EXISTS (SELECT 1 FROM claimed c WHERE c.scope = i.scope AND c.key = i.key)
+                AND NOT {unchanged_only}",
             upsert(
                 [
                     "i.scope",
@@ -308,6 +316,7 @@ impl Statements {
                 "input i, ",
                 "ORDER BY i.scope, i.key"
             ),
+            unchanged_only = changes("r", "i.fingerprint"),
         );
         let log_capped = |event: &str, cap: usize| {
             format!(
