@@ -274,6 +274,11 @@ impl Statements {
                 ),
             )
         };
+        // The record of `$1`/`$2` if a claim with fingerprint `$3` leaves it as it is.
+        let unchanged = format!(
+            "SELECT {cols_r} FROM {t} r WHERE r.scope = $1 AND r.key = $2 AND NOT {}",
+            changes("r", "$3")
+        );
         // Unclaimed, the record is answered as the statement read it, but only one the claim
         // leaves as it is: a record it would change (expired, released, lapsed) was changed
         // by another claim while this one waited for its lock, and the statement's snapshot
@@ -283,11 +288,8 @@ impl Statements {
             "WITH claimed AS ({})
              SELECT * FROM claimed
              UNION ALL
-             SELECT {cols_r} FROM {t} r
-              WHERE r.scope = $1 AND r.key = $2 AND NOT EXISTS (SELECT 1 FROM claimed)
-                AND NOT {}",
+             {unchanged} AND NOT EXISTS (SELECT 1 FROM claimed)",
             upsert(["$1", "$2", "$3", "$4", "$5", "$6", "$7"], "", ""),
-            changes("r", "$3"),
         );
         // A batch: the same upsert for every row of the arrays, in key order (two batches
         // lock their rows in one order), each row answered with its place in the arrays.
@@ -406,11 +408,7 @@ impl Statements {
                 cols("r")
             )
             .into(),
-            unchanged: format!(
-                "SELECT {cols_r} FROM {t} r WHERE r.scope = $1 AND r.key = $2 AND NOT {}",
-                changes("r", "$3")
-            )
-            .into(),
+            unchanged: unchanged.into(),
             remove: format!("DELETE FROM {t} WHERE scope = $1 AND key = $2").into(),
             purge: format!("DELETE FROM {t} r WHERE {EXPIRED}").into(),
             effect_started: format!(
@@ -860,10 +858,7 @@ impl PostgresStore {
                 continue;
             };
             // A row that does not read fails its own claim, not the batch's others.
-            found[i] = Some(raw(&row).map_err(unavailable).and_then(|(raw, now)| {
-                raw.into_record()
-                    .map(|record| sql::claim_outcome(record, now, ops[i].token))
-            }));
+            found[i] = Some(claim_answer(&row, ops[i].token));
         }
         Ok(found)
     }
@@ -960,11 +955,7 @@ impl PostgresStore {
             .fetch_optional(&self.pool)
             .await
             .map_err(unavailable)?;
-        let Some(row) = row else {
-            return Err(StoreError::Busy);
-        };
-        let (raw, now) = raw(&row).map_err(unavailable)?;
-        Ok(sql::claim_outcome(raw.into_record()?, now, token))
+        row.map_or(Err(StoreError::Busy), |row| claim_answer(&row, token))
     }
 
     async fn claim_one(
@@ -973,7 +964,8 @@ impl PostgresStore {
         token: FencingToken,
     ) -> Result<Claim, StoreError> {
         // A second attempt only when a concurrent claim committed between our snapshot and
-        // our conflict check; a third would mean the row vanished twice in between.
+        // our conflict check (a new row, or a change to the one the snapshot holds); a third
+        // would mean that happened twice in between.
         for _ in 0..3 {
             let row = match sqlx::query(AssertSqlSafe(self.sql.claim.clone()))
                 .bind(req.key.scope().as_bytes())
@@ -990,13 +982,18 @@ impl PostgresStore {
                 Err(error) => return self.claim_gave_up(req, token, error).await,
             };
             let Some(row) = row else { continue };
-            let (raw, now) = raw(&row).map_err(unavailable)?;
-            return Ok(sql::claim_outcome(raw.into_record()?, now, token));
+            return claim_answer(&row, token);
         }
         Err(StoreError::unavailable(
             "claim kept racing with concurrent deletes",
         ))
     }
+}
+
+/// What a claim with `token` answers, from the record row it returned.
+fn claim_answer(row: &PgRow, token: FencingToken) -> Result<Claim, StoreError> {
+    let (raw, now) = raw(row).map_err(unavailable)?;
+    Ok(sql::claim_outcome(raw.into_record()?, now, token))
 }
 
 /// Whether a statement gave up waiting for a lock (`lock_timeout`).
