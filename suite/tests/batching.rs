@@ -5,7 +5,7 @@
 
 mod common;
 
-use common::batching::{LONG, answer, claim, claim_together, through_proxy, unique};
+use common::batching::{LONG, answer, claim, claim_together, hold_row, through_proxy, unique};
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -142,14 +142,7 @@ async fn s4_a_row_held_elsewhere_fails_only_its_own_claim() {
     store.release(&held, lease.token).await.expect("release");
     // Another transaction holds the record's row, as a handler's own transaction does.
     let mut tx = store.pool().begin().await.expect("begin");
-    sqlx::query(
-        "SELECT 1 FROM tower_idempotency_batching_held WHERE scope = $1 AND key = $2 FOR UPDATE",
-    )
-    .bind(held.scope().as_bytes())
-    .bind(held.key().as_bytes())
-    .execute(&mut *tx)
-    .await
-    .expect("lock the row");
+    hold_row(&mut tx, "tower_idempotency_batching_held", &held).await;
 
     let mut keys: Vec<ScopedKey> = (0..15)
         .map(|i| ScopedKey::new(run.clone(), format!("free-{i}")))
@@ -240,15 +233,7 @@ async fn s4_postgres_a_caller_who_leaves_gets_its_claim_given_back() {
         .await
         .expect("the first key's record");
         let mut tx = pool.begin().await.expect("begin");
-        sqlx::query(
-            "SELECT 1 FROM tower_idempotency_batching_leaves WHERE scope = $1 AND key = $2 \
-             FOR UPDATE",
-        )
-        .bind(first.scope().as_bytes())
-        .bind(first.key().as_bytes())
-        .execute(&mut *tx)
-        .await
-        .expect("lock the row");
+        hold_row(&mut tx, "tower_idempotency_batching_leaves", &first).await;
         Box::new(move || drop(tx)) as Box<dyn FnOnce() + Send>
     };
     let store = store.with_batching(Batching::default().in_flight(1));

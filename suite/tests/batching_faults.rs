@@ -6,7 +6,9 @@
 
 mod common;
 
-use common::batching::{LONG, acquire, answer, claim, spawn_claim, through_proxy, unique};
+use common::batching::{
+    LONG, acquire, answer, claim, hold_row, spawn_claim, through_proxy, unique,
+};
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -173,14 +175,7 @@ async fn s4_fault_pg_a_held_row_stalls_unrelated_completes_of_its_batch() {
         let (pool, key) = (pool.clone(), key.clone());
         async move {
             let mut tx = pool.begin().await.expect("begin");
-            sqlx::query(sqlx::AssertSqlSafe(format!(
-                "SELECT 1 FROM {table} WHERE scope = $1 AND key = $2 FOR UPDATE"
-            )))
-            .bind(key.scope().as_bytes())
-            .bind(key.key().as_bytes())
-            .execute(&mut *tx)
-            .await
-            .expect("lock the row");
+            hold_row(&mut tx, table, &key).await;
             tx
         }
     };
@@ -251,14 +246,7 @@ async fn s4_fault_pg_two_held_rows_stall_every_completion_of_the_store() {
     for key in &held {
         let token = acquire(&*store, key).await;
         let mut tx = pool.begin().await.expect("begin");
-        sqlx::query(sqlx::AssertSqlSafe(format!(
-            "SELECT 1 FROM {table} WHERE scope = $1 AND key = $2 FOR UPDATE"
-        )))
-        .bind(key.scope().as_bytes())
-        .bind(key.key().as_bytes())
-        .execute(&mut *tx)
-        .await
-        .expect("lock");
+        hold_row(&mut tx, table, &key).await;
         txs.push(tx);
         let (store, key) = (store.clone(), key.clone());
         held_done.push(tokio::spawn(async move {
@@ -604,14 +592,7 @@ async fn s4_held_pg_inline_caller_cancelled_while_others_queue() {
     let token = acquire(&*store, &first).await;
     store.release(&first, token).await.expect("release");
     let mut tx = pool.begin().await.expect("begin");
-    sqlx::query(sqlx::AssertSqlSafe(format!(
-        "SELECT 1 FROM {table} WHERE scope = $1 AND key = $2 FOR UPDATE"
-    )))
-    .bind(first.scope().as_bytes())
-    .bind(first.key().as_bytes())
-    .execute(&mut *tx)
-    .await
-    .expect("lock");
+    hold_row(&mut tx, table, &first).await;
     let inline = spawn_claim(&store, &first);
     tokio::time::sleep(Duration::from_millis(20)).await;
     let keys: Vec<ScopedKey> = (0..10)
@@ -820,14 +801,7 @@ async fn s4_fault_pg_a_claim_batch_whose_answer_is_lost_answers_in_flight_for_it
     let token = acquire(&direct, &gate).await;
     direct.release(&gate, token).await.expect("release");
     let mut tx = direct.pool().begin().await.expect("begin");
-    sqlx::query(sqlx::AssertSqlSafe(format!(
-        "SELECT 1 FROM {table} WHERE scope = $1 AND key = $2 FOR UPDATE"
-    )))
-    .bind(gate.scope().as_bytes())
-    .bind(gate.key().as_bytes())
-    .execute(&mut *tx)
-    .await
-    .expect("lock");
+    hold_row(&mut tx, table, &gate).await;
     let gated = spawn_claim(&store, &gate);
     tokio::time::sleep(Duration::from_millis(20)).await;
     armed.store(true, std::sync::atomic::Ordering::SeqCst);

@@ -7,7 +7,9 @@
 
 mod common;
 
-use common::batching::{LONG, acquire, answer, claim, claim_together, claim_with, unique};
+use common::batching::{
+    LONG, acquire, answer, claim, claim_together, claim_with, hold_row, unique,
+};
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -149,14 +151,7 @@ async fn claims_against_held_rows<S: IdempotencyStore + 'static>(
 ) {
     let mut tx = plain.pool().begin().await.expect("begin");
     for key in records.keys() {
-        sqlx::query(AssertSqlSafe(format!(
-            "SELECT 1 FROM {TABLE} WHERE scope = $1 AND key = $2 FOR UPDATE"
-        )))
-        .bind(key.scope().as_bytes())
-        .bind(key.key().as_bytes())
-        .execute(&mut *tx)
-        .await
-        .expect("hold the row");
+        hold_row(&mut tx, TABLE, key).await;
     }
     let answers = if together {
         claim_together(&store, records.claims()).await
@@ -345,14 +340,8 @@ async fn s5_postgres_claims_that_give_up_waiting_answer_from_what_is_committed()
         let key = ScopedKey::new(unique("queued"), "k");
         let token = acquire(&*store, &key).await;
         store.release(&key, token).await.expect("release");
-        let lock = format!("SELECT 1 FROM {QUEUED} WHERE scope = $1 AND key = $2 FOR UPDATE");
         let mut first = plain.pool().begin().await.expect("begin");
-        sqlx::query(AssertSqlSafe(lock.clone()))
-            .bind(key.scope().as_bytes())
-            .bind(key.key().as_bytes())
-            .execute(&mut *first)
-            .await
-            .expect("first holds the row");
+        hold_row(&mut first, QUEUED, &key).await;
         // The takeover, written now and committed while the claims wait (they see the record
         // released, which they would take over, so they queue for its lock).
         sqlx::query(AssertSqlSafe(format!(
@@ -368,15 +357,11 @@ async fn s5_postgres_claims_that_give_up_waiting_answer_from_what_is_committed()
         let (held_tx, held_rx) = tokio::sync::oneshot::channel();
         let (done_tx, done_rx) = tokio::sync::oneshot::channel::<()>();
         let second = {
-            let (pool, lock, key) = (plain.pool().clone(), lock.clone(), key.clone());
+            let (pool, key) = (plain.pool().clone(), key.clone());
             tokio::spawn(async move {
                 let mut second = pool.begin().await.expect("begin");
-                sqlx::query(AssertSqlSafe(lock))
-                    .bind(key.scope().as_bytes())
-                    .bind(key.key().as_bytes())
-                    .execute(&mut *second)
-                    .await
-                    .expect("second queues, then holds the row");
+                // Queues behind `first`, then holds the row.
+                hold_row(&mut second, QUEUED, &key).await;
                 let _ = held_tx.send(());
                 // Held until the claims have answered.
                 let _ = done_rx.await;

@@ -7,7 +7,7 @@
 
 mod common;
 
-use common::batching::{LONG, acquire, answer, claim, claim_with, unique};
+use common::batching::{LONG, acquire, answer, claim, claim_with, hold_row, unique};
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -454,14 +454,7 @@ async fn review_held_rows_in_every_state_answer_like_free_ones_or_busy() {
                             }
                             let before = row_version(&plain, &key).await;
                             let mut tx = plain.pool().begin().await.expect("begin");
-                            sqlx::query(AssertSqlSafe(format!(
-                                "SELECT 1 FROM {TABLE} WHERE scope = $1 AND key = $2 FOR UPDATE"
-                            )))
-                            .bind(key.scope().as_bytes())
-                            .bind(key.key().as_bytes())
-                            .execute(&mut *tx)
-                            .await
-                            .expect("hold");
+                            hold_row(&mut tx, TABLE, &key).await;
                             let held = if use_batch {
                                 batched.claim(&req).await
                             } else {
@@ -740,7 +733,7 @@ async fn review_races_across_pools_have_one_winner_in_every_starting_state() {
             let winners: Vec<_> = answers
                 .iter()
                 .filter_map(|a| match a {
-                    Ok(Claim::Acquired(l)) => Some(l.clone()),
+                    Ok(Claim::Acquired(l)) => Some(*l),
                     _ => None,
                 })
                 .collect();

@@ -178,3 +178,16 @@ pub async fn complete_together<S: IdempotencyStore + 'static>(
     }
     out
 }
+
+/// Locks `key`'s row of `table` (`FOR UPDATE`) in the transaction `conn` is in, as a
+/// handler's own transaction holds it: a claim that would change the record waits for it.
+pub async fn hold_row(conn: &mut sqlx::PgConnection, table: &str, key: &ScopedKey) {
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "SELECT 1 FROM {table} WHERE scope = $1 AND key = $2 FOR UPDATE"
+    )))
+    .bind(key.scope().as_bytes())
+    .bind(key.key().as_bytes())
+    .execute(conn)
+    .await
+    .expect("hold the row");
+}
