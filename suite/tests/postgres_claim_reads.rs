@@ -304,6 +304,71 @@ async fn waiting_for(plain: &PostgresStore, n: i64) {
     }
 }
 
+/// The takeover the queued claims meet: another holder (token 999) under a live lease.
+const TAKEN_OVER: &str = "status = 'in_progress', lease_token = 999, attempts = attempts + 1, \
+                          lease_until = now() + interval '1 minute'";
+
+/// `n` claims of a released key through `store`, queued behind two transactions on its row:
+/// `first` holds it and writes `change` (a `SET` list), `second` queues for it, then the
+/// claims; `first` commits while they wait, `second` gets the lock and keeps it past their
+/// wait. The key and the claims' answers.
+async fn queued_claims(
+    plain: &PostgresStore,
+    store: Arc<PostgresStore>,
+    n: usize,
+    change: &str,
+) -> (ScopedKey, Vec<Result<Claim, StoreError>>) {
+    let key = ScopedKey::new(unique("queued"), "k");
+    let token = acquire(&*store, &key).await;
+    store.release(&key, token).await.expect("release");
+    let mut first = plain.pool().begin().await.expect("begin");
+    hold_row(&mut first, QUEUED, &key).await;
+    // The change, written now and committed while the claims wait (they see the record
+    // released, which they would take over, so they queue for its lock).
+    sqlx::query(AssertSqlSafe(format!(
+        "UPDATE {QUEUED} SET {change} WHERE scope = $1 AND key = $2"
+    )))
+    .bind(key.scope().as_bytes())
+    .bind(key.key().as_bytes())
+    .execute(&mut *first)
+    .await
+    .expect("first changes the record");
+    let (held_tx, held_rx) = tokio::sync::oneshot::channel();
+    let (done_tx, done_rx) = tokio::sync::oneshot::channel::<()>();
+    let second = {
+        let (pool, key) = (plain.pool().clone(), key.clone());
+        tokio::spawn(async move {
+            let mut second = pool.begin().await.expect("begin");
+            // Queues behind `first`, then holds the row.
+            hold_row(&mut second, QUEUED, &key).await;
+            let _ = held_tx.send(());
+            // Held until the claims have answered.
+            let _ = done_rx.await;
+            second.rollback().await.expect("second lets go");
+        })
+    };
+    // Queued behind `first` before the claims.
+    waiting_for(&plain, 1).await;
+    let claims: Vec<_> = (0..n)
+        .map(|_| {
+            let (store, req) = (store.clone(), claim(&key));
+            tokio::spawn(async move { store.claim(&req).await })
+        })
+        .collect();
+    // The claims queued too (or some of them: a batch waits as one statement), well
+    // within their wait: `first` commits its change at once.
+    waiting_for(&plain, 2).await;
+    first.commit().await.expect("first commits");
+    held_rx.await.expect("second holds the row");
+    let mut answers = Vec::new();
+    for claim in claims {
+        answers.push(claim.await.expect("claim task"));
+    }
+    let _ = done_tx.send(());
+    second.await.expect("second");
+    (key, answers)
+}
+
 /// Claims queued behind other transactions on their row give up after their bounded wait, as
 /// before; if what is then committed is a record they would leave as it is, that answers them
 /// (a crowd of duplicates queued on one row is answered, not refused: the kit's race, DESIGN
@@ -337,56 +402,7 @@ async fn s5_postgres_claims_that_give_up_waiting_answer_from_what_is_committed()
             false => wide.clone(),
             true => wide.clone().with_batching(Batching::default()),
         });
-        let key = ScopedKey::new(unique("queued"), "k");
-        let token = acquire(&*store, &key).await;
-        store.release(&key, token).await.expect("release");
-        let mut first = plain.pool().begin().await.expect("begin");
-        hold_row(&mut first, QUEUED, &key).await;
-        // The takeover, written now and committed while the claims wait (they see the record
-        // released, which they would take over, so they queue for its lock).
-        sqlx::query(AssertSqlSafe(format!(
-            "UPDATE {QUEUED} SET status = 'in_progress', lease_token = 999, \
-             attempts = attempts + 1, lease_until = now() + interval '1 minute' \
-             WHERE scope = $1 AND key = $2"
-        )))
-        .bind(key.scope().as_bytes())
-        .bind(key.key().as_bytes())
-        .execute(&mut *first)
-        .await
-        .expect("first takes the key over");
-        let (held_tx, held_rx) = tokio::sync::oneshot::channel();
-        let (done_tx, done_rx) = tokio::sync::oneshot::channel::<()>();
-        let second = {
-            let (pool, key) = (plain.pool().clone(), key.clone());
-            tokio::spawn(async move {
-                let mut second = pool.begin().await.expect("begin");
-                // Queues behind `first`, then holds the row.
-                hold_row(&mut second, QUEUED, &key).await;
-                let _ = held_tx.send(());
-                // Held until the claims have answered.
-                let _ = done_rx.await;
-                second.rollback().await.expect("second lets go");
-            })
-        };
-        // Queued behind `first` before the claims.
-        waiting_for(&plain, 1).await;
-        let claims: Vec<_> = (0..n)
-            .map(|_| {
-                let (store, req) = (store.clone(), claim(&key));
-                tokio::spawn(async move { store.claim(&req).await })
-            })
-            .collect();
-        // The claims queued too (or some of them: a batch waits as one statement), well
-        // within their wait: `first` commits its takeover at once.
-        waiting_for(&plain, 2).await;
-        first.commit().await.expect("first commits");
-        held_rx.await.expect("second holds the row");
-        let mut answers = Vec::new();
-        for claim in claims {
-            answers.push(claim.await.expect("claim task"));
-        }
-        let _ = done_tx.send(());
-        second.await.expect("second");
+        let (key, answers) = queued_claims(&plain, store.clone(), n, TAKEN_OVER).await;
         let mut answered = 0;
         for (i, answer) in answers.into_iter().enumerate() {
             match answer {
@@ -414,6 +430,49 @@ async fn s5_postgres_claims_that_give_up_waiting_answer_from_what_is_committed()
             (record.lease_token.get(), record.attempts),
             (999, 2),
             "{tag}: nothing taken over"
+        );
+    }
+}
+
+/// The read a claim makes after giving up waiting meets hostile bytes: the record committed
+/// while it waited is completed with a response that does not decode. The claim fails closed
+/// (unavailable: never `Busy` on a record it cannot read, never a replay of what it cannot
+/// read, never a takeover), alone and batched, and the record stays as written.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s5_postgres_a_claim_that_gives_up_and_reads_an_unreadable_record_fails_closed() {
+    let Some(plain) = common::postgres(QUEUED).await else {
+        return;
+    };
+    for batched in [false, true] {
+        let store = Arc::new(match batched {
+            false => plain.clone(),
+            true => plain.clone().with_batching(Batching::default()),
+        });
+        let (key, answers) = queued_claims(
+            &plain,
+            store,
+            1,
+            "status = 'completed', lease_token = 999, response = '\\xff'::bytea, \
+             expires_at = now() + interval '1 hour'",
+        )
+        .await;
+        assert!(
+            matches!(answers[0], Err(StoreError::Unavailable(_))),
+            "batched {batched}: an unreadable record fails the claim closed, got {:?}",
+            answers[0]
+        );
+        let (status, token): (String, i64) = sqlx::query_as(AssertSqlSafe(format!(
+            "SELECT status, lease_token FROM {QUEUED} WHERE scope = $1 AND key = $2"
+        )))
+        .bind(key.scope().as_bytes())
+        .bind(key.key().as_bytes())
+        .fetch_one(plain.pool())
+        .await
+        .expect("the row");
+        assert_eq!(
+            (status.as_str(), token),
+            ("completed", 999),
+            "batched {batched}: nothing written"
         );
     }
 }
