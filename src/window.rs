@@ -215,7 +215,10 @@ fn p99_of(slots: impl Iterator<Item = u32>) -> Option<u32> {
 
 /// Whole milliseconds, rounded up: never shorter than the duration.
 fn ceil_ms(d: Duration) -> u64 {
-    u64::try_from(d.as_micros().div_ceil(1000)).unwrap_or(u64::MAX)
+    // In `u64`: `as_micros` is a `u128`, whose division is a call of its own on every execution.
+    d.as_secs()
+        .saturating_mul(1000)
+        .saturating_add(u64::from(d.subsec_micros().div_ceil(1000)))
 }
 
 /// A duration in the largest whole unit that fits it (whole milliseconds under a second).
@@ -259,6 +262,36 @@ mod tests {
 
     /// The one-pass percentile is the nearest-rank percentile of a sorted copy, for every
     /// count of samples up to the window's and any values (repeats, outliers, unwritten slots).
+    /// `ceil_ms` in `u64` rounds as the `u128` form it replaced: whole microseconds, rounded up
+    /// to milliseconds, saturating.
+    #[test]
+    fn whole_milliseconds_round_up_as_the_wide_form_did() {
+        let wide = |d: Duration| u64::try_from(d.as_micros().div_ceil(1000)).unwrap_or(u64::MAX);
+        let mut cases = vec![
+            Duration::ZERO,
+            Duration::MAX,
+            Duration::from_secs(u64::MAX / 1000 + 1),
+        ];
+        for secs in [0, 1, 59, 3_600, u64::MAX / 1000 - 1, u64::MAX / 1000] {
+            for nanos in [
+                0,
+                1,
+                999,
+                1_000,
+                1_001,
+                999_999,
+                1_000_000,
+                1_000_001,
+                999_999_999,
+            ] {
+                cases.push(Duration::new(secs, nanos));
+            }
+        }
+        for d in cases {
+            assert_eq!(ceil_ms(d), wide(d), "{d:?}");
+        }
+    }
+
     #[test]
     fn the_one_pass_percentile_is_the_sorted_ones() {
         use proptest::prelude::*;
