@@ -91,13 +91,17 @@ where
         if nested || !route.guards(req.method()) {
             return ResponseFuture::new(pass_through(inner, req.map(RequestBody::passthrough)));
         }
-        let span = tracing::info_span!(
-            "idempotency",
-            method = %req.method(),
-            path,
-            outcome = tracing::field::Empty,
-            attempt = tracing::field::Empty,
-        );
+        let span = if crate::observe::spans_heard() {
+            tracing::info_span!(
+                "idempotency",
+                method = %req.method(),
+                path,
+                outcome = tracing::field::Empty,
+                attempt = tracing::field::Empty,
+            )
+        } else {
+            tracing::Span::none()
+        };
         let pipeline = Pipeline {
             span: span.clone(),
             route: route.clone(),
