@@ -246,7 +246,7 @@ async fn s4_fault_pg_two_held_rows_stall_every_completion_of_the_store() {
     for key in &held {
         let token = acquire(&*store, key).await;
         let mut tx = pool.begin().await.expect("begin");
-        hold_row(&mut tx, table, &key).await;
+        hold_row(&mut tx, table, key).await;
         txs.push(tx);
         let (store, key) = (store.clone(), key.clone());
         held_done.push(tokio::spawn(async move {

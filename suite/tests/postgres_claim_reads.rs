@@ -348,7 +348,7 @@ async fn queued_claims(
         })
     };
     // Queued behind `first` before the claims.
-    waiting_for(&plain, 1).await;
+    waiting_for(plain, 1).await;
     let claims: Vec<_> = (0..n)
         .map(|_| {
             let (store, req) = (store.clone(), claim(&key));
@@ -357,7 +357,7 @@ async fn queued_claims(
         .collect();
     // The claims queued too (or some of them: a batch waits as one statement), well
     // within their wait: `first` commits its change at once.
-    waiting_for(&plain, 2).await;
+    waiting_for(plain, 2).await;
     first.commit().await.expect("first commits");
     held_rx.await.expect("second holds the row");
     let mut answers = Vec::new();

@@ -84,10 +84,10 @@ async fn review_full_store_refuses_exactly_when_live_records_fill_it() {
             for step in 0..120 {
                 now += rng.next(12);
                 // Sometimes step exactly onto an expiry.
-                if rng.next(4) == 0 {
-                    if let Some(&exp) = model.values().filter(|&&e| e > now).min() {
-                        now = exp;
-                    }
+                if rng.next(4) == 0
+                    && let Some(&exp) = model.values().filter(|&&e| e > now).min()
+                {
+                    now = exp;
                 }
                 clock.store(now, Ordering::SeqCst);
                 let live = model.values().filter(|&&e| e > now).count();
