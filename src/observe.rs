@@ -83,9 +83,14 @@ pub(crate) fn count(event: Event) {
 /// Whether the request's `INFO` span could be seen: a `tracing` subscriber takes `INFO` (the
 /// level `tracing` keeps as the most any subscriber wants, `OFF` until one is set), or `log`
 /// takes `INFO` (`tracing` writes an `INFO` span to `log` when its `log` feature is on, which
-/// the SQL stores' `sqlx` turns on, and `log` lets that level through). When neither holds, every operation on a span does
-/// nothing but still costs its checks (about 440 instructions per request with the `log`
-/// feature), so the request gets [`tracing::Span::none`], which skips them.
+/// the SQL stores' `sqlx` turns on, and `log` lets that level through).
+///
+/// When neither holds, every operation on a span does nothing but still costs its checks
+/// (about 440 instructions per request with the `log` feature), so the request gets
+/// [`tracing::Span::none`], which skips them. Decided when the request arrives, as `tracing`
+/// decides whether subscribers see a span: a request already in flight when `log`'s level is
+/// raised writes nothing more of its span to `log` (a disabled span would have followed the
+/// new level), and every request after it is written.
 pub(crate) fn spans_heard() -> bool {
     use tracing::level_filters::{LevelFilter, STATIC_MAX_LEVEL};
     let info = tracing::Level::INFO;
