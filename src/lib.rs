@@ -83,7 +83,9 @@
 //! `idempotency_reconciled_applied_total`, `idempotency_reconciled_not_applied_total`,
 //! `idempotency_lease_lost_total` and `idempotency_stale_writes_total`, and the gauge
 //! `idempotency_awaiting_reconciliation`. Each guarded request also runs in a `tracing` span named
-//! `idempotency` whose `outcome` field says what happened.
+//! `idempotency` (at `INFO`) whose `outcome` field says what happened. Whether anyone can see
+//! it is asked once, when the request arrives (a subscriber, or `log` through `tracing`'s `log`
+//! feature); a request nobody can see gets no span, and costs nothing for it.
 //!
 //! # Features
 //!
