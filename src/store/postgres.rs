@@ -129,11 +129,15 @@ struct Statements {
     mark_waited: Arc<str>,
 }
 
-/// A record past its TTL counts as absent, unless its outcome is unknown: one awaiting
-/// reconciliation, or whose holder marked its effect started, never expires into a new run; it
-/// stays until it is resolved (DESIGN §4).
-const EXPIRED: &str = "(r.expires_at <= now() AND (r.status IN ('completed', 'released') \
-    OR (r.status = 'in_progress' AND NOT r.effect_started AND NOT r.reconcile_on_expiry)))";
+/// Whether the record aliased `r` counts as absent: past its TTL, unless its outcome is
+/// unknown (one awaiting reconciliation, or whose holder marked its effect started, never
+/// expires into a new run; it stays until it is resolved, DESIGN §4).
+fn expired(r: &str) -> String {
+    format!(
+        "({r}.expires_at <= now() AND ({r}.status IN ('completed', 'released') \
+         OR ({r}.status = 'in_progress' AND NOT {r}.effect_started AND NOT {r}.reconcile_on_expiry)))"
+    )
+}
 
 /// How long a claim, a renewal or a refusal note waits for a record locked by another
 /// transaction (a handler recording its milestone in its own transaction) before giving up: a
@@ -197,23 +201,25 @@ impl Statements {
                 ms("expires_at"),
             )
         };
-        let same = "r.fingerprint = excluded.fingerprint";
-        let lease_over = "r.status = 'in_progress' AND r.lease_until <= now()";
+        let expired_r = expired("r");
+        let lease_over =
+            |r: &str| format!("{r}.status = 'in_progress' AND {r}.lease_until <= now()");
         // Whether the claimer takes over an expired lease: the row it would insert says so
         // (`reconcile_on_expiry` is its negation), so one statement serves a batch of claims.
         let takeover = format!(
-            "({same} AND (r.status = 'released' OR ({lease_over} AND NOT excluded.reconcile_on_expiry \
-             AND NOT r.effect_started)))"
+            "(r.fingerprint = excluded.fingerprint AND (r.status = 'released' OR ({} \
+             AND NOT excluded.reconcile_on_expiry AND NOT r.effect_started)))",
+            lease_over("r")
         );
-        let fresh_or_takeover = format!("({EXPIRED} OR {takeover})");
+        let fresh_or_takeover = format!("({expired_r} OR {takeover})");
         // Whether a claim with `fingerprint` changes the record `r`: it has expired, or it is
         // the same request's and released or past its lease (taken over, or sent to
         // reconciliation).
         let changes = |r: &str, fingerprint: &str| {
             format!(
-                "({} OR ({r}.fingerprint = {fingerprint} AND ({r}.status = 'released' \
-                 OR ({r}.status = 'in_progress' AND {r}.lease_until <= now()))))",
-                EXPIRED.replace("r.", &format!("{r}."))
+                "({} OR ({r}.fingerprint = {fingerprint} AND ({r}.status = 'released' OR ({}))))",
+                expired(r),
+                lease_over(r)
             )
         };
         let cols_r = cols("r");
@@ -236,22 +242,22 @@ impl Statements {
                                    AND NOT {held_changes})
                {order}
                ON CONFLICT (scope, key) DO UPDATE SET
-                 fingerprint = CASE WHEN {EXPIRED} THEN excluded.fingerprint ELSE r.fingerprint END,
+                 fingerprint = CASE WHEN {expired_r} THEN excluded.fingerprint ELSE r.fingerprint END,
                  status = CASE WHEN {fresh_or_takeover} THEN 'in_progress' ELSE 'needs_reconciliation' END,
                  lease_token = CASE WHEN {fresh_or_takeover} THEN excluded.lease_token ELSE r.lease_token END,
                  lease_until = CASE WHEN {fresh_or_takeover} THEN excluded.lease_until ELSE r.lease_until END,
-                 attempts = CASE WHEN {EXPIRED} THEN 1 WHEN {takeover} THEN r.attempts + 1 ELSE r.attempts END,
-                 effect_started = CASE WHEN {EXPIRED} THEN false ELSE r.effect_started END,
+                 attempts = CASE WHEN {expired_r} THEN 1 WHEN {takeover} THEN r.attempts + 1 ELSE r.attempts END,
+                 effect_started = CASE WHEN {expired_r} THEN false ELSE r.effect_started END,
                  reconcile_on_expiry = CASE WHEN {fresh_or_takeover} THEN excluded.reconcile_on_expiry
                                             ELSE r.reconcile_on_expiry END,
-                 downstream_id = CASE WHEN {EXPIRED} THEN NULL ELSE r.downstream_id END,
-                 response = CASE WHEN {EXPIRED} THEN NULL ELSE r.response END,
-                 created_at = CASE WHEN {EXPIRED} THEN now() ELSE r.created_at END,
+                 downstream_id = CASE WHEN {expired_r} THEN NULL ELSE r.downstream_id END,
+                 response = CASE WHEN {expired_r} THEN NULL ELSE r.response END,
+                 created_at = CASE WHEN {expired_r} THEN now() ELSE r.created_at END,
                  updated_at = now(),
-                 expires_at = CASE WHEN {EXPIRED} THEN excluded.expires_at
+                 expires_at = CASE WHEN {expired_r} THEN excluded.expires_at
                                    WHEN {takeover} THEN GREATEST(r.expires_at, excluded.expires_at)
                                    ELSE r.expires_at END,
-                 history = CASE WHEN {EXPIRED} THEN excluded.history
+                 history = CASE WHEN {expired_r} THEN excluded.history
                                 WHEN {takeover} THEN {claimed_again}
                                 ELSE {lease_expired} END
                WHERE {changes}
@@ -304,7 +310,7 @@ impl Statements {
              UNION ALL
              SELECT {cols_r}, i.n FROM input i JOIN {t} r ON r.scope = i.scope AND r.key = i.key
               WHERE NOT EXISTS (SELECT 1 FROM claimed c WHERE c.scope = i.scope AND c.key = i.key)
-                AND NOT {unchanged_only}",
+                AND NOT {changed}",
             upsert(
                 [
                     "i.scope",
@@ -318,7 +324,7 @@ impl Statements {
                 "input i, ",
                 "ORDER BY i.scope, i.key"
             ),
-            unchanged_only = changes("r", "i.fingerprint"),
+            changed = changes("r", "i.fingerprint"),
         );
         let log_capped = |event: &str, cap: usize| {
             format!(
@@ -404,13 +410,13 @@ impl Statements {
             )
             .into(),
             lookup: format!(
-                "SELECT {} FROM {t} r WHERE r.scope = $1 AND r.key = $2 AND NOT {EXPIRED}",
+                "SELECT {} FROM {t} r WHERE r.scope = $1 AND r.key = $2 AND NOT {expired_r}",
                 cols("r")
             )
             .into(),
             unchanged: unchanged.into(),
             remove: format!("DELETE FROM {t} WHERE scope = $1 AND key = $2").into(),
-            purge: format!("DELETE FROM {t} r WHERE {EXPIRED}").into(),
+            purge: format!("DELETE FROM {t} r WHERE {expired_r}").into(),
             effect_started: format!(
                 "UPDATE {t} SET effect_started = true, updated_at = now(), {} WHERE {fenced}",
                 log("'effect_started'")
@@ -454,7 +460,7 @@ impl Statements {
                  WHERE {t}.scope = $1 AND {t}.key = $2 AND NOT {expired_here}
                    AND bounded.wait IS NOT NULL",
                 log_capped("$3", HISTORY_REFUSALS),
-                expired_here = EXPIRED.replace("r.", &format!("{t}."))
+                expired_here = expired(&t)
             )
             .into(),
             waited: format!(
