@@ -6,8 +6,9 @@
 //! execution was abandoned, which counts as at least that long) and their 99th percentile,
 //! kept exact: recomputed (one pass over the samples, on the execution's task) only when a
 //! sample could move it, which once the window is full is about one execution in forty.
-//! Writing a sample is three atomic operations; the percentile is read from one. A `409 in-flight` answer's `Retry-After` is the time the holder has left by that
-//! percentile (rather than the whole lease), and [`ProcessingWindow`] publishes it, with the
+//! Writing a sample is three atomic operations; the percentile is read from one. A
+//! `409 in-flight` answer's `Retry-After` is the time the holder has left by that percentile
+//! (rather than the whole lease), and [`ProcessingWindow`] publishes it, with the
 //! route's TTL, for tool descriptions and clients: in process
 //! ([`IdempotencyLayer::processing_windows`](crate::IdempotencyLayer::processing_windows)), and
 //! over HTTP as a JSON document a caller reads before calling
