@@ -47,6 +47,20 @@ impl Out {
     }
 }
 
+/// A `fmt` subscriber writing plain text to `out`, up to `level`, with `events` of spans.
+fn plain(
+    out: &Out,
+    level: Level,
+    events: FmtSpan,
+) -> impl tracing::Subscriber + Send + Sync + 'static {
+    fmt()
+        .with_writer(out.writer())
+        .with_ansi(false)
+        .with_max_level(level)
+        .with_span_events(events)
+        .finish()
+}
+
 struct App {
     addr: std::net::SocketAddr,
     store: FlakyStore,
@@ -102,12 +116,7 @@ async fn fmt_info_set_after_the_layer_served_writes_the_span() {
     let app = app().await;
     assert_eq!(send(&app, "before").await, 200);
     let out = Out::default();
-    let subscriber = fmt()
-        .with_writer(out.writer())
-        .with_ansi(false)
-        .with_max_level(Level::INFO)
-        .with_span_events(FmtSpan::CLOSE)
-        .finish();
+    let subscriber = plain(&out, Level::INFO, FmtSpan::CLOSE);
     let _default = tracing::subscriber::set_default(subscriber);
     assert_eq!(send(&app, "after").await, 200);
     let text = out.take();
@@ -227,12 +236,7 @@ async fn warn_then_info_on_one_layer() {
     let app = app().await;
     let out = Out::default();
     {
-        let subscriber = fmt()
-            .with_writer(out.writer())
-            .with_ansi(false)
-            .with_max_level(Level::WARN)
-            .with_span_events(FmtSpan::FULL)
-            .finish();
+        let subscriber = plain(&out, Level::WARN, FmtSpan::FULL);
         let _default = tracing::subscriber::set_default(subscriber);
         assert_eq!(send(&app, "a").await, 200);
         app.store.down.store(true, Ordering::SeqCst);
@@ -246,12 +250,7 @@ async fn warn_then_info_on_one_layer() {
         assert!(line.contains("ERROR"), "{line}");
         assert!(!text.contains("idempotency{"), "{text}");
     }
-    let subscriber = fmt()
-        .with_writer(out.writer())
-        .with_ansi(false)
-        .with_max_level(Level::INFO)
-        .with_span_events(FmtSpan::CLOSE)
-        .finish();
+    let subscriber = plain(&out, Level::INFO, FmtSpan::CLOSE);
     let _default = tracing::subscriber::set_default(subscriber);
     assert_eq!(send(&app, "c").await, 200);
     let text = out.take();
@@ -270,12 +269,7 @@ async fn warn_then_info_on_one_layer() {
 #[test]
 fn with_default_at_trace_writes_the_span_s_whole_life() {
     let out = Out::default();
-    let subscriber = fmt()
-        .with_writer(out.writer())
-        .with_ansi(false)
-        .with_max_level(Level::TRACE)
-        .with_span_events(FmtSpan::FULL)
-        .finish();
+    let subscriber = plain(&out, Level::TRACE, FmtSpan::FULL);
     let effects = tracing::subscriber::with_default(subscriber, || {
         tokio::runtime::Builder::new_current_thread()
             .enable_all()
@@ -332,12 +326,7 @@ async fn a_jsonrpc_call_is_traced() {
         );
     let addr = serve(router).await;
     let out = Out::default();
-    let subscriber = fmt()
-        .with_writer(out.writer())
-        .with_ansi(false)
-        .with_max_level(Level::INFO)
-        .with_span_events(FmtSpan::CLOSE)
-        .finish();
+    let subscriber = plain(&out, Level::INFO, FmtSpan::CLOSE);
     let _default = tracing::subscriber::set_default(subscriber);
     let call = json!({"jsonrpc": "2.0", "id": 1, "method": "tools/call",
         "params": {"name": "t", "arguments": {}}});
