@@ -8,7 +8,7 @@
 mod common;
 
 use common::batching::{
-    LONG, acquire, answer, claim, claim_together, claim_with, hold_row, unique,
+    LONG, acquire, alone_or_batched, answer, claim, claim_together, claim_with, hold_row, unique,
 };
 
 use std::sync::Arc;
@@ -398,10 +398,7 @@ async fn s5_postgres_claims_that_give_up_waiting_answer_from_what_is_committed()
     let wide = PostgresStore::new(pool).with_table(QUEUED).expect("table");
     for (batched, n) in [(false, 1), (true, 1), (false, 32), (true, 32)] {
         let tag = format!("batched {batched}, {n} claims");
-        let store = Arc::new(match batched {
-            false => wide.clone(),
-            true => wide.clone().with_batching(Batching::default()),
-        });
+        let store = alone_or_batched(&wide, batched);
         let (key, answers) = queued_claims(&plain, store.clone(), n, TAKEN_OVER).await;
         let mut answered = 0;
         for (i, answer) in answers.into_iter().enumerate() {
@@ -444,10 +441,7 @@ async fn s5_postgres_a_claim_that_gives_up_and_reads_an_unreadable_record_fails_
         return;
     };
     for batched in [false, true] {
-        let store = Arc::new(match batched {
-            false => plain.clone(),
-            true => plain.clone().with_batching(Batching::default()),
-        });
+        let store = alone_or_batched(&plain, batched);
         let (key, answers) = queued_claims(
             &plain,
             store,

@@ -7,7 +7,9 @@
 
 mod common;
 
-use common::batching::{LONG, acquire, answer, claim, claim_with, hold_row, unique};
+use common::batching::{
+    LONG, acquire, alone_or_batched, answer, claim, claim_with, hold_row, unique,
+};
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -581,11 +583,7 @@ async fn review_a_claim_behind_an_insert_that_commits_while_it_waits() {
         return;
     };
     for use_batch in [false, true] {
-        let store = Arc::new(if use_batch {
-            plain.clone().with_batching(Batching::default())
-        } else {
-            plain.clone()
-        });
+        let store = alone_or_batched(&plain, use_batch);
         let key = ScopedKey::new(unique("commits-mid-wait"), "k");
         let mut tx = plain.pool().begin().await.expect("begin");
         sqlx::query(AssertSqlSafe(format!(
@@ -919,10 +917,7 @@ async fn review_a_claim_queued_behind_a_takeover_of_an_expired_record_does_not_r
         return;
     };
     for batched in [false, true] {
-        let store = Arc::new(match batched {
-            false => plain.clone(),
-            true => plain.clone().with_batching(Batching::default()),
-        });
+        let store = alone_or_batched(&plain, batched);
         let key = ScopedKey::new(unique("stale-replay"), "k");
         let token = acquire(&plain, &key).await;
         plain

@@ -23,6 +23,16 @@ pub fn unique(name: &str) -> String {
     format!("{name}-{nanos}")
 }
 
+/// `store` as it is, or batching its claims and completions (the default batching).
+pub fn alone_or_batched(store: &PostgresStore, batched: bool) -> std::sync::Arc<PostgresStore> {
+    std::sync::Arc::new(match batched {
+        false => store.clone(),
+        true => store
+            .clone()
+            .with_batching(tower_idempotency::store::Batching::default()),
+    })
+}
+
 /// A claim of `key` under a long lease and TTL, one fingerprint for all.
 pub fn claim(key: &ScopedKey) -> ClaimRequest {
     ClaimRequest {
