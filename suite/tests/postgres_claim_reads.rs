@@ -8,7 +8,8 @@
 mod common;
 
 use common::batching::{
-    LONG, acquire, alone_or_batched, answer, claim, claim_together, claim_with, hold_row, unique,
+    LONG, acquire, alone_or_batched, answer, claim, claim_together, claim_with, hold_row,
+    through_proxy, unique, within,
 };
 
 use std::sync::Arc;
@@ -285,19 +286,39 @@ fn in_flight(record: &tower_idempotency::store::Record) -> bool {
 /// The table of the queued claims' test: statements waiting on it are counted.
 const QUEUED: &str = "tower_idempotency_claim_reads_queued";
 
-/// Waits until at least `n` statements on [`QUEUED`] wait for a lock (an ordering aid, not a
+/// Waits until at least `n` statements on `table` wait for a lock (an ordering aid, not a
 /// measure: after 10 s it goes on, and the test's answers do not depend on it).
-async fn waiting_for(plain: &PostgresStore, n: i64) {
+async fn waiting_for(plain: &PostgresStore, table: &str, n: i64) {
     for _ in 0..2000 {
         let waiting: i64 = sqlx::query_scalar(
             "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' \
              AND datname = current_database() AND position($1 in query) > 0",
         )
-        .bind(QUEUED)
+        .bind(table)
         .fetch_one(plain.pool())
         .await
         .expect("pg_stat_activity");
         if waiting >= n {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+/// Waits until no other session runs a statement on `table` (one whose client is gone ends
+/// when it answers); an ordering aid like [`waiting_for`].
+async fn no_statement_on(plain: &PostgresStore, table: &str) {
+    for _ in 0..2000 {
+        let running: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity WHERE state = 'active' \
+             AND pid <> pg_backend_pid() AND datname = current_database() \
+             AND position($1 in query) > 0",
+        )
+        .bind(table)
+        .fetch_one(plain.pool())
+        .await
+        .expect("pg_stat_activity");
+        if running == 0 {
             return;
         }
         tokio::time::sleep(Duration::from_millis(5)).await;
@@ -348,7 +369,7 @@ async fn queued_claims(
         })
     };
     // Queued behind `first` before the claims.
-    waiting_for(plain, 1).await;
+    waiting_for(plain, QUEUED, 1).await;
     let claims: Vec<_> = (0..n)
         .map(|_| {
             let (store, req) = (store.clone(), claim(&key));
@@ -357,7 +378,7 @@ async fn queued_claims(
         .collect();
     // The claims queued too (or some of them: a batch waits as one statement), well
     // within their wait: `first` commits its change at once.
-    waiting_for(plain, 2).await;
+    waiting_for(plain, QUEUED, 2).await;
     first.commit().await.expect("first commits");
     held_rx.await.expect("second holds the row");
     let mut answers = Vec::new();
@@ -467,6 +488,92 @@ async fn s5_postgres_a_claim_that_gives_up_and_reads_an_unreadable_record_fails_
             (status.as_str(), token),
             ("completed", 999),
             "batched {batched}: nothing written"
+        );
+    }
+}
+
+/// A claim that waits for a held row's lock loses its connection there (the proxy cut while it
+/// waits, or while it reads what is committed after giving up): it fails closed, never
+/// acquired nor answered from a record, alone and batched. The server may still finish the
+/// statement once the row is let go (it learns of the lost client only when it answers): the
+/// key is then held by a lease nobody holds, and no claim takes it over before that lease
+/// runs out; either way exactly one later claim takes the key over.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s5_postgres_a_claim_cut_off_while_it_waits_for_a_lock_fails_closed() {
+    // A table of its own: the proxy's store migrates it, and DDL would queue behind held rows.
+    const CUT: &str = "tower_idempotency_claim_reads_cut";
+    const LEASE: Duration = Duration::from_millis(500);
+    let Some(plain) = common::postgres(CUT).await else {
+        return;
+    };
+    let Some((through, proxy)) = through_proxy(CUT, 2).await else {
+        return;
+    };
+    for batched in [false, true] {
+        let store = alone_or_batched(&through, batched);
+        let key = ScopedKey::new(unique("cut-mid-wait"), "k");
+        let token = acquire(&plain, &key).await;
+        plain.release(&key, token).await.expect("release");
+        // Released: the claim would take it over, so it waits for the row.
+        let mut tx = plain.pool().begin().await.expect("begin");
+        hold_row(&mut tx, CUT, &key).await;
+        let waiting = {
+            let (store, req) = (
+                store.clone(),
+                claim_with(&key, LEASE, LONG, LeaseExpiry::Reclaim),
+            );
+            tokio::spawn(async move { store.claim(&req).await })
+        };
+        waiting_for(&plain, CUT, 1).await;
+        proxy.cut();
+        let answer = within(Duration::from_secs(30), waiting).await;
+        // Cut while it waits or reads: unavailable. A host slow enough to let the wait run out
+        // and the read finish before the cut answers in flight (the record would change).
+        assert!(
+            matches!(answer, Err(StoreError::Unavailable(_) | StoreError::Busy)),
+            "batched {batched}: a claim cut off fails closed, got {answer:?}"
+        );
+        proxy.restore();
+        tx.rollback().await.expect("let the row go");
+        // The cut-off statement, if the server still ran it, finishes once the row is free.
+        no_statement_on(&plain, CUT).await;
+        let (status, attempts): (String, i32) = sqlx::query_as(AssertSqlSafe(format!(
+            "SELECT status, attempts FROM {CUT} WHERE scope = $1 AND key = $2"
+        )))
+        .bind(key.scope().as_bytes())
+        .bind(key.key().as_bytes())
+        .fetch_one(plain.pool())
+        .await
+        .expect("the row");
+        let next = match (status.as_str(), attempts) {
+            ("released", 1) => 2,
+            ("in_progress", 2) => {
+                // The orphan's lease: nobody runs the key while it lasts.
+                let racers = claim_together(&store, (0..8).map(|_| claim(&key)).collect()).await;
+                assert!(
+                    racers.iter().all(|answer| matches!(
+                        answer,
+                        Ok(Claim::Existing { record, .. }) if record.status == RecordStatus::InProgress
+                    )),
+                    "batched {batched}: in flight under the orphan's lease: {racers:?}"
+                );
+                tokio::time::sleep(LEASE + Duration::from_millis(100)).await;
+                3
+            }
+            other => panic!("batched {batched}: the record after the cut: {other:?}"),
+        };
+        let takeovers = claim_together(&store, (0..8).map(|_| claim(&key)).collect()).await;
+        let acquired: Vec<u32> = takeovers
+            .iter()
+            .filter_map(|answer| match answer {
+                Ok(Claim::Acquired(lease)) => Some(lease.attempt),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(
+            acquired,
+            vec![next],
+            "batched {batched}: one takeover: {takeovers:?}"
         );
     }
 }
