@@ -1,0 +1,465 @@
+//! The whole pipeline against a model of the contract: seeded random sequences of requests,
+//! sent over real HTTP by several clients at once, each answer compared with what an
+//! independent reading of DESIGN §1 steps 1–9 and §3 predicts, and every execution counted at
+//! the sink. The model shares no code with the crate: JSON is made canonical by
+//! `serde_json_canonicalizer` (RFC 8785), forms by `form_urlencoded`, keys and media types by
+//! the rules as the contract and the fingerprint's documentation state them.
+//!
+//! What it attacks: every shortcut issue 23 put on the hot path (a replay answered from a read
+//! and a body recognised as sent, a key's hash remembered per thread, batched claims and
+//! completions) must decide exactly as the plain pipeline would, for every store: the same
+//! request (however its JSON or form is spelled) replays, a different one (a byte of a value,
+//! another path, query, nest prefix or media type, a duplicate JSON name, a number beyond 2^53)
+//! is refused 422, a scope never sees another's record, and a handler runs once per definitive
+//! outcome.
+#![allow(missing_docs)]
+
+mod common;
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+
+use axum::Router;
+use axum::body::Bytes;
+use axum::http::{HeaderMap, HeaderName, StatusCode};
+use axum::response::IntoResponse;
+use axum::routing::post;
+use common::{Rng, guard, problem_type, serve};
+use tower_idempotency::{IdempotencyLayer, IdempotencyStore};
+
+/// Executions the handler saw, per (tenant, key as the handler reads it), and a serial number
+/// that makes every execution's answer unique.
+#[derive(Clone, Default)]
+struct Sink {
+    runs: Arc<Mutex<HashMap<(String, String), usize>>>,
+    serial: Arc<AtomicUsize>,
+}
+
+impl Sink {
+    fn runs(&self, tenant: &str, key: &str) -> usize {
+        let runs = self.runs.lock().expect("sink");
+        runs.get(&(tenant.to_owned(), key.to_owned()))
+            .copied()
+            .unwrap_or(0)
+    }
+}
+
+/// The key as sent, unquoted (the generator quotes only keys without `"` or `\`).
+fn bare_key(sent: &str) -> String {
+    sent.trim_matches('"').to_owned()
+}
+
+/// The handler: counts its run, then answers as `x-outcome` asks: `ok` 201, `reject` 400 (both
+/// definitive), `fail` 503 (a technical failure, which releases the key).
+async fn handle(sink: Sink, headers: HeaderMap, body: Bytes) -> axum::response::Response {
+    let header = |name: &str| {
+        headers
+            .get(name)
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or_default()
+            .to_owned()
+    };
+    let (tenant, key) = (header("x-tenant"), bare_key(&header("idempotency-key")));
+    let serial = sink.serial.fetch_add(1, Ordering::SeqCst) + 1;
+    *sink
+        .runs
+        .lock()
+        .expect("sink")
+        .entry((tenant.clone(), key.clone()))
+        .or_insert(0) += 1;
+    let status = match header("x-outcome").as_str() {
+        "reject" => StatusCode::BAD_REQUEST,
+        "fail" => StatusCode::SERVICE_UNAVAILABLE,
+        _ => StatusCode::CREATED,
+    };
+    let text = format!(
+        "run {serial} for {tenant}/{key}, {} bytes: {}",
+        body.len(),
+        String::from_utf8_lossy(&body)
+    );
+    (status, [("x-run", serial.to_string())], text).into_response()
+}
+
+/// [`handle`] on `sink` for `POST` and `PATCH` (both guarded by default).
+fn route(sink: Sink) -> axum::routing::MethodRouter {
+    let patched = sink.clone();
+    post(move |h: HeaderMap, b: Bytes| handle(sink.clone(), h, b))
+        .patch(move |h: HeaderMap, b: Bytes| handle(patched.clone(), h, b))
+}
+
+/// `/a`, `/b` and `/v1/a`, where `/v1` is a nest whose inner router carries a layer of its own
+/// on the same store: axum strips `/v1` before that layer sees the path, and the contract
+/// still counts it.
+fn app<St: IdempotencyStore + Clone>(store: St, sink: Sink) -> Router {
+    let layer = || {
+        IdempotencyLayer::new(store.clone()).scope_by_header(HeaderName::from_static("x-tenant"))
+    };
+    let routes = || {
+        let (a, b) = (sink.clone(), sink.clone());
+        Router::new().route("/a", route(a)).route("/b", route(b))
+    };
+    Router::new()
+        .nest("/v1", routes().layer(layer()))
+        .merge(routes().layer(layer()))
+}
+
+/// A body as sent, and its identity in the model's fingerprint.
+struct Body {
+    content_type: &'static str,
+    bytes: &'static str,
+}
+
+const fn body(content_type: &'static str, bytes: &'static str) -> Body {
+    Body {
+        content_type,
+        bytes,
+    }
+}
+
+/// The bodies the generator draws from. Spellings of one JSON document, one form, and
+/// documents or forms that differ in one value; bodies whose JSON has no exact canonical form
+/// (a duplicate name, a number beyond 2^53), which must never merge; media types that differ
+/// only in a parameter the fingerprint drops (`charset=utf-8`) or keeps; and a body that
+/// claims to be JSON and is not.
+const BODIES: &[Body] = &[
+    body("application/json", r#"{"amount":100,"currency":"eur"}"#),
+    body("application/json", r#"{"currency":"eur","amount":100}"#),
+    body(
+        "application/json",
+        "{ \"amount\" : 100 ,\n \"currency\":\"eur\" }",
+    ),
+    body(
+        "application/json",
+        r#"{"amount":1e2,"currency":"\u0065ur"}"#,
+    ),
+    body("application/json", r#"{"amount":100.0,"currency":"eur"}"#),
+    body(
+        "application/json; charset=utf-8",
+        r#"{"amount":100,"currency":"eur"}"#,
+    ),
+    body("Application/JSON", r#"{"amount":100,"currency":"eur"}"#),
+    body(
+        "application/merge-patch+json",
+        r#"{"amount":100,"currency":"eur"}"#,
+    ),
+    body(
+        "application/merge-patch+json",
+        r#"{"currency":"eur","amount":100}"#,
+    ),
+    body("application/json", r#"{"amount":100,"currency":"usd"}"#),
+    body("application/json", r#"{"amount":101,"currency":"eur"}"#),
+    body("application/json", "[1,2,3]"),
+    body("application/json", "[ 1, 2, 3 ]"),
+    body("application/json", r#"{"note":"é"}"#),
+    body("application/json", r#"{"note":"\u00e9"}"#),
+    body("application/json", r#"{"note":"e\u0301"}"#),
+    body("application/json", r#"{"a":1}"#),
+    body("application/json", r#"{ "a": 1 }"#),
+    body("application/json", r#"{"a":1,"a":1}"#),
+    body("application/json", r#"{"a":1, "a":1}"#),
+    body("application/json", r#"{"n":9007199254740993}"#),
+    body("application/json", r#"{"n": 9007199254740993}"#),
+    body("application/json", r#"{"n":9007199254740992}"#),
+    body("application/json", r#"{"n": 9007199254740992}"#),
+    body("application/json", r#"{"a":"#),
+    body("application/x-www-form-urlencoded", "a=1&b=2"),
+    body("application/x-www-form-urlencoded", "b=2&a=%31"),
+    body("application/x-www-form-urlencoded", "a+b=1"),
+    body("application/x-www-form-urlencoded", "a%20b=1"),
+    body("application/x-www-form-urlencoded", "a=1&b=3"),
+    body("text/plain", "hello"),
+    body("text/plain", "hello "),
+];
+
+/// What the model predicts of a body before any state: refused as malformed, or its part of the
+/// fingerprint.
+enum Reading {
+    Malformed,
+    Fingerprinted(String),
+}
+
+/// The body's part of the fingerprint, as the contract states it (§1 step 4 and the fingerprint
+/// module's table): the media type without JSON's `charset=utf-8`, then the canonical body.
+fn read(body: &Body) -> Reading {
+    let media = body
+        .content_type
+        .split(';')
+        .next()
+        .unwrap_or_default()
+        .trim()
+        .to_ascii_lowercase();
+    let json = media == "application/json" || media.ends_with("+json");
+    // Parameters other than JSON's charset=utf-8 count; none of the bodies here has another.
+    let part = if json {
+        match serde_json::from_str::<serde_json::Value>(body.bytes) {
+            Err(_) => return Reading::Malformed,
+            Ok(value) if exact(body.bytes, &value) => format!(
+                "{media} canonical {}",
+                serde_json_canonicalizer::to_string(&value).expect("jcs")
+            ),
+            // No exact canonical form: its raw bytes, in a domain of their own.
+            Ok(_) => format!("{media} raw {}", body.bytes),
+        }
+    } else if media == "application/x-www-form-urlencoded" {
+        let mut pairs: Vec<(String, String)> = form_urlencoded::parse(body.bytes.as_bytes())
+            .map(|(n, v)| (n.into_owned(), v.into_owned()))
+            .collect();
+        pairs.sort();
+        format!("{media} pairs {pairs:?}")
+    } else {
+        format!("{media} bytes {}", body.bytes)
+    };
+    Reading::Fingerprinted(part)
+}
+
+/// Whether `text` parses to `value` with nothing lost: no member name twice (serde keeps the
+/// last), no integer that a double cannot hold exactly.
+fn exact(text: &str, value: &serde_json::Value) -> bool {
+    fn members(v: &serde_json::Value) -> usize {
+        match v {
+            serde_json::Value::Object(m) => m.len() + m.values().map(members).sum::<usize>(),
+            serde_json::Value::Array(a) => a.iter().map(members).sum(),
+            _ => 0,
+        }
+    }
+    fn numbers_exact(v: &serde_json::Value) -> bool {
+        match v {
+            serde_json::Value::Number(n) => match (n.as_u64(), n.as_i64()) {
+                (Some(u), _) => u <= 1 << 53,
+                (None, Some(i)) => i.unsigned_abs() <= 1 << 53,
+                (None, None) => true,
+            },
+            serde_json::Value::Object(m) => m.values().all(numbers_exact),
+            serde_json::Value::Array(a) => a.iter().all(numbers_exact),
+            _ => true,
+        }
+    }
+    // Member names counted in the text: a colon outside strings starts a member's value.
+    let mut colons = 0;
+    let (mut in_string, mut escaped) = (false, false);
+    for c in text.chars() {
+        match (in_string, escaped, c) {
+            (true, true, _) => escaped = false,
+            (true, false, '\\') => escaped = true,
+            (true, false, '"') => in_string = false,
+            (false, _, '"') => in_string = true,
+            (false, _, ':') => colons += 1,
+            _ => {}
+        }
+    }
+    colons == members(value) && numbers_exact(value)
+}
+
+/// What the model holds for one scoped key: a recorded answer, or (after a technical failure
+/// released the key) none, but still the fingerprint of the request that holds the key: any
+/// state refuses a different request (§1 step 6).
+#[derive(Clone)]
+struct Recorded {
+    fingerprint: String,
+    answer: Option<(u16, Bytes)>,
+}
+
+/// One request of a sequence.
+#[derive(Debug, Clone)]
+struct Step {
+    tenant: usize,
+    key: usize,
+    quoted: bool,
+    method: &'static str,
+    path: &'static str,
+    body: usize,
+    outcome: &'static str,
+}
+
+const METHODS: &[&str] = &["POST", "POST", "PATCH"];
+const PATHS: &[&str] = &["/a", "/b", "/v1/a", "/a?x=1", "/a?x=2"];
+const OUTCOMES: &[&str] = &["ok", "ok", "ok", "reject", "fail"];
+
+fn steps(rng: &mut Rng, n: usize) -> Vec<Step> {
+    (0..n)
+        .map(|_| Step {
+            tenant: rng.next(2) as usize,
+            key: rng.next(3) as usize,
+            quoted: rng.next(2) == 0,
+            method: METHODS[rng.next(METHODS.len() as u64) as usize],
+            path: PATHS[rng.next(PATHS.len() as u64) as usize],
+            body: rng.next(BODIES.len() as u64) as usize,
+            outcome: OUTCOMES[rng.next(OUTCOMES.len() as u64) as usize],
+        })
+        .collect()
+}
+
+/// Sends `steps` one after another, tenants named under `prefix`, and checks each answer and
+/// the sink against the model. Returns how many executions the model expected.
+async fn run_sequence(
+    addr: std::net::SocketAddr,
+    sink: &Sink,
+    prefix: &str,
+    steps: &[Step],
+    what: &str,
+) -> usize {
+    let client = common::client();
+    let mut model: HashMap<(usize, usize), Recorded> = HashMap::new();
+    let mut expected_runs: HashMap<(usize, usize), usize> = HashMap::new();
+    let mut history = Vec::new();
+    for (i, step) in steps.iter().enumerate() {
+        history.push(format!("{i}: {step:?}"));
+        let tenant = format!("{prefix}-t{}", step.tenant);
+        let key = format!("k{}", step.key);
+        let sent_key = if step.quoted {
+            format!("\"{key}\"")
+        } else {
+            key.clone()
+        };
+        let body = &BODIES[step.body];
+        let at = || format!("{what}, step {i} of\n{}", history.join("\n"));
+        let before = sink.runs(&tenant, &key);
+        let res = guard(
+            "a request",
+            client
+                .request(
+                    step.method.parse().expect("method"),
+                    format!("http://{addr}{}", step.path),
+                )
+                .header("x-tenant", &tenant)
+                .header("idempotency-key", &sent_key)
+                .header("content-type", body.content_type)
+                .header("x-outcome", step.outcome)
+                .body(body.bytes)
+                .send(),
+        )
+        .await
+        .expect("response");
+        let status = res.status().as_u16();
+        let replayed = res
+            .headers()
+            .get("idempotency-replayed")
+            .map(|v| v.to_str().unwrap_or("?").to_owned());
+        let bytes = res.bytes().await.expect("body");
+        let ran = sink.runs(&tenant, &key) - before;
+        let fingerprint = match read(body) {
+            Reading::Malformed => {
+                assert_eq!(status, 400, "malformed JSON is refused: {}", at());
+                assert_eq!(ran, 0, "nothing runs for malformed JSON: {}", at());
+                continue;
+            }
+            Reading::Fingerprinted(part) => format!("{} {} {part}", step.method, step.path),
+        };
+        let slot = (step.tenant, step.key);
+        match model.get(&slot) {
+            Some(held) if held.fingerprint != fingerprint => {
+                assert_eq!(ran, 0, "a mismatch runs nothing: {}", at());
+                assert_eq!(status, 422, "another request under the key: {}", at());
+                let problem: serde_json::Value =
+                    serde_json::from_slice(&bytes).expect("problem json");
+                assert_eq!(
+                    problem["type"],
+                    problem_type("fingerprint-mismatch"),
+                    "{}",
+                    at()
+                );
+            }
+            None | Some(Recorded { answer: None, .. }) => {
+                assert_eq!(ran, 1, "a fresh key runs its handler once: {}", at());
+                let expected = match step.outcome {
+                    "reject" => 400,
+                    "fail" => 503,
+                    _ => 201,
+                };
+                assert_eq!(status, expected, "the live answer: {}", at());
+                assert!(
+                    replayed.as_deref().is_none_or(|v| v == "false"),
+                    "a live answer is not marked replayed ({replayed:?}): {}",
+                    at()
+                );
+                assert!(
+                    String::from_utf8_lossy(&bytes).contains(&format!("for {tenant}/{key},")),
+                    "the live answer is this request's: {:?}: {}",
+                    bytes,
+                    at()
+                );
+                *expected_runs.entry(slot).or_insert(0) += 1;
+                let answer = (status != 503).then_some((status, bytes));
+                model.insert(
+                    slot,
+                    Recorded {
+                        fingerprint,
+                        answer,
+                    },
+                );
+            }
+            Some(Recorded {
+                answer: Some((first_status, first_body)),
+                ..
+            }) => {
+                assert_eq!(ran, 0, "a replay runs nothing: {}", at());
+                assert_eq!(status, *first_status, "a replay keeps the status: {}", at());
+                assert_eq!(
+                    replayed.as_deref(),
+                    Some("true"),
+                    "marked replayed: {}",
+                    at()
+                );
+                assert_eq!(bytes, first_body, "a replay is the first answer: {}", at());
+            }
+        }
+    }
+    for ((t, k), n) in &expected_runs {
+        assert_eq!(
+            sink.runs(&format!("{prefix}-t{t}"), &format!("k{k}")),
+            *n,
+            "{what}: executions of t{t}/k{k} at the sink"
+        );
+    }
+    expected_runs.values().sum()
+}
+
+/// Streams of steps at once (tenants of their own, so each key's requests stay in order and
+/// the model stays sequential), several seeded rounds, on one server.
+async fn agrees_with_the_model<St: IdempotencyStore + Clone>(store: St, name: &str) {
+    const STREAMS: usize = 4;
+    const STEPS: usize = 60;
+    let sink = Sink::default();
+    let addr = serve(app(store, sink.clone())).await;
+    let run = common::batching::unique(&format!("model-{name}"));
+    // Fixed seeds, so a failure reproduces, and one of this run's, printed with any failure.
+    let fresh = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(7, |d| d.as_nanos() as u64);
+    let mut total = 0;
+    for seed in [1, 2, 3, 4, 5, fresh] {
+        let streams = (0..STREAMS).map(|s| {
+            let sink = sink.clone();
+            let prefix = format!("{run}-{seed}-{s}");
+            let what = format!("{name}, seed {seed}, stream {s}");
+            let steps = steps(
+                &mut Rng::new(seed.wrapping_mul(31).wrapping_add(s as u64)),
+                STEPS,
+            );
+            tokio::spawn(async move { run_sequence(addr, &sink, &prefix, &steps, &what).await })
+        });
+        for stream in futures_util::future::join_all(streams).await {
+            total += stream.expect("a stream panicked: see its message above");
+        }
+    }
+    // Every execution at the sink is one the model expected (none from another scope's keys).
+    assert_eq!(
+        sink.serial.load(Ordering::SeqCst),
+        total,
+        "{name}: executions in all"
+    );
+}
+
+// §1 steps 1–9 and §3 against the model, on every store the crate ships.
+common::on_every_store!(agrees_with_the_model);
+
+/// §1 with §5: SQLite with batched claims and completions, which requests of the concurrent
+/// streams may share.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_batching_agrees_with_the_model() {
+    let (store, path) = common::sqlite("model-batching").await;
+    let store = store.with_batching(tower_idempotency::store::Batching::default());
+    agrees_with_the_model(store, "sqlite+batching").await;
+    let _ = std::fs::remove_file(path);
+}
