@@ -19,13 +19,14 @@ mod common;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use axum::Router;
 use axum::body::Bytes;
 use axum::http::{HeaderMap, HeaderName, StatusCode};
 use axum::response::IntoResponse;
 use axum::routing::post;
-use common::{Rng, guard, problem_type, serve};
+use common::{Rng, TestClock, guard, problem_type, serve};
 use tower_idempotency::{IdempotencyLayer, IdempotencyStore};
 
 /// Executions the handler saw, per (tenant, key as the handler reads it), and a serial number
@@ -272,6 +273,8 @@ struct Step {
     outcome: &'static str,
 }
 
+/// Clients sending at once, each its own tenants.
+const STREAMS: usize = 4;
 const METHODS: &[&str] = &["POST", "POST", "PATCH"];
 const PATHS: &[&str] = &["/a", "/b", "/v1/a", "/a?x=1", "/a?x=2"];
 const OUTCOMES: &[&str] = &["ok", "ok", "ok", "reject", "fail"];
@@ -303,6 +306,14 @@ async fn run_sequence(
     let mut model: HashMap<(usize, usize), Recorded> = HashMap::new();
     let mut expected_runs: HashMap<(usize, usize), usize> = HashMap::new();
     let mut history = Vec::new();
+    let all = || (0..2).flat_map(|t| (0..3).map(move |k| (t, k)));
+    let name = |(t, k): (usize, usize)| (format!("{prefix}-t{t}"), format!("k{k}"));
+    let start: HashMap<(usize, usize), usize> = all()
+        .map(|slot| {
+            let (tenant, key) = name(slot);
+            (slot, sink.runs(&tenant, &key))
+        })
+        .collect();
     for (i, step) in steps.iter().enumerate() {
         history.push(format!("{i}: {step:?}"));
         let tenant = format!("{prefix}-t{}", step.tenant);
@@ -405,11 +416,13 @@ async fn run_sequence(
             }
         }
     }
-    for ((t, k), n) in &expected_runs {
+    // Every scoped key, used or not: the runs this sequence added are the model's.
+    for slot in all() {
+        let (tenant, key) = name(slot);
         assert_eq!(
-            sink.runs(&format!("{prefix}-t{t}"), &format!("k{k}")),
-            *n,
-            "{what}: executions of t{t}/k{k} at the sink"
+            sink.runs(&tenant, &key) - start[&slot],
+            expected_runs.get(&slot).copied().unwrap_or(0),
+            "{what}: executions of {tenant}/{key} at the sink"
         );
     }
     expected_runs.values().sum()
@@ -418,7 +431,13 @@ async fn run_sequence(
 /// Streams of steps at once (tenants of their own, so each key's requests stay in order and
 /// the model stays sequential), several seeded rounds, on one server.
 async fn agrees_with_the_model<St: IdempotencyStore + Clone>(store: St, name: &str) {
-    const STREAMS: usize = 4;
+    rounds(store, name, None).await;
+}
+
+/// Seeded rounds of [`STREAMS`] streams at once on one server. With a `clock`, every round
+/// reuses the same tenants and keys, and the clock moves past every record's TTL between
+/// rounds, so each round starts, in the model, from nothing.
+async fn rounds<St: IdempotencyStore + Clone>(store: St, name: &str, clock: Option<&TestClock>) {
     const STEPS: usize = 60;
     let sink = Sink::default();
     let addr = serve(app(store, sink.clone())).await;
@@ -431,7 +450,10 @@ async fn agrees_with_the_model<St: IdempotencyStore + Clone>(store: St, name: &s
     for seed in [1, 2, 3, 4, 5, fresh] {
         let streams = (0..STREAMS).map(|s| {
             let sink = sink.clone();
-            let prefix = format!("{run}-{seed}-{s}");
+            let prefix = match clock {
+                Some(_) => format!("{run}-{s}"),
+                None => format!("{run}-{seed}-{s}"),
+            };
             let what = format!("{name}, seed {seed}, stream {s}");
             let steps = steps(
                 &mut Rng::new(seed.wrapping_mul(31).wrapping_add(s as u64)),
@@ -441,6 +463,10 @@ async fn agrees_with_the_model<St: IdempotencyStore + Clone>(store: St, name: &s
         });
         for stream in futures_util::future::join_all(streams).await {
             total += stream.expect("a stream panicked: see its message above");
+        }
+        if let Some(clock) = clock {
+            // Past the default TTL (24 h): completed and released records alike.
+            clock.advance(Duration::from_secs(25 * 3600));
         }
     }
     // Every execution at the sink is one the model expected (none from another scope's keys).
@@ -462,4 +488,13 @@ async fn sqlite_batching_agrees_with_the_model() {
     let store = store.with_batching(tower_idempotency::store::Batching::default());
     agrees_with_the_model(store, "sqlite+batching").await;
     let _ = std::fs::remove_file(path);
+}
+
+/// §1 step 6 and §2 with the store's clock moved a day between rounds that reuse the same
+/// tenants and keys: an expired record (completed or released) is absent, whichever path finds
+/// it (a replay's read, a claim), and its fingerprint binds nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn expired_records_are_absent_to_the_model() {
+    let clock = TestClock::default();
+    rounds(clock.store(), "memory, clock moved", Some(&clock)).await;
 }
