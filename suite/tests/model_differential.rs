@@ -11,7 +11,8 @@
 //! request (however its JSON or form is spelled) replays, a different one (a byte of a value,
 //! another path, query, nest prefix or media type, a duplicate JSON name, a number beyond 2^53)
 //! is refused 422, a scope never sees another's record, and a handler runs once per definitive
-//! outcome.
+//! outcome. Some steps are bursts, three copies sent at once: one runs, each other copy gets its
+//! replay or "in flight" (§7.3), whichever shortcut it took.
 #![allow(missing_docs)]
 
 mod common;
@@ -271,6 +272,9 @@ struct Step {
     path: &'static str,
     body: usize,
     outcome: &'static str,
+    /// Copies sent at once: a race on the key (never for `fail`, whose release would let a
+    /// racer run it again, as the contract allows).
+    burst: usize,
 }
 
 /// Clients sending at once, each its own tenants.
@@ -281,20 +285,89 @@ const OUTCOMES: &[&str] = &["ok", "ok", "ok", "reject", "fail"];
 
 fn steps(rng: &mut Rng, n: usize) -> Vec<Step> {
     (0..n)
-        .map(|_| Step {
-            tenant: rng.next(2) as usize,
-            key: rng.next(3) as usize,
-            quoted: rng.next(2) == 0,
-            method: METHODS[rng.next(METHODS.len() as u64) as usize],
-            path: PATHS[rng.next(PATHS.len() as u64) as usize],
-            body: rng.next(BODIES.len() as u64) as usize,
-            outcome: OUTCOMES[rng.next(OUTCOMES.len() as u64) as usize],
+        .map(|_| {
+            let outcome = OUTCOMES[rng.next(OUTCOMES.len() as u64) as usize];
+            Step {
+                tenant: rng.next(2) as usize,
+                key: rng.next(3) as usize,
+                quoted: rng.next(2) == 0,
+                method: METHODS[rng.next(METHODS.len() as u64) as usize],
+                path: PATHS[rng.next(PATHS.len() as u64) as usize],
+                body: rng.next(BODIES.len() as u64) as usize,
+                outcome,
+                burst: match (outcome, rng.next(5)) {
+                    ("fail", _) | (_, 1..) => 1,
+                    (_, 0) => 3,
+                },
+            }
         })
         .collect()
 }
 
-/// Sends `steps` one after another, tenants named under `prefix`, and checks each answer and
-/// the sink against the model. Returns how many executions the model expected.
+/// One answer as the client saw it.
+struct Answer {
+    status: u16,
+    replayed: Option<String>,
+    bytes: Bytes,
+}
+
+impl Answer {
+    fn problem_type(&self) -> serde_json::Value {
+        serde_json::from_slice::<serde_json::Value>(&self.bytes)
+            .map(|p| p["type"].clone())
+            .unwrap_or_default()
+    }
+}
+
+/// Sends `step` as `tenant`, `burst` times at once, each on a connection of its own.
+async fn send(
+    client: &reqwest::Client,
+    addr: std::net::SocketAddr,
+    step: &Step,
+    tenant: &str,
+) -> Vec<Answer> {
+    let key = format!("k{}", step.key);
+    let sent_key = if step.quoted {
+        format!("\"{key}\"")
+    } else {
+        key
+    };
+    let body = &BODIES[step.body];
+    let one = || async {
+        let res = guard(
+            "a request",
+            client
+                .request(
+                    step.method.parse().expect("method"),
+                    format!("http://{addr}{}", step.path),
+                )
+                .header("x-tenant", tenant)
+                .header("idempotency-key", &sent_key)
+                .header("content-type", body.content_type)
+                .header("x-outcome", step.outcome)
+                .body(body.bytes)
+                .send(),
+        )
+        .await
+        .expect("response");
+        let status = res.status().as_u16();
+        let replayed = res
+            .headers()
+            .get("idempotency-replayed")
+            .map(|v| v.to_str().unwrap_or("?").to_owned());
+        let bytes = guard("a body", res.bytes()).await.expect("body");
+        Answer {
+            status,
+            replayed,
+            bytes,
+        }
+    };
+    futures_util::future::join_all((0..step.burst).map(|_| one())).await
+}
+
+/// Sends `steps` one after another (a burst's copies at once), tenants named under `prefix`,
+/// and checks each answer and the sink against the model. Returns how many executions the
+/// model expected.
 async fn run_sequence(
     addr: std::net::SocketAddr,
     sink: &Sink,
@@ -316,60 +389,39 @@ async fn run_sequence(
         .collect();
     for (i, step) in steps.iter().enumerate() {
         history.push(format!("{i}: {step:?}"));
-        let tenant = format!("{prefix}-t{}", step.tenant);
-        let key = format!("k{}", step.key);
-        let sent_key = if step.quoted {
-            format!("\"{key}\"")
-        } else {
-            key.clone()
-        };
-        let body = &BODIES[step.body];
+        let slot = (step.tenant, step.key);
+        let (tenant, key) = name(slot);
         let at = || format!("{what}, step {i} of\n{}", history.join("\n"));
         let before = sink.runs(&tenant, &key);
-        let res = guard(
-            "a request",
-            client
-                .request(
-                    step.method.parse().expect("method"),
-                    format!("http://{addr}{}", step.path),
-                )
-                .header("x-tenant", &tenant)
-                .header("idempotency-key", &sent_key)
-                .header("content-type", body.content_type)
-                .header("x-outcome", step.outcome)
-                .body(body.bytes)
-                .send(),
-        )
-        .await
-        .expect("response");
-        let status = res.status().as_u16();
-        let replayed = res
-            .headers()
-            .get("idempotency-replayed")
-            .map(|v| v.to_str().unwrap_or("?").to_owned());
-        let bytes = res.bytes().await.expect("body");
+        let answers = send(&client, addr, step, &tenant).await;
         let ran = sink.runs(&tenant, &key) - before;
-        let fingerprint = match read(body) {
+        let fingerprint = match read(&BODIES[step.body]) {
             Reading::Malformed => {
-                assert_eq!(status, 400, "malformed JSON is refused: {}", at());
+                for answer in &answers {
+                    assert_eq!(answer.status, 400, "malformed JSON is refused: {}", at());
+                }
                 assert_eq!(ran, 0, "nothing runs for malformed JSON: {}", at());
                 continue;
             }
             Reading::Fingerprinted(part) => format!("{} {} {part}", step.method, step.path),
         };
-        let slot = (step.tenant, step.key);
         match model.get(&slot) {
             Some(held) if held.fingerprint != fingerprint => {
                 assert_eq!(ran, 0, "a mismatch runs nothing: {}", at());
-                assert_eq!(status, 422, "another request under the key: {}", at());
-                let problem: serde_json::Value =
-                    serde_json::from_slice(&bytes).expect("problem json");
-                assert_eq!(
-                    problem["type"],
-                    problem_type("fingerprint-mismatch"),
-                    "{}",
-                    at()
-                );
+                for answer in &answers {
+                    assert_eq!(
+                        answer.status,
+                        422,
+                        "another request under the key: {}",
+                        at()
+                    );
+                    assert_eq!(
+                        answer.problem_type(),
+                        problem_type("fingerprint-mismatch"),
+                        "{}",
+                        at()
+                    );
+                }
             }
             None | Some(Recorded { answer: None, .. }) => {
                 assert_eq!(ran, 1, "a fresh key runs its handler once: {}", at());
@@ -378,20 +430,41 @@ async fn run_sequence(
                     "fail" => 503,
                     _ => 201,
                 };
-                assert_eq!(status, expected, "the live answer: {}", at());
+                // One answer is the execution's; the burst's others raced it: each is its
+                // replay or "in flight", never a run of its own.
+                let live: Vec<&Answer> = answers
+                    .iter()
+                    .filter(|a| a.replayed.as_deref().is_none_or(|v| v == "false"))
+                    .filter(|a| a.status != 409)
+                    .collect();
+                assert_eq!(live.len(), 1, "one live answer: {}", at());
+                let live = live[0];
+                assert_eq!(live.status, expected, "the live answer: {}", at());
                 assert!(
-                    replayed.as_deref().is_none_or(|v| v == "false"),
-                    "a live answer is not marked replayed ({replayed:?}): {}",
-                    at()
-                );
-                assert!(
-                    String::from_utf8_lossy(&bytes).contains(&format!("for {tenant}/{key},")),
+                    String::from_utf8_lossy(&live.bytes).contains(&format!("for {tenant}/{key},")),
                     "the live answer is this request's: {:?}: {}",
-                    bytes,
+                    live.bytes,
                     at()
                 );
+                for answer in &answers {
+                    if answer.status == 409 {
+                        assert_eq!(
+                            answer.problem_type(),
+                            problem_type("in-flight"),
+                            "a racer finds it in flight: {}",
+                            at()
+                        );
+                    } else if answer.replayed.as_deref() == Some("true") {
+                        assert_eq!(
+                            (answer.status, &answer.bytes),
+                            (live.status, &live.bytes),
+                            "a racer's replay is the live answer: {}",
+                            at()
+                        );
+                    }
+                }
                 *expected_runs.entry(slot).or_insert(0) += 1;
-                let answer = (status != 503).then_some((status, bytes));
+                let answer = (live.status != 503).then(|| (live.status, live.bytes.clone()));
                 model.insert(
                     slot,
                     Recorded {
@@ -405,14 +478,26 @@ async fn run_sequence(
                 ..
             }) => {
                 assert_eq!(ran, 0, "a replay runs nothing: {}", at());
-                assert_eq!(status, *first_status, "a replay keeps the status: {}", at());
-                assert_eq!(
-                    replayed.as_deref(),
-                    Some("true"),
-                    "marked replayed: {}",
-                    at()
-                );
-                assert_eq!(bytes, first_body, "a replay is the first answer: {}", at());
+                for answer in &answers {
+                    assert_eq!(
+                        answer.status,
+                        *first_status,
+                        "a replay keeps the status: {}",
+                        at()
+                    );
+                    assert_eq!(
+                        answer.replayed.as_deref(),
+                        Some("true"),
+                        "marked replayed: {}",
+                        at()
+                    );
+                    assert_eq!(
+                        answer.bytes,
+                        first_body,
+                        "a replay is the first answer: {}",
+                        at()
+                    );
+                }
             }
         }
     }
@@ -428,8 +513,6 @@ async fn run_sequence(
     expected_runs.values().sum()
 }
 
-/// Streams of steps at once (tenants of their own, so each key's requests stay in order and
-/// the model stays sequential), several seeded rounds, on one server.
 async fn agrees_with_the_model<St: IdempotencyStore + Clone>(store: St, name: &str) {
     rounds(store, name, None).await;
 }
