@@ -5,6 +5,7 @@
 pub mod batching;
 pub mod faulty;
 pub mod memory;
+pub mod model;
 pub mod proxy;
 pub mod raw;
 pub mod statements;
