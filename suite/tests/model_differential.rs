@@ -21,7 +21,7 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 use axum::body::Bytes;
-use common::model::{Answer, Call, Sink, app};
+use common::model::{Answer, Call, Sink, app, exact, stream_seed};
 use common::{Rng, TestClock, problem_type, serve};
 use tower_idempotency::IdempotencyStore;
 
@@ -171,44 +171,6 @@ fn read_as(body: &Body, strict: bool) -> Reading {
         format!("{media} bytes {}", body.bytes.trim())
     };
     Reading::Fingerprinted(part)
-}
-
-/// Whether `text` parses to `value` with nothing lost: no member name twice (serde keeps the
-/// last), no integer that a double cannot hold exactly.
-fn exact(text: &str, value: &serde_json::Value) -> bool {
-    fn members(v: &serde_json::Value) -> usize {
-        match v {
-            serde_json::Value::Object(m) => m.len() + m.values().map(members).sum::<usize>(),
-            serde_json::Value::Array(a) => a.iter().map(members).sum(),
-            _ => 0,
-        }
-    }
-    fn numbers_exact(v: &serde_json::Value) -> bool {
-        match v {
-            serde_json::Value::Number(n) => match (n.as_u64(), n.as_i64()) {
-                (Some(u), _) => u <= 1 << 53,
-                (None, Some(i)) => i.unsigned_abs() <= 1 << 53,
-                (None, None) => true,
-            },
-            serde_json::Value::Object(m) => m.values().all(numbers_exact),
-            serde_json::Value::Array(a) => a.iter().all(numbers_exact),
-            _ => true,
-        }
-    }
-    // Member names counted in the text: a colon outside strings starts a member's value.
-    let mut colons = 0;
-    let (mut in_string, mut escaped) = (false, false);
-    for c in text.chars() {
-        match (in_string, escaped, c) {
-            (true, true, _) => escaped = false,
-            (true, false, '\\') => escaped = true,
-            (true, false, '"') => in_string = false,
-            (false, _, '"') => in_string = true,
-            (false, _, ':') => colons += 1,
-            _ => {}
-        }
-    }
-    colons == members(value) && numbers_exact(value)
 }
 
 /// What the model holds for one scoped key: a recorded answer, or (after a technical failure
@@ -492,16 +454,8 @@ async fn rounds<St: IdempotencyStore + Clone>(store: St, name: &str, clock: Opti
     let sink = Sink::default();
     let addr = serve(app(store, sink.clone())).await;
     let run = common::batching::unique(&format!("model-{name}"));
-    // Fixed seeds, so a failure reproduces, and one of this run's, printed with any failure.
-    let fresh = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(7, |d| d.as_nanos() as u64);
-    // Each store its own sequences, the same on every run.
-    let salt = name.bytes().fold(0xcbf2_9ce4_8422_2325_u64, |h, b| {
-        (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3)
-    });
     let mut total = 0;
-    for seed in [1, 2, 3, 4, 5, fresh] {
+    for seed in common::model::round_seeds(5) {
         let streams = (0..STREAMS).map(|s| {
             let sink = sink.clone();
             let prefix = match clock {
@@ -509,10 +463,7 @@ async fn rounds<St: IdempotencyStore + Clone>(store: St, name: &str, clock: Opti
                 None => format!("{run}-{seed}-{s}"),
             };
             let what = format!("{name}, seed {seed}, stream {s}");
-            // Spread by an odd multiplier: `Rng` drops the lowest bit.
-            let seed = (seed.wrapping_mul(31).wrapping_add(s as u64) ^ salt)
-                .wrapping_mul(0x9e37_79b9_7f4a_7c15);
-            let steps = steps(&mut Rng::new(seed), STEPS);
+            let steps = steps(&mut Rng::new(stream_seed(name, seed, s)), STEPS);
             tokio::spawn(async move { run_sequence(addr, &sink, &prefix, &steps, &what).await })
         });
         for stream in futures_util::future::join_all(streams).await {

@@ -167,3 +167,59 @@ pub async fn send(client: &reqwest::Client, addr: SocketAddr, call: Call<'_>) ->
         bytes,
     }
 }
+
+/// Whether `text` parses to `value` with nothing lost: no member name twice (serde keeps the
+/// last), no integer that a double cannot hold exactly.
+pub fn exact(text: &str, value: &serde_json::Value) -> bool {
+    fn members(v: &serde_json::Value) -> usize {
+        match v {
+            serde_json::Value::Object(m) => m.len() + m.values().map(members).sum::<usize>(),
+            serde_json::Value::Array(a) => a.iter().map(members).sum(),
+            _ => 0,
+        }
+    }
+    fn numbers_exact(v: &serde_json::Value) -> bool {
+        match v {
+            serde_json::Value::Number(n) => match (n.as_u64(), n.as_i64()) {
+                (Some(u), _) => u <= 1 << 53,
+                (None, Some(i)) => i.unsigned_abs() <= 1 << 53,
+                (None, None) => true,
+            },
+            serde_json::Value::Object(m) => m.values().all(numbers_exact),
+            serde_json::Value::Array(a) => a.iter().all(numbers_exact),
+            _ => true,
+        }
+    }
+    // Member names counted in the text: a colon outside strings starts a member's value.
+    let mut colons = 0;
+    let (mut in_string, mut escaped) = (false, false);
+    for c in text.chars() {
+        match (in_string, escaped, c) {
+            (true, true, _) => escaped = false,
+            (true, false, '\\') => escaped = true,
+            (true, false, '"') => in_string = false,
+            (false, _, '"') => in_string = true,
+            (false, _, ':') => colons += 1,
+            _ => {}
+        }
+    }
+    colons == members(value) && numbers_exact(value)
+}
+
+/// Seeds of a model test's rounds: `fixed` ones, so a failure reproduces, and one of this run's
+/// (printed with any failure).
+pub fn round_seeds(fixed: u64) -> Vec<u64> {
+    let fresh = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(7, |d| d.as_nanos() as u64);
+    (1..=fixed).chain([fresh]).collect()
+}
+
+/// The generator seed of `stream` in the round `seed` on the store `name`: each store its own
+/// sequences, the same on every run, spread by an odd multiplier (`Rng` drops the lowest bit).
+pub fn stream_seed(name: &str, seed: u64, stream: usize) -> u64 {
+    let salt = name.bytes().fold(0xcbf2_9ce4_8422_2325_u64, |h, b| {
+        (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3)
+    });
+    (seed.wrapping_mul(31).wrapping_add(stream as u64) ^ salt).wrapping_mul(0x9e37_79b9_7f4a_7c15)
+}
