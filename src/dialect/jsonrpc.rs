@@ -36,13 +36,16 @@
 //!   ends, a leading byte-order mark; a last event without its blank line still counts), and a
 //!   client that hangs up does not stop it being read to its end and recorded; a stream past
 //!   the response limit is recorded at once as not stored. The response answering the call is
-//!   found by its `id`'s value (a server that writes `1.0` back as `1` still answers it).
-//!   A response with no final JSON-RPC outcome is
-//!   not recorded and the key is released: that includes MCP's interim results
-//!   (`resultType: "input_required"`), whose continuation (with `inputResponses` and
-//!   `requestState`, which the fingerprint leaves out) then runs under the same key. Every
-//!   other result is final, a task handle (`resultType: "task"`, the tasks extension) included:
-//!   it is recorded and replayed like any other;
+//!   found by its `id`'s value (a server that writes `1.0` back as `1`, or an id beyond 2^53
+//!   back as the nearest double as JavaScript does, still answers it). MCP's interim results
+//!   (`resultType: "input_required"`), and event streams that end without a final response,
+//!   are not recorded and the key is released: the call's continuation (with `inputResponses`
+//!   and `requestState`, which the fingerprint leaves out) then runs under the same key. A
+//!   JSON answer that holds no response to the call (one to another id, JSON that is not
+//!   JSON-RPC) came from a handler that ran: it is recorded without its response when the
+//!   policy records its HTTP status (retries get `response-not-stored`), never run again.
+//!   Every other result is final, a task handle (`resultType: "task"`, the tasks extension)
+//!   included: it is recorded and replayed like any other;
 //! - replays are `200 application/json`: the recorded response byte for byte, but for its `id`,
 //!   which is the new request's, written exactly as the client sent it
 //!   (`123456789012345678901234567890`, `1e2` and `-0` stay as they are), and
@@ -169,11 +172,18 @@ impl Id {
     }
 
     /// Whether a response's `id` member answers this request: the same value, numbers by
-    /// their exact value (a server may write `1.0` back as `1`, `1e2` as `100`).
+    /// their exact value (a server may write `1.0` back as `1`, `1e2` as `100`), or as the
+    /// double nearest to it: a server that reads numbers as doubles (JavaScript's
+    /// `JSON.parse`) writes an id beyond 2^53 back rounded, and it still answers this call
+    /// (the only one its answer can be to). Not finding the answer would give the key back
+    /// and run the call again.
     fn answers(&self, id: Option<&Value>) -> bool {
         match (id, &self.value) {
-            (Some(Value::Number(theirs)), Value::Number(_)) => {
+            (Some(Value::Number(theirs)), Value::Number(ours)) => {
                 crate::fingerprint::same_number(&theirs.to_string(), &self.raw)
+                    || theirs
+                        .as_f64()
+                        .is_some_and(|theirs| ours.as_f64() == Some(theirs))
             }
             (Some(theirs), ours) => theirs == ours,
             (None, _) => false,
@@ -724,24 +734,59 @@ fn final_message(data: &[u8], id: &Id) -> Option<Bytes> {
     is_response(message, id).then(|| Bytes::copy_from_slice(data))
 }
 
-/// A final response (not a notification, a request or an interim result) to `id`.
-fn is_response(message: Value, id: &Id) -> bool {
+/// What a message is to the call `id`.
+#[derive(Debug, PartialEq, Eq)]
+enum Reply {
+    /// Its final response.
+    Final,
+    /// MCP: a result asking for more input (`resultType: "input_required"`): a step, not the
+    /// outcome. "complete", a task handle ("task") and results of older peers (no type) are
+    /// final.
+    Interim,
+    /// Anything else: a notification, a request, a response to another id.
+    Other,
+}
+
+fn reply(message: Value, id: &Id) -> Reply {
     let Value::Object(message) = message else {
-        return false;
+        return Reply::Other;
     };
     if !id.answers(message.get("id")) {
-        return false;
+        return Reply::Other;
     }
     match message.get("result") {
-        // MCP: a result asking for more input (`resultType: "input_required"`) is a step, not
-        // the outcome; only "complete" (or no type, for older peers) is final.
-        // MCP: only a result asking for more input (`resultType: "input_required"`) is a step;
-        // "complete", a task handle ("task") and results of older peers (no type) are final.
-        Some(result) => result
-            .get("resultType")
-            .is_none_or(|kind| kind != "input_required"),
-        None => message.contains_key("error"),
+        Some(result)
+            if result
+                .get("resultType")
+                .is_some_and(|k| k == "input_required") =>
+        {
+            Reply::Interim
+        }
+        Some(_) => Reply::Final,
+        None if message.contains_key("error") => Reply::Final,
+        None => Reply::Other,
     }
+}
+
+/// A final response (not a notification, a request or an interim result) to `id`.
+fn is_response(message: Value, id: &Id) -> bool {
+    reply(message, id) == Reply::Final
+}
+
+/// Whether a JSON answer (not an event stream) with no final response to `id` is an interim
+/// result to it, which gives the key back for the call's continuation. Any other such answer
+/// (a response to another id, JSON that is not JSON-RPC) came from a handler that ran: it is
+/// kept as an answer whose response was not stored, never run again (DESIGN §3).
+pub(crate) fn interim_answer(headers: &HeaderMap, body: &[u8], id: &Id) -> bool {
+    let is_sse = headers
+        .get(header::CONTENT_TYPE)
+        .is_some_and(|ct| ct.as_bytes().starts_with(b"text/event-stream"));
+    // An event stream that ends without its final response is an interim answer, as the tee
+    // reads one (`Execution::tee`).
+    is_sse
+        || serde_json::from_slice(body)
+            .ok()
+            .is_some_and(|message| reply(message, id) == Reply::Interim)
 }
 
 /// Whether a final response is definitive (DESIGN §3 for JSON-RPC): results are, tool errors
@@ -1256,6 +1301,51 @@ mod tests {
         assert_eq!(
             std::str::from_utf8(&marked).expect("utf-8"),
             r#"{"jsonrpc":"2.0","id":3,"result":{"_meta":{"tower-idempotency/replayed":true,"a":1},"x":2}}"#
+        );
+    }
+
+    #[test]
+    fn only_interim_results_and_streams_give_a_key_back() {
+        let json = HeaderMap::new();
+        let mut sse = HeaderMap::new();
+        sse.insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("text/event-stream"),
+        );
+        let interim = br#"{"jsonrpc":"2.0","id":1,"result":{"resultType":"input_required"}}"#;
+        assert!(interim_answer(&json, interim, &id("1")));
+        assert!(interim_answer(&sse, b"data: {}\n\n", &id("1")));
+        for held_no_response in [
+            &br#"{"jsonrpc":"2.0","id":2,"result":{}}"#[..],
+            br#"{"jsonrpc":"2.0","id":1,"result":{"resultType":"input_required"}} "#,
+            br#"{"ok":true}"#,
+            b"not json",
+        ] {
+            let interim = interim_answer(&json, held_no_response, &id("2.5"));
+            assert!(!interim, "{}", String::from_utf8_lossy(held_no_response));
+        }
+    }
+
+    #[test]
+    fn an_id_written_back_as_a_double_answers_the_call() {
+        let headers = HeaderMap::new();
+        for (sent, written) in [
+            ("123456789012345678901234567890", "1.2345678901234568e29"),
+            ("9007199254740993", "9007199254740992"),
+            ("1e2", "100"),
+        ] {
+            let body = format!(r#"{{"jsonrpc":"2.0","id":{written},"result":{{}}}}"#);
+            assert!(
+                final_response(&headers, body.as_bytes(), &id(sent)).is_some(),
+                "{sent} written back as {written}"
+            );
+        }
+        let body = br#"{"jsonrpc":"2.0","id":9007199254740994,"result":{}}"#;
+        assert!(final_response(&headers, body, &id("9007199254740992")).is_none());
+        let body = br#"{"jsonrpc":"2.0","id":"1","result":{}}"#;
+        assert!(
+            final_response(&headers, body, &id("1")).is_none(),
+            "a string is not a number"
         );
     }
 

@@ -241,7 +241,10 @@ impl Dialect {
             // The call's final response, whatever framing carried it.
             Some(bytes) => match jsonrpc::final_response(headers, bytes, id) {
                 Some(message) => Recording::Call(Some(message)),
-                None => Recording::Interim,
+                None if jsonrpc::interim_answer(headers, bytes, id) => Recording::Interim,
+                // The handler answered, but not this call: kept without a response, by the
+                // policy on its status.
+                None => Recording::Call(None),
             },
             // Too large to keep: recorded without a body, like any oversized response.
             None => Recording::Call(None),
@@ -389,12 +392,17 @@ impl Dialect {
             Some(code) if self.has_grpc_status() => format!("gRPC status {code}"),
             _ => format!("status {}", status.as_u16()),
         };
+        let also = match self {
+            Self::JsonRpc(_) => ", or it held no JSON-RPC response to the call",
+            _ => "",
+        };
         let problem = Problem::new(
             ProblemKind::ResponseNotStored,
             format!(
                 "the operation completed with {outcome}, but its response was not recorded \
                  (it was larger than the limit for recorded responses, or its body failed \
-                 after the handler answered), so it cannot be replayed; it will not run again"
+                 after the handler answered{also}), so it cannot be replayed; it will not run \
+                 again"
             ),
         )
         .state("completed");
@@ -422,8 +430,8 @@ pub(crate) enum Recording {
     /// A gRPC-Web answer whose body cannot be read (compressed as a whole): kept as it was
     /// sent, classified by its head, and taken as done where the head tells nothing.
     Opaque,
-    /// A call's final response (`None`: too large to keep), stored as
-    /// [`jsonrpc::stored_call`] frames it.
+    /// A call's final response (`None`: too large to keep, or an answer with no response to
+    /// the call in it), stored as [`jsonrpc::stored_call`] frames it.
     Call(Option<Bytes>),
     /// An interim answer with no final response in it: nothing to record.
     Interim,
