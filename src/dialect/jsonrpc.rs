@@ -41,9 +41,10 @@
 //!   (`resultType: "input_required"`), and event streams that end without a final response,
 //!   are not recorded and the key is released: the call's continuation (with `inputResponses`
 //!   and `requestState`, which the fingerprint leaves out) then runs under the same key. A
-//!   JSON answer that holds no response to the call (one to another id, JSON that is not
-//!   JSON-RPC) came from a handler that ran: it is recorded without its response when the
-//!   policy records its HTTP status (retries get `response-not-stored`), never run again.
+//!   successful JSON answer that holds no response to the call (one to another id, JSON that
+//!   is not JSON-RPC) came from a handler that ran: it is recorded without its response
+//!   (retries get `response-not-stored`), never run again. An error status without one (an
+//!   error page, a session the server no longer knows) refused the call: the key is released.
 //!   Every other result is final, a task handle (`resultType: "task"`, the tasks extension)
 //!   included: it is recorded and replayed like any other;
 //! - replays are `200 application/json`: the recorded response byte for byte, but for its `id`,
@@ -773,10 +774,10 @@ fn is_response(message: Value, id: &Id) -> bool {
     reply(message, id) == Reply::Final
 }
 
-/// Whether a JSON answer (not an event stream) with no final response to `id` is an interim
-/// result to it, which gives the key back for the call's continuation. Any other such answer
-/// (a response to another id, JSON that is not JSON-RPC) came from a handler that ran: it is
-/// kept as an answer whose response was not stored, never run again (DESIGN §3).
+/// Whether an answer with no final response to `id` is an interim one (an interim result to
+/// it, or an event stream), which gives the key back for the call's continuation. A success
+/// that is not (a response to another id, JSON that is not JSON-RPC) came from a handler that
+/// ran: it is kept as an answer whose response was not stored, never run again (DESIGN §3).
 pub(crate) fn interim_answer(headers: &HeaderMap, body: &[u8], id: &Id) -> bool {
     let is_sse = headers
         .get(header::CONTENT_TYPE)

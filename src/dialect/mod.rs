@@ -225,8 +225,14 @@ impl Dialect {
         }
     }
 
-    /// What of a handler's answer is its outcome, to record or not by the route's policy.
-    pub(crate) fn recording(&self, headers: &HeaderMap, body: Option<&Bytes>) -> Recording {
+    /// What of a handler's answer (`status`, `headers`, `body`) is its outcome, to record or
+    /// not by the route's policy.
+    pub(crate) fn recording(
+        &self,
+        status: ::http::StatusCode,
+        headers: &HeaderMap,
+        body: Option<&Bytes>,
+    ) -> Recording {
         if let (Self::GrpcWeb { .. }, Some(body)) = (self, body) {
             if unreadable(headers) {
                 return Recording::Opaque;
@@ -241,10 +247,14 @@ impl Dialect {
             // The call's final response, whatever framing carried it.
             Some(bytes) => match jsonrpc::final_response(headers, bytes, id) {
                 Some(message) => Recording::Call(Some(message)),
-                None if jsonrpc::interim_answer(headers, bytes, id) => Recording::Interim,
-                // The handler answered, but not this call: kept without a response, by the
-                // policy on its status.
-                None => Recording::Call(None),
+                // A success that holds no response to the call (one to another id, JSON that
+                // is not JSON-RPC): the handler ran, so it is kept without a response. Any
+                // other answer without one (an error page, a session the server no longer
+                // knows) refused the call before it ran: the key goes back.
+                None if status.is_success() && !jsonrpc::interim_answer(headers, bytes, id) => {
+                    Recording::Call(None)
+                }
+                None => Recording::Interim,
             },
             // Too large to keep: recorded without a body, like any oversized response.
             None => Recording::Call(None),

@@ -487,8 +487,8 @@ async fn calls_agree_with_the_model<St: IdempotencyStore + Clone>(store: St, nam
 common::on_every_store!(calls_agree_with_the_model);
 
 /// A tool server whose answer is chosen by `x-answer`: the call's id as a double (what a
-/// JavaScript server writes back), a response to another id, JSON that is not JSON-RPC, or a
-/// 503 page; it counts its runs.
+/// JavaScript server writes back), a response to another id, JSON that is not JSON-RPC, a 503
+/// page, or a 404 for a lost session; it counts its runs.
 async fn odd_server(sink: Sink, headers: HeaderMap, body: Bytes) -> axum::response::Response {
     let call: serde_json::Value = serde_json::from_slice(&body).unwrap_or_default();
     let serial = sink.serial.fetch_add(1, Ordering::SeqCst) + 1;
@@ -512,6 +512,12 @@ async fn odd_server(sink: Sink, headers: HeaderMap, body: Bytes) -> axum::respon
             )
                 .into_response();
         }
+        // What a stateful MCP server answers a session it no longer knows, before any tool.
+        "gone" => {
+            let text = format!(r#"{{"error":"session not found","run":{serial}}}"#);
+            let json = [(header::CONTENT_TYPE, "application/json")];
+            return (StatusCode::NOT_FOUND, json, text).into_response();
+        }
         _ => format!(r#"{{"jsonrpc":"2.0","id":{id},"result":{{"run":{serial}}}}}"#),
     };
     ([(header::CONTENT_TYPE, "application/json")], text).into_response()
@@ -519,11 +525,12 @@ async fn odd_server(sink: Sink, headers: HeaderMap, body: Bytes) -> axum::respon
 
 /// DESIGN §8 with §3: the answer a call's outcome is read from. A server that writes an id
 /// beyond 2^53 back as a double still answers the call: recorded and replayed under each
-/// retry's id as sent. An answer that holds no response to the call (one to another id, JSON
+/// retry's id as sent. A success that holds no response to the call (one to another id, JSON
 /// that is not JSON-RPC) came from a handler that ran: the key is kept as completed without a
 /// response (-31007 `response-not-stored`), never run again; it was given back before, so a
-/// retry ran the tool a second time. A 503 page is a technical failure: given back, as the
-/// policy says, and the retry runs.
+/// retry ran the tool a second time. An error status with no response to the call (a 503
+/// page, a 404 for a session the server no longer knows) refused the call: given back, and
+/// the retry runs.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn answers_without_the_calls_response_are_never_run_again() {
     let sink = Sink::default();
@@ -555,7 +562,8 @@ async fn answers_without_the_calls_response_are_never_run_again() {
         ("double", 1, "replay"),
         ("another", 1, "not stored"),
         ("not-jsonrpc", 1, "not stored"),
-        ("page", 3, "run"),
+        ("page", 3, "503"),
+        ("gone", 3, "404"),
     ] {
         let key = format!("{key}-{answer}");
         let before = sink.serial.load(Ordering::SeqCst);
@@ -579,7 +587,10 @@ async fn answers_without_the_calls_response_are_never_run_again() {
                     assert!(retry.text.ends_with(result), "{answer}: {}", retry.text);
                 }
                 "not stored" => refused(&[retry], (409, -31007), id, answer),
-                _ => assert_eq!(retry.status, 503, "{answer}: {}", retry.text),
+                status => {
+                    let got = retry.status.to_string();
+                    assert_eq!(got, status, "{answer}: {}", retry.text);
+                }
             }
         }
         assert_eq!(
