@@ -648,10 +648,7 @@ impl<St: IdempotencyStore> Execution<St> {
         if !fits {
             return Stored::Rare(Rare::TooLarge, body);
         }
-        let rare = match self
-            .dialect
-            .recording(parts.status, &parts.headers, body.as_ref())
-        {
+        let rare = match self.dialect.recording(&parts.headers, body.as_ref()) {
             Recording::AsIs => None,
             Recording::Web(Some((messages, trailers))) => Some(Rare::Web(messages, trailers)),
             Recording::Web(None) => Some(Rare::NotWeb),

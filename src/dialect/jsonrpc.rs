@@ -37,14 +37,11 @@
 //!   client that hangs up does not stop it being read to its end and recorded; a stream past
 //!   the response limit is recorded at once as not stored. The response answering the call is
 //!   found by its `id`'s value (a server that writes `1.0` back as `1`, or an id beyond 2^53
-//!   back as the nearest double as JavaScript does, still answers it). MCP's interim results
-//!   (`resultType: "input_required"`), and event streams that end without a final response,
-//!   are not recorded and the key is released: the call's continuation (with `inputResponses`
-//!   and `requestState`, which the fingerprint leaves out) then runs under the same key. A
-//!   successful JSON answer that holds no response to the call (one to another id, JSON that
-//!   is not JSON-RPC) came from a handler that ran: it is recorded without its response
-//!   (retries get `response-not-stored`), never run again. An error status without one (an
-//!   error page, a session the server no longer knows) refused the call: the key is released.
+//!   back as the nearest double as JavaScript does, still answers it). A response with no
+//!   final JSON-RPC outcome is not recorded and the key is released: that includes MCP's
+//!   interim results (`resultType: "input_required"`), whose continuation (with
+//!   `inputResponses` and `requestState`, which the fingerprint leaves out) then runs under
+//!   the same key.
 //!   Every other result is final, a task handle (`resultType: "task"`, the tasks extension)
 //!   included: it is recorded and replayed like any other;
 //! - replays are `200 application/json`: the recorded response byte for byte, but for its `id`,
@@ -774,22 +771,6 @@ fn is_response(message: Value, id: &Id) -> bool {
     reply(message, id) == Reply::Final
 }
 
-/// Whether an answer with no final response to `id` is an interim one (an interim result to
-/// it, or an event stream), which gives the key back for the call's continuation. A success
-/// that is not (a response to another id, JSON that is not JSON-RPC) came from a handler that
-/// ran: it is kept as an answer whose response was not stored, never run again (DESIGN §3).
-pub(crate) fn interim_answer(headers: &HeaderMap, body: &[u8], id: &Id) -> bool {
-    let is_sse = headers
-        .get(header::CONTENT_TYPE)
-        .is_some_and(|ct| ct.as_bytes().starts_with(b"text/event-stream"));
-    // An event stream that ends without its final response is an interim answer, as the tee
-    // reads one (`Execution::tee`).
-    is_sse
-        || serde_json::from_slice(body)
-            .ok()
-            .is_some_and(|message| reply(message, id) == Reply::Interim)
-}
-
 /// Whether a final response is definitive (DESIGN §3 for JSON-RPC): results are, tool errors
 /// included (`isError`); protocol errors are, except internal and server errors.
 pub(crate) fn is_definitive(message: &[u8]) -> bool {
@@ -1303,28 +1284,6 @@ mod tests {
             std::str::from_utf8(&marked).expect("utf-8"),
             r#"{"jsonrpc":"2.0","id":3,"result":{"_meta":{"tower-idempotency/replayed":true,"a":1},"x":2}}"#
         );
-    }
-
-    #[test]
-    fn only_interim_results_and_streams_give_a_key_back() {
-        let json = HeaderMap::new();
-        let mut sse = HeaderMap::new();
-        sse.insert(
-            header::CONTENT_TYPE,
-            HeaderValue::from_static("text/event-stream"),
-        );
-        let interim = br#"{"jsonrpc":"2.0","id":1,"result":{"resultType":"input_required"}}"#;
-        assert!(interim_answer(&json, interim, &id("1")));
-        assert!(interim_answer(&sse, b"data: {}\n\n", &id("1")));
-        for held_no_response in [
-            &br#"{"jsonrpc":"2.0","id":2,"result":{}}"#[..],
-            br#"{"jsonrpc":"2.0","id":1,"result":{"resultType":"input_required"}} "#,
-            br#"{"ok":true}"#,
-            b"not json",
-        ] {
-            let interim = interim_answer(&json, held_no_response, &id("2.5"));
-            assert!(!interim, "{}", String::from_utf8_lossy(held_no_response));
-        }
     }
 
     #[test]

@@ -225,14 +225,8 @@ impl Dialect {
         }
     }
 
-    /// What of a handler's answer (`status`, `headers`, `body`) is its outcome, to record or
-    /// not by the route's policy.
-    pub(crate) fn recording(
-        &self,
-        status: ::http::StatusCode,
-        headers: &HeaderMap,
-        body: Option<&Bytes>,
-    ) -> Recording {
+    /// What of a handler's answer is its outcome, to record or not by the route's policy.
+    pub(crate) fn recording(&self, headers: &HeaderMap, body: Option<&Bytes>) -> Recording {
         if let (Self::GrpcWeb { .. }, Some(body)) = (self, body) {
             if unreadable(headers) {
                 return Recording::Opaque;
@@ -247,13 +241,6 @@ impl Dialect {
             // The call's final response, whatever framing carried it.
             Some(bytes) => match jsonrpc::final_response(headers, bytes, id) {
                 Some(message) => Recording::Call(Some(message)),
-                // A success that holds no response to the call (one to another id, JSON that
-                // is not JSON-RPC): the handler ran, so it is kept without a response. Any
-                // other answer without one (an error page, a session the server no longer
-                // knows) refused the call before it ran: the key goes back.
-                None if status.is_success() && !jsonrpc::interim_answer(headers, bytes, id) => {
-                    Recording::Call(None)
-                }
                 None => Recording::Interim,
             },
             // Too large to keep: recorded without a body, like any oversized response.
@@ -402,17 +389,12 @@ impl Dialect {
             Some(code) if self.has_grpc_status() => format!("gRPC status {code}"),
             _ => format!("status {}", status.as_u16()),
         };
-        let also = match self {
-            Self::JsonRpc(_) => ", or it held no JSON-RPC response to the call",
-            _ => "",
-        };
         let problem = Problem::new(
             ProblemKind::ResponseNotStored,
             format!(
                 "the operation completed with {outcome}, but its response was not recorded \
                  (it was larger than the limit for recorded responses, or its body failed \
-                 after the handler answered{also}), so it cannot be replayed; it will not run \
-                 again"
+                 after the handler answered), so it cannot be replayed; it will not run again"
             ),
         )
         .state("completed");
@@ -440,8 +422,8 @@ pub(crate) enum Recording {
     /// A gRPC-Web answer whose body cannot be read (compressed as a whole): kept as it was
     /// sent, classified by its head, and taken as done where the head tells nothing.
     Opaque,
-    /// A call's final response (`None`: too large to keep, or an answer with no response to
-    /// the call in it), stored as [`jsonrpc::stored_call`] frames it.
+    /// A call's final response (`None`: too large to keep), stored as
+    /// [`jsonrpc::stored_call`] frames it.
     Call(Option<Bytes>),
     /// An interim answer with no final response in it: nothing to record.
     Interim,

@@ -523,16 +523,15 @@ async fn odd_server(sink: Sink, headers: HeaderMap, body: Bytes) -> axum::respon
     ([(header::CONTENT_TYPE, "application/json")], text).into_response()
 }
 
-/// DESIGN §8 with §3: the answer a call's outcome is read from. A server that writes an id
-/// beyond 2^53 back as a double still answers the call: recorded and replayed under each
-/// retry's id as sent. A success that holds no response to the call (one to another id, JSON
-/// that is not JSON-RPC) came from a handler that ran: the key is kept as completed without a
-/// response (-31007 `response-not-stored`), never run again; it was given back before, so a
-/// retry ran the tool a second time. An error status with no response to the call (a 503
-/// page, a 404 for a session the server no longer knows) refused the call: given back, and
-/// the retry runs.
+/// DESIGN §8: the answer a call's outcome is read from. A server that writes an id beyond
+/// 2^53 back as a double still answers the call: recorded and replayed under each retry's id
+/// as sent (before, the answer was not found, the key went back and every retry ran the tool
+/// again). An answer with no response to the call (one to another id, JSON that is not
+/// JSON-RPC, a 503 page, a 404 for a session the server no longer knows) gives the key back,
+/// as documented, and the retry runs: whether a success without the call's response should
+/// keep the key is left to planning (see the session-23 note).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn answers_without_the_calls_response_are_never_run_again() {
+async fn the_answer_to_a_call_is_found_by_its_id() {
     let sink = Sink::default();
     let app = Router::new()
         .route(
@@ -560,8 +559,8 @@ async fn answers_without_the_calls_response_are_never_run_again() {
     // (answer, runs after a call and two retries, what the retries get)
     for (answer, runs, retried) in [
         ("double", 1, "replay"),
-        ("another", 1, "not stored"),
-        ("not-jsonrpc", 1, "not stored"),
+        ("another", 3, "200"),
+        ("not-jsonrpc", 3, "200"),
         ("page", 3, "503"),
         ("gone", 3, "404"),
     ] {
@@ -586,7 +585,6 @@ async fn answers_without_the_calls_response_are_never_run_again() {
                     let result = &live[live.find(r#""result":"#).expect("a result")..];
                     assert!(retry.text.ends_with(result), "{answer}: {}", retry.text);
                 }
-                "not stored" => refused(&[retry], (409, -31007), id, answer),
                 status => {
                     let got = retry.status.to_string();
                     assert_eq!(got, status, "{answer}: {}", retry.text);
