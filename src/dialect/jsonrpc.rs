@@ -41,9 +41,8 @@
 //!   final JSON-RPC outcome is not recorded and the key is released: that includes MCP's
 //!   interim results (`resultType: "input_required"`), whose continuation (with
 //!   `inputResponses` and `requestState`, which the fingerprint leaves out) then runs under
-//!   the same key.
-//!   Every other result is final, a task handle (`resultType: "task"`, the tasks extension)
-//!   included: it is recorded and replayed like any other;
+//!   the same key. Every other result is final, a task handle (`resultType: "task"`, the
+//!   tasks extension) included: it is recorded and replayed like any other;
 //! - replays are `200 application/json`: the recorded response byte for byte, but for its `id`,
 //!   which is the new request's, written exactly as the client sent it
 //!   (`123456789012345678901234567890`, `1e2` and `-0` stay as they are), and
@@ -169,20 +168,14 @@ impl Id {
         &self.raw
     }
 
-    /// Whether a response's `id` member answers this request: the same value, numbers by
-    /// their exact value (a server may write `1.0` back as `1`, `1e2` as `100`), or as the
-    /// double nearest to it: a server that reads numbers as doubles (JavaScript's
-    /// `JSON.parse`) writes an id beyond 2^53 back rounded, and it still answers this call
-    /// (the only one its answer can be to). Not finding the answer would give the key back
-    /// and run the call again.
+    /// Whether a response's `id` member answers this request: the same value, numbers by the
+    /// double nearest their value. Numbers of one value are (a server may write `1.0` back as
+    /// `1`, `1e2` as `100`), and so is an id beyond 2^53 that a server reading numbers as
+    /// doubles (JavaScript's `JSON.parse`) writes back rounded: its answer can only be to
+    /// this call, and not finding it would give the key back and run the call again.
     fn answers(&self, id: Option<&Value>) -> bool {
         match (id, &self.value) {
-            (Some(Value::Number(theirs)), Value::Number(ours)) => {
-                crate::fingerprint::same_number(&theirs.to_string(), &self.raw)
-                    || theirs
-                        .as_f64()
-                        .is_some_and(|theirs| ours.as_f64() == Some(theirs))
-            }
+            (Some(Value::Number(theirs)), Value::Number(ours)) => theirs.as_f64() == ours.as_f64(),
             (Some(theirs), ours) => theirs == ours,
             (None, _) => false,
         }
@@ -732,43 +725,22 @@ fn final_message(data: &[u8], id: &Id) -> Option<Bytes> {
     is_response(message, id).then(|| Bytes::copy_from_slice(data))
 }
 
-/// What a message is to the call `id`.
-#[derive(Debug, PartialEq, Eq)]
-enum Reply {
-    /// Its final response.
-    Final,
-    /// MCP: a result asking for more input (`resultType: "input_required"`): a step, not the
-    /// outcome. "complete", a task handle ("task") and results of older peers (no type) are
-    /// final.
-    Interim,
-    /// Anything else: a notification, a request, a response to another id.
-    Other,
-}
-
-fn reply(message: Value, id: &Id) -> Reply {
-    let Value::Object(message) = message else {
-        return Reply::Other;
-    };
-    if !id.answers(message.get("id")) {
-        return Reply::Other;
-    }
-    match message.get("result") {
-        Some(result)
-            if result
-                .get("resultType")
-                .is_some_and(|k| k == "input_required") =>
-        {
-            Reply::Interim
-        }
-        Some(_) => Reply::Final,
-        None if message.contains_key("error") => Reply::Final,
-        None => Reply::Other,
-    }
-}
-
 /// A final response (not a notification, a request or an interim result) to `id`.
 fn is_response(message: Value, id: &Id) -> bool {
-    reply(message, id) == Reply::Final
+    let Value::Object(message) = message else {
+        return false;
+    };
+    if !id.answers(message.get("id")) {
+        return false;
+    }
+    match message.get("result") {
+        // MCP: only a result asking for more input (`resultType: "input_required"`) is a step;
+        // "complete", a task handle ("task") and results of older peers (no type) are final.
+        Some(result) => result
+            .get("resultType")
+            .is_none_or(|kind| kind != "input_required"),
+        None => message.contains_key("error"),
+    }
 }
 
 /// Whether a final response is definitive (DESIGN §3 for JSON-RPC): results are, tool errors

@@ -195,11 +195,6 @@ pub(crate) fn jsonrpc(
     Ok(Fingerprint::finish(h, false))
 }
 
-/// Whether two JSON number texts name exactly the same value (`0` and `-0` included).
-pub(crate) fn same_number(a: &str, b: &str) -> bool {
-    json::same_decimal(a.trim(), b.trim())
-}
-
 /// What goes into a fingerprint besides method, path, query and body.
 #[derive(Clone, Default)]
 pub(crate) struct FingerprintOptions {
