@@ -481,16 +481,6 @@ async fn rounds<St: IdempotencyStore + Clone>(store: St, name: &str, clock: Opti
 // §1 steps 1–9 and §3 against the model, on every store the crate ships.
 common::on_every_store!(agrees_with_the_model);
 
-/// §1 with §5: SQLite with batched claims and completions, which requests of the concurrent
-/// streams may share.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn sqlite_batching_agrees_with_the_model() {
-    let (store, path) = common::sqlite("model-batching").await;
-    let store = store.with_batching(tower_idempotency::store::Batching::default());
-    agrees_with_the_model(store, "sqlite+batching").await;
-    let _ = std::fs::remove_file(path);
-}
-
 /// §1 step 6 and §2 with the store's clock moved a day between rounds that reuse the same
 /// tenants and keys: an expired record (completed or released) is absent, whichever path finds
 /// it (a replay's read, a claim), and its fingerprint binds nothing.

@@ -320,16 +320,6 @@ async fn every_pair_answers_as_the_contract_says<St: IdempotencyStore + Clone>(
 
 common::on_every_store!(every_pair_answers_as_the_contract_says);
 
-/// As [`every_pair_answers_as_the_contract_says`], on SQLite batching its claims and
-/// completions (DESIGN §5: batching changes round trips, never answers).
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn every_pair_answers_as_the_contract_says_on_sqlite_batching() {
-    let (store, path) = common::sqlite("pairs-batching").await;
-    let store = store.with_batching(tower_idempotency::store::Batching::default());
-    every_pair_answers_as_the_contract_says(store, "sqlite+batching").await;
-    let _ = std::fs::remove_file(path);
-}
-
 // ---------------------------------------------------------------------------------------------
 // 2. Every spelling of an operation at once.
 // ---------------------------------------------------------------------------------------------

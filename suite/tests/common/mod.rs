@@ -360,8 +360,9 @@ pub async fn redis_cluster(name: &str) -> Option<tower_idempotency::store::Redis
 }
 
 /// Runs `scenario(store, name)` on every store the crate ships, one test each: MemoryStore,
-/// SQLite on a real file, PostgreSQL (plain and batching; one table, each scenario's keys its
-/// own) and Redis (under a prefix of its own). A missing server skips visibly (CI fails).
+/// SQLite on a real file (plain and batching), PostgreSQL (plain and batching; one table,
+/// each scenario's keys its own) and Redis (under a prefix of its own). A missing server skips
+/// visibly (CI fails).
 #[allow(unused_macros)]
 macro_rules! on_every_store {
     ($scenario:ident) => {
@@ -375,6 +376,14 @@ macro_rules! on_every_store {
             async fn sqlite() {
                 let (store, path) = $crate::common::sqlite(stringify!($scenario)).await;
                 super::$scenario(store, "sqlite").await;
+                let _ = std::fs::remove_file(path);
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn sqlite_batching() {
+                let (store, path) = $crate::common::sqlite(stringify!($scenario)).await;
+                let store = store.with_batching(tower_idempotency::store::Batching::default());
+                super::$scenario(store, "sqlite+batching").await;
                 let _ = std::fs::remove_file(path);
             }
 
