@@ -21,7 +21,7 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 use axum::body::Bytes;
-use common::model::{Answer, Call, Sink, app, exact, stream_seed};
+use common::model::{Answer, Call, Sink, app, at_once, exact, stream_seed};
 use common::{Rng, TestClock, problem_type, serve};
 use tower_idempotency::IdempotencyStore;
 
@@ -198,8 +198,6 @@ struct Step {
     burst: usize,
 }
 
-/// Clients sending at once, each its own tenants.
-const STREAMS: usize = 4;
 const METHODS: &[&str] = &["POST", "POST", "PATCH"];
 const PATHS: &[&str] = &["/a", "/b", "/v1/a", "/a?x=1", "/a?x=2"];
 const OUTCOMES: &[&str] = &["ok", "ok", "ok", "reject", "fail"];
@@ -446,7 +444,7 @@ async fn agrees_with_the_model<St: IdempotencyStore + Clone>(store: St, name: &s
     rounds(store, name, None).await;
 }
 
-/// Seeded rounds of [`STREAMS`] streams at once on one server. With a `clock`, every round
+/// Seeded rounds of `model::STREAMS` streams at once on one server. With a `clock`, every round
 /// reuses the same tenants and keys, and the clock moves past every record's TTL between
 /// rounds, so each round starts, in the model, from nothing.
 async fn rounds<St: IdempotencyStore + Clone>(store: St, name: &str, clock: Option<&TestClock>) {
@@ -456,7 +454,7 @@ async fn rounds<St: IdempotencyStore + Clone>(store: St, name: &str, clock: Opti
     let run = common::batching::unique(&format!("model-{name}"));
     let mut total = 0;
     for seed in common::model::round_seeds(5) {
-        let streams = (0..STREAMS).map(|s| {
+        total += at_once(|s| {
             let sink = sink.clone();
             let prefix = match clock {
                 Some(_) => format!("{run}-{s}"),
@@ -464,11 +462,9 @@ async fn rounds<St: IdempotencyStore + Clone>(store: St, name: &str, clock: Opti
             };
             let what = format!("{name}, seed {seed}, stream {s}");
             let steps = steps(&mut Rng::new(stream_seed(name, seed, s)), STEPS);
-            tokio::spawn(async move { run_sequence(addr, &sink, &prefix, &steps, &what).await })
-        });
-        for stream in futures_util::future::join_all(streams).await {
-            total += stream.expect("a stream panicked: see its message above");
-        }
+            async move { run_sequence(addr, &sink, &prefix, &steps, &what).await }
+        })
+        .await;
         if let Some(clock) = clock {
             // Past the default TTL (24 h): completed and released records alike.
             clock.advance(Duration::from_secs(25 * 3600));

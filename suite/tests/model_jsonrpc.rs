@@ -19,33 +19,17 @@
 mod common;
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
 
 use axum::Router;
 use axum::body::Bytes;
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::IntoResponse;
 use axum::routing::post;
-use common::model::{exact, stream_seed};
+use common::model::{Sink, at_once, exact, stream_seed};
 use common::{Rng, guard, serve};
 use tower_idempotency::IdempotencyLayer;
 use tower_idempotency::IdempotencyStore;
 use tower_idempotency::jsonrpc::JsonRpc;
-
-/// Runs per key, wherever the call carried it, and a serial number for every run.
-#[derive(Clone, Default)]
-struct Sink {
-    runs: Arc<Mutex<HashMap<String, usize>>>,
-    serial: Arc<AtomicUsize>,
-}
-
-impl Sink {
-    fn runs(&self, key: &str) -> usize {
-        let runs = self.runs.lock().expect("sink");
-        runs.get(key).copied().unwrap_or(0)
-    }
-}
 
 /// A tool server: counts the call under its key, then answers as `x-outcome` asks: a result
 /// written as a server might (members in its own order, a decimal with a trailing zero), or
@@ -62,13 +46,8 @@ async fn tool(sink: Sink, headers: HeaderMap, body: Bytes) -> axum::response::Re
                 .map(str::to_owned)
         })
         .unwrap_or_default();
-    let serial = sink.serial.fetch_add(1, Ordering::SeqCst) + 1;
-    *sink
-        .runs
-        .lock()
-        .expect("sink")
-        .entry(key.clone())
-        .or_insert(0) += 1;
+    // One tenant: the layer is `single_tenant`.
+    let serial = sink.hit("", &key);
     if headers.get("x-outcome").is_some_and(|v| v == "fail") {
         return (
             StatusCode::SERVICE_UNAVAILABLE,
@@ -204,7 +183,6 @@ impl Step {
     }
 }
 
-const STREAMS: usize = 4;
 const CARRIERS: &[Carrier] = &[Carrier::Header, Carrier::Meta, Carrier::Both];
 const OUTCOMES: &[&str] = &["ok", "ok", "ok", "fail"];
 
@@ -349,9 +327,9 @@ async fn run_sequence(
         history.push(format!("{i}: {step:?} {}", step.body()));
         let at = || format!("{what}, step {i} of\n{}", history.join("\n"));
         let key = format!("{run}-k{}", step.key);
-        let before = sink.runs(&key);
+        let before = sink.runs("", &key);
         let answers = send(&client, addr, step, run).await;
-        let ran = sink.runs(&key) - before;
+        let ran = sink.runs("", &key) - before;
         if step.id == "null" {
             assert_eq!(ran, 0, "a keyed call with a null id never runs: {}", at());
             refused(&answers, (400, -31009), step.id, &at());
@@ -449,7 +427,7 @@ async fn run_sequence(
     }
     for k in 0..3 {
         assert_eq!(
-            sink.runs(&format!("{run}-k{k}")),
+            sink.runs("", &format!("{run}-k{k}")),
             expected.get(&k).copied().unwrap_or(0),
             "{what}: runs of k{k} at the sink"
         );
@@ -457,7 +435,7 @@ async fn run_sequence(
     expected.values().sum()
 }
 
-/// §8 against the model: seeded rounds of [`STREAMS`] streams at once, each its own keys.
+/// §8 against the model: seeded rounds of `model::STREAMS` streams at once, each its own keys.
 async fn calls_agree_with_the_model<St: IdempotencyStore + Clone>(store: St, name: &str) {
     const STEPS: usize = 60;
     let sink = Sink::default();
@@ -465,22 +443,16 @@ async fn calls_agree_with_the_model<St: IdempotencyStore + Clone>(store: St, nam
     let run = common::batching::unique(&format!("jsonrpc-model-{name}"));
     let mut total = 0;
     for seed in common::model::round_seeds(3) {
-        let streams = (0..STREAMS).map(|s| {
+        total += at_once(|s| {
             let sink = sink.clone();
             let run = format!("{run}-{seed}-{s}");
             let what = format!("{name}, seed {seed}, stream {s}");
             let steps = steps(&mut Rng::new(stream_seed(name, seed, s)), STEPS);
-            tokio::spawn(async move { run_sequence(addr, &sink, &run, &steps, &what).await })
-        });
-        for stream in futures_util::future::join_all(streams).await {
-            total += stream.expect("a stream panicked: see its message above");
-        }
+            async move { run_sequence(addr, &sink, &run, &steps, &what).await }
+        })
+        .await;
     }
-    assert_eq!(
-        sink.serial.load(Ordering::SeqCst),
-        total,
-        "{name}: runs in all"
-    );
+    assert_eq!(sink.total(), total, "{name}: runs in all");
 }
 
 // §8 against the model, on every store the crate ships.
@@ -491,7 +463,7 @@ common::on_every_store!(calls_agree_with_the_model);
 /// page, or a 404 for a lost session; it counts its runs.
 async fn odd_server(sink: Sink, headers: HeaderMap, body: Bytes) -> axum::response::Response {
     let call: serde_json::Value = serde_json::from_slice(&body).unwrap_or_default();
-    let serial = sink.serial.fetch_add(1, Ordering::SeqCst) + 1;
+    let serial = sink.hit("", "");
     let answer = headers
         .get("x-answer")
         .and_then(|v| v.to_str().ok())
@@ -565,7 +537,7 @@ async fn the_answer_to_a_call_is_found_by_its_id() {
         ("gone", 3, "404"),
     ] {
         let key = format!("{key}-{answer}");
-        let before = sink.serial.load(Ordering::SeqCst);
+        let before = sink.total();
         let first = call(&key, answer, "9007199254740993").await;
         let live = first.text.clone();
         for id in ["123456789012345678901234567890", r#""retry""#] {
@@ -591,10 +563,6 @@ async fn the_answer_to_a_call_is_found_by_its_id() {
                 }
             }
         }
-        assert_eq!(
-            sink.serial.load(Ordering::SeqCst) - before,
-            runs,
-            "{answer}: runs at the sink"
-        );
+        assert_eq!(sink.total() - before, runs, "{answer}: runs at the sink");
     }
 }

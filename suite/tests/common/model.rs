@@ -37,6 +37,18 @@ impl Sink {
     pub fn total(&self) -> usize {
         self.serial.load(Ordering::SeqCst)
     }
+
+    /// Counts a run of `key` in `tenant`; its serial number, unique to the run.
+    pub fn hit(&self, tenant: &str, key: &str) -> usize {
+        let serial = self.serial.fetch_add(1, Ordering::SeqCst) + 1;
+        *self
+            .runs
+            .lock()
+            .expect("sink")
+            .entry((tenant.to_owned(), key.to_owned()))
+            .or_insert(0) += 1;
+        serial
+    }
 }
 
 /// The key as sent, unquoted (the tests quote only keys without `"` or `\`).
@@ -56,13 +68,7 @@ async fn handle(sink: Sink, headers: HeaderMap, body: Bytes) -> axum::response::
             .to_owned()
     };
     let (tenant, key) = (header("x-tenant"), bare_key(&header("idempotency-key")));
-    let serial = sink.serial.fetch_add(1, Ordering::SeqCst) + 1;
-    *sink
-        .runs
-        .lock()
-        .expect("sink")
-        .entry((tenant.clone(), key.clone()))
-        .or_insert(0) += 1;
+    let serial = sink.hit(&tenant, &key);
     let status = match header("x-outcome").as_str() {
         "reject" => StatusCode::BAD_REQUEST,
         "fail" => StatusCode::SERVICE_UNAVAILABLE,
@@ -222,4 +228,21 @@ pub fn stream_seed(name: &str, seed: u64, stream: usize) -> u64 {
         (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3)
     });
     (seed.wrapping_mul(31).wrapping_add(stream as u64) ^ salt).wrapping_mul(0x9e37_79b9_7f4a_7c15)
+}
+
+/// Clients sending at once in each round of a model test, each with tenants or keys of its own.
+pub const STREAMS: usize = 4;
+
+/// Runs `stream(s)` for each of the [`STREAMS`] streams at once, each on a task of its own, and
+/// sums what they return (the runs each expected). A stream that panicked fails the test.
+pub async fn at_once<F>(stream: impl Fn(usize) -> F) -> usize
+where
+    F: std::future::Future<Output = usize> + Send + 'static,
+{
+    let tasks = (0..STREAMS).map(|s| tokio::spawn(stream(s)));
+    futures_util::future::join_all(tasks)
+        .await
+        .into_iter()
+        .map(|done| done.expect("a stream panicked: see its message above"))
+        .sum()
 }
