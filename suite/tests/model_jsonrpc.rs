@@ -500,8 +500,9 @@ async fn odd_server(sink: Sink, headers: HeaderMap, body: Bytes) -> axum::respon
 /// as sent (before, the answer was not found, the key went back and every retry ran the tool
 /// again). An answer with no response to the call (one to another id, JSON that is not
 /// JSON-RPC, a 503 page, a 404 for a session the server no longer knows) gives the key back,
-/// as documented, and the retry runs: whether a success without the call's response should
-/// keep the key is left to planning (see the session-23 note).
+/// as documented, and the retry runs. (Whether a success without the call's response should
+/// keep the key instead is open: a 202 for an id the server took as a notification ran
+/// nothing, a 200 to another id may have run the tool.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_answer_to_a_call_is_found_by_its_id() {
     let sink = Sink::default();
