@@ -22,7 +22,7 @@ use tower_service::Service;
 use tracing::Instrument;
 
 use crate::body::{RequestBody, ResponseBody};
-use crate::dialect::jsonrpc::{self, Events, Id};
+use crate::dialect::jsonrpc::{self, Answer, Events, Id};
 use crate::dialect::{Dialect, Recording};
 use crate::hold::{Hold, Keeper};
 use crate::observe::{self, Event};
@@ -477,7 +477,12 @@ impl<St: IdempotencyStore> Execution<St> {
             match events.finish(&id) {
                 // The last event, cut short of its blank line: the server answered all the same.
                 Some(message) => self.record_call(&head, Some(message), None).await,
-                // The stream ended without a final response (an interim answer): nothing to keep.
+                // The server took the call and answers it elsewhere (a resumed stream): taken as
+                // done, never run again.
+                None if events.unanswered() == Answer::Unseen => {
+                    self.record_call(&head, None, None).await;
+                }
+                // An interim result, or the server could not read the call: nothing to keep.
                 None => {
                     self.release().await;
                 }

@@ -160,10 +160,8 @@ where
 {
     let (parts, body) = res.into_parts();
     let mut body = Box::pin(body);
-    let is_stream = crate::lines::get(&parts.headers, &header::CONTENT_TYPE)
-        .is_some_and(|ct| ct.as_bytes().starts_with(b"text/event-stream"));
     if let Some(watched) = watched
-        && is_stream
+        && crate::dialect::jsonrpc::is_event_stream(&parts.headers)
     {
         return Captured::Streaming {
             parts,

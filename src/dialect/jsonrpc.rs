@@ -37,12 +37,18 @@
 //!   client that hangs up does not stop it being read to its end and recorded; a stream past
 //!   the response limit is recorded at once as not stored. The response answering the call is
 //!   found by its `id`'s value (a server that writes `1.0` back as `1`, or an id beyond 2^53
-//!   back as the nearest double as JavaScript does, still answers it). A response with no
-//!   final JSON-RPC outcome is not recorded and the key is released: that includes MCP's
-//!   interim results (`resultType: "input_required"`), whose continuation (with
-//!   `inputResponses` and `requestState`, which the fingerprint leaves out) then runs under
-//!   the same key. Every other result is final, a task handle (`resultType: "task"`, the
-//!   tasks extension) included: it is recorded and replayed like any other;
+//!   back as the nearest double as JavaScript does, still answers it; a response with id
+//!   `null` answers no call). A JSON body that is not the call's final response is not
+//!   recorded and the key is released: that includes MCP's interim results (`resultType:
+//!   "input_required"`), whose continuation (with `inputResponses` and `requestState`, which
+//!   the fingerprint leaves out) then runs under the same key. An event stream that ends
+//!   without the call's response releases the key only when it carried such an interim
+//!   result or an error to a `null` id (the server could not read the call); any other
+//!   stream (MCP's SSE polling closes one after its priming event and sends the response on
+//!   a resumed stream the layer never sees) was a call the server took: it is taken as done,
+//!   its response not stored, and never run again (-31007 to retries). Every other result is
+//!   final, a task handle (`resultType: "task"`, the tasks extension) included: it is
+//!   recorded and replayed like any other;
 //! - replays are `200 application/json`: the recorded response byte for byte, but for its `id`,
 //!   which is the new request's, written exactly as the client sent it
 //!   (`123456789012345678901234567890`, `1e2` and `-0` stay as they are), and
@@ -147,14 +153,18 @@ pub(crate) const NOT_THE_OPERATION: &[&str] = &["_meta", "inputResponses", "requ
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct Id {
     raw: Box<str>,
-    value: Value,
+    /// `None` for `null`, and for an id that is not a value this layer can read (a number
+    /// beyond a double's range, `1e400`): such an id answers no call.
+    value: Option<Value>,
 }
 
 impl Id {
     fn new(raw: &str) -> Self {
         Self {
             raw: raw.trim().into(),
-            value: serde_json::from_str(raw).unwrap_or(Value::Null),
+            value: serde_json::from_str(raw)
+                .ok()
+                .filter(|value: &Value| !value.is_null()),
         }
     }
 
@@ -173,11 +183,15 @@ impl Id {
     /// `1`, `1e2` as `100`), and so is an id beyond 2^53 that a server reading numbers as
     /// doubles (JavaScript's `JSON.parse`) writes back rounded: its answer can only be to
     /// this call, and not finding it would give the key back and run the call again.
+    /// A response with id `null` (written where a server could not read the call's id) answers
+    /// no call, and an id this layer cannot read is answered by none.
     fn answers(&self, id: Option<&Value>) -> bool {
         match (id, &self.value) {
-            (Some(Value::Number(theirs)), Value::Number(ours)) => theirs.as_f64() == ours.as_f64(),
-            (Some(theirs), ours) => theirs == ours,
-            (None, _) => false,
+            (Some(Value::Number(theirs)), Some(Value::Number(ours))) => {
+                theirs.as_f64() == ours.as_f64()
+            }
+            (Some(Value::Null) | None, _) | (_, None) => false,
+            (Some(theirs), Some(ours)) => theirs == ours,
         }
     }
 }
@@ -371,6 +385,16 @@ pub(crate) fn parse(
         return refuse(
             ProblemKind::CallUnguardable,
             "a keyed call needs an id that is not null, to answer its retries; nothing was run",
+            reply_to,
+        );
+    }
+    if reply_to.value.is_none() {
+        // `1e400`: no response could be found to answer it, and JavaScript writes it back
+        // as `null`.
+        return refuse(
+            ProblemKind::CallUnguardable,
+            "a keyed call needs an id whose value this layer can read (a number within a \
+             double's range), to find the response that answers it; nothing was run",
             reply_to,
         );
     }
@@ -603,19 +627,49 @@ pub(crate) fn error_response<B>(problem: &Problem, id: &Id) -> Response<Response
     res
 }
 
-/// The final JSON-RPC response to the call `id` in a captured body: the body itself for JSON,
-/// the last response event for SSE. `None` when there is none (an interim answer).
-pub(crate) fn final_response(headers: &HeaderMap, body: &[u8], id: &Id) -> Option<Bytes> {
-    let is_sse = headers
-        .get(header::CONTENT_TYPE)
-        .is_some_and(|ct| ct.as_bytes().starts_with(b"text/event-stream"));
-    if !is_sse {
-        return is_response(serde_json::from_slice(body).ok()?, id)
-            .then(|| Bytes::copy_from_slice(body));
+/// What an answer holds for a call.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum Answer {
+    /// The call's final response, as the server wrote it.
+    Final(Bytes),
+    /// No outcome to keep: a JSON body that is not the call's response, or a stream that ended
+    /// on an interim result (MCP's `input_required`) or on an error to a `null` id (the server
+    /// could not read the call). The key is given back.
+    NotFinal,
+    /// An event stream that ended without the call's response and without a sign that it was
+    /// not run: the server took the call, and its response went where the layer cannot see it
+    /// (MCP's SSE polling closes a stream after its priming event and sends the response on a
+    /// resumed one). Taken as done, its response not stored: a retry never runs it again.
+    Unseen,
+}
+
+/// What a captured body holds for the call `id`: the body itself for JSON, the first final
+/// response event for SSE (see [`Answer`]).
+pub(crate) fn final_response(headers: &HeaderMap, body: &[u8], id: &Id) -> Answer {
+    if !is_event_stream(headers) {
+        return match serde_json::from_slice(body).map(|message| reply(message, id)) {
+            Ok(Reply::Final) => Answer::Final(Bytes::copy_from_slice(body)),
+            _ => Answer::NotFinal,
+        };
     }
     // The first final response in the stream, as the tee records it.
     let mut events = Events::default();
-    events.feed(body, id).or_else(|| events.finish(id))
+    match events.feed(body, id).or_else(|| events.finish(id)) {
+        Some(message) => Answer::Final(message),
+        None => events.unanswered(),
+    }
+}
+
+/// Whether a response is an event stream (`text/event-stream`, in any case: media types are
+/// case-insensitive).
+pub(crate) fn is_event_stream(headers: &HeaderMap) -> bool {
+    const SSE: &[u8] = b"text/event-stream";
+    crate::lines::get(headers, &header::CONTENT_TYPE).is_some_and(|ct| {
+        let ct = ct.as_bytes();
+        ct.len() >= SSE.len()
+            && ct[..SSE.len()].eq_ignore_ascii_case(SSE)
+            && matches!(ct.get(SSE.len()), None | Some(b';' | b' ' | b'\t'))
+    })
 }
 
 /// An event stream read as it arrives, as the WHATWG EventSource parser reads it: lines end in
@@ -633,6 +687,9 @@ pub(crate) struct Events {
     after_cr: bool,
     /// Whether a line has ended yet: the stream's first line may start with a byte-order mark.
     past_first_line: bool,
+    /// Whether an event said the call's key goes back: an interim result to it, or an error
+    /// to a `null` id.
+    gives_back: bool,
 }
 
 impl Events {
@@ -661,10 +718,19 @@ impl Events {
             if found.is_none()
                 && let Some(event) = event
             {
-                found = final_message(&event, id);
+                found = self.final_message(&event, id);
             }
         }
         found
+    }
+
+    /// What a stream that ended without the call's final response holds for it: see
+    /// [`Answer`].
+    pub(crate) fn unanswered(&self) -> Answer {
+        match self.gives_back {
+            true => Answer::NotFinal,
+            false => Answer::Unseen,
+        }
     }
 
     /// The stream ended: an event cut short of its blank line still counts (the server
@@ -676,7 +742,20 @@ impl Events {
             self.end_line()
         };
         let event = pending.or_else(|| self.dispatch());
-        event.and_then(|event| final_message(&event, id))
+        event.and_then(|event| self.final_message(&event, id))
+    }
+
+    /// The final response to `id` in one event's data, if it is one; notes an event that
+    /// gives the key back.
+    fn final_message(&mut self, data: &[u8], id: &Id) -> Option<Bytes> {
+        match serde_json::from_slice::<Value>(data).map(|message| reply(message, id)) {
+            Ok(Reply::Final) => Some(Bytes::copy_from_slice(data)),
+            Ok(Reply::GivesBack) => {
+                self.gives_back = true;
+                None
+            }
+            _ => None,
+        }
     }
 
     /// Ends the current line: a field, or (when empty) the end of an event, whose data it
@@ -719,27 +798,41 @@ impl Events {
     }
 }
 
-/// The final response to `id` in one event's data, if it is one.
-fn final_message(data: &[u8], id: &Id) -> Option<Bytes> {
-    let message = serde_json::from_slice::<Value>(data).ok()?;
-    is_response(message, id).then(|| Bytes::copy_from_slice(data))
+/// What one JSON-RPC message is to the call `id`.
+enum Reply {
+    /// Its final response.
+    Final,
+    /// A sign that the call's key goes back: an interim result to it (MCP's
+    /// `input_required`), or an error to a `null` id (the server could not read the call).
+    GivesBack,
+    /// Anything else: a notification, a request, an answer to another id.
+    Other,
 }
 
-/// A final response (not a notification, a request or an interim result) to `id`.
-fn is_response(message: Value, id: &Id) -> bool {
+/// What `message` is to the call `id`.
+fn reply(message: Value, id: &Id) -> Reply {
     let Value::Object(message) = message else {
-        return false;
+        return Reply::Other;
     };
     if !id.answers(message.get("id")) {
-        return false;
+        return match message.get("id") {
+            Some(Value::Null) if message.contains_key("error") => Reply::GivesBack,
+            _ => Reply::Other,
+        };
     }
     match message.get("result") {
         // MCP: only a result asking for more input (`resultType: "input_required"`) is a step;
         // "complete", a task handle ("task") and results of older peers (no type) are final.
-        Some(result) => result
-            .get("resultType")
-            .is_none_or(|kind| kind != "input_required"),
-        None => message.contains_key("error"),
+        Some(result)
+            if result
+                .get("resultType")
+                .is_some_and(|k| k == "input_required") =>
+        {
+            Reply::GivesBack
+        }
+        Some(_) => Reply::Final,
+        None if message.contains_key("error") => Reply::Final,
+        None => Reply::Other,
     }
 }
 
@@ -873,6 +966,14 @@ mod tests {
 
     fn passes(parsed: &Parsed) -> bool {
         matches!(parsed, Parsed::PassThrough)
+    }
+
+    /// The call's final response in a captured body, if any.
+    fn final_of(headers: &HeaderMap, body: &[u8], id: &Id) -> Option<Bytes> {
+        match final_response(headers, body, id) {
+            Answer::Final(message) => Some(message),
+            Answer::NotFinal | Answer::Unseen => None,
+        }
     }
 
     fn id(raw: &str) -> Id {
@@ -1075,13 +1176,13 @@ mod tests {
         );
         let body = "id: 1\ndata: {\"jsonrpc\":\"2.0\",\"method\":\"notifications/progress\",\"params\":{}}\n\n\
                     id: 2\ndata: {\"jsonrpc\":\"2.0\",\"id\":5,\"result\":{\"ok\":true}}\n\n";
-        let last = final_response(&headers, body.as_bytes(), &id("5")).expect("final");
+        let last = final_of(&headers, body.as_bytes(), &id("5")).expect("final");
         assert_eq!(
             serde_json::from_slice::<Value>(&last).expect("json")["result"]["ok"],
             true
         );
         assert!(
-            final_response(
+            final_of(
                 &headers,
                 b"data: {\"jsonrpc\":\"2.0\",\"method\":\"x\"}\n\n",
                 &id("5")
@@ -1177,7 +1278,7 @@ mod tests {
             }
             let want = reference_events(&stream)
                 .into_iter()
-                .find_map(|data| final_message(data.as_bytes(), &id("5")));
+                .find_map(|data| Events::default().final_message(data.as_bytes(), &id("5")));
             let mut parser = Events::default();
             let mut got = None;
             for piece in stream.as_bytes().chunks(chunk) {
@@ -1268,26 +1369,111 @@ mod tests {
         ] {
             let body = format!(r#"{{"jsonrpc":"2.0","id":{written},"result":{{}}}}"#);
             assert!(
-                final_response(&headers, body.as_bytes(), &id(sent)).is_some(),
+                final_of(&headers, body.as_bytes(), &id(sent)).is_some(),
                 "{sent} written back as {written}"
             );
         }
         let body = br#"{"jsonrpc":"2.0","id":9007199254740994,"result":{}}"#;
-        assert!(final_response(&headers, body, &id("9007199254740992")).is_none());
+        assert!(final_of(&headers, body, &id("9007199254740992")).is_none());
         let body = br#"{"jsonrpc":"2.0","id":"1","result":{}}"#;
         assert!(
-            final_response(&headers, body, &id("1")).is_none(),
+            final_of(&headers, body, &id("1")).is_none(),
             "a string is not a number"
         );
+    }
+
+    /// DESIGN §8 and §3: a stream that ends without the call's response gives the key back
+    /// only on an interim result or an error to a `null` id; otherwise the server took the
+    /// call (SEP-1699's priming event, then the response on a resumed stream). A JSON body
+    /// that is not the response gives it back, as before.
+    #[test]
+    fn a_stream_without_the_response_is_unseen_unless_it_says_not_run() {
+        let mut sse = HeaderMap::new();
+        sse.insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("text/event-stream"),
+        );
+        let progress = r#"{"jsonrpc":"2.0","method":"notifications/progress","params":{}}"#;
+        let interim = r#"{"jsonrpc":"2.0","id":7,"result":{"resultType":"input_required"}}"#;
+        let null_error = r#"{"jsonrpc":"2.0","id":null,"error":{"code":-32700,"message":"x"}}"#;
+        let as_string = r#"{"jsonrpc":"2.0","id":"7","result":{}}"#;
+        let other_id = r#"{"jsonrpc":"2.0","id":8,"result":{}}"#;
+        let answer = |body: String| final_response(&sse, body.as_bytes(), &id("7"));
+        assert_eq!(
+            answer("id: 0\nretry: 3000\ndata: \n\n".into()),
+            Answer::Unseen
+        );
+        assert_eq!(answer(String::new()), Answer::Unseen);
+        assert_eq!(answer(format!("data: {progress}\n\n")), Answer::Unseen);
+        assert_eq!(answer(format!("data: {as_string}\n\n")), Answer::Unseen);
+        assert_eq!(answer(format!("data: {other_id}\n\n")), Answer::Unseen);
+        assert_eq!(answer(format!("data: {interim}\n\n")), Answer::NotFinal);
+        assert_eq!(answer(format!("data: {interim}")), Answer::NotFinal);
+        assert_eq!(answer(format!("data: {null_error}\n\n")), Answer::NotFinal);
+        let done = r#"{"jsonrpc":"2.0","id":7,"result":{}}"#;
+        assert_eq!(
+            answer(format!("data: {interim}\n\ndata: {done}\n\n")),
+            Answer::Final(Bytes::from(done))
+        );
+        let json = HeaderMap::new();
+        for body in [progress, as_string, null_error, interim, ""] {
+            assert_eq!(
+                final_response(&json, body.as_bytes(), &id("7")),
+                Answer::NotFinal,
+                "{body}"
+            );
+        }
+    }
+
+    /// RFC 9110 §8.3.1: media types are case-insensitive; a longer subtype is another type.
+    #[test]
+    fn event_streams_are_known_in_any_case() {
+        for (value, is) in [
+            ("text/event-stream", true),
+            ("Text/Event-Stream", true),
+            ("TEXT/EVENT-STREAM;charset=utf-8", true),
+            ("text/event-stream ; charset=utf-8", true),
+            ("text/event-streams", false),
+            ("text/event", false),
+            ("application/json", false),
+        ] {
+            let mut headers = HeaderMap::new();
+            headers.insert(
+                header::CONTENT_TYPE,
+                HeaderValue::from_str(value).expect("value"),
+            );
+            assert_eq!(is_event_stream(&headers), is, "{value}");
+        }
+        assert!(!is_event_stream(&HeaderMap::new()));
+    }
+
+    /// DESIGN §8: a null id answers no call, and a keyed call whose id cannot be read back
+    /// (beyond a double's range) is refused rather than run with no response to find.
+    #[test]
+    fn null_answers_nothing_and_unreadable_ids_are_refused() {
+        for ours in ["1e400", "-1e400", "7", "\"a\""] {
+            assert!(!id(ours).answers(Some(&Value::Null)), "{ours}");
+        }
+        assert!(!id("1e400").answers(Some(&json!(1e300))));
+        for raw in ["1e400", "-1E+999"] {
+            let body =
+                format!(r#"{{"jsonrpc":"2.0","id":{raw},"method":"tools/call","params":{{}}}}"#);
+            assert_eq!(
+                refused(&parsed(&body, Some("k"))),
+                Some(ProblemKind::CallUnguardable),
+                "{raw}"
+            );
+            assert!(passes(&parsed(&body, None)), "{raw}: unkeyed passes");
+        }
     }
 
     #[test]
     fn interim_results_are_not_outcomes_and_continuations_match() {
         let headers = HeaderMap::new();
         let interim = br#"{"jsonrpc":"2.0","id":1,"result":{"resultType":"input_required","inputRequests":{}}}"#;
-        assert!(final_response(&headers, interim, &id("1")).is_none());
+        assert!(final_of(&headers, interim, &id("1")).is_none());
         let done = br#"{"jsonrpc":"2.0","id":1,"result":{"resultType":"complete","content":[]}}"#;
-        assert!(final_response(&headers, done, &id("1")).is_some());
+        assert!(final_of(&headers, done, &id("1")).is_some());
         let (parts, ()) = http::Request::post("/mcp")
             .body(())
             .expect("req")

@@ -240,8 +240,10 @@ impl Dialect {
         match body {
             // The call's final response, whatever framing carried it.
             Some(bytes) => match jsonrpc::final_response(headers, bytes, id) {
-                Some(message) => Recording::Call(Some(message)),
-                None => Recording::Interim,
+                jsonrpc::Answer::Final(message) => Recording::Call(Some(message)),
+                jsonrpc::Answer::NotFinal => Recording::Interim,
+                // Taken as done, its response not stored.
+                jsonrpc::Answer::Unseen => Recording::Call(None),
             },
             // Too large to keep: recorded without a body, like any oversized response.
             None => Recording::Call(None),
@@ -393,8 +395,10 @@ impl Dialect {
             ProblemKind::ResponseNotStored,
             format!(
                 "the operation completed with {outcome}, but its response was not recorded \
-                 (it was larger than the limit for recorded responses, or its body failed \
-                 after the handler answered), so it cannot be replayed; it will not run again"
+                 (it was larger than the limit for recorded responses, its body failed after \
+                 the handler answered, or its event stream ended without the call's response, \
+                 which the server sends elsewhere), so it cannot be replayed; it will not run \
+                 again"
             ),
         )
         .state("completed");

@@ -578,7 +578,19 @@ async fn tool(
             Body::from(format!("data: {progress}\n\ndata: {response}\n\n")),
             true,
         ),
-        "interim" => (Body::from(format!("data: {progress}\n\n")), true),
+        "interim" => {
+            let interim = format!(
+                r#"{{"jsonrpc":"2.0","id":{},"result":{{"resultType":"input_required","inputRequests":{{}}}}}}"#,
+                message["id"]
+            );
+            (
+                Body::from(format!("data: {progress}\n\ndata: {interim}\n\n")),
+                true,
+            )
+        }
+        // A stream that ends without the response nor an interim result: the server took the
+        // call (its response went elsewhere, as on a resumed MCP stream).
+        "unseen" => (Body::from(format!("data: {progress}\n\n")), true),
         "sse-broken" => (
             Body::new(Scripted(VecDeque::from([
                 Step::Data(Bytes::from(format!("data: {progress}\n\n"))),
@@ -854,7 +866,7 @@ async fn a_refused_record_on_a_rare_path_lands_later() {
 /// gRPC-Web and JSON-RPC streams on a cancelling route (their records are made on the
 /// detached task): an opaque (compressed) answer is never run twice; a malformed one is
 /// UNKNOWN and given back; an interim stream is never stored (the retry runs); a stream that
-/// breaks before its final response is taken as done (never run again).
+/// breaks, or ends, before its final response is taken as done (never run again).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dialect_rare_paths_keep_or_release_the_key_as_documented() {
     for cancel in [false, true] {
@@ -865,6 +877,7 @@ async fn dialect_rare_paths_keep_or_release_the_key_as_documented() {
             ("/w.W/Gzip", 1),
             ("/w.W/Malformed", 2),
             ("/mcp#interim", 2),
+            ("/mcp#unseen", 1),
             ("/mcp#sse-broken", 1),
             ("/mcp#sse", 1),
             ("/broken", 1),
