@@ -2,7 +2,7 @@
 //!
 //! A fingerprint is SHA-256 over, in order and each length-prefixed: a version tag, the method,
 //! the path, the query, the media type of `Content-Type` with its parameters (lower-cased
-//! names, sorted; only a multipart `boundary` and JSON's `charset=utf-8` are left out, as
+//! names and `charset` values, sorted; only a multipart `boundary` and JSON's `charset=utf-8` are left out, as
 //! they change nothing), the configured extra request headers, and the canonical body:
 //!
 //! | media type | canonical body |
@@ -283,7 +283,8 @@ thread_local! {
 const SCRATCH_KEEP: usize = 64 * 1024;
 
 /// The media type and parameters of a `Content-Type` value, as they count in a fingerprint:
-/// type and parameter names lower-cased, quoted values unquoted, parameters sorted; dropped
+/// type, parameter names and `charset` values lower-cased, quoted values unquoted, parameters
+/// sorted; dropped
 /// are only those that provably change nothing: `boundary` of a multipart body (its parts are
 /// what counts) and `charset=utf-8` of JSON (JSON is UTF-8 by definition). `text/plain;
 /// charset=latin1` and `text/plain` are different requests. `media` is the value's
@@ -305,10 +306,15 @@ pub(crate) fn media_with_parameters<'m>(
             let (name, value) = parameter.split_once('=').unwrap_or((parameter, ""));
             let name = name.trim().to_ascii_lowercase();
             let value = value.trim();
-            let value = match value.strip_prefix('"').and_then(|v| v.strip_suffix('"')) {
+            let mut value = match value.strip_prefix('"').and_then(|v| v.strip_suffix('"')) {
                 Some(quoted) => unquote(quoted),
                 None => value.to_owned(),
             };
+            // RFC 9110 §8.3.2: a charset's name is case-insensitive (`LATIN1` is `latin1`);
+            // other parameters' values may not be (a boundary is not).
+            if name == "charset" {
+                value.make_ascii_lowercase();
+            }
             let redundant = (name == "boundary" && media == "multipart/form-data")
                 || (name == "charset" && is_json(media) && value.eq_ignore_ascii_case("utf-8"))
                 || name.is_empty();
@@ -687,6 +693,19 @@ mod tests {
         assert_ne!(
             fp("POST", "/", "application/json; profile=a", b"{}").expect("fp"),
             fp("POST", "/", "application/json", b"{}").expect("fp"),
+        );
+        // RFC 9110 §8.3.2: a charset's name has no case; other values keep theirs.
+        assert_eq!(
+            fp("POST", "/", "text/plain; charset=LATIN1", b"x").expect("fp"),
+            fp("POST", "/", "text/plain; charset=\"latin1\"", b"x").expect("fp"),
+        );
+        assert_ne!(
+            fp("POST", "/", "text/plain; charset=latin1", b"x").expect("fp"),
+            fp("POST", "/", "text/plain; charset=latin2", b"x").expect("fp"),
+        );
+        assert_ne!(
+            fp("POST", "/", "text/csv; header=Present", b"a,b").expect("fp"),
+            fp("POST", "/", "text/csv; header=present", b"a,b").expect("fp"),
         );
         // A `;` inside a quoted value is data, and a repeated parameter keeps its order.
         assert_ne!(

@@ -101,6 +101,7 @@ const BODIES: &[Body] = &[
     body("text/plain", "hello "),
     body("text/plain; charset=latin1", "hello"),
     body("text/plain;charset=\"latin1\"", "hello"),
+    body("text/plain; charset=LATIN1", "hello"),
 ];
 
 /// What the model predicts of a body before any state: refused as malformed, or its part of the
@@ -127,7 +128,8 @@ fn read_as(body: &Body, strict: bool) -> Reading {
         .trim()
         .to_ascii_lowercase();
     let json = media == "application/json" || media.ends_with("+json");
-    // Parameters count, by lower-cased name and unquoted value, in any order; JSON's
+    // Parameters count, by lower-cased name and unquoted value (a charset's lower-cased), in
+    // any order; JSON's
     // `charset=utf-8` alone changes nothing.
     let mut parameters: Vec<(String, String)> = pieces
         .filter_map(|p| p.split_once('='))
@@ -137,7 +139,13 @@ fn read_as(body: &Body, strict: bool) -> Reading {
                 .strip_prefix('"')
                 .and_then(|v| v.strip_suffix('"'))
                 .unwrap_or(v);
-            (n.trim().to_ascii_lowercase(), v.to_owned())
+            let n = n.trim().to_ascii_lowercase();
+            // RFC 9110 §8.3.2: a charset's name has no case.
+            let v = match n == "charset" {
+                true => v.to_ascii_lowercase(),
+                false => v.to_owned(),
+            };
+            (n, v)
         })
         .filter(|(n, v)| !(json && n == "charset" && v.eq_ignore_ascii_case("utf-8")))
         .collect();

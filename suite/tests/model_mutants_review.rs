@@ -42,7 +42,7 @@ const FORM: &str = "application/x-www-form-urlencoded";
 
 /// One operation: every spelling is the same request (DESIGN §1 step 4: JSON member order,
 /// whitespace and number spelling do not count; form pairs are decoded and sorted; media type
-/// and parameter names are case-insensitive, quoting does not count, and JSON's
+/// and parameter names are case-insensitive, so are charset values, quoting does not count, and JSON's
 /// `charset=utf-8` changes nothing). Two operations of one family differ in one thing the
 /// contract says counts: a media-type parameter, a value, raw bytes where there is no exact
 /// canonical form (a duplicate name, an integer beyond 2^53).
@@ -92,6 +92,10 @@ const OPERATIONS: &[Operation] = &[
             (
                 "application/json; CHARSET=latin1",
                 r#"{ "amount": 100, "currency": "eur" }"#,
+            ),
+            (
+                "application/json; charset=LATIN1",
+                r#"{"amount":1e2,"currency":"eur"}"#,
             ),
         ],
     ),
@@ -169,6 +173,8 @@ const OPERATIONS: &[Operation] = &[
             ("text/plain; charset=latin1", "hello"),
             ("text/plain;charset=\"latin1\"", "hello"),
             ("TEXT/PLAIN; CHARSET=latin1", "hello"),
+            ("text/plain; charset=Latin1", "hello"),
+            ("text/plain; charset=\"LATIN1\"", "hello"),
         ],
     ),
     op(
