@@ -446,8 +446,14 @@ impl<St: IdempotencyStore> Execution<St> {
                 Err(error) => {
                     let _ = tx.send(Err(error)).await;
                     if !recorded {
-                        // The handler answered: the call is taken as done, its answer lost.
-                        self.record_call(&head, None, None).await;
+                        // The handler answered: the call is taken as done, its answer lost;
+                        // unless the stream said the key goes back (an interim result).
+                        match events.unanswered() {
+                            Answer::NotFinal => {
+                                self.release().await;
+                            }
+                            _ => self.record_unseen(&head).await,
+                        }
                     }
                     return;
                 }
@@ -479,9 +485,7 @@ impl<St: IdempotencyStore> Execution<St> {
                 Some(message) => self.record_call(&head, Some(message), None).await,
                 // The server took the call and answers it elsewhere (a resumed stream): taken as
                 // done, never run again.
-                None if events.unanswered() == Answer::Unseen => {
-                    self.record_call(&head, None, None).await;
-                }
+                None if events.unanswered() == Answer::Unseen => self.record_unseen(&head).await,
                 // An interim result, or the server could not read the call: nothing to keep.
                 None => {
                     self.release().await;
@@ -638,6 +642,7 @@ impl<St: IdempotencyStore> Execution<St> {
             Rare::Call(message) => {
                 self.record_call(parts, message, trailers).await;
             }
+            Rare::Unseen => self.record_unseen(parts).await,
         }
     }
 
@@ -660,6 +665,7 @@ impl<St: IdempotencyStore> Execution<St> {
             Recording::Opaque => Some(Rare::Opaque(body.clone())),
             Recording::Call(message) => Some(Rare::Call(message)),
             Recording::Interim => Some(Rare::Release),
+            Recording::Unseen => Some(Rare::Unseen),
         };
         if let Some(rare) = rare {
             return Stored::Rare(rare, body);
@@ -695,6 +701,13 @@ impl<St: IdempotencyStore> Execution<St> {
             trailers,
         };
         Stored::Record(stored, withheld)
+    }
+
+    /// Records a call the server took whose response this layer did not see (its event stream
+    /// ended, or broke, without it): done whatever the route's policy says, as any answer
+    /// whose head arrived and told no outcome (DESIGN §3), so it never runs again.
+    async fn record_unseen(&self, parts: &Parts) {
+        self.complete(&jsonrpc::stored_unseen(parts.status)).await;
     }
 
     /// Records a call's final response (`None`: too large to keep), or releases the key when
@@ -863,6 +876,8 @@ enum Rare {
     Opaque(Option<Bytes>),
     /// A JSON-RPC call's final response (`None`: too large to keep).
     Call(Option<Bytes>),
+    /// A JSON-RPC call the server took whose response went elsewhere.
+    Unseen,
 }
 
 pin_project! {

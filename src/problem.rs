@@ -8,7 +8,8 @@
 //!   `released`, `needs_reconciliation`);
 //! - `safe_new_key`: `true` when the outcome for this key is definite (nothing ran, or the
 //!   outcome is recorded) so the client may move on to a new key; `false` when the client must
-//!   keep retrying *this* key (the outcome is not known yet, or the store could not tell);
+//!   keep retrying *this* key (the outcome is not known yet, or the store could not tell), or
+//!   find its outcome elsewhere (a JSON-RPC call answered on a stream this layer did not see);
 //! - `retry_after`: seconds, when a retry is expected to help (also sent as `Retry-After`).
 //!
 //! No header value of the request (key, credentials) is ever echoed.
@@ -23,7 +24,7 @@
 //! | `fingerprint-mismatch` | 422 | the key was used for a different request; nothing ran |
 //! | `in-flight` | 409 | the first request with this key is still running; retry after `Retry-After` |
 //! | `outcome-unknown` | 409 | it is unknown whether the operation took effect; it awaits reconciliation |
-//! | `response-not-stored` | 409 | the operation completed but its response was over the size limit, so it cannot be replayed |
+//! | `response-not-stored` | 409 | the operation completed but its response was over the size limit, so it cannot be replayed; or (JSON-RPC) the server took the call and its event stream ended without the response (`safe_new_key: false`) |
 //! | `encoding-not-accepted` | 406 | the operation completed, but its recorded response is in a content coding (`Content-Encoding`, `grpc-encoding`) this retry does not accept; retry accepting it |
 //! | `store-unavailable` | 503 | the record store failed; nothing ran; retry with the same key |
 //! | `execution-failed` | 500 | the handler panicked (the key was released), or its response body failed after it answered (`state: completed`: it will not run again) |
@@ -169,6 +170,8 @@ pub(crate) struct Problem {
     pub(crate) detail: String,
     pub(crate) state: &'static str,
     pub(crate) retry_after: Option<u64>,
+    /// The outcome is not known here, whatever the state: not safe to move on to a new key.
+    keep_key: bool,
 }
 
 impl Problem {
@@ -178,7 +181,15 @@ impl Problem {
             detail: detail.into(),
             state: "none",
             retry_after: None,
+            keep_key: false,
         }
+    }
+
+    /// Marks an answer whose outcome this layer does not know, though the key will not run
+    /// again: a new key would run the operation a second time.
+    pub(crate) fn keep_key(mut self) -> Self {
+        self.keep_key = true;
+        self
     }
 
     pub(crate) fn state(mut self, state: &'static str) -> Self {
@@ -194,7 +205,7 @@ impl Problem {
     /// Whether a client may move on to a new key: the kind says so, or the outcome is
     /// recorded (an execution that failed after it answered is completed, and final).
     pub(crate) fn safe_new_key(&self) -> bool {
-        self.kind.safe_new_key() || self.state == "completed"
+        !self.keep_key && (self.kind.safe_new_key() || self.state == "completed")
     }
 
     pub(crate) fn to_json(&self) -> serde_json::Value {

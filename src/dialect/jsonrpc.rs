@@ -41,12 +41,13 @@
 //!   `null` answers no call). A JSON body that is not the call's final response is not
 //!   recorded and the key is released: that includes MCP's interim results (`resultType:
 //!   "input_required"`), whose continuation (with `inputResponses` and `requestState`, which
-//!   the fingerprint leaves out) then runs under the same key. An event stream that ends
-//!   without the call's response releases the key only when it carried such an interim
-//!   result or an error to a `null` id (the server could not read the call); any other
-//!   stream (MCP's SSE polling closes one after its priming event and sends the response on
-//!   a resumed stream the layer never sees) was a call the server took: it is taken as done,
-//!   its response not stored, and never run again (-31007 to retries). Every other result is
+//!   the fingerprint leaves out) then runs under the same key. An event stream that ends, or
+//!   breaks, without the call's response releases the key only when it carried such an
+//!   interim result, or began with an error object to a `null` id (the server could not read
+//!   the call); any other stream (MCP's SSE polling closes one after its priming event and
+//!   sends the response on a resumed stream the layer never sees) was a call the server
+//!   took: it is taken as done whatever the route's policy, and never run again (-31007 to
+//!   retries, with `safe_new_key: false`: the outcome is not known here). Every other result is
 //!   final, a task handle (`resultType: "task"`, the tasks extension) included: it is
 //!   recorded and replayed like any other;
 //! - replays are `200 application/json`: the recorded response byte for byte, but for its `id`,
@@ -632,9 +633,9 @@ pub(crate) fn error_response<B>(problem: &Problem, id: &Id) -> Response<Response
 pub(crate) enum Answer {
     /// The call's final response, as the server wrote it.
     Final(Bytes),
-    /// No outcome to keep: a JSON body that is not the call's response, or a stream that ended
-    /// on an interim result (MCP's `input_required`) or on an error to a `null` id (the server
-    /// could not read the call). The key is given back.
+    /// No outcome to keep: a JSON body that is not the call's response, or a stream that
+    /// carried an interim result (MCP's `input_required`), or began with an error to a `null`
+    /// id (the server could not read the call). The key is given back.
     NotFinal,
     /// An event stream that ended without the call's response and without a sign that it was
     /// not run: the server took the call, and its response went where the layer cannot see it
@@ -665,7 +666,8 @@ pub(crate) fn final_response(headers: &HeaderMap, body: &[u8], id: &Id) -> Answe
 pub(crate) fn is_event_stream(headers: &HeaderMap) -> bool {
     const SSE: &[u8] = b"text/event-stream";
     crate::lines::get(headers, &header::CONTENT_TYPE).is_some_and(|ct| {
-        let ct = ct.as_bytes();
+        // Whitespace around a value is not part of it (an in-process service may leave some).
+        let ct = ct.as_bytes().trim_ascii_start();
         ct.len() >= SSE.len()
             && ct[..SSE.len()].eq_ignore_ascii_case(SSE)
             && matches!(ct.get(SSE.len()), None | Some(b';' | b' ' | b'\t'))
@@ -688,8 +690,10 @@ pub(crate) struct Events {
     /// Whether a line has ended yet: the stream's first line may start with a byte-order mark.
     past_first_line: bool,
     /// Whether an event said the call's key goes back: an interim result to it, or an error
-    /// to a `null` id.
+    /// to a `null` id before any other message (after one, the server had read the call).
     gives_back: bool,
+    /// Whether an event has carried a JSON-RPC message yet (a priming event carries none).
+    spoke: bool,
 }
 
 impl Events {
@@ -748,14 +752,18 @@ impl Events {
     /// The final response to `id` in one event's data, if it is one; notes an event that
     /// gives the key back.
     fn final_message(&mut self, data: &[u8], id: &Id) -> Option<Bytes> {
-        match serde_json::from_slice::<Value>(data).map(|message| reply(message, id)) {
-            Ok(Reply::Final) => Some(Bytes::copy_from_slice(data)),
-            Ok(Reply::GivesBack) => {
-                self.gives_back = true;
-                None
-            }
-            _ => None,
+        let Ok(message) = serde_json::from_slice::<Value>(data) else {
+            return None;
+        };
+        let first = !self.spoke;
+        self.spoke |= message.is_object();
+        match reply(message, id) {
+            Reply::Final => return Some(Bytes::copy_from_slice(data)),
+            Reply::Interim => self.gives_back = true,
+            Reply::NotRead if first => self.gives_back = true,
+            Reply::NotRead | Reply::Other => {}
         }
+        None
     }
 
     /// Ends the current line: a field, or (when empty) the end of an event, whose data it
@@ -802,9 +810,10 @@ impl Events {
 enum Reply {
     /// Its final response.
     Final,
-    /// A sign that the call's key goes back: an interim result to it (MCP's
-    /// `input_required`), or an error to a `null` id (the server could not read the call).
-    GivesBack,
+    /// An interim result to it (MCP's `input_required`): its continuation runs under the key.
+    Interim,
+    /// An error object to a `null` id: a server writes it where it could not read a request.
+    NotRead,
     /// Anything else: a notification, a request, an answer to another id.
     Other,
 }
@@ -815,8 +824,8 @@ fn reply(message: Value, id: &Id) -> Reply {
         return Reply::Other;
     };
     if !id.answers(message.get("id")) {
-        return match message.get("id") {
-            Some(Value::Null) if message.contains_key("error") => Reply::GivesBack,
+        return match (message.get("id"), message.get("error")) {
+            (Some(Value::Null), Some(Value::Object(_))) => Reply::NotRead,
             _ => Reply::Other,
         };
     }
@@ -828,7 +837,7 @@ fn reply(message: Value, id: &Id) -> Reply {
                 .get("resultType")
                 .is_some_and(|k| k == "input_required") =>
         {
-            Reply::GivesBack
+            Reply::Interim
         }
         Some(_) => Reply::Final,
         None if message.contains_key("error") => Reply::Final,
@@ -919,6 +928,23 @@ fn marked(result: &str) -> String {
     }
     out.push('}');
     out
+}
+
+/// The stored form of a call the server took (its answer was an event stream) whose response
+/// this layer did not see: the stream ended, or broke, without it. Kept as an event stream
+/// without a body, `status` as the head had it, so that retries are told what happened.
+pub(crate) fn stored_unseen(status: StatusCode) -> StoredResponse {
+    let mut headers = HeaderMap::new();
+    headers.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("text/event-stream"),
+    );
+    StoredResponse {
+        status,
+        headers,
+        body: None,
+        trailers: None,
+    }
 }
 
 /// The stored form of a call's final response (`None`: too large to keep): `200
@@ -1410,6 +1436,19 @@ mod tests {
         assert_eq!(answer(format!("data: {interim}\n\n")), Answer::NotFinal);
         assert_eq!(answer(format!("data: {interim}")), Answer::NotFinal);
         assert_eq!(answer(format!("data: {null_error}\n\n")), Answer::NotFinal);
+        assert_eq!(
+            answer(format!("id: 0\ndata:\n\ndata: {null_error}\n\n")),
+            Answer::NotFinal,
+            "a priming event is not a message"
+        );
+        // After another message the server had read the call: the null-id error is not a
+        // sign that it did not run.
+        assert_eq!(
+            answer(format!("data: {progress}\n\ndata: {null_error}\n\n")),
+            Answer::Unseen
+        );
+        let error_null = r#"{"jsonrpc":"2.0","id":null,"error":null}"#;
+        assert_eq!(answer(format!("data: {error_null}\n\n")), Answer::Unseen);
         let done = r#"{"jsonrpc":"2.0","id":7,"result":{}}"#;
         assert_eq!(
             answer(format!("data: {interim}\n\ndata: {done}\n\n")),
@@ -1433,6 +1472,7 @@ mod tests {
             ("Text/Event-Stream", true),
             ("TEXT/EVENT-STREAM;charset=utf-8", true),
             ("text/event-stream ; charset=utf-8", true),
+            (" \ttext/event-stream", true),
             ("text/event-streams", false),
             ("text/event", false),
             ("application/json", false),

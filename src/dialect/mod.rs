@@ -242,8 +242,7 @@ impl Dialect {
             Some(bytes) => match jsonrpc::final_response(headers, bytes, id) {
                 jsonrpc::Answer::Final(message) => Recording::Call(Some(message)),
                 jsonrpc::Answer::NotFinal => Recording::Interim,
-                // Taken as done, its response not stored.
-                jsonrpc::Answer::Unseen => Recording::Call(None),
+                jsonrpc::Answer::Unseen => Recording::Unseen,
             },
             // Too large to keep: recorded without a body, like any oversized response.
             None => Recording::Call(None),
@@ -340,7 +339,7 @@ impl Dialect {
             mut trailers,
         } = stored;
         let Some(body) = body else {
-            return self.not_stored(status, trailers.as_ref());
+            return self.not_stored(status, &headers, trailers.as_ref());
         };
         if let Some(coding) = self.unaccepted(request, &headers) {
             return self.answered(&not_accepted(&coding));
@@ -354,7 +353,7 @@ impl Dialect {
                 let mark = settings.is_some_and(|j| j.mark_replay_in_meta);
                 match jsonrpc::readdress(&body, id, mark) {
                     Some(body) => body,
-                    None => return self.not_stored(status, None),
+                    None => return self.not_stored(status, &headers, None),
                 }
             }
             // Kept as sent: replayed as sent (to retries that accept its coding).
@@ -381,8 +380,23 @@ impl Dialect {
     fn not_stored<B>(
         &self,
         status: ::http::StatusCode,
+        headers: &HeaderMap,
         trailers: Option<&HeaderMap>,
     ) -> Response<ResponseBody<B>> {
+        if matches!(self, Self::JsonRpc(_)) && jsonrpc::is_event_stream(headers) {
+            // The outcome is not known here: a new key would run the call again.
+            let problem = Problem::new(
+                ProblemKind::ResponseNotStored,
+                "the server took this call and answered it on an event stream that ended \
+                 without the call's response (MCP's SSE polling sends it on a resumed stream, \
+                 which this layer does not see), so there is no response to replay; it will \
+                 not run again under this key. Resume the first call's stream for its \
+                 response: a new key would run it again",
+            )
+            .state("completed")
+            .keep_key();
+            return self.answered(&problem);
+        }
         // A gRPC call's outcome is its gRPC status, where the record has it.
         let grpc_status = trailers
             .and_then(|t| t.get(&grpc::STATUS))
@@ -395,10 +409,8 @@ impl Dialect {
             ProblemKind::ResponseNotStored,
             format!(
                 "the operation completed with {outcome}, but its response was not recorded \
-                 (it was larger than the limit for recorded responses, its body failed after \
-                 the handler answered, or its event stream ended without the call's response, \
-                 which the server sends elsewhere), so it cannot be replayed; it will not run \
-                 again"
+                 (it was larger than the limit for recorded responses, or its body failed \
+                 after the handler answered), so it cannot be replayed; it will not run again"
             ),
         )
         .state("completed");
@@ -431,6 +443,9 @@ pub(crate) enum Recording {
     Call(Option<Bytes>),
     /// An interim answer with no final response in it: nothing to record.
     Interim,
+    /// A call the server took whose response went elsewhere: taken as done, whatever the
+    /// policy, as [`jsonrpc::stored_unseen`] frames it.
+    Unseen,
 }
 
 /// Whether a body is in a content coding (`Content-Encoding` other than identity), so that

@@ -2,7 +2,10 @@
 //!
 //! Clients draw a fresh random boundary for every request, retries included, so the raw bytes
 //! of two identical submissions differ. Each part counts by its headers (names lower-cased,
-//! values trimmed, sorted) and its content, in order; preamble and epilogue do not count.
+//! values trimmed, a `Content-Type` read as the request's is, sorted) and its content, in
+//! order; preamble and epilogue do not count.
+
+use std::borrow::Cow;
 
 use super::{MalformedBody, Sink};
 
@@ -37,10 +40,22 @@ pub(crate) fn canonicalize(
                 .iter()
                 .position(|&b| b == b':')
                 .ok_or(MalformedBody::new("multipart header line without a colon"))?;
-            headers.push((
-                line[..colon].to_ascii_lowercase(),
-                line[colon + 1..].trim_ascii(),
-            ));
+            let name = line[..colon].to_ascii_lowercase();
+            let value = line[colon + 1..].trim_ascii();
+            // A part's media type reads as the request's does (type, parameter names and a
+            // charset without case, parameters sorted).
+            let value = match std::str::from_utf8(value) {
+                Ok(text) if name == b"content-type" => {
+                    let media = super::media_type(text);
+                    Cow::Owned(
+                        super::media_with_parameters(text, &media)
+                            .into_owned()
+                            .into(),
+                    )
+                }
+                _ => Cow::Borrowed(value),
+            };
+            headers.push((name, value));
         }
         headers.sort();
         super::put_len(out, headers.len());
@@ -137,6 +152,34 @@ mod tests {
     fn canon(ct: &str, body: &[u8]) -> Result<Vec<u8>, MalformedBody> {
         let mut out = Vec::new();
         canonicalize(ct, body, &mut out).map(|()| out)
+    }
+
+    /// A part's `Content-Type` counts as the request's does: type, parameter names and a
+    /// charset's value without case, parameters in any order; other values as they are.
+    #[test]
+    fn a_parts_media_type_reads_as_the_requests() {
+        let ct = "multipart/form-data; boundary=b";
+        let part = |content_type: &str| {
+            let body = format!(
+                "--b\r\nContent-Disposition: form-data; name=\"a\"\r\nContent-Type: {content_type}\r\n\r\nv\r\n--b--"
+            );
+            canon(ct, body.as_bytes()).expect("valid")
+        };
+        let plain = part("text/plain; charset=utf-8; format=flowed");
+        for same in [
+            "Text/Plain; charset=UTF-8; format=flowed",
+            "text/plain;format=flowed;Charset=\"utf-8\"",
+        ] {
+            assert_eq!(part(same), plain, "{same}");
+        }
+        for other in [
+            "text/plain; charset=utf-8; format=Flowed",
+            "text/plain; charset=latin1; format=flowed",
+            "text/plain; format=flowed",
+            "text/csv; charset=utf-8; format=flowed",
+        ] {
+            assert_ne!(part(other), plain, "{other}");
+        }
     }
 
     #[test]

@@ -217,6 +217,16 @@ async fn streams_that_end_without_the_response<St: IdempotencyStore>(store: St, 
             assert!(retry.replayed, "{name} {mode}: {retry:?}");
             assert_eq!(retry.json()["id"], Value::from(1000), "{name} {mode}");
             assert_eq!(retry.json()["error"]["data"]["state"], "completed");
+            // Its outcome is not known here: a new key would run it again.
+            assert_eq!(
+                retry.json()["error"]["data"]["safe_new_key"],
+                false,
+                "{name} {mode}: {retry:?}"
+            );
+            assert!(
+                retry.text.contains("event stream"),
+                "{name} {mode}: {retry:?}"
+            );
             // And it stays so: a third call runs nothing either.
             call(addr, mode, Some(&key), "8").await;
             assert_eq!(
