@@ -704,10 +704,16 @@ impl<St: IdempotencyStore> Execution<St> {
     }
 
     /// Records a call the server took whose response this layer did not see (its event stream
-    /// ended, or broke, without it): done whatever the route's policy says, as any answer
-    /// whose head arrived and told no outcome (DESIGN §3), so it never runs again.
+    /// ended, or broke, without it): under a success status, done whatever the route's policy
+    /// says, as any answer whose head arrived and told no outcome (DESIGN §3), so it never
+    /// runs again. An error status is an outcome the policy classifies (a 503 stream from an
+    /// overloaded proxy gives the key back under `DefinitiveOnly`).
     async fn record_unseen(&self, parts: &Parts) {
-        self.complete(&jsonrpc::stored_unseen(parts.status)).await;
+        if parts.status.is_success() {
+            self.complete(&jsonrpc::stored_unseen(parts.status)).await;
+        } else {
+            self.record_call(parts, None, None).await;
+        }
     }
 
     /// Records a call's final response (`None`: too large to keep), or releases the key when

@@ -45,8 +45,9 @@
 //!   breaks, without the call's response releases the key only when it carried such an
 //!   interim result, or began with an error object to a `null` id (the server could not read
 //!   the call); any other stream (MCP's SSE polling closes one after its priming event and
-//!   sends the response on a resumed stream the layer never sees) was a call the server
-//!   took: it is taken as done whatever the route's policy, and never run again (-31007 to
+//!   sends the response on a resumed stream the layer never sees) under a success status was
+//!   a call the server took: it is taken as done whatever the route's policy (under an error
+//!   status the policy decides, as for any answer), and never run again (-31007 to
 //!   retries, with `safe_new_key: false`: the outcome is not known here). Every other result is
 //!   final, a task handle (`resultType: "task"`, the tasks extension) included: it is
 //!   recorded and replayed like any other;

@@ -7,7 +7,8 @@
 //!   empty data), closes the stream, and sends the response on a resumed GET the layer never
 //!   sees. The call was taken: a retry must not run it again, even while the first run goes on.
 //! - Any other stream that ends without the response (progress only, the response under an id
-//!   that is not the call's) is taken as done, its response not stored.
+//!   that is not the call's) is taken as done, its response not stored; under an error status
+//!   (a 503 stream) the route's policy decides, as for any answer.
 //! - Only an explicit interim result (MCP's `input_required`) or an error to a `null` id (the
 //!   server could not read the call) gives the key back.
 //! - `Text/Event-Stream` is an event stream: media types are case-insensitive.
@@ -78,6 +79,8 @@ fn answer(mode: &str, id: &str, n: usize) -> (&'static str, String) {
             format!("data: {PROGRESS}\n\ndata: {}\n\n", result(id, n)),
         ),
         "sse" => (sse, format!("data: {}\n\n", result(id, n))),
+        // Under an error status (see `tool`): an outcome the policy classifies.
+        "priming-503" => (sse, "id: 0\ndata: \n\n".to_owned()),
         "json" => ("application/json", result(id, n)),
         other => panic!("unknown mode {other}"),
     }
@@ -93,8 +96,11 @@ async fn tool(effects: Effects, headers: HeaderMap) -> Response {
             .to_owned()
     };
     let n = effects.hit();
-    let (content_type, text) = answer(&get("x-mode"), &get("x-raw-id"), n);
+    let mode = get("x-mode");
+    let (content_type, text) = answer(&mode, &get("x-raw-id"), n);
+    let status = if mode.ends_with("-503") { 503 } else { 200 };
     Response::builder()
+        .status(status)
         .header(header::CONTENT_TYPE, content_type)
         .body(Body::from(text))
         .expect("response")
@@ -200,11 +206,14 @@ async fn streams_that_end_without_the_response<St: IdempotencyStore>(store: St, 
         ("interim", 2, 0),
         ("null-error", 2, -32700),
         ("null-error-json", 2, -32700),
+        // A 503 is no success: DefinitiveOnly gives the key back, as for any 503.
+        ("priming-503", 2, 0),
     ] {
         let before = effects.count();
         let key = unique(&format!("{name}-{mode}"));
         let first = call(addr, mode, Some(&key), "7").await;
-        assert_eq!(first.status, 200, "{name} {mode}: {first:?}");
+        let status = if mode.ends_with("-503") { 503 } else { 200 };
+        assert_eq!(first.status, status, "{name} {mode}: {first:?}");
         let retry = settled(addr, mode, &key).await;
         assert_eq!(
             effects.count() - before,
