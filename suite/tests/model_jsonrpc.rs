@@ -7,13 +7,16 @@
 //! `params._meta.idempotencyKey`, or both), the `id` (numbers and strings, spelled as no
 //! serialiser would), a fresh `_meta.progressToken` on every request, the envelope's member
 //! order and whitespace, the arguments (spellings of one document, near misses, JSON without an
-//! exact canonical form), the handler's answer (a result, or 503), and bursts of three copies
-//! at once. What the model holds: two calls are the same when the canonical `params` without
+//! exact canonical form), the handler's answer (a result as JSON or as an event stream, 503,
+//! or a stream that ends without the response: a priming event only, an interim result, an
+//! error to a `null` id), and bursts of three copies at once. What the model holds: two calls are the same when the canonical `params` without
 //! `_meta` are (`serde_json_canonicalizer`; when the arguments have no exact form, the raw
 //! text of `params` without `_meta`);
 //! the `id` never counts; a replay is the recorded result's bytes under the new `id` exactly as
 //! sent; a changed call is refused -31002 and a racer -31001, each echoing the `id` as sent; a
-//! keyed call with a `null` id is refused -31009, and nothing runs.
+//! keyed call with a `null` id is refused -31009, and nothing runs; a stream that ends without
+//! the response is taken as done (-31007, `safe_new_key: false`) unless it carried an interim
+//! result or began with an error to a `null` id, which give the key back.
 #![allow(missing_docs)]
 
 mod common;
@@ -32,8 +35,10 @@ use tower_idempotency::IdempotencyStore;
 use tower_idempotency::jsonrpc::JsonRpc;
 
 /// A tool server: counts the call under its key, then answers as `x-outcome` asks: a result
-/// written as a server might (members in its own order, a decimal with a trailing zero), or
-/// 503 (a technical failure: the key is released).
+/// written as a server might (members in its own order, a decimal with a trailing zero), as
+/// JSON or in an event stream after a progress notification; 503 (a technical failure: the
+/// key is released); or an event stream without the response: a priming event only (the
+/// response goes on a resumed stream), an interim result, an error to a `null` id.
 async fn tool(sink: Sink, headers: HeaderMap, body: Bytes) -> axum::response::Response {
     let call: serde_json::Value = serde_json::from_slice(&body).unwrap_or_default();
     let key = headers
@@ -55,11 +60,21 @@ async fn tool(sink: Sink, headers: HeaderMap, body: Bytes) -> axum::response::Re
         )
             .into_response();
     }
+    let id = &call["id"];
     let text = format!(
-        r#"{{"jsonrpc":"2.0","id":{},"result":{{"zeta":{serial},"for":"{key}","amount":10.50,"content":[]}}}}"#,
-        call["id"]
+        r#"{{"jsonrpc":"2.0","id":{id},"result":{{"zeta":{serial},"for":"{key}","amount":10.50,"content":[]}}}}"#,
     );
-    ([(header::CONTENT_TYPE, "application/json")], text).into_response()
+    let progress = r#"{"jsonrpc":"2.0","method":"notifications/progress","params":{"progress":1}}"#;
+    let stream = match headers.get("x-outcome").and_then(|v| v.to_str().ok()) {
+        Some("sse") => format!("id: 1\ndata: {progress}\n\nid: 2\ndata: {text}\n\n"),
+        Some("priming") => "id: 0\nretry: 3000\ndata: \n\n".to_owned(),
+        Some("interim") => format!(
+            "data: {progress}\n\ndata: {{\"jsonrpc\":\"2.0\",\"id\":{id},\"result\":{{\"resultType\":\"input_required\",\"inputRequests\":{{}}}}}}\n\n"
+        ),
+        Some("null") => "id: 0\ndata: \n\ndata: {\"jsonrpc\":\"2.0\",\"id\":null,\"error\":{\"code\":-32600,\"message\":\"no\"}}\n\n".to_owned(),
+        _ => return ([(header::CONTENT_TYPE, "application/json")], text).into_response(),
+    };
+    ([(header::CONTENT_TYPE, "text/event-stream")], stream).into_response()
 }
 
 fn app<St: IdempotencyStore + Clone>(store: St, sink: Sink) -> Router {
@@ -184,7 +199,12 @@ impl Step {
 }
 
 const CARRIERS: &[Carrier] = &[Carrier::Header, Carrier::Meta, Carrier::Both];
-const OUTCOMES: &[&str] = &["ok", "ok", "ok", "fail"];
+const OUTCOMES: &[&str] = &[
+    "ok", "ok", "sse", "sse", "fail", "priming", "interim", "null",
+];
+
+/// Outcomes that give the key back: sent alone (a racer could run after the release).
+const RELEASING: &[&str] = &["fail", "interim", "null"];
 
 /// `n` steps; two in three on a held key retry its holder's arguments, spelled anew (one in
 /// four a near miss), under a new id and progress token.
@@ -211,9 +231,10 @@ fn steps(rng: &mut Rng, n: usize) -> Vec<Step> {
                 arguments,
                 token: rng.next(1 << 40),
                 outcome,
-                burst: match (outcome, pick(rng, 5)) {
-                    ("fail", _) | (_, 1..) => 1,
-                    (_, 0) => 3,
+                burst: match pick(rng, 5) {
+                    _ if RELEASING.contains(&outcome) => 1,
+                    0 => 3,
+                    _ => 1,
                 },
             };
             if id != "null" {
@@ -305,11 +326,20 @@ fn refused(answers: &[Answer], (status, code): (u16, i64), id: &str, what: &str)
     }
 }
 
-/// What the model holds for a key: the operation holding it and, once recorded, the result's
-/// bytes (from `"result":` to the end).
+/// What the model holds for a key: the operation holding it and what is recorded.
 struct Held {
     operation: String,
-    recorded: Option<String>,
+    recorded: Recorded,
+}
+
+/// What a key's record holds, as the model sees it.
+enum Recorded {
+    /// Nothing: the key was given back.
+    Nothing,
+    /// The result's bytes (from `"result":` to the end of the message).
+    Result(String),
+    /// A call taken whose response went elsewhere: no response, never run again.
+    Unseen,
 }
 
 async fn run_sequence(
@@ -342,7 +372,11 @@ async fn run_sequence(
                 let what = format!("a changed call ({op} against {}): {}", held.operation, at());
                 refused(&answers, (422, -31002), step.id, &what);
             }
-            None | Some(Held { recorded: None, .. }) => {
+            None
+            | Some(Held {
+                recorded: Recorded::Nothing,
+                ..
+            }) => {
                 assert_eq!(ran, 1, "a call on a free key runs once: {}", at());
                 let live: Vec<&Answer> = answers
                     .iter()
@@ -353,7 +387,14 @@ async fn run_sequence(
                 let recorded = match step.outcome {
                     "fail" => {
                         assert_eq!(live.status, 503, "the handler's failure: {}", at());
-                        None
+                        Recorded::Nothing
+                    }
+                    "priming" | "interim" | "null" => {
+                        assert_eq!(live.status, 200, "the handler's stream: {}", at());
+                        match step.outcome {
+                            "priming" => Recorded::Unseen,
+                            _ => Recorded::Nothing,
+                        }
                     }
                     _ => {
                         assert_eq!(live.status, 200, "the handler's result: {}", at());
@@ -363,25 +404,28 @@ async fn run_sequence(
                             live.text,
                             at()
                         );
-                        let start = live.text.find(r#""result":"#).expect("a result");
-                        Some(live.text[start..].to_owned())
+                        // The message itself: a JSON body, or the stream's last event's data.
+                        let message = live.text.trim_end().rsplit("data: ").next();
+                        let message = message.unwrap_or_default();
+                        let start = message.find(r#""result":"#).expect("a result");
+                        Recorded::Result(message[start..].to_owned())
                     }
                 };
                 for a in answers.iter().filter(|a| a.status == 409) {
+                    // A racer: in flight, or (a priming stream) done without its response.
+                    let done = matches!(recorded, Recorded::Unseen) && a.replayed;
                     assert_eq!(
                         a.error_code(),
-                        Some(-31001),
+                        Some(if done { -31007 } else { -31001 }),
                         "a racer: {}: {}",
                         a.text,
                         at()
                     );
                     assert!(a.echoes(step.id), "its id as sent: {}: {}", a.text, at());
                 }
-                for a in answers.iter().filter(|a| a.replayed) {
+                for a in answers.iter().filter(|a| a.replayed && a.status != 409) {
                     assert!(
-                        recorded
-                            .as_ref()
-                            .is_some_and(|r| a.text.ends_with(r.as_str())),
+                        matches!(&recorded, Recorded::Result(r) if a.text.ends_with(r.as_str())),
                         "a racer's replay is the live result: {}: {}",
                         a.text,
                         at()
@@ -397,7 +441,23 @@ async fn run_sequence(
                 );
             }
             Some(Held {
-                recorded: Some(recorded),
+                recorded: Recorded::Unseen,
+                ..
+            }) => {
+                assert_eq!(ran, 0, "a call taken is never run again: {}", at());
+                refused(&answers, (409, -31007), step.id, &at());
+                for a in &answers {
+                    assert!(a.replayed, "about the record: {}: {}", a.text, at());
+                    assert!(
+                        a.text.contains(r#""safe_new_key":false"#),
+                        "a new key would run it again: {}: {}",
+                        a.text,
+                        at()
+                    );
+                }
+            }
+            Some(Held {
+                recorded: Recorded::Result(recorded),
                 ..
             }) => {
                 assert_eq!(ran, 0, "a replay runs nothing: {}", at());
