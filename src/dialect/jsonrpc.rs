@@ -37,8 +37,8 @@
 //!   client that hangs up does not stop it being read to its end and recorded; a stream past
 //!   the response limit is recorded at once as not stored. The response answering the call is
 //!   found by its `id`'s value (a server that writes `1.0` back as `1`, or an id beyond 2^53
-//!   back as the nearest double as JavaScript does, still answers it; a response with id
-//!   `null` answers no call). A JSON body that is not the call's final response is not
+//!   back as the nearest double as JavaScript does, still answers it, and so does its text
+//!   written back as a string, `"7"` for `7`; a response with id `null` answers no call). A JSON body that is not the call's final response is not
 //!   recorded and the key is released: that includes MCP's interim results (`resultType:
 //!   "input_required"`), whose continuation (with `inputResponses` and `requestState`, which
 //!   the fingerprint leaves out) then runs under the same key. An event stream that ends, or
@@ -185,6 +185,9 @@ impl Id {
     /// `1`, `1e2` as `100`), and so is an id beyond 2^53 that a server reading numbers as
     /// doubles (JavaScript's `JSON.parse`) writes back rounded: its answer can only be to
     /// this call, and not finding it would give the key back and run the call again.
+    /// A server that keeps ids as text writes a number back as its text (`"7"` for `7`), and
+    /// one that reads such text as a number writes `"7"` back as `7`: the same text answers
+    /// (a POST's answer carries no other call's response), another spelling does not.
     /// A response with id `null` (written where a server could not read the call's id) answers
     /// no call, and an id this layer cannot read is answered by none.
     fn answers(&self, id: Option<&Value>) -> bool {
@@ -192,6 +195,8 @@ impl Id {
             (Some(Value::Number(theirs)), Some(Value::Number(ours))) => {
                 theirs.as_f64() == ours.as_f64()
             }
+            (Some(Value::String(theirs)), Some(Value::Number(_))) => **theirs == *self.raw,
+            (Some(Value::Number(theirs)), Some(Value::String(ours))) => theirs.to_string() == *ours,
             (Some(Value::Null) | None, _) | (_, None) => false,
             (Some(theirs), Some(ours)) => theirs == ours,
         }
@@ -1402,11 +1407,25 @@ mod tests {
         }
         let body = br#"{"jsonrpc":"2.0","id":9007199254740994,"result":{}}"#;
         assert!(final_of(&headers, body, &id("9007199254740992")).is_none());
-        let body = br#"{"jsonrpc":"2.0","id":"1","result":{}}"#;
-        assert!(
-            final_of(&headers, body, &id("1")).is_none(),
-            "a string is not a number"
-        );
+        // A number written back as its text, or text as a number: the same text answers.
+        for (sent, written, answers) in [
+            ("1", r#""1""#, true),
+            ("1e2", r#""1e2""#, true),
+            (r#""7""#, "7", true),
+            (r#""1.0""#, "1.0", true),
+            ("1", r#""1.0""#, false),
+            ("1", r#""01""#, false),
+            ("1e2", r#""100""#, false),
+            (r#""07""#, "7", false),
+            (r#""a""#, "7", false),
+        ] {
+            let body = format!(r#"{{"jsonrpc":"2.0","id":{written},"result":{{}}}}"#);
+            assert_eq!(
+                final_of(&headers, body.as_bytes(), &id(sent)).is_some(),
+                answers,
+                "{sent} written back as {written}"
+            );
+        }
     }
 
     /// DESIGN §8 and §3: a stream that ends without the call's response gives the key back
@@ -1423,7 +1442,7 @@ mod tests {
         let progress = r#"{"jsonrpc":"2.0","method":"notifications/progress","params":{}}"#;
         let interim = r#"{"jsonrpc":"2.0","id":7,"result":{"resultType":"input_required"}}"#;
         let null_error = r#"{"jsonrpc":"2.0","id":null,"error":{"code":-32700,"message":"x"}}"#;
-        let as_string = r#"{"jsonrpc":"2.0","id":"7","result":{}}"#;
+        let as_string = r#"{"jsonrpc":"2.0","id":"07","result":{}}"#;
         let other_id = r#"{"jsonrpc":"2.0","id":8,"result":{}}"#;
         let answer = |body: String| final_response(&sse, body.as_bytes(), &id("7"));
         assert_eq!(

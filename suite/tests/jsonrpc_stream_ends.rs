@@ -6,6 +6,7 @@
 //! - MCP's SSE polling (2025-11-25, SEP-1699): the server sends a priming event (an event id,
 //!   empty data), closes the stream, and sends the response on a resumed GET the layer never
 //!   sees. The call was taken: a retry must not run it again, even while the first run goes on.
+//! - The call's number echoed as a string (`"7"` for `7`) is its response, replayed.
 //! - Any other stream that ends without the response (progress only, the response under an id
 //!   that is not the call's) is taken as done, its response not stored; under an error status
 //!   (a 503 stream) the route's policy decides, as for any answer.
@@ -55,8 +56,11 @@ fn answer(mode: &str, id: &str, n: usize) -> (&'static str, String) {
             format!("id: a-1\r\ndata:\r\n\r\nid: a-2\r\ndata: {PROGRESS}\r\n\r\n"),
         ),
         "progress-only" => (sse, format!("data: {PROGRESS}\n\n")),
-        // The call's number echoed as a string: not its response, but the call was taken.
+        // The call's number echoed as a string: its response all the same.
         "string-id" => (sse, format!("data: {}\n\n", result(&format!("\"{id}\""), n))),
+        "string-id-json" => ("application/json", result(&format!("\"{id}\""), n)),
+        // Another spelling is another id: not the response, but the call was taken.
+        "other-string-id" => (sse, format!("data: {}\n\n", result(&format!("\"0{id}\""), n))),
         "interim" => (
             sse,
             format!(
@@ -202,7 +206,9 @@ async fn streams_that_end_without_the_response<St: IdempotencyStore>(store: St, 
         ("priming", 1, -31007),
         ("priming-progress", 1, -31007),
         ("progress-only", 1, -31007),
-        ("string-id", 1, -31007),
+        ("other-string-id", 1, -31007),
+        ("string-id", 1, 0),
+        ("string-id-json", 1, 0),
         ("interim", 2, 0),
         ("null-error", 2, -32700),
         ("null-error-json", 2, -32700),
@@ -221,7 +227,16 @@ async fn streams_that_end_without_the_response<St: IdempotencyStore>(store: St, 
             "{name} {mode}: the runs after a retry ({retry:?})"
         );
         assert_eq!(retry.code(), code, "{name} {mode}: {retry:?}");
-        if runs == 1 {
+        if runs == 1 && code == 0 {
+            // Recorded: replayed under the retry's own id.
+            assert!(retry.replayed, "{name} {mode}: {retry:?}");
+            assert_eq!(retry.json()["id"], Value::from(1000), "{name} {mode}");
+            assert_eq!(
+                retry.json()["result"]["content"][0]["text"],
+                format!("run {}", before + 1),
+                "{name} {mode}: {retry:?}"
+            );
+        } else if runs == 1 {
             // Answered about the recorded outcome, to the retry's own id.
             assert!(retry.replayed, "{name} {mode}: {retry:?}");
             assert_eq!(retry.json()["id"], Value::from(1000), "{name} {mode}");

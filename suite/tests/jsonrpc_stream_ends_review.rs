@@ -635,8 +635,8 @@ async fn streams_without_a_sign_of_not_run_are_done() {
     let cases: Vec<(&str, Scripted)> = vec![
         ("interim-other-id", sse(vec![data(&event(&interim("8")))])),
         (
-            "interim-string-id",
-            sse(vec![data(&event(&interim("\"7\"")))]),
+            "interim-other-string-id",
+            sse(vec![data(&event(&interim("\"07\"")))]),
         ),
         ("null-result", sse(vec![data(&event(&result("null", 1)))])),
         ("empty", sse(vec![])),
