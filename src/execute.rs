@@ -26,7 +26,7 @@ use crate::dialect::jsonrpc::{self, Answer, Events, Id};
 use crate::dialect::{Dialect, Recording};
 use crate::hold::{Hold, Keeper};
 use crate::observe::{self, Event};
-use crate::policy::Outcome;
+use crate::policy::{CachePolicy, Outcome};
 use crate::problem::{Problem, ProblemKind};
 use crate::replay::{
     Captured, Presentation, capture, present, present_streaming, restore, withhold,
@@ -730,8 +730,15 @@ impl<St: IdempotencyStore> Execution<St> {
             trailers,
             jsonrpc: message.as_deref(),
         };
-        if self.route.cache_policy.records(&outcome) {
-            self.complete(&jsonrpc::stored_call(message)).await;
+        let records = match (&message, &self.route.cache_policy) {
+            // Too large to read: definitive only under a success status, as a JSON-RPC answer
+            // read whole is (DESIGN §3), so the limit never decides whether a call runs again.
+            (None, CachePolicy::DefinitiveOnly) => parts.status.is_success(),
+            _ => self.route.cache_policy.records(&outcome),
+        };
+        if records {
+            self.complete(&jsonrpc::stored_call(message, parts.status))
+                .await;
         } else {
             self.release().await;
         }

@@ -35,7 +35,9 @@
 //!   each byte is read once as the WHATWG EventSource parser reads it (CRLF, LF or CR line
 //!   ends, a leading byte-order mark; a last event without its blank line still counts), and a
 //!   client that hangs up does not stop it being read to its end and recorded; a stream past
-//!   the response limit is recorded at once as not stored. The response answering the call is
+//!   the response limit is recorded at once as not stored. An answer too large to keep is
+//!   classified as one read whole would be (under `DefinitiveOnly`, kept only under a
+//!   success status), and retries are told its own status. The response answering the call is
 //!   found by its `id`'s value (a server that writes `1.0` back as `1`, or an id beyond 2^53
 //!   back as the nearest double as JavaScript does, still answers it, and so does its text
 //!   written back as a string, `"7"` for `7`; a response with id `null` answers no call). A JSON body that is not the call's final response is not
@@ -953,16 +955,19 @@ pub(crate) fn stored_unseen(status: StatusCode) -> StoredResponse {
     }
 }
 
-/// The stored form of a call's final response (`None`: too large to keep): `200
-/// application/json`, whatever framing carried it.
-pub(crate) fn stored_call(message: Option<Bytes>) -> StoredResponse {
+/// The stored form of a call's final response: `200 application/json`, whatever framing
+/// carried it. `None` (too large to keep) keeps the answer's `status`, which retries are told.
+pub(crate) fn stored_call(message: Option<Bytes>, status: StatusCode) -> StoredResponse {
     let mut headers = HeaderMap::new();
     headers.insert(
         header::CONTENT_TYPE,
         HeaderValue::from_static("application/json"),
     );
     StoredResponse {
-        status: StatusCode::OK,
+        status: match message {
+            Some(_) => StatusCode::OK,
+            None => status,
+        },
         headers,
         body: message,
         trailers: None,

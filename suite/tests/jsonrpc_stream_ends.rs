@@ -401,3 +401,82 @@ async fn ids_that_cannot_be_read_back_are_refused_and_null_answers_nothing() {
     assert!(replay.replayed, "{replay:?}");
     assert_eq!(effects.count() - before, 2, "{replay:?}");
 }
+
+/// DESIGN §3 and §8: an answer too large to keep is classified as one read whole would be,
+/// and a retry is told its own status. Under `DefinitiveOnly` a JSON-RPC answer is definitive
+/// only under a success status: over the response limit, a 201 is kept (its retry's -31007
+/// says "status 201", never a status the layer made up) and a 422 gives the key back, as the
+/// same 422 under the limit does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_answer_too_large_to_keep_is_classified_by_its_own_status() {
+    let effects = Effects::default();
+    let sink = effects.clone();
+    let app = Router::new()
+        .route(
+            "/mcp",
+            post(move |headers: HeaderMap| {
+                let sink = sink.clone();
+                async move {
+                    sink.hit();
+                    let get = |name: &str| {
+                        headers
+                            .get(name)
+                            .and_then(|v| v.to_str().ok())
+                            .unwrap_or_default()
+                            .to_owned()
+                    };
+                    let (id, status) = (get("x-raw-id"), get("x-status"));
+                    let padding = "x".repeat(usize::from(get("x-big") == "1") * 400);
+                    let text = format!(
+                        r#"{{"jsonrpc":"2.0","id":{id},"error":{{"code":-32602,"message":"{padding}"}}}}"#
+                    );
+                    Response::builder()
+                        .status(status.parse::<u16>().expect("x-status"))
+                        .header(header::CONTENT_TYPE, "application/json")
+                        .body(Body::from(text))
+                        .expect("response")
+                }
+            }),
+        )
+        .layer(
+            IdempotencyLayer::new(tower_idempotency::MemoryStore::new())
+                .single_tenant()
+                .response_limit(160)
+                .jsonrpc(JsonRpc::new()),
+        );
+    let addr = serve(app).await;
+    let send = |key: String, id: &'static str, status: &'static str, big: &'static str| async move {
+        let body = format!(
+            r#"{{"jsonrpc":"2.0","id":{id},"method":"tools/call","params":{{"name":"t","arguments":{{"x":1}}}}}}"#
+        );
+        let res = common::client()
+            .post(format!("http://{addr}/mcp"))
+            .header("content-type", "application/json")
+            .header("idempotency-key", key)
+            .header("x-raw-id", id)
+            .header("x-status", status)
+            .header("x-big", big)
+            .body(body)
+            .send();
+        let res = guard("a call", res).await.expect("send");
+        let code = res.status().as_u16();
+        (code, guard("a body", res.text()).await.expect("body"))
+    };
+    // (status, over the limit, runs after a retry)
+    for (status, big, runs) in [("201", "1", 1), ("422", "1", 2), ("422", "0", 2)] {
+        let before = effects.count();
+        let key = unique(&format!("too-large-{status}-{big}"));
+        let (first, _) = send(key.clone(), "7", status, big).await;
+        assert_eq!(first.to_string(), status);
+        let (_, retry) = send(key, "8", status, big).await;
+        assert_eq!(
+            effects.count() - before,
+            runs,
+            "{status} big={big}: {retry}"
+        );
+        if runs == 1 {
+            assert!(retry.contains("-31007"), "{retry}");
+            assert!(retry.contains("status 201"), "{retry}");
+        }
+    }
+}
