@@ -709,10 +709,26 @@ impl<St: IdempotencyStore> Execution<St> {
     /// runs again. An error status is an outcome the policy classifies (a 503 stream from an
     /// overloaded proxy gives the key back under `DefinitiveOnly`).
     async fn record_unseen(&self, parts: &Parts) {
-        if parts.status.is_success() {
+        if parts.status.is_success() || self.keeps_unread(parts, None) {
             self.complete(&jsonrpc::stored_unseen(parts.status)).await;
         } else {
-            self.record_call(parts, None, None).await;
+            self.release().await;
+        }
+    }
+
+    /// Whether the route's policy keeps a JSON-RPC answer whose message it cannot read (too
+    /// large to keep, or an event stream without the call's response): under
+    /// `DefinitiveOnly`, only under a success status, as an answer read whole (DESIGN §3), so
+    /// that the limit never decides whether a call runs again.
+    fn keeps_unread(&self, parts: &Parts, trailers: Option<&HeaderMap>) -> bool {
+        match &self.route.cache_policy {
+            CachePolicy::DefinitiveOnly => parts.status.is_success(),
+            policy => policy.records(&Outcome {
+                status: parts.status,
+                headers: &parts.headers,
+                trailers,
+                jsonrpc: None,
+            }),
         }
     }
 
@@ -724,17 +740,15 @@ impl<St: IdempotencyStore> Execution<St> {
         message: Option<Bytes>,
         trailers: Option<&HeaderMap>,
     ) {
-        let outcome = Outcome {
-            status: parts.status,
-            headers: &parts.headers,
-            trailers,
-            jsonrpc: message.as_deref(),
-        };
-        let records = match (&message, &self.route.cache_policy) {
-            // Too large to read: definitive only under a success status, as a JSON-RPC answer
-            // read whole is (DESIGN §3), so the limit never decides whether a call runs again.
-            (None, CachePolicy::DefinitiveOnly) => parts.status.is_success(),
-            _ => self.route.cache_policy.records(&outcome),
+        let records = match message.as_deref() {
+            Some(message) => self.route.cache_policy.records(&Outcome {
+                status: parts.status,
+                headers: &parts.headers,
+                trailers,
+                jsonrpc: Some(message),
+            }),
+            // Too large to read.
+            None => self.keeps_unread(parts, trailers),
         };
         if records {
             self.complete(&jsonrpc::stored_call(message, parts.status))

@@ -39,8 +39,9 @@
 //!   classified as one read whole would be (under `DefinitiveOnly`, kept only under a
 //!   success status), and retries are told its own status. The response answering the call is
 //!   found by its `id`'s value (a server that writes `1.0` back as `1`, or an id beyond 2^53
-//!   back as the nearest double as JavaScript does, still answers it, and so does its text
-//!   written back as a string, `"7"` for `7`; a response with id `null` answers no call). A JSON body that is not the call's final response is not
+//!   back as the nearest double as JavaScript does, still answers it, and so does a number's
+//!   text written back as a string, `"7"` for `7`, or the reverse; a response with id `null`
+//!   answers no call). A JSON body that is not the call's final response is not
 //!   recorded and the key is released: that includes MCP's interim results (`resultType:
 //!   "input_required"`), whose continuation (with `inputResponses` and `requestState`, which
 //!   the fingerprint leaves out) then runs under the same key. An event stream that ends, or
@@ -186,22 +187,36 @@ impl Id {
     /// double nearest their value. Numbers of one value are (a server may write `1.0` back as
     /// `1`, `1e2` as `100`), and so is an id beyond 2^53 that a server reading numbers as
     /// doubles (JavaScript's `JSON.parse`) writes back rounded: its answer can only be to
-    /// this call, and not finding it would give the key back and run the call again.
-    /// A server that keeps ids as text writes a number back as its text (`"7"` for `7`), and
-    /// one that reads such text as a number writes `"7"` back as `7`: the same text answers
-    /// (a POST's answer carries no other call's response), another spelling does not.
+    /// this call, and not finding it would give the key back and run the call again. For the
+    /// same reason a number and a string holding a number's text compare as that number (a
+    /// server that keeps ids as text writes `7` back as `"7"`, one that reads such text as a
+    /// number writes `"7"` back as `7`); two strings compare as they are.
     /// A response with id `null` (written where a server could not read the call's id) answers
     /// no call, and an id this layer cannot read is answered by none.
     fn answers(&self, id: Option<&Value>) -> bool {
         match (id, &self.value) {
-            (Some(Value::Number(theirs)), Some(Value::Number(ours))) => {
-                theirs.as_f64() == ours.as_f64()
-            }
-            (Some(Value::String(theirs)), Some(Value::Number(_))) => **theirs == *self.raw,
-            (Some(Value::Number(theirs)), Some(Value::String(ours))) => theirs.to_string() == *ours,
             (Some(Value::Null) | None, _) | (_, None) => false,
+            (Some(theirs), Some(ours)) if theirs.is_number() || ours.is_number() => {
+                match (number(theirs), number(ours)) {
+                    (Some(theirs), Some(ours)) => theirs == ours,
+                    _ => false,
+                }
+            }
             (Some(theirs), Some(ours)) => theirs == ours,
         }
+    }
+}
+
+/// The double nearest a number, or a string holding exactly a JSON number's text.
+fn number(value: &Value) -> Option<f64> {
+    match value {
+        Value::Number(n) => n.as_f64(),
+        Value::String(text) if text.trim() == text => {
+            serde_json::from_str::<serde_json::Number>(text)
+                .ok()?
+                .as_f64()
+        }
+        _ => None,
     }
 }
 
@@ -1412,17 +1427,24 @@ mod tests {
         }
         let body = br#"{"jsonrpc":"2.0","id":9007199254740994,"result":{}}"#;
         assert!(final_of(&headers, body, &id("9007199254740992")).is_none());
-        // A number written back as its text, or text as a number: the same text answers.
+        // A number written back as its text, or text as a number: compared as numbers; two
+        // strings as they are.
         for (sent, written, answers) in [
             ("1", r#""1""#, true),
             ("1e2", r#""1e2""#, true),
+            ("1e2", r#""100""#, true),
+            ("1", r#""1.0""#, true),
             (r#""7""#, "7", true),
             (r#""1.0""#, "1.0", true),
-            ("1", r#""1.0""#, false),
+            (r#""100.0""#, "1e2", true),
+            (r#""9007199254740993""#, "9007199254740992", true),
             ("1", r#""01""#, false),
-            ("1e2", r#""100""#, false),
+            ("1", r#"" 1""#, false),
+            ("1", r#""2""#, false),
             (r#""07""#, "7", false),
             (r#""a""#, "7", false),
+            (r#""1e400""#, "1e300", false),
+            (r#""7""#, r#""7.0""#, false),
         ] {
             let body = format!(r#"{{"jsonrpc":"2.0","id":{written},"result":{{}}}}"#);
             assert_eq!(
