@@ -452,7 +452,7 @@ impl<St: IdempotencyStore> Execution<St> {
                             Answer::NotFinal => {
                                 self.release().await;
                             }
-                            _ => self.record_unseen(&head).await,
+                            _ => self.record_unread(&head).await,
                         }
                     }
                     return;
@@ -485,7 +485,7 @@ impl<St: IdempotencyStore> Execution<St> {
                 Some(message) => self.record_call(&head, Some(message), None).await,
                 // The server took the call and answers it elsewhere (a resumed stream): taken as
                 // done, never run again.
-                None if events.unanswered() == Answer::Unseen => self.record_unseen(&head).await,
+                None if events.unanswered() == Answer::Unseen => self.record_unread(&head).await,
                 // An interim result, or the server could not read the call: nothing to keep.
                 None => {
                     self.release().await;
@@ -642,7 +642,7 @@ impl<St: IdempotencyStore> Execution<St> {
             Rare::Call(message) => {
                 self.record_call(parts, message, trailers).await;
             }
-            Rare::Unseen => self.record_unseen(parts).await,
+            Rare::Unread => self.record_unread(parts).await,
         }
     }
 
@@ -665,7 +665,7 @@ impl<St: IdempotencyStore> Execution<St> {
             Recording::Opaque => Some(Rare::Opaque(body.clone())),
             Recording::Call(message) => Some(Rare::Call(message)),
             Recording::Interim => Some(Rare::Release),
-            Recording::Unseen => Some(Rare::Unseen),
+            Recording::Unread => Some(Rare::Unread),
         };
         if let Some(rare) = rare {
             return Stored::Rare(rare, body);
@@ -703,14 +703,15 @@ impl<St: IdempotencyStore> Execution<St> {
         Stored::Record(stored, withheld)
     }
 
-    /// Records a call the server took whose response this layer did not see (its event stream
-    /// ended, or broke, without it): under a success status, done whatever the route's policy
-    /// says, as any answer whose head arrived and told no outcome (DESIGN §3), so it never
-    /// runs again. An error status is an outcome the policy classifies (a 503 stream from an
-    /// overloaded proxy gives the key back under `DefinitiveOnly`).
-    async fn record_unseen(&self, parts: &Parts) {
+    /// Records a call the server took whose response this layer could not read (its event
+    /// stream ended, or broke, without it; or the answer came compressed): under a success
+    /// status, done whatever the route's policy says, as any answer whose head arrived and
+    /// told no outcome (DESIGN §3), so it never runs again. An error status is an outcome the
+    /// policy classifies (a 503 stream from an overloaded proxy gives the key back under
+    /// `DefinitiveOnly`).
+    async fn record_unread(&self, parts: &Parts) {
         if parts.status.is_success() || self.keeps_unread(parts, None) {
-            self.complete(&jsonrpc::stored_unseen(parts.status)).await;
+            self.complete(&jsonrpc::stored_unread(parts)).await;
         } else {
             self.release().await;
         }
@@ -903,8 +904,8 @@ enum Rare {
     Opaque(Option<Bytes>),
     /// A JSON-RPC call's final response (`None`: too large to keep).
     Call(Option<Bytes>),
-    /// A JSON-RPC call the server took whose response went elsewhere.
-    Unseen,
+    /// A JSON-RPC call the server took whose response could not be read.
+    Unread,
 }
 
 pin_project! {

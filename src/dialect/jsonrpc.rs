@@ -37,8 +37,10 @@
 //!   client that hangs up does not stop it being read to its end and recorded; a stream past
 //!   the response limit is recorded at once as not stored. An answer too large to keep is
 //!   classified as one read whole would be (under `DefinitiveOnly`, kept only under a
-//!   success status), and retries are told its own status. The response answering the call is
-//!   found by its `id`'s value (a server that writes `1.0` back as `1`, or an id beyond 2^53
+//!   success status), and retries are told its own status. An answer compressed all the
+//!   same (a handler that compresses whatever it is asked) cannot be read either: under a
+//!   success status it is taken as done, and retries are told its coding. The response
+//!   answering the call is found by its `id`'s value (a server that writes `1.0` back as `1`, or an id beyond 2^53
 //!   back as the nearest double as JavaScript does, still answers it, and so does a number's
 //!   text written back as a string, `"7"` for `7`, or the reverse; a response with id `null`
 //!   answers no call). A JSON body that is not the call's final response is not
@@ -953,17 +955,22 @@ fn marked(result: &str) -> String {
     out
 }
 
-/// The stored form of a call the server took (its answer was an event stream) whose response
-/// this layer did not see: the stream ended, or broke, without it. Kept as an event stream
-/// without a body, `status` as the head had it, so that retries are told what happened.
-pub(crate) fn stored_unseen(status: StatusCode) -> StoredResponse {
+/// The stored form of a call the server took whose response this layer could not read: its
+/// event stream ended, or broke, without it, or the answer came compressed (a handler that
+/// compresses whatever it is asked). Kept without a body, with the head's status, media type
+/// and content coding, so that retries are told what happened.
+pub(crate) fn stored_unread(parts: &http::response::Parts) -> StoredResponse {
     let mut headers = HeaderMap::new();
-    headers.insert(
-        header::CONTENT_TYPE,
-        HeaderValue::from_static("text/event-stream"),
-    );
+    let media = match is_event_stream(&parts.headers) {
+        true => "text/event-stream",
+        false => "application/json",
+    };
+    headers.insert(header::CONTENT_TYPE, HeaderValue::from_static(media));
+    if let Some(coding) = crate::lines::get(&parts.headers, &header::CONTENT_ENCODING) {
+        headers.insert(header::CONTENT_ENCODING, coding.clone());
+    }
     StoredResponse {
-        status,
+        status: parts.status,
         headers,
         body: None,
         trailers: None,

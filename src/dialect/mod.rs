@@ -237,12 +237,16 @@ impl Dialect {
         let Self::JsonRpc(id) = self else {
             return Recording::AsIs;
         };
+        if unreadable(headers) {
+            // Compressed all the same: the call's response cannot be read, but it was answered.
+            return Recording::Unread;
+        }
         match body {
             // The call's final response, whatever framing carried it.
             Some(bytes) => match jsonrpc::final_response(headers, bytes, id) {
                 jsonrpc::Answer::Final(message) => Recording::Call(Some(message)),
                 jsonrpc::Answer::NotFinal => Recording::Interim,
-                jsonrpc::Answer::Unseen => Recording::Unseen,
+                jsonrpc::Answer::Unseen => Recording::Unread,
             },
             // Too large to keep: recorded without a body, like any oversized response.
             None => Recording::Call(None),
@@ -383,6 +387,24 @@ impl Dialect {
         headers: &HeaderMap,
         trailers: Option<&HeaderMap>,
     ) -> Response<ResponseBody<B>> {
+        if matches!(self, Self::JsonRpc(_))
+            && let Some(coding) = headers
+                .get(::http::header::CONTENT_ENCODING)
+                .and_then(|v| v.to_str().ok())
+        {
+            // The outcome is not known here: a new key would run the call again.
+            let problem = Problem::new(
+                ProblemKind::ResponseNotStored,
+                format!(
+                    "the server answered this call compressed ({coding}) although this layer \
+                     asked for it uncompressed, so its response could not be read or recorded; \
+                     it will not run again under this key (a new key would run it again)"
+                ),
+            )
+            .state("completed")
+            .keep_key();
+            return self.answered(&problem);
+        }
         if matches!(self, Self::JsonRpc(_)) && jsonrpc::is_event_stream(headers) {
             // The outcome is not known here: a new key would run the call again.
             let problem = Problem::new(
@@ -443,9 +465,9 @@ pub(crate) enum Recording {
     Call(Option<Bytes>),
     /// An interim answer with no final response in it: nothing to record.
     Interim,
-    /// A call the server took whose response went elsewhere: taken as done, whatever the
-    /// policy, as [`jsonrpc::stored_unseen`] frames it.
-    Unseen,
+    /// A call the server took whose response cannot be read (it went elsewhere, or came
+    /// compressed): taken as done, as [`jsonrpc::stored_unread`] frames it.
+    Unread,
 }
 
 /// Whether a body is in a content coding (`Content-Encoding` other than identity), so that

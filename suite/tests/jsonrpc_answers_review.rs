@@ -4,9 +4,9 @@
 //! by a fresh reviewer. Two findings were fixed in the commit that adds this file: a 503
 //! stream a policy keeps is described as the stream it was, and a string id that a server
 //! reads as a number and writes back rounded still answers (ids that are numbers or hold a
-//! number's text compare as numbers). Three are left for planning (the session's note): a
-//! compressed answer, answers that settle differently over the limit, a server that answers
-//! one call twice.
+//! number's text compare as numbers), and a JSON-RPC answer compressed all the same is taken as
+//! done, never run again (a later commit). Two are left for planning (the session's note):
+//! answers that settle differently over the limit, a server that answers one call twice.
 //!
 //! Every test tries to make a tool run twice for one key, lose a call (a retry can never run
 //! although the tool never finished), replay the wrong answer, or tell the caller something
@@ -14,6 +14,7 @@
 
 mod common;
 
+use std::io::Write;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
@@ -157,6 +158,12 @@ fn event(message: &str) -> String {
 const CONTINUATION: &str =
     r#","inputResponses":{"q":{"action":"accept","content":{}}},"requestState":"s1""#;
 
+fn gzip(text: &str) -> Bytes {
+    let mut enc = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::default());
+    enc.write_all(text.as_bytes()).expect("gzip");
+    Bytes::from(enc.finish().expect("gzip"))
+}
+
 // ---------------------------------------------------------------------------------------------
 // The client.
 // ---------------------------------------------------------------------------------------------
@@ -174,12 +181,7 @@ impl Got {
     }
 
     fn code(&self) -> i64 {
-        let Some(at) = self.text.find(r#""code":"#) else {
-            return 0;
-        };
-        let rest = &self.text[at + 7..];
-        let end = rest.find([',', '}']).unwrap_or(rest.len());
-        rest[..end].trim().parse().unwrap_or_default()
+        common::jsonrpc_code(&self.text)
     }
 }
 
@@ -230,6 +232,59 @@ async fn settled(addr: SocketAddr, key: &str, mode: &str, extra: &str) -> Got {
 // =============================================================================================
 // Findings candidates.
 // =============================================================================================
+
+/// DESIGN §3 ("once the inner service has returned a response head, the effect is taken as
+/// done"; "a replay never carries a content encoding the retrying client did not accept")
+/// and README "Compression" (an answer compressed all the same is replayed to retries that
+/// accept its coding, and nothing runs again): a tool server that always gzips its JSON-RPC
+/// answer. The retry (accepting gzip) must not run the tool again. Second row: the same over
+/// SSE; the retry must not be told the stream "ended without the call's response" (it did
+/// not: the response was in it, compressed).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_compressed_answer_runs_the_tool_once() {
+    let effects = Effects::default();
+    let script: Script = Arc::new(|n, id, mode| {
+        let text = result(id, &format!("run {n}"));
+        let (ct, body) = match mode {
+            "sse" => ("text/event-stream", gzip(&event(&text))),
+            _ => ("application/json", gzip(&text)),
+        };
+        Scripted {
+            status: 200,
+            content_type: ct,
+            encoding: Some("gzip"),
+            steps: vec![Step::Data(body)],
+        }
+    });
+    let addr = serve(app(&effects, CachePolicy::DefinitiveOnly, 1 << 20, script)).await;
+    let mut failures = Vec::new();
+    for mode in ["json", "sse"] {
+        let before = effects.count();
+        let key = unique(&format!("gzip-{mode}"));
+        let first = call(addr, &key, "7", mode, "").await;
+        assert_eq!(first.status, 200, "{mode}: {first:?}");
+        let retry = settled(addr, &key, mode, "").await;
+        let runs = effects.count() - before;
+        if runs != 1 {
+            failures.push(format!(
+                "{mode}: the tool ran {runs} times for one key: {retry:?}"
+            ));
+        }
+        if retry.text.contains("ended without the call's response") {
+            failures.push(format!(
+                "{mode}: told the stream had no response: {retry:?}"
+            ));
+        }
+        // Told what happened, and kept on its key: a new key would run it again.
+        if retry.code() != -31007
+            || !retry.text.contains("compressed (gzip)")
+            || !retry.text.contains(r#""safe_new_key":false"#)
+        {
+            failures.push(format!("{mode}: not told it came compressed: {retry:?}"));
+        }
+    }
+    assert!(failures.is_empty(), "{failures:#?}");
+}
 
 /// Problem table (`response-not-stored`: "over the size limit", or "(JSON-RPC) the server took
 /// the call and its event stream ended without the response") and DESIGN §3

@@ -58,6 +58,17 @@ pub async fn serve(app: Router) -> SocketAddr {
     addr
 }
 
+/// The `code` of a JSON-RPC error in `text` (0: none), read from the text itself: a refusal
+/// echoes an id as sent, such as `1e400`, which no JSON reader here takes.
+pub fn jsonrpc_code(text: &str) -> i64 {
+    let Some(at) = text.find(r#""code":"#) else {
+        return 0;
+    };
+    let rest = &text[at + 7..];
+    let end = rest.find([',', '}']).unwrap_or(rest.len());
+    rest[..end].trim().parse().unwrap_or_default()
+}
+
 /// A client that opens a fresh connection for every request, and gives up after 30 s so a bug
 /// that leaves a request hanging fails the test instead of stalling the suite.
 pub fn client() -> reqwest::Client {
