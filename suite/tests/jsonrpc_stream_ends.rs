@@ -138,15 +138,9 @@ impl Got {
         serde_json::from_str(&self.text).unwrap_or_default()
     }
 
-    /// The error code, read from the text: a refusal echoes an id such as `1e400`, which no
-    /// JSON reader here takes.
+    /// The JSON-RPC error code (0: none).
     fn code(&self) -> i64 {
-        let Some(at) = self.text.find(r#""code":"#) else {
-            return 0;
-        };
-        let rest = &self.text[at + 7..];
-        let end = rest.find([',', '}']).unwrap_or(rest.len());
-        rest[..end].trim().parse().unwrap_or_default()
+        common::jsonrpc_code(&self.text)
     }
 }
 

@@ -186,12 +186,7 @@ impl Got {
 
     /// The JSON-RPC error code, read from the text (0: none).
     fn code(&self) -> i64 {
-        let Some(at) = self.text.find(r#""code":"#) else {
-            return 0;
-        };
-        let rest = &self.text[at + 7..];
-        let end = rest.find([',', '}']).unwrap_or(rest.len());
-        rest[..end].trim().parse().unwrap_or_default()
+        common::jsonrpc_code(&self.text)
     }
 }
 
@@ -233,6 +228,19 @@ async fn call(addr: SocketAddr, key: Option<&str>, id: &str, extra: &str) -> Got
         text: String::from_utf8_lossy(&text).into_owned(),
         cut,
     }
+}
+
+/// One call under a fresh key named `name`, then retries until the key settles: the tool
+/// must have run once in all.
+async fn runs_once(addr: SocketAddr, effects: &Effects, name: &str) {
+    let key = unique(name);
+    call(addr, Some(&key), "1", "").await;
+    let retry = settled(addr, &key, "").await;
+    assert_eq!(
+        effects.count(),
+        1,
+        "{name}: the tool ran again for one key: {retry:?}"
+    );
 }
 
 /// Retries `key` until it is no longer in flight (streams are recorded on a task of their
@@ -340,14 +348,7 @@ async fn a_stream_taken_as_done_stays_done_under_a_custom_policy() {
         Arc::new(|_, _| sse(vec![data(PRIMING)])),
     ))
     .await;
-    let key = unique("custom-unseen");
-    call(addr, Some(&key), "1", "").await;
-    let retry = settled(addr, &key, "").await;
-    assert_eq!(
-        effects.count(),
-        1,
-        "the tool ran again for one key: {retry:?}"
-    );
+    runs_once(addr, &effects, "custom-unseen").await;
 }
 
 /// DESIGN §3 (`CachePolicy::Everything`: the first outcome is the answer forever) and §8: an
@@ -374,14 +375,7 @@ async fn a_null_id_error_after_the_calls_progress_does_not_rerun_it() {
         }),
     ))
     .await;
-    let key = unique("progress-null-error");
-    call(addr, Some(&key), "1", "").await;
-    let retry = settled(addr, &key, "").await;
-    assert_eq!(
-        effects.count(),
-        1,
-        "the tool ran again for one key: {retry:?}"
-    );
+    runs_once(addr, &effects, "progress-null-error").await;
 }
 
 /// DESIGN §8: only an error response to a `null` id says the server could not read the call;
@@ -400,14 +394,7 @@ async fn a_null_id_with_error_null_is_not_a_refusal() {
         }),
     ))
     .await;
-    let key = unique("error-null");
-    call(addr, Some(&key), "1", "").await;
-    let retry = settled(addr, &key, "").await;
-    assert_eq!(
-        effects.count(),
-        1,
-        "the tool ran again for one key: {retry:?}"
-    );
+    runs_once(addr, &effects, "error-null").await;
 }
 
 /// DESIGN §1 (`safe_new_key` is true only when the outcome is definite: nothing ran, or it is
