@@ -40,22 +40,22 @@
 //!   success status), and retries are told its own status. An answer compressed all the
 //!   same (a handler that compresses whatever it is asked) cannot be read either: under a
 //!   success status it is taken as done, and retries are told its coding. The response
-//!   answering the call is found by its `id`'s value (a server that writes `1.0` back as `1`, or an id beyond 2^53
-//!   back as the nearest double as JavaScript does, still answers it, and so does a number's
-//!   text written back as a string, `"7"` for `7`, or the reverse; a response with id `null`
-//!   answers no call). A JSON body that is not the call's final response is not
-//!   recorded and the key is released: that includes MCP's interim results (`resultType:
-//!   "input_required"`), whose continuation (with `inputResponses` and `requestState`, which
-//!   the fingerprint leaves out) then runs under the same key. An event stream that ends, or
-//!   breaks, without the call's response releases the key only when it carried such an
-//!   interim result, or began with an error object to a `null` id (the server could not read
-//!   the call); any other stream (MCP's SSE polling closes one after its priming event and
-//!   sends the response on a resumed stream the layer never sees) under a success status was
-//!   a call the server took: it is taken as done whatever the route's policy (under an error
-//!   status the policy decides, as for any answer), and never run again (-31007 to
-//!   retries, with `safe_new_key: false`: the outcome is not known here). Every other result is
-//!   final, a task handle (`resultType: "task"`, the tasks extension) included: it is
-//!   recorded and replayed like any other;
+//!   answering the call is found by its `id`'s value (a server that writes `1.0` back as
+//!   `1`, or an id beyond 2^53 back as the nearest double as JavaScript does, still answers
+//!   it; a number and a string holding a number's text compare as that number, `"7"` for
+//!   `7` and the reverse; a response with id `null` answers no call). A JSON body that is
+//!   not the call's final response is not recorded and the key is released: that includes
+//!   MCP's interim results (`resultType: "input_required"`), whose continuation (with
+//!   `inputResponses` and `requestState`, which the fingerprint leaves out) then runs under
+//!   the same key. An event stream that ends, or breaks, without the call's response
+//!   releases the key only when it carried such an interim result, or began with an error
+//!   object to a `null` id (the server could not read the call); any other stream (MCP's SSE
+//!   polling closes one after its priming event and sends the response on a resumed stream
+//!   the layer never sees) under a success status was a call the server took: it is taken
+//!   as done whatever the route's policy (under an error status the policy decides, as for
+//!   any answer), and never run again (-31007 to retries, with `safe_new_key: false`: the
+//!   outcome is not known here). Every other result is final, a task handle (`resultType:
+//!   "task"`, the tasks extension) included: it is recorded and replayed like any other;
 //! - replays are `200 application/json`: the recorded response byte for byte, but for its `id`,
 //!   which is the new request's, written exactly as the client sent it
 //!   (`123456789012345678901234567890`, `1e2` and `-0` stay as they are), and
