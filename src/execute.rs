@@ -22,7 +22,7 @@ use tower_service::Service;
 use tracing::Instrument;
 
 use crate::body::{RequestBody, ResponseBody};
-use crate::dialect::jsonrpc::{self, Answer, Events, Id};
+use crate::dialect::jsonrpc::{self, Events, Id};
 use crate::dialect::{Dialect, Recording};
 use crate::hold::{Hold, Keeper};
 use crate::observe::{self, Event};
@@ -446,14 +446,8 @@ impl<St: IdempotencyStore> Execution<St> {
                 Err(error) => {
                     let _ = tx.send(Err(error)).await;
                     if !recorded {
-                        // The handler answered: the call is taken as done, its answer lost;
-                        // unless the stream said the key goes back (an interim result).
-                        match events.unanswered() {
-                            Answer::NotFinal => {
-                                self.release().await;
-                            }
-                            _ => self.record_unread(&head).await,
-                        }
+                        // The handler answered: the call is taken as done, its answer lost.
+                        self.record_unanswered(&head, &events).await;
                     }
                     return;
                 }
@@ -483,13 +477,7 @@ impl<St: IdempotencyStore> Execution<St> {
             match events.finish(&id) {
                 // The last event, cut short of its blank line: the server answered all the same.
                 Some(message) => self.record_call(&head, Some(message), None).await,
-                // The server took the call and answers it elsewhere (a resumed stream): taken as
-                // done, never run again.
-                None if events.unanswered() == Answer::Unseen => self.record_unread(&head).await,
-                // An interim result, or the server could not read the call: nothing to keep.
-                None => {
-                    self.release().await;
-                }
+                None => self.record_unanswered(&head, &events).await,
             }
         }
         drop(hold);
@@ -701,6 +689,18 @@ impl<St: IdempotencyStore> Execution<St> {
             trailers,
         };
         Stored::Record(stored, withheld)
+    }
+
+    /// Settles a call whose event stream ended, or broke, without its response: the key goes
+    /// back where the stream said so (an interim result, or the server could not read the
+    /// call); otherwise the server took the call and answers it elsewhere (a resumed stream),
+    /// and it is recorded as [`record_unread`](Self::record_unread) says.
+    async fn record_unanswered(&self, parts: &Parts, events: &Events) {
+        if events.gives_back() {
+            self.release().await;
+        } else {
+            self.record_unread(parts).await;
+        }
     }
 
     /// Records a call the server took whose response this layer could not read (its event

@@ -682,7 +682,8 @@ pub(crate) fn final_response(headers: &HeaderMap, body: &[u8], id: &Id) -> Answe
     let mut events = Events::default();
     match events.feed(body, id).or_else(|| events.finish(id)) {
         Some(message) => Answer::Final(message),
-        None => events.unanswered(),
+        None if events.gives_back() => Answer::NotFinal,
+        None => Answer::Unseen,
     }
 }
 
@@ -753,13 +754,10 @@ impl Events {
         found
     }
 
-    /// What a stream that ended without the call's final response holds for it: see
-    /// [`Answer`].
-    pub(crate) fn unanswered(&self) -> Answer {
-        match self.gives_back {
-            true => Answer::NotFinal,
-            false => Answer::Unseen,
-        }
+    /// Whether a stream that ended without the call's final response gives the key back
+    /// ([`Answer::NotFinal`]) rather than being taken as done ([`Answer::Unseen`]).
+    pub(crate) fn gives_back(&self) -> bool {
+        self.gives_back
     }
 
     /// The stream ended: an event cut short of its blank line still counts (the server
@@ -966,7 +964,7 @@ pub(crate) fn stored_unread(parts: &http::response::Parts) -> StoredResponse {
         false => "application/json",
     };
     headers.insert(header::CONTENT_TYPE, HeaderValue::from_static(media));
-    if let Some(coding) = crate::lines::get(&parts.headers, &header::CONTENT_ENCODING) {
+    if let Some(coding) = super::coding(&parts.headers) {
         headers.insert(header::CONTENT_ENCODING, coding.clone());
     }
     StoredResponse {
@@ -975,6 +973,26 @@ pub(crate) fn stored_unread(parts: &http::response::Parts) -> StoredResponse {
         body: None,
         trailers: None,
     }
+}
+
+/// What a retry is told of a record [`stored_unread`] made (`None`: another kind of record
+/// without its response): why the layer could not read the call's response.
+pub(crate) fn unread_detail(headers: &HeaderMap) -> Option<String> {
+    if let Some(coding) = super::coding(headers) {
+        let coding = String::from_utf8_lossy(coding.as_bytes());
+        return Some(format!(
+            "the server answered this call compressed ({coding}) although this layer asked \
+             for it uncompressed, so its response could not be read or recorded; it will not \
+             run again under this key (a new key would run it again)"
+        ));
+    }
+    is_event_stream(headers).then(|| {
+        "the server took this call and answered it on an event stream that ended without the \
+         call's response (MCP's SSE polling sends it on a resumed stream, which this layer \
+         does not see), so there is no response to replay; it will not run again under this \
+         key. Resume the first call's stream for its response: a new key would run it again"
+            .to_owned()
+    })
 }
 
 /// The stored form of a call's final response: `200 application/json`, whatever framing
@@ -1516,6 +1534,31 @@ mod tests {
                 "{body}"
             );
         }
+    }
+
+    /// A record made without the call's response tells why: compressed (the coding named),
+    /// or an event stream without it; `identity` is no coding, and a plain record is neither.
+    #[test]
+    fn an_unread_record_tells_why() {
+        let head = |pairs: &[(&'static str, &'static str)]| {
+            let (mut parts, ()) = http::Response::new(()).into_parts();
+            for (name, value) in pairs {
+                parts.headers.append(*name, HeaderValue::from_static(value));
+            }
+            stored_unread(&parts).headers
+        };
+        let sse = ("content-type", "text/event-stream");
+        let why = |pairs: &[(&'static str, &'static str)]| unread_detail(&head(pairs));
+        assert!(why(&[sse]).is_some_and(|d| d.contains("event stream")));
+        let identity = why(&[sse, ("content-encoding", "identity")]);
+        assert!(identity.is_some_and(|d| d.contains("event stream") && !d.contains("compressed")));
+        let gzip = why(&[
+            ("content-encoding", "identity"),
+            ("content-encoding", "gzip"),
+        ]);
+        assert!(gzip.is_some_and(|d| d.contains("compressed (gzip)")));
+        assert!(why(&[]).is_none(), "a plain JSON record without its body");
+        assert!(unread_detail(&stored_call(None, StatusCode::OK).headers).is_none());
     }
 
     /// RFC 9110 §8.3.1: media types are case-insensitive; a longer subtype is another type.

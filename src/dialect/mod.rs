@@ -388,35 +388,12 @@ impl Dialect {
         trailers: Option<&HeaderMap>,
     ) -> Response<ResponseBody<B>> {
         if matches!(self, Self::JsonRpc(_))
-            && let Some(coding) = headers
-                .get(::http::header::CONTENT_ENCODING)
-                .and_then(|v| v.to_str().ok())
+            && let Some(detail) = jsonrpc::unread_detail(headers)
         {
             // The outcome is not known here: a new key would run the call again.
-            let problem = Problem::new(
-                ProblemKind::ResponseNotStored,
-                format!(
-                    "the server answered this call compressed ({coding}) although this layer \
-                     asked for it uncompressed, so its response could not be read or recorded; \
-                     it will not run again under this key (a new key would run it again)"
-                ),
-            )
-            .state("completed")
-            .keep_key();
-            return self.answered(&problem);
-        }
-        if matches!(self, Self::JsonRpc(_)) && jsonrpc::is_event_stream(headers) {
-            // The outcome is not known here: a new key would run the call again.
-            let problem = Problem::new(
-                ProblemKind::ResponseNotStored,
-                "the server took this call and answered it on an event stream that ended \
-                 without the call's response (MCP's SSE polling sends it on a resumed stream, \
-                 which this layer does not see), so there is no response to replay; it will \
-                 not run again under this key. Resume the first call's stream for its \
-                 response: a new key would run it again",
-            )
-            .state("completed")
-            .keep_key();
+            let problem = Problem::new(ProblemKind::ResponseNotStored, detail)
+                .state("completed")
+                .keep_key();
             return self.answered(&problem);
         }
         // A gRPC call's outcome is its gRPC status, where the record has it.
@@ -473,10 +450,15 @@ pub(crate) enum Recording {
 /// Whether a body is in a content coding (`Content-Encoding` other than identity), so that
 /// its frames cannot be read without decoding it.
 fn unreadable(headers: &HeaderMap) -> bool {
+    coding(headers).is_some()
+}
+
+/// The content coding a body is in (`Content-Encoding` other than identity), if any.
+fn coding(headers: &HeaderMap) -> Option<&HeaderValue> {
     headers
         .get_all(::http::header::CONTENT_ENCODING)
         .iter()
-        .any(|v| !v.as_bytes().eq_ignore_ascii_case(b"identity"))
+        .find(|v| !v.as_bytes().eq_ignore_ascii_case(b"identity"))
 }
 
 /// The answer to a retry that does not accept the recorded answer's `coding`.
