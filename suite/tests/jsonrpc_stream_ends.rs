@@ -90,15 +90,18 @@ fn answer(mode: &str, id: &str, n: usize) -> (&'static str, String) {
     }
 }
 
+/// A request header's value as text (empty when absent).
+fn header_of(headers: &HeaderMap, name: &str) -> String {
+    headers
+        .get(name)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or_default()
+        .to_owned()
+}
+
 /// The tool server: answers as `x-mode` says, the call's id as `x-raw-id` gives it.
 async fn tool(effects: Effects, headers: HeaderMap) -> Response {
-    let get = |name: &str| {
-        headers
-            .get(name)
-            .and_then(|v| v.to_str().ok())
-            .unwrap_or_default()
-            .to_owned()
-    };
+    let get = |name: &str| header_of(&headers, name);
     let n = effects.hit();
     let mode = get("x-mode");
     let (content_type, text) = answer(&mode, &get("x-raw-id"), n);
@@ -412,13 +415,7 @@ async fn an_answer_too_large_to_keep_is_classified_by_its_own_status() {
                 let sink = sink.clone();
                 async move {
                     sink.hit();
-                    let get = |name: &str| {
-                        headers
-                            .get(name)
-                            .and_then(|v| v.to_str().ok())
-                            .unwrap_or_default()
-                            .to_owned()
-                    };
+                    let get = |name: &str| header_of(&headers, name);
                     let (id, status) = (get("x-raw-id"), get("x-status"));
                     let padding = "x".repeat(usize::from(get("x-big") == "1") * 400);
                     let text = format!(
@@ -473,4 +470,46 @@ async fn an_answer_too_large_to_keep_is_classified_by_its_own_status() {
             assert!(retry.contains("status 201"), "{retry}");
         }
     }
+}
+
+/// DESIGN §3 and §7 (a record that fails is retried, never dropped: retries get 409 meanwhile,
+/// never a second run): the store fails at the very step that records a priming stream as
+/// done. While it fails, retries run nothing; once it is back, the record lands and retries
+/// are told the call was taken (-31007). Counted at the sink.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_priming_stream_whose_record_fails_still_runs_once() {
+    let effects = Effects::default();
+    let store = common::faulty::Faulty::new(tower_idempotency::MemoryStore::new());
+    store
+        .fail_complete
+        .store(true, std::sync::atomic::Ordering::SeqCst);
+    let addr = serve(app(store.clone(), &effects)).await;
+    let key = unique("priming-record-fails");
+    let first = call(addr, "priming", Some(&key), "7").await;
+    assert_eq!(first.status, 200, "{first:?}");
+    for i in 0..5 {
+        let retry = call(addr, "priming", Some(&key), &(100 + i).to_string()).await;
+        assert_eq!(retry.status, 409, "while the record fails: {retry:?}");
+        assert_eq!(
+            effects.count(),
+            1,
+            "a retry ran while the record failed: {retry:?}"
+        );
+    }
+    store
+        .fail_complete
+        .store(false, std::sync::atomic::Ordering::SeqCst);
+    let mut told = None;
+    for i in 0..600 {
+        let retry = call(addr, "priming", Some(&key), &(200 + i).to_string()).await;
+        if retry.code() == -31007 {
+            told = Some(retry);
+            break;
+        }
+        assert_eq!(retry.status, 409, "before the record lands: {retry:?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let told = told.expect("the record landed once the store was back");
+    assert!(told.text.contains("event stream"), "{told:?}");
+    assert_eq!(effects.count(), 1, "the tool ran again");
 }
