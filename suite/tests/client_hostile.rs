@@ -4,6 +4,8 @@
 
 mod common;
 
+use common::gzip;
+
 use std::convert::Infallible;
 use std::pin::Pin;
 use std::sync::Arc;
@@ -517,13 +519,6 @@ fn web_frame(flag: u8, payload: &[u8]) -> Vec<u8> {
     f.extend_from_slice(&(payload.len() as u32).to_be_bytes());
     f.extend_from_slice(payload);
     f
-}
-
-fn gzip(bytes: &[u8]) -> Vec<u8> {
-    use std::io::Write;
-    let mut e = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::default());
-    e.write_all(bytes).expect("gzip");
-    e.finish().expect("gzip")
 }
 
 /// The server documents and tests (`grpc_web_hostile::s19_3`) that a gRPC-Web answer with

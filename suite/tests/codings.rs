@@ -6,10 +6,11 @@
 
 mod common;
 
+use common::gzip;
+
 use std::collections::HashMap;
 use std::convert::Infallible;
 use std::future::Future;
-use std::io::Write;
 use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
@@ -54,12 +55,6 @@ impl tonic::server::NamedService for Codings {
 }
 
 type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send>>;
-
-fn gzip(bytes: &[u8]) -> Vec<u8> {
-    let mut encoder = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::default());
-    encoder.write_all(bytes).expect("gzip");
-    encoder.finish().expect("gzip")
-}
 
 fn answer(n: usize) -> Text {
     Text {

@@ -3,17 +3,12 @@
 
 mod common;
 
+use common::gzip;
+
 use std::sync::{Arc, Mutex};
 
 use common::Effects;
 use tower_idempotency::{IdempotencyLayer, MemoryStore};
-
-fn gzip(bytes: &[u8]) -> Vec<u8> {
-    use std::io::Write;
-    let mut encoder = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::default());
-    encoder.write_all(bytes).expect("gzip");
-    encoder.finish().expect("gzip")
-}
 
 #[tokio::test]
 async fn s19_3_accept_encoding_edge_cases() {

@@ -9,6 +9,8 @@
 
 mod common;
 
+use common::gzip;
+
 use std::collections::VecDeque;
 use std::convert::Infallible;
 use std::future::Future;
@@ -642,13 +644,6 @@ fn web_frame(flag: u8, payload: &[u8]) -> Vec<u8> {
     out.extend((payload.len() as u32).to_be_bytes());
     out.extend_from_slice(payload);
     out
-}
-
-fn gzip(bytes: &[u8]) -> Vec<u8> {
-    use std::io::Write;
-    let mut encoder = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::default());
-    encoder.write_all(bytes).expect("gzip");
-    encoder.finish().expect("gzip")
 }
 
 /// The rare-path routes, each counting its runs in `effects`.

@@ -4,6 +4,8 @@
 
 mod common;
 
+use common::gzip;
+
 use std::convert::Infallible;
 use std::future::Future;
 use std::net::SocketAddr;
@@ -48,13 +50,6 @@ struct Rev {
 
 impl tonic::server::NamedService for Rev {
     const NAME: &'static str = "rev.Rev";
-}
-
-fn gzip(bytes: &[u8]) -> Vec<u8> {
-    use std::io::Write;
-    let mut encoder = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::default());
-    encoder.write_all(bytes).expect("gzip");
-    encoder.finish().expect("gzip")
 }
 
 impl<B: Send + 'static> tower::Service<http::Request<B>> for Rev {

@@ -5,6 +5,8 @@
 
 mod common;
 
+use common::{gunzip, gzip};
+
 use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::time::Duration;
@@ -69,22 +71,6 @@ fn decode_base64(text: &[u8]) -> Vec<u8> {
         let n = real.iter().fold(0u32, |n, v| (n << 6) | v) << (6 * (4 - real.len()));
         out.extend_from_slice(&n.to_be_bytes()[1..real.len()]);
     }
-    out
-}
-
-fn gzip(bytes: &[u8]) -> Vec<u8> {
-    use std::io::Write;
-    let mut encoder = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::default());
-    encoder.write_all(bytes).expect("gzip");
-    encoder.finish().expect("gzip")
-}
-
-fn gunzip(bytes: &[u8]) -> Vec<u8> {
-    use std::io::Read;
-    let mut out = Vec::new();
-    flate2::read::GzDecoder::new(bytes)
-        .read_to_end(&mut out)
-        .expect("gunzip");
     out
 }
 

@@ -20,6 +20,24 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tower_idempotency::MemoryStore;
 
+/// `bytes` gzip-compressed, as a client or a handler that compresses sends them.
+pub fn gzip(bytes: &[u8]) -> Vec<u8> {
+    use std::io::Write;
+    let mut encoder = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::default());
+    encoder.write_all(bytes).expect("gzip");
+    encoder.finish().expect("gzip")
+}
+
+/// `bytes` gzip-decompressed.
+pub fn gunzip(bytes: &[u8]) -> Vec<u8> {
+    use std::io::Read;
+    let mut out = Vec::new();
+    flate2::read::GzDecoder::new(bytes)
+        .read_to_end(&mut out)
+        .expect("gunzip");
+    out
+}
+
 /// The longest any single step may take before a test calls it a hang.
 pub const PATIENCE: Duration = Duration::from_secs(60);
 
