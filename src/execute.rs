@@ -28,9 +28,7 @@ use crate::hold::{Hold, Keeper};
 use crate::observe::{self, Event};
 use crate::policy::{CachePolicy, Outcome};
 use crate::problem::{Problem, ProblemKind};
-use crate::replay::{
-    Captured, Presentation, capture, present, present_streaming, restore, withhold,
-};
+use crate::replay::{Captured, Presentation, capture, present, present_streaming, restore};
 use crate::route::RouteConfig;
 use crate::settings::Resolved;
 use crate::store::{
@@ -532,7 +530,8 @@ impl<St: IdempotencyStore> Execution<St> {
             return self.release().await;
         }
         let mut headers = parts.headers.clone();
-        withhold(&mut headers, &self.config.denied_headers, true);
+        self.dialect
+            .withhold(&mut headers, &self.config.denied_headers, true);
         // Without its body, an answer keeps of its trailers only its outcome: a gRPC call's
         // status (the trailers may be why it was too large to keep).
         let trailers = match body {
@@ -566,7 +565,8 @@ impl<St: IdempotencyStore> Execution<St> {
             return;
         }
         let mut headers = parts.headers.clone();
-        withhold(&mut headers, &self.config.denied_headers, body.is_some());
+        self.dialect
+            .withhold(&mut headers, &self.config.denied_headers, body.is_some());
         let stored = StoredResponse {
             status: parts.status,
             headers,
@@ -681,7 +681,9 @@ impl<St: IdempotencyStore> Execution<St> {
         let mut headers = std::mem::take(&mut parts.headers);
         // A whole body's length is recomputed by the server, as for replays; a body too large
         // to keep streams on with the length its handler gave.
-        let withheld = withhold(&mut headers, &self.config.denied_headers, body.is_some());
+        let withheld =
+            self.dialect
+                .withhold(&mut headers, &self.config.denied_headers, body.is_some());
         let stored = StoredResponse {
             status: parts.status,
             headers,

@@ -38,7 +38,7 @@
 //! trailers-only answers of gRPC-Web's content type.
 
 use bytes::{Bytes, BytesMut};
-use http::{HeaderMap, HeaderValue, Response, header};
+use http::{HeaderMap, HeaderName, HeaderValue, Response, header};
 
 use super::rpc_status::{any, bytes_field, string_field, varint_field};
 use crate::body::ResponseBody;
@@ -59,13 +59,32 @@ pub(crate) static STATUS: http::HeaderName = http::HeaderName::from_static("grpc
 pub(crate) static MESSAGE: http::HeaderName = http::HeaderName::from_static("grpc-message");
 
 /// Per-call binary metadata that describes this call, not the operation: trace context and
-/// tags, server statistics. Never kept for a retry.
-const PER_CALL: [&str; 3] = ["grpc-trace-bin", "grpc-tags-bin", "grpc-server-stats-bin"];
+/// tags, server statistics. Never kept for a retry, wherever the answer carries it: in its
+/// trailers, its initial metadata, or the one HEADERS frame of a trailers-only answer.
+const PER_CALL: [HeaderName; 3] = [
+    HeaderName::from_static("grpc-trace-bin"),
+    HeaderName::from_static("grpc-tags-bin"),
+    HeaderName::from_static("grpc-server-stats-bin"),
+];
 
-/// Removes the per-call metadata ([`PER_CALL`]) from trailers to be kept.
-pub(crate) fn withhold_per_call(trailers: &mut HeaderMap) {
-    for name in PER_CALL {
-        trailers.remove(name);
+/// Removes the per-call metadata ([`PER_CALL`]) from headers or trailers to be kept.
+pub(crate) fn withhold_per_call(headers: &mut HeaderMap) {
+    for name in &PER_CALL {
+        headers.remove(name);
+    }
+}
+
+/// Takes the per-call metadata ([`PER_CALL`]) out of a live answer's head into `withheld`, to
+/// be put back once the rest is recorded (see [`crate::replay::withhold`]).
+pub(crate) fn lend_per_call(
+    headers: &mut HeaderMap,
+    withheld: &mut Vec<(HeaderName, HeaderValue)>,
+) {
+    for name in &PER_CALL {
+        if let header::Entry::Occupied(entry) = headers.entry(name) {
+            let (name, values) = entry.remove_entry_mult();
+            withheld.extend(values.map(|value| (name.clone(), value)));
+        }
     }
 }
 

@@ -253,6 +253,23 @@ impl Dialect {
         }
     }
 
+    /// Takes out of an answer's head what is never recorded, to be put back into the live
+    /// answer with [`crate::replay::restore`]: what the deny list names (see
+    /// [`crate::replay::withhold`]) and, for a gRPC answer, its per-call metadata, which a
+    /// trailers-only answer carries in its head.
+    pub(crate) fn withhold(
+        &self,
+        headers: &mut HeaderMap,
+        denied: &crate::replay::DeniedHeaders,
+        drop_length: bool,
+    ) -> Vec<(::http::HeaderName, HeaderValue)> {
+        let mut withheld = crate::replay::withhold(headers, denied, drop_length);
+        if self.has_grpc_status() {
+            grpc::lend_per_call(headers, &mut withheld);
+        }
+        withheld
+    }
+
     /// The trailers of an answer as they are kept: without what the deny list names (as for
     /// headers); for a gRPC answer read to its end (`complete`), with `grpc-status: 2`
     /// (UNKNOWN) where it never said how the call ended, so the policy and every replay read
@@ -351,6 +368,10 @@ impl Dialect {
         if let Some(kept) = &mut trailers {
             crate::replay::withhold(kept, denied, false);
             grpc::withhold_per_call(kept);
+        }
+        // A record made before per-call metadata was kept out of heads may still hold some.
+        if self.has_grpc_status() {
+            grpc::withhold_per_call(&mut headers);
         }
         let body = match self {
             Self::JsonRpc(id) => {
@@ -472,4 +493,81 @@ fn not_accepted(coding: &str) -> Problem {
         ),
     )
     .state("completed")
+}
+
+#[cfg(test)]
+mod tests {
+    use http::{HeaderMap, HeaderValue, StatusCode};
+
+    use super::Dialect;
+    use crate::replay::{DeniedHeaders, default_denied_headers, restore};
+    use crate::store::StoredResponse;
+
+    const PER_CALL: [&str; 3] = ["grpc-trace-bin", "grpc-tags-bin", "grpc-server-stats-bin"];
+
+    /// A trailers-only gRPC answer: its status and its per-call metadata in one head.
+    fn trailers_only_head() -> HeaderMap {
+        let mut head = HeaderMap::new();
+        head.insert("content-type", HeaderValue::from_static("application/grpc"));
+        head.insert("grpc-status", HeaderValue::from_static("5"));
+        head.insert("x-kept", HeaderValue::from_static("yes"));
+        for name in PER_CALL {
+            head.append(name, HeaderValue::from_static("CQE"));
+            head.append(name, HeaderValue::from_static("CQM"));
+        }
+        head
+    }
+
+    /// DESIGN §1 (replays never carry per-request ids), gRPC: per-call metadata in an answer's
+    /// head (a trailers-only answer, or initial metadata) is kept out of the record and
+    /// given back to the live answer whole, both values of a repeated entry included; an HTTP
+    /// answer's headers of those names are only headers, and kept.
+    #[test]
+    fn s1_per_call_metadata_in_a_grpc_head_is_lent_not_recorded() {
+        let denied = DeniedHeaders::new(default_denied_headers());
+        for dialect in [Dialect::Grpc, Dialect::GrpcWeb { text: false }] {
+            let mut head = trailers_only_head();
+            let withheld = dialect.withhold(&mut head, &denied, true);
+            for name in PER_CALL {
+                assert!(!head.contains_key(name), "{dialect:?} recorded {name}");
+            }
+            assert_eq!(head["grpc-status"], "5");
+            assert_eq!(head["x-kept"], "yes");
+            restore(&mut head, withheld);
+            assert_eq!(
+                head,
+                trailers_only_head(),
+                "{dialect:?}: the live answer, whole"
+            );
+        }
+        let mut head = trailers_only_head();
+        let withheld = Dialect::Http.withhold(&mut head, &denied, true);
+        assert!(withheld.is_empty());
+        assert_eq!(head, trailers_only_head());
+    }
+
+    /// A record that kept per-call metadata in its head (made before it was kept out) is
+    /// replayed without it.
+    #[test]
+    fn s1_a_grpc_replay_drops_per_call_metadata_its_record_kept() {
+        let denied = DeniedHeaders::new(default_denied_headers());
+        let stored = StoredResponse {
+            status: StatusCode::OK,
+            headers: trailers_only_head(),
+            body: Some(bytes::Bytes::new()),
+            trailers: None,
+        };
+        let replay = Dialect::Grpc.replay::<http_body_util::Empty<bytes::Bytes>>(
+            stored,
+            &HeaderMap::new(),
+            false,
+            None,
+            &denied,
+        );
+        for name in PER_CALL {
+            assert!(!replay.headers().contains_key(name), "replayed {name}");
+        }
+        assert_eq!(replay.headers()["grpc-status"], "5");
+        assert_eq!(replay.headers()["x-kept"], "yes");
+    }
 }
