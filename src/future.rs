@@ -161,7 +161,7 @@ impl<B, E> fmt::Debug for ResponseFuture<B, E> {
     }
 }
 
-#[cfg(test)]
+#[cfg(all(test, feature = "memory", feature = "axum"))]
 impl<B, E> ResponseFuture<B, E> {
     /// Bytes of the state machine this future keeps on the heap in its current state.
     fn heap_size(&self) -> usize {
@@ -173,7 +173,7 @@ impl<B, E> ResponseFuture<B, E> {
     }
 }
 
-#[cfg(test)]
+#[cfg(all(test, feature = "memory", feature = "axum"))]
 mod tests {
     use std::convert::Infallible;
 

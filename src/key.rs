@@ -206,7 +206,7 @@ impl ScopedKey {
 
     /// Whether anything still holds this key's allocation once `self` and its clones are
     /// gone: for tests of what keeps a key.
-    #[cfg(test)]
+    #[cfg(all(test, feature = "memory"))]
     pub(crate) fn downgrade(&self) -> std::sync::Weak<str> {
         Arc::downgrade(&self.joined)
     }

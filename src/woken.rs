@@ -76,7 +76,7 @@ impl Drop for Leaving<'_> {
     }
 }
 
-#[cfg(test)]
+#[cfg(all(test, feature = "memory"))]
 mod tests {
     use super::*;
     use crate::store::{Claim, ClaimRequest, Fingerprint, LeaseExpiry};

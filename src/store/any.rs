@@ -378,11 +378,10 @@ impl IdempotencyStore for AnyStore {
     }
 }
 
-#[cfg(test)]
+#[cfg(all(test, feature = "memory"))]
 mod tests {
     use super::*;
 
-    #[cfg(feature = "memory")]
     #[tokio::test]
     async fn picks_a_store_by_scheme() {
         assert!(matches!(
