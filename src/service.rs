@@ -268,20 +268,10 @@ impl<St: IdempotencyStore, M: MakeScope> Pipeline<St, M> {
                 // A record locked by a transaction is answered at once, and not noted in its
                 // history: that write would wait for the same lock.
                 // After a wait, a claim is what a recorded outcome needs least: read it first.
-                // A store that claims at once (in process, `IdempotencyStore::claim_now`) is
-                // asked first: nothing can drop such a claim midway, so it needs no guard.
-                let made = match round {
-                    0 => self.keeper.store().claim_now(&request),
-                    _ => None,
-                };
-                let claimed = match made {
-                    Some(made) => made,
-                    None => {
-                        let woken = (round > 0).then(|| self.config.clone());
-                        ClaimToEnd::new(self.keeper.store(), &request, woken).await
-                    }
-                };
-                let (decision, noted) = match claimed {
+                let woken = (round > 0).then(|| self.config.clone());
+                let (decision, noted) = match ClaimToEnd::new(self.keeper.store(), &request, woken)
+                    .await
+                {
                     Ok(claim) => {
                         let window = route.window.p99();
                         let decided = decide(claim, &request.fingerprint, dialect.covers(), window);
@@ -400,6 +390,9 @@ type ClaimFuture = std::pin::Pin<Box<dyn Future<Output = Result<Claim, StoreErro
 /// hanging up during a PostgreSQL round trip): dropped unfinished, it finishes on a task of its
 /// own and gives back a key it won, since no handler ever ran under it. Nothing is left in
 /// progress, nor awaiting reconciliation, for a request that ran nothing.
+///
+/// A store that claims at once (in process, [`IdempotencyStore::claim_now`]) is asked first:
+/// nothing can drop such a claim midway, so it needs no boxed future.
 struct ClaimToEnd<St: IdempotencyStore> {
     claim: Claiming,
     store: Arc<St>,
@@ -408,6 +401,8 @@ struct ClaimToEnd<St: IdempotencyStore> {
 
 /// Where a [`ClaimToEnd`] stands.
 enum Claiming {
+    /// Made at once by the store; given out when polled.
+    Made(Result<Claim, StoreError>),
     /// On its way.
     InFlight(ClaimFuture),
     /// Given out.
@@ -422,6 +417,15 @@ impl<St: IdempotencyStore> ClaimToEnd<St> {
     /// row, and a hundred woken waiters would queue behind one another's commits.
     fn new(store: &Arc<St>, request: &ClaimRequest, woken: Option<Arc<Resolved>>) -> Self {
         let (owned, key) = (store.clone(), request.key.clone());
+        if woken.is_none()
+            && let Some(made) = store.claim_now(request)
+        {
+            return Self {
+                claim: Claiming::Made(made),
+                store: owned,
+                key,
+            };
+        }
         let request = request.clone();
         Self {
             claim: Claiming::InFlight(Box::pin(async move {
@@ -451,6 +455,7 @@ impl<St: IdempotencyStore> Future for ClaimToEnd<St> {
 
     fn poll(mut self: std::pin::Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         match std::mem::replace(&mut self.claim, Claiming::Done) {
+            Claiming::Made(made) => Poll::Ready(made),
             Claiming::InFlight(mut claim) => {
                 let out = claim.as_mut().poll(cx);
                 if out.is_pending() {
@@ -469,6 +474,8 @@ impl<St: IdempotencyStore> Drop for ClaimToEnd<St> {
         let claim = match std::mem::replace(&mut self.claim, Claiming::Done) {
             Claiming::Done => return,
             Claiming::InFlight(claim) => claim,
+            // Made but never given out: the same as a claim finished after the drop.
+            Claiming::Made(made) => Box::pin(std::future::ready(made)),
         };
         let (store, key) = (self.store.clone(), self.key.clone());
         // Without a runtime (shutting down) a won claim's lease runs out instead.
@@ -631,16 +638,17 @@ mod tests {
     use super::*;
     use crate::MemoryStore;
 
-    /// A claim dropped before the request read it (a client hanging up mid round trip): it
-    /// is seen to its end, and since no handler ran under it, the key is given back (DESIGN
-    /// §4). Made here on a store that could claim at once, which the pipeline asks first and
-    /// reads in the same poll; this guard is for every other claim.
+    /// A claim the store made at once, dropped before the request read it: no handler ran
+    /// under it, so the key is given back, as for a claim dropped in flight (DESIGN §4).
     #[tokio::test]
-    async fn s4_a_claim_dropped_unread_gives_the_key_back() {
+    async fn s4_a_claim_made_at_once_and_dropped_unread_gives_the_key_back() {
         let store = Arc::new(MemoryStore::new());
         let key = ScopedKey::new("", "dropped");
         let claim = ClaimToEnd::new(&store, &ClaimRequest::a_minute(&key), None);
-        assert!(matches!(claim.claim, Claiming::InFlight(_)));
+        assert!(matches!(
+            claim.claim,
+            Claiming::Made(Ok(Claim::Acquired(_)))
+        ));
         drop(claim);
         // The release runs on a task of its own.
         let mut released = false;

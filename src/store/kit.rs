@@ -592,13 +592,16 @@ pub async fn expired_lease_with_reconcile_needs_reconciliation<S: IdempotencySto
     completed(store, &req, "a settled key").await;
 }
 
-/// A renewed lease is not taken over when its first length passes.
+/// A renewed lease is not taken over when its first length passes, and a renewal never
+/// shortens it: renewals may overlap, and one sent earlier may land later.
 pub async fn renew_keeps_the_lease_alive<S: IdempotencyStore>(store: &S) {
     let key = unique_key("renew");
     let req = request(&key, 1, SHORT, LONG);
     let lease = acquire(store, &req, "a fresh key").await;
     let until = store.renew(&key, lease.token, LONG).await.expect("renew");
     assert!(until > lease.until, "renewal moves the lease's end");
+    let again = store.renew(&key, lease.token, SHORT).await.expect("renew");
+    assert!(again >= until, "a shorter renewal keeps the longer end");
     tokio::time::sleep(PAST_SHORT).await;
     let (record, _) = existing(store, &req, "a renewed lease").await;
     assert_eq!(record.status, RecordStatus::InProgress);

@@ -420,8 +420,10 @@ pub trait IdempotencyStore: Send + Sync + 'static {
         None
     }
 
-    /// Extends the holder's lease to `lease` from now (and `expires_at` with it, if needed);
-    /// returns the new end.
+    /// Extends the holder's lease to `lease` from now (and `expires_at` with it, if needed),
+    /// never shortening it; returns the new end. Renewals of one lease may overlap (the layer
+    /// starts the next when one is slow to come back), and one sent earlier may land later:
+    /// it must not move the end back.
     fn renew(
         &self,
         key: &ScopedKey,

@@ -355,9 +355,12 @@ impl Statements {
             claim: claim.into(),
             claim_batch: claim_batch.into(),
             // Renewals and refusal notes run while a handler may hold the row in its own
-            // transaction: they wait for it no longer than a claim does (`{BOUNDED}`).
+            // transaction: they wait for it no longer than a claim does (`{BOUNDED}`). A
+            // renewal never shortens the lease: `now()` is when its statement began, and one
+            // that waited on the row may land after a later one (they overlap, see `hold`).
             renew: format!(
-                "UPDATE {t} SET lease_until = now() + make_interval(secs => $4::float8 / 1000),
+                "UPDATE {t} SET lease_until = GREATEST(lease_until,
+                     now() + make_interval(secs => $4::float8 / 1000)),
                    expires_at = GREATEST(expires_at, now() + make_interval(secs => $4::float8 / 1000)),
                    updated_at = now()
                  FROM {BOUNDED}

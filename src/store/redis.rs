@@ -624,7 +624,9 @@ const RENEW: &str = r"
 local r = load(KEYS[1])
 if fenced(r, ARGV[2]) then return false end
 local lease = tonumber(ARGV[3])
-r.lu = fmt(now + lease); r.ea = fmt(math.max(tonumber(r.ea), now + lease)); r.ua = fmt(now)
+-- Never shorter: renewals may overlap, and one sent earlier may land later.
+r.lu = fmt(math.max(tonumber(r.lu), now + lease))
+r.ea = fmt(math.max(tonumber(r.ea), now + lease)); r.ua = fmt(now)
 save(r)
 return r.lu
 ";

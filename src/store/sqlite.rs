@@ -459,7 +459,7 @@ impl Statements {
             table: table.to_owned(),
             upsert: upsert.into(),
             renew: format!(
-                "UPDATE {t} SET lease_until = {NOW} + ?4, expires_at = MAX(expires_at, {NOW} + ?4),
+                "UPDATE {t} SET lease_until = MAX(lease_until, {NOW} + ?4), expires_at = MAX(expires_at, {NOW} + ?4),
                    updated_at = {NOW}
                  WHERE {fenced} RETURNING lease_until"
             )

@@ -756,7 +756,9 @@ impl IdempotencyStore for MemoryStore {
         lease: Duration,
     ) -> Result<SystemTime, StoreError> {
         self.fenced(key, token, |r, now| {
-            r.lease_until = now + span(lease);
+            // Never shorter: renewals may overlap (see `hold`), and one sent earlier may land
+            // later.
+            r.lease_until = r.lease_until.max(now + span(lease));
             r.expires_at = r.expires_at.max(r.lease_until);
             time(r.lease_until)
         })
