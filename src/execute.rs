@@ -54,6 +54,9 @@ pub(crate) struct Execution<St> {
     pub(crate) keeper: Keeper<St>,
     pub(crate) key: ScopedKey,
     pub(crate) lease: Lease,
+    /// When the lease was asked for, where the store took a while to answer (see
+    /// [`Keeper::hold`]).
+    pub(crate) asked: Option<tokio::time::Instant>,
     pub(crate) route: Arc<RouteConfig>,
     pub(crate) config: Arc<Resolved>,
     pub(crate) dialect: Dialect,
@@ -67,7 +70,7 @@ impl<St: IdempotencyStore> Execution<St> {
     /// Keeps this execution's lease renewed while the returned value lives.
     fn hold(&self) -> Hold<St> {
         self.keeper
-            .hold(&self.key, self.lease.token, self.route.lease)
+            .hold(&self.key, self.lease.token, self.route.lease, self.asked)
     }
 
     /// Runs `inner` on `req` and records the outcome; the answer for the client.
@@ -274,6 +277,7 @@ impl<St: IdempotencyStore> Execution<St> {
             keeper: self.keeper.clone(),
             key: self.key.clone(),
             lease: self.lease,
+            asked: self.asked,
             route: self.route.clone(),
             config: self.config.clone(),
             dialect: self.dialect.clone(),

@@ -47,10 +47,20 @@ struct Held {
     key: ScopedKey,
     token: FencingToken,
     lease: Duration,
+    /// When the next renewal starts: a third of a lease after the last one was sent, whether
+    /// or not it has come back.
     due: Instant,
-    /// A renewal is under way; the keeper does not start a second one.
-    renewing: bool,
+    /// Renewals under way. One that hangs (a connection stuck, a row lock) does not hold up
+    /// the next: the lease would run out behind it and another request take the key over
+    /// while this handler still runs. At most [`OUTSTANDING`], so a store that hangs every
+    /// call is not sent more and more.
+    renewing: u8,
+    /// A renewal was fenced out: nothing to keep.
+    lost: bool,
 }
+
+/// The most renewals of one lease under way at once.
+const OUTSTANDING: u8 = 2;
 
 impl<St> Clone for Keeper<St> {
     fn clone(&self) -> Self {
@@ -87,15 +97,25 @@ impl<St> Keeper<St> {
 }
 
 impl<St: IdempotencyStore> Keeper<St> {
-    /// Keeps `token`'s lease on `key` renewed until the returned hold is dropped.
-    pub(crate) fn hold(&self, key: &ScopedKey, token: FencingToken, lease: Duration) -> Hold<St> {
+    /// Keeps `token`'s lease on `key` renewed until the returned hold is dropped. `since`:
+    /// when the lease was asked for, if the store took a while to answer (the lease began
+    /// somewhere between then and now, so its first renewal is due a third of a lease after
+    /// then); otherwise now.
+    pub(crate) fn hold(
+        &self,
+        key: &ScopedKey,
+        token: FencingToken,
+        lease: Duration,
+        since: Option<Instant>,
+    ) -> Hold<St> {
         self.start(lease);
         let held = Held {
             key: key.clone(),
             token,
             lease,
-            due: Instant::now() + lease / 3,
-            renewing: false,
+            due: since.unwrap_or_else(Instant::now) + lease / 3,
+            renewing: 0,
+            lost: false,
         };
         let mut slots = lock(&self.shared.slots);
         let slot = match slots.free.pop() {
@@ -197,10 +217,13 @@ async fn keep<St: IdempotencyStore>(shared: Weak<Shared<St>>, _running: Running<
                 .enumerate()
                 .filter_map(|(slot, held)| {
                     let held = held.as_mut()?;
-                    if held.renewing || held.due > now {
+                    if held.lost || held.renewing >= OUTSTANDING || held.due > now {
                         return None;
                     }
-                    held.renewing = true;
+                    held.renewing += 1;
+                    // The next one starts a third of a lease after this one was sent, even if
+                    // this one has not come back by then.
+                    held.due = now + held.lease / 3;
                     Some((slot, held.key.clone(), held.token, held.lease))
                 })
                 .collect()
@@ -222,7 +245,8 @@ async fn renew<St: IdempotencyStore>(
 ) {
     let result = shared.store.renew(&key, token, lease).await;
     let next = match result {
-        Ok(_) => Instant::now() + lease / 3,
+        // Already scheduled from when it was sent.
+        Ok(_) => None,
         Err(StoreError::Fenced) => {
             // Taken over, settled, or marked uncertain by its own holder: nothing to keep.
             observe::count(Event::LeaseLost);
@@ -230,12 +254,12 @@ async fn renew<St: IdempotencyStore>(
                 key = key.key(),
                 "lease lost while held; no longer renewing it"
             );
-            Instant::now() + Duration::from_secs(365 * 24 * 3600)
+            Some(Next::Lost)
         }
         Err(error) => {
             observe::count(Event::StoreError);
             tracing::warn!(%error, "lease renewal failed; trying again");
-            Instant::now() + tick
+            Some(Next::Retry(Instant::now() + tick))
         }
     };
     let mut slots = lock(&shared.slots);
@@ -244,9 +268,22 @@ async fn renew<St: IdempotencyStore>(
         && held.token == token
         && held.key == key
     {
-        held.due = next;
-        held.renewing = false;
+        held.renewing = held.renewing.saturating_sub(1);
+        match next {
+            // Whatever an earlier renewal says when it comes back, a lost lease stays lost.
+            Some(Next::Lost) => held.lost = true,
+            Some(Next::Retry(at)) => held.due = held.due.min(at),
+            None => {}
+        }
     }
+}
+
+/// What a renewal's answer changes in its lease's schedule.
+enum Next {
+    /// Taken over or settled: never renewed again.
+    Lost,
+    /// Failed: tried again at this time, if that is sooner than planned.
+    Retry(Instant),
 }
 
 fn tick(shortest_ms: u64) -> Duration {

@@ -27,7 +27,8 @@ use crate::route::RouteConfig;
 use crate::scope::MakeScope;
 use crate::settings::Resolved;
 use crate::store::{
-    BoxError, Claim, ClaimRequest, HistoryEvent, IdempotencyStore, RecordStatus, StoreError, poll,
+    BoxError, Claim, ClaimRequest, FencingToken, HistoryEvent, IdempotencyStore, RecordStatus,
+    StoreError, poll,
 };
 
 /// The middleware service made by [`IdempotencyLayer`](crate::IdempotencyLayer).
@@ -263,15 +264,28 @@ impl<St: IdempotencyStore, M: MakeScope> Pipeline<St, M> {
                 .wait_for_in_flight
                 .map(|wait| tokio::time::Instant::now() + wait);
             let mut round = 0u32;
+            // When the last claim that went to the store was sent (see `confirm`).
+            let mut asked = None;
             let lease = loop {
                 // Seen to its end even if this request is dropped meanwhile (see `ClaimToEnd`).
                 // A record locked by a transaction is answered at once, and not noted in its
                 // history: that write would wait for the same lock.
                 // After a wait, a claim is what a recorded outcome needs least: read it first.
-                let woken = (round > 0).then(|| self.config.clone());
-                let (decision, noted) = match ClaimToEnd::new(self.keeper.store(), &request, woken)
-                    .await
-                {
+                let claimed = 'claim: {
+                    // A store that claims at once (in process, `IdempotencyStore::claim_now`) is
+                    // asked first: nothing can drop such a claim midway, so it needs no guard.
+                    // Its answer is a temporary of the `if let`, so it takes no room in this
+                    // future's state while an in-flight claim is awaited below.
+                    if round == 0
+                        && let Some(made) = self.keeper.store().claim_now(&request)
+                    {
+                        break 'claim made;
+                    }
+                    asked = Some(tokio::time::Instant::now());
+                    let woken = (round > 0).then(|| self.config.clone());
+                    ClaimToEnd::new(self.keeper.store(), &request, woken).await
+                };
+                let (decision, noted) = match claimed {
                     Ok(claim) => {
                         let window = route.window.p99();
                         let decided = decide(claim, &request.fingerprint, dialect.covers(), window);
@@ -287,8 +301,17 @@ impl<St: IdempotencyStore, M: MakeScope> Pipeline<St, M> {
                 };
                 let can_wait = wait_until.is_some_and(|until| tokio::time::Instant::now() < until);
                 let mut seen = None;
+                let mut late = None;
                 let noting = match self.next(decision, can_wait, &dialect, &parts.headers) {
-                    Next::Run(lease) => break lease,
+                    // A claim that took half its lease to come back may have lapsed meanwhile,
+                    // and another request may hold the key and run: confirmed first, below.
+                    Next::Run(lease) => match asked {
+                        Some(sent) if sent.elapsed() * 2 >= route.lease => {
+                            late = Some((lease.token, lease.attempt));
+                            None
+                        }
+                        _ => break lease,
+                    },
                     Next::Wait(in_flight) => {
                         seen = in_flight;
                         None
@@ -298,6 +321,32 @@ impl<St: IdempotencyStore, M: MakeScope> Pipeline<St, M> {
                     }
                     Next::Answer(response, _) => return Step::Answer(Ok(response)),
                 };
+                // Run only under a lease the store confirms is still this request's (fenced),
+                // with time left. Awaited outside the `match` above, which would keep its
+                // value in this future's state.
+                if let Some((token, attempt)) = late {
+                    let (store, key) = (self.keeper.store().clone(), request.key.clone());
+                    match Box::pin(confirm(store, key, token, route.lease)).await {
+                        Confirmed::Held { sent, until } => {
+                            asked = Some(sent);
+                            break crate::store::Lease {
+                                token,
+                                attempt,
+                                until,
+                            };
+                        }
+                        // Taken over: claim again, to be told what its holder did.
+                        Confirmed::Lost => {
+                            round = round.saturating_add(1);
+                            continue;
+                        }
+                        Confirmed::Failed => {
+                            give_back(self.keeper.store(), &request.key, token);
+                            self.outcome("store_unavailable");
+                            return Step::Answer(Ok(unavailable(route, &dialect)));
+                        }
+                    }
+                }
                 match noting {
                     Some(noting) => return Step::Answer(Ok(noting.await)),
                     // Woken by the store when the record moves on (or it polls), then claim again:
@@ -344,6 +393,7 @@ impl<St: IdempotencyStore, M: MakeScope> Pipeline<St, M> {
                 keeper,
                 key,
                 lease,
+                asked,
                 route,
                 config,
                 dialect,
@@ -384,15 +434,66 @@ where
     Ok(res.map(ResponseBody::passthrough))
 }
 
+/// What a late claim's lease turned out to be.
+enum Confirmed {
+    /// Still this request's: renewed to `until` by a renewal sent at `sent` that came back
+    /// with time to spare.
+    Held {
+        sent: tokio::time::Instant,
+        until: std::time::SystemTime,
+    },
+    /// Another request took the key over.
+    Lost,
+    /// The store did not say, or kept answering too late to run under.
+    Failed,
+}
+
+/// Renews a lease whose claim came back late, fenced: a renewal that comes back within half a
+/// lease leaves at least half of one, counted from when it was sent, whatever the store's
+/// clock says. A few tries; then the store is too slow to run anything under a lease.
+async fn confirm<St: IdempotencyStore>(
+    store: Arc<St>,
+    key: ScopedKey,
+    token: FencingToken,
+    lease: Duration,
+) -> Confirmed {
+    for _ in 0..3 {
+        let sent = tokio::time::Instant::now();
+        match store.renew(&key, token, lease).await {
+            Ok(until) if sent.elapsed() * 2 < lease => return Confirmed::Held { sent, until },
+            Ok(_) => {}
+            Err(StoreError::Fenced) => return Confirmed::Lost,
+            Err(error) => {
+                observe::count(Event::StoreError);
+                tracing::error!(%error, "a late claim could not be confirmed; not run");
+                return Confirmed::Failed;
+            }
+        }
+    }
+    tracing::error!("the store answers too late to run under a lease; not run");
+    Confirmed::Failed
+}
+
+/// Gives back, fenced and on a task of its own, a lease nothing ran under.
+fn give_back<St: IdempotencyStore>(store: &Arc<St>, key: &ScopedKey, token: FencingToken) {
+    let (store, key) = (store.clone(), key.clone());
+    // Without a runtime (shutting down) the lease runs out instead.
+    if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+        runtime.spawn(async move {
+            observe::count(Event::Release);
+            if let Err(error) = store.release(&key, token).await {
+                tracing::warn!(%error, "could not give back a claim nobody ran under");
+            }
+        });
+    }
+}
+
 type ClaimFuture = std::pin::Pin<Box<dyn Future<Output = Result<Claim, StoreError>> + Send>>;
 
 /// A claim seen to its end even if the request is dropped while it is in flight (a client
 /// hanging up during a PostgreSQL round trip): dropped unfinished, it finishes on a task of its
 /// own and gives back a key it won, since no handler ever ran under it. Nothing is left in
 /// progress, nor awaiting reconciliation, for a request that ran nothing.
-///
-/// A store that claims at once (in process, [`IdempotencyStore::claim_now`]) is asked first:
-/// nothing can drop such a claim midway, so it needs no boxed future.
 struct ClaimToEnd<St: IdempotencyStore> {
     claim: Claiming,
     store: Arc<St>,
@@ -401,8 +502,6 @@ struct ClaimToEnd<St: IdempotencyStore> {
 
 /// Where a [`ClaimToEnd`] stands.
 enum Claiming {
-    /// Made at once by the store; given out when polled.
-    Made(Result<Claim, StoreError>),
     /// On its way.
     InFlight(ClaimFuture),
     /// Given out.
@@ -417,15 +516,6 @@ impl<St: IdempotencyStore> ClaimToEnd<St> {
     /// row, and a hundred woken waiters would queue behind one another's commits.
     fn new(store: &Arc<St>, request: &ClaimRequest, woken: Option<Arc<Resolved>>) -> Self {
         let (owned, key) = (store.clone(), request.key.clone());
-        if woken.is_none()
-            && let Some(made) = store.claim_now(request)
-        {
-            return Self {
-                claim: Claiming::Made(made),
-                store: owned,
-                key,
-            };
-        }
         let request = request.clone();
         Self {
             claim: Claiming::InFlight(Box::pin(async move {
@@ -455,7 +545,6 @@ impl<St: IdempotencyStore> Future for ClaimToEnd<St> {
 
     fn poll(mut self: std::pin::Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         match std::mem::replace(&mut self.claim, Claiming::Done) {
-            Claiming::Made(made) => Poll::Ready(made),
             Claiming::InFlight(mut claim) => {
                 let out = claim.as_mut().poll(cx);
                 if out.is_pending() {
@@ -474,8 +563,6 @@ impl<St: IdempotencyStore> Drop for ClaimToEnd<St> {
         let claim = match std::mem::replace(&mut self.claim, Claiming::Done) {
             Claiming::Done => return,
             Claiming::InFlight(claim) => claim,
-            // Made but never given out: the same as a claim finished after the drop.
-            Claiming::Made(made) => Box::pin(std::future::ready(made)),
         };
         let (store, key) = (self.store.clone(), self.key.clone());
         // Without a runtime (shutting down) a won claim's lease runs out instead.
@@ -638,17 +725,16 @@ mod tests {
     use super::*;
     use crate::MemoryStore;
 
-    /// A claim the store made at once, dropped before the request read it: no handler ran
-    /// under it, so the key is given back, as for a claim dropped in flight (DESIGN §4).
+    /// A claim dropped before the request read it (a client hanging up mid round trip): it
+    /// is seen to its end, and since no handler ran under it, the key is given back (DESIGN
+    /// §4). Made here on a store that could claim at once, which the pipeline asks first and
+    /// reads in the same poll; this guard is for every other claim.
     #[tokio::test]
-    async fn s4_a_claim_made_at_once_and_dropped_unread_gives_the_key_back() {
+    async fn s4_a_claim_dropped_unread_gives_the_key_back() {
         let store = Arc::new(MemoryStore::new());
         let key = ScopedKey::new("", "dropped");
         let claim = ClaimToEnd::new(&store, &ClaimRequest::a_minute(&key), None);
-        assert!(matches!(
-            claim.claim,
-            Claiming::Made(Ok(Claim::Acquired(_)))
-        ));
+        assert!(matches!(claim.claim, Claiming::InFlight(_)));
         drop(claim);
         // The release runs on a task of its own.
         let mut released = false;
@@ -725,6 +811,7 @@ mod tests {
                 attempt: 1,
                 until: std::time::SystemTime::now(),
             },
+            asked: None,
             route: service.config.default.clone(),
             config: service.config.clone(),
             dialect: Dialect::Http,
