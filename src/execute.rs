@@ -962,7 +962,8 @@ enum Next<'a, St, B, E> {
 }
 
 /// Releases a claim whose execution was dropped while its handler ran (routes that cancel on
-/// disconnect); disarmed once the handler has answered.
+/// disconnect), disarmed once the handler has answered; or a late claim dropped, or not
+/// confirmed, before anything ran under it (see `service::confirm`).
 pub(crate) struct ReleaseOnDrop<St: IdempotencyStore> {
     pub(crate) store: Option<Arc<St>>,
     pub(crate) key: ScopedKey,
@@ -970,7 +971,7 @@ pub(crate) struct ReleaseOnDrop<St: IdempotencyStore> {
 }
 
 impl<St: IdempotencyStore> ReleaseOnDrop<St> {
-    fn disarm(mut self) {
+    pub(crate) fn disarm(mut self) {
         self.store = None;
     }
 }

@@ -340,8 +340,8 @@ impl<St: IdempotencyStore, M: MakeScope> Pipeline<St, M> {
                             round = round.saturating_add(1);
                             continue;
                         }
+                        // Given back already (see `confirm`).
                         Confirmed::Failed => {
-                            give_back(self.keeper.store(), &request.key, token);
                             self.outcome("store_unavailable");
                             return Step::Answer(Ok(unavailable(route, &dialect)));
                         }
@@ -451,18 +451,34 @@ enum Confirmed {
 /// Renews a lease whose claim came back late, fenced: a renewal that comes back within half a
 /// lease leaves at least half of one, counted from when it was sent, whatever the store's
 /// clock says. A few tries; then the store is too slow to run anything under a lease.
+///
+/// Nothing has run under the lease yet: dropped before it is confirmed (a client hanging up
+/// meanwhile), or not confirmed, it is given back (fenced, on a task of its own), as a claim
+/// dropped in flight is (see `ClaimToEnd`).
 async fn confirm<St: IdempotencyStore>(
     store: Arc<St>,
     key: ScopedKey,
     token: FencingToken,
     lease: Duration,
 ) -> Confirmed {
+    let unconfirmed = ReleaseOnDrop {
+        store: Some(store.clone()),
+        key: key.clone(),
+        token,
+    };
     for _ in 0..3 {
         let sent = tokio::time::Instant::now();
         match store.renew(&key, token, lease).await {
-            Ok(until) if sent.elapsed() * 2 < lease => return Confirmed::Held { sent, until },
+            Ok(until) if sent.elapsed() * 2 < lease => {
+                unconfirmed.disarm();
+                return Confirmed::Held { sent, until };
+            }
             Ok(_) => {}
-            Err(StoreError::Fenced) => return Confirmed::Lost,
+            // Another request holds it: a release would be fenced out anyway.
+            Err(StoreError::Fenced) => {
+                unconfirmed.disarm();
+                return Confirmed::Lost;
+            }
             Err(error) => {
                 observe::count(Event::StoreError);
                 tracing::error!(%error, "a late claim could not be confirmed; not run");
@@ -472,20 +488,6 @@ async fn confirm<St: IdempotencyStore>(
     }
     tracing::error!("the store answers too late to run under a lease; not run");
     Confirmed::Failed
-}
-
-/// Gives back, fenced and on a task of its own, a lease nothing ran under.
-fn give_back<St: IdempotencyStore>(store: &Arc<St>, key: &ScopedKey, token: FencingToken) {
-    let (store, key) = (store.clone(), key.clone());
-    // Without a runtime (shutting down) the lease runs out instead.
-    if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-        runtime.spawn(async move {
-            observe::count(Event::Release);
-            if let Err(error) = store.release(&key, token).await {
-                tracing::warn!(%error, "could not give back a claim nobody ran under");
-            }
-        });
-    }
 }
 
 type ClaimFuture = std::pin::Pin<Box<dyn Future<Output = Result<Claim, StoreError>> + Send>>;
