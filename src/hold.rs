@@ -244,9 +244,9 @@ async fn renew<St: IdempotencyStore>(
     tick: Duration,
 ) {
     let result = shared.store.renew(&key, token, lease).await;
-    let next = match result {
+    match &result {
         // Already scheduled from when it was sent.
-        Ok(_) => None,
+        Ok(_) => {}
         Err(StoreError::Fenced) => {
             // Taken over, settled, or marked uncertain by its own holder: nothing to keep.
             observe::count(Event::LeaseLost);
@@ -254,14 +254,12 @@ async fn renew<St: IdempotencyStore>(
                 key = key.key(),
                 "lease lost while held; no longer renewing it"
             );
-            Some(Next::Lost)
         }
         Err(error) => {
             observe::count(Event::StoreError);
             tracing::warn!(%error, "lease renewal failed; trying again");
-            Some(Next::Retry(Instant::now() + tick))
         }
-    };
+    }
     let mut slots = lock(&shared.slots);
     // The slot may have been given back, or taken by another hold, meanwhile.
     if let Some(Some(held)) = slots.held.get_mut(slot)
@@ -269,21 +267,14 @@ async fn renew<St: IdempotencyStore>(
         && held.key == key
     {
         held.renewing = held.renewing.saturating_sub(1);
-        match next {
+        match result {
+            Ok(_) => {}
             // Whatever an earlier renewal says when it comes back, a lost lease stays lost.
-            Some(Next::Lost) => held.lost = true,
-            Some(Next::Retry(at)) => held.due = held.due.min(at),
-            None => {}
+            Err(StoreError::Fenced) => held.lost = true,
+            // Tried again a tick from now, if that is sooner than planned.
+            Err(_) => held.due = held.due.min(Instant::now() + tick),
         }
     }
-}
-
-/// What a renewal's answer changes in its lease's schedule.
-enum Next {
-    /// Taken over or settled: never renewed again.
-    Lost,
-    /// Failed: tried again at this time, if that is sooner than planned.
-    Retry(Instant),
 }
 
 fn tick(shortest_ms: u64) -> Duration {
