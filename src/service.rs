@@ -306,7 +306,7 @@ impl<St: IdempotencyStore, M: MakeScope> Pipeline<St, M> {
                     // A claim that took half its lease to come back may have lapsed meanwhile,
                     // and another request may hold the key and run: confirmed first, below.
                     Next::Run(lease) => match asked {
-                        Some(sent) if sent.elapsed() * 2 >= route.lease => {
+                        Some(sent) if !in_time(sent, route.lease) => {
                             late = Some((lease.token, lease.attempt));
                             None
                         }
@@ -434,6 +434,13 @@ where
     Ok(res.map(ResponseBody::passthrough))
 }
 
+/// Whether an answer to a request sent at `sent` for a lease of `lease` came back within half
+/// of it: the lease began after `sent`, so at least half of it is left, whatever the store's
+/// clock says.
+fn in_time(sent: tokio::time::Instant, lease: Duration) -> bool {
+    sent.elapsed() * 2 < lease
+}
+
 /// What a late claim's lease turned out to be.
 enum Confirmed {
     /// Still this request's: renewed to `until` by a renewal sent at `sent` that came back
@@ -448,9 +455,8 @@ enum Confirmed {
     Failed,
 }
 
-/// Renews a lease whose claim came back late, fenced: a renewal that comes back within half a
-/// lease leaves at least half of one, counted from when it was sent, whatever the store's
-/// clock says. A few tries; then the store is too slow to run anything under a lease.
+/// Renews a lease whose claim came back late, fenced, until a renewal comes back
+/// [`in_time`]. A few tries; then the store is too slow to run anything under a lease.
 ///
 /// Nothing has run under the lease yet: dropped before it is confirmed (a client hanging up
 /// meanwhile), or not confirmed, it is given back (fenced, on a task of its own), as a claim
@@ -469,7 +475,7 @@ async fn confirm<St: IdempotencyStore>(
     for _ in 0..3 {
         let sent = tokio::time::Instant::now();
         match store.renew(&key, token, lease).await {
-            Ok(until) if sent.elapsed() * 2 < lease => {
+            Ok(until) if in_time(sent, lease) => {
                 unconfirmed.disarm();
                 return Confirmed::Held { sent, until };
             }
