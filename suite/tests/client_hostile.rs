@@ -4,8 +4,6 @@
 
 mod common;
 
-use common::gzip;
-
 use std::convert::Infallible;
 use std::pin::Pin;
 use std::sync::Arc;
@@ -17,7 +15,7 @@ use axum::Router;
 use axum::http::StatusCode;
 use axum::routing::post;
 use bytes::Bytes;
-use common::{Effects, serve};
+use common::{Effects, gzip, serve};
 use http_body::Frame;
 use http_body_util::Full;
 use hyper_util::client::legacy::Client;

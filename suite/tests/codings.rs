@@ -6,8 +6,6 @@
 
 mod common;
 
-use common::gzip;
-
 use std::collections::HashMap;
 use std::convert::Infallible;
 use std::future::Future;
@@ -17,7 +15,7 @@ use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 
 use bytes::{BufMut, Bytes, BytesMut};
-use common::Effects;
+use common::{Effects, gzip};
 use http::uri::PathAndQuery;
 use http::{HeaderMap, HeaderValue};
 use http_body::Frame;

@@ -3,11 +3,9 @@
 
 mod common;
 
-use common::gzip;
-
 use std::sync::{Arc, Mutex};
 
-use common::Effects;
+use common::{Effects, gzip};
 use tower_idempotency::{IdempotencyLayer, MemoryStore};
 
 #[tokio::test]

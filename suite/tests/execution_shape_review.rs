@@ -9,8 +9,6 @@
 
 mod common;
 
-use common::gzip;
-
 use std::collections::VecDeque;
 use std::convert::Infallible;
 use std::future::Future;
@@ -26,8 +24,11 @@ use axum::body::Body;
 use axum::error_handling::HandleErrorLayer;
 use axum::routing::post;
 use bytes::Bytes;
-use common::raw::{Raw, raw_post, unique};
-use common::{Effects, FlakyStore, grpc_frame, guard, problem_type, serve, until};
+use common::{
+    Effects, FlakyStore, grpc_frame, guard, gzip, problem_type,
+    raw::{Raw, raw_post, unique},
+    serve, until,
+};
 use http::{HeaderMap, HeaderValue, Response, StatusCode};
 use http_body::Frame;
 use http_body_util::{BodyExt, Full};

@@ -4,8 +4,6 @@
 
 mod common;
 
-use common::gzip;
-
 use std::convert::Infallible;
 use std::future::Future;
 use std::net::SocketAddr;
@@ -13,7 +11,7 @@ use std::pin::Pin;
 use std::task::{Context, Poll};
 
 use bytes::Bytes;
-use common::Effects;
+use common::{Effects, gzip};
 use http::uri::PathAndQuery;
 use http::{HeaderMap, HeaderValue};
 use http_body::Frame;

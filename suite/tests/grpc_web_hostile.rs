@@ -5,14 +5,12 @@
 
 mod common;
 
-use common::{gunzip, gzip};
-
 use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::time::Duration;
 
 use bytes::Bytes;
-use common::Effects;
+use common::{Effects, grpc_frame_flagged as frame, gunzip, gzip};
 use http::uri::PathAndQuery;
 use hyper_util::rt::TokioExecutor;
 use tonic::{Code, Status};
@@ -23,13 +21,6 @@ use tower_idempotency::{CachePolicy, IdempotencyLayer, IdempotencyStore, MemoryS
 struct Note {
     #[prost(string, tag = "1")]
     text: String,
-}
-
-fn frame(flag: u8, payload: &[u8]) -> Vec<u8> {
-    let mut out = vec![flag];
-    out.extend((payload.len() as u32).to_be_bytes());
-    out.extend_from_slice(payload);
-    out
 }
 
 fn note(text: &str) -> Vec<u8> {

@@ -16,8 +16,6 @@
 
 mod common;
 
-use common::{gunzip, gzip};
-
 use std::collections::{BTreeMap, HashMap};
 use std::convert::Infallible;
 use std::future::Future;
@@ -28,7 +26,7 @@ use std::task::{Context, Poll};
 use std::time::{Duration, Instant, SystemTime};
 
 use bytes::Bytes;
-use common::Rng;
+use common::{Rng, grpc_frame_flagged as frame, gunzip, gzip};
 use http::uri::PathAndQuery;
 use http::{HeaderMap, HeaderValue};
 use http_body::Frame;
@@ -152,13 +150,6 @@ fn pct(text: &str) -> String {
         }
     }
     out
-}
-
-fn frame(flag: u8, payload: &[u8]) -> Vec<u8> {
-    let mut f = vec![flag];
-    f.extend((payload.len() as u32).to_be_bytes());
-    f.extend_from_slice(payload);
-    f
 }
 
 /// What execution `n` says about the call, per field.

@@ -58,15 +58,21 @@ pub async fn until(what: &str, mut done: impl FnMut() -> bool) {
     .await;
 }
 
-/// Serves `app` on an ephemeral loopback port; the server lives as long as the test runtime.
 /// One uncompressed gRPC message frame (flag 0, big-endian length, payload).
 pub fn grpc_frame(payload: &[u8]) -> Vec<u8> {
-    let mut frame = vec![0u8];
+    grpc_frame_flagged(0, payload)
+}
+
+/// One gRPC-framed message with its first byte given: 1 for a compressed message, `0x80`
+/// for gRPC-Web's trailer frame.
+pub fn grpc_frame_flagged(flag: u8, payload: &[u8]) -> Vec<u8> {
+    let mut frame = vec![flag];
     frame.extend((payload.len() as u32).to_be_bytes());
     frame.extend_from_slice(payload);
     frame
 }
 
+/// Serves `app` on an ephemeral loopback port; the server lives as long as the test runtime.
 pub async fn serve(app: Router) -> SocketAddr {
     let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let addr = listener.local_addr().expect("addr");
