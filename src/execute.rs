@@ -968,6 +968,8 @@ pub(crate) struct ReleaseOnDrop<St: IdempotencyStore> {
     pub(crate) store: Option<Arc<St>>,
     pub(crate) key: ScopedKey,
     pub(crate) token: FencingToken,
+    /// The claim's lease: how long a failed release is tried again (see [`give_back`]).
+    pub(crate) lease: Duration,
 }
 
 impl<St: IdempotencyStore> ReleaseOnDrop<St> {
@@ -981,15 +983,48 @@ impl<St: IdempotencyStore> Drop for ReleaseOnDrop<St> {
         let Some(store) = self.store.take() else {
             return;
         };
-        let (key, token) = (self.key.clone(), self.token);
+        let (key, token, lease) = (self.key.clone(), self.token, self.lease);
         // Without a runtime (shutting down) the lease simply runs out instead.
         if let Ok(runtime) = tokio::runtime::Handle::try_current() {
             runtime.spawn(async move {
-                observe::count(Event::Release);
-                if let Err(error) = store.release(&key, token).await {
-                    tracing::warn!(%error, "could not release a cancelled execution's key");
-                }
+                give_back(&*store, &key, token, lease, "a cancelled execution's key").await;
             });
+        }
+    }
+}
+
+/// Gives back a key that nothing runs under any more (a claim its request dropped, a run
+/// cancelled by a hang-up), trying again while the store fails, for as long as the lease
+/// lasts. A give-back that never lands ends as a crash does: the lease runs out and the next
+/// claim decides, which on a route that reconciles sets the key aside though nothing ran; one
+/// failed write must not be enough for that.
+pub(crate) async fn give_back<St: IdempotencyStore>(
+    store: &St,
+    key: &ScopedKey,
+    token: FencingToken,
+    lease: Duration,
+    what: &str,
+) {
+    let since = tokio::time::Instant::now();
+    let mut pause = Duration::from_millis(10);
+    loop {
+        match store.release(key, token).await {
+            Ok(_) => {
+                observe::count(Event::Release);
+                return;
+            }
+            // Taken over, or settled: nothing of ours is left to give back.
+            Err(StoreError::Fenced) => return,
+            Err(error) => {
+                observe::count(Event::StoreError);
+                if since.elapsed() + pause >= lease {
+                    tracing::warn!(%error, "could not give back {what}; its lease runs out");
+                    return;
+                }
+                tracing::debug!(%error, "could not give back {what}; trying again");
+                tokio::time::sleep(pause).await;
+                pause = (pause * 2).min(MAX_BACKOFF);
+            }
         }
     }
 }

@@ -217,8 +217,9 @@ impl RouteConfig {
     }
 
     /// For servers that treat a client hanging up as cancellation (default off): the handler
-    /// runs on the request's own future, so a disconnect cancels it, and the key is released,
-    /// so a retry runs it again. Off, the handler runs to completion and its outcome is
+    /// runs on the request's own future, so a disconnect cancels it, and the key is released
+    /// (tried again while the store fails, for as long as the lease lasts), so a retry runs it
+    /// again. Off, the handler runs to completion and its outcome is
     /// recorded whatever the client does (DESIGN §1 step 7). Only turn it on when cancelling
     /// the handler cannot leave a half-done effect behind.
     pub fn cancel_on_disconnect(mut self, on: bool) -> Self {

@@ -17,7 +17,7 @@ use crate::decide::{Decision, busy, ceil_secs, decide};
 use crate::dialect::grpc::read_unary;
 use crate::dialect::http::{Admitted, Reading, buffer, refuse_body};
 use crate::dialect::{self, Dialect, Head, Refusal};
-use crate::execute::{Execution, ReleaseOnDrop};
+use crate::execute::{Execution, ReleaseOnDrop, give_back};
 use crate::future::{ResponseFuture, Step};
 use crate::hold::Keeper;
 use crate::key::ScopedKey;
@@ -405,6 +405,7 @@ impl<St: IdempotencyStore, M: MakeScope> Pipeline<St, M> {
                     store: Some(execution.keeper.store().clone()),
                     key: execution.key.clone(),
                     token,
+                    lease: execution.route.lease,
                 };
                 return Step::Run {
                     run: Box::pin(execution.run(inner, req, Some(guard))),
@@ -471,6 +472,7 @@ async fn confirm<St: IdempotencyStore>(
         store: Some(store.clone()),
         key: key.clone(),
         token,
+        lease,
     };
     for _ in 0..3 {
         let sent = tokio::time::Instant::now();
@@ -506,6 +508,8 @@ struct ClaimToEnd<St: IdempotencyStore> {
     claim: Claiming,
     store: Arc<St>,
     key: ScopedKey,
+    /// The lease asked for: how long a failed give-back is tried again.
+    lease: Duration,
 }
 
 /// Where a [`ClaimToEnd`] stands.
@@ -523,7 +527,7 @@ impl<St: IdempotencyStore> ClaimToEnd<St> {
     /// awaiting reconciliation) is answered from the read: on PostgreSQL a claim locks the
     /// row, and a hundred woken waiters would queue behind one another's commits.
     fn new(store: &Arc<St>, request: &ClaimRequest, woken: Option<Arc<Resolved>>) -> Self {
-        let (owned, key) = (store.clone(), request.key.clone());
+        let (owned, key, lease) = (store.clone(), request.key.clone(), request.lease);
         let request = request.clone();
         Self {
             claim: Claiming::InFlight(Box::pin(async move {
@@ -544,6 +548,7 @@ impl<St: IdempotencyStore> ClaimToEnd<St> {
             })),
             store: store.clone(),
             key,
+            lease,
         }
     }
 }
@@ -572,15 +577,13 @@ impl<St: IdempotencyStore> Drop for ClaimToEnd<St> {
             Claiming::Done => return,
             Claiming::InFlight(claim) => claim,
         };
-        let (store, key) = (self.store.clone(), self.key.clone());
+        let (store, key, lease) = (self.store.clone(), self.key.clone(), self.lease);
         // Without a runtime (shutting down) a won claim's lease runs out instead.
         if let Ok(runtime) = tokio::runtime::Handle::try_current() {
             runtime.spawn(async move {
-                if let Ok(Claim::Acquired(lease)) = claim.await {
-                    observe::count(Event::Release);
-                    if let Err(error) = store.release(&key, lease.token).await {
-                        tracing::warn!(%error, "could not give back a claim nobody ran under");
-                    }
+                if let Ok(Claim::Acquired(won)) = claim.await {
+                    let what = "a claim nobody ran under";
+                    give_back(&*store, &key, won.token, lease, what).await;
                 }
             });
         }

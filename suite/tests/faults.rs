@@ -347,7 +347,21 @@ async fn s15_3_a_body_that_fails_after_the_head_is_never_run_again() {
 /// The claim commits, then its answer is slow: the client gives up meanwhile. The won claim is
 /// given back (nothing ran), so the next retry runs at once instead of waiting out the lease.
 async fn hang_up_during_claim<St: IdempotencyStore>(store: St) {
+    hang_up_during_claim_with(store, false).await;
+}
+
+/// The same, with the store failing the first give-back (the claim is operation 1, the
+/// release 2): the give-back is tried again, so a key that nothing ran under ends released,
+/// never in flight for a lease and then set aside for reconciliation on this `Reconcile` route.
+async fn hang_up_during_claim_first_give_back_fails<St: IdempotencyStore>(store: St) {
+    hang_up_during_claim_with(store, true).await;
+}
+
+async fn hang_up_during_claim_with<St: IdempotencyStore>(store: St, fail_first_release: bool) {
     let store = Arc::new(Faulty::new(store));
+    if fail_first_release {
+        store.fail_at.store(2, Ordering::SeqCst);
+    }
     *store.pause_after_claim.lock().expect("lock") = Some(Duration::from_millis(300));
     let effects = Effects::default();
     let layer = IdempotencyLayer::from_arc(store.clone())
@@ -370,6 +384,12 @@ async fn hang_up_during_claim<St: IdempotencyStore>(store: St) {
         "nothing ran: the claim is given back"
     );
     assert_eq!(effects.count(), 0);
+    let releases = store.log().iter().filter(|op| **op == "release").count();
+    let expected = if fail_first_release { 2 } else { 1 };
+    assert_eq!(
+        releases, expected,
+        "a failed give-back is tried again, once it lands no more"
+    );
     *store.pause_after_claim.lock().expect("lock") = None;
     let retry = post_key(addr, &key).await;
     assert_eq!(
@@ -378,6 +398,75 @@ async fn hang_up_during_claim<St: IdempotencyStore>(store: St) {
         "the retry runs, not 409"
     );
     assert_eq!(effects.count(), 1);
+}
+
+/// On a route that cancels on disconnect, a hang-up while the handler runs gives the key back,
+/// and a give-back the store fails once is tried again: the retry runs at once (attempt 2), as
+/// the route promises, instead of finding the key in flight for the rest of a 30 s lease.
+#[tokio::test]
+async fn s15_3_a_cancelled_runs_failed_give_back_is_tried_again() {
+    let store = Faulty::new(MemoryStore::new());
+    // The claim is operation 1, the give-back 2 (no renewal is due within a 30 s lease).
+    store.fail_at.store(2, Ordering::SeqCst);
+    let effects = Effects::default();
+    let calls = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let counter = effects.clone();
+    let app = Router::new().route(
+        "/op",
+        post(move |ctx: IdempotencyContext| async move {
+            // The first run outlives its client; the retry is quick.
+            if calls.fetch_add(1, Ordering::SeqCst) == 0 {
+                tokio::time::sleep(Duration::from_secs(20)).await;
+            }
+            let n = counter.hit();
+            (
+                StatusCode::CREATED,
+                format!("effect {n} (attempt {})", ctx.attempt()),
+            )
+        })
+        .layer(
+            IdempotencyLayer::new(store.clone())
+                .single_tenant()
+                .lease(Duration::from_secs(30))
+                .cancel_on_disconnect(true),
+        ),
+    );
+    let addr = serve(app).await;
+    let key = unique("cancel-give-back");
+    assert!(
+        hang_up_after(addr, &key, Duration::from_millis(200)).await,
+        "the client hung up while the handler ran"
+    );
+    let mut answered = None;
+    for _ in 0..200 {
+        let res = post_key(addr, &key).await;
+        if res.status() == StatusCode::CREATED {
+            answered = Some(res.text().await.expect("body"));
+            break;
+        }
+        assert_eq!(
+            res.status(),
+            StatusCode::CONFLICT,
+            "only until the give-back lands"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(
+        answered
+            .expect("the key was given back within the lease")
+            .as_str(),
+        "effect 1 (attempt 2)"
+    );
+    let releases = store.log().iter().filter(|op| **op == "release").count();
+    assert_eq!(
+        releases, 2,
+        "the failed give-back, then the one that landed"
+    );
+    assert_eq!(
+        effects.count(),
+        1,
+        "the cancelled run never made its effect"
+    );
 }
 
 /// On a route that cancels on disconnect, a hang-up while the handler runs gives the key back;
@@ -1072,6 +1161,7 @@ on_every_store! {
     s15_1_a_short_outage_at_record_time_ends_recorded => short_outage_is_recorded, "faults_records";
     s15_2_a_handler_blocking_its_thread_keeps_its_lease => blocking_handler_keeps_its_lease, "faults_blocking";
     s15_4_a_hang_up_during_the_claim_leaves_nothing_stuck => hang_up_during_claim, "faults_hangup";
+    s15_4_a_failed_give_back_is_tried_again => hang_up_during_claim_first_give_back_fails, "faults_give_back";
     s15_5_a_resolved_outcome_is_final => resolution_is_final, "faults_resolved";
     s15_9_the_fault_matrix => fault_matrix, "faults_matrix";
 }
