@@ -60,9 +60,10 @@
 //!   which is the new request's, written exactly as the client sent it
 //!   (`123456789012345678901234567890`, `1e2` and `-0` stay as they are), and
 //!   `Idempotency-Replayed: true`;
-//! - the middleware's own answers are JSON-RPC errors echoing the request's `id` as sent, with
-//!   the HTTP status of the problem (409, 422, 503, …), a code outside the reserved range, and
-//!   the problem details in `error.data`:
+//! - the middleware's own answers are JSON-RPC errors echoing the request's `id` as sent
+//!   (`null` where it could not be read: a body too large or unreadable, or not JSON-RPC), with
+//!   the HTTP status of the problem (409, 413, 422, 503, …), a code outside the reserved range,
+//!   and the problem details in `error.data`:
 //!
 //! | problem | code |
 //! |---|---|

@@ -84,8 +84,9 @@ impl Pending {
     pub(crate) fn dialect(&self) -> Dialect {
         match self {
             Self::Keyed(_, dialect) => dialect.clone(),
-            // No call to address yet: a plain HTTP problem.
-            Self::Call => Dialect::Http,
+            // A JSON-RPC error object, as every refusal on the route is; its id is `null`, as
+            // JSON-RPC 2.0 says where the request's id could not be read (DESIGN §8).
+            Self::Call => Dialect::JsonRpc(Arc::new(Id::null())),
         }
     }
 }

@@ -560,3 +560,145 @@ async fn s17_review_real_server_answers_are_recorded() {
     }
     assert_eq!(effects.count(), keys, "one task per key");
 }
+
+// ---- A body the mode cannot read is refused in the route's own form ----------------------------
+
+/// Checks `v` against JSON-RPC 2.0 §5 and §5.1 strictly, as a client library would read it: an
+/// object with exactly `jsonrpc: "2.0"`, `id` and `error`; an error with an integer `code` and a
+/// string `message`. Returns the id, the code and the error's `data`.
+fn strict_error(v: &Value) -> (&Value, i64, &Value) {
+    let object = v.as_object().expect("a JSON-RPC response is an object");
+    let mut members: Vec<&str> = object.keys().map(String::as_str).collect();
+    members.sort_unstable();
+    assert_eq!(
+        members,
+        ["error", "id", "jsonrpc"],
+        "exactly these members: {v}"
+    );
+    assert_eq!(v["jsonrpc"], "2.0");
+    let error = v["error"].as_object().expect("error is an object");
+    assert!(
+        error["message"].as_str().is_some_and(|m| !m.is_empty()),
+        "{v}"
+    );
+    let code = error["code"].as_i64().expect("an integer code");
+    (&v["id"], code, &v["error"]["data"])
+}
+
+/// POSTs `chunks` as a chunked body (no length declared), each chunk framed as written, and
+/// reads the answer to the connection's close.
+async fn chunked_post(
+    addr: SocketAddr,
+    headers: &[(&str, &str)],
+    framed: &[u8],
+) -> common::raw::Raw {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut stream = tokio::net::TcpStream::connect(addr).await.expect("connect");
+    let mut head = format!(
+        "POST /mcp HTTP/1.1\r\nhost: {addr}\r\nconnection: close\r\n\
+         transfer-encoding: chunked\r\ncontent-type: application/json\r\n"
+    );
+    for (name, value) in headers {
+        head.push_str(&format!("{name}: {value}\r\n"));
+    }
+    head.push_str("\r\n");
+    stream.write_all(head.as_bytes()).await.expect("write");
+    // The server may answer and close before reading all of it.
+    let _ = stream.write_all(framed).await;
+    let mut buf = Vec::new();
+    let _ = stream.read_to_end(&mut buf).await;
+    assert!(!buf.is_empty(), "the server answered");
+    common::raw::parse_raw(&buf)
+}
+
+/// One chunk of `body`, framed.
+fn chunk(body: &[u8]) -> Vec<u8> {
+    let mut framed = format!("{:x}\r\n", body.len()).into_bytes();
+    framed.extend_from_slice(body);
+    framed.extend_from_slice(b"\r\n");
+    framed
+}
+
+/// DESIGN §8 (JSON-RPC mode): a call whose body the layer cannot read, over the body limit
+/// (declared or streamed) or cut by broken framing, is refused as every refusal on the route
+/// is: the problem's status, `application/json`, a JSON-RPC 2.0 error object (-31005, the
+/// problem in `error.data`) to a `null` id, since the call's id could not be read (JSON-RPC 2.0
+/// §5). It was a problem+json body, which a JSON-RPC client cannot read. Nothing runs.
+#[tokio::test]
+async fn s8_a_call_whose_body_cannot_be_read_is_refused_as_a_json_rpc_error() {
+    let effects = Effects::default();
+    let app = Router::new()
+        .route("/mcp", post(tool))
+        .with_state(effects.clone())
+        .layer(
+            IdempotencyLayer::new(MemoryStore::new())
+                .single_tenant()
+                .body_limit(1024)
+                .jsonrpc(JsonRpc::new().meta_key("idempotencyKey")),
+        );
+    let addr = serve(app).await;
+    let big = call("7", &format!(r#"{{"pad":"{}"}}"#, "x".repeat(2048)));
+    let check = |status: u16, content_type: Option<&[u8]>, body: &[u8], want: u16, what: &str| {
+        assert_eq!(status, want, "{what}: the problem's status");
+        assert_eq!(content_type, Some(&b"application/json"[..]), "{what}");
+        let v: Value = serde_json::from_slice(body).expect("a JSON body");
+        let (id, code, data) = strict_error(&v);
+        assert!(id.is_null(), "{what}: the id could not be read: {v}");
+        assert_eq!(code, -31005, "{what}: {v}");
+        let kind = if want == 413 {
+            "body-too-large"
+        } else {
+            "body-unreadable"
+        };
+        assert_eq!(data["type"], common::problem_type(kind), "{what}: {v}");
+    };
+
+    // Keyed by the header, the length declared.
+    let res = send(addr, "/mcp", Some("k-declared"), &big).await;
+    let status = res.status().as_u16();
+    let content_type = res
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .map(|v| v.as_bytes().to_vec());
+    let body = res.bytes().await.expect("body");
+    check(status, content_type.as_deref(), &body, 413, "declared");
+
+    // Keyed by the header, streamed past the limit in chunks.
+    let mut framed = Vec::new();
+    for piece in big.as_bytes().chunks(256) {
+        framed.extend(chunk(piece));
+    }
+    framed.extend_from_slice(b"0\r\n\r\n");
+    let raw = chunked_post(addr, &[("idempotency-key", "k-streamed")], &framed).await;
+    check(
+        raw.status,
+        raw.one("content-type"),
+        &raw.body,
+        413,
+        "streamed",
+    );
+
+    // No header: on a route that reads `_meta` keys the body may hold one.
+    let raw = chunked_post(addr, &[], &framed).await;
+    check(
+        raw.status,
+        raw.one("content-type"),
+        &raw.body,
+        413,
+        "a _meta key may be in it",
+    );
+
+    // Framing broken after the first chunk: the body cannot be read.
+    let mut broken = chunk(&big.as_bytes()[..100]);
+    broken.extend_from_slice(b"not-a-chunk-size\r\n");
+    let raw = chunked_post(addr, &[("idempotency-key", "k-broken")], &broken).await;
+    check(
+        raw.status,
+        raw.one("content-type"),
+        &raw.body,
+        400,
+        "broken framing",
+    );
+
+    assert_eq!(effects.count(), 0, "nothing ran");
+}
