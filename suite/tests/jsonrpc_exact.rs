@@ -35,6 +35,11 @@ async fn tool(State(effects): State<Effects>, body: Bytes) -> Response {
 }
 
 async fn server(jsonrpc: JsonRpc) -> (SocketAddr, Effects) {
+    // The layer's default limit.
+    server_limited(jsonrpc, 1 << 20).await
+}
+
+async fn server_limited(jsonrpc: JsonRpc, body_limit: usize) -> (SocketAddr, Effects) {
     let effects = Effects::default();
     let app = Router::new()
         .route("/mcp", post(tool))
@@ -42,6 +47,7 @@ async fn server(jsonrpc: JsonRpc) -> (SocketAddr, Effects) {
         .layer(
             IdempotencyLayer::new(MemoryStore::new())
                 .single_tenant()
+                .body_limit(body_limit)
                 .jsonrpc(jsonrpc),
         );
     (serve(app).await, effects)
@@ -626,17 +632,7 @@ fn chunk(body: &[u8]) -> Vec<u8> {
 /// §5). It was a problem+json body, which a JSON-RPC client cannot read. Nothing runs.
 #[tokio::test]
 async fn s8_a_call_whose_body_cannot_be_read_is_refused_as_a_json_rpc_error() {
-    let effects = Effects::default();
-    let app = Router::new()
-        .route("/mcp", post(tool))
-        .with_state(effects.clone())
-        .layer(
-            IdempotencyLayer::new(MemoryStore::new())
-                .single_tenant()
-                .body_limit(1024)
-                .jsonrpc(JsonRpc::new().meta_key("idempotencyKey")),
-        );
-    let addr = serve(app).await;
+    let (addr, effects) = server_limited(JsonRpc::new().meta_key("idempotencyKey"), 1024).await;
     let big = call("7", &format!(r#"{{"pad":"{}"}}"#, "x".repeat(2048)));
     let check = |status: u16, content_type: Option<&[u8]>, body: &[u8], want: u16, what: &str| {
         assert_eq!(status, want, "{what}: the problem's status");
