@@ -52,9 +52,8 @@ use tonic::transport::{Endpoint, Server};
 use tonic_prost::ProstCodec;
 use tower_idempotency::jsonrpc::JsonRpc;
 use tower_idempotency::store::{
-    Claim, ClaimRequest, FencingToken, HistoryEvent, InFlight, Milestone, Record, RecordStatus,
-    Resolution, ScopedKey, StoreError, StoredResponse, UncertainCount, UncertainPage,
-    UncertainQuery,
+    Claim, ClaimRequest, FencingToken, HistoryEvent, Milestone, Record, RecordStatus, ScopedKey,
+    StoreError, StoredResponse,
 };
 use tower_idempotency::{IdempotencyLayer, IdempotencyStore, RouteConfig};
 
@@ -328,14 +327,6 @@ impl<S: IdempotencyStore> IdempotencyStore for Chaos<S> {
         self.around("lookup", self.inner.lookup(key)).await
     }
 
-    async fn remove(&self, key: &ScopedKey) -> Result<bool, StoreError> {
-        self.inner.remove(key).await
-    }
-
-    async fn purge_expired(&self) -> Result<u64, StoreError> {
-        self.inner.purge_expired().await
-    }
-
     async fn record_milestone(
         &self,
         key: &ScopedKey,
@@ -349,39 +340,12 @@ impl<S: IdempotencyStore> IdempotencyStore for Chaos<S> {
         .await
     }
 
-    async fn list_uncertain(&self, query: &UncertainQuery) -> Result<UncertainPage, StoreError> {
-        self.inner.list_uncertain(query).await
-    }
-
-    async fn count_uncertain(&self) -> Result<UncertainCount, StoreError> {
-        self.inner.count_uncertain().await
-    }
-
-    async fn resolve(
-        &self,
-        key: &ScopedKey,
-        token: FencingToken,
-        resolution: &Resolution,
-        ttl: Duration,
-        note: Option<&str>,
-    ) -> Result<(), StoreError> {
-        self.inner.resolve(key, token, resolution, ttl, note).await
-    }
-
     async fn append_history(&self, key: &ScopedKey, event: HistoryEvent) -> Result<(), StoreError> {
         self.around("history", self.inner.append_history(key, event))
             .await
     }
 
-    async fn wait_for_change(
-        &self,
-        key: &ScopedKey,
-        seen: &InFlight,
-        round: u32,
-        within: Duration,
-    ) {
-        self.inner.wait_for_change(key, seen, round, within).await;
-    }
+    crate::common::forward::forward_store!(inner: remove, purge_expired, list_uncertain, count_uncertain, resolve, wait_for_change);
 }
 
 // ---- the sink --------------------------------------------------------------------------------

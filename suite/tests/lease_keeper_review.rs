@@ -23,9 +23,7 @@ use axum::http::StatusCode;
 use axum::routing::post;
 use tokio::time::Instant;
 use tower_idempotency::store::{
-    Claim, ClaimRequest, FencingToken, HistoryEvent, InFlight, Milestone, Record, RecordStatus,
-    Resolution, ScopedKey, StoreError, StoredResponse, UncertainCount, UncertainPage,
-    UncertainQuery,
+    Claim, ClaimRequest, FencingToken, RecordStatus, ScopedKey, StoreError, StoredResponse,
 };
 use tower_idempotency::{Fingerprint, IdempotencyLayer, IdempotencyStore, LeaseExpiry};
 
@@ -342,59 +340,7 @@ impl<S: IdempotencyStore> IdempotencyStore for Rig<S> {
             .await
     }
 
-    async fn lookup(&self, key: &ScopedKey) -> Result<Option<Record>, StoreError> {
-        self.inner.lookup(key).await
-    }
-
-    async fn remove(&self, key: &ScopedKey) -> Result<bool, StoreError> {
-        self.inner.remove(key).await
-    }
-
-    async fn purge_expired(&self) -> Result<u64, StoreError> {
-        self.inner.purge_expired().await
-    }
-
-    async fn record_milestone(
-        &self,
-        key: &ScopedKey,
-        token: FencingToken,
-        milestone: &Milestone,
-    ) -> Result<(), StoreError> {
-        self.inner.record_milestone(key, token, milestone).await
-    }
-
-    async fn list_uncertain(&self, query: &UncertainQuery) -> Result<UncertainPage, StoreError> {
-        self.inner.list_uncertain(query).await
-    }
-
-    async fn count_uncertain(&self) -> Result<UncertainCount, StoreError> {
-        self.inner.count_uncertain().await
-    }
-
-    async fn resolve(
-        &self,
-        key: &ScopedKey,
-        token: FencingToken,
-        resolution: &Resolution,
-        ttl: Duration,
-        note: Option<&str>,
-    ) -> Result<(), StoreError> {
-        self.inner.resolve(key, token, resolution, ttl, note).await
-    }
-
-    async fn append_history(&self, key: &ScopedKey, event: HistoryEvent) -> Result<(), StoreError> {
-        self.inner.append_history(key, event).await
-    }
-
-    async fn wait_for_change(
-        &self,
-        key: &ScopedKey,
-        seen: &InFlight,
-        round: u32,
-        within: Duration,
-    ) {
-        self.inner.wait_for_change(key, seen, round, within).await;
-    }
+    crate::common::forward::forward_store!(inner: lookup, remove, purge_expired, record_milestone, list_uncertain, count_uncertain, resolve, append_history, wait_for_change);
 }
 
 // ---- the sink and the servers ----------------------------------------------------------------

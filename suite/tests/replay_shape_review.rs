@@ -31,9 +31,7 @@ use tokio::sync::{Barrier, Notify};
 use tower::ServiceExt;
 use tower_idempotency::jsonrpc::JsonRpc;
 use tower_idempotency::store::{
-    Claim, ClaimRequest, FencingToken, HistoryEvent, InFlight, Milestone, Record, RecordStatus,
-    Resolution, ScopedKey, StoreError, StoredResponse, UncertainCount, UncertainPage,
-    UncertainQuery,
+    Claim, ClaimRequest, Record, RecordStatus, Resolution, ScopedKey, StoreError, StoredResponse,
 };
 use tower_idempotency::{IdempotencyContext, IdempotencyLayer, IdempotencyStore, MemoryStore};
 
@@ -135,91 +133,12 @@ impl<S: IdempotencyStore> IdempotencyStore for Shaped<S> {
         })
     }
 
-    async fn renew(
-        &self,
-        key: &ScopedKey,
-        token: FencingToken,
-        lease: Duration,
-    ) -> Result<SystemTime, StoreError> {
-        self.inner.renew(key, token, lease).await
-    }
-
-    async fn complete(
-        &self,
-        key: &ScopedKey,
-        token: FencingToken,
-        response: &StoredResponse,
-        ttl: Duration,
-    ) -> Result<(), StoreError> {
-        self.inner.complete(key, token, response, ttl).await
-    }
-
-    async fn release(
-        &self,
-        key: &ScopedKey,
-        token: FencingToken,
-    ) -> Result<RecordStatus, StoreError> {
-        self.inner.release(key, token).await
-    }
-
-    async fn mark_uncertain(&self, key: &ScopedKey, token: FencingToken) -> Result<(), StoreError> {
-        self.inner.mark_uncertain(key, token).await
-    }
-
     async fn lookup(&self, key: &ScopedKey) -> Result<Option<Record>, StoreError> {
         self.lookups.fetch_add(1, Ordering::SeqCst);
         self.inner.lookup(key).await
     }
 
-    async fn remove(&self, key: &ScopedKey) -> Result<bool, StoreError> {
-        self.inner.remove(key).await
-    }
-
-    async fn purge_expired(&self) -> Result<u64, StoreError> {
-        self.inner.purge_expired().await
-    }
-
-    async fn record_milestone(
-        &self,
-        key: &ScopedKey,
-        token: FencingToken,
-        milestone: &Milestone,
-    ) -> Result<(), StoreError> {
-        self.inner.record_milestone(key, token, milestone).await
-    }
-
-    async fn list_uncertain(&self, query: &UncertainQuery) -> Result<UncertainPage, StoreError> {
-        self.inner.list_uncertain(query).await
-    }
-
-    async fn count_uncertain(&self) -> Result<UncertainCount, StoreError> {
-        self.inner.count_uncertain().await
-    }
-
-    async fn resolve(
-        &self,
-        key: &ScopedKey,
-        token: FencingToken,
-        resolution: &Resolution,
-        ttl: Duration,
-        note: Option<&str>,
-    ) -> Result<(), StoreError> {
-        self.inner.resolve(key, token, resolution, ttl, note).await
-    }
-
-    async fn append_history(&self, key: &ScopedKey, event: HistoryEvent) -> Result<(), StoreError> {
-        self.inner.append_history(key, event).await
-    }
-
-    async fn wait_for_change(
-        &self,
-        key: &ScopedKey,
-        seen: &InFlight,
-        round: u32,
-        within: Duration,
-    ) {
-        self.inner.wait_for_change(key, seen, round, within).await;
-    }
+    crate::common::forward::forward_store!(inner: renew, complete, release, mark_uncertain, remove, purge_expired, record_milestone, list_uncertain, count_uncertain, resolve, append_history, wait_for_change);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -4,6 +4,7 @@
 
 pub mod batching;
 pub mod faulty;
+pub mod forward;
 pub mod memory;
 pub mod model;
 pub mod proxy;
