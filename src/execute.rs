@@ -1009,6 +1009,12 @@ pub(crate) async fn give_back<St: IdempotencyStore>(
     let mut pause = Duration::from_millis(10);
     loop {
         match store.release(key, token).await {
+            // A cancelled run that had marked its effect started is set aside instead.
+            Ok(RecordStatus::NeedsReconciliation) => {
+                observe::count(Event::MovedToReconciliation);
+                tracing::warn!("the effect had started: the key awaits reconciliation");
+                return;
+            }
             Ok(_) => {
                 observe::count(Event::Release);
                 return;

@@ -301,4 +301,45 @@ async fn uncertain_outcomes_move_their_own_counters(counts: &Counts) {
         now.lease_token, record.lease_token,
         "the new holder's record stands"
     );
+
+    // A run cancelled by its client hanging up after it marked its effect started is set
+    // aside, not given back (DESIGN §4), and counted as such.
+    let cancelling = Router::new()
+        .route(
+            "/cancel",
+            post(|ctx: IdempotencyContext| async move {
+                ctx.effect_started().await.expect("milestone");
+                std::future::pending::<()>().await;
+            }),
+        )
+        .layer(
+            IdempotencyLayer::new(store.clone())
+                .single_tenant()
+                .cancel_on_disconnect(true),
+        );
+    let cancel_addr = serve(cancelling).await;
+    let moved = counts.get("idempotency_moved_to_reconciliation_total");
+    let releases = counts.get("idempotency_releases_total");
+    let hung_up = client()
+        .post(format!("http://{cancel_addr}/cancel"))
+        .header("idempotency-key", "m-cancelled")
+        .timeout(Duration::from_millis(300))
+        .send()
+        .await;
+    assert!(hung_up.is_err(), "the client gave up");
+    let key = ScopedKey::new("", "m-cancelled");
+    let mut status = None;
+    for _ in 0..500 {
+        status = store.lookup(&key).await.expect("lookup").map(|r| r.status);
+        if status == Some(tower_idempotency::store::RecordStatus::NeedsReconciliation) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(
+        status,
+        Some(tower_idempotency::store::RecordStatus::NeedsReconciliation)
+    );
+    assert_eq!(delta("idempotency_moved_to_reconciliation_total", moved), 1);
+    assert_eq!(delta("idempotency_releases_total", releases), 0);
 }
