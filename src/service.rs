@@ -28,7 +28,7 @@ use crate::scope::MakeScope;
 use crate::settings::Resolved;
 use crate::store::{
     BoxError, Claim, ClaimRequest, FencingToken, HistoryEvent, IdempotencyStore, RecordStatus,
-    StoreError, poll,
+    StoreError, poll, poll_backoff,
 };
 
 /// The middleware service made by [`IdempotencyLayer`](crate::IdempotencyLayer).
@@ -266,6 +266,9 @@ impl<St: IdempotencyStore, M: MakeScope> Pipeline<St, M> {
             let mut round = 0u32;
             // When the last claim that went to the store was sent (see `confirm`).
             let mut asked = None;
+            // The holder seen before a wait for a change that came back before its round's
+            // polling pause (see below).
+            let mut early: Option<FencingToken> = None;
             let lease = loop {
                 // Seen to its end even if this request is dropped meanwhile (see `ClaimToEnd`).
                 // A record locked by a transaction is answered at once, and not noted in its
@@ -355,15 +358,10 @@ impl<St: IdempotencyStore, M: MakeScope> Pipeline<St, M> {
                         let within = wait_until.map_or(Duration::ZERO, |until| {
                             until.saturating_duration_since(tokio::time::Instant::now())
                         });
-                        match seen {
-                            Some(seen) => {
-                                let store = self.keeper.store();
-                                Box::pin(store.wait_for_change(&request.key, &seen, round, within))
-                                    .await
-                            }
-                            // A locked record says nothing to wait on: poll.
-                            None => Box::pin(poll(round, within)).await,
-                        }
+                        let store = self.keeper.store();
+                        let waited =
+                            wait_to_claim(&**store, &request.key, seen, early, round, within);
+                        early = Box::pin(waited).await;
                         round = round.saturating_add(1);
                     }
                 }
@@ -433,6 +431,36 @@ where
 {
     let res = inner.call(req).await?;
     Ok(res.map(ResponseBody::passthrough))
+}
+
+/// Waits, on a route that waits for an in-flight key, until claiming again is worth it: woken
+/// by the store when `seen`'s holder moves on, or polled where nothing was seen (a record
+/// locked by a transaction) or where the store woke this request early for nothing the time
+/// before (`early`: the holder it saw then, still running). Returns the holder seen if the
+/// store came back before `round`'s polling pause, as a store may.
+///
+/// A store that keeps waking its waiters early then costs a claim per polling pause, never a
+/// storm of claims, which in process would starve the keeper renewing the holder's lease until
+/// a waiter took over a live run.
+async fn wait_to_claim<St: IdempotencyStore>(
+    store: &St,
+    key: &ScopedKey,
+    seen: Option<crate::store::InFlight>,
+    early: Option<FencingToken>,
+    round: u32,
+    within: Duration,
+) -> Option<FencingToken> {
+    match seen {
+        Some(seen) if early != Some(seen.token) => {
+            let since = tokio::time::Instant::now();
+            store.wait_for_change(key, &seen, round, within).await;
+            (since.elapsed() < poll_backoff(round)).then_some(seen.token)
+        }
+        _ => {
+            poll(round, within).await;
+            None
+        }
+    }
 }
 
 /// Whether an answer to a request sent at `sent` for a lease of `lease` came back within half

@@ -55,7 +55,7 @@ pub use uncertain::{UncertainCount, UncertainCursor, UncertainPage, UncertainQue
 pub use waiting::InFlight;
 #[cfg(any(feature = "memory", feature = "redis", feature = "postgres"))]
 pub(crate) use waiting::Waiters;
-pub(crate) use waiting::poll;
+pub(crate) use waiting::{poll, poll_backoff};
 
 /// An error boxed for transport across store backends.
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;

@@ -33,7 +33,7 @@ pub(crate) fn poll(round: u32, within: Duration) -> tokio::time::Sleep {
 }
 
 /// The polling pause of round `round`: 10 ms, doubling up to 250 ms.
-fn poll_backoff(round: u32) -> Duration {
+pub(crate) fn poll_backoff(round: u32) -> Duration {
     Duration::from_millis(10u64 << round.min(5)).min(Duration::from_millis(250))
 }
 
