@@ -819,11 +819,33 @@ impl<St: IdempotencyStore> Execution<St> {
                 observe::count(Event::Release);
                 status.as_str()
             }
-            // If this fails the lease simply runs out, and the next claim decides.
             Err(error) => {
+                let fenced = matches!(error, StoreError::Fenced);
                 settle(Err(error), "release the key");
+                if !fenced {
+                    self.release_later();
+                }
                 "in_progress"
             }
+        }
+    }
+
+    /// Tries a failed release again on a task of its own, for as long as a lease (see
+    /// [`give_back`]), with the lease kept renewed meanwhile: left to lapse, it would have the
+    /// next claim decide, which on a route that reconciles sets the key aside though the
+    /// handler's outcome said a retry may run it again.
+    fn release_later(&self) {
+        let hold = self.hold();
+        let (store, key) = (self.store().clone(), self.key.clone());
+        let (token, lease) = (self.lease.token, self.route.lease);
+        // Without a runtime (shutting down) the lease simply runs out instead.
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            let retry = async move {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+                give_back(&*store, &key, token, lease, "the key").await;
+                drop(hold);
+            };
+            runtime.spawn(retry.in_current_span());
         }
     }
 }
@@ -1005,7 +1027,7 @@ pub(crate) async fn give_back<St: IdempotencyStore>(
     lease: Duration,
     what: &str,
 ) {
-    let since = tokio::time::Instant::now();
+    let until = tokio::time::Instant::now() + lease;
     let mut pause = Duration::from_millis(10);
     loop {
         match store.release(key, token).await {
@@ -1023,12 +1045,14 @@ pub(crate) async fn give_back<St: IdempotencyStore>(
             Err(StoreError::Fenced) => return,
             Err(error) => {
                 observe::count(Event::StoreError);
-                if since.elapsed() + pause >= lease {
+                // The last try comes as the lease ends, however long the pause has grown.
+                let left = until.saturating_duration_since(tokio::time::Instant::now());
+                if left.is_zero() {
                     tracing::warn!(%error, "could not give back {what}; its lease runs out");
                     return;
                 }
                 tracing::debug!(%error, "could not give back {what}; trying again");
-                tokio::time::sleep(pause).await;
+                tokio::time::sleep(pause.min(left)).await;
                 pause = (pause * 2).min(MAX_BACKOFF);
             }
         }
