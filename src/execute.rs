@@ -830,10 +830,11 @@ impl<St: IdempotencyStore> Execution<St> {
         }
     }
 
-    /// Tries a failed release again on a task of its own, for as long as a lease (see
-    /// [`give_back`]), with the lease kept renewed meanwhile: left to lapse, it would have the
-    /// next claim decide, which on a route that reconciles sets the key aside though the
-    /// handler's outcome said a retry may run it again.
+    /// Tries a failed release again on a task of its own until it lands or is fenced, with the
+    /// lease kept renewed meanwhile, as a failed record is (DESIGN §4): left to lapse, it
+    /// would have the next claim decide, which on a route that reconciles sets the key aside
+    /// though the handler's outcome said a retry may run it again. Retries meanwhile find the
+    /// key in flight.
     fn release_later(&self) {
         let hold = self.hold();
         let (store, key) = (self.store().clone(), self.key.clone());
@@ -842,7 +843,7 @@ impl<St: IdempotencyStore> Execution<St> {
         if let Ok(runtime) = tokio::runtime::Handle::try_current() {
             let retry = async move {
                 tokio::time::sleep(Duration::from_millis(10)).await;
-                give_back(&*store, &key, token, lease, "the key").await;
+                give_back(&*store, &key, token, lease, Until::Lands, "the key").await;
                 drop(hold);
             };
             runtime.spawn(retry.in_current_span());
@@ -1009,55 +1010,87 @@ impl<St: IdempotencyStore> Drop for ReleaseOnDrop<St> {
         // Without a runtime (shutting down) the lease simply runs out instead.
         if let Ok(runtime) = tokio::runtime::Handle::try_current() {
             runtime.spawn(async move {
-                give_back(&*store, &key, token, lease, "a cancelled execution's key").await;
+                give_back(
+                    &*store,
+                    &key,
+                    token,
+                    lease,
+                    Until::LeaseEnds,
+                    "a cancelled execution's key",
+                )
+                .await;
             });
         }
     }
 }
 
-/// Gives back a key that nothing runs under any more (a claim its request dropped, a run
-/// cancelled by a hang-up), trying again while the store fails, for as long as the lease
-/// lasts. A give-back that never lands ends as a crash does: the lease runs out and the next
-/// claim decides, which on a route that reconciles sets the key aside though nothing ran; one
+/// How long [`give_back`] keeps trying.
+#[derive(Clone, Copy)]
+pub(crate) enum Until {
+    /// Until the lease would end: nothing renews it meanwhile (a claim its request dropped, a
+    /// run cancelled by a hang-up), and after that the next claim decides.
+    LeaseEnds,
+    /// Until it lands or is fenced, with the lease kept renewed meanwhile (after a run whose
+    /// outcome releases the key, as a failed record is retried: DESIGN §4).
+    Lands,
+}
+
+/// Gives back a key that nothing runs under any more, trying again while the store fails or
+/// does not answer (each try is bounded by half a lease, so a call stuck on a connection is
+/// given up and tried again). A give-back that never lands ends as a crash does: the lease runs
+/// out and the next claim decides, which on a route that reconciles sets the key aside; one
 /// failed write must not be enough for that.
 pub(crate) async fn give_back<St: IdempotencyStore>(
     store: &St,
     key: &ScopedKey,
     token: FencingToken,
     lease: Duration,
+    until: Until,
     what: &str,
 ) {
-    let until = tokio::time::Instant::now() + lease;
+    let ends = tokio::time::Instant::now() + lease;
+    let each = (lease / 2).max(MIN_TRY);
     let mut pause = Duration::from_millis(10);
+    let mut tries = 1u32;
     loop {
-        match store.release(key, token).await {
-            // A cancelled run that had marked its effect started is set aside instead.
-            Ok(RecordStatus::NeedsReconciliation) => {
+        let error = match tokio::time::timeout(each, store.release(key, token)).await {
+            // A run that had marked its effect started is set aside instead.
+            Ok(Ok(RecordStatus::NeedsReconciliation)) => {
                 observe::count(Event::MovedToReconciliation);
                 tracing::warn!("the effect had started: the key awaits reconciliation");
                 return;
             }
-            Ok(_) => {
+            Ok(Ok(_)) => {
                 observe::count(Event::Release);
+                if tries > 1 {
+                    tracing::info!(tries, "gave back {what} after the store recovered");
+                }
                 return;
             }
             // Taken over, or settled: nothing of ours is left to give back.
-            Err(StoreError::Fenced) => return,
-            Err(error) => {
-                observe::count(Event::StoreError);
-                // The last try comes as the lease ends, however long the pause has grown.
-                let left = until.saturating_duration_since(tokio::time::Instant::now());
-                if left.is_zero() {
-                    tracing::warn!(%error, "could not give back {what}; its lease runs out");
-                    return;
-                }
-                tracing::debug!(%error, "could not give back {what}; trying again");
-                tokio::time::sleep(pause.min(left)).await;
-                pause = (pause * 2).min(MAX_BACKOFF);
+            Ok(Err(StoreError::Fenced)) => return,
+            Ok(Err(error)) => error,
+            Err(_elapsed) => StoreError::unavailable("the store did not answer in time"),
+        };
+        observe::count(Event::StoreError);
+        let left = ends.saturating_duration_since(tokio::time::Instant::now());
+        let wait = match until {
+            Until::LeaseEnds if left.is_zero() => {
+                tracing::warn!(%error, "could not give back {what}; its lease runs out");
+                return;
             }
-        }
+            Until::LeaseEnds => pause.min(left),
+            Until::Lands => pause,
+        };
+        tracing::debug!(%error, "could not give back {what}; trying again");
+        tokio::time::sleep(wait).await;
+        pause = (pause * 2).min(MAX_BACKOFF);
+        tries = tries.saturating_add(1);
     }
 }
+
+/// The least time one try of a give-back is given, however short the lease.
+const MIN_TRY: Duration = Duration::from_millis(100);
 
 /// Of a record's trailers, what tells its outcome: the gRPC status, and its message where it
 /// is short.

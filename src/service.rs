@@ -17,7 +17,7 @@ use crate::decide::{Decision, busy, ceil_secs, decide};
 use crate::dialect::grpc::read_unary;
 use crate::dialect::http::{Admitted, Reading, buffer, refuse_body};
 use crate::dialect::{self, Dialect, Head, Refusal};
-use crate::execute::{Execution, ReleaseOnDrop, give_back};
+use crate::execute::{Execution, ReleaseOnDrop, Until, give_back};
 use crate::future::{ResponseFuture, Step};
 use crate::hold::Keeper;
 use crate::key::ScopedKey;
@@ -611,7 +611,7 @@ impl<St: IdempotencyStore> Drop for ClaimToEnd<St> {
             runtime.spawn(async move {
                 if let Ok(Claim::Acquired(won)) = claim.await {
                     let what = "a claim nobody ran under";
-                    give_back(&*store, &key, won.token, lease, what).await;
+                    give_back(&*store, &key, won.token, lease, Until::LeaseEnds, what).await;
                 }
             });
         }
