@@ -9,6 +9,7 @@ pub mod memory;
 pub mod model;
 pub mod proxy;
 pub mod raw;
+pub mod rig;
 pub mod statements;
 
 use std::net::SocketAddr;
