@@ -8,7 +8,8 @@
 //! would, so such handlers belong in `spawn_blocking`.
 //!
 //! Holding costs one short lock to take a slot and one to give it back; the keeper wakes every
-//! sixth of the shortest lease it has seen and touches only leases due for renewal.
+//! sixth of the shortest lease it has seen (at once when a shorter one comes in) and touches
+//! only leases due for renewal.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
@@ -35,6 +36,10 @@ struct Shared<St> {
     running: AtomicBool,
     /// The shortest lease ever held, in ms: the keeper's tick is a sixth of it.
     shortest: AtomicU64,
+    /// Wakes the keeper when a shorter lease comes in: asleep for the tick of a longer one (up
+    /// to a second), it would renew the shorter one too late, after another request had taken
+    /// over a lease of under a second.
+    shorter: Arc<tokio::sync::Notify>,
 }
 
 #[derive(Default)]
@@ -86,6 +91,7 @@ impl<St> Keeper<St> {
                 slots: Mutex::default(),
                 running: AtomicBool::new(false),
                 shortest: AtomicU64::new(u64::MAX),
+                shorter: Arc::default(),
             }),
         }
     }
@@ -139,8 +145,10 @@ impl<St: IdempotencyStore> Keeper<St> {
         let ms = u64::try_from(lease.as_millis()).unwrap_or(u64::MAX);
         // Read first: the shortest lease rarely changes, and a write on every request would
         // move this line between the cores serving requests.
-        if ms < self.shared.shortest.load(Ordering::Relaxed) {
-            self.shared.shortest.fetch_min(ms, Ordering::Relaxed);
+        if ms < self.shared.shortest.load(Ordering::Relaxed)
+            && tick(ms) < tick(self.shared.shortest.fetch_min(ms, Ordering::Relaxed))
+        {
+            self.shared.shorter.notify_one();
         }
         if self.shared.running.load(Ordering::Acquire) {
             return;
@@ -154,6 +162,7 @@ impl<St: IdempotencyStore> Keeper<St> {
         }
         let keeper = keep(
             Arc::downgrade(&self.shared),
+            self.shared.shorter.clone(),
             Running(Arc::downgrade(&self.shared)),
         );
         // Handed over from a thread of its own: spawned from this worker, the task would wait
@@ -198,13 +207,18 @@ impl<St> Drop for Running<St> {
 }
 
 /// The keeper task: ends when the last layer and hold of its store are gone.
-async fn keep<St: IdempotencyStore>(shared: Weak<Shared<St>>, _running: Running<St>) {
+async fn keep<St: IdempotencyStore>(
+    shared: Weak<Shared<St>>,
+    shorter: Arc<tokio::sync::Notify>,
+    _running: Running<St>,
+) {
     loop {
         let tick = match shared.upgrade() {
             Some(shared) => tick(shared.shortest.load(Ordering::Relaxed)),
             None => return,
         };
-        tokio::time::sleep(tick).await;
+        // Woken early by a shorter lease, it looks at the slots and sleeps the shorter tick.
+        let _ = tokio::time::timeout(tick, shorter.notified()).await;
         let Some(shared) = shared.upgrade() else {
             return;
         };

@@ -495,6 +495,68 @@ async fn s15_3_a_hang_up_after_the_handler_answered_never_cancels_its_record() {
     assert_eq!(effects.count(), 1);
 }
 
+/// DESIGN §4 on a layer whose routes hold leases of different lengths: the keeper sleeps a
+/// sixth of the shortest lease it has seen, up to a second. Asleep for a long lease's tick when
+/// a 300 ms lease came in, it renewed that lease only when it woke, after the lease had run out
+/// and a retry had taken the key over: a second run. A shorter lease now wakes it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s4_a_short_lease_after_a_long_one_is_renewed_in_time() {
+    let started = Effects::default();
+    let effects = Effects::default();
+    let handler = {
+        let (started, effects) = (started.clone(), effects.clone());
+        move || {
+            let (started, effects) = (started.clone(), effects.clone());
+            async move {
+                started.hit();
+                tokio::time::sleep(Duration::from_millis(1_200)).await;
+                (StatusCode::CREATED, format!("effect {}", effects.hit()))
+            }
+        }
+    };
+    let layer = IdempotencyLayer::new(MemoryStore::new())
+        .single_tenant()
+        .for_path("/long", |route| route.lease(Duration::from_secs(3_600)))
+        .for_path("/op", |route| route.lease(Duration::from_millis(300)));
+    let app = Router::new()
+        .route("/long", post(handler.clone()))
+        .route("/op", post(handler))
+        .layer(layer);
+    let addr = serve(app).await;
+    let send = move |path: &'static str, key: String| async move {
+        client()
+            .post(format!("http://{addr}{path}"))
+            .header("idempotency-key", key)
+            .header("content-type", "application/json")
+            .body("{}")
+            .send()
+            .await
+            .expect("request")
+    };
+    // The long lease first: the keeper starts and sleeps its tick (a second).
+    let long = tokio::spawn(send("/long", unique("long-lease")));
+    while started.count() < 1 {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let key = unique("short-lease");
+    let first = tokio::spawn(send("/op", key.clone()));
+    while started.count() < 2 {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    // A lease and a half later, still well inside the keeper's old tick.
+    tokio::time::sleep(Duration::from_millis(450)).await;
+    let retry = send("/op", key.clone()).await;
+    assert_eq!(
+        retry.status(),
+        StatusCode::CONFLICT,
+        "the short lease was kept: the retry finds it in flight"
+    );
+    assert_eq!(first.await.expect("task").status(), StatusCode::CREATED);
+    assert_eq!(long.await.expect("task").status(), StatusCode::CREATED);
+    assert_eq!(started.count(), 2, "no run but the two first ones");
+    assert_eq!(effects.count(), 2);
+}
+
 /// DESIGN §4: the lease is kept renewed from before the handler starts until its outcome is
 /// recorded. The answer is in hand but the store takes four leases to write it: a retry
 /// meanwhile finds the key in flight, never a lapsed lease to take over, and afterwards replays
