@@ -757,6 +757,13 @@ impl PostgresStore {
         sqlx::query("SELECT pg_advisory_xact_lock(hashtext('tower_idempotency_migrate'))")
             .execute(&mut *tx)
             .await?;
+        // Replicas starting together on a new table all find it missing; the first to take the
+        // lock makes it. The others must find it made, not run the DDL again: its `ALTER
+        // TABLE` would queue behind any transaction already holding a record, and every claim
+        // behind the `ALTER`.
+        if self.up_to_date_on(&mut tx).await? {
+            return tx.commit().await;
+        }
         for statement in self.migration_sql() {
             sqlx::query(AssertSqlSafe(statement))
                 .execute(&mut *tx)
@@ -788,6 +795,16 @@ impl PostgresStore {
     /// Whether the table, its latest columns and its indexes exist, read from the catalog
     /// (which takes no lock on the table).
     async fn up_to_date(&self) -> Result<bool, sqlx::Error> {
+        let mut connection = self.pool.acquire().await?;
+        self.up_to_date_on(&mut connection).await
+    }
+
+    /// [`up_to_date`](Self::up_to_date) on `connection` (inside a transaction: read as of the
+    /// statement, so after a lock it waited for).
+    async fn up_to_date_on(
+        &self,
+        connection: &mut sqlx::PgConnection,
+    ) -> Result<bool, sqlx::Error> {
         let (schema, table) = (&self.sql.schema, &self.sql.table);
         sqlx::query_scalar(
             "SELECT (SELECT count(*) FROM information_schema.columns
@@ -807,7 +824,7 @@ impl PostgresStore {
         .bind(sql::derived_name(table, "_watched"))
         .bind(sql::derived_name(table, "_moved_on"))
         .bind(sql::derived_name(table, "_removed"))
-        .fetch_one(&self.pool)
+        .fetch_one(connection)
         .await
     }
 

@@ -957,6 +957,85 @@ async fn s15_7_a_migrating_replica_never_stalls_claims() {
     held_row_lock("faults_locked_migrate", 4, Meanwhile::Migrate).await;
 }
 
+/// Replicas migrating a new table together (a first deploy, or a test binary's first run on a
+/// fresh database): each finds it missing and waits for the migration lock. The one that
+/// takes the lock second must find the table made, not run the DDL again: its `ALTER TABLE`
+/// queued behind a transaction that already held a record (a handler's), and that
+/// transaction's own claim queued behind the `ALTER`: CI hung on it. Here the first replica's
+/// migration is done while the second waits for the lock, then a transaction holds a record:
+/// the second migration finishes at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s15_7_a_replica_that_waited_to_migrate_finds_the_table_made() {
+    let Some(pool) = common::postgres_pool().await else {
+        return;
+    };
+    let table = "faults_migrate_race";
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "DROP TABLE IF EXISTS \"{table}\""
+    )))
+    .execute(&pool)
+    .await
+    .expect("drop");
+    // The migration lock, held as the first replica would while it migrates.
+    let mut first = pool.acquire().await.expect("connection");
+    sqlx::query("SELECT pg_advisory_lock(hashtext('tower_idempotency_migrate'))")
+        .execute(&mut *first)
+        .await
+        .expect("lock");
+    let store = tower_idempotency::store::PostgresStore::new(pool.clone())
+        .with_table(table)
+        .expect("table");
+    let second = tokio::spawn({
+        let store = store.clone();
+        async move { store.migrate().await }
+    });
+    // The second replica found the table missing and now waits for the lock.
+    let waiting = async {
+        loop {
+            let waits: i64 = sqlx::query_scalar(
+                "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted",
+            )
+            .fetch_one(&pool)
+            .await
+            .expect("pg_locks");
+            if waits > 0 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(20), waiting)
+        .await
+        .expect("the second migration waits for the lock");
+    // The first replica makes the table (as its migration would), and a request holds a
+    // record in a transaction of its own.
+    for statement in store.migration_sql() {
+        sqlx::query(sqlx::AssertSqlSafe(statement.to_owned()))
+            .execute(&mut *first)
+            .await
+            .expect("migration");
+    }
+    let mut held = pool.begin().await.expect("begin");
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "INSERT INTO \"{table}\" (scope, key, fingerprint, status, lease_token, lease_until, \
+         attempts, created_at, updated_at, expires_at) VALUES ('\\x'::bytea, '\\x6b'::bytea, \
+         '\\x00'::bytea, 'in_progress', 1, now(), 1, now(), now(), now())"
+    )))
+    .execute(&mut *held)
+    .await
+    .expect("a record held in a transaction");
+    sqlx::query("SELECT pg_advisory_unlock(hashtext('tower_idempotency_migrate'))")
+        .execute(&mut *first)
+        .await
+        .expect("unlock");
+    let migrated = tokio::time::timeout(Duration::from_secs(20), second).await;
+    held.rollback().await.expect("rollback");
+    migrated
+        .expect("the second migration finds the table made instead of queueing its DDL")
+        .expect("task")
+        .expect("migrate");
+}
+
 /// A 63-byte table name (PostgreSQL's limit) still gets both its indexes, named apart from the
 /// table.
 #[tokio::test]
