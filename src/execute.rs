@@ -810,13 +810,8 @@ impl<St: IdempotencyStore> Execution<St> {
     /// started. Returns the state the key is left in, for the client's answer.
     async fn release(&self) -> &'static str {
         match self.store().release(&self.key, self.lease.token).await {
-            Ok(RecordStatus::NeedsReconciliation) => {
-                observe::count(Event::MovedToReconciliation);
-                tracing::warn!("the effect had started: the key awaits reconciliation");
-                RecordStatus::NeedsReconciliation.as_str()
-            }
             Ok(status) => {
-                observe::count(Event::Release);
+                released(status);
                 status.as_str()
             }
             Err(error) => {
@@ -1049,19 +1044,13 @@ pub(crate) async fn give_back<St: IdempotencyStore>(
     what: &str,
 ) {
     let ends = tokio::time::Instant::now() + lease;
-    let each = (lease / 2).max(MIN_TRY);
+    let each = one_try(lease);
     let mut pause = Duration::from_millis(10);
     let mut tries = 1u32;
     loop {
         let error = match tokio::time::timeout(each, store.release(key, token)).await {
-            // A run that had marked its effect started is set aside instead.
-            Ok(Ok(RecordStatus::NeedsReconciliation)) => {
-                observe::count(Event::MovedToReconciliation);
-                tracing::warn!("the effect had started: the key awaits reconciliation");
-                return;
-            }
-            Ok(Ok(_)) => {
-                observe::count(Event::Release);
+            Ok(Ok(status)) => {
+                released(status);
                 if tries > 1 {
                     tracing::info!(tries, "gave back {what} after the store recovered");
                 }
@@ -1089,8 +1078,23 @@ pub(crate) async fn give_back<St: IdempotencyStore>(
     }
 }
 
-/// The least time one try of a give-back is given, however short the lease.
-const MIN_TRY: Duration = Duration::from_millis(100);
+/// Counts and logs what a release left: the key given back, or, where the run had marked its
+/// effect started, set aside for reconciliation.
+fn released(status: RecordStatus) {
+    if status == RecordStatus::NeedsReconciliation {
+        observe::count(Event::MovedToReconciliation);
+        tracing::warn!("the effect had started: the key awaits reconciliation");
+    } else {
+        observe::count(Event::Release);
+    }
+}
+
+/// How long one try of a give-back is given before it is given up and tried again: half a
+/// lease, at least 100 ms. A call stuck on a connection must not hold the lease, renewed, for
+/// ever.
+fn one_try(lease: Duration) -> Duration {
+    (lease / 2).max(Duration::from_millis(100))
+}
 
 /// Of a record's trailers, what tells its outcome: the gRPC status, and its message where it
 /// is short.
