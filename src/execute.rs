@@ -799,6 +799,7 @@ impl<St: IdempotencyStore> Execution<St> {
             token: self.lease.token,
             stored: stored.clone(),
             ttl: self.route.ttl,
+            lease: self.route.lease,
         };
         // Without a runtime (shutting down) the record stays as the store has it.
         if let Ok(runtime) = tokio::runtime::Handle::try_current() {
@@ -870,6 +871,8 @@ struct Recorder<St> {
     token: FencingToken,
     stored: StoredResponse,
     ttl: Duration,
+    /// The lease, which bounds each try (see [`one_try`]).
+    lease: Duration,
 }
 
 /// The longest pause between two tries of a failed record.
@@ -883,10 +886,14 @@ impl<St: IdempotencyStore> Recorder<St> {
             tokio::time::sleep(backoff).await;
             backoff = (backoff * 2).min(MAX_BACKOFF);
             tries += 1;
-            let result = self
+            let write = self
                 .store
-                .complete(&self.key, self.token, &self.stored, self.ttl)
-                .await;
+                .complete(&self.key, self.token, &self.stored, self.ttl);
+            let result = tokio::time::timeout(one_try(self.lease), write)
+                .await
+                .unwrap_or_else(|_| {
+                    Err(StoreError::unavailable("the store did not answer in time"))
+                });
             match result {
                 Ok(()) => {
                     tracing::info!(tries, "the outcome is recorded after the store recovered");
@@ -1089,9 +1096,9 @@ fn released(status: RecordStatus) {
     }
 }
 
-/// How long one try of a give-back is given before it is given up and tried again: half a
-/// lease, at least 100 ms. A call stuck on a connection must not hold the lease, renewed, for
-/// ever.
+/// How long one try of a write retried in the background (a give-back, a record) is given
+/// before it is given up and tried again: half a lease, at least 100 ms. A call stuck on a
+/// connection must not hold the lease, renewed, for ever.
 fn one_try(lease: Duration) -> Duration {
     (lease / 2).max(Duration::from_millis(100))
 }

@@ -88,6 +88,39 @@ async fn s4_a_release_retry_that_hangs_never_holds_the_key_for_ever() {
     assert_eq!(effects.count(), 1);
 }
 
+/// DESIGN §4 for the record itself: the first write of the outcome fails and the retried one
+/// hangs on a stuck connection. Each try is bounded as a give-back's is, so the third lands:
+/// the record ends completed and the retry replays the one effect (unbounded, the hung try held
+/// the lease renewed for ever and the key stayed uncertain).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s4_a_record_retry_that_hangs_is_tried_again_and_lands() {
+    let rig = Rig::new(MemoryStore::new());
+    rig.on("complete", 1, Act::Fail);
+    rig.on("complete", 2, Act::Hang);
+    let effects = Effects::default();
+    let addr = server(
+        &rig,
+        Route::plain(ms(400)),
+        sleep_then_effect(&effects, Duration::ZERO, false),
+    )
+    .await;
+    let key = unique("record-hangs");
+    let first = ask(addr, &key).await;
+    assert!(first.is_live(), "{first:?}");
+    assert!(
+        eventually(async || record_of(&rig, &key)
+            .await
+            .is_some_and(|r| r.status == RecordStatus::Completed))
+        .await,
+        "the record landed after a hung try\n  {}",
+        rig.log()
+    );
+    assert!(rig.count("complete") >= 3, "{}", rig.log());
+    let retry = ask(addr, &key).await;
+    assert!(retry.is_replay_of(&first.body), "{retry:?}");
+    assert_eq!(effects.count(), 1);
+}
+
 /// DESIGN §4 "when recording the outcome fails, the holder keeps renewing and retrying the
 /// write (fenced, bounded backoff) instead of letting the lease lapse", and §3 (a 5xx under
 /// DefinitiveOnly releases the claim so a later retry re-attempts): on a route that reconciles
