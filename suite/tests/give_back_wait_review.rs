@@ -10,12 +10,11 @@
 
 mod common;
 
-use std::collections::HashMap;
 use std::future::Future;
 use std::net::SocketAddr;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
 use axum::Router;
@@ -525,97 +524,14 @@ async fn s4_many_keys_with_failing_releases_none_stuck_each_runs_once() {
     );
 }
 
-/// A counting metrics recorder for the whole test binary (nextest runs each test in a process
-/// of its own; deltas keep it honest under `cargo test` too).
-#[derive(Default, Clone)]
-struct Counts(Arc<Mutex<HashMap<String, Arc<AtomicU64>>>>);
-
-struct Cell(Arc<AtomicU64>);
-
-impl metrics::CounterFn for Cell {
-    fn increment(&self, value: u64) {
-        self.0.fetch_add(value, Ordering::SeqCst);
-    }
-
-    fn absolute(&self, value: u64) {
-        self.0.store(value, Ordering::SeqCst);
-    }
-}
-
-impl metrics::GaugeFn for Cell {
-    fn increment(&self, _: f64) {}
-
-    fn decrement(&self, _: f64) {}
-
-    fn set(&self, _: f64) {}
-}
-
-impl Counts {
-    fn get(&self, name: &str) -> u64 {
-        let map = self.0.lock().expect("lock");
-        map.get(name).map_or(0, |c| c.load(Ordering::SeqCst))
-    }
-}
-
-impl metrics::Recorder for Counts {
-    fn describe_counter(
-        &self,
-        _: metrics::KeyName,
-        _: Option<metrics::Unit>,
-        _: metrics::SharedString,
-    ) {
-    }
-    fn describe_gauge(
-        &self,
-        _: metrics::KeyName,
-        _: Option<metrics::Unit>,
-        _: metrics::SharedString,
-    ) {
-    }
-    fn describe_histogram(
-        &self,
-        _: metrics::KeyName,
-        _: Option<metrics::Unit>,
-        _: metrics::SharedString,
-    ) {
-    }
-
-    fn register_counter(&self, key: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Counter {
-        let mut map = self.0.lock().expect("lock");
-        let cell = map.entry(key.name().to_owned()).or_default().clone();
-        metrics::Counter::from_arc(Arc::new(Cell(cell)))
-    }
-
-    fn register_gauge(&self, key: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Gauge {
-        let mut map = self.0.lock().expect("lock");
-        let cell = map.entry(key.name().to_owned()).or_default().clone();
-        metrics::Gauge::from_arc(Arc::new(Cell(cell)))
-    }
-
-    fn register_histogram(
-        &self,
-        _: &metrics::Key,
-        _: &metrics::Metadata<'_>,
-    ) -> metrics::Histogram {
-        metrics::Histogram::noop()
-    }
-}
-
-fn counts() -> &'static Counts {
-    static COUNTS: OnceLock<Counts> = OnceLock::new();
-    COUNTS.get_or_init(|| {
-        let counts = Counts::default();
-        metrics::set_global_recorder(counts.clone()).expect("the only recorder in this binary");
-        counts
-    })
-}
+use common::counts::Counts;
 
 /// DESIGN §6 with 6125112/56ed0f1: a started effect then a 500, its release failing once. The
 /// retried release sets the key aside: counted once as moved to reconciliation, never as a
 /// release; and the key is "outcome unknown".
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn s6_a_retried_release_that_sets_the_key_aside_is_counted_as_moved() {
-    let counts = counts();
+    let counts = Counts::global();
     let moved = counts.get("idempotency_moved_to_reconciliation_total");
     let releases = counts.get("idempotency_releases_total");
     let rig = Rig::new(MemoryStore::new());

@@ -2,77 +2,16 @@
 
 mod common;
 
-use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
 
 use axum::Router;
 use axum::http::StatusCode;
 use axum::routing::post;
 use common::{Effects, FlakyStore, client, serve};
-use metrics::{
-    Counter, CounterFn, Gauge, GaugeFn, Histogram, Key, KeyName, Metadata, Recorder, SharedString,
-    Unit,
-};
 use tower_idempotency::IdempotencyLayer;
 
-#[derive(Default, Clone)]
-struct Counts(Arc<Mutex<HashMap<String, Arc<AtomicU64>>>>);
-
-struct Cell(Arc<AtomicU64>);
-
-impl CounterFn for Cell {
-    fn increment(&self, value: u64) {
-        self.0.fetch_add(value, Ordering::SeqCst);
-    }
-
-    fn absolute(&self, value: u64) {
-        self.0.store(value, Ordering::SeqCst);
-    }
-}
-
-impl GaugeFn for Cell {
-    fn increment(&self, value: f64) {
-        self.0.fetch_add(value as u64, Ordering::SeqCst);
-    }
-
-    fn decrement(&self, value: f64) {
-        self.0.fetch_sub(value as u64, Ordering::SeqCst);
-    }
-
-    fn set(&self, value: f64) {
-        self.0.store(value as u64, Ordering::SeqCst);
-    }
-}
-
-impl Counts {
-    fn get(&self, name: &str) -> u64 {
-        let map = self.0.lock().expect("lock");
-        map.get(name).map_or(0, |c| c.load(Ordering::SeqCst))
-    }
-}
-
-impl Recorder for Counts {
-    fn describe_counter(&self, _: KeyName, _: Option<Unit>, _: SharedString) {}
-    fn describe_gauge(&self, _: KeyName, _: Option<Unit>, _: SharedString) {}
-    fn describe_histogram(&self, _: KeyName, _: Option<Unit>, _: SharedString) {}
-
-    fn register_counter(&self, key: &Key, _: &Metadata<'_>) -> Counter {
-        let mut map = self.0.lock().expect("lock");
-        let cell = map.entry(key.name().to_owned()).or_default().clone();
-        Counter::from_arc(Arc::new(Cell(cell)))
-    }
-
-    fn register_gauge(&self, key: &Key, _: &Metadata<'_>) -> Gauge {
-        let mut map = self.0.lock().expect("lock");
-        let cell = map.entry(key.name().to_owned()).or_default().clone();
-        Gauge::from_arc(Arc::new(Cell(cell)))
-    }
-
-    fn register_histogram(&self, _: &Key, _: &Metadata<'_>) -> Histogram {
-        Histogram::noop()
-    }
-}
+use common::counts::Counts;
 
 #[tokio::test]
 async fn s6_each_outcome_has_its_own_counter() {

@@ -12,7 +12,7 @@ use std::future::Future;
 use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::task::{Context, Poll};
 use std::time::{Duration, SystemTime};
 
@@ -1681,88 +1681,7 @@ common::on_every_store!(grpc_web_answers_through_every_store);
 // 8. Metrics: compile-time keys, the recorder asked on every count.
 // ---------------------------------------------------------------------------------------------
 
-#[derive(Default, Clone)]
-struct Counts(Arc<std::sync::Mutex<BTreeMap<String, Arc<AtomicU64>>>>);
-
-struct Cell(Arc<AtomicU64>);
-
-impl metrics::CounterFn for Cell {
-    fn increment(&self, value: u64) {
-        self.0.fetch_add(value, Ordering::SeqCst);
-    }
-
-    fn absolute(&self, value: u64) {
-        self.0.store(value, Ordering::SeqCst);
-    }
-}
-
-impl Counts {
-    fn get(&self, name: &str) -> u64 {
-        let map = self.0.lock().expect("lock");
-        map.get(name).map_or(0, |c| c.load(Ordering::SeqCst))
-    }
-
-    fn names(&self) -> Vec<String> {
-        self.0.lock().expect("lock").keys().cloned().collect()
-    }
-}
-
-impl metrics::Recorder for Counts {
-    fn describe_counter(
-        &self,
-        _: metrics::KeyName,
-        _: Option<metrics::Unit>,
-        _: metrics::SharedString,
-    ) {
-    }
-    fn describe_gauge(
-        &self,
-        _: metrics::KeyName,
-        _: Option<metrics::Unit>,
-        _: metrics::SharedString,
-    ) {
-    }
-    fn describe_histogram(
-        &self,
-        _: metrics::KeyName,
-        _: Option<metrics::Unit>,
-        _: metrics::SharedString,
-    ) {
-    }
-
-    fn register_counter(
-        &self,
-        key: &metrics::Key,
-        metadata: &metrics::Metadata<'_>,
-    ) -> metrics::Counter {
-        assert!(
-            key.labels().next().is_none(),
-            "{}: the counters carry no labels",
-            key.name()
-        );
-        assert!(
-            metadata.target().starts_with("tower_idempotency"),
-            "{}: counted under target {}",
-            key.name(),
-            metadata.target()
-        );
-        let mut map = self.0.lock().expect("lock");
-        let cell = map.entry(key.name().to_owned()).or_default().clone();
-        metrics::Counter::from_arc(Arc::new(Cell(cell)))
-    }
-
-    fn register_gauge(&self, _: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Gauge {
-        metrics::Gauge::noop()
-    }
-
-    fn register_histogram(
-        &self,
-        _: &metrics::Key,
-        _: &metrics::Metadata<'_>,
-    ) -> metrics::Histogram {
-        metrics::Histogram::noop()
-    }
-}
+use common::counts::Counts;
 
 /// DESIGN §6 (counters for attempts, executions, replays served, in-flight conflicts,
 /// payload mismatches, missing/invalid keys, each under its own name) and the commit's
