@@ -774,9 +774,15 @@ impl<St: IdempotencyStore> Execution<St> {
         let result = store
             .complete(&self.key, self.lease.token, stored, self.route.ttl)
             .await;
+        // Only a fenced write is final: another holder's, or a resolved, outcome stands. Any
+        // other failure (`Busy` included: a store's row lock is let go) leaves the effect
+        // unrecorded, so it is kept and retried like an outage.
         let error = match result {
-            Err(error @ (StoreError::Unavailable(_) | StoreError::Full)) => error,
-            other => return settle(other, "record the outcome"),
+            Ok(()) => return,
+            Err(StoreError::Fenced) => {
+                return settle(Err(StoreError::Fenced), "record the outcome");
+            }
+            Err(error) => error,
         };
         observe::count(Event::StoreError);
         tracing::error!(
@@ -899,13 +905,11 @@ impl<St: IdempotencyStore> Recorder<St> {
                     tracing::info!(tries, "the outcome is recorded after the store recovered");
                     break;
                 }
-                Err(StoreError::Unavailable(_) | StoreError::Full) => {
-                    observe::count(Event::StoreError);
-                }
-                fenced => {
-                    settle(fenced, "record the outcome");
+                Err(StoreError::Fenced) => {
+                    settle(Err(StoreError::Fenced), "record the outcome");
                     break;
                 }
+                Err(_) => observe::count(Event::StoreError),
             }
         }
         drop(self.hold);

@@ -592,6 +592,49 @@ async fn s4_the_lease_is_held_while_the_outcome_is_written() {
     assert_eq!(effects.count(), 1);
 }
 
+/// DESIGN §4: a record the store refuses as `Busy` (its row locked elsewhere, as a custom store
+/// may answer) is kept and tried again like any failed write; only a fenced write is final. On
+/// the first write and on a retry of a failed one, the record lands, the key is never left in
+/// flight to lapse, and a retry after several leases replays the one effect.
+#[tokio::test]
+async fn s4_a_record_refused_busy_is_tried_again() {
+    use common::rig::{self, Act, Rig};
+    // The first write refused busy; or the first failing and its retry refused busy.
+    for plan in [vec![Act::Busy], vec![Act::Fail, Act::Busy]] {
+        let store = Rig::new(MemoryStore::new());
+        for (n, act) in plan.iter().enumerate() {
+            store.on("complete", n + 1, *act);
+        }
+        let effects = Effects::default();
+        let addr = rig::server(
+            &store,
+            rig::Route::plain(Duration::from_millis(400)),
+            rig::sleep_then_effect(&effects, Duration::ZERO, false),
+        )
+        .await;
+        let key = rig::unique("record-busy");
+        let first = rig::ask(addr, &key).await;
+        assert!(first.is_live(), "{plan:?}: {first:?}");
+        let landed = rig::eventually(async || {
+            rig::record_of(&store, &key)
+                .await
+                .is_some_and(|r| r.status == RecordStatus::Completed)
+        })
+        .await;
+        assert!(landed, "{plan:?}: the record lands\n{}", store.log());
+        assert_eq!(store.count("complete"), plan.len() + 1, "{plan:?}");
+        // Past several leases: had the key been left in flight, a retry would take it over.
+        tokio::time::sleep(Duration::from_millis(1_000)).await;
+        let retry = rig::ask(addr, &key).await;
+        assert!(
+            retry.is_replay_of(&first.body),
+            "{plan:?}: {retry:?}\n{}",
+            store.log()
+        );
+        assert_eq!(effects.count(), 1, "{plan:?}: one effect");
+    }
+}
+
 // ---- 5. A resolved outcome is final -----------------------------------------------------------
 
 /// The holder's renewals fail, so its lease runs out while it runs; a retry finds the key

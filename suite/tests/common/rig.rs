@@ -52,6 +52,8 @@ pub enum Act {
     ApplyThenFail,
     /// Fails, and the whole store is down for this long from now (this call included).
     DownFor(Duration),
+    /// Refused as `Busy` (a row lock held elsewhere), changing nothing.
+    Busy,
 }
 
 pub struct Rig<S> {
@@ -214,6 +216,7 @@ impl<S: IdempotencyStore> Rig<S> {
             match act {
                 Act::Pass => op.await,
                 Act::Fail => Err(injected(kind)),
+                Act::Busy => Err(StoreError::Busy),
                 Act::Before(d) => {
                     tokio::time::sleep(d).await;
                     op.await
