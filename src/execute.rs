@@ -22,6 +22,7 @@ use tower_service::Service;
 use tracing::Instrument;
 
 use crate::body::{RequestBody, ResponseBody};
+use crate::bounded::bounded;
 use crate::dialect::jsonrpc::{self, Events, Id};
 use crate::dialect::{Dialect, Recording};
 use crate::hold::{Hold, Keeper};
@@ -32,8 +33,8 @@ use crate::replay::{Captured, Presentation, capture, present, present_streaming,
 use crate::route::RouteConfig;
 use crate::settings::Resolved;
 use crate::store::{
-    BoxError, FencingToken, IdempotencyStore, Lease, RecordStatus, ScopedKey, StoreError,
-    StoredResponse,
+    BoxError, FencingToken, IdempotencyStore, Lease, RecordStatus, Resolution, ScopedKey,
+    StoreError, StoredResponse,
 };
 use crate::unwind::CatchUnwind;
 use crate::window::Timing;
@@ -771,9 +772,9 @@ impl<St: IdempotencyStore> Execution<St> {
     /// holder's, or a resolved, outcome stands). Retries meanwhile get 409, never a second run.
     async fn complete(&self, stored: &StoredResponse) {
         let store = self.store();
-        let result = store
-            .complete(&self.key, self.lease.token, stored, self.route.ttl)
-            .await;
+        let each = one_try(self.route.lease);
+        let write = store.complete(&self.key, self.lease.token, stored, self.route.ttl);
+        let result = bounded(each, write).await;
         // Only a fenced write is final: another holder's, or a resolved, outcome stands. Any
         // other failure (`Busy` included: a store's row lock is let go) leaves the effect
         // unrecorded, so it is kept and retried like an outage.
@@ -791,8 +792,7 @@ impl<St: IdempotencyStore> Execution<St> {
         );
         // Should this process die before the write lands, the key stays "outcome unknown"
         // instead of running again when the lease expires.
-        if store
-            .mark_uncertain(&self.key, self.lease.token)
+        if bounded(each, store.mark_uncertain(&self.key, self.lease.token))
             .await
             .is_ok()
         {
@@ -816,17 +816,23 @@ impl<St: IdempotencyStore> Execution<St> {
     /// Gives the key back; the store keeps it for reconciliation instead if the effect had
     /// started. Returns the state the key is left in, for the client's answer.
     async fn release(&self) -> &'static str {
-        match self.store().release(&self.key, self.lease.token).await {
+        let (store, key, token) = (self.store(), &self.key, self.lease.token);
+        let each = one_try(self.route.lease);
+        match bounded(each, store.release(key, token)).await {
             Ok(status) => {
                 released(status);
                 status.as_str()
             }
-            Err(error) => {
-                let fenced = matches!(error, StoreError::Fenced);
-                settle(Err(error), "release the key");
-                if !fenced {
-                    self.release_later();
+            Err(StoreError::Fenced) => {
+                if give_back_set_aside(&**store, key, token, self.route.lease).await {
+                    return RecordStatus::Released.as_str();
                 }
+                settle(Err(StoreError::Fenced), "release the key");
+                "in_progress"
+            }
+            Err(error) => {
+                settle(Err(error), "release the key");
+                self.release_later();
                 "in_progress"
             }
         }
@@ -895,12 +901,7 @@ impl<St: IdempotencyStore> Recorder<St> {
             let write = self
                 .store
                 .complete(&self.key, self.token, &self.stored, self.ttl);
-            let result = tokio::time::timeout(one_try(self.lease), write)
-                .await
-                .unwrap_or_else(|_| {
-                    Err(StoreError::unavailable("the store did not answer in time"))
-                });
-            match result {
+            match bounded(one_try(self.lease), write).await {
                 Ok(()) => {
                     tracing::info!(tries, "the outcome is recorded after the store recovered");
                     break;
@@ -1059,18 +1060,21 @@ pub(crate) async fn give_back<St: IdempotencyStore>(
     let mut pause = Duration::from_millis(10);
     let mut tries = 1u32;
     loop {
-        let error = match tokio::time::timeout(each, store.release(key, token)).await {
-            Ok(Ok(status)) => {
+        let error = match bounded(each, store.release(key, token)).await {
+            Ok(status) => {
                 released(status);
                 if tries > 1 {
                     tracing::info!(tries, "gave back {what} after the store recovered");
                 }
                 return;
             }
-            // Taken over, or settled: nothing of ours is left to give back.
-            Ok(Err(StoreError::Fenced)) => return,
-            Ok(Err(error)) => error,
-            Err(_elapsed) => StoreError::unavailable("the store did not answer in time"),
+            // Taken over, or settled: nothing of ours is left to give back, unless the key
+            // was only set aside meanwhile.
+            Err(StoreError::Fenced) => {
+                give_back_set_aside(store, key, token, lease).await;
+                return;
+            }
+            Err(error) => error,
         };
         observe::count(Event::StoreError);
         let left = ends.saturating_duration_since(tokio::time::Instant::now());
@@ -1086,6 +1090,51 @@ pub(crate) async fn give_back<St: IdempotencyStore>(
         tokio::time::sleep(wait).await;
         pause = (pause * 2).min(MAX_BACKOFF);
         tries = tries.saturating_add(1);
+    }
+}
+
+/// After a release (or a late claim's confirming renewal) is fenced: gives back a key that was
+/// only set aside for reconciliation while it still carries this holder's `token` and no
+/// effect was marked started. Its lease ran out first (a renewal or the release failed for a
+/// while, a claim came back late) on a route that reconciles; a retry then set it aside, since
+/// it could not know what ran. The holder does: nothing it ran may not be run again, exactly as
+/// a release in time would have said. Settled as not applied, fenced by the token, so an
+/// operator's or a reconciler's resolution that came first stands. Whether it gave the key
+/// back.
+pub(crate) async fn give_back_set_aside<St: IdempotencyStore>(
+    store: &St,
+    key: &ScopedKey,
+    token: FencingToken,
+    lease: Duration,
+) -> bool {
+    let each = one_try(lease);
+    let record = match bounded(each, store.lookup(key)).await {
+        Ok(Some(record)) => record,
+        Ok(None) | Err(_) => return false,
+    };
+    if record.status != RecordStatus::NeedsReconciliation
+        || record.lease_token != token
+        || record.effect_started
+    {
+        return false;
+    }
+    // A released record keeps the expiry it had.
+    let ttl = record
+        .expires_at
+        .duration_since(std::time::SystemTime::now())
+        .unwrap_or_default()
+        .max(lease);
+    let note = "given back by its holder: set aside after its lease ran out, no effect started";
+    let resolve = store.resolve(key, token, &Resolution::NotApplied, ttl, Some(note));
+    match bounded(each, resolve).await {
+        Ok(()) => {
+            observe::count(Event::Release);
+            tracing::warn!(
+                "the key was set aside after its lease ran out; its holder gave it back"
+            );
+            true
+        }
+        Err(_) => false,
     }
 }
 

@@ -104,6 +104,7 @@
 
 mod base64;
 mod body;
+mod bounded;
 #[cfg(feature = "client")]
 pub mod client;
 #[cfg(feature = "console")]

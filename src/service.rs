@@ -17,7 +17,7 @@ use crate::decide::{Decision, busy, ceil_secs, decide};
 use crate::dialect::grpc::read_unary;
 use crate::dialect::http::{Admitted, Reading, buffer, refuse_body};
 use crate::dialect::{self, Dialect, Head, Refusal};
-use crate::execute::{Execution, ReleaseOnDrop, Until, give_back};
+use crate::execute::{Execution, ReleaseOnDrop, Until, give_back, give_back_set_aside};
 use crate::future::{ResponseFuture, Step};
 use crate::hold::Keeper;
 use crate::key::ScopedKey;
@@ -510,9 +510,12 @@ async fn confirm<St: IdempotencyStore>(
                 return Confirmed::Held { sent, until };
             }
             Ok(_) => {}
-            // Another request holds it: a release would be fenced out anyway.
+            // Another request holds it: a release would be fenced out anyway. Unless that
+            // request only set the key aside, its lease having run out meanwhile: nothing ran
+            // under it, so it is given back, and the claim that follows may run it.
             Err(StoreError::Fenced) => {
                 unconfirmed.disarm();
+                give_back_set_aside(&*store, &key, token, lease).await;
                 return Confirmed::Lost;
             }
             Err(error) => {

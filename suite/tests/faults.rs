@@ -558,9 +558,11 @@ async fn s4_a_short_lease_after_a_long_one_is_renewed_in_time() {
 }
 
 /// DESIGN §4: the lease is kept renewed from before the handler starts until its outcome is
-/// recorded. The answer is in hand but the store takes four leases to write it: a retry
-/// meanwhile finds the key in flight, never a lapsed lease to take over, and afterwards replays
-/// the one effect's answer.
+/// recorded. The answer is in hand but the store takes four leases to write it. Each try is
+/// given half a lease (a stuck connection must not hold the key for ever), then the key is
+/// marked uncertain and the write tried again, under the same lease: a retry meanwhile gets 409,
+/// never a lapsed lease to take over, and once the store is quick again replays the one
+/// effect's answer.
 #[tokio::test]
 async fn s4_the_lease_is_held_while_the_outcome_is_written() {
     let store = Faulty::new(MemoryStore::new());
@@ -586,6 +588,23 @@ async fn s4_the_lease_is_held_while_the_outcome_is_written() {
         .expect("task");
     assert_eq!(first.status(), StatusCode::CREATED);
     *store.pause_before_complete.lock().expect("lock") = None;
+    let mut landed = false;
+    for _ in 0..400 {
+        let record = store
+            .lookup(&ScopedKey::new("", &key))
+            .await
+            .expect("lookup")
+            .expect("the record");
+        if record.status == RecordStatus::Completed {
+            landed = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(
+        landed,
+        "the outcome is recorded once the store is quick again"
+    );
     let replay = post_key(addr, &key).await;
     assert_eq!(replay.headers()["idempotency-replayed"], "true");
     assert_eq!(replay.text().await.expect("body"), "effect 1");

@@ -898,11 +898,13 @@ async fn c2_late_claim_taken_over_on_a_waiting_route_replays_the_holder() {
 }
 
 /// On a route that reconciles expired leases, B finds A's lapsed lease and marks the key
-/// "outcome unknown"; A's confirmation is fenced and A is told the same, without running and
-/// without looping. Catches confirm skipped (A runs a handler on a key marked uncertain) and a
-/// Lost confirmation that loops.
+/// "outcome unknown"; A's confirmation is fenced. Nothing ran under A's token, which the record
+/// still carries, so A gives the key back (settled as not applied, fenced) and claims again: it
+/// runs once, and B's next try replays it (session 27; before, the key stayed "outcome unknown"
+/// until resolved by hand). Catches confirm skipped (A runs a handler on a key marked uncertain)
+/// and a Lost confirmation that loops.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn c3_late_claim_on_a_reconcile_route_runs_nothing() {
+async fn c3_late_claim_on_a_reconcile_route_gives_back_what_it_never_ran() {
     let inner = Arc::new(tower_idempotency::MemoryStore::new());
     let rig = Rig::new(inner.clone(), true);
     let lease = ms(600);
@@ -924,9 +926,13 @@ async fn c3_late_claim_on_a_reconcile_route_runs_nothing() {
     let b = call(healthy, &key).await;
     let a = a.await.expect("A");
     assert!(b.refused_as("outcome-unknown"), "{b:?}");
-    assert!(a.refused_as("outcome-unknown"), "{a:?}; {}", rig.log());
-    assert_eq!(sink.runs(), 0, "{}", rig.log());
+    assert_eq!(a.status, 201, "{a:?}; {}", rig.log());
+    assert_eq!(a.replayed, None, "A ran it: {a:?}");
+    assert_eq!(sink.runs(), 1, "{}", rig.log());
     assert!(rig.count("claim") <= 2, "{}", rig.log());
+    let again = call(healthy, &key).await;
+    assert_eq!(again.replayed.as_deref(), Some("true"), "{again:?}");
+    assert_eq!(again.body, a.body);
 }
 
 /// A's claim takes 70% of a lease to come back, nobody else came: the confirmation holds, A

@@ -54,6 +54,10 @@ pub enum Act {
     DownFor(Duration),
     /// Refused as `Busy` (a row lock held elsewhere), changing nothing.
     Busy,
+    /// Refused as `Full` (no room), changing nothing.
+    Full,
+    /// Refused as `Fenced`, changing nothing (whether or not the record is still the caller's).
+    Fenced,
 }
 
 pub struct Rig<S> {
@@ -217,6 +221,8 @@ impl<S: IdempotencyStore> Rig<S> {
                 Act::Pass => op.await,
                 Act::Fail => Err(injected(kind)),
                 Act::Busy => Err(StoreError::Busy),
+                Act::Full => Err(StoreError::Full),
+                Act::Fenced => Err(StoreError::Fenced),
                 Act::Before(d) => {
                     tokio::time::sleep(d).await;
                     op.await
