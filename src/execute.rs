@@ -823,13 +823,8 @@ impl<St: IdempotencyStore> Execution<St> {
                 released(status);
                 status.as_str()
             }
-            Err(StoreError::Fenced) => {
-                if give_back_set_aside(&**store, key, token, self.route.lease).await {
-                    return RecordStatus::Released.as_str();
-                }
-                settle(Err(StoreError::Fenced), "release the key");
-                "in_progress"
-            }
+            // Failed, or fenced: taken over, settled, or only set aside meanwhile (see
+            // `give_back_set_aside`). Either way a task of its own sees to it.
             Err(error) => {
                 settle(Err(error), "release the key");
                 self.release_later();
@@ -893,15 +888,17 @@ const MAX_BACKOFF: Duration = Duration::from_secs(1);
 impl<St: IdempotencyStore> Recorder<St> {
     async fn run(self) {
         let mut backoff = Duration::from_millis(10);
+        let mut each = one_try(self.lease);
         let mut tries = 1u32;
         loop {
             tokio::time::sleep(backoff).await;
             backoff = (backoff * 2).min(MAX_BACKOFF);
+            each = longer(each, self.lease);
             tries += 1;
             let write = self
                 .store
                 .complete(&self.key, self.token, &self.stored, self.ttl);
-            match bounded(one_try(self.lease), write).await {
+            match bounded(each, write).await {
                 Ok(()) => {
                     tracing::info!(tries, "the outcome is recorded after the store recovered");
                     break;
@@ -1056,7 +1053,7 @@ pub(crate) async fn give_back<St: IdempotencyStore>(
     what: &str,
 ) {
     let ends = tokio::time::Instant::now() + lease;
-    let each = one_try(lease);
+    let mut each = one_try(lease);
     let mut pause = Duration::from_millis(10);
     let mut tries = 1u32;
     loop {
@@ -1089,6 +1086,7 @@ pub(crate) async fn give_back<St: IdempotencyStore>(
         tracing::debug!(%error, "could not give back {what}; trying again");
         tokio::time::sleep(wait).await;
         pause = (pause * 2).min(MAX_BACKOFF);
+        each = longer(each, lease);
         tries = tries.saturating_add(1);
     }
 }
@@ -1099,24 +1097,47 @@ pub(crate) async fn give_back<St: IdempotencyStore>(
 /// while, a claim came back late) on a route that reconciles; a retry then set it aside, since
 /// it could not know what ran. The holder does: nothing it ran may not be run again, exactly as
 /// a release in time would have said. Settled as not applied, fenced by the token, so an
-/// operator's or a reconciler's resolution that came first stands. Whether it gave the key
-/// back.
+/// operator's or a reconciler's resolution that came first stands. Tried again while the store
+/// fails (a key set aside has no lease to bound it), until the record is given back or is no
+/// longer this holder's to give; whether it gave the key back.
 pub(crate) async fn give_back_set_aside<St: IdempotencyStore>(
     store: &St,
     key: &ScopedKey,
     token: FencingToken,
     lease: Duration,
 ) -> bool {
-    let each = one_try(lease);
-    let record = match bounded(each, store.lookup(key)).await {
-        Ok(Some(record)) => record,
-        Ok(None) | Err(_) => return false,
+    let mut each = one_try(lease);
+    let mut pause = Duration::from_millis(10);
+    loop {
+        match set_aside_once(store, key, token, lease, each).await {
+            Ok(given) => return given,
+            Err(error) => {
+                observe::count(Event::StoreError);
+                tracing::debug!(%error, "could not give back a key set aside; trying again");
+            }
+        }
+        tokio::time::sleep(pause).await;
+        pause = (pause * 2).min(MAX_BACKOFF);
+        each = longer(each, lease);
+    }
+}
+
+/// One try of [`give_back_set_aside`], each call bounded by `each`.
+async fn set_aside_once<St: IdempotencyStore>(
+    store: &St,
+    key: &ScopedKey,
+    token: FencingToken,
+    lease: Duration,
+    each: Duration,
+) -> Result<bool, StoreError> {
+    let Some(record) = bounded(each, store.lookup(key)).await? else {
+        return Ok(false);
     };
     if record.status != RecordStatus::NeedsReconciliation
         || record.lease_token != token
         || record.effect_started
     {
-        return false;
+        return Ok(false);
     }
     // A released record keeps the expiry it had.
     let ttl = record
@@ -1132,9 +1153,11 @@ pub(crate) async fn give_back_set_aside<St: IdempotencyStore>(
             tracing::warn!(
                 "the key was set aside after its lease ran out; its holder gave it back"
             );
-            true
+            Ok(true)
         }
-        Err(_) => false,
+        // Resolved first by someone else, or no longer set aside: theirs stands.
+        Err(StoreError::Fenced) => Ok(false),
+        Err(error) => Err(error),
     }
 }
 
@@ -1149,11 +1172,17 @@ fn released(status: RecordStatus) {
     }
 }
 
-/// How long one try of a write retried in the background (a give-back, a record) is given
-/// before it is given up and tried again: half a lease, at least 100 ms. A call stuck on a
-/// connection must not hold the lease, renewed, for ever.
+/// How long the first try of a write after a run (a record, a give-back) is given before it is
+/// given up and tried again: half a lease, at least 100 ms. A call stuck on a connection must
+/// not hold the lease, renewed, for ever; later tries get [`longer`].
 fn one_try(lease: Duration) -> Duration {
     (lease / 2).max(Duration::from_millis(100))
+}
+
+/// The bound on the try after one given `each`: twice as long, up to four leases, so a store
+/// that is always slower than half a lease still lands a write in the end.
+fn longer(each: Duration, lease: Duration) -> Duration {
+    each.saturating_mul(2).min(lease.saturating_mul(4))
 }
 
 /// Of a record's trailers, what tells its outcome: the gRPC status, and its message where it

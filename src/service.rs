@@ -10,6 +10,7 @@ use bytes::Bytes;
 use http::{Request, Response};
 use http_body::Body;
 use tower_service::Service;
+use tracing::Instrument;
 
 use crate::body::{RequestBody, ResponseBody};
 use crate::context::IdempotencyContext;
@@ -515,7 +516,15 @@ async fn confirm<St: IdempotencyStore>(
             // under it, so it is given back, and the claim that follows may run it.
             Err(StoreError::Fenced) => {
                 unconfirmed.disarm();
-                give_back_set_aside(&*store, &key, token, lease).await;
+                // On a task of its own, so that a hang-up meanwhile does not stop it; awaited
+                // for up to a lease, so that the claim that follows finds the key given back.
+                if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+                    let give = async move {
+                        give_back_set_aside(&*store, &key, token, lease).await;
+                    };
+                    let given = runtime.spawn(give.in_current_span());
+                    let _ = tokio::time::timeout(lease, given).await;
+                }
                 return Confirmed::Lost;
             }
             Err(error) => {
