@@ -2,7 +2,7 @@
 //!
 //! Every write a holder makes after its run (the record, marking it uncertain, a give-back) is
 //! bounded: a call stuck on a dead connection must not hold the lease, renewed, for ever (see
-//! `execute::one_try`). Most calls answer at their first poll (MemoryStore's always do); those
+//! `execute::retry`). Most calls answer at their first poll (MemoryStore's always do); those
 //! never read the clock nor arm a timer, so the bound costs the hot path nothing.
 
 use std::future::Future;

@@ -33,14 +33,19 @@ use crate::replay::{Captured, Presentation, capture, present, present_streaming,
 use crate::route::RouteConfig;
 use crate::settings::Resolved;
 use crate::store::{
-    BoxError, FencingToken, IdempotencyStore, Lease, RecordStatus, Resolution, ScopedKey,
-    StoreError, StoredResponse,
+    BoxError, FencingToken, IdempotencyStore, Lease, RecordStatus, ScopedKey, StoreError,
+    StoredResponse,
 };
 use crate::unwind::CatchUnwind;
 use crate::window::Timing;
 
+mod give_back;
+mod retry;
 mod run;
 
+pub(crate) use give_back::{ReleaseOnDrop, Until, give_back, give_back_set_aside};
+use give_back::{give_back_paced, give_back_set_aside_paced, released};
+use retry::Retry;
 use run::Run;
 
 /// What a panic caught while the handler ran carries.
@@ -772,9 +777,9 @@ impl<St: IdempotencyStore> Execution<St> {
     /// holder's, or a resolved, outcome stands). Retries meanwhile get 409, never a second run.
     async fn complete(&self, stored: &StoredResponse) {
         let store = self.store();
-        let each = one_try(self.route.lease);
+        let mut retry = Retry::new(self.route.lease);
         let write = store.complete(&self.key, self.lease.token, stored, self.route.ttl);
-        let result = bounded(each, write).await;
+        let result = retry.bounded(write).await;
         // Only a fenced write is final: another holder's, or a resolved, outcome stands. Any
         // other failure (`Busy` included: a store's row lock is let go) leaves the effect
         // unrecorded, so it is kept and retried like an outage.
@@ -792,9 +797,12 @@ impl<St: IdempotencyStore> Execution<St> {
         );
         // Should this process die before the write lands, the key stays "outcome unknown"
         // instead of running again when the lease expires.
-        if bounded(each, store.mark_uncertain(&self.key, self.lease.token))
-            .await
-            .is_ok()
+        if bounded(
+            retry.each(),
+            store.mark_uncertain(&self.key, self.lease.token),
+        )
+        .await
+        .is_ok()
         {
             observe::count(Event::MovedToReconciliation);
         }
@@ -805,7 +813,7 @@ impl<St: IdempotencyStore> Execution<St> {
             token: self.lease.token,
             stored: stored.clone(),
             ttl: self.route.ttl,
-            lease: self.route.lease,
+            retry,
         };
         // Without a runtime (shutting down) the record stays as the store has it.
         if let Ok(runtime) = tokio::runtime::Handle::try_current() {
@@ -817,17 +825,22 @@ impl<St: IdempotencyStore> Execution<St> {
     /// started. Returns the state the key is left in, for the client's answer.
     async fn release(&self) -> &'static str {
         let (store, key, token) = (self.store(), &self.key, self.lease.token);
-        let each = one_try(self.route.lease);
-        match bounded(each, store.release(key, token)).await {
+        let mut retry = Retry::new(self.route.lease);
+        match retry.bounded(store.release(key, token)).await {
             Ok(status) => {
                 released(status);
                 status.as_str()
             }
-            // Failed, or fenced: taken over, settled, or only set aside meanwhile (see
-            // `give_back_set_aside`). Either way a task of its own sees to it.
+            // Taken over, settled, or only set aside meanwhile: a task of its own gives it
+            // back if it was only set aside (see `give_back_set_aside`).
+            Err(StoreError::Fenced) => {
+                settle(Err(StoreError::Fenced), "release the key");
+                self.give_back_set_aside_later(retry);
+                "in_progress"
+            }
             Err(error) => {
                 settle(Err(error), "release the key");
-                self.release_later();
+                self.release_later(retry);
                 "in_progress"
             }
         }
@@ -838,18 +851,30 @@ impl<St: IdempotencyStore> Execution<St> {
     /// would have the next claim decide, which on a route that reconciles sets the key aside
     /// though the handler's outcome said a retry may run it again. Retries meanwhile find the
     /// key in flight.
-    fn release_later(&self) {
+    fn release_later(&self, mut retry: Retry) {
         let hold = self.hold();
-        let (store, key) = (self.store().clone(), self.key.clone());
-        let (token, lease) = (self.lease.token, self.route.lease);
+        let (store, key, token) = (self.store().clone(), self.key.clone(), self.lease.token);
         // Without a runtime (shutting down) the lease simply runs out instead.
         if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-            let retry = async move {
-                tokio::time::sleep(Duration::from_millis(10)).await;
-                give_back(&*store, &key, token, lease, Until::Lands, "the key").await;
+            let again = async move {
+                retry.pause(Duration::MAX).await;
+                give_back_paced(&*store, &key, token, retry, Until::Lands, "the key").await;
                 drop(hold);
             };
-            runtime.spawn(retry.in_current_span());
+            runtime.spawn(again.in_current_span());
+        }
+    }
+
+    /// After a fenced release: gives the key back on a task of its own if it was only set
+    /// aside behind this holder (see [`give_back_set_aside`]). No lease is held for it: the
+    /// key is no longer in flight under this one.
+    fn give_back_set_aside_later(&self, retry: Retry) {
+        let (store, key, token) = (self.store().clone(), self.key.clone(), self.lease.token);
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            let give = async move {
+                give_back_set_aside_paced(&*store, &key, token, retry).await;
+            };
+            runtime.spawn(give.in_current_span());
         }
     }
 }
@@ -878,28 +903,20 @@ struct Recorder<St> {
     token: FencingToken,
     stored: StoredResponse,
     ttl: Duration,
-    /// The lease, which bounds each try (see [`one_try`]).
-    lease: Duration,
+    /// The tries so far, the first one included.
+    retry: Retry,
 }
 
-/// The longest pause between two tries of a failed record.
-const MAX_BACKOFF: Duration = Duration::from_secs(1);
-
 impl<St: IdempotencyStore> Recorder<St> {
-    async fn run(self) {
-        let mut backoff = Duration::from_millis(10);
-        let mut each = one_try(self.lease);
-        let mut tries = 1u32;
+    async fn run(mut self) {
         loop {
-            tokio::time::sleep(backoff).await;
-            backoff = (backoff * 2).min(MAX_BACKOFF);
-            each = longer(each, self.lease);
-            tries += 1;
+            self.retry.pause(Duration::MAX).await;
             let write = self
                 .store
                 .complete(&self.key, self.token, &self.stored, self.ttl);
-            match bounded(each, write).await {
+            match self.retry.bounded(write).await {
                 Ok(()) => {
+                    let tries = self.retry.tries();
                     tracing::info!(tries, "the outcome is recorded after the store recovered");
                     break;
                 }
@@ -986,203 +1003,6 @@ enum Next<'a, St, B, E> {
     Answered(Result<Response<ResponseBody<B>>, E>),
     /// A rare path (a body that failed, or one too large to keep), recorded, then answered.
     Rare(Answering<'a, B, E>),
-}
-
-/// Releases a claim whose execution was dropped while its handler ran (routes that cancel on
-/// disconnect), disarmed once the handler has answered; or a late claim dropped, or not
-/// confirmed, before anything ran under it (see `service::confirm`).
-pub(crate) struct ReleaseOnDrop<St: IdempotencyStore> {
-    pub(crate) store: Option<Arc<St>>,
-    pub(crate) key: ScopedKey,
-    pub(crate) token: FencingToken,
-    /// The claim's lease: how long a failed release is tried again (see [`give_back`]).
-    pub(crate) lease: Duration,
-}
-
-impl<St: IdempotencyStore> ReleaseOnDrop<St> {
-    pub(crate) fn disarm(mut self) {
-        self.store = None;
-    }
-}
-
-impl<St: IdempotencyStore> Drop for ReleaseOnDrop<St> {
-    fn drop(&mut self) {
-        let Some(store) = self.store.take() else {
-            return;
-        };
-        let (key, token, lease) = (self.key.clone(), self.token, self.lease);
-        // Without a runtime (shutting down) the lease simply runs out instead.
-        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-            runtime.spawn(async move {
-                give_back(
-                    &*store,
-                    &key,
-                    token,
-                    lease,
-                    Until::LeaseEnds,
-                    "a cancelled execution's key",
-                )
-                .await;
-            });
-        }
-    }
-}
-
-/// How long [`give_back`] keeps trying.
-#[derive(Clone, Copy)]
-pub(crate) enum Until {
-    /// Until the lease would end: nothing renews it meanwhile (a claim its request dropped, a
-    /// run cancelled by a hang-up), and after that the next claim decides.
-    LeaseEnds,
-    /// Until it lands or is fenced, with the lease kept renewed meanwhile (after a run whose
-    /// outcome releases the key, as a failed record is retried: DESIGN §4).
-    Lands,
-}
-
-/// Gives back a key that nothing runs under any more, trying again while the store fails or
-/// does not answer (each try is bounded by half a lease, so a call stuck on a connection is
-/// given up and tried again). A give-back that never lands ends as a crash does: the lease runs
-/// out and the next claim decides, which on a route that reconciles sets the key aside; one
-/// failed write must not be enough for that.
-pub(crate) async fn give_back<St: IdempotencyStore>(
-    store: &St,
-    key: &ScopedKey,
-    token: FencingToken,
-    lease: Duration,
-    until: Until,
-    what: &str,
-) {
-    let ends = tokio::time::Instant::now() + lease;
-    let mut each = one_try(lease);
-    let mut pause = Duration::from_millis(10);
-    let mut tries = 1u32;
-    loop {
-        let error = match bounded(each, store.release(key, token)).await {
-            Ok(status) => {
-                released(status);
-                if tries > 1 {
-                    tracing::info!(tries, "gave back {what} after the store recovered");
-                }
-                return;
-            }
-            // Taken over, or settled: nothing of ours is left to give back, unless the key
-            // was only set aside meanwhile.
-            Err(StoreError::Fenced) => {
-                give_back_set_aside(store, key, token, lease).await;
-                return;
-            }
-            Err(error) => error,
-        };
-        observe::count(Event::StoreError);
-        let left = ends.saturating_duration_since(tokio::time::Instant::now());
-        let wait = match until {
-            Until::LeaseEnds if left.is_zero() => {
-                tracing::warn!(%error, "could not give back {what}; its lease runs out");
-                return;
-            }
-            Until::LeaseEnds => pause.min(left),
-            Until::Lands => pause,
-        };
-        tracing::debug!(%error, "could not give back {what}; trying again");
-        tokio::time::sleep(wait).await;
-        pause = (pause * 2).min(MAX_BACKOFF);
-        each = longer(each, lease);
-        tries = tries.saturating_add(1);
-    }
-}
-
-/// After a release (or a late claim's confirming renewal) is fenced: gives back a key that was
-/// only set aside for reconciliation while it still carries this holder's `token` and no
-/// effect was marked started. Its lease ran out first (a renewal or the release failed for a
-/// while, a claim came back late) on a route that reconciles; a retry then set it aside, since
-/// it could not know what ran. The holder does: nothing it ran may not be run again, exactly as
-/// a release in time would have said. Settled as not applied, fenced by the token, so an
-/// operator's or a reconciler's resolution that came first stands. Tried again while the store
-/// fails (a key set aside has no lease to bound it), until the record is given back or is no
-/// longer this holder's to give; whether it gave the key back.
-pub(crate) async fn give_back_set_aside<St: IdempotencyStore>(
-    store: &St,
-    key: &ScopedKey,
-    token: FencingToken,
-    lease: Duration,
-) -> bool {
-    let mut each = one_try(lease);
-    let mut pause = Duration::from_millis(10);
-    loop {
-        match set_aside_once(store, key, token, lease, each).await {
-            Ok(given) => return given,
-            Err(error) => {
-                observe::count(Event::StoreError);
-                tracing::debug!(%error, "could not give back a key set aside; trying again");
-            }
-        }
-        tokio::time::sleep(pause).await;
-        pause = (pause * 2).min(MAX_BACKOFF);
-        each = longer(each, lease);
-    }
-}
-
-/// One try of [`give_back_set_aside`], each call bounded by `each`.
-async fn set_aside_once<St: IdempotencyStore>(
-    store: &St,
-    key: &ScopedKey,
-    token: FencingToken,
-    lease: Duration,
-    each: Duration,
-) -> Result<bool, StoreError> {
-    let Some(record) = bounded(each, store.lookup(key)).await? else {
-        return Ok(false);
-    };
-    if record.status != RecordStatus::NeedsReconciliation
-        || record.lease_token != token
-        || record.effect_started
-    {
-        return Ok(false);
-    }
-    // A released record keeps the expiry it had.
-    let ttl = record
-        .expires_at
-        .duration_since(std::time::SystemTime::now())
-        .unwrap_or_default()
-        .max(lease);
-    let note = "given back by its holder: set aside after its lease ran out, no effect started";
-    let resolve = store.resolve(key, token, &Resolution::NotApplied, ttl, Some(note));
-    match bounded(each, resolve).await {
-        Ok(()) => {
-            observe::count(Event::Release);
-            tracing::warn!(
-                "the key was set aside after its lease ran out; its holder gave it back"
-            );
-            Ok(true)
-        }
-        // Resolved first by someone else, or no longer set aside: theirs stands.
-        Err(StoreError::Fenced) => Ok(false),
-        Err(error) => Err(error),
-    }
-}
-
-/// Counts and logs what a release left: the key given back, or, where the run had marked its
-/// effect started, set aside for reconciliation.
-fn released(status: RecordStatus) {
-    if status == RecordStatus::NeedsReconciliation {
-        observe::count(Event::MovedToReconciliation);
-        tracing::warn!("the effect had started: the key awaits reconciliation");
-    } else {
-        observe::count(Event::Release);
-    }
-}
-
-/// How long the first try of a write after a run (a record, a give-back) is given before it is
-/// given up and tried again: half a lease, at least 100 ms. A call stuck on a connection must
-/// not hold the lease, renewed, for ever; later tries get [`longer`].
-fn one_try(lease: Duration) -> Duration {
-    (lease / 2).max(Duration::from_millis(100))
-}
-
-/// The bound on the try after one given `each`: twice as long, up to four leases, so a store
-/// that is always slower than half a lease still lands a write in the end.
-fn longer(each: Duration, lease: Duration) -> Duration {
-    each.saturating_mul(2).min(lease.saturating_mul(4))
 }
 
 /// Of a record's trailers, what tells its outcome: the gRPC status, and its message where it

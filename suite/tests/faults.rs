@@ -654,6 +654,48 @@ async fn s4_a_record_refused_busy_is_tried_again() {
     }
 }
 
+/// DESIGN §4: the holder's renewals fail while its handler runs, so a retry past the lease sets
+/// the key aside (a route that reconciles); the handler then answers 503, which gives the key
+/// back. The release is fenced, and the holder, which marked no effect started, gives the
+/// set-aside key back itself (resolved "not applied"), with no second release sent first: it
+/// would only be fenced again. The next retry runs it once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s4_a_fenced_release_goes_straight_to_the_set_aside_give_back() {
+    use common::rig::{self, Act, Rig};
+    let store = Rig::new(MemoryStore::new());
+    store.always("renew", Act::Fail);
+    let effects = Effects::default();
+    let addr = rig::server(
+        &store,
+        rig::Route::plain(Duration::from_millis(300)).reconcile(),
+        rig::fail_first(
+            &effects,
+            Duration::from_millis(700),
+            StatusCode::SERVICE_UNAVAILABLE,
+        ),
+    )
+    .await;
+    let key = rig::unique("fenced-release");
+    let k = key.clone();
+    let holder = tokio::spawn(async move { rig::ask(addr, &k).await });
+    tokio::time::sleep(Duration::from_millis(450)).await;
+    let during = rig::ask(addr, &key).await;
+    assert_eq!(during.problem, "outcome-unknown", "{during:?}");
+    let first = holder.await.expect("holder");
+    assert_eq!(first.status, 503, "{first:?}");
+    let given = rig::eventually(async || {
+        rig::status_of(&store, &key).await != Some(RecordStatus::NeedsReconciliation)
+    })
+    .await;
+    assert!(given, "the holder gives the key back\n{}", store.log());
+    assert_eq!(store.logged("release", "fenced"), 1, "{}", store.log());
+    assert_eq!(store.count("release"), 1, "one release\n{}", store.log());
+    store.always("renew", Act::Pass);
+    let next = rig::ask(addr, &key).await;
+    assert!(next.is_live(), "{next:?}\n{}", store.log());
+    assert_eq!(effects.count(), 1, "one effect");
+}
+
 // ---- 5. A resolved outcome is final -----------------------------------------------------------
 
 /// The holder's renewals fail, so its lease runs out while it runs; a retry finds the key

@@ -1,0 +1,206 @@
+//! Giving a key back that nothing runs under any more: a claim dropped mid round trip or not
+//! confirmed, a run cancelled by a hang-up, a run whose outcome is not kept. One failed write
+//! must not be enough to strand the key, so each give-back is tried again (see [`Retry`]); and a
+//! key set aside for reconciliation behind its own holder's back is given back by that holder,
+//! which knows that nothing it ran may not be run again.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::bounded::bounded;
+use crate::observe::{self, Event};
+use crate::store::{
+    FencingToken, IdempotencyStore, RecordStatus, Resolution, ScopedKey, StoreError,
+};
+
+use super::retry::Retry;
+
+/// Releases a claim whose execution was dropped while its handler ran (routes that cancel on
+/// disconnect), disarmed once the handler has answered; or a late claim dropped, or not
+/// confirmed, before anything ran under it (see `service::confirm`).
+pub(crate) struct ReleaseOnDrop<St: IdempotencyStore> {
+    pub(crate) store: Option<Arc<St>>,
+    pub(crate) key: ScopedKey,
+    pub(crate) token: FencingToken,
+    /// The claim's lease: how long a failed release is tried again (see [`give_back`]).
+    pub(crate) lease: Duration,
+}
+
+impl<St: IdempotencyStore> ReleaseOnDrop<St> {
+    pub(crate) fn disarm(mut self) {
+        self.store = None;
+    }
+}
+
+impl<St: IdempotencyStore> Drop for ReleaseOnDrop<St> {
+    fn drop(&mut self) {
+        let Some(store) = self.store.take() else {
+            return;
+        };
+        let (key, token, lease) = (self.key.clone(), self.token, self.lease);
+        // Without a runtime (shutting down) the lease simply runs out instead.
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            runtime.spawn(async move {
+                let what = "a cancelled execution's key";
+                give_back(&*store, &key, token, lease, Until::LeaseEnds, what).await;
+            });
+        }
+    }
+}
+
+/// How long [`give_back`] keeps trying.
+#[derive(Clone, Copy)]
+pub(crate) enum Until {
+    /// Until the lease would end: nothing renews it meanwhile (a claim its request dropped, a
+    /// run cancelled by a hang-up), and after that the next claim decides.
+    LeaseEnds,
+    /// Until it lands or is fenced, with the lease kept renewed meanwhile (after a run whose
+    /// outcome releases the key, as a failed record is retried: DESIGN §4).
+    Lands,
+}
+
+/// Gives back a key that nothing runs under any more, trying again while the store fails or
+/// does not answer. A give-back that never lands ends as a crash does: the lease runs out and
+/// the next claim decides, which on a route that reconciles sets the key aside; one failed
+/// write must not be enough for that.
+pub(crate) async fn give_back<St: IdempotencyStore>(
+    store: &St,
+    key: &ScopedKey,
+    token: FencingToken,
+    lease: Duration,
+    until: Until,
+    what: &str,
+) {
+    give_back_paced(store, key, token, Retry::new(lease), until, what).await;
+}
+
+/// [`give_back`], its tries paced by `retry`, which may have made some already (the
+/// execution's own release, see `Execution::release_later`).
+pub(super) async fn give_back_paced<St: IdempotencyStore>(
+    store: &St,
+    key: &ScopedKey,
+    token: FencingToken,
+    mut retry: Retry,
+    until: Until,
+    what: &str,
+) {
+    let ends = tokio::time::Instant::now() + retry.lease();
+    loop {
+        let error = match retry.bounded(store.release(key, token)).await {
+            Ok(status) => {
+                released(status);
+                if retry.tries() > 1 {
+                    let tries = retry.tries();
+                    tracing::info!(tries, "gave back {what} after the store recovered");
+                }
+                return;
+            }
+            // Taken over, or settled: nothing of ours is left to give back, unless the key
+            // was only set aside meanwhile.
+            Err(StoreError::Fenced) => {
+                give_back_set_aside_paced(store, key, token, retry).await;
+                return;
+            }
+            Err(error) => error,
+        };
+        observe::count(Event::StoreError);
+        let left = ends.saturating_duration_since(tokio::time::Instant::now());
+        let at_most = match until {
+            Until::LeaseEnds if left.is_zero() => {
+                tracing::warn!(%error, "could not give back {what}; its lease runs out");
+                return;
+            }
+            Until::LeaseEnds => left,
+            Until::Lands => Duration::MAX,
+        };
+        tracing::debug!(%error, "could not give back {what}; trying again");
+        retry.pause(at_most).await;
+    }
+}
+
+/// After a release (or a late claim's confirming renewal) is fenced: gives back a key that was
+/// only set aside for reconciliation while it still carries this holder's `token` and no
+/// effect was marked started. Its lease ran out first (a renewal or the release failed for a
+/// while, a claim came back late) on a route that reconciles; a retry then set it aside, since
+/// it could not know what ran. The holder does: nothing it ran may not be run again, exactly as
+/// a release in time would have said. Settled as not applied, fenced by the token, so an
+/// operator's or a reconciler's resolution that came first stands. Tried again while the store
+/// fails (a key set aside has no lease to bound it), until the record is given back or is no
+/// longer this holder's to give; whether it gave the key back.
+pub(crate) async fn give_back_set_aside<St: IdempotencyStore>(
+    store: &St,
+    key: &ScopedKey,
+    token: FencingToken,
+    lease: Duration,
+) -> bool {
+    give_back_set_aside_paced(store, key, token, Retry::new(lease)).await
+}
+
+/// [`give_back_set_aside`], its tries paced by `retry`.
+pub(super) async fn give_back_set_aside_paced<St: IdempotencyStore>(
+    store: &St,
+    key: &ScopedKey,
+    token: FencingToken,
+    mut retry: Retry,
+) -> bool {
+    loop {
+        match set_aside_once(store, key, token, retry.lease(), retry.each()).await {
+            Ok(given) => return given,
+            Err(error) => {
+                observe::count(Event::StoreError);
+                tracing::debug!(%error, "could not give back a key set aside; trying again");
+            }
+        }
+        retry.pause(Duration::MAX).await;
+    }
+}
+
+/// One try of [`give_back_set_aside`], each call bounded by `each`.
+async fn set_aside_once<St: IdempotencyStore>(
+    store: &St,
+    key: &ScopedKey,
+    token: FencingToken,
+    lease: Duration,
+    each: Duration,
+) -> Result<bool, StoreError> {
+    let Some(record) = bounded(each, store.lookup(key)).await? else {
+        return Ok(false);
+    };
+    if record.status != RecordStatus::NeedsReconciliation
+        || record.lease_token != token
+        || record.effect_started
+    {
+        return Ok(false);
+    }
+    // A released record keeps the expiry it had.
+    let ttl = record
+        .expires_at
+        .duration_since(std::time::SystemTime::now())
+        .unwrap_or_default()
+        .max(lease);
+    let note = "given back by its holder: set aside after its lease ran out, no effect started";
+    let resolve = store.resolve(key, token, &Resolution::NotApplied, ttl, Some(note));
+    match bounded(each, resolve).await {
+        Ok(()) => {
+            observe::count(Event::Release);
+            tracing::warn!(
+                "the key was set aside after its lease ran out; its holder gave it back"
+            );
+            Ok(true)
+        }
+        // Resolved first by someone else, or no longer set aside: theirs stands.
+        Err(StoreError::Fenced) => Ok(false),
+        Err(error) => Err(error),
+    }
+}
+
+/// Counts and logs what a release left: the key given back, or, where the run had marked its
+/// effect started, set aside for reconciliation.
+pub(super) fn released(status: RecordStatus) {
+    if status == RecordStatus::NeedsReconciliation {
+        observe::count(Event::MovedToReconciliation);
+        tracing::warn!("the effect had started: the key awaits reconciliation");
+    } else {
+        observe::count(Event::Release);
+    }
+}
