@@ -27,22 +27,6 @@ use common::rig::*;
 
 // ---- helpers -------------------------------------------------------------------------------
 
-async fn status_of<S: IdempotencyStore>(rig: &Rig<S>, key: &str) -> Option<RecordStatus> {
-    record_of(rig, key).await.map(|r| r.status)
-}
-
-/// Polls `done` every 10 ms for up to `within`; whether it came true.
-async fn within(within: Duration, mut done: impl AsyncFnMut() -> bool) -> bool {
-    let until = tokio::time::Instant::now() + within;
-    while tokio::time::Instant::now() < until {
-        if done().await {
-            return true;
-        }
-        tokio::time::sleep(ms(10)).await;
-    }
-    false
-}
-
 /// Call 0 answers 503 at once, having started a task of its own that, `after` later, marks the
 /// effect started and makes the effect only if that was recorded (as the README says a
 /// handler must); later calls make the effect and answer 201.

@@ -50,11 +50,6 @@ fn panic_first(effects: &Effects) -> Handler {
     })
 }
 
-/// The status the record of `key` has now (`None`: no record).
-async fn status_of(rig: &Rig<MemoryStore>, key: &str) -> Option<RecordStatus> {
-    record_of(rig, key).await.map(|r| r.status)
-}
-
 /// Every answer is a replay of `body` or exactly `live` ones ran it (live 201s).
 fn assert_one_run(what: &str, answers: &[Answer], body: &str, live: usize, log: &str) {
     let runs = answers.iter().filter(|a| a.is_live()).count();

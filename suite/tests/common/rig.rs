@@ -612,9 +612,19 @@ pub async fn record_of<S: IdempotencyStore>(rig: &Rig<S>, key: &str) -> Option<R
         .expect("lookup")
 }
 
+/// The status the record of `key` has now (`None`: no record).
+pub async fn status_of<S: IdempotencyStore>(rig: &Rig<S>, key: &str) -> Option<RecordStatus> {
+    record_of(rig, key).await.map(|r| r.status)
+}
+
 /// Polls `done` every 10 ms for up to 20 s; whether it came true.
-pub async fn eventually(mut done: impl AsyncFnMut() -> bool) -> bool {
-    let until = Instant::now() + Duration::from_secs(20);
+pub async fn eventually(done: impl AsyncFnMut() -> bool) -> bool {
+    within(Duration::from_secs(20), done).await
+}
+
+/// Polls `done` every 10 ms for up to `limit`; whether it came true.
+pub async fn within(limit: Duration, mut done: impl AsyncFnMut() -> bool) -> bool {
+    let until = Instant::now() + limit;
     while Instant::now() < until {
         if done().await {
             return true;
