@@ -780,16 +780,20 @@ impl<St: IdempotencyStore> Execution<St> {
         let mut retry = Retry::new(self.route.lease);
         let write = store.complete(&self.key, self.lease.token, stored, self.route.ttl);
         let result = retry.bounded(write).await;
-        // Only a fenced write is final: another holder's, or a resolved, outcome stands. Any
-        // other failure (`Busy` included: a store's row lock is let go) leaves the effect
-        // unrecorded, so it is kept and retried like an outage.
+        // Only a fenced write is final: another holder's, or a resolved, outcome stands (unless
+        // the record says the store fenced by mistake). Any other failure (`Busy` included: a
+        // store's row lock is let go) leaves the effect unrecorded, so it is kept and retried
+        // like an outage.
         let error = match result {
             Ok(()) => return,
-            Err(StoreError::Fenced) => {
-                return settle(Err(StoreError::Fenced), "record the outcome");
-            }
             Err(error) => error,
         };
+        if matches!(error, StoreError::Fenced) {
+            let (key, token) = (&self.key, self.lease.token);
+            if !Box::pin(still_ours(&**store, key, token, retry.each())).await {
+                return settle(Err(StoreError::Fenced), "record the outcome");
+            }
+        }
         observe::count(Event::StoreError);
         tracing::error!(
             %error,
@@ -866,13 +870,16 @@ impl<St: IdempotencyStore> Execution<St> {
     }
 
     /// After a fenced release: gives the key back on a task of its own if it was only set
-    /// aside behind this holder (see [`give_back_set_aside`]). No lease is held for it: the
-    /// key is no longer in flight under this one.
+    /// aside behind this holder (see [`give_back_set_aside`]). The lease is held meanwhile, in
+    /// case the store fenced by mistake and the key is still this holder's: it is then given
+    /// back as a failed release is, not left in flight.
     fn give_back_set_aside_later(&self, retry: Retry) {
+        let hold = self.hold();
         let (store, key, token) = (self.store().clone(), self.key.clone(), self.lease.token);
         if let Ok(runtime) = tokio::runtime::Handle::try_current() {
             let give = async move {
                 give_back_set_aside_paced(&*store, &key, token, retry).await;
+                drop(hold);
             };
             runtime.spawn(give.in_current_span());
         }
@@ -892,6 +899,30 @@ fn settle(result: Result<(), StoreError>, what: &str) {
             observe::count(Event::StoreError);
             tracing::error!(%error, "could not {what}");
         }
+    }
+}
+
+/// After a write was fenced: whether the record is, all the same, still this holder's to
+/// record (in flight or set aside under its token). A store keeping the trait's word never
+/// says so; one that fenced by mistake (or a proxy that did) must not have an effect's outcome
+/// dropped, and the key run again after its lease. A read that fails says nothing: the write is
+/// tried again, and a fenced one read again.
+async fn still_ours<St: IdempotencyStore>(
+    store: &St,
+    key: &ScopedKey,
+    token: FencingToken,
+    each: Duration,
+) -> bool {
+    match bounded(each, store.lookup(key)).await {
+        Ok(Some(record)) => {
+            record.lease_token == token
+                && matches!(
+                    record.status,
+                    RecordStatus::InProgress | RecordStatus::NeedsReconciliation
+                )
+        }
+        Ok(None) => false,
+        Err(_) => true,
     }
 }
 
@@ -920,7 +951,10 @@ impl<St: IdempotencyStore> Recorder<St> {
                     tracing::info!(tries, "the outcome is recorded after the store recovered");
                     break;
                 }
-                Err(StoreError::Fenced) => {
+                Err(StoreError::Fenced)
+                    if !still_ours(&*self.store, &self.key, self.token, self.retry.each())
+                        .await =>
+                {
                     settle(Err(StoreError::Fenced), "record the outcome");
                     break;
                 }

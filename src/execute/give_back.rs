@@ -126,7 +126,8 @@ pub(super) async fn give_back_paced<St: IdempotencyStore>(
 /// a release in time would have said. Settled as not applied, fenced by the token, so an
 /// operator's or a reconciler's resolution that came first stands. Tried again while the store
 /// fails (a key set aside has no lease to bound it), until the record is given back or is no
-/// longer this holder's to give; whether it gave the key back.
+/// longer this holder's to give; whether it gave the key back. A key found still in flight
+/// under the token (the store fenced by mistake) is released instead, until its lease runs out.
 pub(crate) async fn give_back_set_aside<St: IdempotencyStore>(
     store: &St,
     key: &ScopedKey,
@@ -144,15 +145,38 @@ pub(super) async fn give_back_set_aside_paced<St: IdempotencyStore>(
     mut retry: Retry,
 ) -> bool {
     loop {
-        match set_aside_once(store, key, token, retry.lease(), retry.each()).await {
-            Ok(given) => return given,
-            Err(error) => {
-                observe::count(Event::StoreError);
-                tracing::debug!(%error, "could not give back a key set aside; trying again");
-            }
-        }
+        let error = match set_aside_once(store, key, token, retry.lease(), retry.each()).await {
+            Ok(Found::Settled(given)) => return given,
+            // Fenced by mistake (a store or a proxy that broke the trait's word): the key is
+            // still in flight under this token. It is given back as a release in time would
+            // have; fenced again, it is read again.
+            Ok(Found::InFlight) => match retry.bounded(store.release(key, token)).await {
+                Ok(status) => {
+                    released(status);
+                    return true;
+                }
+                Err(StoreError::Fenced) => {
+                    observe::count(Event::StaleWrite);
+                    tracing::warn!("a release was fenced, yet the key is still this holder's");
+                    retry.pause(Duration::MAX).await;
+                    continue;
+                }
+                Err(error) => error,
+            },
+            Err(error) => error,
+        };
+        observe::count(Event::StoreError);
+        tracing::debug!(%error, "could not give back a key set aside; trying again");
         retry.pause(Duration::MAX).await;
     }
+}
+
+/// What [`set_aside_once`] found.
+enum Found {
+    /// Nothing more to do: whether the holder gave the key back.
+    Settled(bool),
+    /// The key is still in flight under the holder's token, its lease not yet run out.
+    InFlight,
 }
 
 /// One try of [`give_back_set_aside`], each call bounded by `each`.
@@ -162,15 +186,23 @@ async fn set_aside_once<St: IdempotencyStore>(
     token: FencingToken,
     lease: Duration,
     each: Duration,
-) -> Result<bool, StoreError> {
+) -> Result<Found, StoreError> {
     let Some(record) = bounded(each, store.lookup(key)).await? else {
-        return Ok(false);
+        return Ok(Found::Settled(false));
     };
-    if record.status != RecordStatus::NeedsReconciliation
-        || record.lease_token != token
-        || record.effect_started
-    {
-        return Ok(false);
+    if record.lease_token != token {
+        return Ok(Found::Settled(false));
+    }
+    // Once its lease has run out (nothing renews it), the next claim decides, as after a
+    // crash; which, on a route that reconciles, sets it aside for the next read here.
+    if record.status == RecordStatus::InProgress {
+        return Ok(match record.lease_until > std::time::SystemTime::now() {
+            true => Found::InFlight,
+            false => Found::Settled(false),
+        });
+    }
+    if record.status != RecordStatus::NeedsReconciliation || record.effect_started {
+        return Ok(Found::Settled(false));
     }
     // A released record keeps the expiry it had.
     let ttl = record
@@ -186,10 +218,10 @@ async fn set_aside_once<St: IdempotencyStore>(
             tracing::warn!(
                 "the key was set aside after its lease ran out; its holder gave it back"
             );
-            Ok(true)
+            Ok(Found::Settled(true))
         }
         // Resolved first by someone else, or no longer set aside: theirs stands.
-        Err(StoreError::Fenced) => Ok(false),
+        Err(StoreError::Fenced) => Ok(Found::Settled(false)),
         Err(error) => Err(error),
     }
 }

@@ -617,9 +617,26 @@ async fn s4_the_lease_is_held_while_the_outcome_is_written() {
 /// flight to lapse, and a retry after several leases replays the one effect.
 #[tokio::test]
 async fn s4_a_record_refused_busy_is_tried_again() {
-    use common::rig::{self, Act, Rig};
+    use common::rig::Act;
     // The first write refused busy; or the first failing and its retry refused busy.
-    for plan in [vec![Act::Busy], vec![Act::Fail, Act::Busy]] {
+    record_refused(&[vec![Act::Busy], vec![Act::Fail, Act::Busy]]).await;
+}
+
+/// DESIGN §4: a record refused as `Fenced` while the record is still the holder's, in flight
+/// under its token (a store or a proxy that broke the trait's word), is not taken as final:
+/// the holder reads the record, finds it its own, and keeps writing. Were the outcome dropped,
+/// the key would lapse and a retry would run the handler again.
+#[tokio::test]
+async fn s4_a_record_fenced_by_mistake_is_tried_again() {
+    use common::rig::Act;
+    record_refused(&[vec![Act::Fenced], vec![Act::Fail, Act::Fenced]]).await;
+}
+
+/// Each plan refuses the record writes it lists, in order; the record lands all the same, and
+/// a retry several leases later replays the one effect.
+async fn record_refused(plans: &[Vec<common::rig::Act>]) {
+    use common::rig::{self, Rig};
+    for plan in plans {
         let store = Rig::new(MemoryStore::new());
         for (n, act) in plan.iter().enumerate() {
             store.on("complete", n + 1, *act);
