@@ -257,7 +257,17 @@ async fn renew<St: IdempotencyStore>(
     lease: Duration,
     tick: Duration,
 ) {
-    let result = shared.store.renew(&key, token, lease).await;
+    let result = match shared.store.renew(&key, token, lease).await {
+        // Fenced by mistake (a store or a proxy that broke the trait's word) while the record
+        // is still in flight under this lease: kept, and renewed again. Given up, the lease
+        // would lapse under a running handler and a retry could take the key over.
+        Err(StoreError::Fenced) if still_in_flight(&*shared.store, &key, token, lease).await => {
+            Err(StoreError::unavailable(
+                "a renewal was fenced, yet the record is in flight under this lease",
+            ))
+        }
+        result => result,
+    };
     match &result {
         // Already scheduled from when it was sent.
         Ok(_) => {}
@@ -288,6 +298,23 @@ async fn renew<St: IdempotencyStore>(
             // Tried again a tick from now, if that is sooner than planned.
             Err(_) => held.due = held.due.min(Instant::now() + tick),
         }
+    }
+}
+
+/// Whether the record of `key` may still be in progress under `token`: a read bounded by half
+/// the lease says so, or fails and cannot say otherwise (the next renewal asks again).
+async fn still_in_flight<St: IdempotencyStore>(
+    store: &St,
+    key: &ScopedKey,
+    token: FencingToken,
+    lease: Duration,
+) -> bool {
+    match crate::bounded::bounded(lease / 2, store.lookup(key)).await {
+        Ok(Some(record)) => {
+            record.lease_token == token && record.status == crate::store::RecordStatus::InProgress
+        }
+        Ok(None) => false,
+        Err(_) => true,
     }
 }
 

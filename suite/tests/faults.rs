@@ -632,6 +632,38 @@ async fn s4_a_record_fenced_by_mistake_is_tried_again() {
     record_refused(&[vec![Act::Fenced], vec![Act::Fail, Act::Fenced]]).await;
 }
 
+/// DESIGN §4 (the holder keeps its lease while it runs): a renewal refused as `Fenced` while the
+/// record is still in flight under the holder's token (a store or a proxy that broke the
+/// trait's word) does not end the holding. Given up, the lease would lapse under the running
+/// handler, and on a route that reclaims, a retry would take the key over and run it again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s4_a_renewal_fenced_by_mistake_keeps_the_lease() {
+    use common::rig::{self, Act, Rig};
+    let store = Rig::new(MemoryStore::new());
+    store.on("renew", 1, Act::Fenced);
+    store.on("renew", 2, Act::Fenced);
+    let effects = Effects::default();
+    let addr = rig::server(
+        &store,
+        rig::Route::plain(Duration::from_millis(300)),
+        rig::sleep_then_effect(&effects, Duration::from_millis(1_200), false),
+    )
+    .await;
+    let key = rig::unique("renew-fenced");
+    let k = key.clone();
+    let holder = tokio::spawn(async move { rig::ask(addr, &k).await });
+    // Past several leases: had the lease been given up, this retry would take the key over.
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    let during = rig::ask(addr, &key).await;
+    assert!(during.in_flight(), "{during:?}\n{}", store.log());
+    let first = holder.await.expect("holder");
+    assert!(first.is_live(), "{first:?}\n{}", store.log());
+    assert!(store.logged("renew", "Fenced") >= 1, "{}", store.log());
+    let after = rig::ask(addr, &key).await;
+    assert!(after.is_replay_of(&first.body), "{after:?}");
+    assert_eq!(effects.count(), 1, "one effect");
+}
+
 /// Each plan refuses the record writes it lists, in order; the record lands all the same, and
 /// a retry several leases later replays the one effect.
 async fn record_refused(plans: &[Vec<common::rig::Act>]) {
