@@ -44,7 +44,7 @@ mod retry;
 mod run;
 
 pub(crate) use give_back::{ReleaseOnDrop, Until, give_back, give_back_set_aside};
-use give_back::{give_back_paced, give_back_set_aside_paced, released};
+use give_back::{TakenOver, give_back_paced, give_back_set_aside_paced, released};
 use retry::Retry;
 use run::Run;
 
@@ -838,7 +838,6 @@ impl<St: IdempotencyStore> Execution<St> {
             // Taken over, settled, or only set aside meanwhile: a task of its own gives it
             // back if it was only set aside (see `give_back_set_aside`).
             Err(StoreError::Fenced) => {
-                settle(Err(StoreError::Fenced), "release the key");
                 self.give_back_set_aside_later(retry);
                 "in_progress"
             }
@@ -878,7 +877,7 @@ impl<St: IdempotencyStore> Execution<St> {
         let (store, key, token) = (self.store().clone(), self.key.clone(), self.lease.token);
         if let Ok(runtime) = tokio::runtime::Handle::try_current() {
             let give = async move {
-                give_back_set_aside_paced(&*store, &key, token, retry).await;
+                give_back_set_aside_paced(&*store, &key, token, retry, TakenOver::Counted).await;
                 drop(hold);
             };
             runtime.spawn(give.in_current_span());

@@ -257,47 +257,59 @@ async fn renew<St: IdempotencyStore>(
     lease: Duration,
     tick: Duration,
 ) {
-    let result = match shared.store.renew(&key, token, lease).await {
-        // Fenced by mistake (a store or a proxy that broke the trait's word) while the record
-        // is still in flight under this lease: kept, and renewed again. Given up, the lease
-        // would lapse under a running handler and a retry could take the key over.
-        Err(StoreError::Fenced) if still_in_flight(&*shared.store, &key, token, lease).await => {
-            Err(StoreError::unavailable(
-                "a renewal was fenced, yet the record is in flight under this lease",
-            ))
-        }
-        result => result,
-    };
-    match &result {
-        // Already scheduled from when it was sent.
-        Ok(_) => {}
-        Err(StoreError::Fenced) => {
-            // Taken over, settled, or marked uncertain by its own holder: nothing to keep.
-            observe::count(Event::LeaseLost);
-            tracing::warn!(
-                key = key.key(),
-                "lease lost while held; no longer renewing it"
-            );
-        }
-        Err(error) => {
-            observe::count(Event::StoreError);
-            tracing::warn!(%error, "lease renewal failed; trying again");
-        }
-    }
-    let mut slots = lock(&shared.slots);
-    // The slot may have been given back, or taken by another hold, meanwhile.
-    if let Some(Some(held)) = slots.held.get_mut(slot)
-        && held.token == token
-        && held.key == key
+    let result = shared.store.renew(&key, token, lease).await;
+    if let Err(error) = &result
+        && !matches!(error, StoreError::Fenced)
     {
+        observe::count(Event::StoreError);
+        tracing::warn!(%error, "lease renewal failed; trying again");
+    }
+    // Until a read shows the lease lost, a fenced renewal is tried again a tick later as a
+    // failed one is: a store or a proxy may fence by mistake (breaking the trait's word), and
+    // a lease given up then would lapse under a running handler, for a retry to take over.
+    // The read may take a while: the next renewal does not wait for it.
+    let fenced = matches!(result, Err(StoreError::Fenced));
+    if !settle(&shared, slot, &key, token, |held| {
         held.renewing = held.renewing.saturating_sub(1);
-        match result {
-            Ok(_) => {}
-            // Whatever an earlier renewal says when it comes back, a lost lease stays lost.
-            Err(StoreError::Fenced) => held.lost = true,
-            // Tried again a tick from now, if that is sooner than planned.
-            Err(_) => held.due = held.due.min(Instant::now() + tick),
+        if result.is_err() {
+            held.due = held.due.min(Instant::now() + tick);
         }
+    }) || !fenced
+    {
+        return;
+    }
+    if still_in_flight(&*shared.store, &key, token, lease).await {
+        observe::count(Event::StoreError);
+        tracing::warn!("a renewal was fenced, yet the record is in flight under this lease");
+        return;
+    }
+    // Taken over, settled, or marked uncertain by its own holder: nothing to keep. Whatever
+    // an earlier renewal says when it comes back, a lost lease stays lost.
+    if settle(&shared, slot, &key, token, |held| held.lost = true) {
+        observe::count(Event::LeaseLost);
+        tracing::warn!(
+            key = key.key(),
+            "lease lost while held; no longer renewing it"
+        );
+    }
+}
+
+/// Applies `f` to the slot if it still holds `key` under `token` (it may have been given
+/// back, or taken by another hold, meanwhile); whether it did.
+fn settle<St>(
+    shared: &Shared<St>,
+    slot: usize,
+    key: &ScopedKey,
+    token: FencingToken,
+    f: impl FnOnce(&mut Held),
+) -> bool {
+    let mut slots = lock(&shared.slots);
+    match slots.held.get_mut(slot) {
+        Some(Some(held)) if held.token == token && held.key == *key => {
+            f(held);
+            true
+        }
+        _ => false,
     }
 }
 

@@ -98,7 +98,7 @@ pub(super) async fn give_back_paced<St: IdempotencyStore>(
             // Taken over, or settled: nothing of ours is left to give back, unless the key
             // was only set aside meanwhile.
             Err(StoreError::Fenced) => {
-                give_back_set_aside_paced(store, key, token, retry).await;
+                give_back_set_aside_paced(store, key, token, retry, TakenOver::Quiet).await;
                 return;
             }
             Err(error) => error,
@@ -134,7 +134,7 @@ pub(crate) async fn give_back_set_aside<St: IdempotencyStore>(
     token: FencingToken,
     lease: Duration,
 ) -> bool {
-    give_back_set_aside_paced(store, key, token, Retry::new(lease)).await
+    give_back_set_aside_paced(store, key, token, Retry::new(lease), TakenOver::Quiet).await
 }
 
 /// [`give_back_set_aside`], its tries paced by `retry`.
@@ -143,32 +143,51 @@ pub(super) async fn give_back_set_aside_paced<St: IdempotencyStore>(
     key: &ScopedKey,
     token: FencingToken,
     mut retry: Retry,
+    taken_over: TakenOver,
 ) -> bool {
     loop {
         let error = match set_aside_once(store, key, token, retry.lease(), retry.each()).await {
-            Ok(Found::Settled(given)) => return given,
+            Ok(Found::Settled(given)) => {
+                if let TakenOver::Counted = taken_over {
+                    observe::count(Event::StaleWrite);
+                    tracing::warn!("could not release the key: the lease was taken over");
+                }
+                return given;
+            }
             // Fenced by mistake (a store or a proxy that broke the trait's word): the key is
             // still in flight under this token. It is given back as a release in time would
             // have; fenced again, it is read again.
-            Ok(Found::InFlight) => match retry.bounded(store.release(key, token)).await {
-                Ok(status) => {
-                    released(status);
-                    return true;
+            Ok(Found::InFlight) => {
+                observe::count(Event::StoreError);
+                tracing::warn!("a release was fenced, yet the key is still this holder's");
+                match retry.bounded(store.release(key, token)).await {
+                    Ok(status) => {
+                        released(status);
+                        return true;
+                    }
+                    Err(StoreError::Fenced) => {
+                        retry.pause(Duration::MAX).await;
+                        continue;
+                    }
+                    Err(error) => error,
                 }
-                Err(StoreError::Fenced) => {
-                    observe::count(Event::StaleWrite);
-                    tracing::warn!("a release was fenced, yet the key is still this holder's");
-                    retry.pause(Duration::MAX).await;
-                    continue;
-                }
-                Err(error) => error,
-            },
+            }
             Err(error) => error,
         };
         observe::count(Event::StoreError);
         tracing::debug!(%error, "could not give back a key set aside; trying again");
         retry.pause(Duration::MAX).await;
     }
+}
+
+/// Whether a fenced release that led to [`give_back_set_aside`] is counted as a stale write once
+/// a read shows the fence was no mistake.
+#[derive(Clone, Copy)]
+pub(super) enum TakenOver {
+    /// Counted (the execution's own release: its lease was taken over, or set aside).
+    Counted,
+    /// Not at all (a give-back of a key nothing ran under).
+    Quiet,
 }
 
 /// What [`set_aside_once`] found.

@@ -1,0 +1,772 @@
+mod common;
+
+// Adversarial review of a4e2c8c and d2a35eb: a write or a renewal answered `Fenced` is no longer
+// final on its own word; a read (`lookup`, bounded) decides whether the record is, all the same,
+// still the holder's (`still_ours` in execute.rs, `still_in_flight` in hold.rs, the `InFlight`
+// branch of the set-aside give-back).
+//
+// Each test tries to make those reads run a handler twice (effects counted at the sink),
+// override another holder's or an operator's outcome, resolve "not applied" what started, lose
+// an outcome, loop or leak, or miscount. No wall-clock assertion: sleeps only let leases lapse
+// or bound how long a condition may take to come true. Rates measured along the way are printed
+// (`--nocapture`) for the report.
+//
+// Two tests fail on d2a35eb:
+// - `s4_renewals_fenced_by_mistake_while_reads_hang_keep_the_lease`: the keeper tries a renewal
+//   fenced by mistake again only once its read comes back, and the read may take half a lease;
+//   with two renewals outstanding, renewals fenced at L/3, 2L/3 and L leave the lease lapsed
+//   from L until about 4L/3, and a retry takes the key over and runs it a second time (the old
+//   keeper lost the lease at the first fence, so this is an incomplete fix, not a regression).
+// - `s6_a_release_fenced_by_mistake_counts_a_store_error_not_a_stale_write`: a release fenced by
+//   mistake counts a stale write ("the lease was taken over"), where a record or a renewal
+//   fenced by mistake counts a store error.
+//
+// Both pass since the fix that followed: a fenced renewal is tried again a tick later while its
+// read is under way (only a read that shows the lease lost stops renewals), and a release's
+// fence counts a stale write only once a read shows it was no mistake.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::http::{HeaderMap, StatusCode};
+use common::Effects;
+use common::counts::Counts;
+use tower_idempotency::reconcile::{Reconciliation, resolve_by_hand};
+use tower_idempotency::store::{
+    Batching, Claim, ClaimRequest, FencingToken, Fingerprint, HistoryEvent, LeaseExpiry,
+    RecordStatus, ScopedKey, StoreError, StoredResponse,
+};
+use tower_idempotency::{IdempotencyStore, MemoryStore};
+
+use common::rig::*;
+
+// ---- helpers -------------------------------------------------------------------------------
+
+fn created(body: &str) -> StoredResponse {
+    StoredResponse {
+        status: StatusCode::CREATED,
+        headers: HeaderMap::new(),
+        body: Some(body.to_owned().into()),
+        trailers: None,
+    }
+}
+
+/// The history events of `key`'s record.
+async fn events_of<S: IdempotencyStore>(rig: &Rig<S>, key: &str) -> Vec<HistoryEvent> {
+    record_of(rig, key)
+        .await
+        .map(|r| r.history.iter().map(|h| h.event).collect())
+        .unwrap_or_default()
+}
+
+/// The token of the `n`-th claim that acquired (from 0).
+fn token_of<S: IdempotencyStore>(rig: &Rig<S>, n: usize) -> u64 {
+    rig.acquired.lock().unwrap()[n].get()
+}
+
+/// Renewals sent under `token` so far (every one the rig saw, whatever it answered).
+fn renewals_of<S: IdempotencyStore>(rig: &Rig<S>, token: u64) -> usize {
+    rig.logged("renew#", &format!(" t={token} "))
+}
+
+// ==== 1. a record fenced by mistake =============================================================
+
+/// DESIGN §4 (a failed record is retried under a renewed lease; "a resolved outcome is final:
+/// resolving bumps the fencing token, so a late holder cannot overwrite it"; a
+/// `needs_reconciliation` record stays until resolved), on a `Reclaim` route: every record write
+/// is answered `Fenced` though it applies nothing (a store or proxy that fences by mistake, for
+/// ever). The key must never run twice: retries are told the outcome is unknown, lease after
+/// lease. An operator then resolves it by hand: the operator's answer stands, and the recorder,
+/// its keeper's renewals included, stops (no write nor read of a settled key goes on).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s4_a_record_fenced_by_mistake_for_ever_never_runs_twice_and_stops_once_resolved() {
+    let rig = Rig::new(MemoryStore::new());
+    rig.always("complete", Act::Fenced);
+    let effects = Effects::default();
+    let addr = server(
+        &rig,
+        Route::plain(ms(300)),
+        sleep_then_effect(&effects, Duration::ZERO, false),
+    )
+    .await;
+    let key = unique("record-fenced-for-ever");
+    let first = ask(addr, &key).await;
+    assert!(first.is_live(), "{first:?}");
+    for _ in 0..6 {
+        tokio::time::sleep(ms(300)).await;
+        let during = ask(addr, &key).await;
+        assert!(
+            !during.is_live() && during.status == 409,
+            "a retry ran the key again: {during:?}\n  {}",
+            rig.log()
+        );
+    }
+    assert_eq!(effects.count(), 1, "{}", rig.log());
+    assert!(
+        rig.count("complete") >= 3,
+        "the record is tried again\n  {}",
+        rig.log()
+    );
+    let scoped = ScopedKey::new("", &key);
+    resolve_by_hand(
+        &*rig.inner,
+        &scoped,
+        Reconciliation::Applied(Box::new(created("operator: done"))),
+        Duration::from_secs(60),
+        "checked downstream",
+    )
+    .await
+    .expect("the operator's resolution");
+    // The recorder's next try (pauses grow to 1 s) reads the record and stops.
+    tokio::time::sleep(ms(1_500)).await;
+    let (writes, reads, renews) = (
+        rig.count("complete"),
+        rig.count("lookup"),
+        rig.count("renew"),
+    );
+    tokio::time::sleep(ms(2_500)).await;
+    assert_eq!(
+        (
+            rig.count("complete"),
+            rig.count("lookup"),
+            rig.count("renew")
+        ),
+        (writes, reads, renews),
+        "(complete, lookup, renew) go on after an operator settled the key\n  {}",
+        rig.log()
+    );
+    let later = ask(addr, &key).await;
+    assert!(later.is_replay_of("operator: done"), "{later:?}");
+    let events = events_of(&rig, &key).await;
+    assert!(
+        !events.contains(&HistoryEvent::Completed),
+        "the late holder overwrote the operator: {events:?}"
+    );
+    assert_eq!(effects.count(), 1);
+}
+
+/// DESIGN §4 ("`complete` also succeeds when the record ... is `needs_reconciliation` ...: the
+/// holder that ran settles the uncertainty with its outcome"), on a reconciling route: the
+/// holder's renewals fail, its lease lapses while its handler works, and a retry sets the key
+/// aside. The handler then makes its effect and answers 201, but its first record write is
+/// answered `Fenced` by mistake. The read finds the key set aside under the holder's token, so
+/// the write is tried again and lands: retries replay it, nothing runs twice, nothing is
+/// resolved "not applied".
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s4_a_record_fenced_by_mistake_after_a_retry_set_the_key_aside_still_lands() {
+    let rig = Rig::new(MemoryStore::new());
+    rig.doom(0);
+    rig.on("complete", 1, Act::Fenced);
+    let effects = Effects::default();
+    let addr = server(
+        &rig,
+        Route::plain(ms(300)).reconcile(),
+        sleep_then_effect(&effects, ms(800), false),
+    )
+    .await;
+    let key = unique("fenced-after-set-aside");
+    let k = key.clone();
+    let holder = tokio::spawn(async move { ask(addr, &k).await });
+    tokio::time::sleep(ms(500)).await;
+    let during = ask(addr, &key).await;
+    assert_eq!(
+        during.problem,
+        "outcome-unknown",
+        "{during:?}\n  {}",
+        rig.log()
+    );
+    let first = holder.await.expect("the holder");
+    assert!(first.is_live(), "{first:?}");
+    let landed =
+        eventually(async || status_of(&rig, &key).await == Some(RecordStatus::Completed)).await;
+    let later = ask(addr, &key).await;
+    let events = events_of(&rig, &key).await;
+    assert!(
+        landed && later.is_replay_of(&first.body),
+        "the holder's outcome was dropped: later {later:?}; history {events:?}\n  {}",
+        rig.log()
+    );
+    assert!(
+        !events.contains(&HistoryEvent::ReconciledNotApplied),
+        "{events:?}"
+    );
+    assert_eq!(effects.count(), 1);
+}
+
+// ==== 2. the keeper's read ======================================================================
+
+/// DESIGN §4 (the holder keeps its lease while it runs) for d2a35eb's promise that a renewal
+/// fenced by mistake is tried again "a tick later": three renewals in a row are answered
+/// `Fenced` by mistake, and this time every read hangs (bounded by half a lease in the keeper).
+/// A renewal fenced at a third of a lease is then tried again only after half a lease more, and
+/// with two renewals outstanding the next one waits behind them: had the keeper treated the
+/// read like any failure (a tick), or bounded it by a tick, the lease would be renewed in time.
+/// A client polling meanwhile must never take the key over and run it a second time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s4_renewals_fenced_by_mistake_while_reads_hang_keep_the_lease() {
+    let rig = Rig::new(MemoryStore::new());
+    for n in 1..=3 {
+        rig.on("renew", n, Act::Fenced);
+    }
+    rig.always("lookup", Act::Hang);
+    let effects = Effects::default();
+    let addr = server(
+        &rig,
+        Route::plain(ms(300)),
+        sleep_then_effect(&effects, ms(1_500), false),
+    )
+    .await;
+    let key = unique("renew-fenced-reads-hang");
+    let k = key.clone();
+    let holder = tokio::spawn(async move { ask(addr, &k).await });
+    tokio::time::sleep(ms(150)).await;
+    let mut probes = Vec::new();
+    for _ in 0..50 {
+        probes.push(ask(addr, &key).await);
+        if effects.count() > 0 {
+            break;
+        }
+        tokio::time::sleep(ms(20)).await;
+    }
+    let first = holder.await.expect("the holder");
+    let ran = probes.iter().filter(|a| a.is_live()).count();
+    let what = format!(
+        "holder {first:?}; probes: {}; renewals {}, ok {}\n  {}",
+        summary(&probes),
+        rig.count("renew"),
+        rig.renewed_ok.load(std::sync::atomic::Ordering::SeqCst),
+        rig.log()
+    );
+    assert_eq!(ran, 0, "a retry took the key over: {what}");
+    assert_eq!(effects.count(), 1, "{what}");
+}
+
+/// The same three mistaken fences with reads that answer: the keeper's retry a tick later keeps
+/// the lease (the control of the test above: its difference is the hanging reads alone).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s4_renewals_fenced_by_mistake_while_reads_answer_keep_the_lease() {
+    let rig = Rig::new(MemoryStore::new());
+    for n in 1..=3 {
+        rig.on("renew", n, Act::Fenced);
+    }
+    let effects = Effects::default();
+    let addr = server(
+        &rig,
+        Route::plain(ms(300)),
+        sleep_then_effect(&effects, ms(1_500), false),
+    )
+    .await;
+    let key = unique("renew-fenced-reads-answer");
+    let k = key.clone();
+    let holder = tokio::spawn(async move { ask(addr, &k).await });
+    tokio::time::sleep(ms(150)).await;
+    let mut probes = Vec::new();
+    for _ in 0..50 {
+        probes.push(ask(addr, &key).await);
+        if effects.count() > 0 {
+            break;
+        }
+        tokio::time::sleep(ms(20)).await;
+    }
+    let first = holder.await.expect("the holder");
+    let what = format!(
+        "holder {first:?}; probes: {}\n  {}",
+        summary(&probes),
+        rig.log()
+    );
+    assert!(probes.iter().all(Answer::in_flight), "{what}");
+    assert_eq!(effects.count(), 1, "{what}");
+}
+
+/// DESIGN §4 ("a worker whose lease was taken over can no longer write") and the brief's
+/// liveness question for d2a35eb and a4e2c8c's held give-back: holder A's renewals fail, its
+/// lease lapses, and B takes the key over on a `Reclaim` route and records its outcome. Then
+/// A's renewals reach the store again (fenced, for real) while every read fails: "unreadable"
+/// counts as "still ours", so A's keeper keeps renewing, and A's fenced release (its handler
+/// answers 503) holds a lease of its own for its give-back. It must stay bounded (no faster
+/// than a keeper tick per hold) and stop once reads answer; B's outcome must stand.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s4_a_lost_lease_whose_reads_fail_is_let_go_once_reads_answer() {
+    let rig = Rig::new(MemoryStore::new());
+    rig.doom(0);
+    let effects = Effects::default();
+    let addr = server(
+        &rig,
+        Route::plain(ms(300)),
+        fail_first(&effects, ms(1_000), StatusCode::SERVICE_UNAVAILABLE),
+    )
+    .await;
+    let key = unique("lost-lease-reads-fail");
+    let k = key.clone();
+    let a = tokio::spawn(async move { ask(addr, &k).await });
+    tokio::time::sleep(ms(500)).await;
+    let b = ask(addr, &key).await;
+    assert!(b.is_live(), "B took over and ran: {b:?}\n  {}", rig.log());
+    let a_token = token_of(&rig, 0);
+    // A's renewals now reach the store, which fences them; reads fail.
+    rig.always("lookup", Act::Fail);
+    rig.doomed.lock().unwrap().clear();
+    let (renew0, look0) = (renewals_of(&rig, a_token), rig.count("lookup"));
+    tokio::time::sleep(ms(2_000)).await;
+    let (renew1, look1) = (renewals_of(&rig, a_token), rig.count("lookup"));
+    let a = a.await.expect("A");
+    assert_eq!(a.status, 503, "{a:?}");
+    let per_s = |n: usize| n as f64 / 2.0;
+    println!(
+        "lost lease, reads failing: {} renewals/s of the lost lease, {} lookups/s, {} stale-token \
+         record/release writes in all",
+        per_s(renew1 - renew0),
+        per_s(look1 - look0),
+        rig.logged("release", &format!(" t={a_token} ")),
+    );
+    rig.always("lookup", Act::Pass);
+    // Pauses grow to 1 s: one more try of each task reads the record and ends it.
+    tokio::time::sleep(ms(1_500)).await;
+    let (renew2, look2) = (renewals_of(&rig, a_token), rig.count("lookup"));
+    tokio::time::sleep(ms(2_500)).await;
+    let (renew3, look3) = (renewals_of(&rig, a_token), rig.count("lookup"));
+    let what = format!(
+        "A-renewals {renew0}->{renew1}->{renew2}->{renew3}, lookups {look0}->{look1}->{look2}->{look3}\n  {}",
+        rig.log()
+    );
+    assert_eq!(
+        (renew3, look3),
+        (renew2, look2),
+        "the lost lease goes on being renewed, or read, once reads answer: {what}"
+    );
+    // No faster than one renewal per keeper tick (50 ms) for each of the (at most two) holds.
+    assert!(renew1 - renew0 <= 2 * 2_000 / 50 + 4, "{what}");
+    let later = ask(addr, &key).await;
+    assert!(
+        later.is_replay_of(&b.body),
+        "B's outcome: {later:?}\n  {what}"
+    );
+    assert_eq!(effects.count(), 1);
+}
+
+// ==== 3. a release fenced by mistake ============================================================
+
+/// DESIGN §4 (a give-back is retried under a renewed lease until it lands; a key a run did
+/// nothing under is never set aside for it), on a reconciling route: every release is answered
+/// `Fenced` though it applies nothing. The handler answered 503 having done nothing. The key
+/// must never run twice nor be set aside, nor resolved; it stays in flight, renewed, while the
+/// give-back tries again (paced), and once the store takes releases again it is given back and
+/// runs once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s4_a_release_fenced_by_mistake_on_every_try_is_given_back_once_the_store_takes_it() {
+    let rig = Rig::new(MemoryStore::new());
+    rig.always("release", Act::Fenced);
+    let effects = Effects::default();
+    let addr = first_503(&rig, Route::plain(ms(300)).reconcile(), &effects).await;
+    let key = unique("release-fenced-for-ever");
+    let first = ask(addr, &key).await;
+    assert_eq!(first.status, 503, "{first:?}");
+    tokio::time::sleep(ms(1_000)).await;
+    let (rel0, look0) = (rig.count("release"), rig.count("lookup"));
+    for _ in 0..6 {
+        tokio::time::sleep(ms(300)).await;
+        let during = ask(addr, &key).await;
+        assert!(during.in_flight(), "{during:?}\n  {}", rig.log());
+    }
+    let (rel1, look1) = (rig.count("release"), rig.count("lookup"));
+    println!(
+        "release fenced for ever: {:.1} releases/s, {:.1} lookups/s (over 1.8 s, after 1 s)",
+        (rel1 - rel0) as f64 / 1.8,
+        (look1 - look0) as f64 / 1.8
+    );
+    assert_eq!(status_of(&rig, &key).await, Some(RecordStatus::InProgress));
+    rig.always("release", Act::Pass);
+    let given =
+        eventually(async || status_of(&rig, &key).await == Some(RecordStatus::Released)).await;
+    assert!(given, "the release lands\n  {}", rig.log());
+    let later = ask(addr, &key).await;
+    assert!(
+        later.is_live() && later.body == "effect 1 attempt 2",
+        "{later:?}\n  {}",
+        rig.log()
+    );
+    let events = events_of(&rig, &key).await;
+    assert!(
+        !events.contains(&HistoryEvent::NeedsReconciliation)
+            && !events.contains(&HistoryEvent::ReconciledNotApplied),
+        "{events:?}"
+    );
+    assert_eq!(effects.count(), 1);
+}
+
+/// DESIGN §4 (`effect_started`: from then on a failure leaves the key `needs_reconciliation`,
+/// never "not applied") against the `InFlight` branch of the set-aside give-back: the run marks
+/// its effect started, makes it, answers 500; its release is answered `Fenced` by mistake twice,
+/// so the give-back reads the record in flight under its token and releases again. The store
+/// then sets the key aside; it must stay "outcome unknown" (never resolved not applied, never
+/// run again), and an operator's resolution stands.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s4_a_release_fenced_by_mistake_after_a_milestone_ends_set_aside_for_an_operator() {
+    let rig = Rig::new(MemoryStore::new());
+    rig.on("release", 1, Act::Fenced);
+    rig.on("release", 2, Act::Fenced);
+    let effects = Effects::default();
+    let e = effects.clone();
+    let h = handler(move |i, ctx| {
+        let effects = e.clone();
+        async move {
+            if ctx.effect_started().await.is_err() {
+                return (StatusCode::SERVICE_UNAVAILABLE, "no milestone".into());
+            }
+            let n = effects.hit();
+            match i {
+                0 => (
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    format!("effect {n}, then"),
+                ),
+                _ => (StatusCode::CREATED, format!("effect {n}")),
+            }
+        }
+    });
+    let addr = server(&rig, Route::plain(ms(300)), h).await;
+    let key = unique("release-fenced-milestone");
+    let first = ask(addr, &key).await;
+    assert_eq!(first.status, 500, "{first:?}");
+    let set_aside =
+        eventually(async || status_of(&rig, &key).await == Some(RecordStatus::NeedsReconciliation))
+            .await;
+    assert!(set_aside, "{}", rig.log());
+    tokio::time::sleep(ms(1_000)).await;
+    let later = ask(addr, &key).await;
+    assert_eq!(
+        later.problem,
+        "outcome-unknown",
+        "{later:?}\n  {}",
+        rig.log()
+    );
+    let events = events_of(&rig, &key).await;
+    assert!(
+        !events.contains(&HistoryEvent::ReconciledNotApplied),
+        "{events:?}"
+    );
+    resolve_by_hand(
+        &*rig.inner,
+        &ScopedKey::new("", &key),
+        Reconciliation::Applied(Box::new(created("operator: applied"))),
+        Duration::from_secs(60),
+        "seen downstream",
+    )
+    .await
+    .expect("resolve");
+    tokio::time::sleep(ms(1_000)).await;
+    let after = ask(addr, &key).await;
+    assert!(after.is_replay_of("operator: applied"), "{after:?}");
+    assert_eq!(effects.count(), 1);
+}
+
+// ==== 4. metrics ===============================================================================
+
+/// DESIGN §6 (store errors, stale writes, leases lost counted apart): a renewal, and a record
+/// write, each answered `Fenced` once by mistake (the record still the holder's). Neither is a
+/// lost lease nor a stale write (the commits call them store errors and keep going): counted as
+/// store errors, no lease lost, no stale write.
+#[tokio::test]
+async fn s6_a_renewal_or_record_fenced_by_mistake_counts_a_store_error_not_a_lost_lease() {
+    let got = |counts: &Counts, name: &str| counts.get(&format!("idempotency_{name}_total"));
+    for kind in ["renew", "complete"] {
+        let counts = Counts::default();
+        let _local = metrics::set_default_local_recorder(&counts);
+        let rig = Rig::new(MemoryStore::new());
+        rig.on(kind, 1, Act::Fenced);
+        let effects = Effects::default();
+        let first_takes = if kind == "renew" { ms(600) } else { ms(0) };
+        let addr = server(
+            &rig,
+            Route::plain(ms(300)),
+            sleep_then_effect(&effects, first_takes, false),
+        )
+        .await;
+        let key = unique("counted-mistaken-fence");
+        let first = ask(addr, &key).await;
+        assert!(first.is_live(), "{kind}: {first:?}");
+        let landed =
+            eventually(async || status_of(&rig, &key).await == Some(RecordStatus::Completed)).await;
+        assert!(landed, "{kind}\n  {}", rig.log());
+        tokio::time::sleep(ms(300)).await;
+        let seen = format!(
+            "{kind}: stale {} lost {} store_errors {} moved {}\n  {}",
+            got(&counts, "stale_writes"),
+            got(&counts, "lease_lost"),
+            got(&counts, "store_errors"),
+            got(&counts, "moved_to_reconciliation"),
+            rig.log()
+        );
+        assert!(rig.logged(kind, "Fenced") == 1, "{seen}");
+        assert_eq!(got(&counts, "stale_writes"), 0, "{seen}");
+        assert!(got(&counts, "store_errors") >= 1, "{seen}");
+        if kind == "renew" {
+            assert_eq!(got(&counts, "lease_lost"), 0, "{seen}");
+        }
+        let later = ask(addr, &key).await;
+        assert!(later.is_replay_of(&first.body), "{kind}: {later:?}");
+        assert_eq!(effects.count(), 1, "{kind}");
+    }
+}
+
+/// DESIGN §6, the same question for a release answered `Fenced` once by mistake (the key still
+/// in flight under the holder's token, given back on the next try): the commits count a record
+/// or renewal fenced by mistake as a store error, so a release fenced by mistake should not
+/// count as a stale write ("the lease was taken over") either. One release, no stale write, at
+/// least one store error. A real takeover (checked after) is a stale write and no release.
+#[tokio::test]
+async fn s6_a_release_fenced_by_mistake_counts_a_store_error_not_a_stale_write() {
+    let got = |counts: &Counts, name: &str| counts.get(&format!("idempotency_{name}_total"));
+
+    // A real takeover first: the old holder's release is a stale write, and no release.
+    let counts = Counts::default();
+    let local = metrics::set_default_local_recorder(&counts);
+    let rig = Rig::new(MemoryStore::new());
+    rig.doom(0);
+    let effects = Effects::default();
+    let addr = server(
+        &rig,
+        Route::plain(ms(300)),
+        fail_first(&effects, ms(700), StatusCode::SERVICE_UNAVAILABLE),
+    )
+    .await;
+    let key = unique("counted-real-fence");
+    let k = key.clone();
+    let a = tokio::spawn(async move { ask(addr, &k).await });
+    tokio::time::sleep(ms(450)).await;
+    let b = ask(addr, &key).await;
+    assert!(b.is_live(), "{b:?}");
+    assert_eq!(a.await.expect("A").status, 503);
+    tokio::time::sleep(ms(500)).await;
+    let real = format!(
+        "real fence: stale {} releases {} store_errors {} lost {}",
+        got(&counts, "stale_writes"),
+        got(&counts, "releases"),
+        got(&counts, "store_errors"),
+        got(&counts, "lease_lost"),
+    );
+    assert!(got(&counts, "stale_writes") >= 1, "{real}");
+    assert_eq!(got(&counts, "releases"), 0, "{real}");
+    drop(local);
+
+    let counts = Counts::default();
+    let _local = metrics::set_default_local_recorder(&counts);
+    let rig = Rig::new(MemoryStore::new());
+    rig.on("release", 1, Act::Fenced);
+    let effects = Effects::default();
+    let addr = first_503(&rig, Route::plain(ms(300)), &effects).await;
+    let key = unique("counted-mistaken-release");
+    let first = ask(addr, &key).await;
+    assert_eq!(first.status, 503, "{first:?}");
+    let given =
+        eventually(async || status_of(&rig, &key).await == Some(RecordStatus::Released)).await;
+    assert!(given, "{}", rig.log());
+    tokio::time::sleep(ms(300)).await;
+    let seen = format!(
+        "{real}\nmistaken fence: stale {} releases {} store_errors {} lost {}\n  {}",
+        got(&counts, "stale_writes"),
+        got(&counts, "releases"),
+        got(&counts, "store_errors"),
+        got(&counts, "lease_lost"),
+        rig.log()
+    );
+    assert_eq!(got(&counts, "releases"), 1, "{seen}");
+    assert_eq!(got(&counts, "lease_lost"), 0, "{seen}");
+    assert_eq!(
+        got(&counts, "stale_writes"),
+        0,
+        "a release fenced by mistake is counted as a stale write (a takeover), unlike a \
+         record or a renewal fenced by mistake: {seen}"
+    );
+    assert!(got(&counts, "store_errors") >= 1, "{seen}");
+    assert_eq!(effects.count(), 0);
+}
+
+// ==== 5. real stores ===========================================================================
+
+fn claim_of(key: &ScopedKey, lease: Duration, expiry: LeaseExpiry) -> ClaimRequest {
+    ClaimRequest {
+        key: key.clone(),
+        fingerprint: Fingerprint::from_bytes([7; 32]),
+        lease,
+        ttl: Duration::from_secs(60),
+        on_lease_expiry: expiry,
+    }
+}
+
+fn acquired(claim: Result<Claim, StoreError>, what: &str) -> FencingToken {
+    match claim {
+        Ok(Claim::Acquired(lease)) => lease.token,
+        other => panic!("{what}: expected to acquire, got {other:?}"),
+    }
+}
+
+/// What the layer concludes from a read after a fenced answer: the record is still `token`'s
+/// (in progress, or for a record write also set aside).
+async fn reads_as_ours<S: IdempotencyStore>(
+    store: &S,
+    key: &ScopedKey,
+    token: FencingToken,
+    set_aside_too: bool,
+) -> Option<RecordStatus> {
+    let record = store.lookup(key).await.expect("lookup")?;
+    let ours = record.lease_token == token
+        && (record.status == RecordStatus::InProgress
+            || (set_aside_too && record.status == RecordStatus::NeedsReconciliation));
+    ours.then_some(record.status)
+}
+
+/// Every way a real store answers `Fenced` to a holder's write, checked against what a read
+/// then says: a fence the read contradicts would make the layer try again, for ever. Returns
+/// what contradicted.
+async fn fences_agree_with_reads<S: IdempotencyStore>(name: &str, store: Arc<S>) -> Vec<String> {
+    let mut bad = Vec::new();
+    let short = ms(150);
+    let answer = created("recorded");
+
+    // Taken over: every write of the old holder is fenced, and a read says so.
+    let key = ScopedKey::new("", unique("fence-takeover"));
+    let a = acquired(
+        store
+            .claim(&claim_of(&key, short, LeaseExpiry::Reclaim))
+            .await,
+        name,
+    );
+    tokio::time::sleep(ms(400)).await;
+    let b = acquired(
+        store
+            .claim(&claim_of(&key, short, LeaseExpiry::Reclaim))
+            .await,
+        name,
+    );
+    assert_ne!(a, b, "{name}");
+    let renew = store.renew(&key, a, short).await.map(|_| ());
+    let complete = store.complete(&key, a, &answer, short).await;
+    let release = store.release(&key, a).await.map(|_| ());
+    let uncertain = store.mark_uncertain(&key, a).await;
+    for (op, result) in [
+        ("renew", renew),
+        ("complete", complete),
+        ("release", release),
+        ("mark_uncertain", uncertain),
+    ] {
+        if !matches!(result, Err(StoreError::Fenced)) {
+            bad.push(format!(
+                "{name}: taken over, the old {op} answered {result:?}"
+            ));
+        }
+        if let Some(status) = reads_as_ours(&*store, &key, a, op == "complete").await {
+            bad.push(format!(
+                "{name}: taken over, after {op} a read says {status:?} under the old token"
+            ));
+        }
+    }
+
+    // Set aside under the holder's token (its lease ran out on a reconciling route): its
+    // renewal and release are fenced (the keeper then reads "not in flight" and stops), and its
+    // record write is taken (else the recorder, reading "set aside under my token", would loop).
+    let key = ScopedKey::new("", unique("fence-set-aside"));
+    let a = acquired(
+        store
+            .claim(&claim_of(&key, short, LeaseExpiry::Reconcile))
+            .await,
+        name,
+    );
+    tokio::time::sleep(ms(400)).await;
+    let again = store
+        .claim(&claim_of(&key, short, LeaseExpiry::Reconcile))
+        .await;
+    assert!(
+        matches!(again, Ok(Claim::Existing { .. })),
+        "{name}: {again:?}"
+    );
+    let renew = store.renew(&key, a, short).await;
+    if !matches!(renew, Err(StoreError::Fenced)) {
+        bad.push(format!("{name}: set aside, renew answered {renew:?}"));
+    }
+    if let Some(status) = reads_as_ours(&*store, &key, a, false).await {
+        bad.push(format!(
+            "{name}: set aside, the keeper's read says {status:?}"
+        ));
+    }
+    let complete = store
+        .complete(&key, a, &answer, Duration::from_secs(60))
+        .await;
+    if complete.is_err() {
+        bad.push(format!(
+            "{name}: set aside, the holder's record answered {complete:?}"
+        ));
+    }
+
+    // Live holders under concurrency (a batching store batches these): each key renewed and
+    // recorded twice at once by its own holder. A fenced answer whose read says the record is
+    // still in progress under the token would make the layer loop.
+    let keys: Vec<ScopedKey> = (0..32)
+        .map(|i| ScopedKey::new("", unique(&format!("fence-live-{i}"))))
+        .collect();
+    let mut tasks = Vec::new();
+    for key in &keys {
+        let (store, key) = (store.clone(), key.clone());
+        tasks.push(tokio::spawn(async move {
+            let lease = Duration::from_secs(30);
+            let token = acquired(
+                store
+                    .claim(&claim_of(&key, lease, LeaseExpiry::Reclaim))
+                    .await,
+                "live",
+            );
+            let answer = created("live");
+            let (r, c1, c2) = tokio::join!(
+                store.renew(&key, token, lease),
+                store.complete(&key, token, &answer, lease),
+                store.complete(&key, token, &answer, lease),
+            );
+            (key, token, [r.map(|_| ()), c1, c2])
+        }));
+    }
+    let mut fenced_own = 0;
+    for task in tasks {
+        let (key, token, results) = task.await.expect("a live holder");
+        for (i, result) in results.iter().enumerate() {
+            match result {
+                Err(StoreError::Fenced) => {
+                    if i > 0 {
+                        fenced_own += 1;
+                    }
+                    if let Some(status) = reads_as_ours(&*store, &key, token, i > 0).await {
+                        bad.push(format!(
+                            "{name}: live, op {i} fenced while a read says {status:?} under the token"
+                        ));
+                    }
+                }
+                Err(error) => bad.push(format!("{name}: live, op {i} failed: {error}")),
+                Ok(()) => {}
+            }
+        }
+    }
+    println!("{name}: {fenced_own} of 64 own record writes answered Fenced under concurrency");
+    bad
+}
+
+/// DESIGN §5 (one behaviour for every backend) against the commits' assumption that a
+/// conforming store's fence is confirmed by a read: MemoryStore, SqliteStore and PostgresStore
+/// (alone and batching), RedisStore. A fenced renewal, record or release whose read shows the
+/// record still in flight (or, for a record, set aside) under the same token would make the
+/// keeper renew, or the recorder and give-back write, for ever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s5_no_real_store_fences_a_write_a_read_then_says_is_still_the_holders() {
+    let mut bad = Vec::new();
+    bad.extend(fences_agree_with_reads("memory", Arc::new(MemoryStore::new())).await);
+    let (sqlite, _path) = common::sqlite("fenced-review").await;
+    bad.extend(fences_agree_with_reads("sqlite", Arc::new(sqlite.clone())).await);
+    let batched = sqlite.with_batching(Batching::default());
+    bad.extend(fences_agree_with_reads("sqlite batched", Arc::new(batched)).await);
+    if let Some(pg) = common::postgres("fenced_review").await {
+        bad.extend(fences_agree_with_reads("postgres", Arc::new(pg.clone())).await);
+        let batched = pg.with_batching(Batching::default());
+        bad.extend(fences_agree_with_reads("postgres batched", Arc::new(batched)).await);
+    }
+    if let Some(redis) = common::redis("fenced-review").await {
+        bad.extend(fences_agree_with_reads("redis", Arc::new(redis)).await);
+    }
+    assert!(bad.is_empty(), "{}", bad.join("\n"));
+}
