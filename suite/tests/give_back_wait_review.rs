@@ -61,12 +61,7 @@ async fn s4_a_release_retry_that_hangs_never_holds_the_key_for_ever() {
     rig.on("release", 1, Act::Fail);
     rig.on("release", 2, Act::Hang);
     let effects = Effects::default();
-    let addr = server(
-        &rig,
-        Route::plain(ms(400)),
-        fail_first(&effects, Duration::ZERO, StatusCode::SERVICE_UNAVAILABLE),
-    )
-    .await;
+    let addr = first_503(&rig, Route::plain(ms(400)), &effects).await;
     let key = unique("release-hangs");
     let first = ask(addr, &key).await;
     assert_eq!(first.status, 503, "{first:?}");
@@ -132,12 +127,7 @@ async fn s4_a_release_failing_for_longer_than_a_lease_is_still_given_back_on_rec
     let lease = ms(600);
     rig.fail_for("release", ms(1_800));
     let effects = Effects::default();
-    let addr = server(
-        &rig,
-        Route::plain(lease).reconcile(),
-        fail_first(&effects, Duration::ZERO, StatusCode::SERVICE_UNAVAILABLE),
-    )
-    .await;
+    let addr = first_503(&rig, Route::plain(lease).reconcile(), &effects).await;
     let key = unique("release-long-outage");
     let first = ask(addr, &key).await;
     assert_eq!(first.status, 503, "{first:?}");
@@ -170,12 +160,7 @@ async fn s4_a_release_retry_that_lands_stops_renewing() {
     rig.on("release", 1, Act::Fail);
     rig.on("release", 2, Act::Fail);
     let effects = Effects::default();
-    let addr = server(
-        &rig,
-        Route::plain(ms(450)),
-        fail_first(&effects, Duration::ZERO, StatusCode::SERVICE_UNAVAILABLE),
-    )
-    .await;
+    let addr = first_503(&rig, Route::plain(ms(450)), &effects).await;
     let key = unique("release-lands");
     assert_eq!(ask(addr, &key).await.status, 503);
     assert!(
@@ -218,12 +203,7 @@ async fn s4_a_release_refused_for_leases_keeps_the_key_held_until_it_lands() {
     let rig = Rig::new(MemoryStore::new());
     rig.fail_for("release", ms(2_250));
     let effects = Effects::default();
-    let addr = server(
-        &rig,
-        Route::plain(ms(450)),
-        fail_first(&effects, Duration::ZERO, StatusCode::SERVICE_UNAVAILABLE),
-    )
-    .await;
+    let addr = first_503(&rig, Route::plain(ms(450)), &effects).await;
     let key = unique("release-refused");
     assert_eq!(ask(addr, &key).await.status, 503);
     // Two leases into the outage: still held, still renewed.
@@ -428,12 +408,7 @@ async fn s3_a_failed_release_after_a_503_is_retried<S: IdempotencyStore>(store: 
     let rig = Rig::new(store);
     rig.on("release", 1, Act::Fail);
     let effects = Effects::default();
-    let addr = server(
-        &rig,
-        Route::plain(ms(600)).reconcile(),
-        fail_first(&effects, Duration::ZERO, StatusCode::SERVICE_UNAVAILABLE),
-    )
-    .await;
+    let addr = first_503(&rig, Route::plain(ms(600)).reconcile(), &effects).await;
     let key = unique(&format!("release-once-{name}"));
     assert_eq!(ask(addr, &key).await.status, 503, "{name}");
     assert!(
@@ -785,12 +760,7 @@ fn s4_a_runtime_shut_down_during_a_release_retry_is_quiet_and_the_key_comes_back
     let rig = Rig::over(store.clone());
     rig.always("release", Act::Fail);
     first_runtime.block_on(async {
-        let addr = server(
-            &rig,
-            Route::plain(ms(400)),
-            fail_first(&effects, Duration::ZERO, StatusCode::SERVICE_UNAVAILABLE),
-        )
-        .await;
+        let addr = first_503(&rig, Route::plain(ms(400)), &effects).await;
         assert_eq!(ask(addr, &key).await.status, 503);
         assert!(eventually(async || rig.count("release") >= 3).await);
     });

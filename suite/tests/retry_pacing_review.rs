@@ -191,12 +191,7 @@ async fn s4_a_spuriously_fenced_release_of_a_key_still_in_flight_gives_it_back()
     let rig = Rig::new(MemoryStore::new());
     rig.on("release", 1, Act::Fenced);
     let effects = Effects::default();
-    let addr = server(
-        &rig,
-        Route::plain(ms(300)).reconcile(),
-        fail_first(&effects, Duration::ZERO, StatusCode::SERVICE_UNAVAILABLE),
-    )
-    .await;
+    let addr = first_503(&rig, Route::plain(ms(300)).reconcile(), &effects).await;
     let key = unique("spurious-fenced-release");
     let first = ask(addr, &key).await;
     assert_eq!(first.status, 503, "{first:?}");
@@ -277,12 +272,7 @@ async fn s4_a_release_that_always_hangs_keeps_the_key_in_flight_renewed_until_it
     let rig = Rig::new(MemoryStore::new());
     rig.always("release", Act::Hang);
     let effects = Effects::default();
-    let addr = server(
-        &rig,
-        Route::plain(ms(300)).reconcile(),
-        fail_first(&effects, Duration::ZERO, StatusCode::SERVICE_UNAVAILABLE),
-    )
-    .await;
+    let addr = first_503(&rig, Route::plain(ms(300)).reconcile(), &effects).await;
     let key = unique("release-hangs");
     let first = ask(addr, &key).await;
     assert_eq!(first.status, 503, "{first:?}");

@@ -86,12 +86,7 @@ async fn s4_a_set_aside_give_back_whose_read_fails_once_is_tried_again() {
     rig.always("release", Act::Fail);
     rig.always("renew", Act::Fail);
     let effects = Effects::default();
-    let addr = server(
-        &rig,
-        Route::plain(ms(300)).reconcile(),
-        fail_first(&effects, Duration::ZERO, StatusCode::SERVICE_UNAVAILABLE),
-    )
-    .await;
+    let addr = first_503(&rig, Route::plain(ms(300)).reconcile(), &effects).await;
     let key = unique("set-aside-read-fails");
     let during = set_aside_after_a_503(&rig, addr, &key).await;
     assert_eq!(during.problem, "outcome-unknown", "{during:?}");
@@ -360,12 +355,7 @@ async fn s4_an_operators_resolution_between_the_read_and_the_resolve_stands() {
     rig.always("release", Act::Fail);
     rig.always("renew", Act::Fail);
     let effects = Effects::default();
-    let addr = server(
-        &rig,
-        Route::plain(ms(300)).reconcile(),
-        fail_first(&effects, Duration::ZERO, StatusCode::SERVICE_UNAVAILABLE),
-    )
-    .await;
+    let addr = first_503(&rig, Route::plain(ms(300)).reconcile(), &effects).await;
     let key = unique("operator-races-holder");
     let during = set_aside_after_a_503(&rig, addr, &key).await;
     assert_eq!(during.problem, "outcome-unknown", "{during:?}");
@@ -420,12 +410,7 @@ async fn s4_a_reclaim_takeover_is_never_given_back_by_the_old_holder() {
     rig.always("release", Act::Fail);
     rig.always("renew", Act::Fail);
     let effects = Effects::default();
-    let addr = server(
-        &rig,
-        Route::plain(ms(300)),
-        fail_first(&effects, Duration::ZERO, StatusCode::SERVICE_UNAVAILABLE),
-    )
-    .await;
+    let addr = first_503(&rig, Route::plain(ms(300)), &effects).await;
     let key = unique("reclaim-old-holder");
     let during = set_aside_after_a_503(&rig, addr, &key).await;
     assert!(
@@ -463,12 +448,7 @@ async fn s6_the_holders_give_back_is_in_the_keys_history() {
     rig.always("release", Act::Fail);
     rig.always("renew", Act::Fail);
     let effects = Effects::default();
-    let addr = server(
-        &rig,
-        Route::plain(ms(300)).reconcile(),
-        fail_first(&effects, Duration::ZERO, StatusCode::SERVICE_UNAVAILABLE),
-    )
-    .await;
+    let addr = first_503(&rig, Route::plain(ms(300)).reconcile(), &effects).await;
     let key = unique("give-back-history");
     let releases = counts.get("idempotency_releases_total");
     let during = set_aside_after_a_503(&rig, addr, &key).await;
@@ -520,12 +500,7 @@ async fn give_backs_on<S: IdempotencyStore>(what: &str, store: S) {
     rig.always("release", Act::Fail);
     rig.always("renew", Act::Fail);
     let effects = Effects::default();
-    let addr = server(
-        &rig,
-        Route::plain(ms(400)).reconcile(),
-        fail_first(&effects, Duration::ZERO, StatusCode::SERVICE_UNAVAILABLE),
-    )
-    .await;
+    let addr = first_503(&rig, Route::plain(ms(400)).reconcile(), &effects).await;
     let key = unique("durable-release-give-back");
     let first = ask(addr, &key).await;
     assert_eq!(first.status, 503, "{what}: {first:?}");

@@ -457,12 +457,7 @@ async fn s4_a_release_fenced_by_a_set_aside_gives_the_key_back() {
     rig.always("release", Act::Busy);
     rig.always("renew", Act::Busy);
     let effects = Effects::default();
-    let addr = server(
-        &rig,
-        Route::plain(ms(300)).reconcile(),
-        fail_first(&effects, Duration::ZERO, StatusCode::SERVICE_UNAVAILABLE),
-    )
-    .await;
+    let addr = first_503(&rig, Route::plain(ms(300)).reconcile(), &effects).await;
     let key = unique("release-busy-lapse");
     let first = ask(addr, &key).await;
     assert_eq!(first.status, 503, "{first:?}");
@@ -775,12 +770,7 @@ async fn s3_a_first_release_that_hangs_is_given_up_and_tried_again() {
     let rig = Rig::new(MemoryStore::new());
     rig.on("release", 1, Act::Hang);
     let effects = Effects::default();
-    let addr = server(
-        &rig,
-        Route::plain(ms(300)),
-        fail_first(&effects, Duration::ZERO, StatusCode::SERVICE_UNAVAILABLE),
-    )
-    .await;
+    let addr = first_503(&rig, Route::plain(ms(300)), &effects).await;
     let key = unique("first-release-hangs");
     let first = ask(addr, &key).await;
     assert_eq!(first.status, 503, "{first:?}\n  {}", rig.log());

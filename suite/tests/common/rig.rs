@@ -664,6 +664,17 @@ pub fn sleep_then_effect(effects: &Effects, first: Duration, milestone: bool) ->
 
 /// Call 0 works `first`, then fails with `status` having done nothing; later calls make the
 /// effect.
+/// A server on `r` whose first call answers 503 at once, having done nothing (nothing to
+/// record under `DefinitiveOnly`: the key is given back); later calls make the effect.
+pub async fn first_503<S: IdempotencyStore>(
+    rig: &Arc<Rig<S>>,
+    r: Route,
+    effects: &Effects,
+) -> SocketAddr {
+    let h = fail_first(effects, Duration::ZERO, StatusCode::SERVICE_UNAVAILABLE);
+    server(rig, r, h).await
+}
+
 pub fn fail_first(effects: &Effects, first: Duration, status: StatusCode) -> Handler {
     let effects = effects.clone();
     handler(move |i, ctx| {
