@@ -127,7 +127,8 @@ pub(super) async fn give_back_paced<St: IdempotencyStore>(
 /// operator's or a reconciler's resolution that came first stands. Tried again while the store
 /// fails (a key set aside has no lease to bound it), until the record is given back or is no
 /// longer this holder's to give; whether it gave the key back. A key found still in flight
-/// under the token (the store fenced by mistake) is released instead, until its lease runs out.
+/// under the token (the store fenced by mistake) is released instead: until a release lands,
+/// or, where nothing renews the lease, until it runs out and the next claim decides.
 pub(crate) async fn give_back_set_aside<St: IdempotencyStore>(
     store: &St,
     key: &ScopedKey,
