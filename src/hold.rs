@@ -60,8 +60,11 @@ struct Held {
     /// while this handler still runs. At most [`OUTSTANDING`], so a store that hangs every
     /// call is not sent more and more.
     renewing: u8,
-    /// A renewal was fenced out: nothing to keep.
+    /// A renewal was fenced out, and a read showed it no mistake: nothing to keep.
     lost: bool,
+    /// A read is under way of whether a fenced renewal was a mistake (see [`renew`]): one at a
+    /// time, so a store whose reads hang is not sent more and more.
+    reading: bool,
 }
 
 /// The most renewals of one lease under way at once.
@@ -122,6 +125,7 @@ impl<St: IdempotencyStore> Keeper<St> {
             due: since.unwrap_or_else(Instant::now) + lease / 3,
             renewing: 0,
             lost: false,
+            reading: false,
         };
         let mut slots = lock(&self.shared.slots);
         let slot = match slots.free.pop() {
@@ -269,64 +273,91 @@ async fn renew<St: IdempotencyStore>(
     // a lease given up then would lapse under a running handler, for a retry to take over.
     // The read may take a while: the next renewal does not wait for it.
     let fenced = matches!(result, Err(StoreError::Fenced));
-    if !settle(&shared, slot, &key, token, |held| {
+    let mut read = false;
+    settle(&shared, slot, &key, token, |held| {
         held.renewing = held.renewing.saturating_sub(1);
         if result.is_err() {
             held.due = held.due.min(Instant::now() + tick);
         }
-    }) || !fenced
-    {
+        read = fenced && !held.lost && !std::mem::replace(&mut held.reading, true);
+    });
+    if !read {
         return;
     }
-    if still_in_flight(&*shared.store, &key, token, lease).await {
-        observe::count(Event::StoreError);
-        tracing::warn!("a renewal was fenced, yet the record is in flight under this lease");
-        return;
-    }
-    // Taken over, settled, or marked uncertain by its own holder: nothing to keep. Whatever
-    // an earlier renewal says when it comes back, a lost lease stays lost.
-    if settle(&shared, slot, &key, token, |held| held.lost = true) {
-        observe::count(Event::LeaseLost);
-        tracing::warn!(
-            key = key.key(),
-            "lease lost while held; no longer renewing it"
-        );
+    let seen = seen(&*shared.store, &key, token, lease).await;
+    let mut lost = false;
+    settle(&shared, slot, &key, token, |held| {
+        held.reading = false;
+        if seen != Seen::InFlight {
+            lost = !std::mem::replace(&mut held.lost, true);
+        }
+    });
+    match seen {
+        Seen::InFlight => {
+            observe::count(Event::StoreError);
+            tracing::warn!("a renewal was fenced, yet the record is in flight under this lease");
+        }
+        // Taken over, or set aside: counted once. Whatever an earlier renewal says when it
+        // comes back, a lost lease stays lost.
+        Seen::Lost if lost => {
+            observe::count(Event::LeaseLost);
+            tracing::warn!(
+                key = key.key(),
+                "lease lost while held; no longer renewing it"
+            );
+        }
+        // Settled by its own holder (recorded, given back) while a renewal was on its way.
+        Seen::Lost | Seen::Settled => {}
     }
 }
 
 /// Applies `f` to the slot if it still holds `key` under `token` (it may have been given
-/// back, or taken by another hold, meanwhile); whether it did.
+/// back, or taken by another hold, meanwhile).
 fn settle<St>(
     shared: &Shared<St>,
     slot: usize,
     key: &ScopedKey,
     token: FencingToken,
     f: impl FnOnce(&mut Held),
-) -> bool {
+) {
     let mut slots = lock(&shared.slots);
-    match slots.held.get_mut(slot) {
-        Some(Some(held)) if held.token == token && held.key == *key => {
-            f(held);
-            true
-        }
-        _ => false,
+    if let Some(Some(held)) = slots.held.get_mut(slot)
+        && held.token == token
+        && held.key == *key
+    {
+        f(held);
     }
 }
 
-/// Whether the record of `key` may still be in progress under `token`: a read bounded by half
-/// the lease says so, or fails and cannot say otherwise (the next renewal asks again).
-async fn still_in_flight<St: IdempotencyStore>(
+/// What a read after a fenced renewal shows.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Seen {
+    /// Still in progress under the hold's token (the fence was a mistake), or the read failed
+    /// and cannot say otherwise: the next fenced renewal asks again.
+    InFlight,
+    /// Taken over (another token), or set aside for reconciliation.
+    Lost,
+    /// Settled under the hold's own token (recorded, given back) or gone.
+    Settled,
+}
+
+/// Reads the record of `key` after a renewal under `token` was fenced. Off the renewals' path,
+/// one at a time per hold, so the read may take as long as two leases.
+async fn seen<St: IdempotencyStore>(
     store: &St,
     key: &ScopedKey,
     token: FencingToken,
     lease: Duration,
-) -> bool {
-    match crate::bounded::bounded(lease / 2, store.lookup(key)).await {
-        Ok(Some(record)) => {
-            record.lease_token == token && record.status == crate::store::RecordStatus::InProgress
-        }
-        Ok(None) => false,
-        Err(_) => true,
+) -> Seen {
+    match crate::bounded::bounded(lease.saturating_mul(2), store.lookup(key)).await {
+        Ok(Some(record)) if record.lease_token != token => Seen::Lost,
+        Ok(Some(record)) => match record.status {
+            crate::store::RecordStatus::InProgress => Seen::InFlight,
+            crate::store::RecordStatus::NeedsReconciliation => Seen::Lost,
+            _ => Seen::Settled,
+        },
+        Ok(None) => Seen::Settled,
+        Err(_) => Seen::InFlight,
     }
 }
 

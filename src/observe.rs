@@ -19,7 +19,7 @@
 //! | `idempotency_oldest_uncertain_seconds` (gauge) | how long the oldest of them has waited since it last changed (0 when none) |
 //! | `idempotency_reconcile_failures_total` | records whose reconciliation failed (the reconciler panicked or timed out, or the store refused the resolution) |
 //! | `idempotency_unreadable_records_total` | uncertain records the sweeper could not read (corrupt rows, skipped and kept) |
-//! | `idempotency_lease_lost_total` | holders that lost their lease while running |
+//! | `idempotency_lease_lost_total` | holders that lost their lease while running (taken over, or set aside), once per holder |
 //! | `idempotency_stale_writes_total` | writes refused because the writer's lease was taken over |
 
 /// Declares the events, each with its counter's name, in one list: the enum, every event, and
