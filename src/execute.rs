@@ -37,6 +37,7 @@ use crate::store::{
     StoredResponse,
 };
 use crate::unwind::CatchUnwind;
+use crate::whose::{Whose, whose};
 use crate::window::Timing;
 
 mod give_back;
@@ -811,7 +812,6 @@ impl<St: IdempotencyStore> Execution<St> {
             observe::count(Event::MovedToReconciliation);
         }
         let recorder = Recorder {
-            hold: self.hold(),
             store: store.clone(),
             key: self.key.clone(),
             token: self.lease.token,
@@ -819,10 +819,7 @@ impl<St: IdempotencyStore> Execution<St> {
             ttl: self.route.ttl,
             retry,
         };
-        // Without a runtime (shutting down) the record stays as the store has it.
-        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-            runtime.spawn(recorder.run().in_current_span());
-        }
+        self.held_while(recorder.run());
     }
 
     /// Gives the key back; the store keeps it for reconciliation instead if the effect had
@@ -855,17 +852,11 @@ impl<St: IdempotencyStore> Execution<St> {
     /// though the handler's outcome said a retry may run it again. Retries meanwhile find the
     /// key in flight.
     fn release_later(&self, mut retry: Retry) {
-        let hold = self.hold();
         let (store, key, token) = (self.store().clone(), self.key.clone(), self.lease.token);
-        // Without a runtime (shutting down) the lease simply runs out instead.
-        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-            let again = async move {
-                retry.pause(Duration::MAX).await;
-                give_back_paced(&*store, &key, token, retry, Until::Lands, "the key").await;
-                drop(hold);
-            };
-            runtime.spawn(again.in_current_span());
-        }
+        self.held_while(async move {
+            retry.pause(Duration::MAX).await;
+            give_back_paced(&*store, &key, token, retry, Until::Lands, "the key").await;
+        });
     }
 
     /// After a fenced release: gives the key back on a task of its own if it was only set
@@ -873,14 +864,24 @@ impl<St: IdempotencyStore> Execution<St> {
     /// case the store fenced by mistake and the key is still this holder's: it is then given
     /// back as a failed release is, not left in flight.
     fn give_back_set_aside_later(&self, retry: Retry) {
-        let hold = self.hold();
         let (store, key, token) = (self.store().clone(), self.key.clone(), self.lease.token);
+        self.held_while(async move {
+            give_back_set_aside_paced(&*store, &key, token, retry, TakenOver::Counted).await;
+        });
+    }
+
+    /// Runs `work` (a write after the run, tried until it settles) on a task of its own, in
+    /// this request's span, with the lease kept renewed until it ends. Without a runtime
+    /// (shutting down) nothing runs: the lease runs out, and the record stays as the store has
+    /// it.
+    fn held_while(&self, work: impl Future<Output = ()> + Send + 'static) {
+        let hold = self.hold();
         if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-            let give = async move {
-                give_back_set_aside_paced(&*store, &key, token, retry, TakenOver::Counted).await;
+            let held = async move {
+                work.await;
                 drop(hold);
             };
-            runtime.spawn(give.in_current_span());
+            runtime.spawn(held.in_current_span());
         }
     }
 }
@@ -902,32 +903,22 @@ fn settle(result: Result<(), StoreError>, what: &str) {
 }
 
 /// After a write was fenced: whether the record is, all the same, still this holder's to
-/// record (in flight or set aside under its token). A store keeping the trait's word never
-/// says so; one that fenced by mistake (or a proxy that did) must not have an effect's outcome
-/// dropped, and the key run again after its lease. A read that fails says nothing: the write is
-/// tried again, and a fenced one read again.
+/// record (in flight or set aside under its token; see [`crate::whose`]). A read that fails
+/// says nothing: the write is tried again, and a fenced one read again.
 async fn still_ours<St: IdempotencyStore>(
     store: &St,
     key: &ScopedKey,
     token: FencingToken,
     each: Duration,
 ) -> bool {
-    match bounded(each, store.lookup(key)).await {
-        Ok(Some(record)) => {
-            record.lease_token == token
-                && matches!(
-                    record.status,
-                    RecordStatus::InProgress | RecordStatus::NeedsReconciliation
-                )
-        }
-        Ok(None) => false,
-        Err(_) => true,
-    }
+    whose(store, key, token, each)
+        .await
+        .map_or(true, Whose::ours)
 }
 
-/// Retries a failed record until it lands, holding the lease meanwhile.
+/// Retries a failed record until it lands (run with the lease held: see
+/// [`Execution::held_while`]).
 struct Recorder<St> {
-    hold: Hold<St>,
     store: Arc<St>,
     key: ScopedKey,
     token: FencingToken,
@@ -960,7 +951,6 @@ impl<St: IdempotencyStore> Recorder<St> {
                 Err(_) => observe::count(Event::StoreError),
             }
         }
-        drop(self.hold);
     }
 }
 

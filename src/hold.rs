@@ -19,6 +19,7 @@ use tokio::time::Instant;
 
 use crate::observe::{self, Event};
 use crate::store::{FencingToken, IdempotencyStore, ScopedKey, StoreError};
+use crate::whose::{Whose, whose};
 
 /// The keeper never sleeps longer than this, nor shorter than [`MIN_TICK`].
 const MAX_TICK: Duration = Duration::from_secs(1);
@@ -284,22 +285,30 @@ async fn renew<St: IdempotencyStore>(
     if !read {
         return;
     }
-    let seen = seen(&*shared.store, &key, token, lease).await;
-    let mut lost = false;
+    // Off the renewals' path, one at a time per hold: the read may take as long as two leases.
+    let read = whose(&*shared.store, &key, token, lease.saturating_mul(2)).await;
+    // `None`: still in flight (the fence was a mistake), or the read failed and cannot say
+    // otherwise, so the next fenced renewal asks again. `Some(lost)`: nothing to keep.
+    let over = match read {
+        Ok(Whose::InFlight { .. }) | Err(_) => None,
+        Ok(Whose::Theirs | Whose::SetAside { .. }) => Some(true),
+        Ok(Whose::Settled) => Some(false),
+    };
+    let mut first = false;
     settle(&shared, slot, &key, token, |held| {
         held.reading = false;
-        if seen != Seen::InFlight {
-            lost = !std::mem::replace(&mut held.lost, true);
+        if over.is_some() {
+            first = !std::mem::replace(&mut held.lost, true);
         }
     });
-    match seen {
-        Seen::InFlight => {
+    match over {
+        None => {
             observe::count(Event::StoreError);
             tracing::warn!("a renewal was fenced, yet the record is in flight under this lease");
         }
         // Taken over, or set aside: counted once. Whatever an earlier renewal says when it
         // comes back, a lost lease stays lost.
-        Seen::Lost if lost => {
+        Some(true) if first => {
             observe::count(Event::LeaseLost);
             tracing::warn!(
                 key = key.key(),
@@ -307,7 +316,7 @@ async fn renew<St: IdempotencyStore>(
             );
         }
         // Settled by its own holder (recorded, given back) while a renewal was on its way.
-        Seen::Lost | Seen::Settled => {}
+        Some(_) => {}
     }
 }
 
@@ -326,38 +335,6 @@ fn settle<St>(
         && held.key == *key
     {
         f(held);
-    }
-}
-
-/// What a read after a fenced renewal shows.
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum Seen {
-    /// Still in progress under the hold's token (the fence was a mistake), or the read failed
-    /// and cannot say otherwise: the next fenced renewal asks again.
-    InFlight,
-    /// Taken over (another token), or set aside for reconciliation.
-    Lost,
-    /// Settled under the hold's own token (recorded, given back) or gone.
-    Settled,
-}
-
-/// Reads the record of `key` after a renewal under `token` was fenced. Off the renewals' path,
-/// one at a time per hold, so the read may take as long as two leases.
-async fn seen<St: IdempotencyStore>(
-    store: &St,
-    key: &ScopedKey,
-    token: FencingToken,
-    lease: Duration,
-) -> Seen {
-    match crate::bounded::bounded(lease.saturating_mul(2), store.lookup(key)).await {
-        Ok(Some(record)) if record.lease_token != token => Seen::Lost,
-        Ok(Some(record)) => match record.status {
-            crate::store::RecordStatus::InProgress => Seen::InFlight,
-            crate::store::RecordStatus::NeedsReconciliation => Seen::Lost,
-            _ => Seen::Settled,
-        },
-        Ok(None) => Seen::Settled,
-        Err(_) => Seen::InFlight,
     }
 }
 

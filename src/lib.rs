@@ -133,6 +133,7 @@ mod settings;
 pub mod store;
 mod unwind;
 mod uri;
+mod whose;
 mod window;
 mod window_document;
 mod woken;

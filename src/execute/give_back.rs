@@ -5,7 +5,7 @@
 //! which knows that nothing it ran may not be run again.
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use crate::bounded::bounded;
 use crate::observe::{self, Event};
@@ -14,6 +14,7 @@ use crate::store::{
 };
 
 use super::retry::Retry;
+use crate::whose::{Whose, whose};
 
 /// Releases a claim whose execution was dropped while its handler ran (routes that cancel on
 /// disconnect), disarmed once the handler has answered; or a late claim dropped, or not
@@ -207,27 +208,21 @@ async fn set_aside_once<St: IdempotencyStore>(
     lease: Duration,
     each: Duration,
 ) -> Result<Found, StoreError> {
-    let Some(record) = bounded(each, store.lookup(key)).await? else {
-        return Ok(Found::Settled(false));
+    let expires_at = match whose(store, key, token, each).await? {
+        // Once its lease has run out (nothing renews it), the next claim decides, as after a
+        // crash; which, on a route that reconciles, sets it aside for the next read here.
+        Whose::InFlight { lease_until } if lease_until > SystemTime::now() => {
+            return Ok(Found::InFlight);
+        }
+        Whose::SetAside {
+            effect_started: false,
+            expires_at,
+        } => expires_at,
+        _ => return Ok(Found::Settled(false)),
     };
-    if record.lease_token != token {
-        return Ok(Found::Settled(false));
-    }
-    // Once its lease has run out (nothing renews it), the next claim decides, as after a
-    // crash; which, on a route that reconciles, sets it aside for the next read here.
-    if record.status == RecordStatus::InProgress {
-        return Ok(match record.lease_until > std::time::SystemTime::now() {
-            true => Found::InFlight,
-            false => Found::Settled(false),
-        });
-    }
-    if record.status != RecordStatus::NeedsReconciliation || record.effect_started {
-        return Ok(Found::Settled(false));
-    }
     // A released record keeps the expiry it had.
-    let ttl = record
-        .expires_at
-        .duration_since(std::time::SystemTime::now())
+    let ttl = expires_at
+        .duration_since(SystemTime::now())
         .unwrap_or_default()
         .max(lease);
     let note = "given back by its holder: set aside after its lease ran out, no effect started";
