@@ -28,46 +28,19 @@ mod common;
 use std::sync::Arc;
 use std::time::Duration;
 
-use axum::http::{HeaderMap, StatusCode};
+use axum::http::StatusCode;
 use common::Effects;
 use common::counts::Counts;
 use tower_idempotency::reconcile::{Reconciliation, resolve_by_hand};
 use tower_idempotency::store::{
     Batching, Claim, ClaimRequest, FencingToken, Fingerprint, HistoryEvent, LeaseExpiry,
-    RecordStatus, ScopedKey, StoreError, StoredResponse,
+    RecordStatus, ScopedKey, StoreError,
 };
 use tower_idempotency::{IdempotencyStore, MemoryStore};
 
 use common::rig::*;
 
 // ---- helpers -------------------------------------------------------------------------------
-
-fn created(body: &str) -> StoredResponse {
-    StoredResponse {
-        status: StatusCode::CREATED,
-        headers: HeaderMap::new(),
-        body: Some(body.to_owned().into()),
-        trailers: None,
-    }
-}
-
-/// The history events of `key`'s record.
-async fn events_of<S: IdempotencyStore>(rig: &Rig<S>, key: &str) -> Vec<HistoryEvent> {
-    record_of(rig, key)
-        .await
-        .map(|r| r.history.iter().map(|h| h.event).collect())
-        .unwrap_or_default()
-}
-
-/// The token of the `n`-th claim that acquired (from 0).
-fn token_of<S: IdempotencyStore>(rig: &Rig<S>, n: usize) -> u64 {
-    rig.acquired.lock().unwrap()[n].get()
-}
-
-/// Renewals sent under `token` so far (every one the rig saw, whatever it answered).
-fn renewals_of<S: IdempotencyStore>(rig: &Rig<S>, token: u64) -> usize {
-    rig.logged("renew#", &format!(" t={token} "))
-}
 
 // ==== 1. a record fenced by mistake =============================================================
 

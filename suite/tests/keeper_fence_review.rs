@@ -121,16 +121,6 @@ impl<S: IdempotencyStore> IdempotencyStore for Twist<S> {
     crate::common::forward::forward_store!(inner: claim, complete, release, mark_uncertain, remove, purge_expired, record_milestone, list_uncertain, count_uncertain, resolve, append_history, wait_for_change);
 }
 
-/// The token of the `n`-th claim that acquired (from 0).
-fn token_of<S: IdempotencyStore>(rig: &Rig<S>, n: usize) -> u64 {
-    rig.acquired.lock().unwrap()[n].get()
-}
-
-/// Renewals sent under `token` so far (every one the rig saw, whatever it answered).
-fn renewals_of<S: IdempotencyStore>(rig: &Rig<S>, token: u64) -> usize {
-    rig.logged("renew#", &format!(" t={token} "))
-}
-
 fn got(counts: &Counts, name: &str) -> u64 {
     counts.get(&format!("idempotency_{name}_total"))
 }

@@ -24,50 +24,16 @@ use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::Duration;
 
-use axum::http::{HeaderMap, StatusCode};
+use axum::http::StatusCode;
 use common::Effects;
 use common::counts::Counts;
-use tower_idempotency::reconcile::{Reconciler, Reconciliation, Sweeper};
-use tower_idempotency::store::{HistoryEvent, Record, RecordStatus, SqliteStore, StoredResponse};
+use tower_idempotency::reconcile::Reconciliation;
+use tower_idempotency::store::{HistoryEvent, RecordStatus, SqliteStore};
 use tower_idempotency::{IdempotencyStore, MemoryStore};
 
 use common::rig::*;
 
 // ---- helpers -------------------------------------------------------------------------------
-
-/// A reconciler that always answers the same.
-struct Says(Reconciliation);
-
-impl Reconciler for Says {
-    async fn reconcile(&self, _: &Record) -> Reconciliation {
-        self.0.clone()
-    }
-}
-
-fn created(body: &str) -> StoredResponse {
-    StoredResponse {
-        status: StatusCode::CREATED,
-        headers: HeaderMap::new(),
-        body: Some(body.to_owned().into()),
-        trailers: None,
-    }
-}
-
-/// One sweep over `store` with a reconciler that says `what`.
-async fn sweep<S: IdempotencyStore>(store: S, what: Reconciliation) {
-    Sweeper::new(store, Says(what))
-        .run_once()
-        .await
-        .expect("a sweep");
-}
-
-/// The history events of `key`'s record.
-async fn events_of<S: IdempotencyStore>(rig: &Rig<S>, key: &str) -> Vec<HistoryEvent> {
-    record_of(rig, key)
-        .await
-        .map(|r| r.history.iter().map(|h| h.event).collect())
-        .unwrap_or_default()
-}
 
 /// Call 0 marks its effect started, makes it, then answers 500 (an unresolved technical
 /// failure: the key is released, which the store turns into `needs_reconciliation`); later

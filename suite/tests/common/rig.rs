@@ -18,6 +18,7 @@ use axum::http::StatusCode;
 use axum::routing::post;
 use tokio::sync::Barrier;
 use tokio::time::Instant;
+use tower_idempotency::reconcile::{Reconciler, Reconciliation, Sweeper};
 use tower_idempotency::scope::SingleTenant;
 use tower_idempotency::store::{
     Claim, ClaimRequest, FencingToken, HistoryEvent, InFlight, Milestone, Record, RecordStatus,
@@ -632,6 +633,53 @@ pub async fn within(limit: Duration, mut done: impl AsyncFnMut() -> bool) -> boo
         tokio::time::sleep(ms(10)).await;
     }
     false
+}
+
+// ---- records and reconciliation ----------------------------------------------------------------
+
+/// A 201 answer with `body`, as a record or a resolution holds it.
+pub fn created(body: &str) -> StoredResponse {
+    StoredResponse {
+        status: StatusCode::CREATED,
+        headers: axum::http::HeaderMap::new(),
+        body: Some(body.to_owned().into()),
+        trailers: None,
+    }
+}
+
+/// The history events of `key`'s record.
+pub async fn events_of<S: IdempotencyStore>(rig: &Rig<S>, key: &str) -> Vec<HistoryEvent> {
+    record_of(rig, key)
+        .await
+        .map(|r| r.history.iter().map(|h| h.event).collect())
+        .unwrap_or_default()
+}
+
+/// The token of the `n`-th claim that acquired (from 0).
+pub fn token_of<S: IdempotencyStore>(rig: &Rig<S>, n: usize) -> u64 {
+    rig.acquired.lock().unwrap()[n].get()
+}
+
+/// Renewals sent under `token` so far (every one the rig saw, whatever it answered).
+pub fn renewals_of<S: IdempotencyStore>(rig: &Rig<S>, token: u64) -> usize {
+    rig.logged("renew#", &format!(" t={token} "))
+}
+
+/// A reconciler that always answers the same.
+pub struct Says(pub Reconciliation);
+
+impl Reconciler for Says {
+    async fn reconcile(&self, _: &Record) -> Reconciliation {
+        self.0.clone()
+    }
+}
+
+/// One sweep over `store` with a reconciler that says `what`.
+pub async fn sweep<S: IdempotencyStore>(store: S, what: Reconciliation) {
+    Sweeper::new(store, Says(what))
+        .run_once()
+        .await
+        .expect("a sweep");
 }
 
 // ---- handlers --------------------------------------------------------------------------------
