@@ -149,7 +149,9 @@ impl<St: IdempotencyStore, R: Reconciler> Sweeper<St, R> {
         self
     }
 
-    /// How long a response resolved as applied is replayed.
+    /// How long a response resolved as applied is replayed, and the least a record resolved
+    /// as not applied is kept from then (default 24 hours). The sweeper's resolutions carry
+    /// no note: one clears the note of an earlier resolution by hand.
     pub fn ttl(mut self, ttl: Duration) -> Self {
         self.ttl = ttl;
         self
@@ -307,8 +309,9 @@ fn count(resolution: &Resolution, report: &mut SweepReport) {
 }
 
 /// Settles one uncertain key by hand (an operator who checked downstream): `Applied` records the
-/// response retries will get, `NotApplied` lets the key run again; `reason` is kept with the
-/// record ([`Record::resolution_note`]). Refused with [`StoreError::Fenced`] if the key is not
+/// response retries will get for `ttl`, `NotApplied` lets the key run again (the record stays
+/// at least `ttl`, for review); `reason` is kept with the record
+/// ([`Record::resolution_note`]). Refused with [`StoreError::Fenced`] if the key is not
 /// uncertain (a live holder, or already settled).
 pub async fn resolve_by_hand<St: IdempotencyStore>(
     store: &St,

@@ -72,6 +72,7 @@ async fn run_checks<S: IdempotencyStore>(store: &Arc<S>) {
     effect_started_turns_an_expired_lease_into_reconciliation(store).await;
     uncertain_records_are_listed_and_resolved(store).await;
     resolution_fences_out_the_old_holder(store).await;
+    a_resolution_keeps_its_own_note_and_its_record(store).await;
     history_tells_what_happened(store).await;
     history_is_bounded(store).await;
     history_keeps_its_first_attempts_and_its_outcome(store).await;
@@ -841,6 +842,80 @@ pub async fn uncertain_records_are_listed_and_resolved<S: IdempotencyStore>(stor
     // Unsettled records never expire: a shared table keeps none of them.
     store.remove(&taken_over).await.expect("remove");
     store.remove(&live).await.expect("remove");
+}
+
+/// Issue 18 §3: a resolution's record says what that resolution said, and stays to say it. A
+/// record that waited for its reconciliation past its TTL and is resolved as not applied is
+/// kept `ttl` from the resolution, its note with it; a later resolution without a note (a
+/// sweeper's) clears the earlier one's rather than wearing it; a record claimed afresh once
+/// expired carries no note at all.
+pub async fn a_resolution_keeps_its_own_note_and_its_record<S: IdempotencyStore>(store: &S) {
+    let key = unique_key("resolved-late");
+    let lease = acquire(store, &request(&key, 1, SHORT, SHORT), "a fresh key").await;
+    store
+        .mark_uncertain(&key, lease.token)
+        .await
+        .expect("mark_uncertain");
+    // Past its TTL: an unsettled record stays, and is resolved now.
+    tokio::time::sleep(PAST_SHORT).await;
+    store
+        .resolve(&key, lease.token, &Resolution::NotApplied, LONG, Some("N1"))
+        .await
+        .expect("resolve not applied");
+    store.purge_expired().await.expect("purge");
+    let record = store
+        .lookup(&key)
+        .await
+        .expect("lookup")
+        .expect("a record resolved as not applied is kept ttl from its resolution");
+    assert_eq!(record.status, RecordStatus::Released);
+    assert_eq!(record.resolution_note.as_deref(), Some("N1"));
+
+    let again = acquire(store, &request(&key, 1, LONG, LONG), "a released key").await;
+    assert_eq!(again.attempt, 2);
+    store
+        .mark_uncertain(&key, again.token)
+        .await
+        .expect("mark_uncertain");
+    store
+        .resolve(
+            &key,
+            again.token,
+            &Resolution::Applied(Box::new(response())),
+            SHORT,
+            None,
+        )
+        .await
+        .expect("resolve applied");
+    let record = store.lookup(&key).await.expect("lookup").expect("record");
+    assert_eq!(record.status, RecordStatus::Completed);
+    assert_eq!(
+        record.resolution_note, None,
+        "a resolution without a note does not wear the one before it"
+    );
+
+    let noted = unique_key("resolved-noted");
+    let lease = acquire(store, &request(&noted, 1, SHORT, SHORT), "a fresh key").await;
+    store
+        .mark_uncertain(&noted, lease.token)
+        .await
+        .expect("mark_uncertain");
+    let resolution = Resolution::Applied(Box::new(response()));
+    store
+        .resolve(&noted, lease.token, &resolution, SHORT, Some("OLD"))
+        .await
+        .expect("resolve applied");
+    tokio::time::sleep(PAST_SHORT).await;
+    for key in [&key, &noted] {
+        let fresh = acquire(store, &request(key, 2, LONG, LONG), "an expired key").await;
+        assert_eq!(fresh.attempt, 1, "claimed afresh");
+        let record = store.lookup(key).await.expect("lookup").expect("record");
+        assert_eq!(
+            record.resolution_note, None,
+            "a record claimed afresh carries no earlier record's note"
+        );
+        store.remove(key).await.expect("remove");
+    }
 }
 
 /// Issue 18 §4: uncertainty never expires into a second run. A record awaiting

@@ -156,7 +156,8 @@ pub struct Record {
     /// What happened to the key, oldest first.
     pub history: Vec<HistoryEntry>,
     /// Why the record was last resolved by hand, as its resolver wrote it (the operator
-    /// console asks for it), shown with the resolution's history entry.
+    /// console asks for it), shown with the resolution's history entry. `None` once a later
+    /// resolution came without a note (a [`Sweeper`](crate::reconcile::Sweeper)'s).
     pub resolution_note: Option<String>,
 }
 
@@ -501,12 +502,15 @@ pub trait IdempotencyStore: Send + Sync + 'static {
 
     /// Settles an uncertain record (see [`list_uncertain`](Self::list_uncertain)) whose current
     /// token is `token`: [`Resolution::Applied`] completes it with a response living `ttl`,
-    /// [`Resolution::NotApplied`] releases it; either way the record takes a new token, so the
-    /// holder it overrules can no longer write. Anything else (a live holder, another token, a
-    /// settled record) is refused with [`StoreError::Fenced`].
+    /// [`Resolution::NotApplied`] releases it and keeps it, history and all, at least `ttl`
+    /// from now (a record may wait for its reconciliation past the expiry its claim set);
+    /// either way the record takes a new token, so the holder it overrules can no longer
+    /// write. Anything else (a live holder, another token, a settled record) is refused with
+    /// [`StoreError::Fenced`].
     ///
     /// `note` (why, for a resolution by hand) is kept with the record, in the same write, as its
-    /// [`Record::resolution_note`].
+    /// [`Record::resolution_note`]; `None` clears the note of an earlier resolution. A record
+    /// claimed afresh once expired carries no note.
     fn resolve(
         &self,
         key: &ScopedKey,

@@ -251,6 +251,7 @@ impl Statements {
                  reconcile_on_expiry = CASE WHEN {fresh_or_takeover} THEN excluded.reconcile_on_expiry
                                             ELSE r.reconcile_on_expiry END,
                  downstream_id = CASE WHEN {expired_r} THEN NULL ELSE r.downstream_id END,
+                 resolution_note = CASE WHEN {expired_r} THEN NULL ELSE r.resolution_note END,
                  response = CASE WHEN {expired_r} THEN NULL ELSE r.response END,
                  created_at = CASE WHEN {expired_r} THEN now() ELSE r.created_at END,
                  updated_at = now(),
@@ -343,12 +344,12 @@ impl Statements {
             cols("r"),
         );
         let list_after = format!(
-                "SELECT {}, {CURSOR_MICROS} FROM {t} r
+            "SELECT {}, {CURSOR_MICROS} FROM {t} r
                  WHERE ({UNCERTAIN})
                    AND (r.updated_at, r.scope, r.key) > (timestamptz 'epoch' + $2 * interval '1 microsecond', $3, $4)
                  ORDER BY r.updated_at, r.scope, r.key LIMIT $1",
-                cols("r"),
-            );
+            cols("r"),
+        );
         Self {
             schema: schema.to_owned(),
             table: table.to_owned(),
@@ -441,9 +442,10 @@ impl Statements {
             .into(),
             resolve: format!(
                 "UPDATE {t} r SET status = $4, response = COALESCE($5, r.response), lease_token = $7,
-                   resolution_note = COALESCE($8, r.resolution_note),
+                   resolution_note = $8,
                    expires_at = CASE WHEN $4 = 'completed'
-                     THEN now() + make_interval(secs => $6::float8 / 1000) ELSE r.expires_at END,
+                     THEN now() + make_interval(secs => $6::float8 / 1000)
+                     ELSE GREATEST(r.expires_at, now() + make_interval(secs => $6::float8 / 1000)) END,
                    updated_at = now(),
                    history = {}
                  WHERE r.scope = $1 AND r.key = $2 AND r.lease_token = $3 AND ({UNCERTAIN})",

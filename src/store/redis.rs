@@ -705,9 +705,21 @@ local r = load(KEYS[1])
 if r == nil or r.tok ~= ARGV[2] or not uncertain(r) then return 0 end
 r.st = ARGV[3]
 if ARGV[5] == '1' then r.resp = ARGV[4] end
-if ARGV[9] == '1' then r.note = ARGV[8] end
+-- This resolution's note, or none: never an earlier resolution's.
+if ARGV[9] == '1' then
+  r.note = ARGV[8]
+else
+  r.note = nil
+  redis.call('HDEL', KEYS[1], 'note')
+end
 r.tok = ARGV[7]
-if r.st == 'completed' then r.ea = fmt(now + tonumber(ARGV[6])) end
+-- Kept `ttl` from now either way, history and note with it: a record may have waited for its
+-- reconciliation past the expiry its claim set.
+if r.st == 'completed' then
+  r.ea = fmt(now + tonumber(ARGV[6]))
+else
+  r.ea = fmt(math.max(tonumber(r.ea), now + tonumber(ARGV[6])))
+end
 r.ua = fmt(now)
 local event = 'reconciled_not_applied'
 if r.st == 'completed' then event = 'reconciled_applied' end

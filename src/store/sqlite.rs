@@ -405,6 +405,7 @@ impl Statements {
                reconcile_on_expiry = CASE WHEN {fresh_or_takeover} THEN excluded.reconcile_on_expiry
                                           ELSE r.reconcile_on_expiry END,
                downstream_id = CASE WHEN {expired} THEN NULL ELSE r.downstream_id END,
+               resolution_note = CASE WHEN {expired} THEN NULL ELSE r.resolution_note END,
                response = CASE WHEN {expired} THEN NULL ELSE r.response END,
                created_at = CASE WHEN {expired} THEN {NOW} ELSE r.created_at END,
                updated_at = {NOW},
@@ -504,8 +505,9 @@ impl Statements {
             .into(),
             resolve: format!(
                 "UPDATE {t} AS r SET status = ?4, response = COALESCE(?5, r.response), lease_token = ?7,
-                   resolution_note = COALESCE(?8, r.resolution_note),
-                   expires_at = CASE WHEN ?4 = 'completed' THEN {NOW} + ?6 ELSE r.expires_at END,
+                   resolution_note = ?8,
+                   expires_at = CASE WHEN ?4 = 'completed' THEN {NOW} + ?6
+                                     ELSE MAX(r.expires_at, {NOW} + ?6) END,
                    updated_at = {NOW},
                    history = {}
                  WHERE r.scope = ?1 AND r.key = ?2 AND r.lease_token = ?3 AND ({uncertain})",

@@ -54,6 +54,7 @@ macro_rules! all_checks {
             effect_started_turns_an_expired_lease_into_reconciliation,
             uncertain_records_are_listed_and_resolved,
             resolution_fences_out_the_old_holder,
+            a_resolution_keeps_its_own_note_and_its_record,
             history_tells_what_happened,
             history_is_bounded,
             history_keeps_its_first_attempts_and_its_outcome,

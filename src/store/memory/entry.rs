@@ -347,8 +347,17 @@ impl Entry {
         self.extra.get_or_insert_default().downstream_id = Some(id.into());
     }
 
-    pub(super) fn set_resolution_note(&mut self, note: &str) {
-        self.extra.get_or_insert_default().resolution_note = Some(note.into());
+    /// The note of the record's latest resolution: `None` clears an older one, which
+    /// belongs to an earlier attempt's resolution.
+    pub(super) fn set_resolution_note(&mut self, note: Option<&str>) {
+        match note {
+            Some(note) => self.extra.get_or_insert_default().resolution_note = Some(note.into()),
+            None => {
+                if let Some(extra) = &mut self.extra {
+                    extra.resolution_note = None;
+                }
+            }
+        }
     }
 
     /// What a claim that found this record answers: a completed record's fingerprint and

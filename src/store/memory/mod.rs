@@ -967,9 +967,8 @@ impl IdempotencyStore for MemoryStore {
         // A resolution is final: a new token fences out the holder it overrules.
         let fresh = self.token();
         self.write_if(key, token, uncertain, |r, now| {
-            if let Some(note) = note {
-                r.set_resolution_note(note);
-            }
+            // This resolution's note, or none: never an earlier resolution's.
+            r.set_resolution_note(note);
             match resolution {
                 Resolution::Applied(response) => {
                     r.set_token(fresh);
@@ -981,6 +980,9 @@ impl IdempotencyStore for MemoryStore {
                 Resolution::NotApplied => {
                     r.set_token(fresh);
                     r.status = RecordStatus::Released;
+                    // Kept for `ttl` from now, with its history and note, even if it waited
+                    // for its reconciliation past the expiry its claim set.
+                    r.expires_at = r.expires_at.max(now + span(ttl));
                     log(r, now, HistoryEvent::ReconciledNotApplied);
                 }
             }
