@@ -28,7 +28,7 @@ use http::{HeaderMap, HeaderValue, StatusCode};
 use super::{
     Claim, ClaimRequest, Fingerprint, HistoryEvent, IdempotencyStore, Lease, LeaseExpiry,
     Milestone, Record, RecordStatus, Resolution, ScopedKey, StoreError, StoredResponse,
-    UncertainQuery,
+    UncertainCursor, UncertainQuery,
 };
 
 const LONG: Duration = Duration::from_secs(60);
@@ -1023,6 +1023,27 @@ pub async fn uncertain_records_page_in_order<S: IdempotencyStore>(store: &S) {
         reversed.reverse();
         assert_eq!(ours(&newest), reversed, "newest first, pages of {page}");
     }
+    // A cursor past any time a store keeps (a caller's, made by hand) pages on: nothing after
+    // it, everything before it, never an error.
+    let far = SystemTime::UNIX_EPOCH + Duration::from_micros(u64::MAX);
+    let last = UncertainCursor::new(far, ScopedKey::new("", "~"));
+    let after = store
+        .list_uncertain(&UncertainQuery::after(last.clone(), 10_000))
+        .await
+        .expect("a listing after a cursor past any time");
+    assert!(
+        after.records.iter().all(|r| !keys.contains(&r.key)),
+        "nothing of ours after it"
+    );
+    let before = store
+        .list_uncertain(&UncertainQuery::after(last, 10_000).newest_first())
+        .await
+        .expect("a listing before a cursor past any time");
+    assert!(
+        keys.iter()
+            .all(|k| before.records.iter().any(|r| &r.key == k)),
+        "all of ours before it"
+    );
     let count = store.count_uncertain().await.expect("count_uncertain");
     assert!(count.count >= keys.len() as u64, "the count includes these");
     let first_of_ours = whole

@@ -160,6 +160,13 @@ const CURSOR_MICROS: &str = "(CASE WHEN isfinite(r.updated_at) \
     THEN (extract(epoch from r.updated_at) * 1000000)::int8 \
     WHEN r.updated_at > now() THEN 9000000000000000000 ELSE -200000000000000000 END)";
 
+/// A listing cursor's time (`$2`, microseconds) as the database's: `infinity` from where
+/// [`CURSOR_MICROS`] puts it on. A later time unbounded (a cursor made by hand, up to
+/// `u64::MAX`) would take the sum past what an interval holds, and the listing would fail
+/// instead of paging on: bounded in both arms, since a planner may fold the arm not taken.
+const CURSOR_TIME: &str = "(CASE WHEN $2 >= 9000000000000000000 THEN timestamptz 'infinity' \
+    ELSE timestamptz 'epoch' + LEAST($2, 9000000000000000000) * interval '1 microsecond' END)";
+
 /// Records only a reconciliation can settle once their holder is gone: awaiting it, or in
 /// progress with the effect started or on a route that reconciles expired leases. The partial
 /// index over them keeps listing and counting them from reading the table.
@@ -346,7 +353,7 @@ impl Statements {
         let list_after = format!(
             "SELECT {}, {CURSOR_MICROS} FROM {t} r
                  WHERE ({UNCERTAIN})
-                   AND (r.updated_at, r.scope, r.key) > (timestamptz 'epoch' + $2 * interval '1 microsecond', $3, $4)
+                   AND (r.updated_at, r.scope, r.key) > ({CURSOR_TIME}, $3, $4)
                  ORDER BY r.updated_at, r.scope, r.key LIMIT $1",
             cols("r"),
         );
