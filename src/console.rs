@@ -37,8 +37,14 @@
 //! | `POST /resolve` | form: settle by hand (`outcome` `applied` with `status`, `content_type`, `body`, or `not_applied`) with a required `reason` |
 //! | `POST /remove`, `POST /purge` | form: delete one record; delete every expired one |
 //! | `GET /api/uncertain?order=oldest\|newest&after=…&limit=…` | JSON: a page, the `next` cursor, the count and the oldest |
-//! | `GET /api/record?scope=…&key=…` | JSON: one record |
-//! | `POST /api/resolve`, `/api/remove`, `/api/purge` | JSON bodies of the same fields |
+//! | `GET /api/record?scope=…&key=…` | JSON: one record, with the `token` (a string) of its current attempt |
+//! | `POST /api/resolve`, `/api/remove`, `/api/purge` | JSON bodies of the same fields: strings or numbers (`null` is absent); any other shape is a 400 |
+//!
+//! A resolution sent with the `token` its record was read with settles that attempt only: if
+//! another attempt holds the key by then, it is refused (409). Without a `token` it settles
+//! whichever attempt awaits reconciliation when it lands. The record keeps the note of its
+//! latest resolution only, and a record resolved as not applied stays for the console's TTL
+//! from then, so its history and note can be read even after it waited past its own.
 //!
 //! Keep the idempotency layer off the console's routes (`route_layer` on the routes it
 //! guards, before the console is nested): a layer over the whole app would ask the console's
@@ -46,7 +52,8 @@
 //! trailing slash.
 //!
 //! Every write is refused (403) unless the browser says it comes from the console's own
-//! origin (`Sec-Fetch-Site: same-origin`, or an `Origin` equal to the request's host); the JSON
+//! origin (`Sec-Fetch-Site: same-origin`, or an `http` or `https` `Origin` naming the
+//! request's host, and its scheme where the request names one); the JSON
 //! API also requires `Content-Type: application/json`, which a cross-site form cannot send.
 //! Every stored byte shown in HTML is escaped. The reason of a resolution by hand is kept with
 //! the record ([`Record::resolution_note`]) and logged.
@@ -99,7 +106,8 @@ impl<St: IdempotencyStore> Console<St> {
         }
     }
 
-    /// How long a response resolved as applied is replayed.
+    /// How long a response resolved as applied is replayed, and the least a record resolved
+    /// as not applied is kept from then, for review (default 24 hours).
     pub fn ttl(mut self, ttl: Duration) -> Self {
         self.ttl = ttl;
         self
@@ -272,6 +280,9 @@ fn record_json(record: &Record, now: SystemTime) -> Value {
         "downstream_id": record.downstream_id,
         "downstream_key": downstream_key(&record.key),
         "fingerprint": hex(record.fingerprint.as_bytes()),
+        // What `POST /api/resolve` takes as `token`, so that a resolution made from this read
+        // settles this attempt and no later one. A string: it may pass 2^53.
+        "token": record.lease_token.get().to_string(),
         "created_at_ms": millis(record.created_at),
         "updated_at_ms": millis(record.updated_at),
         "expires_at_ms": millis(record.expires_at),
@@ -442,26 +453,38 @@ fn record_link(base: &str, key: &ScopedKey) -> String {
 // ---------------------------------------------------------------------------------------------
 // Cross-site request forgery: writes come from the console's own pages, or not at all.
 
-fn same_origin(headers: &HeaderMap) -> bool {
+/// Whether a browser says `req` comes from the console's own origin: `Sec-Fetch-Site`, or
+/// without it an `Origin` of the request's host. An origin is its scheme too: only `http` and
+/// `https` pages can be the console's, and where the request names its scheme (HTTP/2, an
+/// absolute URI) the origin's must be it. Over HTTP/1.1 the scheme is not sent, so a page of
+/// the same host and port over the other scheme passes; `Sec-Fetch-Site`, which every current
+/// browser sends, tells them apart.
+fn same_origin(req: &Request) -> bool {
+    let headers = req.headers();
     if let Some(site) = headers.get("sec-fetch-site") {
         return site == "same-origin";
     }
-    let (Some(origin), Some(host)) = (headers.get(header::ORIGIN), headers.get(header::HOST))
-    else {
+    // The host as sent: its header, or (HTTP/2) the request's authority.
+    let host = match headers.get(header::HOST) {
+        Some(host) => host.to_str().ok(),
+        None => req.uri().authority().map(|a| a.as_str()),
+    };
+    let (Some(origin), Some(host)) = (headers.get(header::ORIGIN), host) else {
         return false;
     };
-    let (Ok(origin), Ok(host)) = (origin.to_str(), host.to_str()) else {
+    let Ok(origin) = origin.to_str() else {
         return false;
     };
     let Some((scheme, authority)) = origin.split_once("://") else {
         return false;
     };
+    if !matches!(scheme, "http" | "https")
+        || req.uri().scheme_str().is_some_and(|sent| sent != scheme)
+    {
+        return false;
+    }
     // `Host: x:80` and `Origin: http://x` name one origin.
-    let default_port = match scheme {
-        "http" => ":80",
-        "https" => ":443",
-        _ => "",
-    };
+    let default_port = if scheme == "http" { ":80" } else { ":443" };
     let bare = |h: &str| {
         h.strip_suffix(default_port)
             .unwrap_or(h)
@@ -724,7 +747,7 @@ async fn api_fields(req: Request) -> Result<serde_json::Map<String, Value>, Resp
     // refused. Without either, it is not a browser's cross-site request (a script, curl).
     let says =
         req.headers().contains_key(header::ORIGIN) || req.headers().contains_key("sec-fetch-site");
-    if says && !same_origin(req.headers()) {
+    if says && !same_origin(&req) {
         return Err(forbidden());
     }
     let is_json = req
@@ -744,7 +767,15 @@ async fn api_fields(req: Request) -> Result<serde_json::Map<String, Value>, Resp
     }
     let (_, body) = read_body(req).await?;
     match serde_json::from_slice::<Value>(&body) {
-        Ok(Value::Object(fields)) => Ok(fields),
+        Ok(Value::Object(fields)) => match misshapen(&fields) {
+            Some(name) => Err(problem(
+                StatusCode::BAD_REQUEST,
+                &format!(
+                    "{name} must be a string, a number or null (a response body is sent as text)"
+                ),
+            )),
+            None => Ok(fields),
+        },
         _ => Err(problem(
             StatusCode::BAD_REQUEST,
             "the body is not a JSON object",
@@ -752,12 +783,24 @@ async fn api_fields(req: Request) -> Result<serde_json::Map<String, Value>, Resp
     }
 }
 
+/// A field of an API body as its form would carry it: a string, a number written out, or
+/// absent (left out, or `null`). [`api_fields`] refused every other shape.
 fn json_field(fields: &serde_json::Map<String, Value>, name: &str) -> Option<String> {
     match fields.get(name)? {
         Value::String(s) => Some(s.clone()),
         Value::Number(n) => Some(n.to_string()),
         _ => None,
     }
+}
+
+/// The first field that is neither a string, a number nor `null`: a body such as
+/// `{"status": [600]}` or `{"body": {"id": 1}}` is a mistake to refuse, never a field to
+/// read as absent and fill with its default (a 200, an empty body, the current attempt).
+fn misshapen(fields: &serde_json::Map<String, Value>) -> Option<&str> {
+    fields
+        .iter()
+        .find(|(_, v)| !matches!(v, Value::String(_) | Value::Number(_) | Value::Null))
+        .map(|(name, _)| name.as_str())
 }
 
 async fn api_resolve<St: IdempotencyStore>(
@@ -1066,7 +1109,7 @@ async fn page_record<St: IdempotencyStore>(
 
 /// The fields of a form post, after the same-origin check.
 async fn form_fields(req: Request) -> Result<Vec<(String, String)>, Response<Body>> {
-    if req.method() != Method::POST || !same_origin(req.headers()) {
+    if req.method() != Method::POST || !same_origin(&req) {
         return Err(forbidden());
     }
     let (_, body) = read_body(req).await?;

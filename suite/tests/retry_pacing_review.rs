@@ -35,29 +35,6 @@ use common::rig::*;
 
 // ---- helpers -------------------------------------------------------------------------------
 
-/// Call 0 marks its effect started, makes it, then answers 500 (an unresolved technical
-/// failure: the key is released, which the store turns into `needs_reconciliation`); later
-/// calls make the effect and answer 201.
-fn effect_then_500(effects: &Effects) -> Handler {
-    let effects = effects.clone();
-    handler(move |i, ctx| {
-        let effects = effects.clone();
-        async move {
-            if ctx.effect_started().await.is_err() {
-                return (StatusCode::SERVICE_UNAVAILABLE, "no milestone".into());
-            }
-            let n = effects.hit();
-            if i == 0 {
-                return (
-                    StatusCode::INTERNAL_SERVER_ERROR,
-                    format!("effect {n}, then"),
-                );
-            }
-            (StatusCode::CREATED, format!("effect {n}"))
-        }
-    })
-}
-
 /// The path of `faults.rs`'s `s4_a_fenced_release_goes_straight_to_the_set_aside_give_back`:
 /// a reconciling route whose renewals fail; call 0 works 700 ms (lease 300 ms) and answers 503
 /// having done nothing; a retry at 450 ms sets the key aside; the holder's release is fenced.
@@ -198,7 +175,12 @@ async fn s4_a_spuriously_fenced_release_after_a_milestone_is_never_resolved_not_
         let rig = Rig::new(MemoryStore::new());
         rig.on("release", 1, Act::Fenced);
         let effects = Effects::default();
-        let addr = server(&rig, route, effect_then_500(&effects)).await;
+        let addr = server(
+            &rig,
+            route,
+            effect_then(&effects, StatusCode::INTERNAL_SERVER_ERROR),
+        )
+        .await;
         let key = unique("spurious-fenced-milestone");
         let first = ask(addr, &key).await;
         assert_eq!(first.status, 500, "{first:?}");

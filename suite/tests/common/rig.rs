@@ -496,6 +496,16 @@ impl Answer {
 }
 
 pub async fn send(addr: SocketAddr, key: &str, patience: Duration) -> Option<Answer> {
+    send_body(addr, key, r#"{"amount":10}"#, patience).await
+}
+
+/// [`send`] with a body of the caller's choosing.
+pub async fn send_body(
+    addr: SocketAddr,
+    key: &str,
+    body: &str,
+    patience: Duration,
+) -> Option<Answer> {
     let res = reqwest::Client::builder()
         .pool_max_idle_per_host(0)
         .timeout(patience)
@@ -504,7 +514,7 @@ pub async fn send(addr: SocketAddr, key: &str, patience: Duration) -> Option<Ans
         .post(format!("http://{addr}/op"))
         .header("idempotency-key", key)
         .header("content-type", "application/json")
-        .body(r#"{"amount":10}"#)
+        .body(body.to_owned())
         .send()
         .await
         .ok()?;
@@ -683,6 +693,26 @@ pub async fn sweep<S: IdempotencyStore>(store: S, what: Reconciliation) {
 }
 
 // ---- handlers --------------------------------------------------------------------------------
+
+/// Call 0 marks its effect started, makes it, then answers `failed` (a 500 or 502 the policy
+/// leaves unrecorded: the key then awaits reconciliation); later calls make the effect and
+/// answer 201. Every call declines (503, no effect) if the milestone cannot be marked.
+pub fn effect_then(effects: &Effects, failed: StatusCode) -> Handler {
+    let effects = effects.clone();
+    handler(move |i, ctx| {
+        let effects = effects.clone();
+        async move {
+            if ctx.effect_started().await.is_err() {
+                return (StatusCode::SERVICE_UNAVAILABLE, "no milestone".into());
+            }
+            let n = effects.hit();
+            if i == 0 {
+                return (failed, format!("effect {n}, then {failed}"));
+            }
+            (StatusCode::CREATED, format!("effect {n}"))
+        }
+    })
+}
 
 /// Call 0 sleeps `first` (a slow, or crashed, holder) before its effect; later calls make it at
 /// once. With `milestone`, every call marks its effect started first and declines (503, no
