@@ -8,12 +8,14 @@
 //! key get `409 outcome-unknown` (gRPC `ABORTED`, reason `OUTCOME_UNKNOWN`) until it is settled:
 //! by the sweeper asking your reconciler, or by hand with [`resolve_by_hand`].
 //!
-//! A key whose response could not be recorded is marked uncertain at once, and its holder
-//! keeps retrying the write. It can therefore be listed, and resolved, while that holder is
-//! still alive; the holder's write lands only if nobody has resolved the key first. A
-//! resolution is final: it takes a new fencing token, and the holder's later write is refused.
-//! A reconciler that answers [`Reconciliation::Unknown`] for a record changed in the last few
-//! seconds leaves such a holder time to finish. Likewise, a holder whose key was set aside
+//! A key whose response could not be recorded is marked uncertain at once, its effect marked
+//! started (its handler answered, so whatever effect it has took place), and its holder keeps
+//! retrying the write. It can therefore be listed, and resolved, while that holder is still
+//! alive; the holder's write lands only if nobody has resolved the key first. A resolution is
+//! final: it takes a new fencing token, and the holder's later write is refused. A reconciler
+//! that answers [`Reconciliation::Unknown`] for a record changed within the last few of its
+//! route's leases (one retried write may take up to four) leaves such a holder time to
+//! finish. Likewise, a holder whose key was set aside
 //! although it had marked no effect started gives the key back itself (as not applied).
 //!
 //! ```no_run

@@ -87,13 +87,15 @@ mod tests {
         assert!(matches!(read(token).await, Ok(Whose::InFlight { .. })));
         assert_eq!(read(absent).await.ok(), Some(Whose::Theirs));
 
+        // Marked uncertain by its holder (an answer it could not record): its effect is
+        // marked started with it.
         store.mark_uncertain(&key, token).await.expect("mark");
         let aside = read(token).await.expect("read");
         assert!(
             matches!(
                 aside,
                 Whose::SetAside {
-                    effect_started: false,
+                    effect_started: true,
                     ..
                 }
             ),

@@ -73,6 +73,7 @@ async fn run_checks<S: IdempotencyStore>(store: &Arc<S>) {
     uncertain_records_are_listed_and_resolved(store).await;
     resolution_fences_out_the_old_holder(store).await;
     a_resolution_keeps_its_own_note_and_its_record(store).await;
+    an_unrecorded_answer_reads_as_an_effect_until_resolved(store).await;
     history_tells_what_happened(store).await;
     history_is_bounded(store).await;
     history_keeps_its_first_attempts_and_its_outcome(store).await;
@@ -842,6 +843,52 @@ pub async fn uncertain_records_are_listed_and_resolved<S: IdempotencyStore>(stor
     // Unsettled records never expire: a shared table keeps none of them.
     store.remove(&taken_over).await.expect("remove");
     store.remove(&live).await.expect("remove");
+}
+
+/// Issue 18 §1, §3: a record marked uncertain (a handler answered, its outcome not recorded)
+/// reads as an attempt whose effect took place, never as one that did nothing: a reconciler
+/// or an operator who reads "no effect started" would let the key run again. Resolved as not
+/// applied, the key's next attempt starts with no effect of its own: a clean failure of it
+/// releases the key instead of sending it back to reconciliation.
+pub async fn an_unrecorded_answer_reads_as_an_effect_until_resolved<S: IdempotencyStore>(
+    store: &S,
+) {
+    let key = unique_key("unrecorded");
+    let lease = acquire(store, &request(&key, 1, LONG, LONG), "a fresh key").await;
+    store
+        .mark_uncertain(&key, lease.token)
+        .await
+        .expect("mark_uncertain");
+    let record = store.lookup(&key).await.expect("lookup").expect("record");
+    assert_eq!(record.status, RecordStatus::NeedsReconciliation);
+    assert!(
+        record.effect_started,
+        "an answer that could not be recorded had its effect"
+    );
+    let listed = all_uncertain(store, 10_000).await;
+    let listed = listed.iter().find(|r| r.key == key).expect("listed");
+    assert!(listed.effect_started, "and is listed so");
+    store
+        .resolve(&key, lease.token, &Resolution::NotApplied, LONG, None)
+        .await
+        .expect("resolve not applied");
+    let record = store.lookup(&key).await.expect("lookup").expect("record");
+    assert!(
+        !record.effect_started,
+        "not applied: no effect is left marked"
+    );
+    let again = acquire(
+        store,
+        &request(&key, 1, LONG, LONG),
+        "a key resolved as not applied",
+    )
+    .await;
+    assert_eq!(
+        store.release(&key, again.token).await.expect("release"),
+        RecordStatus::Released,
+        "the next attempt's clean failure gives the key back, not to reconciliation again"
+    );
+    store.remove(&key).await.expect("remove");
 }
 
 /// Issue 18 §3: a resolution's record says what that resolution said, and stays to say it. A

@@ -141,7 +141,9 @@ pub struct Record {
     pub lease_until: SystemTime,
     /// How many attempts have claimed this key.
     pub attempts: u32,
-    /// Whether a holder declared that its external effect began.
+    /// Whether a holder declared that its external effect began, or its handler answered and
+    /// the outcome could not be recorded ([`IdempotencyStore::mark_uncertain`]). A resolution
+    /// as not applied clears it: the next attempt starts with no effect of its own.
     pub effect_started: bool,
     /// An identifier of the effect downstream (a payment id, a ticket number).
     pub downstream_id: Option<String>,
@@ -453,7 +455,10 @@ pub trait IdempotencyStore: Send + Sync + 'static {
         token: FencingToken,
     ) -> impl Future<Output = Result<RecordStatus, StoreError>> + Send;
 
-    /// Declares the outcome unknown: the record becomes `needs_reconciliation`.
+    /// Declares the outcome unknown: the record becomes `needs_reconciliation`, its effect
+    /// marked started. The layer calls it when a handler has answered and its outcome could
+    /// not be recorded: whatever effect the handler has took place, so a reconciler or an
+    /// operator reading the record must not take it for an attempt that did nothing.
     fn mark_uncertain(
         &self,
         key: &ScopedKey,
@@ -502,8 +507,8 @@ pub trait IdempotencyStore: Send + Sync + 'static {
 
     /// Settles an uncertain record (see [`list_uncertain`](Self::list_uncertain)) whose current
     /// token is `token`: [`Resolution::Applied`] completes it with a response living `ttl`,
-    /// [`Resolution::NotApplied`] releases it and keeps it, history and all, at least `ttl`
-    /// from now (a record may wait for its reconciliation past the expiry its claim set);
+    /// [`Resolution::NotApplied`] releases it (its effect no longer marked started) and keeps
+    /// it, history and all, at least `ttl` from now (a record may wait for its reconciliation past the expiry its claim set);
     /// either way the record takes a new token, so the holder it overrules can no longer
     /// write. Anything else (a live holder, another token, a settled record) is refused with
     /// [`StoreError::Fenced`].

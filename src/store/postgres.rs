@@ -408,8 +408,9 @@ impl Statements {
                 log("'completed'")
             )
             .into(),
+            // Only `mark_uncertain` settles so: the handler answered, so its effect took place.
             settle: format!(
-                "UPDATE {t} SET status = $4, updated_at = now(), {} WHERE {fenced}",
+                "UPDATE {t} SET status = $4, effect_started = true, updated_at = now(), {} WHERE {fenced}",
                 log("$4")
             )
             .into(),
@@ -449,6 +450,7 @@ impl Statements {
             .into(),
             resolve: format!(
                 "UPDATE {t} r SET status = $4, response = COALESCE($5, r.response), lease_token = $7,
+                   effect_started = CASE WHEN $4 = 'completed' THEN r.effect_started ELSE false END,
                    resolution_note = $8,
                    expires_at = CASE WHEN $4 = 'completed'
                      THEN now() + make_interval(secs => $6::float8 / 1000)

@@ -662,7 +662,8 @@ return r.st
 const MARK_UNCERTAIN: &str = r"
 local r = load(KEYS[1])
 if fenced(r, ARGV[2]) then return 0 end
-r.st = 'needs_reconciliation'; r.ua = fmt(now)
+-- The handler answered (only the layer's failed record marks so): its effect took place.
+r.st = 'needs_reconciliation'; r.es = '1'; r.ua = fmt(now)
 r.hist = appended(r.hist, entry(r.at, r.tok, 'needs_reconciliation'), @LIMIT@)
 save(r)
 changed()
@@ -718,6 +719,8 @@ r.tok = ARGV[7]
 if r.st == 'completed' then
   r.ea = fmt(now + tonumber(ARGV[6]))
 else
+  -- Not applied: the next attempt starts with no effect of its own.
+  r.es = '0'
   r.ea = fmt(math.max(tonumber(r.ea), now + tonumber(ARGV[6])))
 end
 r.ua = fmt(now)

@@ -466,8 +466,9 @@ impl Statements {
             )
             .into(),
             complete: completion(table, ["?1", "?2", "?3", "?4", "?5"], "").into(),
+            // Only `mark_uncertain` settles so: the handler answered, so its effect took place.
             settle: format!(
-                "UPDATE {t} SET status = ?4, updated_at = {NOW}, {} WHERE {fenced}",
+                "UPDATE {t} SET status = ?4, effect_started = 1, updated_at = {NOW}, {} WHERE {fenced}",
                 log("?4")
             )
             .into(),
@@ -505,6 +506,7 @@ impl Statements {
             .into(),
             resolve: format!(
                 "UPDATE {t} AS r SET status = ?4, response = COALESCE(?5, r.response), lease_token = ?7,
+                   effect_started = CASE WHEN ?4 = 'completed' THEN r.effect_started ELSE 0 END,
                    resolution_note = ?8,
                    expires_at = CASE WHEN ?4 = 'completed' THEN {NOW} + ?6
                                      ELSE MAX(r.expires_at, {NOW} + ?6) END,

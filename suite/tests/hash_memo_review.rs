@@ -945,8 +945,10 @@ fn model_run(
                 let got = at_once(store.mark_uncertain(&key, token));
                 if ok {
                     got.expect("mark_uncertain");
-                    model.get_mut(&(s, i)).expect("record").status =
-                        RecordStatus::NeedsReconciliation;
+                    // An answer that could not be recorded had its effect (see the trait).
+                    let record = model.get_mut(&(s, i)).expect("record");
+                    record.status = RecordStatus::NeedsReconciliation;
+                    record.effect = true;
                 } else {
                     assert!(matches!(got, Err(StoreError::Fenced)), "{what}: {got:?}");
                 }

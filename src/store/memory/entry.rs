@@ -188,6 +188,10 @@ impl Entry {
         self.flags |= EFFECT_STARTED;
     }
 
+    pub(super) fn clear_effect(&mut self) {
+        self.flags &= !EFFECT_STARTED;
+    }
+
     pub(super) fn reconcile_on_expiry(&self) -> bool {
         self.flags & RECONCILE_ON_EXPIRY != 0
     }

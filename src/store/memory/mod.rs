@@ -812,6 +812,9 @@ impl IdempotencyStore for MemoryStore {
     async fn mark_uncertain(&self, key: &ScopedKey, token: FencingToken) -> Result<(), StoreError> {
         self.fenced(key, token, |r, now| {
             r.status = RecordStatus::NeedsReconciliation;
+            // The handler answered (only the layer's failed record marks so): its effect
+            // took place.
+            r.start_effect();
             log(r, now, HistoryEvent::NeedsReconciliation);
         })
     }
@@ -980,6 +983,8 @@ impl IdempotencyStore for MemoryStore {
                 Resolution::NotApplied => {
                     r.set_token(fresh);
                     r.status = RecordStatus::Released;
+                    // The next attempt starts with no effect of its own.
+                    r.clear_effect();
                     // Kept for `ttl` from now, with its history and note, even if it waited
                     // for its reconciliation past the expiry its claim set.
                     r.expires_at = r.expires_at.max(now + span(ttl));
