@@ -1077,7 +1077,17 @@ async fn page_record<St: IdempotencyStore>(
         esc(&key_ref(&record.key)),
         record.lease_token.get()
     );
-    if record.status == crate::store::RecordStatus::NeedsReconciliation
+    // A holder under a live lease cannot be overruled (the store refuses): no forms to fail.
+    let held = record.status == crate::store::RecordStatus::InProgress
+        && record.lease_until > SystemTime::now();
+    if held {
+        let _ = write!(
+            out,
+            "<p id=\"held\">A holder runs this key under a lease until {} (ms since the \
+             epoch): it can be resolved by hand once that lease has run out.</p>",
+            millis(record.lease_until)
+        );
+    } else if record.status == crate::store::RecordStatus::NeedsReconciliation
         || record.status == crate::store::RecordStatus::InProgress
     {
         let _ = write!(

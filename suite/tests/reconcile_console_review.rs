@@ -615,6 +615,13 @@ async fn s4_console_resolve_of_a_live_holder_is_refused() {
     let ops = console(&rig).await;
     let key = unique("live-holder");
     let first = holding(&rig, addr, &key).await;
+    // The record page offers no resolution the store would refuse, and says why.
+    let (status, page) = get(ops, &format!("/record?scope=&key={key}")).await;
+    assert_eq!(status, 200, "{page}");
+    assert!(
+        page.contains("id=\"held\"") && !page.contains("resolve-applied"),
+        "a live holder's page offers resolve forms: {page:.2000}"
+    );
     for outcome in ["applied", "not_applied"] {
         let (status, body) = api(ops, "/api/resolve", resolve_body(&key, outcome)).await;
         assert_eq!(status, 409, "{outcome}: {body}");
