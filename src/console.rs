@@ -160,26 +160,28 @@ fn param<'a>(pairs: &'a [(String, String)], name: &str) -> Option<&'a str> {
         .map(|(_, v)| v.as_str())
 }
 
-/// A listing cursor as text: the time in microseconds since the epoch, then the key as a
-/// [`key_ref`] of its bytes as stored.
+/// A listing cursor as text: the time in microseconds from the epoch (negative before it: a
+/// time written by hand into a SQL store may be), then the key as a [`key_ref`] of its bytes
+/// as stored.
 fn cursor_text(cursor: &UncertainCursor) -> String {
-    let micros = cursor
-        .updated_at
-        .duration_since(SystemTime::UNIX_EPOCH)
-        .map_or(0, |d| d.as_micros());
+    let micros = match cursor.updated_at.duration_since(SystemTime::UNIX_EPOCH) {
+        Ok(after) => i128::try_from(after.as_micros()).unwrap_or(i128::MAX),
+        Err(before) => -i128::try_from(before.duration().as_micros()).unwrap_or(i128::MAX),
+    };
     let (scope, key) = cursor.bytes();
     format!("{micros}~{}", bytes_ref(scope, key))
 }
 
 fn parse_cursor(text: &str) -> Option<UncertainCursor> {
     let (micros, reference) = text.split_once('~')?;
-    let micros: u64 = micros.parse().ok()?;
+    let micros: i128 = micros.parse().ok()?;
+    let span = Duration::from_micros(u64::try_from(micros.unsigned_abs()).ok()?);
+    let at = match micros < 0 {
+        true => SystemTime::UNIX_EPOCH.checked_sub(span)?,
+        false => SystemTime::UNIX_EPOCH.checked_add(span)?,
+    };
     let (scope, key) = parse_bytes_ref(reference)?;
-    Some(UncertainCursor::stored(
-        SystemTime::UNIX_EPOCH + Duration::from_micros(micros),
-        scope,
-        key,
-    ))
+    Some(UncertainCursor::stored(at, scope, key))
 }
 
 fn millis(t: SystemTime) -> u64 {
@@ -766,8 +768,8 @@ async fn api_fields(req: Request) -> Result<serde_json::Map<String, Value>, Resp
         ));
     }
     let (_, body) = read_body(req).await?;
-    match serde_json::from_slice::<Value>(&body) {
-        Ok(Value::Object(fields)) => match misshapen(&fields) {
+    match serde_json::from_slice::<Fields>(&body) {
+        Ok(Fields(fields)) => match misshapen(&fields) {
             Some(name) => Err(problem(
                 StatusCode::BAD_REQUEST,
                 &format!(
@@ -776,10 +778,47 @@ async fn api_fields(req: Request) -> Result<serde_json::Map<String, Value>, Resp
             )),
             None => Ok(fields),
         },
-        _ => Err(problem(
+        Err(error) if error.is_data() => Err(problem(StatusCode::BAD_REQUEST, &error.to_string())),
+        Err(_) => Err(problem(
             StatusCode::BAD_REQUEST,
             "the body is not a JSON object",
         )),
+    }
+}
+
+/// The fields of an API body, each named once. A map keeps the last of two values of one
+/// name, so a body could take back what it said (`"token": "5", "token": null`): refused.
+struct Fields(serde_json::Map<String, Value>);
+
+impl<'de> serde::Deserialize<'de> for Fields {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct Once;
+
+        impl<'de> serde::de::Visitor<'de> for Once {
+            type Value = Fields;
+
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a JSON object")
+            }
+
+            fn visit_map<A: serde::de::MapAccess<'de>>(
+                self,
+                mut map: A,
+            ) -> Result<Fields, A::Error> {
+                let mut fields = serde_json::Map::new();
+                while let Some((name, value)) = map.next_entry::<String, Value>()? {
+                    if fields.contains_key(&name) {
+                        return Err(serde::de::Error::custom(format_args!(
+                            "{name} is given twice"
+                        )));
+                    }
+                    fields.insert(name, value);
+                }
+                Ok(Fields(fields))
+            }
+        }
+
+        deserializer.deserialize_map(Once)
     }
 }
 

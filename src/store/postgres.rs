@@ -154,18 +154,24 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 /// Session limits on the connections [`PostgresStore::connect`] opens: no statement of the
 /// store waits on a lock, or runs, without bound.
 const SESSION_LIMITS: [(&str, &str); 2] = [("lock_timeout", "5s"), ("statement_timeout", "30s")];
-/// A record's place in the uncertain listing, in microseconds: `infinity` written by hand is
-/// read as far (but representable) times, so a cursor past it still binds.
-const CURSOR_MICROS: &str = "(CASE WHEN isfinite(r.updated_at) \
-    THEN (extract(epoch from r.updated_at) * 1000000)::int8 \
-    WHEN r.updated_at > now() THEN 9000000000000000000 ELSE -200000000000000000 END)";
+/// A record's place in the uncertain listing, in microseconds, exact: `infinity` and
+/// `-infinity` written by hand are `i64`'s ends, which [`CURSOR_TIME`] reads back as them (the
+/// last three centuries of PostgreSQL's range, past `i64` microseconds, read as its end).
+const CURSOR_MICROS: &str = "(CASE WHEN r.updated_at = 'infinity' THEN 9223372036854775807 \
+    WHEN r.updated_at = '-infinity' THEN -9223372036854775807 - 1 \
+    ELSE LEAST(extract(epoch from r.updated_at) * 1000000, 9223372036854775806)::int8 END)";
 
-/// A listing cursor's time (`$2`, microseconds) as the database's: `infinity` from where
-/// [`CURSOR_MICROS`] puts it on. A later time unbounded (a cursor made by hand, up to
-/// `u64::MAX`) would take the sum past what an interval holds, and the listing would fail
-/// instead of paging on: bounded in both arms, since a planner may fold the arm not taken.
-const CURSOR_TIME: &str = "(CASE WHEN $2 >= 9000000000000000000 THEN timestamptz 'infinity' \
-    ELSE timestamptz 'epoch' + LEAST($2, 9000000000000000000) * interval '1 microsecond' END)";
+/// A listing cursor's time (`$2`, microseconds) as the database's, exactly: the place a
+/// record's [`CURSOR_MICROS`] gave, or a cursor made by hand (any `i64`). Whole days and
+/// microseconds as intervals on a `timestamp` (no time zone: a day is 24 hours), each exact,
+/// where microseconds as a float lose precision past the year 2255; bounded to what the type
+/// holds in every arm, since a planner may fold the arm not taken.
+const CURSOR_TIME: &str = "(CASE WHEN $2 = 9223372036854775807 THEN timestamptz 'infinity' \
+    WHEN $2 = -9223372036854775807 - 1 THEN timestamptz '-infinity' \
+    ELSE (timestamp 'epoch' \
+      + (GREATEST(LEAST($2, 9223372036854775806), -210800000000000000) / 86400000000) * interval '1 day' \
+      + (GREATEST(LEAST($2, 9223372036854775806), -210800000000000000) % 86400000000) * interval '1 microsecond') \
+      AT TIME ZONE 'UTC' END)";
 
 /// Records only a reconciliation can settle once their holder is gone: awaiting it, or in
 /// progress with the effect started or on a route that reconciles expired leases. The partial
