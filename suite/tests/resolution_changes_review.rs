@@ -402,3 +402,53 @@ async fn console_origin_check_under_http2_and_absolute_uris() {
         .expect("record");
     assert_eq!(still.status, RecordStatus::NeedsReconciliation);
 }
+
+/// The same on SQLite, whose times are integers of milliseconds: far in the future and before
+/// the epoch, written by hand. (A time written as text, which SQLite orders after every
+/// integer, is not a place a cursor can name: left for planning, see the session's note.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_paging_through_far_and_negative_times_ends_once_each() {
+    let (store, path) = common::sqlite("rcr_page_sqlite").await;
+    let pool = sqlx::sqlite::SqlitePool::connect(&format!("sqlite://{}", path.display()))
+        .await
+        .expect("open");
+    let times = [
+        ("a-now", None),
+        ("b-far", Some("9000000000000000")),
+        ("c-far", Some("9000000000000000")),
+        ("d-before", Some("-2000000000000")),
+        ("e-before", Some("-2000000000000")),
+        ("f-now", None),
+    ];
+    let mut keys = Vec::new();
+    for (name, at) in times {
+        let key = ScopedKey::new("", name);
+        let (token, _) = acquired(&store, &req(&key, 60_000, 60_000)).await;
+        store
+            .mark_uncertain(&key, tower_idempotency::store::FencingToken::new(token))
+            .await
+            .expect("mark");
+        if let Some(at) = at {
+            sqlx::query(sqlx::AssertSqlSafe(format!(
+                "UPDATE idempotency_records SET updated_at = {at} WHERE key = CAST('{name}' AS BLOB)"
+            )))
+            .execute(&pool)
+            .await
+            .expect("damage");
+        }
+        keys.push(name.to_owned());
+    }
+    for newest in [false, true] {
+        let seen = page_all(&store, newest, keys.len() * 3).await;
+        once_each(
+            &seen,
+            &keys,
+            if newest {
+                "newest first"
+            } else {
+                "oldest first"
+            },
+        );
+    }
+    let _ = std::fs::remove_file(path);
+}
