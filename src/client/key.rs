@@ -15,16 +15,21 @@ use crate::key::KeyError;
 pub struct OperationKey(Arc<str>);
 
 impl OperationKey {
-    /// `{run}:{step}`: the key of `step` in the workflow run `run`.
+    /// `{run}:{step}`: the key of `step` in the workflow run `run`, with `:` and `%` in `run`
+    /// written `%3A` and `%25`, so that two different steps never share a key (`order:7` and
+    /// `refund` against `order` and `7:refund`).
     ///
     /// ```
     /// use tower_idempotency::client::OperationKey;
     ///
     /// let key = OperationKey::step("run-42", "refund-order-7")?;
     /// assert_eq!(key.as_str(), "run-42:refund-order-7");
+    /// let key = OperationKey::step("order:7", "refund")?;
+    /// assert_eq!(key.as_str(), "order%3A7:refund");
     /// # Ok::<_, tower_idempotency::KeyError>(())
     /// ```
     pub fn step(run: &str, step: &str) -> Result<Self, KeyError> {
+        let run = run.replace('%', "%25").replace(':', "%3A");
         Self::new(format!("{run}:{step}"))
     }
 
@@ -62,5 +67,22 @@ mod tests {
         );
         assert_eq!(OperationKey::step("a,b", "c"), Err(KeyError::Multiple));
         assert_eq!(OperationKey::new("k".repeat(256)), Err(KeyError::TooLong));
+    }
+
+    /// DESIGN §9: a key per durable step. Where the run ends and the step begins is part of
+    /// the key: steps that only join alike never share one.
+    #[test]
+    fn different_steps_never_share_a_key() {
+        let pairs = [
+            (("order:7", "refund"), ("order", "7:refund")),
+            (("a%3A", "b"), ("a:", "b")),
+            (("a%", "3A:b"), ("a", "%3A:b")),
+            (("", ":x"), (":", "x")),
+        ];
+        for ((run_a, step_a), (run_b, step_b)) in pairs {
+            let a = OperationKey::step(run_a, step_a).expect("key");
+            let b = OperationKey::step(run_b, step_b).expect("key");
+            assert_ne!(a, b, "{run_a:?}/{step_a:?} and {run_b:?}/{step_b:?}");
+        }
     }
 }
