@@ -98,8 +98,10 @@ impl Details {
                 }
                 b"type.googleapis.com/google.rpc.RetryInfo" => {
                     for field in Fields(value) {
+                        // A delay out of range (negative, absurd) is dropped on its own: the
+                        // reason beside it still says what the status means.
                         if let (1, Value::Bytes(delay)) = field? {
-                            out.retry_delay = Some(duration(delay)?);
+                            out.retry_delay = duration(delay);
                         }
                     }
                 }
