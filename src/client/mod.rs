@@ -171,7 +171,8 @@ pub enum ClientError {
         window: Duration,
     },
     /// The answer's body is larger than
-    /// [`max_answer_bytes`](IdempotentClientLayer::max_answer_bytes): the operation has most
+    /// [`max_answer_bytes`](IdempotentClientLayer::max_answer_bytes), and its head does not say
+    /// that nothing ran (a `503` or a `409 in-flight` is retried): the operation has most
     /// likely taken effect, and every retry would get the same answer. Raise the limit.
     AnswerTooLarge {
         /// The key.
@@ -303,14 +304,17 @@ impl IdempotentClientLayer {
         self
     }
 
-    /// How long a whole call may take, its attempts and waits together (default 60 s).
+    /// How long a whole call may take, reading the request's body, its attempts and waits
+    /// together (default 60 s). A wait the server asks for that would end past it is cut to
+    /// half the time left, so that the call asks once more while it can.
     pub fn deadline(mut self, deadline: Duration) -> Self {
         self.deadline = deadline;
         self
     }
 
     /// The most an answer's body may hold (default 16 MiB): it is read whole, in memory, before
-    /// it is judged. A larger one ends the call with [`ClientError::AnswerTooLarge`].
+    /// it is judged. A larger one is judged by its head: retried if that says nothing ran (a
+    /// proxy's `503` page), otherwise the call ends with [`ClientError::AnswerTooLarge`].
     pub fn max_answer_bytes(mut self, limit: usize) -> Self {
         self.max_answer_bytes = limit;
         self
@@ -367,6 +371,24 @@ pub struct IdempotentClient<S> {
 
 type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send>>;
 
+/// What one attempt brought back.
+enum Attempt {
+    /// The answer, read whole.
+    Answer(Response<CallBody>),
+    /// An answer whose body is over `max_answer_bytes`: its head, with no body.
+    TooLarge(Response<CallBody>),
+}
+
+/// An attempt's answer, or the verdict of an answer judged by its head alone.
+#[expect(
+    clippy::large_enum_variant,
+    reason = "a value made and matched at once, once per attempt"
+)]
+enum Judged {
+    Answer(Response<CallBody>),
+    Head(Verdict),
+}
+
 impl<S, B, ResBody> Service<Request<B>> for IdempotentClient<S>
 where
     S: Service<Request<Full<Bytes>>, Response = Response<ResBody>> + Clone + Send + 'static,
@@ -414,18 +436,26 @@ where
         .get::<OperationKey>()
         .cloned()
         .ok_or(ClientError::NoOperationKey)?;
-    let (parts, body) = req.into_parts();
-    let bytes = body
-        .collect()
-        .await
-        .map_err(|e| ClientError::Body(e.into()))?
-        .to_bytes();
     let key_value = HeaderValue::from_str(key.as_str()).map_err(|e| ClientError::Body(e.into()))?;
     let started = tokio::time::Instant::now();
     // `Duration::MAX` means no deadline of its own: a century stands in for it.
     let deadline = started
         .checked_add(config.deadline)
         .unwrap_or_else(|| started + Duration::from_secs(100 * 365 * 86_400));
+    // The whole body before the first attempt (every attempt sends it again), within the
+    // call's deadline: a body that never ends (a stalled upload) must not hang the call.
+    let (parts, body) = req.into_parts();
+    let bytes = match tokio::time::timeout_at(deadline, body.collect()).await {
+        Ok(collected) => collected
+            .map_err(|e| ClientError::Body(e.into()))?
+            .to_bytes(),
+        Err(_) => {
+            return Err(ClientError::DeadlineExceeded {
+                key: key.as_str().to_owned(),
+                attempts: 0,
+            });
+        }
+    };
     let mut report = CallReport {
         key: key.as_str().to_owned(),
         attempts: 0,
@@ -457,28 +487,55 @@ where
             let (head, body) = res.into_parts();
             // Whole, trailers included: gRPC says in them how the call ended. Bounded: the
             // answer is held in memory.
-            let collected = http_body_util::Limited::new(body, config.max_answer_bytes)
+            let collected = match http_body_util::Limited::new(body, config.max_answer_bytes)
                 .collect()
-                .await?;
+                .await
+            {
+                Ok(collected) => collected,
+                // Judged by its head alone (below): a proxy's large error page is not the
+                // operation's answer.
+                Err(error) if error.is::<http_body_util::LengthLimitError>() => {
+                    return Ok(Attempt::TooLarge(Response::from_parts(
+                        head,
+                        CallBody::default(),
+                    )));
+                }
+                Err(error) => return Err(error),
+            };
             let trailers = collected.trailers().cloned();
             let body = CallBody::new(collected.to_bytes(), trailers);
-            Ok::<_, BoxError>(Response::from_parts(head, body))
+            Ok::<_, BoxError>(Attempt::Answer(Response::from_parts(head, body)))
         })
         .await;
         if sent_one {
             report.attempts += 1;
             metrics::counter!("idempotency_client_attempts_total").increment(1);
         }
-        if let Ok(Err(error)) = &sent
-            && error.is::<http_body_util::LengthLimitError>()
-        {
-            return Err(ClientError::AnswerTooLarge {
-                key: report.key,
-                limit: config.max_answer_bytes,
-            });
-        }
+        // An answer too large to hold: retried if its head alone says nothing ran (a 503, a
+        // 409 in flight), otherwise the operation has most likely taken effect.
+        let sent = match sent {
+            Ok(Ok(Attempt::TooLarge(head))) => match verdict(&head) {
+                verdict @ (Verdict::Retry { .. } | Verdict::InFlight { .. }) => {
+                    Ok(Ok(Judged::Head(verdict)))
+                }
+                _ => {
+                    return Err(ClientError::AnswerTooLarge {
+                        key: report.key,
+                        limit: config.max_answer_bytes,
+                    });
+                }
+            },
+            Ok(Ok(Attempt::Answer(res))) => Ok(Ok(Judged::Answer(res))),
+            Ok(Err(error)) => Ok(Err(error)),
+            Err(elapsed) => Err(elapsed),
+        };
         let (pause, last_error) = match sent {
-            Ok(Ok(res)) => match verdict(&res) {
+            Ok(Ok(Judged::Head(Verdict::InFlight { retry_after }))) => {
+                report.waits += 1;
+                (config.pause(retry_after, backoff), None)
+            }
+            Ok(Ok(Judged::Head(_))) => (backoff, None),
+            Ok(Ok(Judged::Answer(res))) => match verdict(&res) {
                 Verdict::Done { replayed } => {
                     report.ended = match replayed {
                         true => Ended::Replayed,
@@ -512,9 +569,15 @@ where
         };
         let pause = retry::jitter(pause);
         backoff = backoff.saturating_mul(2).min(config.max_backoff);
-        // A pause past any clock (a hostile `Retry-After`) is past the deadline too.
-        let resume = tokio::time::Instant::now().checked_add(pause);
-        if resume.is_none_or(|resume| resume >= deadline) {
+        // A pause that does not end before the deadline (a `Retry-After` of a whole lease, or
+        // past any clock) is cut to half the time left, so that the call asks once more while
+        // it can; only when even that leaves less than the first backoff does it give up.
+        let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+        let pause = match pause < left {
+            true => Some(pause),
+            false => (!left.is_zero() && left / 2 >= config.first_backoff).then_some(left / 2),
+        };
+        let Some(pause) = pause else {
             metrics::counter!("idempotency_client_deadline_exceeded_total").increment(1);
             return Err(match last_error {
                 Some(error) => ClientError::Transport(error),
@@ -523,7 +586,7 @@ where
                     attempts: report.attempts,
                 },
             });
-        }
+        };
         tokio::time::sleep(pause).await;
     }
 }

@@ -23,11 +23,23 @@ pub(super) fn verdict(res: &Response<CallBody>) -> Verdict {
         .get(header::RETRY_AFTER)
         .and_then(|v| v.to_str().ok()?.trim().parse::<u64>().ok())
         .map(Duration::from_secs);
-    let problem = problem_slug(res);
+    let (problem, state) = problem_of(res);
     match (res.status(), problem.as_deref()) {
         (_, Some("fingerprint-mismatch")) => Verdict::KeyReused,
         (_, Some("outcome-unknown")) => Verdict::OutcomeUnknown,
         (StatusCode::CONFLICT, Some("in-flight")) => Verdict::InFlight { retry_after },
+        // A 409 whose body is encoded (a compression layer outside the server's idempotency
+        // layer) cannot say whether it is the layer's "in flight" or the application's own
+        // answer: asked again, the application's comes back marked as a replay, the layer's
+        // as it was, and a wait costs nothing either way.
+        (StatusCode::CONFLICT, None) if !replayed && encoded(res) => {
+            Verdict::InFlight { retry_after }
+        }
+        // The server recorded this failure as the key's outcome ("it will not run again"):
+        // asking again would only replay it.
+        (_, Some("execution-failed")) if state.as_deref() == Some("completed") => {
+            Verdict::Done { replayed }
+        }
         // The server is wired wrong: every retry would get the same answer.
         (_, Some("scope-missing" | "not-guarded" | "fingerprint-failed")) => {
             Verdict::Done { replayed }
@@ -41,24 +53,43 @@ pub(super) fn verdict(res: &Response<CallBody>) -> Verdict {
     }
 }
 
+/// Whether the answer's body is in a content coding other than `identity`.
+fn encoded(res: &Response<CallBody>) -> bool {
+    res.headers()
+        .get_all(header::CONTENT_ENCODING)
+        .iter()
+        .any(|v| {
+            v.to_str()
+                .map_or(true, |v| !v.trim().eq_ignore_ascii_case("identity"))
+        })
+}
+
 /// The last segment of the `type` (`urn:tower-idempotency:problem:<slug>`) of the middleware's
-/// own answers: a problem document, or a JSON-RPC error with the problem in `error.data` (the
-/// layer's JSON-RPC mode).
-fn problem_slug(res: &Response<CallBody>) -> Option<String> {
-    let content_type = res.headers().get(header::CONTENT_TYPE)?.to_str().ok()?;
-    let essence = content_type.split(';').next()?.trim();
-    let problem = essence.eq_ignore_ascii_case("application/problem+json");
-    if !problem && !essence.eq_ignore_ascii_case("application/json") {
-        return None;
-    }
-    let body: serde_json::Value = serde_json::from_slice(&res.body().bytes()).ok()?;
-    let kind = match problem {
-        true => &body["type"],
-        false => &body["error"]["data"]["type"],
+/// own answers, and the key's `state` they state: a problem document, or a JSON-RPC error with
+/// the problem in `error.data` (the layer's JSON-RPC mode).
+fn problem_of(res: &Response<CallBody>) -> (Option<String>, Option<String>) {
+    let read = || {
+        let content_type = res.headers().get(header::CONTENT_TYPE)?.to_str().ok()?;
+        let essence = content_type.split(';').next()?.trim();
+        let problem = essence.eq_ignore_ascii_case("application/problem+json");
+        if !problem && !essence.eq_ignore_ascii_case("application/json") {
+            return None;
+        }
+        let mut body: serde_json::Value = serde_json::from_slice(&res.body().bytes()).ok()?;
+        let document = match problem {
+            true => body,
+            false => body["error"]["data"].take(),
+        };
+        let slug = document["type"]
+            .as_str()?
+            .strip_prefix("urn:tower-idempotency:problem:")?
+            .to_owned();
+        Some((slug, document["state"].as_str().map(str::to_owned)))
     };
-    kind.as_str()?
-        .strip_prefix("urn:tower-idempotency:problem:")
-        .map(str::to_owned)
+    match read() {
+        Some((slug, state)) => (Some(slug), state),
+        None => (None, None),
+    }
 }
 
 /// `pause` with up to a quarter taken off or added at random, so that callers who failed
@@ -177,6 +208,38 @@ mod tests {
         // A 409 of the application's own is its answer.
         assert_eq!(
             verdict(&answer(409, &[], "taken")),
+            Verdict::Done { replayed: false }
+        );
+        // One whose body a compression layer encoded cannot say whose it is: asked again
+        // (the application's comes back marked as a replay).
+        let gzipped = [
+            ("content-type", "application/problem+json"),
+            ("content-encoding", "gzip"),
+            ("retry-after", "1"),
+        ];
+        assert_eq!(
+            verdict(&answer(409, &gzipped, "\u{1f}\u{8b}")),
+            Verdict::InFlight {
+                retry_after: Some(Duration::from_secs(1))
+            }
+        );
+        let replayed = [
+            ("content-encoding", "gzip"),
+            ("idempotency-replayed", "true"),
+        ];
+        assert_eq!(
+            verdict(&answer(409, &replayed, "\u{1f}\u{8b}")),
+            Verdict::Done { replayed: true }
+        );
+        // A failure the server recorded as the key's outcome is the answer.
+        let recorded =
+            r#"{"type":"urn:tower-idempotency:problem:execution-failed","state":"completed"}"#;
+        assert_eq!(
+            verdict(&answer(
+                500,
+                &[("content-type", "application/problem+json")],
+                recorded
+            )),
             Verdict::Done { replayed: false }
         );
         assert_eq!(
