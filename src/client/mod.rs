@@ -305,8 +305,9 @@ impl IdempotentClientLayer {
     }
 
     /// How long a whole call may take, reading the request's body, its attempts and waits
-    /// together (default 60 s). A wait the server asks for that would end past it is cut to
-    /// half the time left, so that the call asks once more while it can.
+    /// together (default 60 s). The first wait the server asks for that would end past it is
+    /// cut to half the time left, so that the call asks once more while it can; the next one
+    /// ends the call.
     pub fn deadline(mut self, deadline: Duration) -> Self {
         self.deadline = deadline;
         self
@@ -463,6 +464,8 @@ where
         ended: Ended::Answered,
     };
     let mut backoff = config.first_backoff;
+    // Whether a pause past the deadline was cut already (see below): once per call.
+    let mut cut = false;
     loop {
         // The same head, extensions and bytes every time.
         let mut attempt = Request::new(Full::new(bytes.clone()));
@@ -570,12 +573,17 @@ where
         let pause = retry::jitter(pause);
         backoff = backoff.saturating_mul(2).min(config.max_backoff);
         // A pause that does not end before the deadline (a `Retry-After` of a whole lease, or
-        // past any clock) is cut to half the time left, so that the call asks once more while
-        // it can; only when even that leaves less than the first backoff does it give up.
+        // past any clock) is cut to half the time left, once, so that the call asks once more
+        // while it can (a run that ends sooner than its lease is then answered); asked again to
+        // wait past the deadline, it gives up rather than press a server that asked for time.
         let left = deadline.saturating_duration_since(tokio::time::Instant::now());
         let pause = match pause < left {
             true => Some(pause),
-            false => (!left.is_zero() && left / 2 >= config.first_backoff).then_some(left / 2),
+            false if !cut && !left.is_zero() && left / 2 >= config.first_backoff => {
+                cut = true;
+                Some(left / 2)
+            }
+            false => None,
         };
         let Some(pause) = pause else {
             metrics::counter!("idempotency_client_deadline_exceeded_total").increment(1);

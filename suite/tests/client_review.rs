@@ -148,6 +148,35 @@ async fn s9_an_inner_service_never_ready_or_failing_readiness_is_bounded() {
     }
 }
 
+/// A server that keeps asking for more time than the deadline leaves (`503`, `Retry-After` of
+/// an hour): the call asks once more at half the time left, then stops, and never presses the
+/// server with attempts packed before the deadline.
+#[tokio::test]
+async fn s9_a_wait_past_the_deadline_is_cut_once() {
+    let count = Arc::new(AtomicUsize::new(0));
+    let inner = scripted(count.clone(), |_| {
+        answer(503, &[("retry-after", "3600")], "come back in an hour")
+    });
+    let layer = IdempotentClientLayer::new()
+        .deadline(Duration::from_secs(2))
+        .backoff(Duration::from_millis(20), Duration::from_millis(50));
+    let r = tokio::time::timeout(
+        Duration::from_secs(30),
+        on(layer, inner).oneshot(keyed(&key("cut"))),
+    )
+    .await
+    .expect("ended");
+    assert!(
+        matches!(r, Err(ClientError::DeadlineExceeded { attempts: 2, .. })),
+        "{r:?}"
+    );
+    assert_eq!(
+        count.load(Ordering::SeqCst),
+        2,
+        "the first attempt and one more"
+    );
+}
+
 /// A server answering `409 in-flight` for ever, with every hostile `Retry-After` form: the call
 /// ends with `DeadlineExceeded` within the deadline, and never spins.
 #[tokio::test]
