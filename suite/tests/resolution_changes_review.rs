@@ -80,25 +80,39 @@ async fn pg_damaged(table: &str) -> Option<(tower_idempotency::store::PostgresSt
         ("i-1969", Some("1969-06-01 00:00:00+00")),
         ("j-now", None),
     ];
+    let keys = uncertain_at(&store, &times, async |name, at| {
+        sqlx::query(sqlx::AssertSqlSafe(format!(
+            "UPDATE {table} SET updated_at = '{at}' WHERE key = '{name}'::bytea"
+        )))
+        .execute(&pool)
+        .await
+        .expect("damage");
+    })
+    .await;
+    Some((store, keys))
+}
+
+/// Claims each named key and marks it uncertain, then has `damage` write its time by hand
+/// (none: its own); the names, in order.
+async fn uncertain_at<S: IdempotencyStore>(
+    store: &S,
+    times: &[(&str, Option<&str>)],
+    damage: impl AsyncFn(&str, &str),
+) -> Vec<String> {
     let mut keys = Vec::new();
-    for (name, at) in times {
+    for &(name, at) in times {
         let key = ScopedKey::new("", name);
-        let (token, _) = acquired(&store, &req(&key, 60_000, 60_000)).await;
+        let (token, _) = acquired(store, &req(&key, 60_000, 60_000)).await;
         store
             .mark_uncertain(&key, tower_idempotency::store::FencingToken::new(token))
             .await
             .expect("mark");
         if let Some(at) = at {
-            sqlx::query(sqlx::AssertSqlSafe(format!(
-                "UPDATE {table} SET updated_at = '{at}' WHERE key = '{name}'::bytea"
-            )))
-            .execute(&pool)
-            .await
-            .expect("damage");
+            damage(name, at).await;
         }
         keys.push(name.to_owned());
     }
-    Some((store, keys))
+    keys
 }
 
 fn once_each(seen: &[String], keys: &[String], what: &str) {
@@ -420,24 +434,15 @@ async fn sqlite_paging_through_far_and_negative_times_ends_once_each() {
         ("e-before", Some("-2000000000000")),
         ("f-now", None),
     ];
-    let mut keys = Vec::new();
-    for (name, at) in times {
-        let key = ScopedKey::new("", name);
-        let (token, _) = acquired(&store, &req(&key, 60_000, 60_000)).await;
-        store
-            .mark_uncertain(&key, tower_idempotency::store::FencingToken::new(token))
-            .await
-            .expect("mark");
-        if let Some(at) = at {
-            sqlx::query(sqlx::AssertSqlSafe(format!(
-                "UPDATE idempotency_records SET updated_at = {at} WHERE key = CAST('{name}' AS BLOB)"
-            )))
-            .execute(&pool)
-            .await
-            .expect("damage");
-        }
-        keys.push(name.to_owned());
-    }
+    let keys = uncertain_at(&store, &times, async |name, at| {
+        sqlx::query(sqlx::AssertSqlSafe(format!(
+            "UPDATE idempotency_records SET updated_at = {at} WHERE key = CAST('{name}' AS BLOB)"
+        )))
+        .execute(&pool)
+        .await
+        .expect("damage");
+    })
+    .await;
     for newest in [false, true] {
         let seen = page_all(&store, newest, keys.len() * 3).await;
         once_each(
