@@ -372,24 +372,6 @@ pub struct IdempotentClient<S> {
 
 type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send>>;
 
-/// What one attempt brought back.
-enum Attempt {
-    /// The answer, read whole.
-    Answer(Response<CallBody>),
-    /// An answer whose body is over `max_answer_bytes`: its head, with no body.
-    TooLarge(Response<CallBody>),
-}
-
-/// An attempt's answer, or the verdict of an answer judged by its head alone.
-#[expect(
-    clippy::large_enum_variant,
-    reason = "a value made and matched at once, once per attempt"
-)]
-enum Judged {
-    Answer(Response<CallBody>),
-    Head(Verdict),
-}
-
 impl<S, B, ResBody> Service<Request<B>> for IdempotentClient<S>
 where
     S: Service<Request<Full<Bytes>>, Response = Response<ResBody>> + Clone + Send + 'static,
@@ -498,47 +480,32 @@ where
                 // Judged by its head alone (below): a proxy's large error page is not the
                 // operation's answer.
                 Err(error) if error.is::<http_body_util::LengthLimitError>() => {
-                    return Ok(Attempt::TooLarge(Response::from_parts(
-                        head,
-                        CallBody::default(),
-                    )));
+                    return Ok((Response::from_parts(head, CallBody::default()), true));
                 }
                 Err(error) => return Err(error),
             };
             let trailers = collected.trailers().cloned();
             let body = CallBody::new(collected.to_bytes(), trailers);
-            Ok::<_, BoxError>(Attempt::Answer(Response::from_parts(head, body)))
+            // The answer, and whether its body was too large to keep.
+            Ok::<_, BoxError>((Response::from_parts(head, body), false))
         })
         .await;
         if sent_one {
             report.attempts += 1;
             metrics::counter!("idempotency_client_attempts_total").increment(1);
         }
-        // An answer too large to hold: retried if its head alone says nothing ran (a 503, a
-        // 409 in flight), otherwise the operation has most likely taken effect.
-        let sent = match sent {
-            Ok(Ok(Attempt::TooLarge(head))) => match verdict(&head) {
-                verdict @ (Verdict::Retry { .. } | Verdict::InFlight { .. }) => {
-                    Ok(Ok(Judged::Head(verdict)))
-                }
-                _ => {
+        let (pause, last_error) = match sent {
+            Ok(Ok((res, too_large))) => match verdict(&res) {
+                // An answer too large to hold, whose head alone does not say nothing ran (a
+                // 503, a 409 in flight): the operation has most likely taken effect.
+                Verdict::Done { .. } | Verdict::KeyReused | Verdict::OutcomeUnknown
+                    if too_large =>
+                {
                     return Err(ClientError::AnswerTooLarge {
                         key: report.key,
                         limit: config.max_answer_bytes,
                     });
                 }
-            },
-            Ok(Ok(Attempt::Answer(res))) => Ok(Ok(Judged::Answer(res))),
-            Ok(Err(error)) => Ok(Err(error)),
-            Err(elapsed) => Err(elapsed),
-        };
-        let (pause, last_error) = match sent {
-            Ok(Ok(Judged::Head(Verdict::InFlight { retry_after }))) => {
-                report.waits += 1;
-                (config.pause(retry_after, backoff), None)
-            }
-            Ok(Ok(Judged::Head(_))) => (backoff, None),
-            Ok(Ok(Judged::Answer(res))) => match verdict(&res) {
                 Verdict::Done { replayed } => {
                     report.ended = match replayed {
                         true => Ended::Replayed,
