@@ -23,8 +23,12 @@ pub(super) fn verdict(res: &Response<CallBody>) -> Verdict {
         .get(header::RETRY_AFTER)
         .and_then(|v| v.to_str().ok()?.trim().parse::<u64>().ok())
         .map(Duration::from_secs);
-    let (problem, state) = problem_of(res);
-    match (res.status(), problem.as_deref()) {
+    let problem = problem_of(res);
+    let (slug, state) = match &problem {
+        Some((slug, state)) => (Some(slug.as_str()), state.as_deref()),
+        None => (None, None),
+    };
+    match (res.status(), slug) {
         (_, Some("fingerprint-mismatch")) => Verdict::KeyReused,
         (_, Some("outcome-unknown")) => Verdict::OutcomeUnknown,
         (StatusCode::CONFLICT, Some("in-flight")) => Verdict::InFlight { retry_after },
@@ -37,9 +41,7 @@ pub(super) fn verdict(res: &Response<CallBody>) -> Verdict {
         }
         // The server recorded this failure as the key's outcome ("it will not run again"):
         // asking again would only replay it.
-        (_, Some("execution-failed")) if state.as_deref() == Some("completed") => {
-            Verdict::Done { replayed }
-        }
+        (_, Some("execution-failed")) if state == Some("completed") => Verdict::Done { replayed },
         // The server is wired wrong: every retry would get the same answer.
         (_, Some("scope-missing" | "not-guarded" | "fingerprint-failed")) => {
             Verdict::Done { replayed }
@@ -67,29 +69,23 @@ fn encoded(res: &Response<CallBody>) -> bool {
 /// The last segment of the `type` (`urn:tower-idempotency:problem:<slug>`) of the middleware's
 /// own answers, and the key's `state` they state: a problem document, or a JSON-RPC error with
 /// the problem in `error.data` (the layer's JSON-RPC mode).
-fn problem_of(res: &Response<CallBody>) -> (Option<String>, Option<String>) {
-    let read = || {
-        let content_type = res.headers().get(header::CONTENT_TYPE)?.to_str().ok()?;
-        let essence = content_type.split(';').next()?.trim();
-        let problem = essence.eq_ignore_ascii_case("application/problem+json");
-        if !problem && !essence.eq_ignore_ascii_case("application/json") {
-            return None;
-        }
-        let mut body: serde_json::Value = serde_json::from_slice(&res.body().bytes()).ok()?;
-        let document = match problem {
-            true => body,
-            false => body["error"]["data"].take(),
-        };
-        let slug = document["type"]
-            .as_str()?
-            .strip_prefix("urn:tower-idempotency:problem:")?
-            .to_owned();
-        Some((slug, document["state"].as_str().map(str::to_owned)))
-    };
-    match read() {
-        Some((slug, state)) => (Some(slug), state),
-        None => (None, None),
+fn problem_of(res: &Response<CallBody>) -> Option<(String, Option<String>)> {
+    let content_type = res.headers().get(header::CONTENT_TYPE)?.to_str().ok()?;
+    let essence = content_type.split(';').next()?.trim();
+    let problem = essence.eq_ignore_ascii_case("application/problem+json");
+    if !problem && !essence.eq_ignore_ascii_case("application/json") {
+        return None;
     }
+    let mut body: serde_json::Value = serde_json::from_slice(&res.body().bytes()).ok()?;
+    let document = match problem {
+        true => body,
+        false => body["error"]["data"].take(),
+    };
+    let slug = document["type"]
+        .as_str()?
+        .strip_prefix("urn:tower-idempotency:problem:")?
+        .to_owned();
+    Some((slug, document["state"].as_str().map(str::to_owned)))
 }
 
 /// `pause` with up to a quarter taken off or added at random, so that callers who failed
