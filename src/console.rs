@@ -71,6 +71,7 @@ use serde_json::{Value, json};
 
 use crate::key::hex;
 use crate::reconcile::{Reconciliation, downstream_key, resolve_at};
+use crate::store::uncertain::{from_ticks, ticks};
 use crate::store::{
     FencingToken, IdempotencyStore, Record, ScopedKey, StoreError, StoredResponse, UncertainCursor,
     UncertainQuery,
@@ -164,25 +165,20 @@ fn param<'a>(pairs: &'a [(String, String)], name: &str) -> Option<&'a str> {
 /// time written by hand into a SQL store may be), then the key as a [`key_ref`] of its bytes
 /// as stored.
 fn cursor_text(cursor: &UncertainCursor) -> String {
-    let micros = match cursor.updated_at.duration_since(SystemTime::UNIX_EPOCH) {
-        Ok(after) => i128::try_from(after.as_micros()).unwrap_or(i128::MAX),
-        Err(before) => -i128::try_from(before.duration().as_micros()).unwrap_or(i128::MAX),
-    };
+    let micros = ticks(cursor.updated_at, MICRO);
     let (scope, key) = cursor.bytes();
     format!("{micros}~{}", bytes_ref(scope, key))
 }
 
 fn parse_cursor(text: &str) -> Option<UncertainCursor> {
     let (micros, reference) = text.split_once('~')?;
-    let micros: i128 = micros.parse().ok()?;
-    let span = Duration::from_micros(u64::try_from(micros.unsigned_abs()).ok()?);
-    let at = match micros < 0 {
-        true => SystemTime::UNIX_EPOCH.checked_sub(span)?,
-        false => SystemTime::UNIX_EPOCH.checked_add(span)?,
-    };
+    let at = from_ticks(micros.parse().ok()?, MICRO);
     let (scope, key) = parse_bytes_ref(reference)?;
     Some(UncertainCursor::stored(at, scope, key))
 }
+
+/// A cursor's unit of time.
+const MICRO: Duration = Duration::from_micros(1);
 
 fn millis(t: SystemTime) -> u64 {
     t.duration_since(SystemTime::UNIX_EPOCH)

@@ -23,7 +23,7 @@ pub mod redis;
 mod sql;
 #[cfg(feature = "sqlite")]
 mod sqlite;
-mod uncertain;
+pub(crate) mod uncertain;
 mod waiting;
 
 use std::fmt;

@@ -131,37 +131,7 @@ pub(crate) fn descending(ascending: &str) -> String {
         )
 }
 
-/// `at` as a whole number of `tick`s from the Unix epoch (negative before it, rounded down),
-/// for a listing cursor: the inverse of [`from_ticks`], saturating past `i64`.
-pub(crate) fn ticks(at: SystemTime, tick: Duration) -> i64 {
-    let tick = tick.as_nanos().max(1);
-    let n = match at.duration_since(UNIX_EPOCH) {
-        Ok(after) => i128::try_from(after.as_nanos() / tick).unwrap_or(i128::MAX),
-        Err(before) => {
-            -i128::try_from(before.duration().as_nanos().div_ceil(tick)).unwrap_or(i128::MAX)
-        }
-    };
-    i64::try_from(n).unwrap_or(if n < 0 { i64::MIN } else { i64::MAX })
-}
-
-/// The time `ticks` whole `tick`s from the Unix epoch (before it when negative), exactly: a
-/// listing's next cursor must name the place of the record it ends on, however far from
-/// today a time written by hand puts it, or the next page repeats or skips records.
-pub(crate) fn from_ticks(ticks: i64, tick: Duration) -> SystemTime {
-    const NANOS: u128 = 1_000_000_000;
-    let nanos = u128::from(ticks.unsigned_abs()) * tick.as_nanos();
-    let span = Duration::new(
-        u64::try_from(nanos / NANOS).unwrap_or(u64::MAX),
-        u32::try_from(nanos % NANOS).unwrap_or(0),
-    );
-    let at = match ticks < 0 {
-        true => UNIX_EPOCH.checked_sub(span),
-        false => UNIX_EPOCH.checked_add(span),
-    };
-    // Every `i64` of milliseconds or microseconds fits the platform's time; nothing coarser
-    // is asked for.
-    at.unwrap_or(UNIX_EPOCH)
-}
+pub(crate) use super::uncertain::{from_ticks, ticks};
 
 /// The columns every claim or lookup reads, in this order.
 pub(crate) struct RawRecord {
@@ -810,34 +780,6 @@ pub(crate) use sql_store;
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// A cursor's time comes back as the place it was read from, for every place a store can
-    /// give (times written by hand included: far future, before the epoch, the sentinels):
-    /// a lossy round trip made the next page repeat or skip records.
-    #[test]
-    fn ticks_round_trip_exactly() {
-        for tick in [Duration::from_micros(1), Duration::from_millis(1)] {
-            for n in [
-                0,
-                1,
-                -1,
-                1_700_000_000_000,
-                -2_000_000_000_000,
-                18_446_744_073_709_552,
-                9_000_000_000_000_000_000,
-                9_200_000_000_000_000_000,
-                -210_000_000_000_000_000,
-                i64::MAX,
-                i64::MIN,
-            ] {
-                assert_eq!(ticks(from_ticks(n, tick), tick), n, "{n} of {tick:?}");
-            }
-        }
-        let far = UNIX_EPOCH + Duration::from_micros(u64::MAX);
-        assert_eq!(ticks(far, Duration::from_micros(1)), i64::MAX, "saturates");
-        let before = UNIX_EPOCH - Duration::from_nanos(1_500);
-        assert_eq!(ticks(before, Duration::from_micros(1)), -2, "rounded down");
-    }
 
     fn row(status: &str, token: i64) -> Record {
         RawRecord {
