@@ -765,15 +765,7 @@ async fn api_fields(req: Request) -> Result<serde_json::Map<String, Value>, Resp
     }
     let (_, body) = read_body(req).await?;
     match serde_json::from_slice::<Fields>(&body) {
-        Ok(Fields(fields)) => match misshapen(&fields) {
-            Some(name) => Err(problem(
-                StatusCode::BAD_REQUEST,
-                &format!(
-                    "{name} must be a string, a number or null (a response body is sent as text)"
-                ),
-            )),
-            None => Ok(fields),
-        },
+        Ok(Fields(fields)) => Ok(fields),
         Err(error) if error.is_data() => Err(problem(StatusCode::BAD_REQUEST, &error.to_string())),
         Err(_) => Err(problem(
             StatusCode::BAD_REQUEST,
@@ -782,8 +774,11 @@ async fn api_fields(req: Request) -> Result<serde_json::Map<String, Value>, Resp
     }
 }
 
-/// The fields of an API body, each named once. A map keeps the last of two values of one
-/// name, so a body could take back what it said (`"token": "5", "token": null`): refused.
+/// The fields of an API body as a form would carry them: each named once, each a string, a
+/// number or `null` (absent). A map keeps the last of two values of one name, so a body could
+/// take back what it said (`"token": "5", "token": null`); and a field of another shape
+/// (`{"status": [600]}`, `{"body": {"id": 1}}`) is a mistake to refuse, never one to read as
+/// absent and fill with its default (a 200, an empty body, the current attempt).
 struct Fields(serde_json::Map<String, Value>);
 
 impl<'de> serde::Deserialize<'de> for Fields {
@@ -808,6 +803,12 @@ impl<'de> serde::Deserialize<'de> for Fields {
                             "{name} is given twice"
                         )));
                     }
+                    if !matches!(value, Value::String(_) | Value::Number(_) | Value::Null) {
+                        return Err(serde::de::Error::custom(format_args!(
+                            "{name} must be a string, a number or null (a response body is \
+                             sent as text)"
+                        )));
+                    }
                     fields.insert(name, value);
                 }
                 Ok(Fields(fields))
@@ -826,16 +827,6 @@ fn json_field(fields: &serde_json::Map<String, Value>, name: &str) -> Option<Str
         Value::Number(n) => Some(n.to_string()),
         _ => None,
     }
-}
-
-/// The first field that is neither a string, a number nor `null`: a body such as
-/// `{"status": [600]}` or `{"body": {"id": 1}}` is a mistake to refuse, never a field to
-/// read as absent and fill with its default (a 200, an empty body, the current attempt).
-fn misshapen(fields: &serde_json::Map<String, Value>) -> Option<&str> {
-    fields
-        .iter()
-        .find(|(_, v)| !matches!(v, Value::String(_) | Value::Number(_) | Value::Null))
-        .map(|(name, _)| name.as_str())
 }
 
 async fn api_resolve<St: IdempotencyStore>(
