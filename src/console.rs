@@ -53,7 +53,8 @@
 //!
 //! Every write is refused (403) unless the browser says it comes from the console's own
 //! origin (`Sec-Fetch-Site: same-origin`, or an `http` or `https` `Origin` naming the
-//! request's host, and its scheme where the request names one); the JSON
+//! request's host, and its scheme where the request names one; behind a proxy, set the
+//! origin with [`Console::origin`] and an `Origin` must be it); the JSON
 //! API also requires `Content-Type: application/json`, which a cross-site form cannot send.
 //! Every stored byte shown in HTML is escaped. The reason of a resolution by hand is kept with
 //! the record ([`Record::resolution_note`]) and logged.
@@ -82,6 +83,9 @@ use crate::store::{
 pub struct Console<St> {
     store: Arc<St>,
     ttl: Duration,
+    /// The origins set with [`Console::origin`], each as [`origin_of`] writes it; `None` where
+    /// a configured URI has no origin (it matches nothing).
+    origins: Arc<[Option<String>]>,
 }
 
 impl<St> Clone for Console<St> {
@@ -89,6 +93,7 @@ impl<St> Clone for Console<St> {
         Self {
             store: self.store.clone(),
             ttl: self.ttl,
+            origins: self.origins.clone(),
         }
     }
 }
@@ -104,6 +109,7 @@ impl<St: IdempotencyStore> Console<St> {
         Self {
             store,
             ttl: Duration::from_secs(24 * 60 * 60),
+            origins: Arc::new([]),
         }
     }
 
@@ -111,6 +117,31 @@ impl<St: IdempotencyStore> Console<St> {
     /// as not applied is kept from then, for review (default 24 hours).
     pub fn ttl(mut self, ttl: Duration) -> Self {
         self.ttl = ttl;
+        self
+    }
+
+    /// A URL the console is served at, as browsers see it: writes must then come from its
+    /// origin (scheme, host and port; the path is not part of it) or from another one set
+    /// this way, and the request's own `Host` no longer decides. Set it when a proxy stands
+    /// in front: one that ends TLS and speaks HTTP/1.1 on leaves a request no way to say it
+    /// came over `https`, and one that rewrites `Host` would otherwise refuse every write.
+    /// A URI that has no origin (no `http` or `https` scheme, no host) matches no page, so
+    /// every write from a browser is refused until it is mended.
+    ///
+    /// ```
+    /// # use tower_idempotency::{MemoryStore, console::Console};
+    /// let console = Console::new(MemoryStore::new())
+    ///     .origin(http::Uri::from_static("https://ops.example.com/idempotency"));
+    /// # let _ = console;
+    /// ```
+    pub fn origin(mut self, url: http::Uri) -> Self {
+        let mut origins = self.origins.to_vec();
+        origins.push(
+            url.scheme_str()
+                .zip(url.authority())
+                .and_then(|(scheme, authority)| origin_of(scheme, authority.as_str())),
+        );
+        self.origins = origins.into();
         self
     }
 
@@ -451,15 +482,47 @@ fn record_link(base: &str, key: &ScopedKey) -> String {
 // ---------------------------------------------------------------------------------------------
 // Cross-site request forgery: writes come from the console's own pages, or not at all.
 
-/// Whether a browser says `req` comes from the console's own origin: `Sec-Fetch-Site`, or
-/// without it an `Origin` of the request's host. An origin is its scheme too: only `http` and
-/// `https` pages can be the console's, and where the request names its scheme (HTTP/2, an
-/// absolute URI) the origin's must be it. Over HTTP/1.1 the scheme is not sent, so a page of
-/// the same host and port over the other scheme passes; `Sec-Fetch-Site`, which every current
-/// browser sends, tells them apart.
-fn same_origin(req: &Request) -> bool {
+/// An origin as one text, to compare: `http` or `https` only, no user info, the host in
+/// lower case, a default port left out (`Host: x:80` and `Origin: http://x` name one origin).
+fn origin_of(scheme: &str, authority: &str) -> Option<String> {
+    let scheme = scheme.to_ascii_lowercase();
+    let default_port = match scheme.as_str() {
+        "http" => ":80",
+        "https" => ":443",
+        _ => return None,
+    };
+    if authority.is_empty() || authority.contains(['@', '/', '?', '#']) {
+        return None;
+    }
+    let host = authority.strip_suffix(default_port).unwrap_or(authority);
+    Some(format!("{scheme}://{}", host.to_ascii_lowercase()))
+}
+
+/// Whether a browser says `req` comes from the console's own origin.
+///
+/// With origins set ([`Console::origin`]), an `Origin` must be one of them, and without one
+/// `Sec-Fetch-Site` must say `same-origin`. Otherwise: `Sec-Fetch-Site`, or without it an
+/// `Origin` of the request's host. An origin is its scheme too: only `http` and `https`
+/// pages can be the console's, and where the request names its scheme (HTTP/2, an absolute
+/// URI) the origin's must be it. Over HTTP/1.1 the scheme is not sent, so a page of the same
+/// host and port over the other scheme passes; `Sec-Fetch-Site`, which every current browser
+/// sends, tells them apart.
+fn same_origin(req: &Request, origins: &[Option<String>]) -> bool {
     let headers = req.headers();
-    if let Some(site) = headers.get("sec-fetch-site") {
+    let site = headers.get("sec-fetch-site");
+    let origin = headers.get(header::ORIGIN).map(|o| {
+        o.to_str()
+            .ok()
+            .and_then(|o| o.split_once("://"))
+            .and_then(|(scheme, authority)| origin_of(scheme, authority))
+    });
+    if !origins.is_empty() {
+        return match origin {
+            Some(origin) => origin.is_some() && origins.contains(&origin),
+            None => site.is_some_and(|site| site == "same-origin"),
+        };
+    }
+    if let Some(site) = site {
         return site == "same-origin";
     }
     // The host as sent: its header, or (HTTP/2) the request's authority.
@@ -467,28 +530,16 @@ fn same_origin(req: &Request) -> bool {
         Some(host) => host.to_str().ok(),
         None => req.uri().authority().map(|a| a.as_str()),
     };
-    let (Some(origin), Some(host)) = (headers.get(header::ORIGIN), host) else {
+    let (Some(Some(origin)), Some(host)) = (origin, host) else {
         return false;
     };
-    let Ok(origin) = origin.to_str() else {
+    let Some((scheme, _)) = origin.split_once("://") else {
         return false;
     };
-    let Some((scheme, authority)) = origin.split_once("://") else {
-        return false;
-    };
-    if !matches!(scheme, "http" | "https")
-        || req.uri().scheme_str().is_some_and(|sent| sent != scheme)
-    {
+    if req.uri().scheme_str().is_some_and(|sent| sent != scheme) {
         return false;
     }
-    // `Host: x:80` and `Origin: http://x` name one origin.
-    let default_port = if scheme == "http" { ":80" } else { ":443" };
-    let bare = |h: &str| {
-        h.strip_suffix(default_port)
-            .unwrap_or(h)
-            .to_ascii_lowercase()
-    };
-    bare(authority) == bare(host)
+    origin_of(scheme, host).is_some_and(|host| host == origin)
 }
 
 fn forbidden() -> Response<Body> {
@@ -740,12 +791,15 @@ async fn api_record<St: IdempotencyStore>(
 }
 
 /// The fields of a JSON API write, after the same-origin and content-type checks.
-async fn api_fields(req: Request) -> Result<serde_json::Map<String, Value>, Response<Body>> {
+async fn api_fields<St>(
+    console: &Console<St>,
+    req: Request,
+) -> Result<serde_json::Map<String, Value>, Response<Body>> {
     // A browser says where a request comes from (Sec-Fetch-Site, Origin): from elsewhere is
     // refused. Without either, it is not a browser's cross-site request (a script, curl).
     let says =
         req.headers().contains_key(header::ORIGIN) || req.headers().contains_key("sec-fetch-site");
-    if says && !same_origin(&req) {
+    if says && !same_origin(&req, &console.origins) {
         return Err(forbidden());
     }
     let is_json = req
@@ -833,7 +887,7 @@ async fn api_resolve<St: IdempotencyStore>(
     State(console): State<Console<St>>,
     req: Request,
 ) -> Response<Body> {
-    let fields = match api_fields(req).await {
+    let fields = match api_fields(&console, req).await {
         Ok(fields) => fields,
         Err(res) => return res,
     };
@@ -858,7 +912,7 @@ async fn api_remove<St: IdempotencyStore>(
     State(console): State<Console<St>>,
     req: Request,
 ) -> Response<Body> {
-    let fields = match api_fields(req).await {
+    let fields = match api_fields(&console, req).await {
         Ok(fields) => fields,
         Err(res) => return res,
     };
@@ -894,7 +948,7 @@ async fn api_purge<St: IdempotencyStore>(
     State(console): State<Console<St>>,
     req: Request,
 ) -> Response<Body> {
-    if let Err(res) = api_fields(req).await {
+    if let Err(res) = api_fields(&console, req).await {
         return res;
     }
     match console.store.purge_expired().await {
@@ -1144,8 +1198,11 @@ async fn page_record<St: IdempotencyStore>(
 }
 
 /// The fields of a form post, after the same-origin check.
-async fn form_fields(req: Request) -> Result<Vec<(String, String)>, Response<Body>> {
-    if req.method() != Method::POST || !same_origin(&req) {
+async fn form_fields<St>(
+    console: &Console<St>,
+    req: Request,
+) -> Result<Vec<(String, String)>, Response<Body>> {
+    if req.method() != Method::POST || !same_origin(&req, &console.origins) {
         return Err(forbidden());
     }
     let (_, body) = read_body(req).await?;
@@ -1167,7 +1224,7 @@ async fn form_resolve<St: IdempotencyStore>(
     req: Request,
 ) -> Response<Body> {
     let base = base(&original, &req);
-    let fields = match form_fields(req).await {
+    let fields = match form_fields(&console, req).await {
         Ok(fields) => fields,
         Err(res) => return res,
     };
@@ -1188,7 +1245,7 @@ async fn form_remove<St: IdempotencyStore>(
     req: Request,
 ) -> Response<Body> {
     let base = base(&original, &req);
-    let fields = match form_fields(req).await {
+    let fields = match form_fields(&console, req).await {
         Ok(fields) => fields,
         Err(res) => return res,
     };
@@ -1209,7 +1266,7 @@ async fn form_purge<St: IdempotencyStore>(
     req: Request,
 ) -> Response<Body> {
     let base = base(&original, &req);
-    if let Err(res) = form_fields(req).await {
+    if let Err(res) = form_fields(&console, req).await {
         return res;
     }
     match console.store.purge_expired().await {

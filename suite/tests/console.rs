@@ -763,3 +763,176 @@ async fn s18_console_forms_and_api_hold_against_the_review() {
         StatusCode::NOT_FOUND
     );
 }
+
+/// A console served behind a proxy, set with its public origins (`Console::origin`).
+async fn console_at(origins: &[&'static str]) -> (SocketAddr, MemoryStore, Effects) {
+    let store = MemoryStore::new();
+    let effects = Effects::default();
+    let sink = effects.clone();
+    let charge = post(move |ctx: IdempotencyContext| {
+        let sink = sink.clone();
+        async move {
+            ctx.effect_started().await.expect("milestone");
+            sink.hit();
+            StatusCode::BAD_GATEWAY
+        }
+    });
+    let mut console = Console::new(store.clone());
+    for origin in origins {
+        console = console.origin(axum::http::Uri::from_static(origin));
+    }
+    let app = Router::new()
+        .route("/charge", charge)
+        .route_layer(IdempotencyLayer::new(store.clone()).single_tenant())
+        .nest("/ops/idempotency", console.router());
+    (serve(app).await, store, effects)
+}
+
+/// Sends a removal of `key` by the form or the JSON API with the given browser headers; the
+/// answer's status, and whether the record is still there afterwards.
+async fn remove_with(
+    addr: SocketAddr,
+    store: &MemoryStore,
+    key: &str,
+    api: bool,
+    headers: &[(&str, &str)],
+) -> (StatusCode, bool) {
+    let listed: Value = client()
+        .get(ops(addr, "/api/uncertain"))
+        .send()
+        .await
+        .expect("get")
+        .json()
+        .await
+        .expect("json");
+    let scope = listed["records"][0]["scope"]
+        .as_str()
+        .expect("a record awaits")
+        .to_owned();
+    let fields = [("scope", scope.as_str()), ("key", key), ("reason", "test")];
+    let mut req = if api {
+        let body: serde_json::Map<String, Value> = fields
+            .iter()
+            .map(|(n, v)| ((*n).to_owned(), Value::from(*v)))
+            .collect();
+        client()
+            .post(ops(addr, "/api/remove"))
+            .header("content-type", "application/json")
+            .body(Value::Object(body).to_string())
+    } else {
+        client()
+            .post(ops(addr, "/remove"))
+            .header("content-type", "application/x-www-form-urlencoded")
+            .body(
+                form_urlencoded::Serializer::new(String::new())
+                    .extend_pairs(fields)
+                    .finish(),
+            )
+    };
+    for (name, value) in headers {
+        req = req.header(*name, *value);
+    }
+    let status = req.send().await.expect("post").status();
+    let left = store
+        .lookup(&tower_idempotency::ScopedKey::new(&scope, key))
+        .await
+        .expect("lookup")
+        .is_some();
+    (status, left)
+}
+
+/// §7 (issue 18's cross-site refusals): behind a proxy that ends TLS and speaks HTTP/1.1,
+/// the request cannot say it came over `https`, and its `Host` may be the proxy's. With its
+/// public origin set, the console takes writes from that origin only (its scheme included),
+/// in any spelling a browser could send, and from nothing else: not the request's own host,
+/// not the other scheme, not a look-alike. Each refused write leaves its record in place.
+#[tokio::test]
+async fn s18_console_behind_a_proxy_takes_writes_from_its_set_origin_only() {
+    let (addr, store, effects) = console_at(&["https://ops.example.com/idempotency"]).await;
+    let own_host: &'static str = Box::leak(format!("http://{addr}").into_boxed_str());
+    for i in 0..12 {
+        assert_eq!(
+            charge(addr, &format!("p-{i}"), "x").await.status(),
+            StatusCode::BAD_GATEWAY
+        );
+    }
+    assert_eq!(effects.count(), 12);
+    let refused: [&[(&str, &str)]; 8] = [
+        &[("origin", "http://ops.example.com")],
+        &[("origin", own_host)],
+        &[("origin", own_host), ("sec-fetch-site", "same-origin")],
+        &[("origin", "https://ops.example.com.evil.example")],
+        &[("origin", "https://ops.example.com:8443")],
+        &[("origin", "null"), ("sec-fetch-site", "same-origin")],
+        &[("sec-fetch-site", "cross-site")],
+        &[("origin", "https://ops.example.com/")],
+    ];
+    for (i, headers) in refused.iter().enumerate() {
+        for api in [false, true] {
+            assert_eq!(
+                remove_with(addr, &store, &format!("p-{i}"), api, headers).await,
+                (StatusCode::FORBIDDEN, true),
+                "{headers:?}, api {api}"
+            );
+        }
+    }
+    // A form needs a browser's word; a script's API call (no browser headers) passes.
+    assert_eq!(
+        remove_with(addr, &store, "p-8", false, &[]).await,
+        (StatusCode::FORBIDDEN, true)
+    );
+    let allowed: [(&str, &[(&str, &str)], bool); 4] = [
+        ("p-8", &[("origin", "https://ops.example.com")], false),
+        ("p-9", &[("origin", "HTTPS://OPS.Example.COM:443")], true),
+        ("p-10", &[("sec-fetch-site", "same-origin")], false),
+        ("p-11", &[], true),
+    ];
+    for (key, headers, api) in allowed {
+        let (status, left) = remove_with(addr, &store, key, api, headers).await;
+        assert!(!left, "{key} {headers:?}: {status}");
+        assert!(status.is_success() || status.is_redirection(), "{status}");
+    }
+    assert_eq!(effects.count(), 12, "the console never runs a handler");
+}
+
+/// `Console::origin` given a URI with no origin (no scheme, another scheme) fails closed:
+/// no browser's write passes, not even one from the request's own host; a second origin
+/// set beside it still works.
+#[tokio::test]
+async fn s18_console_origin_set_without_an_origin_refuses_every_browser_write() {
+    let (addr, store, _) = console_at(&["/idempotency", "ftp://ops.example.com"]).await;
+    let own_host: &'static str = Box::leak(format!("http://{addr}").into_boxed_str());
+    for key in ["q-1", "q-2"] {
+        assert_eq!(
+            charge(addr, key, "x").await.status(),
+            StatusCode::BAD_GATEWAY
+        );
+    }
+    for headers in [
+        &[("origin", own_host)][..],
+        &[("origin", "ftp://ops.example.com")],
+        &[("sec-fetch-site", "same-origin"), ("origin", own_host)],
+    ] {
+        assert_eq!(
+            remove_with(addr, &store, "q-1", false, headers).await,
+            (StatusCode::FORBIDDEN, true),
+            "{headers:?}"
+        );
+    }
+
+    let (addr, store, _) =
+        console_at(&["ftp://ops.example.com", "http://ops.example.com:80"]).await;
+    assert_eq!(
+        charge(addr, "q-3", "x").await.status(),
+        StatusCode::BAD_GATEWAY
+    );
+    let (status, left) = remove_with(
+        addr,
+        &store,
+        "q-3",
+        true,
+        &[("origin", "http://ops.example.com")],
+    )
+    .await;
+    assert!(!left && status.is_success(), "{status}");
+}
