@@ -877,9 +877,11 @@ impl<St: IdempotencyStore> Execution<St> {
     fn held_while(&self, work: impl Future<Output = ()> + Send + 'static) {
         let hold = self.hold();
         if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            let pending = observe::PendingWrite::begin();
             let held = async move {
                 work.await;
                 drop(hold);
+                drop(pending);
             };
             runtime.spawn(held.in_current_span());
         }

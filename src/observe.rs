@@ -21,6 +21,7 @@
 //! | `idempotency_unreadable_records_total` | uncertain records the sweeper could not read (corrupt rows, skipped and kept) |
 //! | `idempotency_lease_lost_total` | holders that lost their lease while running (taken over, or set aside), once per holder |
 //! | `idempotency_stale_writes_total` | writes refused because the writer's lease was taken over |
+//! | `idempotency_pending_writes` (gauge) | writes after a run that failed and are being tried again (a record, a give-back), each holding its key in flight until it lands; one that stays up means a store that takes claims but not these writes |
 
 /// Declares the events, each with its counter's name, in one list: the enum, every event, and
 /// each one's key built and hashed at compile time (`counter!` with a name that is not a
@@ -96,6 +97,27 @@ pub(crate) fn spans_heard() -> bool {
     let info = tracing::Level::INFO;
     (info <= STATIC_MAX_LEVEL && info <= LevelFilter::current())
         || log::Level::Info <= log::max_level()
+}
+
+/// A write after a run being tried again on a task of its own, counted in
+/// `idempotency_pending_writes` from [`PendingWrite::begin`] until it is dropped (landed, given
+/// up, or its task dropped with the runtime). The gauge it raised is the one it lowers, so a
+/// recorder installed meanwhile is not left one below.
+pub(crate) struct PendingWrite(metrics::Gauge);
+
+impl PendingWrite {
+    /// Counts one more pending write.
+    pub(crate) fn begin() -> Self {
+        let gauge = metrics::gauge!("idempotency_pending_writes");
+        gauge.increment(1.0);
+        Self(gauge)
+    }
+}
+
+impl Drop for PendingWrite {
+    fn drop(&mut self) {
+        self.0.decrement(1.0);
+    }
 }
 
 /// Sets the gauges of records awaiting reconciliation: how many, and how long the oldest has

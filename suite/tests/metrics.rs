@@ -83,6 +83,59 @@ async fn s6_each_outcome_has_its_own_counter() {
     );
 
     uncertain_outcomes_move_their_own_counters(&counts).await;
+    a_write_tried_again_is_a_pending_write_until_it_lands(&counts).await;
+}
+
+/// DESIGN §6: a holder whose record does not land keeps its key in flight while it tries
+/// again; `idempotency_pending_writes` shows it from the first failure until the write lands,
+/// so an operator sees keys that would otherwise answer 409 with nothing listed anywhere.
+async fn a_write_tried_again_is_a_pending_write_until_it_lands(counts: &Counts) {
+    use std::time::Duration;
+
+    let store = FlakyStore::default();
+    let effects = Effects::default();
+    let sink = effects.clone();
+    let app = Router::new()
+        .route(
+            "/record",
+            post(move || async move {
+                sink.hit();
+                (StatusCode::CREATED, "made")
+            }),
+        )
+        .layer(IdempotencyLayer::new(store.clone()).single_tenant());
+    let addr = serve(app).await;
+    let send = || {
+        client()
+            .post(format!("http://{addr}/record"))
+            .header("idempotency-key", "w-pending")
+            .send()
+    };
+    let settled = |want: u64| async move {
+        for _ in 0..1000 {
+            if counts.get("idempotency_pending_writes") == want {
+                return true;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        false
+    };
+    assert_eq!(counts.get("idempotency_pending_writes"), 0);
+    store.fail_complete.store(true, Ordering::SeqCst);
+    assert_eq!(send().await.expect("r").status(), StatusCode::CREATED);
+    assert!(settled(1).await, "the failed record is pending");
+    assert_eq!(
+        send().await.expect("r").status(),
+        StatusCode::CONFLICT,
+        "its key is in flight meanwhile"
+    );
+    assert_eq!(counts.get("idempotency_pending_writes"), 1);
+    store.fail_complete.store(false, Ordering::SeqCst);
+    assert!(settled(0).await, "the write landed: nothing pending");
+    let replay = send().await.expect("r");
+    assert_eq!(replay.status(), StatusCode::CREATED);
+    assert_eq!(replay.headers()["idempotency-replayed"], "true");
+    assert_eq!(effects.count(), 1);
 }
 
 /// DESIGN §4 and §6: the safety counters, scenario by scenario (run after the first phase, in
