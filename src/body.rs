@@ -132,9 +132,10 @@ impl Gathered {
 }
 
 impl<B> RequestBody<B> {
-    pub(crate) fn buffered(data: Bytes) -> Self {
+    /// The bytes read, and the trailers that ended them if the client sent any.
+    pub(crate) fn buffered(data: Bytes, trailers: Option<Box<HeaderMap>>) -> Self {
         Self {
-            kind: Kind::full(data, None),
+            kind: Kind::full(data, trailers.map(|t| *t)),
         }
     }
 

@@ -172,19 +172,21 @@ impl<St: IdempotencyStore, M: MakeScope> Pipeline<St, M> {
                 Head::Refuse(refusal) => return Step::Answer(Ok(self.refuse(refusal))),
             };
             // A block, so the read's result is not kept in this future's state later on.
-            let bytes = {
+            let (bytes, trailers) = {
                 // A gRPC call is read message by message: a guarded method must be unary, and a
                 // streaming call is refused rather than buffered until a client that waits for a
                 // reply gives up (never a hang).
                 let buffered = match pending.reads_one_message() {
                     true => {
                         let text = crate::dialect::grpc_web::is_text(&parts.headers);
-                        Box::pin(read_unary(body, route.body_limit, text)).await
+                        Box::pin(read_unary(body, route.body_limit, text))
+                            .await
+                            .map(|bytes| (bytes, None))
                     }
                     false => buffer(&parts, body, route.body_limit).await,
                 };
                 match buffered {
-                    Ok(bytes) => bytes,
+                    Ok(read) => read,
                     Err(problem) => {
                         let refusal = refuse_body(problem, pending.dialect());
                         return Step::Answer(Ok(self.refuse(refusal)));
@@ -204,6 +206,7 @@ impl<St: IdempotencyStore, M: MakeScope> Pipeline<St, M> {
                     &self.reading(),
                     route.jsonrpc.as_deref(),
                     &parts,
+                    trailers.as_deref(),
                     &bytes,
                     pending,
                     recorded.as_ref(),
@@ -215,7 +218,8 @@ impl<St: IdempotencyStore, M: MakeScope> Pipeline<St, M> {
                     } => (key, fingerprint, reply),
                     Admitted::PassThrough => {
                         self.outcome("pass_through");
-                        let req = Request::from_parts(parts, RequestBody::buffered(bytes));
+                        let req =
+                            Request::from_parts(parts, RequestBody::buffered(bytes, trailers));
                         return Step::Run {
                             run: Box::pin(pass_through(inner, req)),
                             detach: false,
@@ -374,7 +378,7 @@ impl<St: IdempotencyStore, M: MakeScope> Pipeline<St, M> {
             let mut parts = parts;
             // Recorded uncompressed, so that every retry can read the replay (see `coding`).
             dialect.ask_identity(&mut parts.headers);
-            let mut req = Request::from_parts(parts, RequestBody::buffered(bytes));
+            let mut req = Request::from_parts(parts, RequestBody::buffered(bytes, trailers));
             // The key moves on from the claim request: no second copy waits in this future.
             let key = request.key;
             let context = IdempotencyContext::new(key.clone(), &lease, self.keeper.store().clone());
@@ -867,7 +871,7 @@ mod tests {
             config: service.config.clone(),
             dialect: Dialect::Http,
         };
-        let req = Request::new(RequestBody::buffered(bytes::Bytes::new()));
+        let req = Request::new(RequestBody::buffered(bytes::Bytes::new(), None));
         let future = execution.run(service.inner.clone(), req, None);
         let size = std::mem::size_of_val(&future);
         assert!(

@@ -5,7 +5,7 @@
 //! outcomes and refusals speak gRPC ([`super::grpc`]).
 
 use bytes::Bytes;
-use http::{HeaderName, HeaderValue, Response, StatusCode, header, request::Parts};
+use http::{HeaderMap, HeaderName, HeaderValue, Response, StatusCode, header, request::Parts};
 use http_body::Body;
 use http_body_util::BodyExt;
 
@@ -83,11 +83,12 @@ pub(crate) fn key<M: MakeScope>(
 pub(crate) fn fingerprint<M>(
     reading: &Reading<'_, M>,
     parts: &Parts,
+    trailers: Option<&HeaderMap>,
     bytes: &[u8],
     recorded: Option<&Fingerprint>,
 ) -> Result<Fingerprint, Refusal<()>> {
     let (options, fields) = (reading.fingerprint, reading.json_fields);
-    fingerprint_fields(parts, bytes, options, fields, recorded).map_err(|error| {
+    fingerprint_fields(parts, trailers, bytes, options, fields, recorded).map_err(|error| {
         // The application's canonicaliser panicked: the server's fault, not the body's.
         let kind = match error.panicked() {
             true => ProblemKind::FingerprintFailed,
@@ -127,8 +128,13 @@ pub(crate) fn refuse_body<R>(problem: Problem, reply: R) -> Refusal<R> {
     }
 }
 
-/// Step 3: the whole body, or why not.
-pub(crate) async fn buffer<B>(parts: &Parts, body: B, limit: usize) -> Result<Bytes, Problem>
+/// Step 3: the whole body, and its trailers if any (the inner service gets them as sent; like
+/// the headers not named for it, they do not count in the fingerprint), or why not.
+pub(crate) async fn buffer<B>(
+    parts: &Parts,
+    body: B,
+    limit: usize,
+) -> Result<(Bytes, Option<Box<HeaderMap>>), Problem>
 where
     B: Body<Data = Bytes>,
     B::Error: Into<BoxError>,
@@ -140,16 +146,29 @@ where
     }
     let mut body = std::pin::pin!(body);
     let mut data = Gathered::default();
+    let mut trailers: Option<Box<HeaderMap>> = None;
     while let Some(frame) = body.frame().await {
         let frame = frame.map_err(|error| unreadable(error.into()))?;
-        if let Ok(chunk) = frame.into_data() {
-            if data.len() + chunk.len() > limit {
-                return Err(too_large(limit));
+        match frame.into_data() {
+            Ok(chunk) => {
+                if data.len() + chunk.len() > limit {
+                    return Err(too_large(limit));
+                }
+                data.push(chunk);
             }
-            data.push(chunk);
+            // More than one trailers frame: kept together, in order.
+            Err(frame) => match (frame.into_trailers(), &mut trailers) {
+                (Ok(more), Some(kept)) => {
+                    for (name, value) in &more {
+                        kept.append(name.clone(), value.clone());
+                    }
+                }
+                (Ok(first), None) => trailers = Some(Box::new(first)),
+                (Err(_unknown), _) => {}
+            },
         }
     }
-    Ok(data.freeze())
+    Ok((data.freeze(), trailers))
 }
 
 /// A request body over the route's `limit`.

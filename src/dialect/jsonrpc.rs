@@ -542,11 +542,13 @@ fn kind_of(value: &Value) -> &'static str {
 /// per-round-trip fields; never the id.
 pub(crate) fn fingerprint(
     parts: &Parts,
+    trailers: Option<&HeaderMap>,
     call: &Call,
     options: &crate::fingerprint::FingerprintOptions,
 ) -> Result<Fingerprint, crate::fingerprint::MalformedBody> {
     let params = call.params.as_deref();
-    crate::fingerprint::jsonrpc(parts, &call.method, params, NOT_THE_OPERATION, options)
+    let method = &call.method;
+    crate::fingerprint::jsonrpc(parts, trailers, method, params, NOT_THE_OPERATION, options)
 }
 
 /// What a fingerprint mismatch tells the client its call differs in.
@@ -567,6 +569,7 @@ pub(crate) fn admit<M: MakeScope>(
     reading: &Reading<'_, M>,
     settings: &JsonRpc,
     parts: &Parts,
+    trailers: Option<&HeaderMap>,
     bytes: &[u8],
 ) -> Admitted<Arc<Id>> {
     let mcp_method = parts.headers.get(&MCP_METHOD).and_then(|v| v.to_str().ok());
@@ -599,7 +602,7 @@ pub(crate) fn admit<M: MakeScope>(
     };
     // The method joins the scope: a key names one operation of one tool method.
     let scope = format!("{scope}\u{0}{}", call.method);
-    match fingerprint(parts, &call, reading.fingerprint) {
+    match fingerprint(parts, trailers, &call, reading.fingerprint) {
         Ok(fingerprint) => Admitted::Guard {
             key: ScopedKey::new(scope, key),
             fingerprint,
@@ -1184,7 +1187,7 @@ mod tests {
         };
         let options = crate::fingerprint::FingerprintOptions::default();
         let fp = |uri: &str, v: Value| {
-            fingerprint(&parts(uri), &call(v).expect("call"), &options).expect("fp")
+            fingerprint(&parts(uri), None, &call(v).expect("call"), &options).expect("fp")
         };
         let a = fp(
             "/mcp",
@@ -1226,7 +1229,7 @@ mod tests {
             let Parsed::Guard(call) = parsed(&body, Some("k")) else {
                 panic!("guarded");
             };
-            fingerprint(&parts, &call, &options).expect("fp")
+            fingerprint(&parts, None, &call, &options).expect("fp")
         };
         assert_ne!(
             fp(r#"{"amount":9007199254740993}"#),
@@ -1624,8 +1627,8 @@ mod tests {
             "params":{"name":"t","inputResponses":{"a":1},"requestState":"opaque"}}))
         .expect("call");
         assert_eq!(
-            fingerprint(&parts, &first, &options).expect("fp"),
-            fingerprint(&parts, &next, &options).expect("fp")
+            fingerprint(&parts, None, &first, &options).expect("fp"),
+            fingerprint(&parts, None, &next, &options).expect("fp")
         );
     }
 

@@ -117,13 +117,14 @@ pub(crate) fn admit<M: MakeScope>(
     reading: &Reading<'_, M>,
     settings: Option<&JsonRpc>,
     parts: &Parts,
+    trailers: Option<&HeaderMap>,
     bytes: &[u8],
     pending: Pending,
     recorded: Option<&Fingerprint>,
 ) -> Admitted<Dialect> {
     match (pending, settings) {
         (Pending::Keyed(key, dialect), _) => {
-            match http::fingerprint(reading, parts, bytes, recorded) {
+            match http::fingerprint(reading, parts, trailers, bytes, recorded) {
                 Ok(fingerprint) => Admitted::Guard {
                     key,
                     fingerprint,
@@ -132,19 +133,21 @@ pub(crate) fn admit<M: MakeScope>(
                 Err(refusal) => Admitted::Refuse(refusal.map_reply(|()| dialect)),
             }
         }
-        (Pending::Call, Some(settings)) => match jsonrpc::admit(reading, settings, parts, bytes) {
-            Admitted::Guard {
-                key,
-                fingerprint,
-                reply,
-            } => Admitted::Guard {
-                key,
-                fingerprint,
-                reply: Dialect::JsonRpc(reply),
-            },
-            Admitted::PassThrough => Admitted::PassThrough,
-            Admitted::Refuse(refusal) => Admitted::Refuse(refusal.map_reply(Dialect::JsonRpc)),
-        },
+        (Pending::Call, Some(settings)) => {
+            match jsonrpc::admit(reading, settings, parts, trailers, bytes) {
+                Admitted::Guard {
+                    key,
+                    fingerprint,
+                    reply,
+                } => Admitted::Guard {
+                    key,
+                    fingerprint,
+                    reply: Dialect::JsonRpc(reply),
+                },
+                Admitted::PassThrough => Admitted::PassThrough,
+                Admitted::Refuse(refusal) => Admitted::Refuse(refusal.map_reply(Dialect::JsonRpc)),
+            }
+        }
         // `head` reads a call's body only on a JSON-RPC route.
         (Pending::Call, None) => Admitted::PassThrough,
     }

@@ -140,6 +140,7 @@ fn canonicalize_into(text: &str, tree: &mut Tree, out: &mut impl Sink) -> Result
         i: 0,
         nodes,
         decoded,
+        inexact: false,
     };
     parser.skip_ws();
     parser.value(0)?;
@@ -148,6 +149,11 @@ fn canonicalize_into(text: &str, tree: &mut Tree, out: &mut impl Sink) -> Result
         return Err(JsonError::Malformed(
             "trailing characters after the JSON document",
         ));
+    }
+    // Read to its end first: a document with no canonical form is still refused if it is
+    // not JSON further on.
+    if parser.inexact {
+        return Err(JsonError::NotCanonical);
     }
     let mut writer = Writer {
         nodes,
@@ -164,6 +170,9 @@ struct Parser<'a, 't> {
     i: usize,
     nodes: &'t mut Vec<Node>,
     decoded: &'t mut String,
+    /// A value read has no exact canonical form (a number no double names exactly, a lone
+    /// UTF-16 surrogate): the document is hashed as sent once it is read whole.
+    inexact: bool,
 }
 
 const SYNTAX: JsonError = JsonError::Malformed("body is not valid JSON");
@@ -296,7 +305,8 @@ impl Parser<'_, '_> {
         if n.is_finite() && same_decimal(text, &canonical_number(n)) {
             Ok(Node::Number(n))
         } else {
-            Err(JsonError::NotCanonical)
+            self.inexact = true;
+            Ok(Node::Null)
         }
     }
 
@@ -363,23 +373,40 @@ impl Parser<'_, '_> {
             b'u' => {
                 let hi = self.hex4()?;
                 match hi {
-                    0xd800..=0xdbff => {
-                        self.eat(b"\\u")?;
-                        let lo = self.hex4()?;
-                        if !(0xdc00..=0xdfff).contains(&lo) {
-                            return Err(JsonError::Malformed("lone UTF-16 surrogate in a string"));
+                    0xd800..=0xdbff => match self.low_surrogate() {
+                        Some(lo) => {
+                            let c = 0x10000 + ((hi - 0xd800) << 10) + (lo - 0xdc00);
+                            char::from_u32(c).ok_or(SYNTAX)?
                         }
-                        let c = 0x10000 + ((hi - 0xd800) << 10) + (lo - 0xdc00);
-                        char::from_u32(c).ok_or(SYNTAX)?
-                    }
-                    0xdc00..=0xdfff => {
-                        return Err(JsonError::Malformed("lone UTF-16 surrogate in a string"));
-                    }
+                        None => self.lone_surrogate(),
+                    },
+                    0xdc00..=0xdfff => self.lone_surrogate(),
                     _ => char::from_u32(hi).ok_or(SYNTAX)?,
                 }
             }
             _ => return Err(SYNTAX),
         })
+    }
+
+    /// The `\\uDC00`–`\\uDFFF` escape that completes a pair, read if it is next.
+    fn low_surrogate(&mut self) -> Option<u32> {
+        let escape = self.s.get(self.i..self.i + 6)?;
+        let digits = std::str::from_utf8(escape.strip_prefix(b"\\u")?).ok()?;
+        let lo = u32::from_str_radix(digits, 16).ok()?;
+        // `from_str_radix` takes a sign; JSON's four hex digits do not.
+        let hex = digits.bytes().all(|d| d.is_ascii_hexdigit());
+        (hex && (0xdc00..=0xdfff).contains(&lo)).then(|| {
+            self.i += 6;
+            lo
+        })
+    }
+
+    /// An escape of half a UTF-16 pair, alone: valid JSON (RFC 8259 §8.2) that names no
+    /// Unicode text, so the document has no canonical form. What stands in for it is never
+    /// written.
+    fn lone_surrogate(&mut self) -> char {
+        self.inexact = true;
+        char::REPLACEMENT_CHARACTER
     }
 
     fn hex4(&mut self) -> Result<u32, JsonError> {
@@ -1219,6 +1246,38 @@ mod tests {
         );
     }
 
+    /// DESIGN §1.4: an escape of half a UTF-16 pair is valid JSON with no canonical form
+    /// (hashed as sent, never merged with the replacement character or another half); a
+    /// document with one, or with an inexact number, is still read to its end and refused
+    /// if it is not JSON further on.
+    #[test]
+    fn lone_surrogates_have_no_canonical_form_and_the_rest_is_still_read() {
+        for text in [
+            r#""\ud800""#,
+            r#""\udc00""#,
+            r#"["\ud800\u0041"]"#,
+            r#"{"a":"x\uDBFF\uDBFF\uDC00"}"#,
+            r#""\ud800\ud800""#,
+        ] {
+            assert_eq!(canon(text), Err(JsonError::NotCanonical), "{text}");
+        }
+        assert_eq!(canon(r#""\ud83d\ude00""#).expect("a pair"), "\"\u{1f600}\"");
+        assert_eq!(
+            canon(r#""\uD83D\uDE00x""#).expect("a pair"),
+            "\"\u{1f600}x\""
+        );
+        for bad in [
+            r#"["\ud800", x]"#,
+            r#"["\ud800""#,
+            r#"[1e400, x]"#,
+            r#"{"a":1e400,}"#,
+            r#""\ud800\u12""#,
+            r#""\ud800\u+c00""#,
+        ] {
+            assert!(matches!(canon(bad), Err(JsonError::Malformed(_))), "{bad}");
+        }
+    }
+
     /// Issue 16 §2: numbers merge only when their canonical form names exactly their value.
     #[test]
     fn numbers_a_double_cannot_hold_have_no_canonical_form() {
@@ -1284,7 +1343,7 @@ mod tests {
             "[1,]",
             "01",
             "1.",
-            "\"\\ud800\"",
+            "\"\\ud800",
             "\"a\u{1}\"",
             "nul",
             "{} x",

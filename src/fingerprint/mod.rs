@@ -1,7 +1,7 @@
 //! Step 4 of the pipeline: what makes two requests "the same operation".
 //!
 //! A fingerprint is SHA-256 over, in order and each length-prefixed: a version tag, the method,
-//! the path, the query, the media type of `Content-Type` with its parameters (lower-cased
+//! the path, the query (an empty one, `/op?`, is not a missing one), the media type of `Content-Type` with its parameters (lower-cased
 //! names and `charset` values, sorted; only a multipart `boundary` and JSON's `charset=utf-8` are left out, as
 //! they change nothing), the configured extra request headers, and the canonical body:
 //!
@@ -12,13 +12,14 @@
 //! | `multipart/form-data` | the parts (sorted headers, content), not the random boundary |
 //! | one registered with [`IdempotencyLayer::canonicalize`](crate::IdempotencyLayer::canonicalize) | what its [`Canonicalize`] returns |
 //! | `application/grpc*` | the raw message frames as sent (see [`grpc`](crate::grpc)) |
+//! | any of these sent with a `Content-Encoding` other than `identity` | the codings and the bytes as sent, never decoded |
 //! | anything else, and empty bodies | the raw bytes |
 //!
 //! A body that claims a structured type and is not one (invalid JSON, invalid UTF-8, nesting
 //! deeper than 128 levels, multipart without its boundary) is refused with 400 before anything
 //! is claimed. JSON that is valid but has no exact canonical form (duplicate member names, a
 //! number whose canonical form names another value: beyond 2^53 precision, beyond double range,
-//! underflowing to zero) is hashed as raw bytes in a domain of its own, so it is never merged
+//! underflowing to zero; an escaped UTF-16 surrogate without its pair) is hashed as raw bytes in a domain of its own, so it is never merged
 //! with another document. Canonicalisation merges only what is provably the same request.
 
 mod fields;
@@ -29,7 +30,7 @@ mod multipart;
 use std::fmt;
 use std::sync::Arc;
 
-use http::{HeaderName, request::Parts};
+use http::{HeaderMap, HeaderName, request::Parts};
 
 pub use fields::{InvalidPointer, JsonFields};
 use sha2::{Digest, Sha256};
@@ -157,8 +158,9 @@ where
 }
 
 /// The RFC 8785 canonical form of a JSON document: `Ok(Some(bytes))`; `Ok(None)` for valid JSON
-/// that has no canonical form (duplicate member names, numbers beyond double range: such
-/// bodies are fingerprinted by their raw bytes); `Err` for malformed JSON.
+/// that has no canonical form (duplicate member names, numbers beyond double range, lone
+/// UTF-16 surrogate escapes: such bodies are fingerprinted by their raw bytes); `Err` for
+/// malformed JSON, wherever in the document.
 pub fn canonical_json(body: &[u8]) -> Result<Option<Vec<u8>>, MalformedBody> {
     let mut out = Vec::with_capacity(body.len());
     match json::canonicalize(body, &mut out) {
@@ -173,6 +175,7 @@ pub fn canonical_json(body: &[u8]) -> Result<Option<Vec<u8>>, MalformedBody> {
 /// `id`.
 pub(crate) fn jsonrpc(
     parts: &Parts,
+    trailers: Option<&HeaderMap>,
     method: &str,
     params: Option<&str>,
     not_the_operation: &[&str],
@@ -181,7 +184,7 @@ pub(crate) fn jsonrpc(
     let mut h = Sha256::new();
     put_field(&mut h, b"tower-idempotency/jsonrpc/v2");
     // Everything the HTTP mode counts (path, query, media type, fingerprint headers)...
-    head_into(&mut h, parts, options)?;
+    head_into(&mut h, parts, trailers, options)?;
     // ...then the call: its method and its params, exact, without `_meta` and the fields a
     // multi-round-trip call changes on each attempt; never its id.
     put_field(&mut h, method.as_bytes());
@@ -285,13 +288,16 @@ const SCRATCH_KEEP: usize = 64 * 1024;
 /// The media type and parameters of a `Content-Type` value, as they count in a fingerprint:
 /// type, parameter names and `charset` values lower-cased, quoted values unquoted, parameters
 /// sorted; dropped
-/// are only those that provably change nothing: `boundary` of a multipart body (its parts are
-/// what counts) and `charset=utf-8` of JSON (JSON is UTF-8 by definition). `text/plain;
-/// charset=latin1` and `text/plain` are different requests. `media` is the value's
-/// [`media_type`], read once by the caller, which the body's fingerprint uses too.
+/// are only those that provably change nothing: the `boundary` of a multipart request body
+/// (its parts are what counts; `outer`: this is the request's own `Content-Type`, not a
+/// part's, whose content is hashed as it is and so read by its boundary) and `charset=utf-8`
+/// of JSON (JSON is UTF-8 by definition). `text/plain; charset=latin1` and `text/plain` are
+/// different requests. `media` is the value's [`media_type`], read once by the caller, which
+/// the body's fingerprint uses too.
 pub(crate) fn media_with_parameters<'m>(
     content_type: &str,
     media: &'m str,
+    outer: bool,
 ) -> std::borrow::Cow<'m, str> {
     // Most requests: no parameters, nothing to allocate.
     if !content_type.contains(';') {
@@ -315,7 +321,7 @@ pub(crate) fn media_with_parameters<'m>(
             if name == "charset" {
                 value.make_ascii_lowercase();
             }
-            let redundant = (name == "boundary" && media == "multipart/form-data")
+            let redundant = (outer && name == "boundary" && media == "multipart/form-data")
                 || (name == "charset" && is_json(media) && value.eq_ignore_ascii_case("utf-8"))
                 || name.is_empty();
             (!redundant).then_some((name, value))
@@ -426,7 +432,7 @@ pub(crate) fn fingerprint(
     body: &[u8],
     options: &FingerprintOptions,
 ) -> Result<Fingerprint, MalformedBody> {
-    fingerprint_fields(parts, body, options, None, None)
+    fingerprint_fields(parts, None, body, options, None, None)
 }
 
 /// Fingerprints a request, counting only the JSON `fields` a route chose, if any.
@@ -437,6 +443,7 @@ pub(crate) fn fingerprint(
 /// same either way; only a retry whose bytes changed and are not canonical pays a second hash.
 pub(crate) fn fingerprint_fields(
     parts: &Parts,
+    trailers: Option<&HeaderMap>,
     body: &[u8],
     options: &FingerprintOptions,
     fields: Option<&JsonFields>,
@@ -445,7 +452,10 @@ pub(crate) fn fingerprint_fields(
     let mut h = Sha256::new();
     put_field(&mut h, b"tower-idempotency/fingerprint/v1");
     put_field(&mut h, parts.method.as_str().as_bytes());
-    let (content_type, media) = head_into(&mut h, parts, options)?;
+    let (content_type, media) = head_into(&mut h, parts, trailers, options)?;
+    if coded_into(&mut h, parts, body) {
+        return Ok(Fingerprint::finish(h, false));
+    }
     let recorded = recorded.filter(|r| r.as_sent);
     match body_into(
         &mut h,
@@ -469,17 +479,23 @@ enum Hashed {
     Done(Fingerprint),
 }
 
-/// Path, query, media type and fingerprint headers; hands back `Content-Type` and its media
-/// type.
+/// Path, query, media type, fingerprint headers and the request's trailers; hands back
+/// `Content-Type` and its media type.
 fn head_into<'p>(
     h: &mut Sha256,
     parts: &'p Parts,
+    trailers: Option<&HeaderMap>,
     options: &FingerprintOptions,
 ) -> Result<(&'p str, std::borrow::Cow<'p, str>), MalformedBody> {
     // The path the client sent: a `nest` prefix axum stripped still counts.
     let uri = crate::uri::sent(&parts.extensions, &parts.uri);
     put_field(h, uri.path().as_bytes());
-    put_field(h, uri.query().unwrap_or_default().as_bytes());
+    match uri.query() {
+        // `/op?` is not `/op` (RFC 3986 §6.2.3 keeps an empty query): a length no field can
+        // have stands for it, so every other request hashes as it always did.
+        Some("") => h.put(&u64::MAX.to_le_bytes()),
+        query => put_field(h, query.unwrap_or_default().as_bytes()),
+    }
     let content_type = match crate::lines::get(&parts.headers, &http::header::CONTENT_TYPE) {
         Some(value) => value
             .to_str()
@@ -487,7 +503,10 @@ fn head_into<'p>(
         None => "",
     };
     let media = media_type(content_type);
-    put_field(h, media_with_parameters(content_type, &media).as_bytes());
+    put_field(
+        h,
+        media_with_parameters(content_type, &media, true).as_bytes(),
+    );
     for name in &options.headers {
         // As an HTTP field value (RFC 9110 §5.3, §5.6.1): lines joined by commas, each list
         // element without the whitespace around it, empty elements ignored. One line `a, b`
@@ -499,7 +518,42 @@ fn head_into<'p>(
             put_field(h, element);
         }
     }
+    // Trailers a client sends after its body (a checksum, a signature) are rare and, when
+    // there, part of what it asks: each line counts, by name, repeated names in their order.
+    // A request without them hashes as it always did.
+    if let Some(trailers) = trailers.filter(|t| !t.is_empty()) {
+        let mut lines: Vec<(&HeaderName, &http::HeaderValue)> = trailers.iter().collect();
+        lines.sort_by(|a, b| a.0.as_str().cmp(b.0.as_str()));
+        put_field(h, b"trailers");
+        put_len(h, lines.len());
+        for (name, value) in lines {
+            put_field(h, name.as_str().as_bytes());
+            put_field(h, value.as_bytes());
+        }
+    }
     Ok((content_type, media))
+}
+
+/// A body sent with a `Content-Encoding` (other than `identity`) is hashed as sent, with its
+/// codings in order (names without case), and never decoded: `gzip` bytes and the same bytes
+/// sent plain are two requests, and what a compressed body means is for the handler to read.
+/// Whether it was.
+fn coded_into(h: &mut Sha256, parts: &Parts, body: &[u8]) -> bool {
+    let lines = crate::lines::get_all(&parts.headers, &http::header::CONTENT_ENCODING);
+    let codings: Vec<&[u8]> = field_elements(lines.map(|v| v.as_bytes()))
+        .into_iter()
+        .filter(|coding| !coding.eq_ignore_ascii_case(b"identity"))
+        .collect();
+    if codings.is_empty() {
+        return false;
+    }
+    put_field(h, b"coded");
+    put_len(h, codings.len());
+    for coding in codings {
+        put_field(h, &coding.to_ascii_lowercase());
+    }
+    put_field(h, body);
+    true
 }
 
 fn body_into(
@@ -602,6 +656,107 @@ mod tests {
             .expect("request")
             .into_parts();
         fingerprint(&parts, body, &FingerprintOptions::default())
+    }
+
+    fn fp_with(headers: &[(&str, &str)], uri: &str, body: &[u8]) -> Fingerprint {
+        let mut req = Request::builder().method("POST").uri(uri);
+        for (name, value) in headers {
+            req = req.header(*name, *value);
+        }
+        let (parts, ()) = req.body(()).expect("request").into_parts();
+        fingerprint(&parts, body, &FingerprintOptions::default()).expect("fingerprint")
+    }
+
+    /// DESIGN §1.4: a compressed body is hashed as sent, with its codings, never decoded nor
+    /// refused: the same bytes without the coding, or under another, are other requests.
+    #[test]
+    fn content_codings_count_and_coded_bodies_are_hashed_as_sent() {
+        let json = [("content-type", "application/json")];
+        let gz = [
+            ("content-type", "application/json"),
+            ("content-encoding", "gzip"),
+        ];
+        // Not JSON, and not refused: it is compressed.
+        let coded = fp_with(&gz, "/a", b"\x1f\x8b\x08\x00");
+        assert_eq!(coded, fp_with(&gz, "/a", b"\x1f\x8b\x08\x00"));
+        assert_ne!(coded, fp_with(&gz, "/a", b"\x1f\x8b\x08\x01"));
+        let plain = [("content-type", "application/octet-stream")];
+        let plain_gz = [
+            ("content-type", "application/octet-stream"),
+            ("content-encoding", "gzip"),
+        ];
+        assert_ne!(fp_with(&plain, "/a", b"x"), fp_with(&plain_gz, "/a", b"x"));
+        // Codings are names without case, in their order, lines and list elements alike.
+        let spelled = |value: &'static str| {
+            fp_with(
+                &[
+                    ("content-type", "application/octet-stream"),
+                    ("content-encoding", value),
+                ],
+                "/a",
+                b"x",
+            )
+        };
+        assert_eq!(spelled("gzip"), spelled("GZip"));
+        assert_eq!(spelled("gzip, br"), spelled(" gzip ,br"));
+        assert_ne!(spelled("gzip, br"), spelled("br, gzip"));
+        assert_ne!(spelled("gzip"), spelled("br"));
+        // `identity` is no coding: JSON is read as JSON.
+        let identity = [
+            ("content-type", "application/json"),
+            ("content-encoding", "identity"),
+        ];
+        assert_eq!(
+            fp_with(&identity, "/a", br#"{"b":1, "a":2}"#),
+            fp_with(&json, "/a", br#"{"a":2,"b":1}"#)
+        );
+        // A coded JSON body hashes as sent: key order counts.
+        assert_ne!(
+            fp_with(&gz, "/a", br#"{"b":1,"a":2}"#),
+            fp_with(&gz, "/a", br#"{"a":2,"b":1}"#)
+        );
+    }
+
+    /// DESIGN §1.3–4: a request's trailers count, by name, repeated names in their order;
+    /// a request without them (or with none in its trailers frame) hashes as before.
+    #[test]
+    fn trailers_count_when_sent() {
+        let (parts, ()) = Request::builder()
+            .method("POST")
+            .uri("/a")
+            .body(())
+            .expect("request")
+            .into_parts();
+        let options = FingerprintOptions::default();
+        let with = |lines: &[(&'static str, &'static str)]| {
+            let mut trailers = HeaderMap::new();
+            for (name, value) in lines {
+                trailers.append(*name, http::HeaderValue::from_static(value));
+            }
+            fingerprint_fields(&parts, Some(&trailers), b"x", &options, None, None)
+                .expect("fingerprint")
+        };
+        let none = fingerprint(&parts, b"x", &options).expect("fingerprint");
+        assert_eq!(with(&[]), none);
+        assert_ne!(with(&[("x-checksum", "1")]), none);
+        assert_ne!(with(&[("x-checksum", "1")]), with(&[("x-checksum", "2")]));
+        assert_eq!(
+            with(&[("x-a", "1"), ("x-b", "2")]),
+            with(&[("x-b", "2"), ("x-a", "1")])
+        );
+        assert_ne!(
+            with(&[("x-a", "1"), ("x-a", "2")]),
+            with(&[("x-a", "2"), ("x-a", "1")])
+        );
+    }
+
+    /// DESIGN §1.4: `/op?` is not `/op`; every other query hashes as it did.
+    #[test]
+    fn an_empty_query_is_not_no_query() {
+        let ct = [("content-type", "text/plain")];
+        assert_ne!(fp_with(&ct, "/op?", b"x"), fp_with(&ct, "/op", b"x"));
+        assert_ne!(fp_with(&ct, "/op?", b"x"), fp_with(&ct, "/op??", b"x"));
+        assert_ne!(fp_with(&ct, "/op?a", b"x"), fp_with(&ct, "/op", b"x"));
     }
 
     #[test]
@@ -963,12 +1118,12 @@ mod tests {
             let parts = |ct: &str| Request::post("/t").header("content-type", ct).body(()).expect("request").into_parts().0;
             let options = FingerprintOptions::default();
             let json = parts("application/json");
-            let recorded = fingerprint_fields(&json, &canonical, &options, None, None).expect("fp");
+            let recorded = fingerprint_fields(&json, None, &canonical, &options, None, None).expect("fp");
             prop_assert!(recorded.body_as_sent(), "a canonical body is hashed as sent");
             for ct in ["application/json", "application/problem+json", "text/plain"] {
                 let parts = parts(ct);
-                let plain = fingerprint_fields(&parts, &retry, &options, None, None);
-                let hinted = fingerprint_fields(&parts, &retry, &options, None, Some(&recorded));
+                let plain = fingerprint_fields(&parts, None, &retry, &options, None, None);
+                let hinted = fingerprint_fields(&parts, None, &retry, &options, None, Some(&recorded));
                 match (&plain, &hinted) {
                     (Ok(a), Ok(b)) => {
                         prop_assert_eq!(a.as_bytes(), b.as_bytes());
@@ -979,11 +1134,11 @@ mod tests {
                 }
                 // A hint from a record whose body was not hashed as sent is not used.
                 let other = Fingerprint::from_bytes(*recorded.as_bytes());
-                let unhinted = fingerprint_fields(&parts, &retry, &options, None, Some(&other));
+                let unhinted = fingerprint_fields(&parts, None, &retry, &options, None, Some(&other));
                 prop_assert_eq!(plain.map(|f| *f.as_bytes()), unhinted.map(|f| *f.as_bytes()));
             }
             prop_assert_eq!(
-                fingerprint_fields(&json, &retry, &options, None, Some(&recorded)).ok() == Some(recorded),
+                fingerprint_fields(&json, None, &retry, &options, None, Some(&recorded)).ok() == Some(recorded),
                 retry == canonical || serde_json::from_slice::<Value>(&retry).ok()
                     .and_then(|r| serde_json_canonicalizer::to_vec(&r).ok()) == Some(canonical.clone()),
                 "a retry matches exactly when it is the same JSON"

@@ -2,8 +2,9 @@
 //!
 //! Clients draw a fresh random boundary for every request, retries included, so the raw bytes
 //! of two identical submissions differ. Each part counts by its headers (names lower-cased,
-//! values trimmed, a `Content-Type` read as the request's is, sorted) and its content, in
-//! order; preamble and epilogue do not count.
+//! values trimmed, a `Content-Type` read as the request's is but keeping a nested part's own
+//! `boundary`, sorted by name, repeated names in their order) and its content, in order;
+//! preamble and epilogue do not count.
 
 use std::borrow::Cow;
 
@@ -48,7 +49,7 @@ pub(crate) fn canonicalize(
                 Ok(text) if name == b"content-type" => {
                     let media = super::media_type(text);
                     Cow::Owned(
-                        super::media_with_parameters(text, &media)
+                        super::media_with_parameters(text, &media, false)
                             .into_owned()
                             .into(),
                     )
@@ -57,7 +58,9 @@ pub(crate) fn canonicalize(
             };
             headers.push((name, value));
         }
-        headers.sort();
+        // By name only, and stable: a repeated header keeps its order, which a reader of the
+        // part may take as meaning (the first `Content-Disposition` wins).
+        headers.sort_by(|a, b| a.0.cmp(&b.0));
         super::put_len(out, headers.len());
         for (name, value) in &headers {
             super::put_field(out, name);
@@ -180,6 +183,36 @@ mod tests {
         ] {
             assert_ne!(part(other), plain, "{other}");
         }
+    }
+
+    /// DESIGN §1.4: a part's repeated header lines keep their order (a reader takes the
+    /// first), and a nested multipart part's `boundary` counts: its content is read by it.
+    #[test]
+    fn repeated_part_headers_keep_their_order_and_a_nested_boundary_counts() {
+        let ct = "multipart/form-data; boundary=b";
+        let part = |head: &str| {
+            let body = format!("--b\r\n{head}\r\n\r\nv\r\n--b--");
+            canon(ct, body.as_bytes()).expect("valid")
+        };
+        let to_cc = part(
+            "Content-Disposition: form-data; name=\"to\"\r\nContent-Disposition: form-data; name=\"cc\"",
+        );
+        let cc_to = part(
+            "Content-Disposition: form-data; name=\"cc\"\r\nContent-Disposition: form-data; name=\"to\"",
+        );
+        assert_ne!(to_cc, cc_to);
+        // Different names still sort: their order never counted.
+        assert_eq!(
+            part("X-A: 1\r\nContent-Disposition: form-data; name=\"a\""),
+            part("Content-Disposition: form-data; name=\"a\"\r\nX-A: 1")
+        );
+        let nested = |boundary: &str| {
+            part(&format!(
+                "Content-Disposition: form-data; name=\"n\"\r\nContent-Type: multipart/form-data; boundary={boundary}"
+            ))
+        };
+        assert_ne!(nested("X"), nested("Y"));
+        assert_eq!(nested("X"), nested("\"X\""));
     }
 
     #[test]
