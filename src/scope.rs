@@ -86,7 +86,7 @@ impl fmt::Display for MissingScope {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "the idempotency layer scopes keys by {}, and this request has none: the layer that \
+            "the idempotency layer scopes keys by {}, and this request does not carry it: the layer that \
              sets it must run before the idempotency layer; nothing was run",
             self.what
         )
@@ -232,18 +232,25 @@ impl MakeScope for ByHeader {
 /// access token renewed mid-retry) lands in a new scope, so it runs the handler again. Scope by
 /// the principal the token authenticates instead
 /// ([`scope_by_principal`](crate::IdempotencyLayer::scope_by_principal)) where you can. A
-/// request without `Authorization` is a wiring mistake here (500, nothing runs), never the
-/// shared empty scope.
+/// request without `Authorization`, or with two lines of it, is refused here (500, nothing
+/// runs), never the shared empty scope nor the scope of one line when the app's auth may read
+/// the other.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct CredentialHash;
 
 impl MakeScope for CredentialHash {
     fn make_scope(&self, parts: &Parts) -> Result<String, MissingScope> {
-        let auth = parts
-            .headers
-            .get(http::header::AUTHORIZATION)
-            .filter(|v| !v.is_empty())
-            .ok_or(MissingScope::new("the Authorization header"))?;
+        // One line, as for a header scope: with two, the layer and the app's auth could each
+        // read another caller's credential.
+        let mut lines = parts.headers.get_all(http::header::AUTHORIZATION).iter();
+        let auth = match (lines.next(), lines.next()) {
+            (Some(auth), None) if !auth.is_empty() => auth,
+            _ => {
+                return Err(MissingScope::new(
+                    "the Authorization header (one, not empty)",
+                ));
+            }
+        };
         Ok(format!(
             "auth:{}",
             hex(&Sha256::digest(auth.as_bytes())[..16])
