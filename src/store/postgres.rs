@@ -25,7 +25,11 @@ use super::{
 /// - **Fenced writes.** `complete`, `release`, `mark_uncertain` and `renew` are
 ///   `UPDATE … WHERE lease_token = $n AND status = 'in_progress'`: one round trip each.
 /// - **The database's clock.** Leases and TTLs use `now()`, never a replica's clock.
-/// - **Binary-safe.** Scope, key, fingerprint and response are `bytea`.
+/// - **Binary-safe.** Scope, key, fingerprint and response are `bytea`. A scope and key
+///   together are limited by PostgreSQL's index (a row's `(scope, key)` entry must fit in
+///   about 2 700 bytes, after compression): a longer pair, a principal id of several
+///   kilobytes, is refused as a store error (503, nothing runs). The other stores take any
+///   length.
 /// - **Batches, under concurrency** ([`with_batching`](Self::with_batching)): claims (and,
 ///   apart, completions) that arrive while a batch is in flight go in one statement, an
 ///   `INSERT … SELECT FROM unnest(…)` of the claim's upsert or an `UPDATE … FROM unnest(…)`,

@@ -590,6 +590,14 @@ if r and expired(r) then
   redis.call('ZREM', KEYS[3], ARGV[1])
   r = nil
 end
+-- This claim's own, landed before (its reply lost, so it is asked again): won, as it was.
+-- Nothing ran under it, so even past its lease it is not another attempt's, nor uncertain.
+if r and r.st == 'in_progress' and r.tok == tok then
+  r.lu = fmt(math.max(tonumber(r.lu), now + lease)); r.ua = fmt(now)
+  r.ea = fmt(math.max(tonumber(r.ea), now + math.max(lease, ttl)))
+  save(r)
+  return {1, fmt(now), redis.call('HGETALL', KEYS[1])}
+end
 local written = 0
 local roe = '1'
 if reclaim then roe = '0' end
@@ -954,21 +962,25 @@ impl IdempotencyStore for RedisStore {
         let at = self.locate(&request.key);
         let token = fresh_token();
         let reclaim = matches!(request.on_lease_expiry, LeaseExpiry::Reclaim);
-        let reply = self
-            .run(
-                &self.scripts.claim,
-                &at,
-                &[
-                    request.fingerprint.as_bytes(),
-                    token.get().to_string().as_bytes(),
-                    ms(request.lease).as_bytes(),
-                    ms(request.ttl).as_bytes(),
-                    if reclaim { b"1" } else { b"0" },
-                    request.key.scope().as_bytes(),
-                    request.key.key().as_bytes(),
-                ],
-            )
-            .await?;
+        let (token_text, lease, ttl) =
+            (token.get().to_string(), ms(request.lease), ms(request.ttl));
+        let args: [&[u8]; 7] = [
+            request.fingerprint.as_bytes(),
+            token_text.as_bytes(),
+            lease.as_bytes(),
+            ttl.as_bytes(),
+            if reclaim { b"1" } else { b"0" },
+            request.key.scope().as_bytes(),
+            request.key.key().as_bytes(),
+        ];
+        // A script that ran and whose reply was lost with the connection would hold the key
+        // for a request that ran nothing (and, on a route with external effects, send it to
+        // reconciliation when the lease ends). Asked again with the same token, a claim that
+        // landed answers as this one's (see `CLAIM`).
+        let reply = match self.run(&self.scripts.claim, &at, &args).await {
+            Ok(reply) => reply,
+            Err(_lost) => self.run(&self.scripts.claim, &at, &args).await?,
+        };
         let parts = array(&reply).ok_or_else(|| odd("a claim is not an array"))?;
         let [won, now, fields] = parts else {
             return Err(odd("a claim has not three parts"));

@@ -268,6 +268,19 @@ pub(crate) fn unavailable(e: sqlx::Error) -> StoreError {
 macro_rules! sql_store {
     ($store:ident, $db:ty, $conn:ty, $row:ty) => {
 impl $store {
+    /// One claim with `token`, in a batch when batching is on.
+    async fn claim_with(&self, req: &ClaimRequest, token: FencingToken) -> Result<Claim, StoreError> {
+        match &self.batches {
+            Some(batches) => {
+                let store = self.clone();
+                batches
+                    .claim(req, token, move |ops| store.clone().claim_batch(ops))
+                    .await
+            }
+            None => self.claim_one(req, token).await,
+        }
+    }
+
     async fn settle(
         &self,
         key: &ScopedKey,
@@ -547,14 +560,13 @@ fn raw(row: &$row) -> Result<(RawRecord, SystemTime), sqlx::Error> {
 impl IdempotencyStore for $store {
     async fn claim(&self, req: &ClaimRequest) -> Result<Claim, StoreError> {
         let token = super::codec::fresh_token();
-        match &self.batches {
-            Some(batches) => {
-                let store = self.clone();
-                batches
-                    .claim(req, token, move |ops| store.clone().claim_batch(ops))
-                    .await
-            }
-            None => self.claim_one(req, token).await,
+        // A claim that failed may have landed all the same, its answer lost with the
+        // connection: left so, it would hold the key for a request that ran nothing (and, on
+        // a route with external effects, send it to reconciliation when the lease ends). Asked
+        // again with the same token, it reads as this claim's own (`claim_outcome`).
+        match self.claim_with(req, token).await {
+            Err(StoreError::Unavailable(_)) => self.claim_with(req, token).await,
+            answered => answered,
         }
     }
 

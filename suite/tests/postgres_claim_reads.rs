@@ -577,3 +577,42 @@ async fn s5_postgres_a_claim_cut_off_while_it_waits_for_a_lock_fails_closed() {
         );
     }
 }
+
+/// DESIGN §1.6 and §5: a claim that committed but whose reply was lost with its connection
+/// is asked again with the same token, and answers as this claim's own (attempt 1, the
+/// lease its holder can write under), alone and batched, on a route that reconciles an
+/// expired lease too. Before, the request was refused 503 and the key held for a lease by
+/// a claim nobody heard: in flight for nothing, then (reconciling) "outcome unknown".
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s5_postgres_a_claim_whose_reply_is_lost_is_asked_again_as_its_own() {
+    const LOST: &str = "tower_idempotency_claim_reads_lost";
+    for batched in [false, true] {
+        for expiry in [LeaseExpiry::Reclaim, LeaseExpiry::Reconcile] {
+            // A pool of its own, whose connections have not prepared the claim yet.
+            let Some((through, proxy)) = through_proxy(LOST, 2).await else {
+                return;
+            };
+            let store = alone_or_batched(&through, batched);
+            let key = ScopedKey::new(unique("lost-reply"), "k");
+            // The claim's text, as the statement's Parse carries it.
+            proxy.lose_reply_to(b"AS r (scope, key, fingerprint, status");
+            let claimed = store.claim(&claim_with(&key, LONG, LONG, expiry)).await;
+            let lease = match claimed {
+                Ok(Claim::Acquired(lease)) => lease,
+                other => panic!("batched {batched}, {expiry:?}: {other:?}"),
+            };
+            assert_eq!(proxy.lost(), 1, "batched {batched}: a reply was lost");
+            assert_eq!(lease.attempt, 1, "batched {batched}, {expiry:?}");
+            let record = store.lookup(&key).await.expect("lookup").expect("record");
+            assert_eq!(
+                (record.status, record.lease_token, record.attempts),
+                (RecordStatus::InProgress, lease.token, 1),
+                "batched {batched}, {expiry:?}"
+            );
+            store
+                .complete(&key, lease.token, &answer(&key), LONG)
+                .await
+                .expect("its holder records");
+        }
+    }
+}

@@ -18,6 +18,9 @@ pub struct Proxy {
     down: Arc<AtomicBool>,
     statements: Arc<AtomicU64>,
     links: Arc<Mutex<Vec<JoinHandle<()>>>>,
+    /// Armed by [`Proxy::lose_reply_to`]: the bytes whose next sending loses its reply.
+    lose: Arc<Mutex<Option<&'static [u8]>>>,
+    lost: Arc<AtomicU64>,
 }
 
 impl Proxy {
@@ -28,6 +31,8 @@ impl Proxy {
             down: Arc::default(),
             statements: Arc::default(),
             links: Arc::default(),
+            lose: Arc::default(),
+            lost: Arc::default(),
         };
         let p = proxy.clone();
         tokio::spawn(async move {
@@ -39,7 +44,7 @@ impl Proxy {
                 let Ok(server) = TcpStream::connect(upstream).await else {
                     continue;
                 };
-                let link = tokio::spawn(relay(client, server, p.statements.clone()));
+                let link = tokio::spawn(relay(client, server, p.clone()));
                 p.links.lock().expect("lock").push(link);
             }
         });
@@ -61,11 +66,25 @@ impl Proxy {
     pub fn statements(&self) -> u64 {
         self.statements.load(Ordering::SeqCst)
     }
+
+    /// The next time a client sends bytes holding `needle` (a statement's text, as a Parse
+    /// message carries it), they reach the server, and its reply is lost: the client's
+    /// connection closes instead. A write that landed, unheard.
+    pub fn lose_reply_to(&self, needle: &'static [u8]) {
+        *self.lose.lock().expect("lock") = Some(needle);
+    }
+
+    /// How many replies [`lose_reply_to`](Self::lose_reply_to) lost.
+    pub fn lost(&self) -> u64 {
+        self.lost.load(Ordering::SeqCst)
+    }
 }
 
-async fn relay(client: TcpStream, server: TcpStream, statements: Arc<AtomicU64>) {
+async fn relay(client: TcpStream, server: TcpStream, proxy: Proxy) {
     let (mut client_r, mut client_w) = client.into_split();
     let (mut server_r, mut server_w) = server.into_split();
+    let cut = Arc::new(AtomicBool::new(false));
+    let (statements, lose, cut_up) = (proxy.statements.clone(), proxy.lose.clone(), cut.clone());
     let upstream = async move {
         let mut parser = FrontendParser::default();
         let mut buf = vec![0u8; 16 * 1024];
@@ -75,13 +94,35 @@ async fn relay(client: TcpStream, server: TcpStream, statements: Arc<AtomicU64>)
                 Ok(n) => n,
             };
             statements.fetch_add(parser.feed(&buf[..n]), Ordering::SeqCst);
+            {
+                let mut armed = lose.lock().expect("lock");
+                if armed.is_some_and(|needle| buf[..n].windows(needle.len()).any(|w| w == needle)) {
+                    *armed = None;
+                    cut_up.store(true, Ordering::SeqCst);
+                }
+            }
             if server_w.write_all(&buf[..n]).await.is_err() {
                 break;
             }
         }
     };
     let downstream = async move {
-        let _ = tokio::io::copy(&mut server_r, &mut client_w).await;
+        let mut buf = vec![0u8; 16 * 1024];
+        loop {
+            let n = match server_r.read(&mut buf).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => n,
+            };
+            if cut.load(Ordering::SeqCst) {
+                // The reply never arrives: the client's side closes.
+                proxy.lost.fetch_add(1, Ordering::SeqCst);
+                let _ = client_w.shutdown().await;
+                return;
+            }
+            if client_w.write_all(&buf[..n]).await.is_err() {
+                break;
+            }
+        }
     };
     tokio::join!(upstream, downstream);
 }
