@@ -371,9 +371,7 @@ impl<St: IdempotencyStore> Execution<St> {
         };
         let mut trailers: Option<HeaderMap> = None;
         while !left {
-            let next = http_body_util::BodyExt::frame(&mut rest)
-                .await
-                .map(|frame| frame.map_err(Into::<BoxError>::into));
+            let next = next_frame(&mut rest).await;
             match next {
                 None => break,
                 Some(Err(error)) => {
@@ -445,10 +443,7 @@ impl<St: IdempotencyStore> Execution<St> {
         // Kept until the answer is recorded, not for the rest of the stream.
         let mut hold = Some(hold);
         loop {
-            // Convert the error at once: the inner body's own error type need not be Send.
-            let next = http_body_util::BodyExt::frame(&mut body)
-                .await
-                .map(|frame| frame.map_err(Into::<BoxError>::into));
+            let next = next_frame(&mut body).await;
             let Some(frame) = next else { break };
             let frame = match frame {
                 Ok(frame) => frame,
@@ -1044,6 +1039,28 @@ fn outcome_only(trailers: HeaderMap) -> HeaderMap {
         kept.insert(crate::dialect::grpc::MESSAGE.clone(), message.clone());
     }
     kept
+}
+
+/// The next frame of a handler's body that a task of its own forwards, its error converted at
+/// once (the body's own error type need not be `Send`). A body that panics is a body that
+/// failed: the handler had answered, so the answer is recorded as lost, never left in flight
+/// for its lease to lapse and the handler to run again (DESIGN §3). It is not polled again.
+async fn next_frame<B>(body: &mut Pin<Box<B>>) -> Option<Result<http_body::Frame<Bytes>, BoxError>>
+where
+    B: Body<Data = Bytes>,
+    B::Error: Into<BoxError>,
+{
+    let frame = CatchUnwind {
+        inner: http_body_util::BodyExt::frame(body),
+    }
+    .await;
+    match frame {
+        Ok(frame) => frame.map(|frame| frame.map_err(Into::<BoxError>::into)),
+        Err(_panic) => {
+            tracing::error!("the response body panicked after the handler answered");
+            Some(Err("the response body panicked".into()))
+        }
+    }
 }
 
 /// An answer whose body a task of its own forwards as it arrives (and records at its end):

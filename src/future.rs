@@ -120,10 +120,21 @@ impl<B, E> Future for ResponseFuture<B, E> {
                         this.state = State::Running { run, detach };
                     }
                 },
-                State::Running { run, .. } => {
-                    let answer = std::task::ready!(run.as_mut().poll(cx));
-                    this.state = State::Done;
-                    return Poll::Ready(answer);
+                State::Running { .. } => {
+                    // Taken out while it is polled: should a poll panic, the state is `Done`,
+                    // so `Drop` never hands a panicked future on to be polled again.
+                    let State::Running { mut run, detach } =
+                        std::mem::replace(&mut this.state, State::Done)
+                    else {
+                        return Poll::Pending;
+                    };
+                    return match run.as_mut().poll(cx) {
+                        Poll::Pending => {
+                            this.state = State::Running { run, detach };
+                            Poll::Pending
+                        }
+                        Poll::Ready(answer) => Poll::Ready(answer),
+                    };
                 }
                 // Polled after it finished: a caller bug that must not panic in a server.
                 State::Done => return Poll::Pending,

@@ -66,7 +66,9 @@ pub enum CachePolicy {
     /// is worse than reporting the failure forever. Errors of the inner service, panics and
     /// dropped executions are still never recorded: there is no real response to replay.
     Everything,
-    /// Record what the function says to record.
+    /// Record what the function says to record. A function that panics records the answer:
+    /// the handler has answered, so its effect is taken as done and never run again (DESIGN
+    /// §3); the panic is logged.
     Custom(Arc<dyn Fn(&Outcome<'_>) -> bool + Send + Sync>),
 }
 
@@ -81,7 +83,19 @@ impl CachePolicy {
         match self {
             Self::DefinitiveOnly => outcome.is_definitive(),
             Self::Everything => true,
-            Self::Custom(f) => f(outcome),
+            // The application's code, run after its handler answered: a panic here must not
+            // unwind through the recording and leave the key to be run again.
+            Self::Custom(f) => {
+                std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(outcome)))
+                    .unwrap_or_else(|_panic| {
+                        tracing::error!(
+                            status = %outcome.status,
+                            "the custom cache policy panicked; the answer is recorded as the \
+                             key's outcome"
+                        );
+                        true
+                    })
+            }
         }
     }
 }
@@ -169,5 +183,27 @@ mod tests {
                 assert!(!grpc(c, only), "{c}");
             }
         }
+    }
+
+    /// DESIGN §3: a custom policy that panics records the answer (the handler answered; it
+    /// is never run again), and the panic does not unwind into the recording.
+    #[test]
+    fn a_custom_policy_that_panics_records_the_answer() {
+        let policy = CachePolicy::custom(|outcome| {
+            assert!(outcome.status.is_success(), "a classifier bug");
+            false
+        });
+        let headers = HeaderMap::new();
+        let outcome = |status: u16| Outcome {
+            status: StatusCode::from_u16(status).expect("status"),
+            headers: &headers,
+            trailers: None,
+            jsonrpc: None,
+        };
+        assert!(
+            !policy.records(&outcome(200)),
+            "its own answer when it has one"
+        );
+        assert!(policy.records(&outcome(500)), "recorded when it panics");
     }
 }
