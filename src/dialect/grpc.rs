@@ -49,7 +49,14 @@ pub use super::rpc_status::ERROR_DOMAIN;
 /// Whether a request or response with this `Content-Type` ([`content_type`](super::content_type))
 /// is gRPC (gRPC-Web included: see [`grpc_web`](super::grpc_web) for the one that is).
 pub(crate) fn is_grpc(content_type: &[u8]) -> bool {
-    content_type.starts_with(b"application/grpc")
+    starts_without_case(content_type, b"application/grpc")
+}
+
+/// Whether `text` begins with `prefix`, ASCII case aside: a media type's name has no case
+/// (RFC 9110 §8.3.1), and tonic serves `Application/GRPC` as gRPC.
+pub(crate) fn starts_without_case(text: &[u8], prefix: &[u8]) -> bool {
+    text.get(..prefix.len())
+        .is_some_and(|start| start.eq_ignore_ascii_case(prefix))
 }
 
 /// The trailer (or trailers-only header) that says how a call ended. Looked up on every

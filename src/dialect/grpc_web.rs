@@ -31,7 +31,7 @@ pub(crate) const STREAMED_TRAILERS_MAX: usize = 16 * 1024 * 1024;
 /// Whether a message with this `Content-Type` ([`content_type`](super::content_type)) is
 /// gRPC-Web (`application/grpc-web…`).
 pub(crate) fn is_grpc_web(content_type: &[u8]) -> bool {
-    content_type.starts_with(b"application/grpc-web")
+    super::grpc::starts_without_case(content_type, b"application/grpc-web")
 }
 
 /// Whether a request asks for its answer in text (base64): its `Accept` is exactly
@@ -48,9 +48,9 @@ pub(crate) fn answers_text(request: &HeaderMap) -> bool {
 
 /// Whether a message's body is the text variant, by its `Content-Type`.
 pub(crate) fn is_text(headers: &HeaderMap) -> bool {
-    headers
-        .get(header::CONTENT_TYPE)
-        .is_some_and(|v| v.as_bytes().starts_with(b"application/grpc-web-text"))
+    headers.get(header::CONTENT_TYPE).is_some_and(|v| {
+        super::grpc::starts_without_case(v.as_bytes(), b"application/grpc-web-text")
+    })
 }
 
 /// The content type of an answer in `text` or binary.
@@ -239,7 +239,8 @@ impl Frames {
 
 /// The trailer frame's payload: `name: value` lines, each ended by CRLF (the last one may
 /// go without), read as tonic-web's client reads them: whitespace trimmed before a value, not
-/// after it, and of a name given twice the last value.
+/// after it. Of the status and its message given twice, the last value, which is the one that
+/// client acts on; any other name given twice keeps every line, in order, for the replay.
 fn parse_trailers(payload: &[u8]) -> Option<HeaderMap> {
     let mut trailers = HeaderMap::new();
     let mut rest = payload;
@@ -255,7 +256,12 @@ fn parse_trailers(payload: &[u8]) -> Option<HeaderMap> {
         let colon = line.iter().position(|&b| b == b':')?;
         let name = HeaderName::from_bytes(&line[..colon]).ok()?;
         let value = line[colon + 1..].trim_ascii_start();
-        trailers.insert(name, HeaderValue::from_bytes(value).ok()?);
+        let value = HeaderValue::from_bytes(value).ok()?;
+        if name == super::grpc::STATUS || name == super::grpc::MESSAGE {
+            trailers.insert(name, value);
+        } else {
+            trailers.append(name, value);
+        }
         rest = next;
     }
     Some(trailers)
@@ -280,16 +286,21 @@ mod tests {
         let messages = Bytes::from(body.clone());
         body.extend(frame(
             TRAILERS,
-            b"grpc-status:14\r\ngrpc-message: down\r\nx-b: 1\r\nx-b: 2\r\n",
+            b"grpc-status:0\r\ngrpc-status:14\r\ngrpc-message: down\r\nx-b: 1\r\nx-b: 2\r\n",
         ));
         let (kept, trailers) = split(&Bytes::from(body.clone()), false).expect("gRPC-Web");
         assert_eq!(kept, messages);
         let trailers = trailers.expect("trailers");
-        assert_eq!(trailers["grpc-status"], "14");
+        assert_eq!(
+            trailers.get_all("grpc-status").iter().collect::<Vec<_>>(),
+            ["14"],
+            "of the status given twice, the last, as the client reads it"
+        );
         assert_eq!(trailers["grpc-message"], "down");
         assert_eq!(
-            trailers["x-b"], "2",
-            "of a name given twice, the last value"
+            trailers.get_all("x-b").iter().collect::<Vec<_>>(),
+            ["1", "2"],
+            "another name given twice keeps both lines, in order"
         );
 
         // The same in text, as separately padded chunks.

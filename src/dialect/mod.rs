@@ -385,8 +385,19 @@ impl Dialect {
                     None => return self.not_stored(status, &headers, None),
                 }
             }
-            // Kept as sent: replayed as sent (to retries that accept its coding).
-            Self::GrpcWeb { .. } if unreadable(&headers) => body,
+            // Kept as sent: replayed as sent, to retries that accept its coding and ask for
+            // its framing (a compressed body cannot be framed again).
+            Self::GrpcWeb { text } if unreadable(&headers) => {
+                let sent_text = grpc_web::is_text(&headers);
+                if sent_text != *text {
+                    let framing = match sent_text {
+                        true => "application/grpc-web-text",
+                        false => "application/grpc-web",
+                    };
+                    return self.answered(&framing_not_accepted(framing));
+                }
+                body
+            }
             Self::GrpcWeb { text } => {
                 headers.insert(::http::header::CONTENT_TYPE, grpc_web::content_type(*text));
                 grpc_web::join(&body, trailers.take().as_ref(), *text)
@@ -494,6 +505,19 @@ fn not_accepted(coding: &str) -> Problem {
             "the operation completed, but its recorded response is encoded as {coding:?}, \
              which this request does not accept; retry with the same key accepting {coding:?} \
              (Accept-Encoding, or grpc-accept-encoding for gRPC); it will not run again"
+        ),
+    )
+    .state("completed")
+}
+
+/// A compressed gRPC-Web answer recorded in one framing, asked for in the other.
+fn framing_not_accepted(framing: &str) -> Problem {
+    Problem::new(
+        ProblemKind::EncodingNotAccepted,
+        format!(
+            "the operation completed, but its recorded response is compressed in the {framing} \
+             framing, which cannot be framed again and which this request does not ask for; \
+             retry with the same key asking for it (Accept: {framing}); it will not run again"
         ),
     )
     .state("completed")
