@@ -881,7 +881,8 @@ async fn s18_console_behind_a_proxy_takes_writes_from_its_set_origin_only() {
         remove_with(addr, &store, "p-8", false, &[]).await,
         (StatusCode::FORBIDDEN, true)
     );
-    let allowed: [(&str, &[(&str, &str)], bool); 4] = [
+    type Headers<'a> = &'a [(&'a str, &'a str)];
+    let allowed: [(&str, Headers, bool); 4] = [
         ("p-8", &[("origin", "https://ops.example.com")], false),
         ("p-9", &[("origin", "HTTPS://OPS.Example.COM:443")], true),
         ("p-10", &[("sec-fetch-site", "same-origin")], false),

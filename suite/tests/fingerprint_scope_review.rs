@@ -1775,7 +1775,7 @@ async fn s1_2_credential_hash_scope_reads_every_authorization_line() {
             .headers()
             .get_all("authorization")
             .iter()
-            .last()
+            .next_back()
             .and_then(|v| v.to_str().ok())
             .and_then(|v| v.strip_prefix("Bearer tok-"))
             .map(|u| User(u.to_owned()));

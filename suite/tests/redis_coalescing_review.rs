@@ -484,19 +484,6 @@ async fn send(addr: SocketAddr, key: &str) -> Answer {
     send_body(addr, key, r#"{"amount":10}"#).await
 }
 
-/// `send`, again (up to 10 times, 100 ms apart) while the store is still reconnecting (503).
-async fn send_past_503(addr: SocketAddr, key: &str) -> Answer {
-    let mut answer = send(addr, key).await;
-    for _ in 0..10 {
-        if answer.status != 503 {
-            break;
-        }
-        tokio::time::sleep(ms(100)).await;
-        answer = send(addr, key).await;
-    }
-    answer
-}
-
 /// `n` requests with one key, spread over `addrs`, released together.
 async fn burst(addrs: &[SocketAddr], key: &str, n: usize) -> Vec<Answer> {
     let barrier = Arc::new(Barrier::new(n));
