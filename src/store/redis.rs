@@ -361,6 +361,17 @@ impl RedisStore {
     }
 }
 
+/// Whether a failed script may have run all the same: its connection broke or timed out
+/// before the reply came, rather than Redis answering with an error.
+fn reply_lost(error: &StoreError) -> bool {
+    let StoreError::Unavailable(source) = error else {
+        return false;
+    };
+    source
+        .downcast_ref::<redis::RedisError>()
+        .is_some_and(|e| e.is_io_error() || e.is_connection_dropped() || e.is_timeout())
+}
+
 /// Where a record lives.
 struct Located {
     record: Vec<u8>,
@@ -978,8 +989,8 @@ impl IdempotencyStore for RedisStore {
         // reconciliation when the lease ends). Asked again with the same token, a claim that
         // landed answers as this one's (see `CLAIM`).
         let reply = match self.run(&self.scripts.claim, &at, &args).await {
-            Ok(reply) => reply,
-            Err(_lost) => self.run(&self.scripts.claim, &at, &args).await?,
+            Err(error) if reply_lost(&error) => self.run(&self.scripts.claim, &at, &args).await?,
+            reply => reply?,
         };
         let parts = array(&reply).ok_or_else(|| odd("a claim is not an array"))?;
         let [won, now, fields] = parts else {

@@ -262,6 +262,26 @@ pub(crate) fn unavailable(e: sqlx::Error) -> StoreError {
     StoreError::unavailable(e)
 }
 
+/// Whether a failed statement may have run all the same: its connection broke before the
+/// answer came (an I/O or protocol failure, directly or as a batch's), rather than the
+/// database answering with an error or a row that does not read.
+pub(crate) fn answer_lost(error: &StoreError) -> bool {
+    let StoreError::Unavailable(source) = error else {
+        return false;
+    };
+    let mut next: Option<&(dyn std::error::Error + 'static)> = Some(source.as_ref());
+    while let Some(error) = next {
+        if let Some(error) = error.downcast_ref::<sqlx::Error>() {
+            return matches!(
+                error,
+                sqlx::Error::Io(_) | sqlx::Error::Protocol(_) | sqlx::Error::WorkerCrashed
+            );
+        }
+        next = error.source();
+    }
+    false
+}
+
 /// Implements everything of a sqlx store except its claim (`claim_one`, which each database
 /// does its own way): the fenced writes, the reads and the history appends run the same
 /// statements, prepared in the store's `Statements`, on any database.
@@ -565,7 +585,7 @@ impl IdempotencyStore for $store {
         // a route with external effects, send it to reconciliation when the lease ends). Asked
         // again with the same token, it reads as this claim's own (`claim_outcome`).
         match self.claim_with(req, token).await {
-            Err(StoreError::Unavailable(_)) => self.claim_with(req, token).await,
+            Err(error) if sql::answer_lost(&error) => self.claim_with(req, token).await,
             answered => answered,
         }
     }
