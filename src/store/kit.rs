@@ -73,6 +73,7 @@ async fn run_checks<S: IdempotencyStore>(store: &Arc<S>) {
     uncertain_records_are_listed_and_resolved(store).await;
     resolution_fences_out_the_old_holder(store).await;
     a_resolution_keeps_its_own_note_and_its_record(store).await;
+    a_new_attempt_starts_without_the_last_ones_downstream_id(store).await;
     an_unrecorded_answer_reads_as_an_effect_until_resolved(store).await;
     history_tells_what_happened(store).await;
     history_is_bounded(store).await;
@@ -732,6 +733,40 @@ pub async fn milestones_are_fenced_and_durable<S: IdempotencyStore>(store: &S) {
     );
 
     // Unsettled records never expire: a shared table keeps none of them.
+    store.remove(&key).await.expect("remove");
+}
+
+/// A new attempt starts without an earlier attempt's downstream id, whether it takes over a
+/// lapsed lease or claims a released key: a reconciler reading the record of the new attempt
+/// must never check the old attempt's operation downstream.
+pub async fn a_new_attempt_starts_without_the_last_ones_downstream_id<S: IdempotencyStore>(
+    store: &S,
+) {
+    let key = unique_key("downstream-id");
+    let first = acquire(store, &request(&key, 1, SHORT, LONG), "a fresh key").await;
+    store
+        .record_milestone(&key, first.token, &Milestone::DownstreamId("ch_1".into()))
+        .await
+        .expect("downstream id");
+    tokio::time::sleep(PAST_SHORT).await;
+    let second = acquire(store, &request(&key, 1, LONG, LONG), "a lapsed lease").await;
+    assert_eq!(second.attempt, 2);
+    let record = store.lookup(&key).await.expect("lookup").expect("record");
+    assert_eq!(record.downstream_id, None, "taken over: not the first's id");
+    store
+        .record_milestone(&key, second.token, &Milestone::DownstreamId("ch_2".into()))
+        .await
+        .expect("downstream id");
+    let record = store.lookup(&key).await.expect("lookup").expect("record");
+    assert_eq!(record.downstream_id.as_deref(), Some("ch_2"));
+    store.release(&key, second.token).await.expect("release");
+    let third = acquire(store, &request(&key, 1, LONG, LONG), "a released key").await;
+    assert_eq!(third.attempt, 3);
+    let record = store.lookup(&key).await.expect("lookup").expect("record");
+    assert_eq!(
+        record.downstream_id, None,
+        "claimed again: not the second's id"
+    );
     store.remove(&key).await.expect("remove");
 }
 

@@ -145,7 +145,9 @@ pub struct Record {
     /// the outcome could not be recorded ([`IdempotencyStore::mark_uncertain`]). A resolution
     /// as not applied clears it: the next attempt starts with no effect of its own.
     pub effect_started: bool,
-    /// An identifier of the effect downstream (a payment id, a ticket number).
+    /// An identifier of the effect downstream (a payment id, a ticket number), as the
+    /// current attempt recorded it: a new attempt (a takeover, a released key claimed again)
+    /// starts without one, so an earlier attempt's id is never read as its effect's.
     pub downstream_id: Option<String>,
     /// The recorded response of a completed record.
     pub response: Option<StoredResponse>,

@@ -267,7 +267,7 @@ impl Statements {
                  effect_started = CASE WHEN {expired_r} THEN false ELSE r.effect_started END,
                  reconcile_on_expiry = CASE WHEN {fresh_or_takeover} THEN excluded.reconcile_on_expiry
                                             ELSE r.reconcile_on_expiry END,
-                 downstream_id = CASE WHEN {expired_r} THEN NULL ELSE r.downstream_id END,
+                 downstream_id = CASE WHEN {fresh_or_takeover} THEN NULL ELSE r.downstream_id END,
                  resolution_note = CASE WHEN {expired_r} THEN NULL ELSE r.resolution_note END,
                  response = CASE WHEN {expired_r} THEN NULL ELSE r.response END,
                  created_at = CASE WHEN {expired_r} THEN now() ELSE r.created_at END,

@@ -623,6 +623,8 @@ else
   local lease_over = r.st == 'in_progress' and tonumber(r.lu) <= now
   if same and (r.st == 'released' or (lease_over and reclaim and r.es ~= '1')) then
     r.at = fmt(tonumber(r.at) + 1)
+    -- An earlier attempt's downstream id names its effect, not this one's.
+    if r.did then redis.call('HDEL', KEYS[1], 'did'); r.did = nil end
     r.st = 'in_progress'; r.tok = tok; r.lu = fmt(now + lease); r.roe = roe; r.ua = fmt(now)
     r.ea = fmt(math.max(tonumber(r.ea), now + math.max(lease, ttl)))
     r.hist = appended(r.hist, entry(r.at, tok, 'claimed'), @LIMIT@)

@@ -55,6 +55,7 @@ macro_rules! all_checks {
             uncertain_records_are_listed_and_resolved,
             resolution_fences_out_the_old_holder,
             a_resolution_keeps_its_own_note_and_its_record,
+            a_new_attempt_starts_without_the_last_ones_downstream_id,
             an_unrecorded_answer_reads_as_an_effect_until_resolved,
             history_tells_what_happened,
             history_is_bounded,

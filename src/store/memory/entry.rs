@@ -351,6 +351,13 @@ impl Entry {
         self.extra.get_or_insert_default().downstream_id = Some(id.into());
     }
 
+    /// Forgets an earlier attempt's downstream id: a new attempt's effect is not that one.
+    pub(super) fn clear_downstream_id(&mut self) {
+        if let Some(extra) = &mut self.extra {
+            extra.downstream_id = None;
+        }
+    }
+
     /// The note of the record's latest resolution: `None` clears an older one, which
     /// belongs to an earlier attempt's resolution.
     pub(super) fn set_resolution_note(&mut self, note: Option<&str>) {

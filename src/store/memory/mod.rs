@@ -671,6 +671,9 @@ impl MemoryStore {
         r.status = RecordStatus::InProgress;
         r.lease_until = lease_until;
         r.attempts += 1;
+        // An earlier attempt's id names its effect, not this one's: read as this attempt's,
+        // it would have a reconciler check the wrong operation downstream.
+        r.clear_downstream_id();
         r.set_reconcile_on_expiry(req.on_lease_expiry);
         r.set_body_as_sent(&req.fingerprint);
         // Only ever later: a retry does not shorten what the record was promised.
