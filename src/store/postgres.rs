@@ -229,6 +229,10 @@ impl Statements {
             lease_over("r")
         );
         let fresh_or_takeover = format!("({expired_r} OR {takeover})");
+        // The claim's own row, made by this same claim before its answer was lost (it is asked
+        // again with the same token): nothing ran under it, so it is this claim's still, even
+        // past its lease; not another attempt, nor uncertain.
+        let own = "(r.status = 'in_progress' AND r.lease_token = excluded.lease_token)";
         // Whether a claim with `fingerprint` changes the record `r`: it has expired, or it is
         // the same request's and released or past its lease (taken over, or sent to
         // reconciliation).
@@ -260,22 +264,23 @@ impl Statements {
                {order}
                ON CONFLICT (scope, key) DO UPDATE SET
                  fingerprint = CASE WHEN {expired_r} THEN excluded.fingerprint ELSE r.fingerprint END,
-                 status = CASE WHEN {fresh_or_takeover} THEN 'in_progress' ELSE 'needs_reconciliation' END,
+                 status = CASE WHEN {own} OR {fresh_or_takeover} THEN 'in_progress' ELSE 'needs_reconciliation' END,
                  lease_token = CASE WHEN {fresh_or_takeover} THEN excluded.lease_token ELSE r.lease_token END,
-                 lease_until = CASE WHEN {fresh_or_takeover} THEN excluded.lease_until ELSE r.lease_until END,
-                 attempts = CASE WHEN {expired_r} THEN 1 WHEN {takeover} THEN r.attempts + 1 ELSE r.attempts END,
+                 lease_until = CASE WHEN {own} OR {fresh_or_takeover} THEN excluded.lease_until ELSE r.lease_until END,
+                 attempts = CASE WHEN {expired_r} THEN 1 WHEN {own} THEN r.attempts WHEN {takeover} THEN r.attempts + 1 ELSE r.attempts END,
                  effect_started = CASE WHEN {expired_r} THEN false ELSE r.effect_started END,
                  reconcile_on_expiry = CASE WHEN {fresh_or_takeover} THEN excluded.reconcile_on_expiry
                                             ELSE r.reconcile_on_expiry END,
-                 downstream_id = CASE WHEN {fresh_or_takeover} THEN NULL ELSE r.downstream_id END,
+                 downstream_id = CASE WHEN {fresh_or_takeover} AND NOT {own} THEN NULL ELSE r.downstream_id END,
                  resolution_note = CASE WHEN {expired_r} THEN NULL ELSE r.resolution_note END,
                  response = CASE WHEN {expired_r} THEN NULL ELSE r.response END,
                  created_at = CASE WHEN {expired_r} THEN now() ELSE r.created_at END,
                  updated_at = now(),
                  expires_at = CASE WHEN {expired_r} THEN excluded.expires_at
-                                   WHEN {takeover} THEN GREATEST(r.expires_at, excluded.expires_at)
+                                   WHEN {own} OR {takeover} THEN GREATEST(r.expires_at, excluded.expires_at)
                                    ELSE r.expires_at END,
                  history = CASE WHEN {expired_r} THEN excluded.history
+                                WHEN {own} THEN r.history
                                 WHEN {takeover} THEN {claimed_again}
                                 ELSE {lease_expired} END
                WHERE {changes}

@@ -394,25 +394,30 @@ impl Statements {
              AND NOT excluded.reconcile_on_expiry AND NOT r.effect_started)))"
         );
         let fresh_or_takeover = format!("({expired} OR {takeover})");
+        // The claim's own row, made by this same claim before its answer was lost (it is asked
+        // again with the same token): nothing ran under it, so it is this claim's still, even
+        // past its lease; not another attempt, nor uncertain.
+        let own = "(r.status = 'in_progress' AND r.lease_token = excluded.lease_token)";
         let conflict = format!(
             "ON CONFLICT (scope, key) DO UPDATE SET
                fingerprint = CASE WHEN {expired} THEN excluded.fingerprint ELSE r.fingerprint END,
-               status = CASE WHEN {fresh_or_takeover} THEN 'in_progress' ELSE 'needs_reconciliation' END,
+               status = CASE WHEN {own} OR {fresh_or_takeover} THEN 'in_progress' ELSE 'needs_reconciliation' END,
                lease_token = CASE WHEN {fresh_or_takeover} THEN excluded.lease_token ELSE r.lease_token END,
-               lease_until = CASE WHEN {fresh_or_takeover} THEN excluded.lease_until ELSE r.lease_until END,
-               attempts = CASE WHEN {expired} THEN 1 WHEN {takeover} THEN r.attempts + 1 ELSE r.attempts END,
+               lease_until = CASE WHEN {own} OR {fresh_or_takeover} THEN excluded.lease_until ELSE r.lease_until END,
+               attempts = CASE WHEN {expired} THEN 1 WHEN {own} THEN r.attempts WHEN {takeover} THEN r.attempts + 1 ELSE r.attempts END,
                effect_started = CASE WHEN {expired} THEN 0 ELSE r.effect_started END,
                reconcile_on_expiry = CASE WHEN {fresh_or_takeover} THEN excluded.reconcile_on_expiry
                                           ELSE r.reconcile_on_expiry END,
-               downstream_id = CASE WHEN {fresh_or_takeover} THEN NULL ELSE r.downstream_id END,
+               downstream_id = CASE WHEN {fresh_or_takeover} AND NOT {own} THEN NULL ELSE r.downstream_id END,
                resolution_note = CASE WHEN {expired} THEN NULL ELSE r.resolution_note END,
                response = CASE WHEN {expired} THEN NULL ELSE r.response END,
                created_at = CASE WHEN {expired} THEN {NOW} ELSE r.created_at END,
                updated_at = {NOW},
                expires_at = CASE WHEN {expired} THEN excluded.expires_at
-                                 WHEN {takeover} THEN MAX(r.expires_at, excluded.expires_at)
+                                 WHEN {own} OR {takeover} THEN MAX(r.expires_at, excluded.expires_at)
                                  ELSE r.expires_at END,
                history = CASE WHEN {expired} THEN excluded.history
+                              WHEN {own} THEN r.history
                               WHEN {takeover} THEN {claimed_again}
                               ELSE {lease_expired} END
              WHERE {expired} OR ({same} AND (r.status = 'released' OR ({lease_over})))",

@@ -596,12 +596,16 @@ async fn s5_postgres_a_claim_whose_reply_is_lost_is_asked_again_as_its_own() {
             let key = ScopedKey::new(unique("lost-reply"), "k");
             // The claim's text, as the statement's Parse carries it.
             proxy.lose_reply_to(b"AS r (scope, key, fingerprint, status");
+            let before = proxy.statements();
             let claimed = store.claim(&claim_with(&key, LONG, LONG, expiry)).await;
+            let ran = proxy.statements() - before;
             let lease = match claimed {
                 Ok(Claim::Acquired(lease)) => lease,
                 other => panic!("batched {batched}, {expiry:?}: {other:?}"),
             };
             assert_eq!(proxy.lost(), 1, "batched {batched}: a reply was lost");
+            // The claim ran before its reply was lost, and was asked again.
+            assert_eq!(ran, 2, "batched {batched}, {expiry:?}: the claim ran twice");
             assert_eq!(lease.attempt, 1, "batched {batched}, {expiry:?}");
             let record = store.lookup(&key).await.expect("lookup").expect("record");
             assert_eq!(

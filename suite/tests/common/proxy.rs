@@ -68,8 +68,8 @@ impl Proxy {
     }
 
     /// The next time a client sends bytes holding `needle` (a statement's text, as a Parse
-    /// message carries it), they reach the server, and its reply is lost: the client's
-    /// connection closes instead. A write that landed, unheard.
+    /// message carries it), the statement runs, and the reply to its Execute is lost: the
+    /// client's connection closes instead. A write that landed, unheard.
     pub fn lose_reply_to(&self, needle: &'static [u8]) {
         *self.lose.lock().expect("lock") = Some(needle);
     }
@@ -88,18 +88,26 @@ async fn relay(client: TcpStream, server: TcpStream, proxy: Proxy) {
     let upstream = async move {
         let mut parser = FrontendParser::default();
         let mut buf = vec![0u8; 16 * 1024];
+        let mut seen = false;
         loop {
             let n = match client_r.read(&mut buf).await {
                 Ok(0) | Err(_) => break,
                 Ok(n) => n,
             };
-            statements.fetch_add(parser.feed(&buf[..n]), Ordering::SeqCst);
+            let executed = parser.feed(&buf[..n]);
+            statements.fetch_add(executed, Ordering::SeqCst);
             {
                 let mut armed = lose.lock().expect("lock");
                 if armed.is_some_and(|needle| buf[..n].windows(needle.len()).any(|w| w == needle)) {
                     *armed = None;
-                    cut_up.store(true, Ordering::SeqCst);
+                    seen = true;
                 }
+            }
+            // The statement's text goes in its Parse, which sqlx sends before the Execute
+            // that runs it: the reply lost is the Execute's, so the statement has run.
+            if seen && executed > 0 {
+                seen = false;
+                cut_up.store(true, Ordering::SeqCst);
             }
             if server_w.write_all(&buf[..n]).await.is_err() {
                 break;
