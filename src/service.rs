@@ -179,9 +179,7 @@ impl<St: IdempotencyStore, M: MakeScope> Pipeline<St, M> {
                 let buffered = match pending.reads_one_message() {
                     true => {
                         let text = crate::dialect::grpc_web::is_text(&parts.headers);
-                        Box::pin(read_unary(body, route.body_limit, text))
-                            .await
-                            .map(|bytes| (bytes, None))
+                        Box::pin(read_unary(body, route.body_limit, text)).await
                     }
                     false => buffer(&parts, body, route.body_limit).await,
                 };

@@ -120,7 +120,11 @@ pub(crate) const UNARY_GRACE: std::time::Duration = std::time::Duration::from_se
 /// streaming call, refused before anything is claimed: buffering it to its end would hang a
 /// client that waits for a reply before it sends more. A gRPC-Web call in `text` sends its
 /// message in base64: its message is found in the decoded bytes; the bytes as sent are read.
-pub(crate) async fn read_unary<B>(body: B, limit: usize, text: bool) -> Result<Bytes, Problem>
+pub(crate) async fn read_unary<B>(
+    body: B,
+    limit: usize,
+    text: bool,
+) -> Result<(Bytes, Option<Box<http::HeaderMap>>), Problem>
 where
     B: http_body::Body<Data = Bytes>,
     B::Error: Into<crate::store::BoxError>,
@@ -170,8 +174,15 @@ where
         };
         let Some(frame) = next else { break };
         let frame = frame.map_err(|e| super::http::unreadable(e.into()))?;
-        // Trailers end a request stream.
-        let Ok(chunk) = frame.into_data() else { break };
+        // Trailers end a request stream, and reach the handler as sent (a gRPC-Web call over
+        // HTTP/1.1 may send them).
+        let chunk = match frame.into_data() {
+            Ok(chunk) => chunk,
+            Err(frame) => {
+                let trailers = frame.into_trailers().ok().map(Box::new);
+                return Ok((data.freeze(), trailers));
+            }
+        };
         if data.len() + chunk.len() > limit {
             return Err(super::http::too_large(limit));
         }
@@ -185,7 +196,7 @@ where
         }
         data.push(chunk);
     }
-    Ok(data.freeze())
+    Ok((data.freeze(), None))
 }
 
 /// What a fingerprint mismatch tells the client its call differs in.
