@@ -9,14 +9,17 @@
 pub(crate) struct Child<'a> {
     /// The member's name as written (quotes and escapes included); `None` for an element.
     pub(crate) raw_name: Option<&'a str>,
-    /// The member's decoded name, or the element's index.
+    /// The member's decoded name, or the element's index; empty for a name that names no
+    /// Unicode text (a lone surrogate escape), which [`is`](Self::is) matches with nothing.
     pub(crate) name: String,
+    /// Whether `name` is the name as written, decoded.
+    named: bool,
     pub(crate) value: &'a str,
 }
 
 impl Child<'_> {
     pub(crate) fn is(&self, token: &str) -> bool {
-        self.name == token
+        self.named && self.name == token
     }
 }
 
@@ -32,21 +35,23 @@ pub(crate) fn children(value: &str) -> Vec<Child<'_>> {
     let mut i = skip_ws(bytes, 1);
     let mut index = 0usize;
     while i < bytes.len() && bytes[i] != b'}' && bytes[i] != b']' {
-        let (raw_name, name) = if object {
+        let (raw_name, name, named) = if object {
             let end = skip_string(bytes, i);
             let raw = &value[i..end];
-            let decoded = serde_json::from_str::<String>(raw).unwrap_or_default();
+            let decoded = serde_json::from_str::<String>(raw);
             i = skip_ws(bytes, end);
             // The colon.
             i = skip_ws(bytes, i + 1);
-            (Some(raw), decoded)
+            let named = decoded.is_ok();
+            (Some(raw), decoded.unwrap_or_default(), named)
         } else {
-            (None, index.to_string())
+            (None, index.to_string(), true)
         };
         let end = skip_value(bytes, i);
         out.push(Child {
             raw_name,
             name,
+            named,
             value: &value[i..end],
         });
         index += 1;

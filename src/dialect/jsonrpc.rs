@@ -495,7 +495,7 @@ fn meta_key(params: Option<&str>, settings: &JsonRpc) -> Result<Option<String>, 
     let twice = |text: &str, member: &str| {
         crate::json_text::children(text.trim())
             .iter()
-            .filter(|c| c.name == member)
+            .filter(|c| c.is(member))
             .count()
             > 1
     };
@@ -507,7 +507,7 @@ fn meta_key(params: Option<&str>, settings: &JsonRpc) -> Result<Option<String>, 
     };
     let meta_text = crate::json_text::children(params.trim())
         .into_iter()
-        .find(|c| c.name == "_meta")
+        .find(|c| c.is("_meta"))
         .map(|c| c.value);
     if meta_text.is_some_and(|meta| twice(meta, name)) {
         return Err(format!("params._meta.{name} is given twice"));
@@ -921,7 +921,7 @@ fn marked(result: &str) -> String {
         return result.to_owned();
     }
     let members = crate::json_text::children(result);
-    let is_meta = |m: &crate::json_text::Child<'_>| m.name == "_meta";
+    let is_meta = |m: &crate::json_text::Child<'_>| m.is("_meta");
     let meta_object = |m: &crate::json_text::Child<'_>| is_meta(m) && m.value.starts_with('{');
     // A `_meta` that is not an object (`null`, an array) is replaced by one holding the mark:
     // a second `_meta` member would trip clients that refuse duplicate fields.

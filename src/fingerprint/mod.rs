@@ -185,6 +185,8 @@ pub(crate) fn jsonrpc(
     put_field(&mut h, b"tower-idempotency/jsonrpc/v2");
     // Everything the HTTP mode counts (path, query, media type, fingerprint headers)...
     head_into(&mut h, parts, trailers, options)?;
+    // A body its handler must decode first is another request than the same text sent plain.
+    codings_into(&mut h, parts);
     // ...then the call: its method and its params, exact, without `_meta` and the fields a
     // multi-round-trip call changes on each attempt; never its id.
     put_field(&mut h, method.as_bytes());
@@ -539,6 +541,16 @@ fn head_into<'p>(
 /// sent plain are two requests, and what a compressed body means is for the handler to read.
 /// Whether it was.
 fn coded_into(h: &mut Sha256, parts: &Parts, body: &[u8]) -> bool {
+    if !codings_into(h, parts) {
+        return false;
+    }
+    put_field(h, body);
+    true
+}
+
+/// The request's content codings (other than `identity`), in order and without case, if it
+/// has any; whether it had.
+fn codings_into(h: &mut Sha256, parts: &Parts) -> bool {
     let lines = crate::lines::get_all(&parts.headers, &http::header::CONTENT_ENCODING);
     let codings: Vec<&[u8]> = field_elements(lines.map(|v| v.as_bytes()))
         .into_iter()
@@ -552,7 +564,6 @@ fn coded_into(h: &mut Sha256, parts: &Parts, body: &[u8]) -> bool {
     for coding in codings {
         put_field(h, &coding.to_ascii_lowercase());
     }
-    put_field(h, body);
     true
 }
 
