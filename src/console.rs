@@ -136,10 +136,18 @@ impl<St: IdempotencyStore> Console<St> {
     /// ```
     pub fn origin(mut self, url: http::Uri) -> Self {
         let mut origins = self.origins.to_vec();
+        // An origin has no user info (RFC 6454 §4): `https://admin@host` is served at
+        // `https://host`.
+        let host = |authority: &http::uri::Authority| {
+            let text = authority.as_str();
+            text.rsplit_once('@')
+                .map_or(text, |(_, host)| host)
+                .to_owned()
+        };
         origins.push(
             url.scheme_str()
                 .zip(url.authority())
-                .and_then(|(scheme, authority)| origin_of(scheme, authority.as_str())),
+                .and_then(|(scheme, authority)| origin_of(scheme, &host(authority))),
         );
         self.origins = origins.into();
         self
