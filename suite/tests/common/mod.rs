@@ -10,6 +10,7 @@ pub mod memory;
 pub mod model;
 pub mod proxy;
 pub mod raw;
+pub mod resp;
 pub mod rig;
 pub mod statements;
 
