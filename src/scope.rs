@@ -86,8 +86,8 @@ impl fmt::Display for MissingScope {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "the idempotency layer scopes keys by {}, and this request does not carry it: the layer that \
-             sets it must run before the idempotency layer; nothing was run",
+            "the idempotency layer scopes keys by {}, and this request does not carry it: the \
+             layer that sets it must run before the idempotency layer; nothing was run",
             self.what
         )
     }

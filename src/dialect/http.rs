@@ -128,8 +128,8 @@ pub(crate) fn refuse_body<R>(problem: Problem, reply: R) -> Refusal<R> {
     }
 }
 
-/// Step 3: the whole body, and its trailers if any (the inner service gets them as sent; like
-/// the headers not named for it, they do not count in the fingerprint), or why not.
+/// Step 3: the whole body, and its trailers if any (the inner service gets them as sent, and
+/// they count in the fingerprint), or why not.
 pub(crate) async fn buffer<B>(
     parts: &Parts,
     body: B,

@@ -1,9 +1,11 @@
 //! Step 4 of the pipeline: what makes two requests "the same operation".
 //!
 //! A fingerprint is SHA-256 over, in order and each length-prefixed: a version tag, the method,
-//! the path, the query (an empty one, `/op?`, is not a missing one), the media type of `Content-Type` with its parameters (lower-cased
-//! names and `charset` values, sorted; only a multipart `boundary` and JSON's `charset=utf-8` are left out, as
-//! they change nothing), the configured extra request headers, and the canonical body:
+//! the path, the query (an empty one, `/op?`, is not a missing one), the media type of
+//! `Content-Type` with its parameters (lower-cased names and `charset` values, sorted; only a
+//! multipart `boundary` and JSON's `charset=utf-8` are left out, as they change nothing), the
+//! configured extra request headers, the request's trailers if it sent any, and the canonical
+//! body:
 //!
 //! | media type | canonical body |
 //! |---|---|
@@ -19,8 +21,9 @@
 //! deeper than 128 levels, multipart without its boundary) is refused with 400 before anything
 //! is claimed. JSON that is valid but has no exact canonical form (duplicate member names, a
 //! number whose canonical form names another value: beyond 2^53 precision, beyond double range,
-//! underflowing to zero; an escaped UTF-16 surrogate without its pair) is hashed as raw bytes in a domain of its own, so it is never merged
-//! with another document. Canonicalisation merges only what is provably the same request.
+//! underflowing to zero; an escaped UTF-16 surrogate without its pair) is hashed as raw bytes
+//! in a domain of its own, so it is never merged with another document. Canonicalisation
+//! merges only what is provably the same request.
 
 mod fields;
 mod form;

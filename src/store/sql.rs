@@ -289,7 +289,11 @@ macro_rules! sql_store {
     ($store:ident, $db:ty, $conn:ty, $row:ty) => {
 impl $store {
     /// One claim with `token`, in a batch when batching is on.
-    async fn claim_with(&self, req: &ClaimRequest, token: FencingToken) -> Result<Claim, StoreError> {
+    async fn claim_with(
+        &self,
+        req: &ClaimRequest,
+        token: FencingToken,
+    ) -> Result<Claim, StoreError> {
         match &self.batches {
             Some(batches) => {
                 let store = self.clone();
