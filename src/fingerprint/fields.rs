@@ -7,6 +7,11 @@
 //!
 //! The risk is yours to weigh: a field left out that changes the outcome makes two different
 //! operations look like one, and the second gets the first one's answer.
+//!
+//! A body sent with a `Content-Encoding` is hashed whole, as sent: its fields cannot be read
+//! without decoding it, so a compressed retry whose left-out field changed is a mismatch
+//! (422), never a merge. A member whose name is no Unicode text (a lone surrogate escape)
+//! matches no pointer.
 
 use std::fmt;
 
