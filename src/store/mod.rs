@@ -24,6 +24,8 @@ mod sql;
 #[cfg(feature = "sqlite")]
 mod sqlite;
 pub(crate) mod uncertain;
+#[cfg(any(feature = "postgres", feature = "redis", feature = "sqlite"))]
+mod unheard;
 mod waiting;
 
 use std::fmt;

@@ -364,12 +364,9 @@ impl RedisStore {
 /// Whether a failed script may have run all the same: its connection broke or timed out
 /// before the reply came, rather than Redis answering with an error.
 fn reply_lost(error: &StoreError) -> bool {
-    let StoreError::Unavailable(source) = error else {
-        return false;
-    };
-    source
-        .downcast_ref::<redis::RedisError>()
-        .is_some_and(|e| e.is_io_error() || e.is_connection_dropped() || e.is_timeout())
+    super::unheard::lost(error, |e: &redis::RedisError| {
+        e.is_io_error() || e.is_connection_dropped() || e.is_timeout()
+    })
 }
 
 /// Where a record lives.
@@ -608,6 +605,12 @@ if r and r.st == 'in_progress' and r.tok == tok then
   r.ea = fmt(math.max(tonumber(r.ea), now + math.max(lease, ttl)))
   save(r)
   return {1, fmt(now), redis.call('HGETALL', KEYS[1])}
+end
+-- This claim's own, already ended (run and recorded or released, or given back): the claim
+-- timed out on its way and reached Redis late, after it was asked again. Nothing may start
+-- under its token a second time (it would hold the key for nobody).
+if r and r.tok == tok then
+  return {0, fmt(now), redis.call('HGETALL', KEYS[1])}
 end
 local written = 0
 local roe = '1'
@@ -990,8 +993,17 @@ impl IdempotencyStore for RedisStore {
         // for a request that ran nothing (and, on a route with external effects, send it to
         // reconciliation when the lease ends). Asked again with the same token, a claim that
         // landed answers as this one's (see `CLAIM`).
+        // Lost again, what may have landed is given back: the request is refused, nothing ran.
         let reply = match self.run(&self.scripts.claim, &at, &args).await {
-            Err(error) if reply_lost(&error) => self.run(&self.scripts.claim, &at, &args).await?,
+            Err(error) if reply_lost(&error) => {
+                match self.run(&self.scripts.claim, &at, &args).await {
+                    Err(error) if reply_lost(&error) => {
+                        super::unheard::give_back(self, &request.key, token, request.lease);
+                        return Err(error);
+                    }
+                    reply => reply?,
+                }
+            }
             reply => reply?,
         };
         let parts = array(&reply).ok_or_else(|| odd("a claim is not an array"))?;

@@ -266,20 +266,12 @@ pub(crate) fn unavailable(e: sqlx::Error) -> StoreError {
 /// answer came (an I/O or protocol failure, directly or as a batch's), rather than the
 /// database answering with an error or a row that does not read.
 pub(crate) fn answer_lost(error: &StoreError) -> bool {
-    let StoreError::Unavailable(source) = error else {
-        return false;
-    };
-    let mut next: Option<&(dyn std::error::Error + 'static)> = Some(source.as_ref());
-    while let Some(error) = next {
-        if let Some(error) = error.downcast_ref::<sqlx::Error>() {
-            return matches!(
-                error,
-                sqlx::Error::Io(_) | sqlx::Error::Protocol(_) | sqlx::Error::WorkerCrashed
-            );
-        }
-        next = error.source();
-    }
-    false
+    super::unheard::lost(error, |e: &sqlx::Error| {
+        matches!(
+            e,
+            sqlx::Error::Io(_) | sqlx::Error::Protocol(_) | sqlx::Error::WorkerCrashed
+        )
+    })
 }
 
 /// Implements everything of a sqlx store except its claim (`claim_one`, which each database
@@ -588,8 +580,15 @@ impl IdempotencyStore for $store {
         // connection: left so, it would hold the key for a request that ran nothing (and, on
         // a route with external effects, send it to reconciliation when the lease ends). Asked
         // again with the same token, it reads as this claim's own (`claim_outcome`).
+        // Lost again, what may have landed is given back: the request is refused, nothing ran.
         match self.claim_with(req, token).await {
-            Err(error) if sql::answer_lost(&error) => self.claim_with(req, token).await,
+            Err(error) if sql::answer_lost(&error) => match self.claim_with(req, token).await {
+                Err(error) if sql::answer_lost(&error) => {
+                    super::unheard::give_back(self, &req.key, token, req.lease);
+                    Err(error)
+                }
+                answered => answered,
+            },
             answered => answered,
         }
     }

@@ -620,3 +620,55 @@ async fn s5_postgres_a_claim_whose_reply_is_lost_is_asked_again_as_its_own() {
         }
     }
 }
+
+/// DESIGN §1.6 and §5: a claim whose reply is lost twice (it landed, and so did its asking
+/// again with the same token) is refused, and what landed is given back at once: released,
+/// not held in flight for its lease by a claim nobody heard and then, on a route that
+/// reconciles, set aside as "outcome unknown" though nothing ran. Alone and batched. Before,
+/// the record stayed in flight until its (here one-minute) lease ended.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s5_postgres_a_claim_unheard_twice_is_refused_and_given_back() {
+    const UNHEARD: &str = "tower_idempotency_claim_reads_unheard";
+    for batched in [false, true] {
+        let Some((through, proxy)) = through_proxy(UNHEARD, 2).await else {
+            return;
+        };
+        let store = alone_or_batched(&through, batched);
+        let key = ScopedKey::new(unique("unheard"), "k");
+        proxy.lose_replies_to(b"AS r (scope, key, fingerprint, status", 2);
+        let claimed = store
+            .claim(&claim_with(&key, LONG, LONG, LeaseExpiry::Reconcile))
+            .await;
+        assert!(
+            matches!(claimed, Err(StoreError::Unavailable(_))),
+            "batched {batched}: {claimed:?}"
+        );
+        assert_eq!(proxy.lost(), 2, "batched {batched}: both replies were lost");
+        // Given back on a task of its own, within a few tries; the lease is a minute.
+        let mut record = None;
+        for _ in 0..100 {
+            record = store.lookup(&key).await.expect("lookup");
+            if record
+                .as_ref()
+                .is_some_and(|r| r.status != RecordStatus::InProgress)
+            {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let record = record.expect("the claim landed");
+        assert_eq!(
+            (record.status, record.attempts),
+            (RecordStatus::Released, 1),
+            "batched {batched}: what landed is given back"
+        );
+        // The retry runs as the next attempt, on a route that reconciles.
+        match store
+            .claim(&claim_with(&key, LONG, LONG, LeaseExpiry::Reconcile))
+            .await
+        {
+            Ok(Claim::Acquired(lease)) => assert_eq!(lease.attempt, 2, "batched {batched}"),
+            other => panic!("batched {batched}: the retry: {other:?}"),
+        }
+    }
+}

@@ -20,7 +20,7 @@ use axum::http::StatusCode;
 use axum::routing::post;
 use bytes::Bytes;
 use common::Effects;
-use common::resp::parse_command;
+use common::resp::RespProxy;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::Barrier;
@@ -64,25 +64,6 @@ async fn node(url: &str, prefix: &str) -> RedisStore {
         .expect("prefix")
 }
 
-fn upstream() -> SocketAddr {
-    let url = common::redis_url();
-    let host = url
-        .trim_start_matches("redis://")
-        .split('/')
-        .next()
-        .unwrap_or("127.0.0.1:6379")
-        .to_owned();
-    tokio_addr(&host)
-}
-
-fn tokio_addr(host: &str) -> SocketAddr {
-    use std::net::ToSocketAddrs;
-    host.to_socket_addrs()
-        .expect("resolve")
-        .next()
-        .expect("an address")
-}
-
 fn fp(byte: u8) -> Fingerprint {
     Fingerprint::from_bytes([byte; 32])
 }
@@ -110,150 +91,6 @@ async fn acquire<S: IdempotencyStore>(store: &S, req: &ClaimRequest) -> FencingT
     match store.claim(req).await.expect("claim") {
         Claim::Acquired(lease) => lease.token,
         other => panic!("expected to acquire, got {other:?}"),
-    }
-}
-
-// ---- a RESP-aware proxy ---------------------------------------------------------------------
-
-#[derive(Default)]
-struct Ctl {
-    /// The script SHA whose next EVALSHA is forwarded and then has its connection dropped
-    /// before the reply; with how many matching calls to let through first.
-    armed: Mutex<Option<(String, usize)>>,
-    /// How many calls were cut that way.
-    fired: AtomicUsize,
-    /// Refuses new connections while set.
-    down: AtomicBool,
-    links: Mutex<Vec<JoinHandle<()>>>,
-}
-
-#[derive(Clone)]
-struct RespProxy {
-    addr: SocketAddr,
-    ctl: Arc<Ctl>,
-}
-
-impl RespProxy {
-    async fn start() -> Self {
-        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
-        let proxy = Self {
-            addr: listener.local_addr().expect("addr"),
-            ctl: Arc::default(),
-        };
-        let ctl = proxy.ctl.clone();
-        let up = upstream();
-        tokio::spawn(async move {
-            while let Ok((client, _)) = listener.accept().await {
-                if ctl.down.load(Ordering::SeqCst) {
-                    drop(client);
-                    continue;
-                }
-                let Ok(server) = TcpStream::connect(up).await else {
-                    continue;
-                };
-                let link = tokio::spawn(relay(client, server, ctl.clone()));
-                ctl.links.lock().expect("lock").push(link);
-            }
-        });
-        proxy
-    }
-
-    fn url(&self) -> String {
-        format!("redis://{}", self.addr)
-    }
-
-    /// The `skip + 1`-th next call of the script with source `source` is forwarded to Redis,
-    /// and its connection is dropped before the reply reaches the store.
-    fn arm(&self, source: &str, skip: usize) {
-        let sha = redis::Script::new(source).get_hash().to_owned();
-        *self.ctl.armed.lock().expect("lock") = Some((sha, skip));
-    }
-
-    fn fired(&self) -> usize {
-        self.ctl.fired.load(Ordering::SeqCst)
-    }
-
-    fn cut(&self) {
-        self.ctl.down.store(true, Ordering::SeqCst);
-        for link in self.ctl.links.lock().expect("lock").drain(..) {
-            link.abort();
-        }
-    }
-
-    fn restore(&self) {
-        self.ctl.down.store(false, Ordering::SeqCst);
-    }
-}
-
-async fn relay(client: TcpStream, server: TcpStream, ctl: Arc<Ctl>) {
-    let (mut client_r, mut client_w) = client.into_split();
-    let (mut server_r, mut server_w) = server.into_split();
-    let swallow = Arc::new(AtomicBool::new(false));
-    let swallowing = swallow.clone();
-    let downstream = async move {
-        let mut buf = vec![0u8; 64 * 1024];
-        loop {
-            let n = match server_r.read(&mut buf).await {
-                Ok(0) | Err(_) => return,
-                Ok(n) => n,
-            };
-            if swallowing.load(Ordering::SeqCst) {
-                continue;
-            }
-            if client_w.write_all(&buf[..n]).await.is_err() {
-                return;
-            }
-        }
-    };
-    let upstream = async move {
-        let mut pending = Vec::new();
-        let mut chunk = vec![0u8; 64 * 1024];
-        loop {
-            let n = match client_r.read(&mut chunk).await {
-                Ok(0) | Err(_) => return,
-                Ok(n) => n,
-            };
-            pending.extend_from_slice(&chunk[..n]);
-            while let Some((len, args)) = parse_command(&pending) {
-                let command: Vec<u8> = pending.drain(..len).collect();
-                let target = {
-                    let mut armed = ctl.armed.lock().expect("lock");
-                    let hit = match (&mut *armed, args.first(), args.get(1)) {
-                        (Some((sha, skip)), Some(name), Some(arg))
-                            if name.eq_ignore_ascii_case(b"EVALSHA")
-                                && arg.eq_ignore_ascii_case(sha.as_bytes()) =>
-                        {
-                            if *skip == 0 {
-                                true
-                            } else {
-                                *skip -= 1;
-                                false
-                            }
-                        }
-                        _ => false,
-                    };
-                    if hit {
-                        *armed = None;
-                    }
-                    hit
-                };
-                if target {
-                    swallow.store(true, Ordering::SeqCst);
-                    let _ = server_w.write_all(&command).await;
-                    // Let Redis run it; then drop the link without relaying its reply.
-                    tokio::time::sleep(ms(300)).await;
-                    ctl.fired.fetch_add(1, Ordering::SeqCst);
-                    return;
-                }
-                if server_w.write_all(&command).await.is_err() {
-                    return;
-                }
-            }
-        }
-    };
-    tokio::select! {
-        () = downstream => {}
-        () = upstream => {}
     }
 }
 
@@ -843,6 +680,106 @@ async fn s1_a_claim_whose_reply_is_lost_fails_closed_then_runs_once() {
         "{third:?} vs {second:?}"
     );
     assert_eq!(plan.effects.count(), 1);
+}
+
+/// DESIGN §1.6 and §5: a claim whose reply is lost twice (it landed, and so did its asking
+/// again with the same token) is refused, and what landed is given back at once: released,
+/// not held in flight for its lease (a minute here) by a claim nobody heard and then, on a
+/// route that reconciles, set aside as "outcome unknown" though nothing ran.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s5_a_claim_unheard_twice_is_refused_and_given_back() {
+    let Some((prefix, direct)) = redis_pair("unheard-twice").await else {
+        return;
+    };
+    warm(&direct).await;
+    let proxy = RespProxy::start().await;
+    let store = node(&proxy.url(), &prefix).await;
+    let key = ScopedKey::new("", unique("unheard-twice"));
+    proxy.arm_times(store.claim_script(), 0, 2);
+    let claimed = store
+        .claim(&claim_req(&key, ms(60_000), LeaseExpiry::Reconcile))
+        .await;
+    assert!(
+        matches!(claimed, Err(StoreError::Unavailable(_))),
+        "{claimed:?}"
+    );
+    assert_eq!(proxy.fired(), 2, "both replies were lost");
+    let mut record = None;
+    for _ in 0..100 {
+        record = direct.lookup(&key).await.expect("lookup");
+        if record
+            .as_ref()
+            .is_some_and(|r| r.status != RecordStatus::InProgress)
+        {
+            break;
+        }
+        tokio::time::sleep(ms(50)).await;
+    }
+    let record = record.expect("the claim landed");
+    assert_eq!(
+        (record.status, record.attempts),
+        (RecordStatus::Released, 1),
+        "what landed is given back"
+    );
+    match direct
+        .claim(&claim_req(&key, ms(60_000), LeaseExpiry::Reconcile))
+        .await
+    {
+        Ok(Claim::Acquired(lease)) => assert_eq!(lease.attempt, 2),
+        other => panic!("the retry: {other:?}"),
+    }
+}
+
+/// DESIGN §1.6 and §5: a claim that timed out on its way and reaches Redis only after it was
+/// asked again, run and released under its token (a stalled link, then a new one) takes
+/// nothing: the key stays released for the retry, not in flight for nobody. The late call is
+/// the store's own claim script, run with the token it gave out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s5_a_claim_reaching_redis_after_its_own_end_takes_nothing() {
+    let Some((_, store)) = redis_pair("late-own").await else {
+        return;
+    };
+    let mut raw = redis::Client::open(common::redis_url())
+        .expect("client")
+        .get_multiplexed_async_connection()
+        .await
+        .expect("connect");
+    for released in [true, false] {
+        let key = ScopedKey::new("", unique("late-own"));
+        let req = claim_req(&key, ms(60_000), LeaseExpiry::Reconcile);
+        let token = acquire(&store, &req).await;
+        if released {
+            store.release(&key, token).await.expect("release");
+        } else {
+            store
+                .complete(&key, token, &stored("done"), ms(60_000))
+                .await
+                .expect("complete");
+        }
+        let before = store.lookup(&key).await.expect("lookup").expect("record");
+        let [record, uncertain, pending, member] = store.keys(&key);
+        let _: redis::Value = redis::Script::new(store.claim_script())
+            .key(record)
+            .key(uncertain)
+            .key(pending)
+            .arg(member)
+            .arg(req.fingerprint.as_bytes().as_slice())
+            .arg(token.get().to_string())
+            .arg("60000")
+            .arg("60000")
+            .arg("0")
+            .arg(key.scope())
+            .arg(key.key())
+            .invoke_async(&mut raw)
+            .await
+            .expect("the late claim runs");
+        let after = store.lookup(&key).await.expect("lookup").expect("record");
+        assert_eq!(
+            (after.status, after.attempts, after.lease_token),
+            (before.status, before.attempts, before.lease_token),
+            "released {released}: the late claim changed the record"
+        );
+    }
 }
 
 /// DESIGN §1 step 6 + §4, on a route with external effects (`external_effects(true)`): the

@@ -18,8 +18,9 @@ pub struct Proxy {
     down: Arc<AtomicBool>,
     statements: Arc<AtomicU64>,
     links: Arc<Mutex<Vec<JoinHandle<()>>>>,
-    /// Armed by [`Proxy::lose_reply_to`]: the bytes whose next sending loses its reply.
-    lose: Arc<Mutex<Option<&'static [u8]>>>,
+    /// Armed by [`Proxy::lose_replies_to`]: the bytes whose next sendings lose their reply,
+    /// and how many more times.
+    lose: Arc<Mutex<Option<(&'static [u8], usize)>>>,
     lost: Arc<AtomicU64>,
 }
 
@@ -71,7 +72,13 @@ impl Proxy {
     /// message carries it), the statement runs, and the reply to its Execute is lost: the
     /// client's connection closes instead. A write that landed, unheard.
     pub fn lose_reply_to(&self, needle: &'static [u8]) {
-        *self.lose.lock().expect("lock") = Some(needle);
+        self.lose_replies_to(needle, 1);
+    }
+
+    /// As [`lose_reply_to`](Self::lose_reply_to), for the next `times` sendings (each on a
+    /// connection of its own: the one that sent the last is closed).
+    pub fn lose_replies_to(&self, needle: &'static [u8], times: usize) {
+        *self.lose.lock().expect("lock") = (times > 0).then_some((needle, times));
     }
 
     /// How many replies [`lose_reply_to`](Self::lose_reply_to) lost.
@@ -98,8 +105,13 @@ async fn relay(client: TcpStream, server: TcpStream, proxy: Proxy) {
             statements.fetch_add(executed, Ordering::SeqCst);
             {
                 let mut armed = lose.lock().expect("lock");
-                if armed.is_some_and(|needle| buf[..n].windows(needle.len()).any(|w| w == needle)) {
-                    *armed = None;
+                if let Some((needle, times)) = &mut *armed
+                    && buf[..n].windows(needle.len()).any(|w| w == *needle)
+                {
+                    *times -= 1;
+                    if *times == 0 {
+                        *armed = None;
+                    }
                     seen = true;
                 }
             }
