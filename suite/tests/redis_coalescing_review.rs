@@ -10,7 +10,6 @@
 mod common;
 
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -21,10 +20,7 @@ use axum::routing::post;
 use bytes::Bytes;
 use common::Effects;
 use common::resp::RespProxy;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::Barrier;
-use tokio::task::JoinHandle;
 use tower_idempotency::store::{
     Claim, ClaimRequest, FencingToken, Fingerprint, LeaseExpiry, Milestone, RecordStatus,
     RedisStore, ScopedKey, StoreError, StoredResponse,

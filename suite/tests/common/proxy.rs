@@ -12,6 +12,9 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::task::JoinHandle;
 
+/// The bytes whose sending loses its reply, and how many more times.
+type Armed = (&'static [u8], usize);
+
 #[derive(Clone)]
 pub struct Proxy {
     pub addr: SocketAddr,
@@ -20,7 +23,7 @@ pub struct Proxy {
     links: Arc<Mutex<Vec<JoinHandle<()>>>>,
     /// Armed by [`Proxy::lose_replies_to`]: the bytes whose next sendings lose their reply,
     /// and how many more times.
-    lose: Arc<Mutex<Option<(&'static [u8], usize)>>>,
+    lose: Arc<Mutex<Option<Armed>>>,
     lost: Arc<AtomicU64>,
 }
 
