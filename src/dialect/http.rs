@@ -179,8 +179,20 @@ pub(crate) fn too_large(limit: usize) -> Problem {
     )
 }
 
-/// A request body whose stream failed.
+/// A request body whose stream failed; one cut by a length limit set before this layer
+/// (tower-http's `RequestBodyLimitLayer`, axum's `DefaultBodyLimit`: `http_body_util::Limited`
+/// under both) is too large, as the app answers it without the layer.
 pub(crate) fn unreadable(error: BoxError) -> Problem {
+    let mut cause: Option<&(dyn std::error::Error + 'static)> = Some(error.as_ref());
+    while let Some(error) = cause {
+        if error.is::<http_body_util::LengthLimitError>() {
+            return Problem::new(
+                ProblemKind::BodyTooLarge,
+                "the request body is larger than a limit this endpoint sets before reading it",
+            );
+        }
+        cause = error.source();
+    }
     Problem::new(
         ProblemKind::BodyUnreadable,
         format!("the request body could not be read: {error}"),
