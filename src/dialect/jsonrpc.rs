@@ -16,14 +16,17 @@
 //!   visible ASCII, not a list); a `_meta` key that is not a string is refused; when both are
 //!   present they must be the same key (then it is theirs), otherwise the call is refused;
 //!   a `_meta` or key given twice, or a body that cannot be parsed but may hold the key, is
-//!   refused too; a guarded call without either passes through;
+//!   refused too (a compressed body on a route that reads `_meta` keys among them: bodies are
+//!   never decoded); params serde_json's `Value` cannot hold (a lone surrogate escape, a
+//!   number beyond a double, nesting past 128) are read from their text, so they never hide a
+//!   key; a guarded call without either passes through;
 //! - a request without a key header, on a route that reads no `_meta` keys (the default),
 //!   cannot ask for a guarantee: it passes unread, whatever its size (a big `tools/list`, a
 //!   batch). Any other request is read to its end within the body limit, since its key may be
 //!   anywhere in it; on routes with a `meta_key`, raise the body limit for big requests;
 //! - on MCP 2026-07-28 (stateless, `Mcp-Method` and `Mcp-Name` headers), a keyed request whose
 //!   `Mcp-Method` header names another method than its body is refused (`header-mismatch`,
-//!   MCP's code -32020), nothing run;
+//!   MCP's code -32020), nothing run, whichever of the two methods is guarded;
 //! - the fingerprint covers what HTTP mode covers (path as sent, query, media type, the
 //!   configured fingerprint headers), the `method`, and the `params` exactly as sent, canonical
 //!   where exact (see [`crate::fingerprint`]), without `_meta` (progress tokens, trace context,
@@ -31,7 +34,10 @@
 //!   never the `id`; the scope is the layer's scope plus the method;
 //! - the recorded outcome is the final JSON-RPC response (from a JSON body, or the response
 //!   event of an SSE stream), kept as the bytes the server wrote; progress notifications and
-//!   event ids are never recorded. An SSE answer is teed: the client receives it as it streams,
+//!   event ids are never recorded. A message serde_json's `Value` cannot hold is read from its
+//!   text (of a member given twice, the last, as `Value` keeps it); an answer that is not JSON
+//!   at all (a byte-order mark, a body cut or garbled) is a call the server took whose
+//!   response cannot be read, as a stream without it is (below). An SSE answer is teed: the client receives it as it streams,
 //!   each byte is read once as the WHATWG EventSource parser reads it (CRLF, LF or CR line
 //!   ends, a leading byte-order mark; a last event without its blank line still counts), and a
 //!   client that hangs up does not stop it being read to its end and recorded; a stream past
@@ -335,16 +341,22 @@ impl serde::de::Visitor<'_> for MemberVisitor {
 /// unguarded (a batch with a guarded call, a `null` id, a body this mode cannot read, a `_meta`
 /// key that is not a valid key, a header and a `_meta` key that differ, an `Mcp-Method` header
 /// that names another method than the body). When the header and `_meta` agree, the key is
-/// theirs; either alone is the key.
+/// theirs; either alone is the key. A `coded` body (`Content-Encoding`) is never read: on a
+/// route that reads `_meta` keys it may hold one, so it is refused there as any body this mode
+/// cannot read that may carry a key.
 pub(crate) fn parse(
     body: &[u8],
     settings: &JsonRpc,
     header_key: Option<&str>,
     mcp_method: Option<&str>,
+    coded: bool,
 ) -> Parsed {
     let refuse = |kind, detail: &str, id: Arc<Id>| Parsed::Refuse(Problem::new(kind, detail), id);
-    // A body this mode cannot read may still carry a `_meta` key that the server reads.
-    let may_carry_key = header_key.is_some() || may_hold_meta_key(body, settings);
+    // A body this mode cannot read may still carry a `_meta` key that the server reads (after
+    // decoding it, if it is coded).
+    let may_carry_key = header_key.is_some()
+        || (coded && settings.meta_key.is_some())
+        || may_hold_meta_key(body, settings);
     let unreadable = |why: &str| match may_carry_key {
         true => refuse(
             ProblemKind::CallUnguardable,
@@ -356,6 +368,12 @@ pub(crate) fn parse(
         ),
         false => Parsed::PassThrough,
     };
+    if coded {
+        return unreadable(
+            "it is compressed (Content-Encoding); decompress requests before this layer to \
+             guard them",
+        );
+    }
     if body.starts_with(b"\xef\xbb\xbf") {
         return unreadable("it starts with a byte-order mark");
     }
@@ -375,12 +393,25 @@ pub(crate) fn parse(
     else {
         return Parsed::PassThrough;
     };
+    let id = message.id.filter(|id| id.get().trim() != "null");
+    let reply_to = Arc::new(id.map_or_else(Id::null, |id| Id::new(id.get())));
+    let params = message.params.map(|p| p.get());
+    // Before the allow-list: a server that routes by the header would run the method it
+    // names (a guarded one) for a body naming one that is not.
+    if let Some(header_method) = mcp_method
+        && header_method != method
+        && (header_key.is_some() || !matches!(meta_key(params, settings), Ok(None)))
+    {
+        return refuse(
+            ProblemKind::HeaderMismatch,
+            "the Mcp-Method header names another method than the body; nothing was run",
+            reply_to,
+        );
+    }
     if !settings.methods.contains(&method) {
         return Parsed::PassThrough;
     }
-    let id = message.id.filter(|id| id.get().trim() != "null");
-    let reply_to = Arc::new(id.map_or_else(Id::null, |id| Id::new(id.get())));
-    let meta_key = match meta_key(message.params.map(|p| p.get()), settings) {
+    let meta_key = match meta_key(params, settings) {
         Ok(key) => key,
         Err(error) => return refuse(ProblemKind::KeyInvalid, &error, reply_to),
     };
@@ -391,16 +422,6 @@ pub(crate) fn parse(
         return refuse(
             ProblemKind::KeyInvalid,
             "the Idempotency-Key header and params._meta name different keys: one call, one key",
-            reply_to,
-        );
-    }
-    if keyed
-        && let Some(header_method) = mcp_method
-        && header_method != method
-    {
-        return refuse(
-            ProblemKind::HeaderMismatch,
-            "the Mcp-Method header names another method than the body; nothing was run",
             reply_to,
         );
     }
@@ -428,7 +449,7 @@ pub(crate) fn parse(
     Parsed::Guard(Call {
         id: reply_to,
         method,
-        params: message.params.map(|p| p.get().to_owned()),
+        params: params.map(str::to_owned),
         meta_key,
     })
 }
@@ -453,16 +474,19 @@ fn batch(text: &str, settings: &JsonRpc, header_key: Option<&str>) -> Parsed {
         )
     };
     let Ok(items) = serde_json::from_str::<Vec<&serde_json::value::RawValue>>(text) else {
-        return match header_key {
-            Some(_) => refuse(
-                "this request carries an idempotency key but its body is not JSON; nothing was run",
+        return match header_key.is_some() || may_hold_meta_key(text.as_bytes(), settings) {
+            true => refuse(
+                "this request may carry an idempotency key but its body is not JSON; nothing was \
+                 run",
             ),
-            None => Parsed::PassThrough,
+            false => Parsed::PassThrough,
         };
     };
     let guarded_keyed = items.iter().any(|item| {
         let Ok(message) = serde_json::from_str::<Message<'_>>(item.get()) else {
-            return false;
+            // Not one request this mode reads (a member given twice): it may be a guarded
+            // call all the same, and carry a key the server reads.
+            return header_key.is_some() || may_hold_meta_key(item.get().as_bytes(), settings);
         };
         let guarded = message
             .method
@@ -485,56 +509,59 @@ fn batch(text: &str, settings: &JsonRpc, header_key: Option<&str>) -> Parsed {
 }
 
 /// The key in `params._meta[name]`, validated as the header's is: `Ok(None)` when there is
-/// none, `Err` with the reason when one is there but is not a valid key.
+/// none, `Err` with the reason when one is there but is not a valid key. Read from the params'
+/// text (valid JSON: the message parsed), so that params serde_json's `Value` cannot hold (a
+/// lone surrogate escape, a number beyond a double, nesting past 128) never hide a key.
 fn meta_key(params: Option<&str>, settings: &JsonRpc) -> Result<Option<String>, String> {
+    // A `_meta`, or a key in it, given twice is read differently by different servers: which
+    // one the server acts on is not known, so no guarantee can be given.
+    fn once<'a>(object: &'a str, member: &str) -> Result<Option<&'a str>, ()> {
+        let mut found = crate::json_text::children(object)
+            .into_iter()
+            .filter(|c| c.is(member));
+        match (found.next(), found.next()) {
+            (_, Some(_)) => Err(()),
+            (one, None) => Ok(one.map(|c| c.value)),
+        }
+    }
     let (Some(name), Some(params)) = (settings.meta_key.as_deref(), params) else {
         return Ok(None);
     };
-    // A `_meta`, or a key in it, given twice is read differently by different servers: which
-    // one the server acts on is not known, so no guarantee can be given.
-    let twice = |text: &str, member: &str| {
-        crate::json_text::children(text.trim())
-            .iter()
-            .filter(|c| c.is(member))
-            .count()
-            > 1
-    };
-    if twice(params, "_meta") {
-        return Err("params._meta is given twice".to_owned());
+    let params = params.trim();
+    if !params.starts_with('{') {
+        return Ok(None);
     }
-    let Ok(Value::Object(mut params_value)) = serde_json::from_str::<Value>(params) else {
+    let meta = once(params, "_meta").map_err(|()| "params._meta is given twice".to_owned())?;
+    let Some(meta) = meta.filter(|meta| meta.starts_with('{')) else {
         return Ok(None);
     };
-    let meta_text = crate::json_text::children(params.trim())
-        .into_iter()
-        .find(|c| c.is("_meta"))
-        .map(|c| c.value);
-    if meta_text.is_some_and(|meta| twice(meta, name)) {
-        return Err(format!("params._meta.{name} is given twice"));
-    }
-    let Some(Value::Object(meta)) = params_value.remove("_meta") else {
-        return Ok(None);
-    };
-    match meta.get(name) {
+    let twice = || format!("params._meta.{name} is given twice");
+    match once(meta, name).map_err(|()| twice())? {
         None => Ok(None),
-        Some(Value::String(key)) => crate::key::validate(key.as_bytes())
-            .map(|()| Some(key.clone()))
-            .map_err(|e| format!("params._meta.{name}: {e}")),
-        Some(other) => Err(format!(
+        Some(text) if text.starts_with('"') => match serde_json::from_str::<String>(text) {
+            Ok(key) => crate::key::validate(key.as_bytes())
+                .map(|()| Some(key))
+                .map_err(|e| format!("params._meta.{name}: {e}")),
+            Err(_) => Err(format!(
+                "params._meta.{name}: not a valid key (an escape that names no character)"
+            )),
+        },
+        Some(text) => Err(format!(
             "params._meta.{name} must be a string, not {}",
-            kind_of(other)
+            kind_of_text(text)
         )),
     }
 }
 
-fn kind_of(value: &Value) -> &'static str {
-    match value {
-        Value::Null => "null",
-        Value::Bool(_) => "a boolean",
-        Value::Number(_) => "a number",
-        Value::String(_) => "a string",
-        Value::Array(_) => "an array",
-        Value::Object(_) => "an object",
+/// What kind of JSON value `text` is, by its first byte (valid JSON).
+fn kind_of_text(text: &str) -> &'static str {
+    match text.as_bytes().first() {
+        Some(b'n') => "null",
+        Some(b't' | b'f') => "a boolean",
+        Some(b'"') => "a string",
+        Some(b'[') => "an array",
+        Some(b'{') => "an object",
+        _ => "a number",
     }
 }
 
@@ -586,7 +613,8 @@ pub(crate) fn admit<M: MakeScope>(
             return Admitted::Refuse(refuse_key(&error, Arc::new(id)));
         }
     };
-    let call = match parse(bytes, settings, header_key.as_deref(), mcp_method) {
+    let coded = super::coding(&parts.headers).is_some();
+    let call = match parse(bytes, settings, header_key.as_deref(), mcp_method, coded) {
         Parsed::Guard(call) => call,
         Parsed::PassThrough => return Admitted::PassThrough,
         Parsed::Refuse(problem, id) => return Admitted::Refuse(refuse_body(problem, id)),
@@ -677,9 +705,12 @@ pub(crate) enum Answer {
 /// response event for SSE (see [`Answer`]).
 pub(crate) fn final_response(headers: &HeaderMap, body: &[u8], id: &Id) -> Answer {
     if !is_event_stream(headers) {
-        return match serde_json::from_slice(body).map(|message| reply(message, id)) {
-            Ok(Reply::Final) => Answer::Final(Bytes::copy_from_slice(body)),
-            _ => Answer::NotFinal,
+        return match read(body, id) {
+            Some(Reply::Final) => Answer::Final(Bytes::copy_from_slice(body)),
+            Some(_) => Answer::NotFinal,
+            // Not JSON (it starts with a byte-order mark, or is cut or garbled): the server
+            // answered the call, but what it said cannot be read. Taken as done (DESIGN §3).
+            None => Answer::Unseen,
         };
     }
     // The first final response in the stream, as the tee records it.
@@ -779,12 +810,10 @@ impl Events {
     /// The final response to `id` in one event's data, if it is one; notes an event that
     /// gives the key back.
     fn final_message(&mut self, data: &[u8], id: &Id) -> Option<Bytes> {
-        let Ok(message) = serde_json::from_slice::<Value>(data) else {
-            return None;
-        };
+        let reply = read(data, id)?;
         let first = !self.spoke;
-        self.spoke |= message.is_object();
-        match reply(message, id) {
+        self.spoke |= data.trim_ascii_start().starts_with(b"{");
+        match reply {
             Reply::Final => return Some(Bytes::copy_from_slice(data)),
             Reply::Interim => self.gives_back = true,
             Reply::NotRead if first => self.gives_back = true,
@@ -845,6 +874,61 @@ enum Reply {
     Other,
 }
 
+/// What a message is to the call `id`, read by serde_json or, where its `Value` cannot hold
+/// the message though it is JSON (a lone surrogate escape, as JavaScript writes half of a cut
+/// emoji; a number beyond a double; nesting past 128), from its text; `None` when it is not
+/// JSON. A final response serde_json cannot read is a final response all the same: the call
+/// ran, and must not run again.
+fn read(bytes: &[u8], id: &Id) -> Option<Reply> {
+    if let Ok(message) = serde_json::from_slice::<Value>(bytes) {
+        return Some(reply(message, id));
+    }
+    let text = std::str::from_utf8(bytes).ok()?;
+    crate::json_text::is_json(text).then(|| reply_text(text.trim(), id))
+}
+
+/// [`reply`], read from a message's text (valid JSON): of a member given twice, the last, as
+/// serde_json's `Value` keeps it.
+fn reply_text(text: &str, id: &Id) -> Reply {
+    if !text.starts_with('{') {
+        return Reply::Other;
+    }
+    let member = |name: &str| last_member(text, name);
+    let Ok(message_id) = member("id").map(serde_json::from_str::<Value>).transpose() else {
+        // An id that cannot be read answers no call.
+        return Reply::Other;
+    };
+    if !id.answers(message_id.as_ref()) {
+        return match (message_id, member("error")) {
+            (Some(Value::Null), Some(error)) if error.starts_with('{') => Reply::NotRead,
+            _ => Reply::Other,
+        };
+    }
+    match member("result") {
+        Some(result) => {
+            let interim = last_member(result, "resultType").is_some_and(|kind| {
+                serde_json::from_str::<String>(kind).is_ok_and(|k| k == "input_required")
+            });
+            match interim {
+                true => Reply::Interim,
+                false => Reply::Final,
+            }
+        }
+        None if member("error").is_some() => Reply::Final,
+        None => Reply::Other,
+    }
+}
+
+/// The value of the last member `name` of the object `text` (valid JSON; nothing for anything
+/// else), as serde_json's `Value` keeps a member given twice.
+fn last_member<'a>(text: &'a str, name: &str) -> Option<&'a str> {
+    crate::json_text::children(text)
+        .into_iter()
+        .rev()
+        .find(|c| c.is(name))
+        .map(|c| c.value)
+}
+
 /// What `message` is to the call `id`.
 fn reply(message: Value, id: &Id) -> Reply {
     let Value::Object(message) = message else {
@@ -875,14 +959,28 @@ fn reply(message: Value, id: &Id) -> Reply {
 /// Whether a final response is definitive (DESIGN §3 for JSON-RPC): results are, tool errors
 /// included (`isError`); protocol errors are, except internal and server errors.
 pub(crate) fn is_definitive(message: &[u8]) -> bool {
-    let Ok(Value::Object(message)) = serde_json::from_slice::<Value>(message) else {
-        return false;
+    let code = match serde_json::from_slice::<Value>(message) {
+        Ok(Value::Object(message)) => message
+            .get("error")
+            .and_then(|e| e.get("code"))
+            .and_then(Value::as_i64),
+        Ok(_) => return false,
+        // JSON serde_json's `Value` cannot hold (see `read`): its error's code from the text.
+        Err(_) => {
+            let Some(text) = std::str::from_utf8(message)
+                .ok()
+                .filter(|text| crate::json_text::is_json(text))
+                .map(str::trim)
+                .filter(|text| text.starts_with('{'))
+            else {
+                return false;
+            };
+            last_member(text, "error")
+                .and_then(|error| last_member(error, "code"))
+                .and_then(|code| serde_json::from_str::<i64>(code).ok())
+        }
     };
-    match message
-        .get("error")
-        .and_then(|e| e.get("code"))
-        .and_then(Value::as_i64)
-    {
+    match code {
         None => true,
         Some(code) => !(code == -32603 || (-32099..=-32000).contains(&code)),
     }
@@ -1028,7 +1126,7 @@ mod tests {
     }
 
     fn parsed(body: &str, header: Option<&str>) -> Parsed {
-        parse(body.as_bytes(), &settings(), header, None)
+        parse(body.as_bytes(), &settings(), header, None, false)
     }
 
     fn call(body: Value) -> Option<Call> {
@@ -1167,7 +1265,7 @@ mod tests {
     #[test]
     fn a_method_header_that_disagrees_with_the_body_is_refused() {
         let body = br#"{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{}}"#;
-        let with = |header| parse(body, &settings(), Some("k"), header);
+        let with = |header| parse(body, &settings(), Some("k"), header, false);
         assert_eq!(
             refused(&with(Some("tools/list"))),
             Some(ProblemKind::HeaderMismatch)
@@ -1531,12 +1629,77 @@ mod tests {
             Answer::Final(Bytes::from(done))
         );
         let json = HeaderMap::new();
-        for body in [progress, as_string, null_error, interim, ""] {
+        for body in [progress, as_string, null_error, interim] {
             assert_eq!(
                 final_response(&json, body.as_bytes(), &id("7")),
                 Answer::NotFinal,
                 "{body}"
             );
+        }
+        // Not JSON: the server answered, but what it said cannot be read; taken as done.
+        for body in [
+            "",
+            "\u{feff}{}",
+            r#"{"jsonrpc":"2.0","id":7,"result":{"#,
+            "<html>",
+        ] {
+            assert_eq!(
+                final_response(&json, body.as_bytes(), &id("7")),
+                Answer::Unseen,
+                "{body}"
+            );
+        }
+    }
+
+    /// A final response serde_json's `Value` cannot hold (a lone surrogate escape, a number
+    /// beyond a double, nesting past 128) is a final response all the same, in a JSON body or
+    /// an event; read from its text as serde_json would (the last of a member given twice).
+    #[test]
+    fn final_responses_serde_json_cannot_hold_are_final() {
+        let deep = format!("{}1{}", "[".repeat(140), "]".repeat(140));
+        let sse = HeaderMap::from_iter([(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("text/event-stream"),
+        )]);
+        for odd in [r#""\ud83d""#, "1e400", &deep] {
+            let done = format!(r#"{{"jsonrpc":"2.0","id":7,"result":{{"v":{odd}}}}}"#);
+            let interim = format!(
+                r#"{{"jsonrpc":"2.0","id":7,"result":{{"v":{odd},"resultType":"input_required"}}}}"#
+            );
+            let other = format!(r#"{{"jsonrpc":"2.0","id":8,"result":{{"v":{odd}}}}}"#);
+            let failed =
+                format!(r#"{{"jsonrpc":"2.0","id":7,"error":{{"code":-32603,"data":{odd}}}}}"#);
+            let refused =
+                format!(r#"{{"jsonrpc":"2.0","id":7,"error":{{"code":-32602,"data":{odd}}}}}"#);
+            let not_read =
+                format!(r#"{{"jsonrpc":"2.0","id":null,"error":{{"code":-32700,"data":{odd}}}}}"#);
+            let twice = format!(r#"{{"id":8,"result":{{"v":{odd}}},"id":7}}"#);
+            let json = HeaderMap::new();
+            let answer = |body: &str| final_response(&json, body.as_bytes(), &id("7"));
+            let event =
+                |body: &str| final_response(&sse, format!("data: {body}\n\n").as_bytes(), &id("7"));
+            for body in [&done, &failed, &refused, &twice] {
+                assert_eq!(
+                    answer(body),
+                    Answer::Final(Bytes::from(body.clone())),
+                    "{body}"
+                );
+                assert_eq!(
+                    event(body),
+                    Answer::Final(Bytes::from(body.clone())),
+                    "{body}"
+                );
+            }
+            for body in [&interim, &other, &not_read] {
+                assert_eq!(answer(body), Answer::NotFinal, "{body}");
+            }
+            assert_eq!(event(&interim), Answer::NotFinal);
+            assert_eq!(event(&not_read), Answer::NotFinal);
+            assert_eq!(event(&other), Answer::Unseen);
+            assert!(is_definitive(done.as_bytes()));
+            assert!(is_definitive(refused.as_bytes()));
+            assert!(!is_definitive(failed.as_bytes()));
+            assert!(serde_json::from_str::<Value>(&done).is_err(), "{done}");
         }
     }
 

@@ -440,12 +440,18 @@ impl Dialect {
             Some(code) if self.has_grpc_status() => format!("gRPC status {code}"),
             _ => format!("status {}", status.as_u16()),
         };
+        // A JSON-RPC answer may also be one this layer could not read as the call's response.
+        let unread = match self {
+            Self::JsonRpc(_) => ", it could not be read as the call's JSON-RPC response,",
+            _ => "",
+        };
         let problem = Problem::new(
             ProblemKind::ResponseNotStored,
             format!(
                 "the operation completed with {outcome}, but its response was not recorded \
-                 (it was larger than the limit for recorded responses, or its body failed \
-                 after the handler answered), so it cannot be replayed; it will not run again"
+                 (it was larger than the limit for recorded responses{unread} or its body \
+                 failed after the handler answered), so it cannot be replayed; it will not run \
+                 again"
             ),
         )
         .state("completed");
