@@ -88,10 +88,24 @@ where
         let route = self
             .config
             .route(path, crate::uri::matched(req.extensions()));
-        // An outer idempotency layer already guards this request: one claim per request.
-        let nested = req.extensions().get::<IdempotencyContext>().is_some();
-        if nested || !route.guards(req.method()) {
+        if !route.guards(req.method()) {
             return ResponseFuture::new(pass_through(inner, req.map(RequestBody::passthrough)));
+        }
+        // An outer idempotency layer already guards this request: one claim per request, if
+        // under this layer's scope too.
+        if req.extensions().get::<IdempotencyContext>().is_some() {
+            let (parts, body) = req.into_parts();
+            let outer = parts.extensions.get::<IdempotencyContext>();
+            let outer = outer.map_or("", IdempotencyContext::scope);
+            if let Some(problem) = scope_conflict(outer, &self.make_scope, &parts) {
+                let dialect = match route.jsonrpc {
+                    Some(_) => Dialect::JsonRpc(Arc::new(dialect::jsonrpc::Id::null())),
+                    None => Dialect::of(&parts.headers),
+                };
+                return ResponseFuture::new(std::future::ready(Ok(dialect.refuse(&problem))));
+            }
+            let req = Request::from_parts(parts, RequestBody::passthrough(body));
+            return ResponseFuture::new(pass_through(inner, req));
         }
         let span = if crate::observe::spans_heard() {
             tracing::info_span!(
@@ -115,6 +129,38 @@ where
         // The response future enters the span while it polls: one span fewer in the box.
         ResponseFuture::deciding(pipeline.run(inner, parts, body), span)
     }
+}
+
+/// Why a request an outer layer guards under the scope `outer` may not run under this layer's
+/// `make_scope`, if it may not. Nested layers with different scopes are a wiring mistake
+/// that could replay one caller's answer to another: an app-wide layer scoped to one tenant
+/// over a route layer scoped by principal keeps the outer's claim, so the route's isolation
+/// would silently not apply. A JSON-RPC scope goes on with its method (`scope\0method`).
+fn scope_conflict<M: MakeScope>(
+    outer: &str,
+    make_scope: &M,
+    parts: &http::request::Parts,
+) -> Option<Problem> {
+    let detail = match make_scope.make_scope(parts) {
+        Ok(inner)
+            if outer == inner
+                || outer
+                    .strip_prefix(inner.as_str())
+                    .is_some_and(|method| method.starts_with('\0')) =>
+        {
+            return None;
+        }
+        Ok(_) => "two idempotency layers guard this request under different scopes, and only \
+                  the outer one claims its key: give them one scope, or guard the route with \
+                  one layer; nothing was run"
+            .to_owned(),
+        Err(missing) => format!(
+            "an outer idempotency layer guards this request, but this layer's scope is \
+             missing: {missing}; nothing was run"
+        ),
+    };
+    tracing::error!(%detail, "misconfiguration: nested idempotency layers disagree");
+    Some(Problem::new(ProblemKind::ScopeMissing, detail))
 }
 
 /// One guarded request's trip through DESIGN §1.

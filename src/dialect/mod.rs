@@ -161,7 +161,7 @@ pub(crate) fn content_type(headers: &HeaderMap) -> &[u8] {
 
 impl Dialect {
     /// HTTP, gRPC or gRPC-Web, by the request's `Content-Type`.
-    fn of(headers: &HeaderMap) -> Self {
+    pub(crate) fn of(headers: &HeaderMap) -> Self {
         // One lookup for both: every request asks.
         let content_type = content_type(headers);
         if grpc_web::is_grpc_web(content_type) {

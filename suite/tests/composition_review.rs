@@ -1516,14 +1516,15 @@ async fn s1_6_a_waiter_dropped_by_an_outer_timeout_strands_nothing() {
     assert_eq!(effects.count(), 1);
 }
 
-/// README ("An inner layer under an outer one on the same request passes through") with §1
-/// step 2, sharp edge: a careless app puts a `single_tenant()` layer on the whole router and a
-/// principal-scoped one on a route. The outer layer claims first, so its single scope decides:
-/// two principals with one key share one answer. Documented (single_tenant is "one scope for
-/// every caller, deliberately"; the inner one passes through), but the principal scoping the
-/// route asks for silently does not apply.
+/// README ("An inner layer under an outer one ... passes through: one claim per request, under
+/// the outer layer's scope") with §1 step 2: a careless app puts a `single_tenant()` layer on
+/// the whole router and a principal-scoped one on a route. The outer layer claims first, so the
+/// route's principal scoping would silently not apply, and two principals with one key would
+/// share one answer. The inner layer refuses instead (500 `scope-missing`, nothing run, the
+/// outer's key given back, so the same key runs once the app is mended); layers that agree on
+/// the scope run as one.
 #[tokio::test]
-async fn s1_2_nested_layers_the_outer_scope_decides_sharp_edge() {
+async fn s1_2_nested_layers_with_different_scopes_refuse_and_agreeing_ones_run_once() {
     let effects = Effects::default();
     let app = whose(&effects)
         .route_layer(
@@ -1532,24 +1533,37 @@ async fn s1_2_nested_layers_the_outer_scope_decides_sharp_edge() {
         .layer(IdempotencyLayer::new(MemoryStore::new()).single_tenant())
         .layer(middleware::from_fn(auth));
     let addr = serve(app).await;
-    let a = send(
-        addr,
-        "/t",
-        Some("nk"),
-        &[("authorization", "Bearer alice")],
-        "{}",
-    )
-    .await;
-    assert_eq!(a.text().await.expect("body"), "charge 1 for user-alice");
-    let b = send(
-        addr,
-        "/t",
-        Some("nk"),
-        &[("authorization", "Bearer bob")],
-        "{}",
-    )
-    .await;
-    assert!(replayed(&b), "the outer single-tenant layer decides");
-    assert_eq!(b.text().await.expect("body"), "charge 1 for user-alice");
-    assert_eq!(effects.count(), 1);
+    for who in ["alice", "bob", "alice"] {
+        let bearer = format!("Bearer {who}");
+        let res = send(addr, "/t", Some("nk"), &[("authorization", &bearer)], "{}").await;
+        assert_eq!(res.status(), StatusCode::INTERNAL_SERVER_ERROR, "{who}");
+        assert!(!replayed(&res), "{who}");
+        let body = problem(res).await;
+        assert_eq!(body["type"], problem_type("scope-missing"), "{who}: {body}");
+    }
+    assert_eq!(effects.count(), 0, "nothing ran under the outer scope");
+
+    // The same layers, agreeing: one claim each, per principal.
+    let effects = Effects::default();
+    let scoped =
+        || IdempotencyLayer::new(MemoryStore::new()).scope_by_principal(|u: &User| u.0.clone());
+    let app = whose(&effects)
+        .route_layer(scoped())
+        .layer(scoped())
+        .layer(middleware::from_fn(auth));
+    let addr = serve(app).await;
+    let mut bodies = Vec::new();
+    for who in ["alice", "bob", "alice", "bob"] {
+        let bearer = format!("Bearer {who}");
+        let res = send(addr, "/t", Some("nk"), &[("authorization", &bearer)], "{}").await;
+        assert_eq!(res.status(), StatusCode::CREATED, "{who}");
+        bodies.push(res.text().await.expect("body"));
+    }
+    assert_eq!(effects.count(), 2, "{bodies:?}");
+    assert_eq!(bodies[0], bodies[2], "alice replayed her own");
+    assert_eq!(bodies[1], bodies[3], "bob replayed his own");
+    assert!(
+        bodies[0].contains("alice") && bodies[1].contains("bob"),
+        "{bodies:?}"
+    );
 }
