@@ -137,12 +137,10 @@ impl<St: IdempotencyStore> Console<St> {
     pub fn origin(mut self, url: http::Uri) -> Self {
         let mut origins = self.origins.to_vec();
         // An origin has no user info (RFC 6454 §4): `https://admin@host` is served at
-        // `https://host`.
-        let host = |authority: &http::uri::Authority| {
-            let text = authority.as_str();
-            text.rsplit_once('@')
-                .map_or(text, |(_, host)| host)
-                .to_owned()
+        // `https://host`. (An `Origin` a browser sends never has any: `origin_of` refuses it.)
+        let host = |authority: &http::uri::Authority| match authority.port() {
+            Some(port) => format!("{}:{port}", authority.host()),
+            None => authority.host().to_owned(),
         };
         origins.push(
             url.scheme_str()

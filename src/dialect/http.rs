@@ -225,3 +225,93 @@ pub(crate) fn problem_response<B>(problem: &Problem) -> Response<ResponseBody<B>
     }
     res
 }
+
+#[cfg(test)]
+mod tests {
+    use std::collections::VecDeque;
+    use std::pin::Pin;
+    use std::task::{Context, Poll};
+
+    use http_body::Frame;
+
+    use super::*;
+
+    /// A body that yields the frames it is given, in order (hyper never sends two trailer
+    /// frames; another body may).
+    struct Frames(VecDeque<Frame<Bytes>>);
+
+    impl Body for Frames {
+        type Data = Bytes;
+        type Error = std::convert::Infallible;
+
+        fn poll_frame(
+            mut self: Pin<&mut Self>,
+            _: &mut Context<'_>,
+        ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
+            Poll::Ready(self.0.pop_front().map(Ok))
+        }
+    }
+
+    fn trailers(pairs: &[(&'static str, &'static str)]) -> HeaderMap {
+        pairs
+            .iter()
+            .map(|(name, value)| {
+                (
+                    HeaderName::from_static(name),
+                    HeaderValue::from_static(value),
+                )
+            })
+            .collect()
+    }
+
+    /// DESIGN §1 step 3: the buffered body keeps its trailers, every frame of them in order
+    /// (a name in two frames keeps both values), and data after them still counts.
+    #[tokio::test]
+    async fn every_trailers_frame_is_kept_in_order() {
+        let (parts, ()) = http::Request::new(()).into_parts();
+        let body = Frames(VecDeque::from([
+            Frame::data(Bytes::from_static(b"ab")),
+            Frame::trailers(trailers(&[("x-sum", "1"), ("x-a", "a")])),
+            Frame::trailers(trailers(&[("x-sum", "2")])),
+            Frame::data(Bytes::from_static(b"c")),
+        ]));
+        let (data, kept) = buffer(&parts, body, 16).await.expect("buffered");
+        assert_eq!(&data[..], b"abc");
+        let kept = kept.expect("trailers");
+        let sums: Vec<_> = kept.get_all("x-sum").iter().collect();
+        assert_eq!(sums, ["1", "2"]);
+        assert_eq!(kept["x-a"], "a");
+
+        let body = Frames(VecDeque::from([Frame::data(Bytes::from_static(b"ab"))]));
+        let (data, kept) = buffer(&parts, body, 16).await.expect("buffered");
+        assert_eq!((&data[..], kept), (&b"ab"[..], None));
+    }
+
+    /// A body cut by a length limit set before the layer is too large, not unreadable (as the
+    /// error, or as the source of a framework's own); any other failure is unreadable.
+    #[tokio::test]
+    async fn a_length_limit_before_the_layer_is_too_large() {
+        #[derive(Debug)]
+        struct Wrapped(BoxError);
+        impl std::fmt::Display for Wrapped {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("the body failed")
+            }
+        }
+        impl std::error::Error for Wrapped {
+            fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+                Some(&*self.0)
+            }
+        }
+        let limited = || async {
+            let body = http_body_util::Full::new(Bytes::from_static(b"abc"));
+            let limited = http_body_util::Limited::new(body, 1);
+            limited.collect().await.err().expect("over the limit")
+        };
+        assert_eq!(unreadable(limited().await).kind, ProblemKind::BodyTooLarge);
+        let wrapped: BoxError = Box::new(Wrapped(limited().await));
+        assert_eq!(unreadable(wrapped).kind, ProblemKind::BodyTooLarge);
+        let other: BoxError = "length limit exceeded".into();
+        assert_eq!(unreadable(other).kind, ProblemKind::BodyUnreadable);
+    }
+}
