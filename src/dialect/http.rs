@@ -306,7 +306,7 @@ mod tests {
         let limited = || async {
             let body = http_body_util::Full::new(Bytes::from_static(b"abc"));
             let limited = http_body_util::Limited::new(body, 1);
-            limited.collect().await.err().expect("over the limit")
+            limited.collect().await.expect_err("over the limit")
         };
         assert_eq!(unreadable(limited().await).kind, ProblemKind::BodyTooLarge);
         let wrapped: BoxError = Box::new(Wrapped(limited().await));

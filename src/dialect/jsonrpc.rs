@@ -78,7 +78,7 @@
 //! | changed arguments (fingerprint mismatch) | -31002 |
 //! | outcome unknown | -31003 |
 //! | store unavailable | -31004 |
-//! | body too large or unreadable | -31005 |
+//! | body too large, unreadable or malformed | -31005 |
 //! | execution failed | -31006 |
 //! | response not stored | -31007 |
 //! | scope missing (server misconfiguration) | -31008 |
@@ -258,6 +258,8 @@ struct Message<'a> {
     id: Option<&'a RawValue>,
     method: Option<&'a RawValue>,
     params: Option<&'a RawValue>,
+    /// Whether it has a `result` or an `error`: a response, which names no method.
+    answers: bool,
 }
 
 // By hand rather than derived: the one derive in the crate would compile `serde_derive` into
@@ -282,6 +284,7 @@ impl<'de> serde::de::Visitor<'de> for MessageVisitor {
             id: None,
             method: None,
             params: None,
+            answers: false,
         };
         let mut seen = [false; 3];
         while let Some(member) = map.next_key::<Member>()? {
@@ -289,6 +292,11 @@ impl<'de> serde::de::Visitor<'de> for MessageVisitor {
                 Member::Id => (&mut message.id, "id", 0),
                 Member::Method => (&mut message.method, "method", 1),
                 Member::Params => (&mut message.params, "params", 2),
+                Member::Answer => {
+                    message.answers = true;
+                    map.next_value::<serde::de::IgnoredAny>()?;
+                    continue;
+                }
                 Member::Other => {
                     map.next_value::<serde::de::IgnoredAny>()?;
                     continue;
@@ -308,6 +316,8 @@ enum Member {
     Id,
     Method,
     Params,
+    /// `result` or `error`.
+    Answer,
     Other,
 }
 
@@ -331,6 +341,7 @@ impl serde::de::Visitor<'_> for MemberVisitor {
             "id" => Member::Id,
             "method" => Member::Method,
             "params" => Member::Params,
+            "result" | "error" => Member::Answer,
             _ => Member::Other,
         })
     }
@@ -387,15 +398,28 @@ pub(crate) fn parse(
         Ok(message) => message,
         Err(_) => return unreadable("it is not a JSON-RPC object, or repeats a member"),
     };
+    let id = message.id.filter(|id| id.get().trim() != "null");
+    let reply_to = Arc::new(id.map_or_else(Id::null, |id| Id::new(id.get())));
+    let params = message.params.map(|p| p.get());
     let Some(method) = message
         .method
         .and_then(|m| serde_json::from_str::<String>(m.get()).ok())
     else {
-        return Parsed::PassThrough;
+        // A response (a client answering the server's request) is no call. Anything else
+        // without a method this mode can read, keyed, asked for a guarantee it cannot give: a
+        // server may still take it for a call (by its `Mcp-Method` header, say).
+        let response = message.method.is_none() && message.answers;
+        let keyed = header_key.is_some() || !matches!(meta_key(params, settings), Ok(None));
+        return match keyed && !response {
+            true => refuse(
+                ProblemKind::CallUnguardable,
+                "this request carries an idempotency key but names no method (a string) this \
+                 layer can read; nothing was run",
+                reply_to,
+            ),
+            false => Parsed::PassThrough,
+        };
     };
-    let id = message.id.filter(|id| id.get().trim() != "null");
-    let reply_to = Arc::new(id.map_or_else(Id::null, |id| Id::new(id.get())));
-    let params = message.params.map(|p| p.get());
     // Before the allow-list: a server that routes by the header would run the method it
     // names (a guarded one) for a body naming one that is not.
     if let Some(header_method) = mcp_method
@@ -455,12 +479,12 @@ pub(crate) fn parse(
 }
 
 /// Whether `body` might hold a `params._meta` key this route reads: its name appears, or an
-/// escape that could spell it. Only asked of bodies that cannot be parsed, to refuse rather than
-/// pass through a call whose key the server would see.
+/// escape that could spell it (any: `\/` spells a slash as well as `\u002f` does). Only asked
+/// of bodies that cannot be parsed, to refuse rather than pass through a call whose key the
+/// server would see.
 fn may_hold_meta_key(body: &[u8], settings: &JsonRpc) -> bool {
     settings.meta_key.as_deref().is_some_and(|name| {
-        let has = |needle: &[u8]| body.windows(needle.len()).any(|w| w == needle);
-        has(name.as_bytes()) || has(b"\\u")
+        body.contains(&b'\\') || body.windows(name.len()).any(|w| w == name.as_bytes())
     })
 }
 
@@ -648,10 +672,13 @@ fn code(kind: ProblemKind) -> i64 {
     match kind {
         ProblemKind::KeyMissing | ProblemKind::KeyInvalid => -31000,
         ProblemKind::InFlight => -31001,
-        ProblemKind::FingerprintMismatch | ProblemKind::BodyMalformed => -31002,
+        ProblemKind::FingerprintMismatch => -31002,
         ProblemKind::OutcomeUnknown => -31003,
         ProblemKind::StoreUnavailable => -31004,
-        ProblemKind::BodyTooLarge | ProblemKind::BodyUnreadable => -31005,
+        // A malformed body is no changed call: a client told -31002 would take a new key.
+        ProblemKind::BodyTooLarge | ProblemKind::BodyUnreadable | ProblemKind::BodyMalformed => {
+            -31005
+        }
         ProblemKind::ExecutionFailed => -31006,
         ProblemKind::ResponseNotStored => -31007,
         ProblemKind::ScopeMissing => -31008,
@@ -1203,6 +1230,45 @@ mod tests {
             unguardable,
             "a repeated member"
         );
+        // Unreadable, with the key's name spelled with any escape (`\/` for `/`).
+        let settings = JsonRpc::new().meta_key("com.example/key");
+        let escaped = r#"{"jsonrpc":"2.0","id":1,"id":1,"method":"tools/call",
+            "params":{"_meta":{"com.example\/key":"k"}}}"#;
+        let parse = |body: &str, header| parse(body.as_bytes(), &settings, header, None, false);
+        assert_eq!(refused(&parse(escaped, None)), unguardable, "escaped name");
+        // Keyed, with no method this mode reads: refused; a response (no method, a result)
+        // is no call and passes.
+        for body in [
+            r#"{"jsonrpc":"2.0","id":1,"params":{}}"#,
+            r#"{"jsonrpc":"2.0","id":1,"method":null,"params":{}}"#,
+            r#"{"jsonrpc":"2.0","id":1,"method":["tools/call"],"params":{}}"#,
+            r#"{"jsonrpc":"2.0","id":1,"method":7,"result":{}}"#,
+        ] {
+            assert_eq!(refused(&parse(body, Some("k"))), unguardable, "{body}");
+            assert!(matches!(parse(body, None), Parsed::PassThrough), "{body}");
+        }
+        let meta = r#"{"jsonrpc":"2.0","id":1,"params":{"_meta":{"com.example/key":"k"}}}"#;
+        assert_eq!(refused(&parse(meta, None)), unguardable, "a _meta key");
+        for response in [
+            r#"{"jsonrpc":"2.0","id":1,"result":{}}"#,
+            r#"{"jsonrpc":"2.0","id":1,"error":{"code":1,"message":"x"}}"#,
+        ] {
+            assert!(
+                matches!(parse(response, Some("k")), Parsed::PassThrough),
+                "{response}"
+            );
+        }
+        // A compressed body on a route reading `_meta` keys may hold one.
+        let coded = parse_coded(&settings);
+        assert_eq!(refused(&coded), unguardable, "coded");
+        assert!(matches!(
+            super::parse(b"\x1f\x8b", &JsonRpc::new(), None, None, true),
+            Parsed::PassThrough
+        ));
+    }
+
+    fn parse_coded(settings: &JsonRpc) -> Parsed {
+        super::parse(b"\x1f\x8b\x08\x00", settings, None, None, true)
     }
 
     /// Issue 17 §1: `_meta` keys get the header's validation, and the two sources must agree.
@@ -1793,6 +1859,15 @@ mod tests {
             fingerprint(&parts, None, &first, &options).expect("fp"),
             fingerprint(&parts, None, &next, &options).expect("fp")
         );
+    }
+
+    /// A malformed body is answered as unreadable (-31005), never as changed arguments
+    /// (-31002), which tells a client its call differs from the key's first.
+    #[test]
+    fn malformed_bodies_are_not_changed_arguments() {
+        assert_eq!(code(ProblemKind::BodyMalformed), -31005);
+        assert_eq!(code(ProblemKind::BodyUnreadable), -31005);
+        assert_eq!(code(ProblemKind::FingerprintMismatch), -31002);
     }
 
     #[test]
