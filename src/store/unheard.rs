@@ -34,14 +34,16 @@ pub(crate) fn lost<E: std::error::Error + 'static>(
 }
 
 /// Releases, in the background, what may have landed of a claim made with `token` whose
-/// answers were all lost; tried again while the store is unreachable, until `lease` would end
-/// (after that the next claim decides, as for any lapsed claim). Nothing ran under the token,
-/// so nothing can be lost by it: the release is fenced by the token (another claim's record is
+/// answers were all lost; tried again while the store fails, until `lease` would end (after
+/// that the next claim decides, as for any lapsed claim). Nothing ran under the token, so
+/// nothing can be lost by it: the release is fenced by the token (another claim's record is
 /// left alone), and a record this claim took over had no effect started (a claim never takes
 /// such a one), so it ends `released`.
 ///
-/// On a store whose commands on one connection run in order (Redis), the release follows the
-/// lost claim, so a claim still on its way when it timed out lands first and is released.
+/// A release fenced may mean that nothing landed, or that the claim is still on its way (held
+/// by a link or a pooler after the connection broke): asked [`FENCED_TRIES`] times over a
+/// second and a half, whatever the lease, before it is believed. On a store whose commands on one connection run in
+/// order (Redis), the release follows the lost claim there, so one that timed out lands first.
 pub(crate) fn give_back<S: IdempotencyStore + Clone>(
     store: &S,
     key: &ScopedKey,
@@ -55,26 +57,35 @@ pub(crate) fn give_back<S: IdempotencyStore + Clone>(
     let (store, key) = (store.clone(), key.clone());
     runtime.spawn(async move {
         let until = Instant::now() + lease;
-        let mut pause = Duration::from_millis(50);
+        let mut pause = Duration::from_millis(100);
+        let mut fenced = 0;
         loop {
-            match store.release(&key, token).await {
-                // Released, or nothing of it landed (or another claim's record stands).
-                Ok(_) | Err(StoreError::Fenced) => return,
-                Err(error) => {
-                    if Instant::now() + pause >= until {
-                        tracing::warn!(
-                            scope = key.scope(),
-                            key = key.key(),
-                            %error,
-                            "a claim whose answer was lost could not be given back; \
-                             the key stays held until its lease ends"
-                        );
-                        return;
-                    }
-                    tokio::time::sleep(pause).await;
-                    pause = (pause * 2).min(Duration::from_secs(1));
+            let error = match store.release(&key, token).await {
+                Ok(_) => return,
+                Err(error) => error,
+            };
+            if matches!(error, StoreError::Fenced) {
+                // Whatever the lease: one landing late holds a lease of its own from then.
+                fenced += 1;
+                if fenced == FENCED_TRIES {
+                    return;
                 }
+                pause = pause.max(Duration::from_millis(500));
+            } else if Instant::now() + pause >= until {
+                tracing::warn!(
+                    scope = key.scope(),
+                    key = key.key(),
+                    %error,
+                    "a claim whose answer was lost could not be given back; the key stays held \
+                     until its lease ends"
+                );
+                return;
             }
+            tokio::time::sleep(pause).await;
+            pause = (pause * 2).min(Duration::from_secs(2));
         }
     });
 }
+
+/// How many fenced releases [`give_back`] takes for an answer that nothing of the claim landed.
+const FENCED_TRIES: u32 = 3;
