@@ -97,7 +97,11 @@ where
             let (parts, body) = req.into_parts();
             let outer = parts.extensions.get::<IdempotencyContext>();
             let outer = outer.map_or("", IdempotencyContext::scope);
-            if let Some(problem) = scope_conflict(outer, &self.make_scope, &parts) {
+            let methods = route
+                .jsonrpc
+                .as_deref()
+                .map(|settings| &settings.methods[..]);
+            if let Some(problem) = scope_conflict(outer, &self.make_scope, methods, &parts) {
                 let dialect = match route.jsonrpc {
                     Some(_) => Dialect::JsonRpc(Arc::new(dialect::jsonrpc::Id::null())),
                     None => Dialect::of(&parts.headers),
@@ -135,21 +139,23 @@ where
 /// `make_scope`, if it may not. Nested layers with different scopes are a wiring mistake
 /// that could replay one caller's answer to another: an app-wide layer scoped to one tenant
 /// over a route layer scoped by principal keeps the outer's claim, so the route's isolation
-/// would silently not apply. A JSON-RPC scope goes on with its method (`scope\0method`).
+/// would silently not apply. On a JSON-RPC route (its guarded `methods`) the scope goes on
+/// with the call's method (`scope\0method`); elsewhere the two are one text.
 fn scope_conflict<M: MakeScope>(
     outer: &str,
     make_scope: &M,
+    methods: Option<&[String]>,
     parts: &http::request::Parts,
 ) -> Option<Problem> {
+    let agrees = |inner: &str| match methods {
+        None => outer == inner,
+        Some(methods) => outer
+            .strip_prefix(inner)
+            .and_then(|rest| rest.strip_prefix('\0'))
+            .is_some_and(|method| methods.iter().any(|m| m == method)),
+    };
     let detail = match make_scope.make_scope(parts) {
-        Ok(inner)
-            if outer == inner
-                || outer
-                    .strip_prefix(inner.as_str())
-                    .is_some_and(|method| method.starts_with('\0')) =>
-        {
-            return None;
-        }
+        Ok(inner) if agrees(&inner) => return None,
         Ok(_) => "two idempotency layers guard this request under different scopes, and only \
                   the outer one claims its key: give them one scope, or guard the route with \
                   one layer; nothing was run"
