@@ -1,17 +1,20 @@
 //! The holder keeps its lease for as long as its process lives (DESIGN §4).
 //!
 //! A [`Keeper`], one per layer, renews every lease held longer than a third of its length from
-//! a task of its own. Renewal never runs on the handler's task, so on a multi-threaded runtime a
-//! handler that blocks its thread (synchronous I/O, a CPU-bound step) cannot starve it: the
-//! keeper's timer fires on another worker. On a current-thread runtime there is no other worker:
-//! a handler that blocks the thread for longer than its lease loses it, as a crashed holder
-//! would, so such handlers belong in `spawn_blocking`.
+//! a task of its own on each runtime that holds leases (a layer may serve several: a runtime
+//! per core, or one that shuts down while another goes on). Renewal never runs on the
+//! handler's task, so on a multi-threaded runtime a handler that blocks its thread
+//! (synchronous I/O, a CPU-bound step) cannot starve it: the keeper's timer fires on another
+//! worker, and the keeper is only ever woken from outside a worker, never into the slot of one
+//! that may be about to block. On a current-thread runtime there is no other worker: a handler
+//! that blocks the thread for longer than its lease loses the leases held on that runtime, as
+//! a crashed holder would, so such handlers belong in `spawn_blocking`.
 //!
 //! Holding costs one short lock to take a slot and one to give it back; the keeper wakes every
 //! sixth of the shortest lease it has seen (at once when a shorter one comes in) and touches
 //! only leases due for renewal.
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::Duration;
 
@@ -33,15 +36,19 @@ pub(crate) struct Keeper<St> {
 struct Shared<St> {
     store: Arc<St>,
     slots: Mutex<Slots>,
-    /// Whether a keeper task runs; reset by the task's own guard when its runtime drops it.
-    running: AtomicBool,
-    /// The shortest lease ever held, in ms: the keeper's tick is a sixth of it.
+    /// The runtimes a keeper task runs on, each with what wakes it when a shorter lease comes
+    /// in (asleep for the tick of a longer one, up to a second, it would renew the shorter one
+    /// too late, after another request had taken over a lease of under a second). A task's own
+    /// guard takes its runtime out when the runtime drops it.
+    keepers: Mutex<Vec<(RuntimeId, Arc<tokio::sync::Notify>)>>,
+    /// How many keeper tasks have ended: a thread's cached finding (see `KEPT`) holds while
+    /// none has since.
+    ended: AtomicU64,
+    /// The shortest lease ever held, in ms: the keepers' tick is a sixth of it.
     shortest: AtomicU64,
-    /// Wakes the keeper when a shorter lease comes in: asleep for the tick of a longer one (up
-    /// to a second), it would renew the shorter one too late, after another request had taken
-    /// over a lease of under a second.
-    shorter: Arc<tokio::sync::Notify>,
 }
+
+type RuntimeId = tokio::runtime::Id;
 
 #[derive(Default)]
 struct Slots {
@@ -66,6 +73,8 @@ struct Held {
     /// A read is under way of whether a fenced renewal was a mistake (see [`renew`]): one at a
     /// time, so a store whose reads hang is not sent more and more.
     reading: bool,
+    /// The runtime the lease is held on, whose keeper renews it (any keeper, without one).
+    runtime: Option<RuntimeId>,
 }
 
 /// The most renewals of one lease under way at once.
@@ -93,9 +102,9 @@ impl<St> Keeper<St> {
             shared: Arc::new(Shared {
                 store,
                 slots: Mutex::default(),
-                running: AtomicBool::new(false),
+                keepers: Mutex::default(),
+                ended: AtomicU64::new(0),
                 shortest: AtomicU64::new(u64::MAX),
-                shorter: Arc::default(),
             }),
         }
     }
@@ -118,7 +127,8 @@ impl<St: IdempotencyStore> Keeper<St> {
         lease: Duration,
         since: Option<Instant>,
     ) -> Hold<St> {
-        self.start(lease);
+        let runtime = tokio::runtime::Handle::try_current().ok();
+        self.start(lease, runtime.as_ref());
         let held = Held {
             key: key.clone(),
             token,
@@ -127,6 +137,7 @@ impl<St: IdempotencyStore> Keeper<St> {
             renewing: 0,
             lost: false,
             reading: false,
+            runtime: runtime.as_ref().map(tokio::runtime::Handle::id),
         };
         let mut slots = lock(&self.shared.slots);
         let slot = match slots.free.pop() {
@@ -145,30 +156,50 @@ impl<St: IdempotencyStore> Keeper<St> {
         }
     }
 
-    /// Starts the keeper task on the current runtime if none runs.
-    fn start(&self, lease: Duration) {
+    /// Starts a keeper task on `runtime` if none runs there.
+    fn start(&self, lease: Duration, runtime: Option<&tokio::runtime::Handle>) {
         let ms = u64::try_from(lease.as_millis()).unwrap_or(u64::MAX);
         // Read first: the shortest lease rarely changes, and a write on every request would
         // move this line between the cores serving requests.
         if ms < self.shared.shortest.load(Ordering::Relaxed)
             && tick(ms) < tick(self.shared.shortest.fetch_min(ms, Ordering::Relaxed))
         {
-            self.shared.shorter.notify_one();
-        }
-        if self.shared.running.load(Ordering::Acquire) {
-            return;
+            let wake: Vec<_> = lock(&self.shared.keepers)
+                .iter()
+                .map(|(_, shorter)| shorter.clone())
+                .collect();
+            // From a thread of its own, as the keeper is started (below).
+            let _ = std::thread::Builder::new()
+                .name("idempotency-keeper-wake".into())
+                .spawn(move || wake.iter().for_each(|shorter| shorter.notify_one()));
         }
         // Without a runtime there is nothing to renew on: the lease runs out as for a crash.
-        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+        let Some(runtime) = runtime else {
             return;
         };
-        if self.shared.running.swap(true, Ordering::AcqRel) {
+        let id = runtime.id();
+        // One lookup per request: whether this thread last saw a keeper of this layer on this
+        // runtime (a thread may outlive a runtime and run another).
+        let this = Arc::as_ptr(&self.shared).cast::<()>() as usize;
+        let ended = self.shared.ended.load(Ordering::Acquire);
+        if KEPT.get() == Some((this, id, ended)) {
             return;
         }
+        let shorter = {
+            let mut keepers = lock(&self.shared.keepers);
+            if keepers.iter().any(|(kept, _)| *kept == id) {
+                KEPT.set(Some((this, id, ended)));
+                return;
+            }
+            let shorter = Arc::new(tokio::sync::Notify::new());
+            keepers.push((id, shorter.clone()));
+            shorter
+        };
         let keeper = keep(
             Arc::downgrade(&self.shared),
-            self.shared.shorter.clone(),
-            Running(Arc::downgrade(&self.shared)),
+            id,
+            shorter,
+            Running(Arc::downgrade(&self.shared), id),
         );
         // Handed over from a thread of its own: spawned from this worker, the task would wait
         // in the worker's LIFO slot, which no other worker steals from, behind the very handler
@@ -180,9 +211,17 @@ impl<St: IdempotencyStore> Keeper<St> {
             .spawn(move || drop(hand_over.spawn(keeper)));
         if spawned.is_err() {
             // No thread to spare: the next hold tries again.
-            self.shared.running.store(false, Ordering::Release);
+            lock(&self.shared.keepers).retain(|(kept, _)| *kept != id);
         }
     }
+}
+
+thread_local! {
+    /// The layer (its keeper's address) and runtime this thread last found a keeper for, and
+    /// how many keepers had ended then: while none has since, that keeper still runs (a runtime
+    /// that ended and a new one given its id is not taken for it).
+    static KEPT: std::cell::Cell<Option<(usize, RuntimeId, u64)>> =
+        const { std::cell::Cell::new(None) };
 }
 
 /// A lease kept renewed while this value lives.
@@ -199,14 +238,15 @@ impl<St> Drop for Hold<St> {
     }
 }
 
-/// Marks the keeper stopped when its task ends or its runtime drops it, so the next hold starts
-/// one again (a layer may outlive a runtime, as in tests).
-struct Running<St>(Weak<Shared<St>>);
+/// Marks the keeper of a runtime stopped when its task ends or the runtime drops it, so the
+/// next hold there starts one again (a layer may outlive a runtime, as in tests).
+struct Running<St>(Weak<Shared<St>>, RuntimeId);
 
 impl<St> Drop for Running<St> {
     fn drop(&mut self) {
         if let Some(shared) = self.0.upgrade() {
-            shared.running.store(false, Ordering::Release);
+            lock(&shared.keepers).retain(|(kept, _)| *kept != self.1);
+            shared.ended.fetch_add(1, Ordering::AcqRel);
         }
     }
 }
@@ -214,6 +254,7 @@ impl<St> Drop for Running<St> {
 /// The keeper task: ends when the last layer and hold of its store are gone.
 async fn keep<St: IdempotencyStore>(
     shared: Weak<Shared<St>>,
+    runtime: RuntimeId,
     shorter: Arc<tokio::sync::Notify>,
     _running: Running<St>,
 ) {
@@ -236,7 +277,11 @@ async fn keep<St: IdempotencyStore>(
                 .enumerate()
                 .filter_map(|(slot, held)| {
                     let held = held.as_mut()?;
-                    if held.lost || held.renewing >= OUTSTANDING || held.due > now {
+                    if held.lost
+                        || held.renewing >= OUTSTANDING
+                        || held.due > now
+                        || held.runtime.is_some_and(|held_on| held_on != runtime)
+                    {
                         return None;
                     }
                     held.renewing += 1;
@@ -262,7 +307,14 @@ async fn renew<St: IdempotencyStore>(
     lease: Duration,
     tick: Duration,
 ) {
-    let result = shared.store.renew(&key, token, lease).await;
+    // A store's renewal that panics is a failed one: the slot's count of renewals under way
+    // must come down, or after two the lease would never be renewed again.
+    let renewal = crate::unwind::CatchUnwind {
+        inner: shared.store.renew(&key, token, lease),
+    };
+    let result = renewal
+        .await
+        .unwrap_or_else(|_| Err(StoreError::unavailable("the store's renewal panicked")));
     if let Err(error) = &result
         && !matches!(error, StoreError::Fenced)
     {
@@ -343,7 +395,7 @@ fn tick(shortest_ms: u64) -> Duration {
 }
 
 /// A panic never happens while the lock is held (plain assignments), so poison is harmless.
-fn lock(slots: &Mutex<Slots>) -> MutexGuard<'_, Slots> {
+fn lock<T>(slots: &Mutex<T>) -> MutexGuard<'_, T> {
     slots
         .lock()
         .unwrap_or_else(|poisoned| poisoned.into_inner())
