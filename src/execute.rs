@@ -23,6 +23,7 @@ use tracing::Instrument;
 
 use crate::body::{RequestBody, ResponseBody};
 use crate::bounded::bounded;
+use crate::detached::Detached;
 use crate::dialect::jsonrpc::{self, Events, Id};
 use crate::dialect::{Dialect, Recording};
 use crate::hold::{Hold, Keeper};
@@ -872,7 +873,7 @@ impl<St: IdempotencyStore> Execution<St> {
     fn held_while(&self, work: impl Future<Output = ()> + Send + 'static) {
         let hold = self.hold();
         if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-            let pending = observe::PendingWrite::begin();
+            let pending = (observe::PendingWrite::begin(), Detached::begin());
             let held = async move {
                 work.await;
                 drop(hold);

@@ -111,6 +111,7 @@ pub mod client;
 pub mod console;
 mod context;
 mod decide;
+pub mod detached;
 mod dialect;
 mod execute;
 pub mod fingerprint;

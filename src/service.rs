@@ -674,11 +674,13 @@ impl<St: IdempotencyStore> Drop for ClaimToEnd<St> {
         let (store, key, lease) = (self.store.clone(), self.key.clone(), self.lease);
         // Without a runtime (shutting down) a won claim's lease runs out instead.
         if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            let detached = crate::detached::Detached::begin();
             runtime.spawn(async move {
                 if let Ok(Claim::Acquired(won)) = claim.await {
                     let what = "a claim nobody ran under";
                     give_back(&*store, &key, won.token, lease, Until::LeaseEnds, what).await;
                 }
+                drop(detached);
             });
         }
     }

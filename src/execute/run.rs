@@ -176,7 +176,16 @@ where
         };
         cancel.disarm();
         let dialect = execution.dialect.clone();
-        let handle = tokio::spawn(finish(execution, answered, hold, timing).in_current_span());
+        let detached = crate::detached::Detached::begin();
+        let finishing = finish(execution, answered, hold, timing);
+        let handle = tokio::spawn(
+            async move {
+                let out = finishing.await;
+                drop(detached);
+                out
+            }
+            .in_current_span(),
+        );
         Run::Detached { handle, dialect }
     }
 }

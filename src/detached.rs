@@ -1,0 +1,63 @@
+//! Work the layer finishes after its request is gone: a run whose client hung up (it runs to
+//! completion), a write after a run tried again until it lands, a key given back. It runs on
+//! tasks of their own, which a graceful shutdown of the server does not wait for: a runtime
+//! dropped under them ends them as a crash would, and a retry after the restart may run the
+//! key again. [`finished`] waits for them.
+//!
+//! ```no_run
+//! # async fn serve(listener: tokio::net::TcpListener, app: axum::Router) {
+//! axum::serve(listener, app)
+//!     .with_graceful_shutdown(async { let _ = tokio::signal::ctrl_c().await; })
+//!     .await
+//!     .expect("serve");
+//! // The connections are closed; runs whose clients left may still be at work.
+//! tower_idempotency::detached::finished().await;
+//! # }
+//! ```
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use tokio::sync::Notify;
+
+static RUNNING: AtomicUsize = AtomicUsize::new(0);
+static IDLE: Notify = Notify::const_new();
+
+/// Waits until no work the layer detached from its requests is left, in this process: every
+/// run whose client left has recorded its outcome (or given its key back), every write after a
+/// run has landed or given up. Call it after the server's graceful shutdown, before the runtime
+/// ends; bound it with a timeout of your own (a write to a store that is down is tried until
+/// the lease it keeps would be taken over).
+pub async fn finished() {
+    loop {
+        // Made before the count is read: a wake-up between the two is not lost.
+        let idle = IDLE.notified();
+        if RUNNING.load(Ordering::Acquire) == 0 {
+            return;
+        }
+        idle.await;
+    }
+}
+
+/// How many pieces of such work are under way in this process now.
+pub fn running() -> usize {
+    RUNNING.load(Ordering::Acquire)
+}
+
+/// One piece of detached work, counted while this value lives (its task dropped with the
+/// runtime drops it too).
+pub(crate) struct Detached(());
+
+impl Detached {
+    pub(crate) fn begin() -> Self {
+        RUNNING.fetch_add(1, Ordering::AcqRel);
+        Self(())
+    }
+}
+
+impl Drop for Detached {
+    fn drop(&mut self) {
+        if RUNNING.fetch_sub(1, Ordering::AcqRel) == 1 {
+            IDLE.notify_waiters();
+        }
+    }
+}
