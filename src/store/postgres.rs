@@ -196,6 +196,27 @@ fn entry(attempt: &str, token: &str, event: &str) -> String {
     )
 }
 
+/// Every column of the table `migrate()` makes.
+const TABLE_COLUMNS: &[&str] = &[
+    "scope",
+    "key",
+    "fingerprint",
+    "status",
+    "lease_token",
+    "lease_until",
+    "attempts",
+    "effect_started",
+    "downstream_id",
+    "response",
+    "created_at",
+    "updated_at",
+    "expires_at",
+    "history",
+    "reconcile_on_expiry",
+    "resolution_note",
+    "waited",
+];
+
 impl Statements {
     fn new(schema: &str, table: &str) -> Self {
         let t = format!("\"{schema}\".\"{table}\"");
@@ -809,12 +830,30 @@ impl PostgresStore {
     /// # Ok(()) }
     /// ```
     pub async fn check(&self) -> Result<(), super::CheckError> {
+        let table = || format!("{}.{}", self.sql.schema, self.sql.table);
         match self.up_to_date().await {
-            Ok(true) => Ok(()),
-            Ok(false) => Err(super::CheckError::NotMigrated {
-                table: format!("{}.{}", self.sql.schema, self.sql.table),
+            Ok(true) => {}
+            Ok(false) => return Err(super::CheckError::NotMigrated { table: table() }),
+            Err(e) => return Err(super::CheckError::Unreachable(e)),
+        }
+        // A table of this name made by hand, or another application's, passes the count.
+        let columns: Vec<(String, bool)> = sqlx::query_as(
+            "SELECT column_name::text,
+                    is_nullable = 'NO' AND column_default IS NULL AND is_identity = 'NO'
+                      AND is_generated = 'NEVER'
+               FROM information_schema.columns WHERE table_schema = $1 AND table_name = $2",
+        )
+        .bind(&self.sql.schema)
+        .bind(&self.sql.table)
+        .fetch_all(&self.pool)
+        .await
+        .map_err(super::CheckError::Unreachable)?;
+        match sql::misshapen(TABLE_COLUMNS, &columns) {
+            None => Ok(()),
+            Some(detail) => Err(super::CheckError::Misshapen {
+                table: table(),
+                detail,
             }),
-            Err(e) => Err(super::CheckError::Unreachable(e)),
         }
     }
 

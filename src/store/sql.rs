@@ -37,6 +37,14 @@ pub enum CheckError {
         /// The table the store was configured with.
         table: String,
     },
+    /// The table is there but is not the store's: columns it reads are missing, or columns it
+    /// never writes are required (made by hand, or another application's table of that name).
+    Misshapen {
+        /// The table the store was configured with.
+        table: String,
+        /// What is wrong with it.
+        detail: String,
+    },
 }
 
 impl fmt::Display for CheckError {
@@ -51,6 +59,12 @@ impl fmt::Display for CheckError {
                  `store.migrate().await` at start-up, or apply `store.migration_sql()` with your \
                  own migrations; until then every guarded request is answered 503"
             ),
+            Self::Misshapen { table, detail } => write!(
+                f,
+                "the idempotency store's table {table} is not the one `migrate()` makes \
+                 ({detail}): every guarded request would be answered 503; give the store a \
+                 table of its own (`with_table`) and migrate it"
+            ),
         }
     }
 }
@@ -59,7 +73,7 @@ impl std::error::Error for CheckError {
     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
         match self {
             Self::Unreachable(e) => Some(e),
-            Self::NotMigrated { .. } => None,
+            Self::NotMigrated { .. } | Self::Misshapen { .. } => None,
         }
     }
 }
@@ -255,6 +269,33 @@ pub(crate) fn millis(d: Duration) -> i64 {
 pub(crate) fn token(t: FencingToken) -> i64 {
     // Tokens are drawn below 2^63 (see `codec::fresh_token`).
     t.get() as i64
+}
+
+/// Whether a table's `columns` (each with whether a row must give it a value: `NOT NULL`
+/// without a default, not generated) are the store's `expected` ones: none missing, none more
+/// that the store's inserts would leave empty. What is wrong, if anything.
+pub(crate) fn misshapen(expected: &[&str], columns: &[(String, bool)]) -> Option<String> {
+    let missing: Vec<&str> = expected
+        .iter()
+        .filter(|name| !columns.iter().any(|(column, _)| column == *name))
+        .copied()
+        .collect();
+    let required: Vec<&str> = columns
+        .iter()
+        .filter(|(column, required)| *required && !expected.contains(&column.as_str()))
+        .map(|(column, _)| column.as_str())
+        .collect();
+    let mut wrong = Vec::new();
+    if !missing.is_empty() {
+        wrong.push(format!("missing columns: {}", missing.join(", ")));
+    }
+    if !required.is_empty() {
+        wrong.push(format!(
+            "columns the store never writes but a row must have: {}",
+            required.join(", ")
+        ));
+    }
+    (!wrong.is_empty()).then(|| wrong.join("; "))
 }
 
 /// Any sqlx failure is an unavailable store: the request fails closed.

@@ -357,6 +357,25 @@ const NOW: &str = "CAST(ROUND((julianday('now') - 2440587.5) * 86400000) AS INTE
 const COLUMNS: &str = "scope, key, fingerprint, status, lease_token, lease_until, attempts, \
                        effect_started, downstream_id, response, created_at, updated_at, expires_at, \
                        history";
+/// Every column of the table `migrate()` makes.
+const TABLE_COLUMNS: &[&str] = &[
+    "scope",
+    "key",
+    "fingerprint",
+    "status",
+    "lease_token",
+    "lease_until",
+    "attempts",
+    "effect_started",
+    "downstream_id",
+    "response",
+    "created_at",
+    "updated_at",
+    "expires_at",
+    "history",
+    "reconcile_on_expiry",
+    "resolution_note",
+];
 /// What every read returns: the written columns and the resolution's note.
 const READ: &str = "scope, key, fingerprint, status, lease_token, lease_until, attempts, \
                     effect_started, downstream_id, response, created_at, updated_at, expires_at, \
@@ -553,7 +572,9 @@ impl SqliteStore {
     pub const DEFAULT_TABLE: &'static str = "idempotency_records";
 
     /// A store on `pool`, in the default table. Open the pool with WAL and a busy timeout (as
-    /// [`connect`](Self::connect) does) if several writers share the file.
+    /// [`connect`](Self::connect) does) if several writers share the file. An in-memory
+    /// database (`sqlite::memory:`) is one per connection: give it a pool of one connection, or
+    /// use [`connect`](Self::connect), which does.
     pub fn new(pool: SqlitePool) -> Self {
         Self {
             pool,
@@ -682,12 +703,26 @@ impl SqliteStore {
         .fetch_one(&self.pool)
         .await
         .map_err(super::CheckError::Unreachable)?;
-        if present == 5 {
-            Ok(())
-        } else {
-            Err(super::CheckError::NotMigrated {
+        if present != 5 {
+            return Err(super::CheckError::NotMigrated {
                 table: table.clone(),
-            })
+            });
+        }
+        // A table of this name made by hand, or another application's, passes the count.
+        let columns: Vec<(String, bool)> = sqlx::query_as(
+            "SELECT name, \"notnull\" AND dflt_value IS NULL AND pk = 0 AND hidden = 0
+               FROM pragma_table_xinfo(?1)",
+        )
+        .bind(table)
+        .fetch_all(&self.pool)
+        .await
+        .map_err(super::CheckError::Unreachable)?;
+        match sql::misshapen(TABLE_COLUMNS, &columns) {
+            None => Ok(()),
+            Some(detail) => Err(super::CheckError::Misshapen {
+                table: table.clone(),
+                detail,
+            }),
         }
     }
 

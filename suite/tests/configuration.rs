@@ -183,6 +183,80 @@ async fn s20_2_a_store_without_its_table_says_to_migrate() {
     }
 }
 
+/// Issue 20 §2: a table of the store's name that is not the one `migrate()` makes (by hand,
+/// without a column the store reads and `migrate()` does not add; or with a required column the store never writes, as
+/// another application's table may have) fails `check()` naming what is wrong, on SQLite and
+/// PostgreSQL, where before it passed and every guarded request was answered 503.
+#[tokio::test]
+async fn s20_2_check_refuses_a_table_that_is_not_the_stores() {
+    use tower_idempotency::store::{CheckError, PostgresStore, SqliteStore};
+    /// A name, how the table's DDL is changed, and what `check()` says of it.
+    type Edit = (&'static str, fn(&str) -> String, &'static str);
+    let edits: [Edit; 2] = [
+        (
+            "missing downstream_id",
+            |ddl| ddl.replacen("downstream_id", "downstream", 1),
+            "missing columns: downstream_id",
+        ),
+        (
+            "extra required column",
+            |ddl| {
+                ddl.replacen(
+                    "resolution_note",
+                    "tenant_id TEXT NOT NULL, resolution_note",
+                    1,
+                )
+            },
+            "never writes but a row must have: tenant_id",
+        ),
+    ];
+    for (name, edit, says) in edits {
+        let path = common::sqlite_path("misshapen");
+        let sqlite = SqliteStore::connect(&format!("sqlite://{}", path.display()))
+            .await
+            .expect("open");
+        let ddl = edit(&sqlite.migration_sql()[0]);
+        sqlx::query(sqlx::AssertSqlSafe(ddl))
+            .execute(sqlite.pool())
+            .await
+            .expect("the hand-made table");
+        let _ = sqlite.migrate().await;
+        let error = sqlite.check().await.expect_err(name);
+        assert!(
+            matches!(error, CheckError::Misshapen { .. }),
+            "{name}: {error}"
+        );
+        assert!(error.to_string().contains(says), "{name}: {error}");
+        let _ = std::fs::remove_file(&path);
+        if let Some(pool) = common::postgres_pool().await {
+            let table = "config_misshapen";
+            sqlx::query(sqlx::AssertSqlSafe(format!("DROP TABLE IF EXISTS {table}")))
+                .execute(&pool)
+                .await
+                .expect("drop");
+            let postgres = PostgresStore::new(pool.clone())
+                .with_table(table)
+                .expect("table");
+            let ddl = edit(&postgres.migration_sql()[1]);
+            sqlx::query(sqlx::AssertSqlSafe(ddl))
+                .execute(&pool)
+                .await
+                .expect("the hand-made table");
+            postgres.migrate().await.expect("migrate adds what it adds");
+            let error = postgres.check().await.expect_err(name);
+            assert!(
+                matches!(error, CheckError::Misshapen { .. }),
+                "{name}: {error}"
+            );
+            assert!(error.to_string().contains(says), "{name}: {error}");
+            sqlx::query(sqlx::AssertSqlSafe(format!("DROP TABLE {table}")))
+                .execute(&pool)
+                .await
+                .expect("drop");
+        }
+    }
+}
+
 /// Issue 20 §9: a store that cannot be opened says why at once (refused, no such database),
 /// naming the store without its password, instead of "pool timed out" after 5 s.
 #[tokio::test]
