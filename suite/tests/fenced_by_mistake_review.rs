@@ -247,7 +247,11 @@ async fn s4_renewals_fenced_by_mistake_while_reads_answer_keep_the_lease() {
         summary(&probes),
         rig.log()
     );
-    assert!(probes.iter().all(Answer::in_flight), "{what}");
+    // In flight while the holder runs; a probe sent in the moment between its effect and the
+    // loop's look at the sink may already replay its answer.
+    let (last, before) = probes.split_last().expect("probes");
+    assert!(before.iter().all(Answer::in_flight), "{what}");
+    assert!(last.in_flight() || last.is_replay_of(&first.body), "{what}");
     assert_eq!(effects.count(), 1, "{what}");
 }
 
