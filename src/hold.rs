@@ -34,6 +34,8 @@ pub(crate) struct Keeper<St> {
 }
 
 struct Shared<St> {
+    /// Which keeper this is, for `KEPT` (an address could be a dropped keeper's, reused).
+    id: u64,
     store: Arc<St>,
     slots: Mutex<Slots>,
     /// The runtimes a keeper task runs on, each with what wakes it when a shorter lease comes
@@ -98,8 +100,11 @@ impl<St> std::fmt::Debug for Keeper<St> {
 
 impl<St> Keeper<St> {
     pub(crate) fn new(store: Arc<St>) -> Self {
+        // Never 0: no thread has cached a keeper yet.
+        static KEEPERS: AtomicU64 = AtomicU64::new(1);
         Self {
             shared: Arc::new(Shared {
+                id: KEEPERS.fetch_add(1, Ordering::Relaxed),
                 store,
                 slots: Mutex::default(),
                 keepers: Mutex::default(),
@@ -180,7 +185,7 @@ impl<St: IdempotencyStore> Keeper<St> {
         let id = runtime.id();
         // One lookup per request: whether this thread last saw a keeper of this layer on this
         // runtime (a thread may outlive a runtime and run another).
-        let this = Arc::as_ptr(&self.shared).cast::<()>() as usize;
+        let this = self.shared.id;
         let ended = self.shared.ended.load(Ordering::Acquire);
         if KEPT.get() == Some((this, id, ended)) {
             return;
@@ -217,10 +222,10 @@ impl<St: IdempotencyStore> Keeper<St> {
 }
 
 thread_local! {
-    /// The layer (its keeper's address) and runtime this thread last found a keeper for, and
+    /// The keeper (its id) and runtime this thread last found a keeper task for, and
     /// how many keepers had ended then: while none has since, that keeper still runs (a runtime
     /// that ended and a new one given its id is not taken for it).
-    static KEPT: std::cell::Cell<Option<(usize, RuntimeId, u64)>> =
+    static KEPT: std::cell::Cell<Option<(u64, RuntimeId, u64)>> =
         const { std::cell::Cell::new(None) };
 }
 
@@ -399,4 +404,71 @@ fn lock<T>(slots: &Mutex<T>) -> MutexGuard<'_, T> {
     slots
         .lock()
         .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+#[cfg(all(test, feature = "memory"))]
+mod tests {
+    use super::*;
+    use crate::store::MemoryStore;
+
+    fn current_thread() -> tokio::runtime::Runtime {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime")
+    }
+
+    fn hold(keeper: &Keeper<MemoryStore>) -> Hold<MemoryStore> {
+        let key = ScopedKey::new("scope", "key");
+        keeper.hold(&key, FencingToken::new(7), Duration::from_secs(30), None)
+    }
+
+    /// DESIGN §4: keepers made one after another on one thread and runtime (a dropped one's
+    /// memory may be the next one's) each get a keeper task of their own: what a thread caches
+    /// is for the keeper it found, never for another at the same address.
+    #[test]
+    fn each_keeper_on_a_thread_gets_its_own_task() {
+        for _ in 0..8 {
+            // A runtime (whose id a later one may be given) and a keeper, both dropped after.
+            let runtime = current_thread();
+            let keeper = Keeper::new(Arc::new(MemoryStore::new()));
+            let held = runtime.block_on(async { hold(&keeper) });
+            assert_eq!(lock(&keeper.shared.keepers).len(), 1);
+            drop(held);
+            drop(runtime);
+            drop(keeper);
+        }
+    }
+
+    /// DESIGN §4: a keeper serving two runtimes has a task on each; one runtime ending takes
+    /// its task out, and a hold made on the other afterwards finds its own still there.
+    #[test]
+    fn each_runtime_gets_a_keeper_task_and_an_ended_one_is_taken_out() {
+        let keeper = Keeper::new(Arc::new(MemoryStore::new()));
+        let (first, second) = (current_thread(), current_thread());
+        let first_id = first.handle().id();
+        let held_first = first.block_on(async { hold(&keeper) });
+        let held_second = second.block_on(async { hold(&keeper) });
+        assert_eq!(lock(&keeper.shared.keepers).len(), 2);
+        // Let the keeper tasks be handed over and polled once on their runtimes.
+        for runtime in [&first, &second] {
+            runtime.block_on(async { tokio::time::sleep(Duration::from_millis(20)).await });
+        }
+        drop(held_first);
+        drop(first);
+        let taken_out = (0..200).any(|_| {
+            std::thread::sleep(Duration::from_millis(5));
+            !lock(&keeper.shared.keepers)
+                .iter()
+                .any(|(kept, _)| *kept == first_id)
+        });
+        assert!(taken_out, "the ended runtime's keeper is taken out");
+        let again = second.block_on(async { hold(&keeper) });
+        let kept: Vec<_> = lock(&keeper.shared.keepers)
+            .iter()
+            .map(|(id, _)| *id)
+            .collect();
+        assert_eq!(kept, vec![second.handle().id()]);
+        drop((held_second, again));
+    }
 }
