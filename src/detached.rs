@@ -1,5 +1,6 @@
 //! Work the layer finishes after its request is gone: a run whose client hung up (it runs to
-//! completion), a write after a run tried again until it lands, a key given back. It runs on
+//! completion), an answer's body read to its end and recorded after its client left, a write
+//! after a run tried again until it lands, a key given back. It runs on
 //! tasks of their own, which a graceful shutdown of the server does not wait for: a runtime
 //! dropped under them ends them as a crash would, and a retry after the restart may run the
 //! key again. [`finished`] waits for them.

@@ -1074,7 +1074,13 @@ where
     T: Future<Output = ()> + Send + 'static,
 {
     let (tx, rx) = tokio::sync::mpsc::channel(16);
-    tokio::spawn(task(head_of(&parts), tx).in_current_span());
+    // Read to its end and recorded even once its client left: counted as detached work.
+    let (detached, forwarding) = (Detached::begin(), task(head_of(&parts), tx));
+    let forwarding = async move {
+        forwarding.await;
+        drop(detached);
+    };
+    tokio::spawn(forwarding.in_current_span());
     Ok(Response::from_parts(parts, ResponseBody::channel(rx)))
 }
 

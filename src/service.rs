@@ -573,8 +573,10 @@ async fn confirm<St: IdempotencyStore>(
                 // On a task of its own, so that a hang-up meanwhile does not stop it; awaited
                 // for up to a lease, so that the claim that follows finds the key given back.
                 if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+                    let detached = crate::detached::Detached::begin();
                     let give = async move {
                         give_back_set_aside(&*store, &key, token, lease).await;
+                        drop(detached);
                     };
                     let given = runtime.spawn(give.in_current_span());
                     let _ = tokio::time::timeout(lease, given).await;
