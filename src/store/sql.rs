@@ -271,18 +271,39 @@ pub(crate) fn token(t: FencingToken) -> i64 {
     t.get() as i64
 }
 
+/// The columns of the table `migrate()` makes, on every database.
+const TABLE_COLUMNS: &[&str] = &[
+    "scope",
+    "key",
+    "fingerprint",
+    "status",
+    "lease_token",
+    "lease_until",
+    "attempts",
+    "effect_started",
+    "downstream_id",
+    "response",
+    "created_at",
+    "updated_at",
+    "expires_at",
+    "history",
+    "reconcile_on_expiry",
+    "resolution_note",
+];
+
 /// Whether a table's `columns` (each with whether a row must give it a value: `NOT NULL`
-/// without a default, not generated) are the store's `expected` ones: none missing, none more
-/// that the store's inserts would leave empty. What is wrong, if anything.
-pub(crate) fn misshapen(expected: &[&str], columns: &[(String, bool)]) -> Option<String> {
-    let missing: Vec<&str> = expected
-        .iter()
+/// without a default, not generated) are the store's, [`TABLE_COLUMNS`] and the database's
+/// `own`: none missing, none more that the store's inserts would leave empty. What is wrong,
+/// if anything.
+pub(crate) fn misshapen(own: &[&str], columns: &[(String, bool)]) -> Option<String> {
+    let expected = || TABLE_COLUMNS.iter().chain(own);
+    let missing: Vec<&str> = expected()
         .filter(|name| !columns.iter().any(|(column, _)| column == *name))
         .copied()
         .collect();
     let required: Vec<&str> = columns
         .iter()
-        .filter(|(column, required)| *required && !expected.contains(&column.as_str()))
+        .filter(|(column, required)| *required && !expected().any(|name| name == column))
         .map(|(column, _)| column.as_str())
         .collect();
     let mut wrong = Vec::new();
