@@ -44,12 +44,30 @@ pub fn running() -> usize {
     RUNNING.load(Ordering::Acquire)
 }
 
+/// Spawns `work` on `runtime`, counted as detached work until it ends or its task is dropped
+/// with the runtime.
+pub(crate) fn spawn<F>(
+    runtime: &tokio::runtime::Handle,
+    work: F,
+) -> tokio::task::JoinHandle<F::Output>
+where
+    F: std::future::Future + Send + 'static,
+    F::Output: Send + 'static,
+{
+    let counted = Detached::begin();
+    runtime.spawn(async move {
+        let out = work.await;
+        drop(counted);
+        out
+    })
+}
+
 /// One piece of detached work, counted while this value lives (its task dropped with the
 /// runtime drops it too).
-pub(crate) struct Detached(());
+struct Detached(());
 
 impl Detached {
-    pub(crate) fn begin() -> Self {
+    fn begin() -> Self {
         RUNNING.fetch_add(1, Ordering::AcqRel);
         Self(())
     }

@@ -23,7 +23,7 @@ use tracing::Instrument;
 
 use crate::body::{RequestBody, ResponseBody};
 use crate::bounded::bounded;
-use crate::detached::Detached;
+use crate::detached;
 use crate::dialect::jsonrpc::{self, Events, Id};
 use crate::dialect::{Dialect, Recording};
 use crate::hold::{Hold, Keeper};
@@ -873,13 +873,13 @@ impl<St: IdempotencyStore> Execution<St> {
     fn held_while(&self, work: impl Future<Output = ()> + Send + 'static) {
         let hold = self.hold();
         if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-            let pending = (observe::PendingWrite::begin(), Detached::begin());
+            let pending = observe::PendingWrite::begin();
             let held = async move {
                 work.await;
                 drop(hold);
                 drop(pending);
             };
-            runtime.spawn(held.in_current_span());
+            detached::spawn(&runtime, held.in_current_span());
         }
     }
 }
@@ -1075,12 +1075,8 @@ where
 {
     let (tx, rx) = tokio::sync::mpsc::channel(16);
     // Read to its end and recorded even once its client left: counted as detached work.
-    let (detached, forwarding) = (Detached::begin(), task(head_of(&parts), tx));
-    let forwarding = async move {
-        forwarding.await;
-        drop(detached);
-    };
-    tokio::spawn(forwarding.in_current_span());
+    let forwarding = task(head_of(&parts), tx).in_current_span();
+    detached::spawn(&tokio::runtime::Handle::current(), forwarding);
     Ok(Response::from_parts(parts, ResponseBody::channel(rx)))
 }
 

@@ -85,12 +85,11 @@ fn spawn_rest<B: Send + 'static, E: Send + 'static>(run: BoxFuture<B, E>, span: 
     // and the next claim decides, as for a process that died.
     match tokio::runtime::Handle::try_current() {
         Ok(runtime) => {
-            let detached = crate::detached::Detached::begin();
-            runtime.spawn(
+            crate::detached::spawn(
+                &runtime,
                 async move {
                     // The answer has no one left to go to; the outcome is recorded inside.
                     drop(run.await);
-                    drop(detached);
                 }
                 // On its own task it is polled inside its span as it was here.
                 .instrument(span),

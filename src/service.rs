@@ -573,12 +573,10 @@ async fn confirm<St: IdempotencyStore>(
                 // On a task of its own, so that a hang-up meanwhile does not stop it; awaited
                 // for up to a lease, so that the claim that follows finds the key given back.
                 if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-                    let detached = crate::detached::Detached::begin();
                     let give = async move {
                         give_back_set_aside(&*store, &key, token, lease).await;
-                        drop(detached);
                     };
-                    let given = runtime.spawn(give.in_current_span());
+                    let given = crate::detached::spawn(&runtime, give.in_current_span());
                     let _ = tokio::time::timeout(lease, given).await;
                 }
                 return Confirmed::Lost;
@@ -676,13 +674,11 @@ impl<St: IdempotencyStore> Drop for ClaimToEnd<St> {
         let (store, key, lease) = (self.store.clone(), self.key.clone(), self.lease);
         // Without a runtime (shutting down) a won claim's lease runs out instead.
         if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-            let detached = crate::detached::Detached::begin();
-            runtime.spawn(async move {
+            crate::detached::spawn(&runtime, async move {
                 if let Ok(Claim::Acquired(won)) = claim.await {
                     let what = "a claim nobody ran under";
                     give_back(&*store, &key, won.token, lease, Until::LeaseEnds, what).await;
                 }
-                drop(detached);
             });
         }
     }

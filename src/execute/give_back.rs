@@ -41,11 +41,9 @@ impl<St: IdempotencyStore> Drop for ReleaseOnDrop<St> {
         let (key, token, lease) = (self.key.clone(), self.token, self.lease);
         // Without a runtime (shutting down) the lease simply runs out instead.
         if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-            let detached = crate::detached::Detached::begin();
-            runtime.spawn(async move {
+            crate::detached::spawn(&runtime, async move {
                 let what = "a cancelled execution's key";
                 give_back(&*store, &key, token, lease, Until::LeaseEnds, what).await;
-                drop(detached);
             });
         }
     }

@@ -176,16 +176,8 @@ where
         };
         cancel.disarm();
         let dialect = execution.dialect.clone();
-        let detached = crate::detached::Detached::begin();
-        let finishing = finish(execution, answered, hold, timing);
-        let handle = tokio::spawn(
-            async move {
-                let out = finishing.await;
-                drop(detached);
-                out
-            }
-            .in_current_span(),
-        );
+        let finishing = finish(execution, answered, hold, timing).in_current_span();
+        let handle = crate::detached::spawn(&tokio::runtime::Handle::current(), finishing);
         Run::Detached { handle, dialect }
     }
 }

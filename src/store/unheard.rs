@@ -55,9 +55,7 @@ pub(crate) fn give_back<S: IdempotencyStore + Clone>(
         return;
     };
     let (store, key) = (store.clone(), key.clone());
-    let detached = crate::detached::Detached::begin();
-    runtime.spawn(async move {
-        let _detached = detached;
+    crate::detached::spawn(&runtime, async move {
         let until = Instant::now() + lease;
         let mut pause = Duration::from_millis(100);
         let mut fenced = 0;
