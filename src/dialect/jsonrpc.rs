@@ -910,8 +910,14 @@ fn read(bytes: &[u8], id: &Id) -> Option<Reply> {
     if let Ok(message) = serde_json::from_slice::<Value>(bytes) {
         return Some(reply(message, id));
     }
+    json(bytes).map(|text| reply_text(text, id))
+}
+
+/// `bytes` as JSON text, whitespace around it trimmed, if they are JSON (whatever serde_json's
+/// `Value` can hold).
+fn json(bytes: &[u8]) -> Option<&str> {
     let text = std::str::from_utf8(bytes).ok()?;
-    crate::json_text::is_json(text).then(|| reply_text(text.trim(), id))
+    crate::json_text::is_json(text).then(|| text.trim())
 }
 
 /// [`reply`], read from a message's text (valid JSON): of a member given twice, the last, as
@@ -994,12 +1000,7 @@ pub(crate) fn is_definitive(message: &[u8]) -> bool {
         Ok(_) => return false,
         // JSON serde_json's `Value` cannot hold (see `read`): its error's code from the text.
         Err(_) => {
-            let Some(text) = std::str::from_utf8(message)
-                .ok()
-                .filter(|text| crate::json_text::is_json(text))
-                .map(str::trim)
-                .filter(|text| text.starts_with('{'))
-            else {
+            let Some(text) = json(message).filter(|text| text.starts_with('{')) else {
                 return false;
             };
             last_member(text, "error")
