@@ -107,6 +107,39 @@ use crate::store::StoredResponse;
 /// The MCP 2026-07-28 header naming a Streamable HTTP request's JSON-RPC method.
 pub(crate) static MCP_METHOD: http::HeaderName = http::HeaderName::from_static("mcp-method");
 
+/// What a request's `Mcp-Method` header says, as the check against its body reads it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum HeaderMethod<'a> {
+    /// No `Mcp-Method` line.
+    Absent,
+    /// One line, in visible ASCII.
+    One(&'a str),
+    /// Several lines, or one that is not visible ASCII: a server may read any of them, or
+    /// their join, so it names no one method the body can be held to.
+    Unclear,
+}
+
+impl<'a> HeaderMethod<'a> {
+    /// The `Mcp-Method` lines of `headers`.
+    pub(crate) fn of(headers: &'a HeaderMap) -> Self {
+        let mut lines = headers.get_all(&MCP_METHOD).iter();
+        match (lines.next(), lines.next()) {
+            (None, _) => Self::Absent,
+            (Some(line), None) => line.to_str().map_or(Self::Unclear, Self::One),
+            (Some(_), Some(_)) => Self::Unclear,
+        }
+    }
+
+    /// Whether it names another method than the body's `method`.
+    fn disagrees(self, method: &str) -> bool {
+        match self {
+            Self::Absent => false,
+            Self::One(named) => named != method,
+            Self::Unclear => true,
+        }
+    }
+}
+
 /// The `_meta` entry set on replayed results when [`JsonRpc::mark_replay_in_meta`] is on.
 pub const REPLAY_META: &str = "tower-idempotency/replayed";
 
@@ -359,7 +392,7 @@ pub(crate) fn parse(
     body: &[u8],
     settings: &JsonRpc,
     header_key: Option<&str>,
-    mcp_method: Option<&str>,
+    mcp_method: HeaderMethod<'_>,
     coded: bool,
 ) -> Parsed {
     let refuse = |kind, detail: &str, id: Arc<Id>| Parsed::Refuse(Problem::new(kind, detail), id);
@@ -422,13 +455,13 @@ pub(crate) fn parse(
     };
     // Before the allow-list: a server that routes by the header would run the method it
     // names (a guarded one) for a body naming one that is not.
-    if let Some(header_method) = mcp_method
-        && header_method != method
+    if mcp_method.disagrees(&method)
         && (header_key.is_some() || !matches!(meta_key(params, settings), Ok(None)))
     {
         return refuse(
             ProblemKind::HeaderMismatch,
-            "the Mcp-Method header names another method than the body; nothing was run",
+            "the Mcp-Method header names another method than the body, or is given more than \
+             once; nothing was run",
             reply_to,
         );
     }
@@ -623,7 +656,7 @@ pub(crate) fn admit<M: MakeScope>(
     trailers: Option<&HeaderMap>,
     bytes: &[u8],
 ) -> Admitted<Arc<Id>> {
-    let mcp_method = parts.headers.get(&MCP_METHOD).and_then(|v| v.to_str().ok());
+    let mcp_method = HeaderMethod::of(&parts.headers);
     // An invalid header key is refused as in HTTP mode, with a JSON-RPC error answering the
     // call's id where the body has one to read.
     let header_key = match parse_key(&parts.headers, reading.header) {
@@ -717,14 +750,15 @@ pub(crate) fn error_response<B>(problem: &Problem, id: &Id) -> Response<Response
 pub(crate) enum Answer {
     /// The call's final response, as the server wrote it.
     Final(Bytes),
-    /// No outcome to keep: a JSON body that is not the call's response, or a stream that
-    /// carried an interim result (MCP's `input_required`), or began with an error to a `null`
-    /// id (the server could not read the call). The key is given back.
+    /// No outcome to keep: an answer (a JSON body, or a stream's events) carrying an interim
+    /// result (MCP's `input_required`), or beginning with an error to a `null` id (the server
+    /// could not read the call). The key is given back.
     NotFinal,
-    /// An event stream that ended without the call's response and without a sign that it was
-    /// not run: the server took the call, and its response went where the layer cannot see it
-    /// (MCP's SSE polling closes a stream after its priming event and sends the response on a
-    /// resumed one). Taken as done, its response not stored: a retry never runs it again.
+    /// An answer without the call's response and without a sign that it was not run: the
+    /// server took the call, and its response went where the layer cannot see it (MCP's SSE
+    /// polling closes a stream after its priming event and sends the response on a resumed
+    /// one), or cannot be read (not JSON; JSON that answers another id or is not JSON-RPC).
+    /// Taken as done, its response not stored: a retry never runs it again.
     Unseen,
 }
 
@@ -734,10 +768,14 @@ pub(crate) fn final_response(headers: &HeaderMap, body: &[u8], id: &Id) -> Answe
     if !is_event_stream(headers) {
         return match read(body, id) {
             Some(Reply::Final) => Answer::Final(Bytes::copy_from_slice(body)),
-            Some(_) => Answer::NotFinal,
-            // Not JSON (it starts with a byte-order mark, or is cut or garbled): the server
-            // answered the call, but what it said cannot be read. Taken as done (DESIGN §3).
-            None => Answer::Unseen,
+            // Only a sign that the call did not run, or is not finished, gives the key back.
+            Some(Reply::Interim | Reply::NotRead) => Answer::NotFinal,
+            // JSON that is not the call's response (an answer to another id, a notification,
+            // not JSON-RPC at all), or not JSON (it starts with a byte-order mark, or is cut or
+            // garbled): the server answered the call, but what it said cannot be read. Taken
+            // as done (DESIGN §3), as a stream that ends without the response is: the less
+            // readable answer is never the safer one.
+            Some(Reply::Other) | None => Answer::Unseen,
         };
     }
     // The first final response in the stream, as the tee records it.
@@ -1154,7 +1192,13 @@ mod tests {
     }
 
     fn parsed(body: &str, header: Option<&str>) -> Parsed {
-        parse(body.as_bytes(), &settings(), header, None, false)
+        parse(
+            body.as_bytes(),
+            &settings(),
+            header,
+            HeaderMethod::Absent,
+            false,
+        )
     }
 
     fn call(body: Value) -> Option<Call> {
@@ -1235,7 +1279,15 @@ mod tests {
         let settings = JsonRpc::new().meta_key("com.example/key");
         let escaped = r#"{"jsonrpc":"2.0","id":1,"id":1,"method":"tools/call",
             "params":{"_meta":{"com.example\/key":"k"}}}"#;
-        let parse = |body: &str, header| parse(body.as_bytes(), &settings, header, None, false);
+        let parse = |body: &str, header| {
+            parse(
+                body.as_bytes(),
+                &settings,
+                header,
+                HeaderMethod::Absent,
+                false,
+            )
+        };
         assert_eq!(refused(&parse(escaped, None)), unguardable, "escaped name");
         // Keyed, with no method this mode reads: refused; a response (no method, a result)
         // is no call and passes.
@@ -1263,13 +1315,25 @@ mod tests {
         let coded = parse_coded(&settings);
         assert_eq!(refused(&coded), unguardable, "coded");
         assert!(matches!(
-            super::parse(b"\x1f\x8b", &JsonRpc::new(), None, None, true),
+            super::parse(
+                b"\x1f\x8b",
+                &JsonRpc::new(),
+                None,
+                HeaderMethod::Absent,
+                true
+            ),
             Parsed::PassThrough
         ));
     }
 
     fn parse_coded(settings: &JsonRpc) -> Parsed {
-        super::parse(b"\x1f\x8b\x08\x00", settings, None, None, true)
+        super::parse(
+            b"\x1f\x8b\x08\x00",
+            settings,
+            None,
+            HeaderMethod::Absent,
+            true,
+        )
     }
 
     /// Issue 17 §1: `_meta` keys get the header's validation, and the two sources must agree.
@@ -1334,11 +1398,43 @@ mod tests {
         let body = br#"{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{}}"#;
         let with = |header| parse(body, &settings(), Some("k"), header, false);
         assert_eq!(
-            refused(&with(Some("tools/list"))),
+            refused(&with(HeaderMethod::One("tools/list"))),
             Some(ProblemKind::HeaderMismatch)
         );
-        assert!(matches!(with(Some("tools/call")), Parsed::Guard(_)));
-        assert!(matches!(with(None), Parsed::Guard(_)));
+        assert_eq!(
+            refused(&with(HeaderMethod::Unclear)),
+            Some(ProblemKind::HeaderMismatch)
+        );
+        assert!(matches!(
+            with(HeaderMethod::One("tools/call")),
+            Parsed::Guard(_)
+        ));
+        assert!(matches!(with(HeaderMethod::Absent), Parsed::Guard(_)));
+    }
+
+    /// DESIGN §8: `Mcp-Method` given twice, or in bytes that are not visible ASCII, names no
+    /// one method: a server may read the first line, the last, or their join.
+    #[test]
+    fn a_method_header_read_is_one_visible_line() {
+        let headers = |lines: &[&[u8]]| {
+            let mut map = HeaderMap::new();
+            for line in lines {
+                map.append(
+                    MCP_METHOD.clone(),
+                    HeaderValue::from_bytes(line).expect("a header value"),
+                );
+            }
+            map
+        };
+        let of = |lines: &[&[u8]]| HeaderMethod::of(&headers(lines)) == HeaderMethod::Unclear;
+        assert_eq!(HeaderMethod::of(&HeaderMap::new()), HeaderMethod::Absent);
+        assert_eq!(
+            HeaderMethod::of(&headers(&[b"tools/call"])),
+            HeaderMethod::One("tools/call")
+        );
+        assert!(of(&[b"tools/call", b"tools/list"]));
+        assert!(of(&[b"tools/call", b"tools/call"]));
+        assert!(of(&[b"tools/call\xff"]));
     }
 
     #[test]
@@ -1652,7 +1748,7 @@ mod tests {
     /// DESIGN §8 and §3: a stream that ends without the call's response gives the key back
     /// only on an interim result or an error to a `null` id; otherwise the server took the
     /// call (SEP-1699's priming event, then the response on a resumed stream). A JSON body
-    /// that is not the response gives it back, as before.
+    /// follows the same rule.
     #[test]
     fn a_stream_without_the_response_is_unseen_unless_it_says_not_run() {
         let mut sse = HeaderMap::new();
@@ -1696,19 +1792,30 @@ mod tests {
             Answer::Final(Bytes::from(done))
         );
         let json = HeaderMap::new();
-        for body in [progress, as_string, null_error, interim] {
+        for body in [null_error, interim] {
             assert_eq!(
                 final_response(&json, body.as_bytes(), &id("7")),
                 Answer::NotFinal,
                 "{body}"
             );
         }
-        // Not JSON: the server answered, but what it said cannot be read; taken as done.
+        // Not the response, or not JSON: the server answered, but what it said cannot be
+        // read; taken as done.
+        let batch = format!("[{done}]");
         for body in [
             "",
             "\u{feff}{}",
             r#"{"jsonrpc":"2.0","id":7,"result":{"#,
             "<html>",
+            progress,
+            as_string,
+            other_id,
+            error_null,
+            r#"{"ok":true}"#,
+            r#""done""#,
+            "null",
+            "[]",
+            &batch,
         ] {
             assert_eq!(
                 final_response(&json, body.as_bytes(), &id("7")),
@@ -1757,11 +1864,11 @@ mod tests {
                     "{body}"
                 );
             }
-            for body in [&interim, &other, &not_read] {
+            for body in [&interim, &not_read] {
                 assert_eq!(answer(body), Answer::NotFinal, "{body}");
+                assert_eq!(event(body), Answer::NotFinal, "{body}");
             }
-            assert_eq!(event(&interim), Answer::NotFinal);
-            assert_eq!(event(&not_read), Answer::NotFinal);
+            assert_eq!(answer(&other), Answer::Unseen);
             assert_eq!(event(&other), Answer::Unseen);
             assert!(is_definitive(done.as_bytes()));
             assert!(is_definitive(refused.as_bytes()));

@@ -558,11 +558,10 @@ async fn odd_server(sink: Sink, headers: HeaderMap, body: Bytes) -> axum::respon
 /// DESIGN §8: the answer a call's outcome is read from. A server that writes an id beyond
 /// 2^53 back as a double still answers the call: recorded and replayed under each retry's id
 /// as sent (before, the answer was not found, the key went back and every retry ran the tool
-/// again). An answer with no response to the call (one to another id, JSON that is not
-/// JSON-RPC, a 503 page, a 404 for a session the server no longer knows) gives the key back,
-/// as documented, and the retry runs. (Whether a success without the call's response should
-/// keep the key instead is open: a 202 for an id the server took as a notification ran
-/// nothing, a 200 to another id may have run the tool.)
+/// again). A success without the call's response (one to another id, JSON that is not
+/// JSON-RPC) may have run the tool: taken as done, never run again, retries told
+/// `response-not-stored` (-31007). An error status without it (a 503 page, a 404 for a session
+/// the server no longer knows) gives the key back under `DefinitiveOnly`, and the retry runs.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_answer_to_a_call_is_found_by_its_id() {
     let sink = Sink::default();
@@ -592,8 +591,8 @@ async fn the_answer_to_a_call_is_found_by_its_id() {
     // (answer, runs after a call and two retries, what the retries get)
     for (answer, runs, retried) in [
         ("double", 1, "replay"),
-        ("another", 3, "200"),
-        ("not-jsonrpc", 3, "200"),
+        ("another", 1, "not-stored"),
+        ("not-jsonrpc", 1, "not-stored"),
         ("page", 3, "503"),
         ("gone", 3, "404"),
     ] {
@@ -617,6 +616,18 @@ async fn the_answer_to_a_call_is_found_by_its_id() {
                     );
                     let result = &live[live.find(r#""result":"#).expect("a result")..];
                     assert!(retry.text.ends_with(result), "{answer}: {}", retry.text);
+                }
+                "not-stored" => {
+                    assert!(
+                        retry.text.contains("-31007"),
+                        "{answer}: response-not-stored: {}",
+                        retry.text
+                    );
+                    assert!(
+                        retry.echoes(id),
+                        "{answer}: the retry's id as sent: {}",
+                        retry.text
+                    );
                 }
                 status => {
                     let got = retry.status.to_string();
