@@ -80,3 +80,28 @@ impl Drop for Detached {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    /// README (fault table, graceful shutdown): work that panics is no longer running. Its
+    /// count drops as its task unwinds, or [`super::finished`] would wait for it forever.
+    #[tokio::test]
+    async fn work_that_panics_is_counted_out() {
+        let runtime = tokio::runtime::Handle::current();
+        let mut panicked = 0;
+        for _ in 0..3 {
+            let task = super::spawn(&runtime, async {
+                tokio::task::yield_now().await;
+                panic!("a detached run that panics");
+            });
+            panicked += usize::from(task.await.is_err_and(|e| e.is_panic()));
+        }
+        assert_eq!(panicked, 3);
+        // Other tests of this binary may detach work of their own meanwhile: it ends too.
+        tokio::time::timeout(Duration::from_secs(30), super::finished())
+            .await
+            .expect("finished() returns once the panicked work is counted out");
+    }
+}
