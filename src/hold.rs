@@ -173,10 +173,15 @@ impl<St: IdempotencyStore> Keeper<St> {
                 .iter()
                 .map(|(_, shorter)| shorter.clone())
                 .collect();
-            // From a thread of its own, as the keeper is started (below).
-            let _ = std::thread::Builder::new()
+            // From a thread of its own, as the keeper is started (below), and woken before this
+            // hold goes on: a runtime whose clock is paused (an application's tests) jumps to its
+            // next timer once idle, past the shorter lease, unless the keeper is queued by then.
+            let woken = std::thread::Builder::new()
                 .name("idempotency-keeper-wake".into())
                 .spawn(move || wake.iter().for_each(|shorter| shorter.notify_one()));
+            if let Ok(woken) = woken {
+                let _ = woken.join();
+            }
         }
         // Without a runtime there is nothing to renew on: the lease runs out as for a crash.
         let Some(runtime) = runtime else {
@@ -209,14 +214,20 @@ impl<St: IdempotencyStore> Keeper<St> {
         // Handed over from a thread of its own: spawned from this worker, the task would wait
         // in the worker's LIFO slot, which no other worker steals from, behind the very handler
         // that may now block the worker. From outside, it goes to the shared queue. Once per
-        // keeper and runtime.
+        // keeper and runtime. Queued before this hold goes on (the thread is joined, tens of
+        // microseconds once per runtime): a runtime whose clock is paused (an application's
+        // tests) jumps to its next timer once idle, past the lease, unless the keeper is
+        // queued by then.
         let hand_over = runtime.clone();
         let spawned = std::thread::Builder::new()
             .name("idempotency-keeper-start".into())
             .spawn(move || drop(hand_over.spawn(keeper)));
-        if spawned.is_err() {
+        match spawned {
+            Ok(spawned) => {
+                let _ = spawned.join();
+            }
             // No thread to spare: the next hold tries again.
-            lock(&self.shared.keepers).retain(|(kept, _)| *kept != id);
+            Err(_) => lock(&self.shared.keepers).retain(|(kept, _)| *kept != id),
         }
     }
 }

@@ -655,8 +655,7 @@ fn s4_hundreds_of_holds_on_two_runtimes_each_run_once() {
 
 // ---- 6. a paused tokio clock ----------------------------------------------------------------
 //
-// Not testable here: `tokio::time::pause()` / `start_paused` need tokio's `test-util` feature,
-// which the suite's Cargo.toml does not enable (and this review may not edit it).
+// Tried in `app_runtimes_review.rs` (the suite's tokio has `test-util` since session 32).
 
 // ---- 7. a store whose renewal panics ----------------------------------------------------------
 

@@ -87,11 +87,13 @@ const POLL_EVERY: u64 = 1024;
 
 /// Where the store reads the time.
 enum Clock {
-    /// The wall clock read once (as time since the epoch), then `Instant`: what every read
-    /// costs is one `Instant::now`.
+    /// The wall clock read once (as time since the epoch), then tokio's `Instant`: what every
+    /// read costs is one `Instant::now`. Tokio's, as the lease keeper's: where an application's
+    /// tests pause tokio's clock, leases and TTLs stand still with the keeper's timers and
+    /// move with `advance`, never running out in real time while nothing can renew them.
     Monotonic {
         since_epoch: std::time::Duration,
-        start: std::time::Instant,
+        start: tokio::time::Instant,
     },
     /// A clock the application (a test) moves.
     Given(Arc<dyn Fn() -> SystemTime + Send + Sync>),
@@ -160,7 +162,8 @@ impl<T> std::ops::Deref for Padded<T> {
 fn read(clock: &Clock) -> u64 {
     match clock {
         Clock::Monotonic { since_epoch, start } => {
-            (*since_epoch + start.elapsed()).as_millis() as u64
+            let elapsed = tokio::time::Instant::now().saturating_duration_since(*start);
+            (*since_epoch + elapsed).as_millis() as u64
         }
         Clock::Given(clock) => ms(clock()),
     }
@@ -202,7 +205,10 @@ impl MemoryStore {
     ///
     /// Leases and TTLs are measured on a monotonic clock that starts at the wall-clock time of
     /// this call: a wall-clock step (NTP, an operator) can neither hand a live lease to a retry
-    /// nor expire records early. Times reported in records read as wall-clock times.
+    /// nor expire records early. Times reported in records read as wall-clock times. The
+    /// monotonic clock is tokio's, as the lease keeper's is: in tests that pause tokio's clock
+    /// (`tokio::time::pause`, `start_paused`), leases and TTLs move with it (`advance` expires
+    /// records) and never run out in real time while the keeper's timers stand still.
     pub fn new() -> Self {
         Self::monotonic_since(SystemTime::now())
     }
@@ -213,7 +219,7 @@ impl MemoryStore {
         let since_epoch = base
             .duration_since(SystemTime::UNIX_EPOCH)
             .unwrap_or_default();
-        let start = std::time::Instant::now();
+        let start = tokio::time::Instant::now();
         Self::on(Clock::Monotonic { since_epoch, start })
     }
 
