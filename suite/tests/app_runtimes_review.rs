@@ -281,7 +281,9 @@ async fn slow_then_retry_wall(
 /// One slow holder whose handler does blocking work in `spawn_blocking` (1.5 s, wall time) under
 /// a 300 ms lease, and a retry 900 ms in (wall time), on `rt`.
 fn spawn_blocking_holder_and_retry(rt: tokio::runtime::Runtime) -> (usize, Answer, Answer) {
-    let store = Arc::new(MemoryStore::new());
+    // As the README says to wire a test that pauses tokio's clock (the store is made outside
+    // the runtime: without a paused clock it reads real time).
+    let store = Arc::new(MemoryStore::on_tokio_clock());
     let sink = Arc::new(Sink::default());
     let router = app(layer(store, ms(300)), sink.clone());
     let (first, retry) = rt.block_on(slow_then_retry_wall(
@@ -300,8 +302,10 @@ fn spawn_blocking_holder_and_retry(rt: tokio::runtime::Runtime) -> (usize, Answe
 /// Condition: the application's test runs on a paused clock (`#[tokio::test(start_paused =
 /// true)]`), the handler does as the README says (blocking work in `spawn_blocking`, 1.5 s of
 /// wall time under a 300 ms lease). Tokio does not auto-advance a paused clock while a blocking
-/// task runs, so the keeper's timer never fires; the `MemoryStore` lease runs on the wall clock
-/// and lapses. A retry 900 ms in must still be told 409 in flight, and the key run once.
+/// task runs, so the keeper's timer never fires; a `MemoryStore::new()` lease would run on the
+/// wall clock and lapse (it did: the key ran twice), so the store is wired as the README says
+/// for such tests, `MemoryStore::on_tokio_clock()`. A retry 900 ms in must still be told 409
+/// in flight, and the key run once.
 #[test]
 fn s4_paused_clock_a_spawn_blocking_handler_keeps_its_lease() {
     let (effects, first, retry) =
@@ -339,7 +343,7 @@ fn s4_control_current_thread_a_spawn_blocking_handler_keeps_its_lease() {
 fn s4_paused_clock_a_blocking_task_elsewhere_never_lets_a_waiting_holder_lapse() {
     let (effects, first, retry) =
         on_thread("paused-blocking-elsewhere", Duration::from_secs(30), || {
-            let store = Arc::new(MemoryStore::new());
+            let store = Arc::new(MemoryStore::on_tokio_clock());
             let sink = Arc::new(Sink::default());
             let router = app(layer(store, ms(300)), sink.clone());
             let rt = current_thread();
@@ -791,7 +795,7 @@ fn s4_a_runtime_dropped_under_detached_runs_with_a_static_store() {
 #[test]
 fn s4_paused_clock_a_live_holder_on_a_reconciling_route_is_not_set_aside() {
     let out = on_thread("paused-reconcile", Duration::from_secs(30), || {
-        let store = Arc::new(MemoryStore::new());
+        let store = Arc::new(MemoryStore::on_tokio_clock());
         let sink = Arc::new(Sink::default());
         let router = app(
             layer(store.clone(), ms(300)).defaults(|r| r.external_effects(true)),

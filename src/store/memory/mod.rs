@@ -87,11 +87,15 @@ const POLL_EVERY: u64 = 1024;
 
 /// Where the store reads the time.
 enum Clock {
-    /// The wall clock read once (as time since the epoch), then tokio's `Instant`: what every
-    /// read costs is one `Instant::now`. Tokio's, as the lease keeper's: where an application's
-    /// tests pause tokio's clock, leases and TTLs stand still with the keeper's timers and
-    /// move with `advance`, never running out in real time while nothing can renew them.
+    /// The wall clock read once (as time since the epoch), then `Instant`: what every read
+    /// costs is one `Instant::now`.
     Monotonic {
+        since_epoch: std::time::Duration,
+        start: std::time::Instant,
+    },
+    /// The same, on tokio's `Instant`: the clock of the runtime that reads it (see
+    /// [`MemoryStore::on_tokio_clock`]).
+    Tokio {
         since_epoch: std::time::Duration,
         start: tokio::time::Instant,
     },
@@ -162,6 +166,9 @@ impl<T> std::ops::Deref for Padded<T> {
 fn read(clock: &Clock) -> u64 {
     match clock {
         Clock::Monotonic { since_epoch, start } => {
+            (*since_epoch + start.elapsed()).as_millis() as u64
+        }
+        Clock::Tokio { since_epoch, start } => {
             let elapsed = tokio::time::Instant::now().saturating_duration_since(*start);
             (*since_epoch + elapsed).as_millis() as u64
         }
@@ -205,10 +212,8 @@ impl MemoryStore {
     ///
     /// Leases and TTLs are measured on a monotonic clock that starts at the wall-clock time of
     /// this call: a wall-clock step (NTP, an operator) can neither hand a live lease to a retry
-    /// nor expire records early. Times reported in records read as wall-clock times. The
-    /// monotonic clock is tokio's, as the lease keeper's is: in tests that pause tokio's clock
-    /// (`tokio::time::pause`, `start_paused`), leases and TTLs move with it (`advance` expires
-    /// records) and never run out in real time while the keeper's timers stand still.
+    /// nor expire records early. Times reported in records read as wall-clock times. In
+    /// tests that pause tokio's clock, use [`on_tokio_clock`](Self::on_tokio_clock).
     pub fn new() -> Self {
         Self::monotonic_since(SystemTime::now())
     }
@@ -219,8 +224,36 @@ impl MemoryStore {
         let since_epoch = base
             .duration_since(SystemTime::UNIX_EPOCH)
             .unwrap_or_default();
-        let start = tokio::time::Instant::now();
+        let start = std::time::Instant::now();
         Self::on(Clock::Monotonic { since_epoch, start })
+    }
+
+    /// An empty store, with the default bounds, whose leases and TTLs follow tokio's clock:
+    /// for an application's tests that pause it (`#[tokio::test(start_paused = true)]`,
+    /// `tokio::time::pause`). There, [`new`](Self::new)'s leases run out in real time while
+    /// the lease keeper's timers stand still (tokio does not move a paused clock while
+    /// `spawn_blocking` work runs), and a retry may take over a live holder's key; on tokio's
+    /// clock they stand still together, and `advance` expires records.
+    ///
+    /// Tokio's clock is the calling runtime's: share such a store only among runtimes whose
+    /// clocks agree (never a paused one and a running one), and advance a paused clock in
+    /// steps shorter than a lease while a holder runs (one jump past it is a process frozen
+    /// past its lease: a retry may take the key over before the keeper's renewal runs).
+    /// Without a paused clock it is [`new`](Self::new).
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() {
+    /// let store = tower_idempotency::MemoryStore::on_tokio_clock();
+    /// # drop(store);
+    /// # }
+    /// ```
+    pub fn on_tokio_clock() -> Self {
+        let since_epoch = SystemTime::now()
+            .duration_since(SystemTime::UNIX_EPOCH)
+            .unwrap_or_default();
+        let start = tokio::time::Instant::now();
+        Self::on(Clock::Tokio { since_epoch, start })
     }
 
     /// An empty store reading time from `clock` (tests move time forward with it), with the
