@@ -49,12 +49,15 @@
 //!   answering the call is found by its `id`'s value (a server that writes `1.0` back as
 //!   `1`, or an id beyond 2^53 back as the nearest double as JavaScript does, still answers
 //!   it; a number and a string holding a number's text compare as that number, `"7"` for
-//!   `7` and the reverse; a response with id `null` answers no call). A JSON body that is
-//!   not the call's final response is not recorded and the key is released: that includes
-//!   MCP's interim results (`resultType: "input_required"`), whose continuation (with
-//!   `inputResponses` and `requestState`, which the fingerprint leaves out) then runs under
-//!   the same key. An event stream that ends, or breaks, without the call's response
-//!   releases the key only when it carried such an interim result, or began with an error
+//!   `7` and the reverse; a response with id `null` answers no call). A JSON body that says
+//!   the call did not run or is not finished releases the key: MCP's interim results
+//!   (`resultType: "input_required"`), whose continuation (with `inputResponses` and
+//!   `requestState`, which the fingerprint leaves out) then runs under the same key, and an
+//!   error object to a `null` id. Any other body that is not the call's response (an answer
+//!   to another id, a notification, JSON that is not JSON-RPC, or not JSON) under a success
+//!   status was a call the server took: it is taken as done, its response not stored, and
+//!   retries are told so (-31007, `safe_new_key: false`). An event stream that ends, or
+//!   breaks, without the call's response releases the key only when it carried such an interim result, or began with an error
 //!   object to a `null` id (the server could not read the call); any other stream (MCP's SSE
 //!   polling closes one after its priming event and sends the response on a resumed stream
 //!   the layer never sees) under a success status was a call the server took: it is taken
@@ -125,7 +128,11 @@ impl<'a> HeaderMethod<'a> {
         let mut lines = headers.get_all(&MCP_METHOD).iter();
         match (lines.next(), lines.next()) {
             (None, _) => Self::Absent,
-            (Some(line), None) => line.to_str().map_or(Self::Unclear, Self::One),
+            // Whitespace around a value is not part of it (an in-process caller may leave
+            // some; hyper strips it).
+            (Some(line), None) => line.to_str().map_or(Self::Unclear, |named| {
+                Self::One(named.trim_matches([' ', '\t']))
+            }),
             (Some(_), Some(_)) => Self::Unclear,
         }
     }
@@ -1132,8 +1139,15 @@ pub(crate) fn stored_unread(parts: &http::response::Parts) -> StoredResponse {
         false => "application/json",
     };
     headers.insert(header::CONTENT_TYPE, HeaderValue::from_static(media));
-    if let Some(coding) = super::coding(&parts.headers) {
-        headers.insert(header::CONTENT_ENCODING, coding.clone());
+    match super::coding(&parts.headers) {
+        Some(coding) => {
+            headers.insert(header::CONTENT_ENCODING, coding.clone());
+        }
+        // Neither compressed nor a stream: a body read whole that is not the call's response.
+        None if media != "text/event-stream" => {
+            headers.insert(UNREAD.clone(), HeaderValue::from_static("not-the-response"));
+        }
+        None => {}
     }
     StoredResponse {
         status: parts.status,
@@ -1143,9 +1157,22 @@ pub(crate) fn stored_unread(parts: &http::response::Parts) -> StoredResponse {
     }
 }
 
+/// Marks a record [`stored_unread`] made of a body read whole that is not the call's response
+/// (a record too large to keep has no response either, but its outcome is known).
+static UNREAD: http::HeaderName = http::HeaderName::from_static("tower-idempotency-unread");
+
 /// What a retry is told of a record [`stored_unread`] made (`None`: another kind of record
 /// without its response): why the layer could not read the call's response.
 pub(crate) fn unread_detail(headers: &HeaderMap) -> Option<String> {
+    if headers.contains_key(&UNREAD) {
+        return Some(
+            "the server answered this call, but not with its JSON-RPC response (an answer to \
+             another id, a notification, JSON that is not JSON-RPC, or a body that is not JSON), \
+             so there is no response to replay; it will not run again under this key (a new \
+             key would run it again)"
+                .to_owned(),
+        );
+    }
     if let Some(coding) = super::coding(headers) {
         let coding = String::from_utf8_lossy(coding.as_bytes());
         return Some(format!(
@@ -1898,7 +1925,9 @@ mod tests {
             ("content-encoding", "gzip"),
         ]);
         assert!(gzip.is_some_and(|d| d.contains("compressed (gzip)")));
-        assert!(why(&[]).is_none(), "a plain JSON record without its body");
+        // A body read whole that is not the call's response: its outcome is not known.
+        assert!(why(&[]).is_some_and(|d| d.contains("not with its JSON-RPC response")));
+        // Too large to keep: the response was read, the outcome is known.
         assert!(unread_detail(&stored_call(None, StatusCode::OK).headers).is_none());
     }
 
