@@ -28,6 +28,7 @@ use axum::Router;
 use axum::http::StatusCode;
 use axum::routing::post;
 use common::rig::{Answer, send_body};
+use common::runtimes::{current_thread, multi_thread, on_thread, paused};
 use tower_idempotency::scope::SingleTenant;
 use tower_idempotency::store::{RecordStatus, ScopedKey};
 use tower_idempotency::{
@@ -208,52 +209,6 @@ async fn post_key(addr: SocketAddr, key: &str, b: &str) -> Answer {
     send_body(addr, key, b, Duration::from_secs(30))
         .await
         .unwrap_or_else(|| panic!("no answer for {key}"))
-}
-
-/// Runs `f` on an OS thread of its own; fails the test if it has not returned within `limit`
-/// (wall clock: a paused tokio clock cannot guard itself).
-fn on_thread<T: Send + 'static>(
-    what: &str,
-    limit: Duration,
-    f: impl FnOnce() -> T + Send + 'static,
-) -> T {
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::Builder::new()
-        .name(what.to_owned())
-        .spawn(move || {
-            let out = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f));
-            let _ = tx.send(out);
-        })
-        .expect("thread");
-    match rx.recv_timeout(limit) {
-        Ok(Ok(out)) => out,
-        Ok(Err(panic)) => std::panic::resume_unwind(panic),
-        Err(_) => panic!("{what}: hung for {limit:?}"),
-    }
-}
-
-fn current_thread() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .expect("runtime")
-}
-
-/// What `#[tokio::test(start_paused = true)]` builds.
-fn paused() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .start_paused(true)
-        .build()
-        .expect("runtime")
-}
-
-fn multi_thread(workers: usize) -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(workers)
-        .enable_all()
-        .build()
-        .expect("runtime")
 }
 
 /// A slow first request on `key` (through `oneshot`), a retry sent once `retry_after` has

@@ -20,6 +20,7 @@ use axum::Router;
 use axum::http::StatusCode;
 use axum::routing::post;
 use common::rig::{Answer, send_body};
+use common::runtimes::{current_thread, multi_thread, on_thread};
 use tower_idempotency::scope::SingleTenant;
 use tower_idempotency::store::{FencingToken, ScopedKey, StoreError};
 use tower_idempotency::{
@@ -241,42 +242,6 @@ async fn post_key(addr: SocketAddr, key: &str, body: &str) -> Answer {
     send_body(addr, key, body, Duration::from_secs(40))
         .await
         .unwrap_or_else(|| panic!("no answer for {key}"))
-}
-
-/// Runs `f` on an OS thread of its own; fails the test if it has not returned within `limit`.
-fn on_thread<T: Send + 'static>(
-    what: &str,
-    limit: Duration,
-    f: impl FnOnce() -> T + Send + 'static,
-) -> T {
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::Builder::new()
-        .name(what.to_owned())
-        .spawn(move || {
-            let out = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f));
-            let _ = tx.send(out);
-        })
-        .expect("thread");
-    match rx.recv_timeout(limit) {
-        Ok(Ok(out)) => out,
-        Ok(Err(panic)) => std::panic::resume_unwind(panic),
-        Err(_) => panic!("{what}: hung for {limit:?}"),
-    }
-}
-
-fn current_thread() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .expect("runtime")
-}
-
-fn multi_thread(workers: usize) -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(workers)
-        .enable_all()
-        .build()
-        .expect("runtime")
 }
 
 /// One slow request on `key` (work `work`, mode `mode`), a retry once three leases have gone by

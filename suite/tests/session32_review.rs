@@ -27,6 +27,7 @@ use axum::response::Response;
 use axum::routing::post;
 use bytes::Bytes;
 use common::jsonrpc_code;
+use common::runtimes::{current_thread, multi_thread, on_thread, paused};
 use serde_json::Value;
 use tower_idempotency::jsonrpc::JsonRpc;
 use tower_idempotency::scope::SingleTenant;
@@ -37,52 +38,6 @@ use tower_idempotency::{
 const WATCHDOG: Duration = Duration::from_secs(40);
 
 // ---- harness -------------------------------------------------------------------------------------
-
-/// Runs `f` on an OS thread of its own; fails the test if it has not returned within `limit`
-/// (wall clock).
-fn on_thread<T: Send + 'static>(
-    what: &str,
-    limit: Duration,
-    f: impl FnOnce() -> T + Send + 'static,
-) -> T {
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::Builder::new()
-        .name(what.to_owned())
-        .spawn(move || {
-            let out = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f));
-            let _ = tx.send(out);
-        })
-        .expect("thread");
-    match rx.recv_timeout(limit) {
-        Ok(Ok(out)) => out,
-        Ok(Err(panic)) => std::panic::resume_unwind(panic),
-        Err(_) => panic!("{what}: hung for {limit:?}"),
-    }
-}
-
-fn current_thread() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .expect("runtime")
-}
-
-/// What `#[tokio::test(start_paused = true)]` builds.
-fn paused() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .start_paused(true)
-        .build()
-        .expect("runtime")
-}
-
-fn multi_thread(workers: usize) -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(workers)
-        .enable_all()
-        .build()
-        .expect("runtime")
-}
 
 // ---- an HTTP app whose handler can be held --------------------------------------------------------
 

@@ -12,6 +12,7 @@ pub mod proxy;
 pub mod raw;
 pub mod resp;
 pub mod rig;
+pub mod runtimes;
 pub mod statements;
 
 use std::net::SocketAddr;
