@@ -120,6 +120,7 @@ struct Statements {
     purge: Arc<str>,
     effect_started: Arc<str>,
     downstream_id: Arc<str>,
+    held_in: Arc<str>,
     list_uncertain: Arc<str>,
     list_uncertain_after: Arc<str>,
     list_uncertain_desc: Arc<str>,
@@ -137,43 +138,11 @@ struct Statements {
 /// unknown (one awaiting reconciliation, or whose holder marked its effect started, never
 /// expires into a new run; it stays until it is resolved, DESIGN §4).
 fn expired(r: &str) -> String {
-    // A `CASE`, so that the advisory lock is only tried for an in-flight record (the planner
-    // may reorder the arms of an `AND`).
     format!(
-        "(CASE WHEN {r}.expires_at <= now() THEN (CASE \
-           WHEN {r}.status IN ('completed', 'released') THEN true \
-           WHEN {r}.status = 'in_progress' AND NOT {r}.effect_started \
-             AND NOT {r}.reconcile_on_expiry THEN {} \
-           ELSE false END) ELSE false END)",
-        unrenewed(r)
+        "({r}.expires_at <= now() AND ({r}.status IN ('completed', 'released') \
+         OR ({r}.status = 'in_progress' AND NOT {r}.effect_started AND NOT {r}.reconcile_on_expiry)))"
     )
 }
-
-/// Whether the in-flight record `r`, its lease lapsed, may be taken from its holder: no
-/// renewal of it is under way. A renewal holds this advisory lock (exclusive) while it waits
-/// for the record's row, which a handler's own transaction (a milestone written with its
-/// effect) or anyone else may hold past the lease: the lapse is then the lock's doing, not the
-/// holder's death, and the row, once let go, is not the holder's renewal's before a claim
-/// arriving just then (PostgreSQL gives a row to whoever asks first once it is free, not to
-/// the one that waited). A claim that would take the record over tries (never waits for) the
-/// lock shared, so claims never hold one another back. A lock shared by two keys (a 32-bit
-/// hash) only ever holds a takeover back while the other key renews.
-fn unrenewed(r: &str) -> String {
-    format!(
-        "pg_try_advisory_xact_lock_shared({})",
-        renewal_lock(&format!("{r}.scope"), &format!("{r}.key"))
-    )
-}
-
-/// The advisory lock (two `int4`: the store's class, a hash of the record's scope and key)
-/// that a renewal of the record holds.
-fn renewal_lock(scope: &str, key: &str) -> String {
-    format!("{RENEWAL_LOCKS}, ('x' || left(md5({scope} || {key}), 8))::bit(32)::int4")
-}
-
-/// The first key of the advisory locks renewals hold (`tide` in ASCII): apart from locks
-/// an application takes with one `int8` key.
-const RENEWAL_LOCKS: i32 = 0x7469_6465;
 
 /// How long a claim, a renewal or a refusal note waits for a record locked by another
 /// transaction (a handler recording its milestone in its own transaction) before giving up: a
@@ -251,13 +220,8 @@ impl Statements {
             )
         };
         let expired_r = expired("r");
-        let lease_over = |r: &str| {
-            format!(
-                "(CASE WHEN {r}.status = 'in_progress' AND {r}.lease_until <= now() \
-                 THEN {} ELSE false END)",
-                unrenewed(r)
-            )
-        };
+        let lease_over =
+            |r: &str| format!("{r}.status = 'in_progress' AND {r}.lease_until <= now()");
         // Whether the claimer takes over an expired lease: the row it would insert says so
         // (`reconcile_on_expiry` is its negation), so one statement serves a batch of claims.
         let takeover = format!(
@@ -414,27 +378,26 @@ impl Statements {
             table: table.to_owned(),
             claim: claim.into(),
             claim_batch: claim_batch.into(),
-            // A renewal runs while a handler may hold the row in its own transaction (a
-            // milestone written with its effect), or anyone else may lock it: it waits for the
-            // row up to a lease (at least a claim's 100 ms, at most 25 s, under the session's
-            // 30 s statement limit), holding the record's renewal lock (see `unrenewed`)
-            // meanwhile; a second renewal of the same lease queues on that lock. Renewals are sent at most half a lease apart, two at a time, so while
-            // the row is held one of them always holds that lock, and no claim takes the
-            // record over when the row is let go: the renewal lands first. The lease runs
-            // from when the renewal got the row (`clock_timestamp()`, not the statement's
-            // start), and never shrinks: one that waited may land after a later one.
+            // Renewals and refusal notes run while a handler may hold the row in its own
+            // transaction: they wait for it no longer than a claim does (`{BOUNDED}`). A
+            // renewal never shortens the lease: `now()` is when its statement began, and one
+            // that waited on the row may land after a later one (they overlap, see `hold`).
             renew: format!(
-                "UPDATE {t} SET lease_until = GREATEST(lease_until,
-                     clock_timestamp() + make_interval(secs => $4::float8 / 1000)),
-                   expires_at = GREATEST(expires_at,
-                     clock_timestamp() + make_interval(secs => $4::float8 / 1000)),
+                "UPDATE {t} SET lease_until = {},
+                   expires_at = GREATEST(expires_at, now() + make_interval(secs => $4::float8 / 1000)),
                    updated_at = now()
-                 FROM (SELECT set_config('lock_timeout',
-                         GREATEST(100, LEAST($4::int8, 25000))::text, true)
-                       || pg_advisory_xact_lock({})::text AS wait) AS bounded
+                 FROM {BOUNDED}
                  WHERE {fenced} AND bounded.wait IS NOT NULL
                  RETURNING (extract(epoch from lease_until) * 1000)::int8",
-                renewal_lock("$1", "$2")
+                sql::renewed(
+                    "now()",
+                    "make_interval(secs => $4::float8 / 1000)",
+                    &format!(
+                        "make_interval(secs => {}::float8 / 1000)",
+                        sql::HELD_IN_TRANSACTION_MS / 2
+                    ),
+                    "GREATEST"
+                )
             )
             .into(),
             complete: format!(
@@ -498,6 +461,16 @@ impl Statements {
             downstream_id: format!(
                 "UPDATE {t} SET downstream_id = $4, updated_at = now(), {} WHERE {fenced}",
                 log("'downstream_id'")
+            )
+            .into(),
+            held_in: format!(
+                "UPDATE {t} SET lease_until = GREATEST(lease_until, now() + {held}),
+                   expires_at = GREATEST(expires_at, now() + {held})
+                 WHERE {fenced}",
+                held = format_args!(
+                    "make_interval(secs => {}::float8 / 1000)",
+                    sql::HELD_IN_TRANSACTION_MS
+                )
             )
             .into(),
             list_uncertain: list_first.as_str().into(),

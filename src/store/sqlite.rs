@@ -80,6 +80,7 @@ struct Statements {
     purge: Arc<str>,
     effect_started: Arc<str>,
     downstream_id: Arc<str>,
+    held_in: Arc<str>,
     list_uncertain: Arc<str>,
     list_uncertain_after: Arc<str>,
     list_uncertain_desc: Arc<str>,
@@ -465,9 +466,15 @@ impl Statements {
             table: table.to_owned(),
             upsert: upsert.into(),
             renew: format!(
-                "UPDATE {t} SET lease_until = MAX(lease_until, {NOW} + ?4), expires_at = MAX(expires_at, {NOW} + ?4),
+                "UPDATE {t} SET lease_until = {}, expires_at = MAX(expires_at, {NOW} + ?4),
                    updated_at = {NOW}
-                 WHERE {fenced} RETURNING lease_until"
+                 WHERE {fenced} RETURNING lease_until",
+                sql::renewed(
+                    NOW,
+                    "?4",
+                    &(sql::HELD_IN_TRANSACTION_MS / 2).to_string(),
+                    "MAX"
+                )
             )
             .into(),
             complete: completion(table, ["?1", "?2", "?3", "?4", "?5"], "").into(),
@@ -499,6 +506,13 @@ impl Statements {
             downstream_id: format!(
                 "UPDATE {t} SET downstream_id = ?4, updated_at = {NOW}, {} WHERE {fenced}",
                 log("'downstream_id'")
+            )
+            .into(),
+            held_in: format!(
+                "UPDATE {t} SET lease_until = MAX(lease_until, {NOW} + {held}),
+                   expires_at = MAX(expires_at, {NOW} + {held})
+                 WHERE {fenced}",
+                held = sql::HELD_IN_TRANSACTION_MS
             )
             .into(),
             list_uncertain: list_first.as_str().into(),

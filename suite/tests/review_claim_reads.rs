@@ -52,24 +52,9 @@ fn old_statement(new: &str) -> String {
     }
     let end = end.expect("the guard closes");
     let without = format!("{}{}", &new[..start], &new[end..]);
-    // Since session 32 a lapsed in-flight record is takeable only where no renewal holds its
-    // advisory lock (none does here): the same answers in every state.
-    let unrenewed = "pg_try_advisory_xact_lock_shared(1953064037, \
-        ('x' || left(md5(r.scope || r.key), 8))::bit(32)::int4)";
-    let expired = format!(
-        "(CASE WHEN r.expires_at <= now() THEN (CASE \
-         WHEN r.status IN ('completed', 'released') THEN true \
-         WHEN r.status = 'in_progress' AND NOT r.effect_started \
-         AND NOT r.reconcile_on_expiry THEN {unrenewed} \
-         ELSE false END) ELSE false END)"
-    );
-    let lease_over = format!(
-        "(CASE WHEN r.status = 'in_progress' AND r.lease_until <= now() \
-         THEN {unrenewed} ELSE false END)"
-    );
     let new_where = format!(
-        "WHERE ({expired} OR (r.fingerprint = excluded.fingerprint AND (r.status = 'released' \
-         OR ({lease_over}))))"
+        "WHERE ({EXPIRED} OR (r.fingerprint = excluded.fingerprint AND (r.status = 'released' \
+         OR (r.status = 'in_progress' AND r.lease_until <= now()))))"
     );
     let old_where = format!(
         "WHERE {EXPIRED} OR (r.fingerprint = excluded.fingerprint AND (r.status = 'released' \
