@@ -383,26 +383,21 @@ impl Statements {
             // renewal never shortens the lease: `now()` is when its statement began, and one
             // that waited on the row may land after a later one (they overlap, see `hold`).
             renew: format!(
-                "UPDATE {t} SET lease_until = {},
+                "UPDATE {t} SET lease_until = GREATEST(lease_until,
+                     now() + make_interval(secs => $4::float8 / 1000)),
                    expires_at = GREATEST(expires_at, now() + make_interval(secs => $4::float8 / 1000)),
                    updated_at = now()
                  FROM {BOUNDED}
                  WHERE {fenced} AND bounded.wait IS NOT NULL
-                 RETURNING (extract(epoch from lease_until) * 1000)::int8",
-                sql::renewed(
-                    "now()",
-                    "make_interval(secs => $4::float8 / 1000)",
-                    &format!(
-                        "make_interval(secs => {}::float8 / 1000)",
-                        sql::HELD_IN_TRANSACTION_MS / 2
-                    ),
-                    "GREATEST"
-                )
+                 RETURNING (extract(epoch from lease_until) * 1000)::int8"
             )
             .into(),
+            // `clock_timestamp()`: in a handler's own transaction (`complete_in`), `now()` is
+            // when the transaction began, and a record completed in a long one would be born
+            // expired.
             complete: format!(
                 "UPDATE {t} SET status = 'completed', response = $4,
-                   expires_at = now() + make_interval(secs => $5::float8 / 1000), updated_at = now(),
+                   expires_at = clock_timestamp() + make_interval(secs => $5::float8 / 1000), updated_at = now(),
                    {}
                  WHERE {completer}",
                 log("'completed'")
@@ -410,7 +405,7 @@ impl Statements {
             .into(),
             complete_bounded: format!(
                 "UPDATE {t} SET status = 'completed', response = $4,
-                   expires_at = now() + make_interval(secs => $5::float8 / 1000), updated_at = now(),
+                   expires_at = clock_timestamp() + make_interval(secs => $5::float8 / 1000), updated_at = now(),
                    {}
                  FROM {BOUNDED}
                  WHERE {completer} AND bounded.wait IS NOT NULL",
@@ -421,7 +416,7 @@ impl Statements {
             // give up after 100 ms, and its completions go one by one.
             complete_batch: format!(
                 "UPDATE {t} AS r SET status = 'completed', response = v.response,
-                   expires_at = now() + make_interval(secs => v.ttl_ms::float8 / 1000),
+                   expires_at = clock_timestamp() + make_interval(secs => v.ttl_ms::float8 / 1000),
                    updated_at = now(), {}
                  FROM unnest($1::bytea[], $2::bytea[], $3::int8[], $4::bytea[], $5::int8[])
                    WITH ORDINALITY AS v(scope, key, token, response, ttl_ms, n), {BOUNDED}
@@ -464,8 +459,8 @@ impl Statements {
             )
             .into(),
             held_in: format!(
-                "UPDATE {t} SET lease_until = GREATEST(lease_until, now() + {held}),
-                   expires_at = GREATEST(expires_at, now() + {held})
+                "UPDATE {t} SET lease_until = GREATEST(lease_until, clock_timestamp() + {held}),
+                   expires_at = GREATEST(expires_at, clock_timestamp() + {held})
                  WHERE {fenced}",
                 held = format_args!(
                     "make_interval(secs => {}::float8 / 1000)",

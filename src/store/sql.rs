@@ -254,24 +254,12 @@ pub(crate) fn appended(history: &str, entry: &str, cap: usize) -> String {
     )
 }
 
-/// How long a milestone written in a handler's own transaction holds its lease, in ms: the
-/// transaction holds the record's row, so no renewal can land until it ends, and a lease
-/// lapsed meanwhile would be taken over by the first claim to get the row once it commits,
-/// while its holder runs on. The holder's next renewal brings the lease back to its length
-/// (see [`renewed`]); a holder gone before that holds the key this long.
+/// How long a milestone written in a handler's own transaction holds its lease, in ms, from
+/// when it is written: the transaction holds the record's row, so no renewal can land until it
+/// ends, and a lease lapsed meanwhile would be taken over by the first claim to get the row
+/// once it commits, while its holder runs on. Renewals never shorten a lease, so a holder gone
+/// after its commit holds the key this long from its milestone.
 pub(crate) const HELD_IN_TRANSACTION_MS: i64 = 10 * 60 * 1000;
-
-/// A renewal's new lease end, in SQL, from the record's `lease_until`, the time `now` and the
-/// lease `lease`, and `half_held`, half of [`HELD_IN_TRANSACTION_MS`] (the same units): never
-/// shorter than it was (a renewal that waited may land after a later one, or one may ask for
-/// a shorter lease), except one a milestone in a transaction set far ahead, more than
-/// `half_held` past the lease asked for, which comes back to a lease from now.
-pub(crate) fn renewed(now: &str, lease: &str, half_held: &str, greatest: &str) -> String {
-    format!(
-        "(CASE WHEN lease_until > {now} + {lease} + {half_held} THEN {now} + {lease} \
-         ELSE {greatest}(lease_until, {now} + {lease}) END)"
-    )
-}
 
 /// The characters of a history entry (`attempt token ms event`), `;` excluded.
 const ENTRY_CHARS: &str = "0123456789 -_abcdefghijklmnopqrstuvwxyz";
@@ -413,10 +401,9 @@ impl $store {
     /// ```
     ///
     /// The transaction holds the record's row until it ends, so the lease cannot be renewed
-    /// meanwhile: the milestone holds it for ten minutes from now, and the next renewal after
-    /// the transaction brings it back to its length. A transaction held longer than that loses
-    /// the lease; a holder gone between the commit and its next renewal holds the key that
-    /// long.
+    /// meanwhile: the milestone holds it (and the record) for ten minutes from when it is
+    /// written. A transaction held longer than that after its milestone loses the lease; a
+    /// holder gone after its commit holds the key until then.
     pub async fn record_milestone_in(
         &self,
         connection: &mut $conn,

@@ -466,15 +466,9 @@ impl Statements {
             table: table.to_owned(),
             upsert: upsert.into(),
             renew: format!(
-                "UPDATE {t} SET lease_until = {}, expires_at = MAX(expires_at, {NOW} + ?4),
+                "UPDATE {t} SET lease_until = MAX(lease_until, {NOW} + ?4), expires_at = MAX(expires_at, {NOW} + ?4),
                    updated_at = {NOW}
-                 WHERE {fenced} RETURNING lease_until",
-                sql::renewed(
-                    NOW,
-                    "?4",
-                    &(sql::HELD_IN_TRANSACTION_MS / 2).to_string(),
-                    "MAX"
-                )
+                 WHERE {fenced} RETURNING lease_until"
             )
             .into(),
             complete: completion(table, ["?1", "?2", "?3", "?4", "?5"], "").into(),
