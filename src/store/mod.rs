@@ -48,7 +48,7 @@ pub use memory::MemoryStore;
 #[cfg(feature = "postgres")]
 pub use postgres::PostgresStore;
 #[cfg(feature = "redis")]
-pub use redis::RedisStore;
+pub use redis::{RedisCheckError, RedisStore};
 #[cfg(any(feature = "postgres", feature = "sqlite"))]
 pub use sql::{CheckError, InvalidIdentifier};
 #[cfg(feature = "sqlite")]

@@ -171,6 +171,54 @@ impl std::fmt::Display for InvalidPrefix {
 
 impl std::error::Error for InvalidPrefix {}
 
+/// Why [`RedisStore::check`] finds a server unfit to keep the store's records.
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum RedisCheckError {
+    /// The server could not be reached.
+    Unreachable(redis::RedisError),
+    /// `CONFIG GET` is refused (a managed service, or an ACL): whether the server evicts keys
+    /// cannot be read here; check its `maxmemory-policy` by hand.
+    ConfigUnreadable(redis::RedisError),
+    /// The server may evict keys when its memory is full: a record evicted is a key that runs
+    /// again (completed records and claims carry a TTL, which `volatile-*` policies evict
+    /// first). Run it with `maxmemory-policy noeviction`, or without `maxmemory`.
+    Evicts {
+        /// The node's address, as the store was given it.
+        node: String,
+        /// Its `maxmemory-policy`.
+        policy: String,
+    },
+}
+
+impl std::fmt::Display for RedisCheckError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Unreachable(e) => write!(f, "the idempotency store's Redis is unreachable: {e}"),
+            Self::ConfigUnreadable(e) => write!(
+                f,
+                "the idempotency store cannot read its Redis's maxmemory-policy ({e}); make sure \
+                 it is noeviction: an evicted record is a key that runs again"
+            ),
+            Self::Evicts { node, policy } => write!(
+                f,
+                "the idempotency store's Redis at {node} evicts keys when full \
+                 (maxmemory-policy {policy}): an evicted record is a key that runs again; set \
+                 maxmemory-policy noeviction (a full server then answers 503)"
+            ),
+        }
+    }
+}
+
+impl std::error::Error for RedisCheckError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            Self::Unreachable(e) | Self::ConfigUnreadable(e) => Some(e),
+            Self::Evicts { .. } => None,
+        }
+    }
+}
+
 impl RedisStore {
     /// The key prefix used unless [`with_prefix`](Self::with_prefix) sets another.
     pub const DEFAULT_PREFIX: &'static str = "idempotency";
@@ -214,6 +262,52 @@ impl RedisStore {
             wait: None,
             changes: Changes::new(clients),
         }
+    }
+
+    /// Whether the server (each node the store was given, on a cluster) keeps every record
+    /// until the store lets it go: one with a `maxmemory` and a policy other than
+    /// `noeviction` may evict records when full, and a record evicted is a key that runs
+    /// again. Call it at start-up, as the SQL stores' `check()`.
+    ///
+    /// ```no_run
+    /// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+    /// let store = tower_idempotency::store::RedisStore::connect("redis://127.0.0.1:6379").await?;
+    /// store.check().await?;
+    /// # Ok(()) }
+    /// ```
+    pub async fn check(&self) -> Result<(), RedisCheckError> {
+        for client in &self.changes.clients {
+            let node = client.get_connection_info().addr().to_string();
+            let mut connection =
+                tokio::time::timeout(TIMEOUT, client.get_multiplexed_async_connection())
+                    .await
+                    .unwrap_or_else(|_| {
+                        Err(redis::RedisError::from((
+                            redis::ErrorKind::Io,
+                            "connecting timed out",
+                        )))
+                    })
+                    .map_err(RedisCheckError::Unreachable)?;
+            let config: Vec<String> = redis::cmd("CONFIG")
+                .arg("GET")
+                .arg("maxmemory*")
+                .query_async(&mut connection)
+                .await
+                .map_err(RedisCheckError::ConfigUnreadable)?;
+            let value = |name: &str| {
+                config
+                    .chunks(2)
+                    .find(|pair| pair[0] == name)
+                    .and_then(|pair| pair.get(1))
+                    .cloned()
+            };
+            let limited = value("maxmemory").is_some_and(|bytes| bytes != "0");
+            let policy = value("maxmemory-policy").unwrap_or_default();
+            if limited && policy != "noeviction" {
+                return Err(RedisCheckError::Evicts { node, policy });
+            }
+        }
+        Ok(())
     }
 
     /// Keeps this store's records under another prefix: stores with different prefixes never
@@ -1167,13 +1261,18 @@ impl IdempotencyStore for RedisStore {
             Milestone::EffectStarted => (b"es", b""),
             Milestone::DownstreamId(id) => (b"did", id.as_bytes()),
         };
-        let reply = self
-            .run(
-                &self.scripts.milestone,
-                &at,
-                &[token.as_bytes(), kind, value],
-            )
-            .await?;
+        let args: [&[u8]; 3] = [token.as_bytes(), kind, value];
+        // A connection the server closed while idle (`timeout` in redis.conf, a balancer's
+        // idle reset) fails the next command before or after it was sent; the manager then
+        // connects again. A milestone is fenced and written twice alike, so it is asked once
+        // more, as a claim whose reply was lost is: the handler is told the store is down only
+        // when it is.
+        let reply = match self.run(&self.scripts.milestone, &at, &args).await {
+            Err(error) if reply_lost(&error) => {
+                self.run(&self.scripts.milestone, &at, &args).await?
+            }
+            reply => reply?,
+        };
         written(&reply)
     }
 
