@@ -50,16 +50,97 @@ const MAX_PAGE: usize = 10_000;
 /// How long a connection attempt, and a reply, may take before the store counts as down.
 const TIMEOUT: Duration = Duration::from_secs(5);
 
-/// A connection to one server (reconnecting by itself) or to a cluster (routing by slot).
+/// A connection to one server (reconnecting by itself; the store's own one also replaced when
+/// it stops answering) or to a cluster (routing by slot).
 #[derive(Clone)]
 enum Connection {
+    /// The store's connection to one server.
+    Replaced(Arc<Replaceable>),
+    /// A connection of its own for completions that wait for replicas: a `WAIT` must run on
+    /// the connection that wrote, so it is never replaced between the two.
     Single(redis::aio::ConnectionManager),
     Cluster(redis::cluster_async::ClusterConnection),
+}
+
+/// The store's connection to one server. redis-rs's manager connects again when its
+/// connection breaks, but not when it only stops answering (a host gone without a FIN or RST,
+/// a frozen VM, a failover that moved the address): every command would then time out until
+/// the kernel gives the link up, minutes later, while a new connection would be answered. A
+/// command that times out has a new connection made in the background; the commands after it
+/// go there. (Commands still on the old one may land after those: a claim that lands late is
+/// held as any whose answers were lost, see `store::unheard`.)
+struct Replaceable {
+    client: redis::Client,
+    config: redis::aio::ConnectionManagerConfig,
+    /// The connection, and how many times it was replaced.
+    current: std::sync::RwLock<(u64, redis::aio::ConnectionManager)>,
+    /// Whether a replacement is being connected.
+    replacing: std::sync::atomic::AtomicBool,
+}
+
+impl Replaceable {
+    fn current(&self) -> (u64, redis::aio::ConnectionManager) {
+        let current = self
+            .current
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        (current.0, current.1.clone())
+    }
+
+    /// Connects a replacement for the connection of `generation` (once), unless it was
+    /// replaced already.
+    fn replace(self: &Arc<Self>, generation: u64) {
+        use std::sync::atomic::Ordering;
+        if self.replacing.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            self.replacing.store(false, Ordering::Release);
+            return;
+        };
+        let this = self.clone();
+        runtime.spawn(async move {
+            let fresh = redis::aio::ConnectionManager::new_with_config(
+                this.client.clone(),
+                this.config.clone(),
+            );
+            if let Ok(Ok(fresh)) = tokio::time::timeout(TIMEOUT, fresh).await {
+                let mut current = this
+                    .current
+                    .write()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner);
+                if current.0 == generation {
+                    *current = (generation + 1, fresh);
+                }
+            }
+            this.replacing.store(false, Ordering::Release);
+        });
+    }
+
+    /// `reply`, having asked for a new connection if it timed out on the one of `generation`.
+    fn after<T>(
+        self: &Arc<Self>,
+        generation: u64,
+        reply: redis::RedisResult<T>,
+    ) -> redis::RedisResult<T> {
+        if reply.as_ref().is_err_and(redis::RedisError::is_timeout) {
+            self.replace(generation);
+        }
+        reply
+    }
 }
 
 impl ConnectionLike for Connection {
     fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
         match self {
+            Self::Replaced(shared) => {
+                let shared = shared.clone();
+                Box::pin(async move {
+                    let (generation, mut connection) = shared.current();
+                    let reply = connection.req_packed_command(cmd).await;
+                    shared.after(generation, reply)
+                })
+            }
             Self::Single(c) => c.req_packed_command(cmd),
             Self::Cluster(c) => c.req_packed_command(cmd),
         }
@@ -72,6 +153,14 @@ impl ConnectionLike for Connection {
         count: usize,
     ) -> RedisFuture<'a, Vec<Value>> {
         match self {
+            Self::Replaced(shared) => {
+                let shared = shared.clone();
+                Box::pin(async move {
+                    let (generation, mut connection) = shared.current();
+                    let reply = connection.req_packed_commands(cmd, offset, count).await;
+                    shared.after(generation, reply)
+                })
+            }
             Self::Single(c) => c.req_packed_commands(cmd, offset, count),
             Self::Cluster(c) => c.req_packed_commands(cmd, offset, count),
         }
@@ -79,6 +168,7 @@ impl ConnectionLike for Connection {
 
     fn get_db(&self) -> i64 {
         match self {
+            Self::Replaced(shared) => shared.current().1.get_db(),
             Self::Single(c) => c.get_db(),
             Self::Cluster(c) => c.get_db(),
         }
@@ -144,7 +234,7 @@ impl std::fmt::Debug for RedisStore {
             .field(
                 "connection",
                 &match self.connection {
-                    Connection::Single(_) => "single server",
+                    Connection::Replaced(_) | Connection::Single(_) => "single server",
                     Connection::Cluster(_) => "cluster",
                 },
             )
@@ -224,9 +314,10 @@ impl RedisStore {
     pub const DEFAULT_PREFIX: &'static str = "idempotency";
 
     /// Connects to one server (`redis://[user:password@]host[:port][/db]`, or `rediss://`
-    /// where TLS is compiled into redis-rs). The connection reconnects by itself; while the
-    /// server is down every operation fails with [`StoreError::Unavailable`], so requests fail
-    /// closed.
+    /// where TLS is compiled into redis-rs). The connection reconnects by itself, when it
+    /// breaks and when it stops answering (a reply later than 5 s has a new connection made
+    /// for the operations after it); while the server is down every operation fails with
+    /// [`StoreError::Unavailable`], so requests fail closed.
     pub async fn connect(url: &str) -> Result<Self, redis::RedisError> {
         let client = redis::Client::open(url)?;
         let config = redis::aio::ConnectionManagerConfig::new()
@@ -234,8 +325,14 @@ impl RedisStore {
             .set_response_timeout(Some(TIMEOUT))
             .set_number_of_retries(1);
         let manager =
-            redis::aio::ConnectionManager::new_with_config(client.clone(), config).await?;
-        Ok(Self::new(Connection::Single(manager), vec![client]))
+            redis::aio::ConnectionManager::new_with_config(client.clone(), config.clone()).await?;
+        let connection = Connection::Replaced(Arc::new(Replaceable {
+            client: client.clone(),
+            config,
+            current: std::sync::RwLock::new((0, manager)),
+            replacing: std::sync::atomic::AtomicBool::new(false),
+        }));
+        Ok(Self::new(connection, vec![client]))
     }
 
     /// Connects to a Redis Cluster through any of its nodes (`redis://host:port` each); the
@@ -1153,7 +1250,7 @@ impl IdempotencyStore for RedisStore {
         // A completion that waits for replicas runs on a connection of its own: `WAIT`
         // blocks the connection, and must run on the one that wrote.
         let waits = match (self.wait, &self.connection) {
-            (Some(wait), Connection::Single(_)) => Some(wait),
+            (Some(wait), Connection::Replaced(_) | Connection::Single(_)) => Some(wait),
             _ => None,
         };
         let mut connection = match waits {

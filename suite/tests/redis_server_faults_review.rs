@@ -2,12 +2,6 @@
 //! redis-server of the test's own (a free port, nothing on disk, killed by a Drop guard), so
 //! that killing connections, sleeping, evicting and reconfiguring touch no other test.
 //!
-//! A silently dead command connection (its host gone without a FIN or RST, a new connection
-//! to the same address answering) is not in this file: `RedisStore` keeps sending on it (the
-//! connection manager reconnects on a broken connection, not on a timeout), every request
-//! fails closed (503, nothing run) until the kernel gives the link up. Session 32's note
-//! carries it for the next session.
-//!
 //! Effects are counted at a sink in the handler (after its work, past any gate the test
 //! holds it at), never from responses. Every wait is bounded (`common::guard`, the client's
 //! 30 s timeout, bounded polling loops).
@@ -22,6 +16,8 @@ use std::time::Duration;
 use axum::Router;
 use axum::routing::post;
 use common::{Effects, guard, serve};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::Semaphore;
 use tower_idempotency::store::{RedisStore, ScopedKey};
 use tower_idempotency::{IdempotencyContext, IdempotencyLayer, IdempotencyStore};
@@ -103,6 +99,10 @@ impl OwnRedis {
 
     fn url(&self) -> String {
         format!("redis://127.0.0.1:{}", self.port)
+    }
+
+    fn addr(&self) -> SocketAddr {
+        SocketAddr::from(([127, 0, 0, 1], self.port))
     }
 
     /// One admin command on a connection of its own (on `db`), bounded.
@@ -191,6 +191,14 @@ impl Sink {
             milestone,
             milestones: Arc::default(),
         }
+    }
+
+    /// Gates left open.
+    fn open(tag: &'static str, milestone: bool) -> Self {
+        let s = Self::new(tag, milestone);
+        s.gate_a.add_permits(10_000);
+        s.gate_b.add_permits(10_000);
+        s
     }
 }
 
@@ -352,6 +360,136 @@ async fn store_on(url: &str, prefix: Option<&str>) -> RedisStore {
 
 async fn started(sink: &Sink, n: usize) {
     common::until("the handler started", || sink.runs.count() >= n).await;
+}
+
+// ==== 1. A server host that dies without closing its connections ================================
+
+/// A TCP proxy whose links made before [`Hole::freeze`] stop carrying anything either way
+/// while staying open (a host powered off, a VM frozen, a failover that moved the server's
+/// address to the replica: no FIN, no RST), and whose new links work.
+#[derive(Clone)]
+struct Hole {
+    addr: SocketAddr,
+    next: Arc<AtomicU64>,
+    frozen_below: Arc<AtomicU64>,
+}
+
+impl Hole {
+    async fn start(upstream: SocketAddr) -> Self {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let hole = Self {
+            addr: listener.local_addr().expect("addr"),
+            next: Arc::default(),
+            frozen_below: Arc::default(),
+        };
+        let h = hole.clone();
+        tokio::spawn(async move {
+            while let Ok((client, _)) = listener.accept().await {
+                let id = h.next.fetch_add(1, Ordering::SeqCst);
+                let Ok(server) = TcpStream::connect(upstream).await else {
+                    continue;
+                };
+                let frozen = h.frozen_below.clone();
+                tokio::spawn(relay(client, server, id, frozen));
+            }
+        });
+        hole
+    }
+
+    fn url(&self) -> String {
+        format!("redis://{}", self.addr)
+    }
+
+    fn freeze(&self) {
+        self.frozen_below
+            .store(self.next.load(Ordering::SeqCst), Ordering::SeqCst);
+    }
+}
+
+async fn relay(client: TcpStream, server: TcpStream, id: u64, frozen: Arc<AtomicU64>) {
+    let (mut cr, mut cw) = client.into_split();
+    let (mut sr, mut sw) = server.into_split();
+    let f1 = frozen.clone();
+    let up = async move {
+        let mut buf = vec![0u8; 64 * 1024];
+        loop {
+            let n = match cr.read(&mut buf).await {
+                Ok(0) | Err(_) => return,
+                Ok(n) => n,
+            };
+            if id < f1.load(Ordering::SeqCst) {
+                continue; // swallowed: the host is gone
+            }
+            if sw.write_all(&buf[..n]).await.is_err() {
+                return;
+            }
+        }
+    };
+    let down = async move {
+        let mut buf = vec![0u8; 64 * 1024];
+        loop {
+            let n = match sr.read(&mut buf).await {
+                Ok(0) | Err(_) => return,
+                Ok(n) => n,
+            };
+            if id < frozen.load(Ordering::SeqCst) {
+                continue;
+            }
+            if cw.write_all(&buf[..n]).await.is_err() {
+                return;
+            }
+        }
+    };
+    tokio::join!(up, down);
+}
+
+/// DESIGN §7.10 ("Store down -> fail closed (503/UNAVAILABLE), nothing executed, recovery when
+/// it returns") and README (Redis: "The connection reconnects by itself"). Fault: the store's
+/// established connection goes silent without closing (its host powered off or frozen, or a
+/// failover moved the address to a replica: no FIN, no RST), while a new connection to the
+/// same address works. The subscription has a heartbeat for exactly this; the command
+/// connection must not stay stuck on the dead link either: a request may fail closed (503)
+/// while the store finds out, but within three requests one must run, once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s7_10_a_silently_dead_command_connection_is_replaced() {
+    let Some(server) = OwnRedis::start(&[]) else {
+        return;
+    };
+    let hole = Hole::start(server.addr()).await;
+    let store = store_on(&hole.url(), Some("hole")).await;
+    let sink = Sink::open("hole", false);
+    let addr = serve(app(store, &sink, &Knobs::default())).await;
+    let warm = send(addr, &unique("warm")).await;
+    assert!(warm.live_201(), "warm-up: {warm:?}");
+
+    hole.freeze();
+    let key = unique("after-freeze");
+    let mut answers = Vec::new();
+    for _ in 0..3 {
+        let a = send(addr, &key).await;
+        let done = a.status == 201;
+        answers.push(a);
+        if done {
+            break;
+        }
+    }
+    println!("after the freeze: {answers:?}");
+    for a in &answers {
+        assert!(
+            a.status == 201 || a.status == 503,
+            "an answer other than 201 or 503: {a:?}"
+        );
+    }
+    assert!(
+        sink.effects.count() <= 2,
+        "the key ran twice: {}",
+        sink.effects.count()
+    );
+    assert!(
+        answers.iter().any(|a| a.status == 201),
+        "the server answers on every new connection, but three requests in a row failed \
+         closed on the dead one: {answers:?}"
+    );
 }
 
 // ==== 2. CLIENT KILL at every step =============================================================
