@@ -54,12 +54,34 @@ const TIMEOUT: Duration = Duration::from_secs(5);
 /// it stops answering) or to a cluster (routing by slot).
 #[derive(Clone)]
 enum Connection {
-    /// The store's connection to one server.
+    /// The store's connection to one server: each command takes the current one.
     Replaced(Arc<Replaceable>),
-    /// A connection of its own for completions that wait for replicas: a `WAIT` must run on
-    /// the connection that wrote, so it is never replaced between the two.
-    Single(redis::aio::ConnectionManager),
+    /// One connection of a [`Replaceable`], kept for commands that must follow one another on
+    /// it: a completion and its `WAIT`; a claim, its asking again and the give-back of what
+    /// may have landed. A timeout on it still has the replaceable connect anew.
+    Pinned {
+        shared: Arc<Replaceable>,
+        generation: u64,
+        connection: redis::aio::ConnectionManager,
+    },
     Cluster(redis::cluster_async::ClusterConnection),
+}
+
+impl Connection {
+    /// This connection, pinned to the one it would use now (see [`Connection::Pinned`]).
+    fn pinned(&self) -> Self {
+        match self {
+            Self::Replaced(shared) => {
+                let (generation, connection) = shared.current();
+                Self::Pinned {
+                    shared: shared.clone(),
+                    generation,
+                    connection,
+                }
+            }
+            other => other.clone(),
+        }
+    }
 }
 
 /// The store's connection to one server. redis-rs's manager connects again when its
@@ -79,6 +101,21 @@ struct Replaceable {
 }
 
 impl Replaceable {
+    /// A replaceable connection to `client`, connected with `config`.
+    async fn connect(
+        client: redis::Client,
+        config: redis::aio::ConnectionManagerConfig,
+    ) -> Result<Arc<Self>, redis::RedisError> {
+        let manager =
+            redis::aio::ConnectionManager::new_with_config(client.clone(), config.clone()).await?;
+        Ok(Arc::new(Self {
+            client,
+            config,
+            current: std::sync::RwLock::new((0, manager)),
+            replacing: std::sync::atomic::AtomicBool::new(false),
+        }))
+    }
+
     fn current(&self) -> (u64, redis::aio::ConnectionManager) {
         let current = self
             .current
@@ -141,7 +178,17 @@ impl ConnectionLike for Connection {
                     shared.after(generation, reply)
                 })
             }
-            Self::Single(c) => c.req_packed_command(cmd),
+            Self::Pinned {
+                shared,
+                generation,
+                connection,
+            } => {
+                let (shared, generation) = (shared.clone(), *generation);
+                Box::pin(async move {
+                    let reply = connection.req_packed_command(cmd).await;
+                    shared.after(generation, reply)
+                })
+            }
             Self::Cluster(c) => c.req_packed_command(cmd),
         }
     }
@@ -161,7 +208,17 @@ impl ConnectionLike for Connection {
                     shared.after(generation, reply)
                 })
             }
-            Self::Single(c) => c.req_packed_commands(cmd, offset, count),
+            Self::Pinned {
+                shared,
+                generation,
+                connection,
+            } => {
+                let (shared, generation) = (shared.clone(), *generation);
+                Box::pin(async move {
+                    let reply = connection.req_packed_commands(cmd, offset, count).await;
+                    shared.after(generation, reply)
+                })
+            }
             Self::Cluster(c) => c.req_packed_commands(cmd, offset, count),
         }
     }
@@ -169,7 +226,7 @@ impl ConnectionLike for Connection {
     fn get_db(&self) -> i64 {
         match self {
             Self::Replaced(shared) => shared.current().1.get_db(),
-            Self::Single(c) => c.get_db(),
+            Self::Pinned { connection, .. } => connection.get_db(),
             Self::Cluster(c) => c.get_db(),
         }
     }
@@ -207,7 +264,7 @@ struct Changes {
     clients: Vec<redis::Client>,
     /// Connections of their own for completions that `WAIT` for replicas (a `WAIT` blocks
     /// its connection), opened on first use.
-    waiting: tokio::sync::OnceCell<Vec<redis::aio::ConnectionManager>>,
+    waiting: tokio::sync::OnceCell<Vec<Arc<Replaceable>>>,
     next_waiting: std::sync::atomic::AtomicUsize,
     waiters: super::Waiters<Vec<u8>>,
     started: std::sync::atomic::AtomicBool,
@@ -234,7 +291,7 @@ impl std::fmt::Debug for RedisStore {
             .field(
                 "connection",
                 &match self.connection {
-                    Connection::Replaced(_) | Connection::Single(_) => "single server",
+                    Connection::Replaced(_) | Connection::Pinned { .. } => "single server",
                     Connection::Cluster(_) => "cluster",
                 },
             )
@@ -324,14 +381,7 @@ impl RedisStore {
             .set_connection_timeout(Some(TIMEOUT))
             .set_response_timeout(Some(TIMEOUT))
             .set_number_of_retries(1);
-        let manager =
-            redis::aio::ConnectionManager::new_with_config(client.clone(), config.clone()).await?;
-        let connection = Connection::Replaced(Arc::new(Replaceable {
-            client: client.clone(),
-            config,
-            current: std::sync::RwLock::new((0, manager)),
-            replacing: std::sync::atomic::AtomicBool::new(false),
-        }));
+        let connection = Connection::Replaced(Replaceable::connect(client.clone(), config).await?);
         Ok(Self::new(connection, vec![client]))
     }
 
@@ -375,22 +425,27 @@ impl RedisStore {
     pub async fn check(&self) -> Result<(), RedisCheckError> {
         for client in &self.changes.clients {
             let node = client.get_connection_info().addr().to_string();
-            let mut connection =
-                tokio::time::timeout(TIMEOUT, client.get_multiplexed_async_connection())
-                    .await
-                    .unwrap_or_else(|_| {
-                        Err(redis::RedisError::from((
-                            redis::ErrorKind::Io,
-                            "connecting timed out",
-                        )))
-                    })
-                    .map_err(RedisCheckError::Unreachable)?;
+            // The store's own bounds, not redis-rs's half-second reply timeout: a slow link
+            // is not a refused `CONFIG`.
+            let bounds = redis::AsyncConnectionConfig::new()
+                .set_connection_timeout(Some(TIMEOUT))
+                .set_response_timeout(Some(TIMEOUT));
+            let mut connection = client
+                .get_multiplexed_async_connection_with_config(&bounds)
+                .await
+                .map_err(RedisCheckError::Unreachable)?;
             let config: Vec<String> = redis::cmd("CONFIG")
                 .arg("GET")
                 .arg("maxmemory*")
                 .query_async(&mut connection)
                 .await
-                .map_err(RedisCheckError::ConfigUnreadable)?;
+                .map_err(|error| {
+                    match error.is_timeout() || error.is_io_error() || error.is_connection_dropped()
+                    {
+                        true => RedisCheckError::Unreachable(error),
+                        false => RedisCheckError::ConfigUnreadable(error),
+                    }
+                })?;
             let value = |name: &str| {
                 config
                     .chunks(2)
@@ -454,19 +509,17 @@ impl RedisStore {
                 let mut connections = Vec::new();
                 for _ in 0..4 {
                     connections.push(
-                        redis::aio::ConnectionManager::new_with_config(
-                            client.clone(),
-                            config.clone(),
-                        )
-                        .await
-                        .map_err(StoreError::unavailable)?,
+                        Replaceable::connect(client.clone(), config.clone())
+                            .await
+                            .map_err(StoreError::unavailable)?,
                     );
                 }
                 Ok::<_, StoreError>(connections)
             })
             .await?;
         let i = self.changes.next_waiting.fetch_add(1, Ordering::Relaxed) % connections.len();
-        Ok(Connection::Single(connections[i].clone()))
+        // Pinned: the completion and its `WAIT` run on one connection.
+        Ok(Connection::Replaced(connections[i].clone()).pinned())
     }
 
     /// The Lua source of the claim, as the server runs it: `KEYS` are the record, its bucket's
@@ -1185,11 +1238,25 @@ impl IdempotencyStore for RedisStore {
         // reconciliation when the lease ends). Asked again with the same token, a claim that
         // landed answers as this one's (see `CLAIM`).
         // Lost again, what may have landed is given back: the request is refused, nothing ran.
-        let reply = match self.run(&self.scripts.claim, &at, &args).await {
+        // All on one connection, pinned: a claim still on its way on it (a stalled link) lands
+        // before the give-back that follows it there, never after (commands on one
+        // connection run in order; a replaced connection would take the give-back past it).
+        let pinned = Self {
+            connection: self.connection.pinned(),
+            ..self.clone()
+        };
+        let mut connection = pinned.connection.clone();
+        let reply = match pinned
+            .run_on(&mut connection, &self.scripts.claim, &at, &args)
+            .await
+        {
             Err(error) if reply_lost(&error) => {
-                match self.run(&self.scripts.claim, &at, &args).await {
+                match pinned
+                    .run_on(&mut connection, &self.scripts.claim, &at, &args)
+                    .await
+                {
                     Err(error) if reply_lost(&error) => {
-                        super::unheard::give_back(self, &request.key, token, request.lease);
+                        super::unheard::give_back(&pinned, &request.key, token, request.lease);
                         return Err(error);
                     }
                     reply => reply?,
@@ -1250,7 +1317,7 @@ impl IdempotencyStore for RedisStore {
         // A completion that waits for replicas runs on a connection of its own: `WAIT`
         // blocks the connection, and must run on the one that wrote.
         let waits = match (self.wait, &self.connection) {
-            (Some(wait), Connection::Replaced(_) | Connection::Single(_)) => Some(wait),
+            (Some(wait), Connection::Replaced(_) | Connection::Pinned { .. }) => Some(wait),
             _ => None,
         };
         let mut connection = match waits {
