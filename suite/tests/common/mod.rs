@@ -8,6 +8,7 @@ pub mod faulty;
 pub mod forward;
 pub mod memory;
 pub mod model;
+pub mod own_redis;
 pub mod proxy;
 pub mod raw;
 pub mod resp;
