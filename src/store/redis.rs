@@ -170,13 +170,10 @@ impl Replaceable {
 impl ConnectionLike for Connection {
     fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
         match self {
-            Self::Replaced(shared) => {
-                let shared = shared.clone();
-                Box::pin(async move {
-                    let (generation, mut connection) = shared.current();
-                    let reply = connection.req_packed_command(cmd).await;
-                    shared.after(generation, reply)
-                })
+            // The current connection, for this command.
+            Self::Replaced(_) => {
+                let mut pinned = self.pinned();
+                Box::pin(async move { pinned.req_packed_command(cmd).await })
             }
             Self::Pinned {
                 shared,
@@ -200,13 +197,9 @@ impl ConnectionLike for Connection {
         count: usize,
     ) -> RedisFuture<'a, Vec<Value>> {
         match self {
-            Self::Replaced(shared) => {
-                let shared = shared.clone();
-                Box::pin(async move {
-                    let (generation, mut connection) = shared.current();
-                    let reply = connection.req_packed_commands(cmd, offset, count).await;
-                    shared.after(generation, reply)
-                })
+            Self::Replaced(_) => {
+                let mut pinned = self.pinned();
+                Box::pin(async move { pinned.req_packed_commands(cmd, offset, count).await })
             }
             Self::Pinned {
                 shared,
