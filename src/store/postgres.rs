@@ -120,7 +120,11 @@ struct Statements {
     purge: Arc<str>,
     effect_started: Arc<str>,
     downstream_id: Arc<str>,
-    held_in: Arc<str>,
+    /// `effect_started` that also holds the lease (and the record) ten minutes from when it is
+    /// written: a milestone in the caller's transaction, which holds the row from renewals.
+    effect_started_held: Arc<str>,
+    /// `downstream_id`, holding likewise.
+    downstream_id_held: Arc<str>,
     list_uncertain: Arc<str>,
     list_uncertain_after: Arc<str>,
     list_uncertain_desc: Arc<str>,
@@ -358,6 +362,21 @@ impl Statements {
         };
         let log = |event: &str| log_capped(event, HISTORY_LIMIT);
         let fenced = "scope = $1 AND key = $2 AND lease_token = $3 AND status = 'in_progress'";
+        // A milestone, and the `hold` one written in the caller's transaction sets too.
+        let milestone = |set: &str, event: &str, hold: &str| {
+            format!(
+                "UPDATE {t} SET {set}, updated_at = now(){hold}, {} WHERE {fenced}",
+                log(event)
+            )
+        };
+        let held = format!(
+            ", lease_until = GREATEST(lease_until, clock_timestamp() + {hold}),
+               expires_at = GREATEST(expires_at, clock_timestamp() + {hold})",
+            hold = format_args!(
+                "make_interval(secs => {}::float8 / 1000)",
+                sql::HELD_IN_TRANSACTION_MS
+            )
+        );
         // The holder may complete again what it completed in its own transaction.
         let completer = "scope = $1 AND key = $2 AND lease_token = $3 \
                          AND status IN ('in_progress', 'completed', 'needs_reconciliation')";
@@ -448,26 +467,11 @@ impl Statements {
             unchanged: unchanged.into(),
             remove: format!("DELETE FROM {t} WHERE scope = $1 AND key = $2").into(),
             purge: format!("DELETE FROM {t} r WHERE {expired_r}").into(),
-            effect_started: format!(
-                "UPDATE {t} SET effect_started = true, updated_at = now(), {} WHERE {fenced}",
-                log("'effect_started'")
-            )
-            .into(),
-            downstream_id: format!(
-                "UPDATE {t} SET downstream_id = $4, updated_at = now(), {} WHERE {fenced}",
-                log("'downstream_id'")
-            )
-            .into(),
-            held_in: format!(
-                "UPDATE {t} SET lease_until = GREATEST(lease_until, clock_timestamp() + {held}),
-                   expires_at = GREATEST(expires_at, clock_timestamp() + {held})
-                 WHERE {fenced}",
-                held = format_args!(
-                    "make_interval(secs => {}::float8 / 1000)",
-                    sql::HELD_IN_TRANSACTION_MS
-                )
-            )
-            .into(),
+            effect_started: milestone("effect_started = true", "'effect_started'", "").into(),
+            downstream_id: milestone("downstream_id = $4", "'downstream_id'", "").into(),
+            effect_started_held: milestone("effect_started = true", "'effect_started'", &held)
+                .into(),
+            downstream_id_held: milestone("downstream_id = $4", "'downstream_id'", &held).into(),
             list_uncertain: list_first.as_str().into(),
             list_uncertain_after: list_after.as_str().into(),
             list_uncertain_desc: sql::descending(&list_first).into(),

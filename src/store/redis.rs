@@ -101,11 +101,13 @@ struct Replaceable {
 }
 
 impl Replaceable {
-    /// A replaceable connection to `client`, connected with `config`.
-    async fn connect(
-        client: redis::Client,
-        config: redis::aio::ConnectionManagerConfig,
-    ) -> Result<Arc<Self>, redis::RedisError> {
+    /// A replaceable connection to `client`: connecting and each reply are bounded by
+    /// [`TIMEOUT`], and a broken connection is tried once more before the call fails.
+    async fn connect(client: redis::Client) -> Result<Arc<Self>, redis::RedisError> {
+        let config = redis::aio::ConnectionManagerConfig::new()
+            .set_connection_timeout(Some(TIMEOUT))
+            .set_response_timeout(Some(TIMEOUT))
+            .set_number_of_retries(1);
         let manager =
             redis::aio::ConnectionManager::new_with_config(client.clone(), config.clone()).await?;
         Ok(Arc::new(Self {
@@ -370,11 +372,7 @@ impl RedisStore {
     /// [`StoreError::Unavailable`], so requests fail closed.
     pub async fn connect(url: &str) -> Result<Self, redis::RedisError> {
         let client = redis::Client::open(url)?;
-        let config = redis::aio::ConnectionManagerConfig::new()
-            .set_connection_timeout(Some(TIMEOUT))
-            .set_response_timeout(Some(TIMEOUT))
-            .set_number_of_retries(1);
-        let connection = Connection::Replaced(Replaceable::connect(client.clone(), config).await?);
+        let connection = Connection::Replaced(Replaceable::connect(client.clone()).await?);
         Ok(Self::new(connection, vec![client]))
     }
 
@@ -495,14 +493,10 @@ impl RedisStore {
                     .clients
                     .first()
                     .ok_or_else(|| StoreError::unavailable("no server to connect to"))?;
-                let config = redis::aio::ConnectionManagerConfig::new()
-                    .set_connection_timeout(Some(TIMEOUT))
-                    .set_response_timeout(Some(TIMEOUT))
-                    .set_number_of_retries(1);
                 let mut connections = Vec::new();
                 for _ in 0..4 {
                     connections.push(
-                        Replaceable::connect(client.clone(), config.clone())
+                        Replaceable::connect(client.clone())
                             .await
                             .map_err(StoreError::unavailable)?,
                     );

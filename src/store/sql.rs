@@ -411,15 +411,8 @@ impl $store {
         token: FencingToken,
         milestone: &Milestone,
     ) -> Result<(), StoreError> {
-        self.milestone_on(&mut *connection, key, token, milestone).await?;
-        let done = sqlx::query(AssertSqlSafe(self.sql.held_in.clone()))
-            .bind(key.scope().as_bytes())
-            .bind(key.key().as_bytes())
-            .bind(sql::token(token))
-            .execute(&mut *connection)
+        self.milestone_on(&mut *connection, key, token, milestone, true)
             .await
-            .map_err(unavailable)?;
-        fenced(done.rows_affected())
     }
 
     /// Records the outcome on `connection`, typically inside the handler's own transaction, so
@@ -604,16 +597,18 @@ impl $store {
         key: &ScopedKey,
         token: FencingToken,
         milestone: &Milestone,
+        held: bool,
     ) -> Result<(), StoreError>
     where
         E: sqlx::Executor<'c, Database = $db>,
     {
-        let query = match milestone {
-            Milestone::EffectStarted => sqlx::query(AssertSqlSafe(self.sql.effect_started.clone())),
-            Milestone::DownstreamId(_) => {
-                sqlx::query(AssertSqlSafe(self.sql.downstream_id.clone()))
-            }
+        let statement = match (milestone, held) {
+            (Milestone::EffectStarted, false) => &self.sql.effect_started,
+            (Milestone::EffectStarted, true) => &self.sql.effect_started_held,
+            (Milestone::DownstreamId(_), false) => &self.sql.downstream_id,
+            (Milestone::DownstreamId(_), true) => &self.sql.downstream_id_held,
         };
+        let query = sqlx::query(AssertSqlSafe(statement.clone()));
         let mut query = query
             .bind(key.scope().as_bytes())
             .bind(key.key().as_bytes())
@@ -776,7 +771,8 @@ impl IdempotencyStore for $store {
         token: FencingToken,
         milestone: &Milestone,
     ) -> Result<(), StoreError> {
-        self.milestone_on(&self.pool, key, token, milestone).await
+        self.milestone_on(&self.pool, key, token, milestone, false)
+            .await
     }
 
     async fn list_uncertain(&self, query: &UncertainQuery) -> Result<UncertainPage, StoreError> {

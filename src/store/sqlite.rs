@@ -80,7 +80,11 @@ struct Statements {
     purge: Arc<str>,
     effect_started: Arc<str>,
     downstream_id: Arc<str>,
-    held_in: Arc<str>,
+    /// `effect_started` that also holds the lease (and the record) ten minutes from when it is
+    /// written: a milestone in the caller's transaction, which holds the write lock.
+    effect_started_held: Arc<str>,
+    /// `downstream_id`, holding likewise.
+    downstream_id_held: Arc<str>,
     list_uncertain: Arc<str>,
     list_uncertain_after: Arc<str>,
     list_uncertain_desc: Arc<str>,
@@ -446,6 +450,18 @@ impl Statements {
         };
         let log = |event: &str| log_capped(event, HISTORY_LIMIT);
         let fenced = "scope = ?1 AND key = ?2 AND lease_token = ?3 AND status = 'in_progress'";
+        // A milestone, and the `hold` one written in the caller's transaction sets too.
+        let milestone = |set: &str, event: &str, hold: &str| {
+            format!(
+                "UPDATE {t} SET {set}, updated_at = {NOW}{hold}, {} WHERE {fenced}",
+                log(event)
+            )
+        };
+        let held = format!(
+            ", lease_until = MAX(lease_until, {NOW} + {hold}),
+               expires_at = MAX(expires_at, {NOW} + {hold})",
+            hold = sql::HELD_IN_TRANSACTION_MS
+        );
         // Records only a reconciliation can settle once their holder is gone (the partial
         // index's condition, word for word, so SQLite sees that it may use it), and those of
         // them whose outcome is unknown now.
@@ -492,23 +508,10 @@ impl Statements {
             .into(),
             remove: format!("DELETE FROM {t} WHERE scope = ?1 AND key = ?2").into(),
             purge: format!("DELETE FROM {t} AS r WHERE {expired}").into(),
-            effect_started: format!(
-                "UPDATE {t} SET effect_started = 1, updated_at = {NOW}, {} WHERE {fenced}",
-                log("'effect_started'")
-            )
-            .into(),
-            downstream_id: format!(
-                "UPDATE {t} SET downstream_id = ?4, updated_at = {NOW}, {} WHERE {fenced}",
-                log("'downstream_id'")
-            )
-            .into(),
-            held_in: format!(
-                "UPDATE {t} SET lease_until = MAX(lease_until, {NOW} + {held}),
-                   expires_at = MAX(expires_at, {NOW} + {held})
-                 WHERE {fenced}",
-                held = sql::HELD_IN_TRANSACTION_MS
-            )
-            .into(),
+            effect_started: milestone("effect_started = 1", "'effect_started'", "").into(),
+            downstream_id: milestone("downstream_id = ?4", "'downstream_id'", "").into(),
+            effect_started_held: milestone("effect_started = 1", "'effect_started'", &held).into(),
+            downstream_id_held: milestone("downstream_id = ?4", "'downstream_id'", &held).into(),
             list_uncertain: list_first.as_str().into(),
             list_uncertain_after: list_after.as_str().into(),
             list_uncertain_desc: sql::descending(&list_first).into(),

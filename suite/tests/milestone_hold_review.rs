@@ -21,13 +21,14 @@ use axum::Router;
 use axum::http::StatusCode;
 use axum::routing::post;
 use sqlx::AssertSqlSafe;
-use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
+use sqlx::postgres::PgPool;
 use tower_idempotency::store::{
-    Batching, Milestone, PostgresStore, Resolution, ScopedKey, SqliteStore, UncertainQuery,
+    Batching, Milestone, Resolution, ScopedKey, SqliteStore, UncertainQuery,
 };
 use tower_idempotency::{IdempotencyContext, IdempotencyLayer, IdempotencyStore, LeaseExpiry};
 
 use common::batching::{acquired, answer as stored_answer, claim_with};
+use common::pg_rig::{self, store as pg_store};
 use common::{client, guard};
 
 fn unique(name: &str) -> String {
@@ -36,30 +37,11 @@ fn unique(name: &str) -> String {
 
 /// A table name of its own for one test run.
 fn table(name: &str) -> String {
-    let nanos = SystemTime::now()
-        .duration_since(SystemTime::UNIX_EPOCH)
-        .map_or(0, |d| d.as_nanos());
-    format!("rv_mh_{name}_{}", nanos % 1_000_000_000_000)
-}
-
-fn options(app: &str) -> PgConnectOptions {
-    let options: PgConnectOptions = common::postgres_url().parse().expect("a PostgreSQL URL");
-    options.application_name(app)
+    pg_rig::table("rv_mh", name)
 }
 
 async fn pool(app: &str, max: u32) -> PgPool {
-    PgPoolOptions::new()
-        .max_connections(max)
-        .acquire_timeout(Duration::from_secs(3))
-        .connect_with(options(app))
-        .await
-        .expect("pool")
-}
-
-async fn pg_store(pool: PgPool, table: &str) -> PostgresStore {
-    let store = PostgresStore::new(pool).with_table(table).expect("table");
-    store.migrate().await.expect("migrate");
-    store
+    pg_rig::pool(app, max, &[]).await
 }
 
 /// The sink on PostgreSQL: a table of effects, one row per run that committed.

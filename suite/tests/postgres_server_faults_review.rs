@@ -23,77 +23,22 @@ use tokio::sync::{Notify, mpsc};
 use tower_idempotency::store::{Batching, Milestone, PostgresStore, ScopedKey};
 use tower_idempotency::{IdempotencyContext, IdempotencyLayer, IdempotencyStore, LeaseExpiry};
 
+use common::pg_rig::{self, Sink, options, store};
 use common::{client, guard, serve, until};
 
 fn unique(name: &str) -> String {
     common::raw::unique(name)
 }
 
-/// A table name of its own for one test run (63 bytes at most, a plain identifier).
+/// A table name of its own for one test run.
 fn table(name: &str) -> String {
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_nanos());
-    format!("rv_psf_{name}_{}", nanos % 1_000_000_000_000)
-}
-
-/// Effects per key, counted where they happen.
-#[derive(Clone, Default)]
-struct Sink(Arc<Mutex<HashMap<String, usize>>>);
-
-impl Sink {
-    fn hit(&self, key: &str) -> usize {
-        let mut map = self.0.lock().unwrap();
-        let n = map.entry(key.to_owned()).or_default();
-        *n += 1;
-        *n
-    }
-
-    fn of(&self, key: &str) -> usize {
-        self.0.lock().unwrap().get(key).copied().unwrap_or(0)
-    }
-
-    fn total(&self) -> usize {
-        self.0.lock().unwrap().values().sum()
-    }
-
-    fn twice(&self) -> Vec<(String, usize)> {
-        self.0
-            .lock()
-            .unwrap()
-            .iter()
-            .filter(|(_, n)| **n > 1)
-            .map(|(k, n)| (k.clone(), *n))
-            .collect()
-    }
-}
-
-/// The test server's options with `application_name` set (and any session settings).
-fn options(app: &str, settings: &[(&str, &str)]) -> PgConnectOptions {
-    let options: PgConnectOptions = common::postgres_url().parse().expect("a PostgreSQL URL");
-    options
-        .application_name(app)
-        .options(settings.iter().copied())
+    pg_rig::table("rv_psf", name)
 }
 
 /// A pool of `max` connections named `app`, or `None` (skipped, visibly) without a server.
 async fn pool(app: &str, max: u32, settings: &[(&str, &str)]) -> Option<PgPool> {
     common::postgres_pool().await?;
-    Some(
-        PgPoolOptions::new()
-            .max_connections(max)
-            .acquire_timeout(Duration::from_secs(3))
-            .connect_with(options(app, settings))
-            .await
-            .expect("pool"),
-    )
-}
-
-/// A migrated store in `table` on `pool`.
-async fn store(pool: PgPool, table: &str) -> PostgresStore {
-    let store = PostgresStore::new(pool).with_table(table).expect("table");
-    store.migrate().await.expect("migrate");
-    store
+    Some(pg_rig::pool(app, max, settings).await)
 }
 
 /// Terminates every backend named `app` (never another test's): how many.

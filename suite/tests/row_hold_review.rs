@@ -13,19 +13,20 @@ mod common;
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use axum::Router;
 use axum::http::StatusCode;
 use axum::routing::post;
 use sqlx::AssertSqlSafe;
-use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
+use sqlx::postgres::{PgPool, PgPoolOptions};
 use tokio::sync::mpsc;
 use tower_idempotency::store::{Milestone, PostgresStore, ScopedKey, SqliteStore};
 use tower_idempotency::{IdempotencyContext, IdempotencyLayer, IdempotencyStore, LeaseExpiry};
 
+use common::pg_rig::{self, Sink, store as pg_store};
 use common::{client, guard};
 
 fn unique(name: &str) -> String {
@@ -34,47 +35,11 @@ fn unique(name: &str) -> String {
 
 /// A table name of its own for one test run.
 fn table(name: &str) -> String {
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_nanos());
-    format!("rv_rh_{name}_{}", nanos % 1_000_000_000_000)
-}
-
-/// Effects per key, counted where they happen.
-#[derive(Clone, Default)]
-struct Sink(Arc<Mutex<HashMap<String, usize>>>);
-
-impl Sink {
-    fn hit(&self, key: &str) -> usize {
-        let mut map = self.0.lock().unwrap();
-        let n = map.entry(key.to_owned()).or_default();
-        *n += 1;
-        *n
-    }
-
-    fn of(&self, key: &str) -> usize {
-        self.0.lock().unwrap().get(key).copied().unwrap_or(0)
-    }
-}
-
-fn options(app: &str) -> PgConnectOptions {
-    let options: PgConnectOptions = common::postgres_url().parse().expect("a PostgreSQL URL");
-    options.application_name(app)
+    pg_rig::table("rv_rh", name)
 }
 
 async fn pool(app: &str, max: u32) -> PgPool {
-    PgPoolOptions::new()
-        .max_connections(max)
-        .acquire_timeout(Duration::from_secs(3))
-        .connect_with(options(app))
-        .await
-        .expect("pool")
-}
-
-async fn pg_store(pool: PgPool, table: &str) -> PostgresStore {
-    let store = PostgresStore::new(pool).with_table(table).expect("table");
-    store.migrate().await.expect("migrate");
-    store
+    pg_rig::pool(app, max, &[]).await
 }
 
 async fn serve(app: Router) -> SocketAddr {
@@ -259,7 +224,7 @@ async fn hold_row(
 ) -> sqlx::Transaction<'static, sqlx::Postgres> {
     let admin = PgPoolOptions::new()
         .max_connections(1)
-        .connect_with(options(&format!("{app}-outsider")))
+        .connect_with(pg_rig::options(&format!("{app}-outsider"), &[]))
         .await
         .expect("outsider pool");
     let mut tx = admin.begin().await.expect("begin");

@@ -9,6 +9,7 @@ pub mod forward;
 pub mod memory;
 pub mod model;
 pub mod own_redis;
+pub mod pg_rig;
 pub mod proxy;
 pub mod raw;
 pub mod resp;

@@ -1,0 +1,78 @@
+//! The PostgreSQL rig of the server-fault reviews: a table of the test's own, pools whose
+//! backends carry the test's `application_name` (so a test terminates or watches only its own),
+//! a migrated store, and a sink counting effects per key.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime};
+
+use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
+use tower_idempotency::store::PostgresStore;
+
+/// A table name of its own for one test run (`{prefix}_{name}_{nanos}`; keep it under 63 bytes).
+pub fn table(prefix: &str, name: &str) -> String {
+    let nanos = SystemTime::now()
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    format!("{prefix}_{name}_{}", nanos % 1_000_000_000_000)
+}
+
+/// The test server's options with `application_name` set, and any session settings.
+pub fn options(app: &str, settings: &[(&str, &str)]) -> PgConnectOptions {
+    let options: PgConnectOptions = super::postgres_url().parse().expect("a PostgreSQL URL");
+    options
+        .application_name(app)
+        .options(settings.iter().copied())
+}
+
+/// A pool of at most `max` connections named `app` (3 s to acquire one).
+pub async fn pool(app: &str, max: u32, settings: &[(&str, &str)]) -> PgPool {
+    PgPoolOptions::new()
+        .max_connections(max)
+        .acquire_timeout(Duration::from_secs(3))
+        .connect_with(options(app, settings))
+        .await
+        .expect("pool")
+}
+
+/// A migrated store in `table` on `pool`.
+pub async fn store(pool: PgPool, table: &str) -> PostgresStore {
+    let store = PostgresStore::new(pool).with_table(table).expect("table");
+    store.migrate().await.expect("migrate");
+    store
+}
+
+/// Effects per key, counted where they happen.
+#[derive(Clone, Default)]
+pub struct Sink(Arc<Mutex<HashMap<String, usize>>>);
+
+impl Sink {
+    /// Counts one effect of `key`: how many it has now.
+    pub fn hit(&self, key: &str) -> usize {
+        let mut map = self.0.lock().expect("lock");
+        let n = map.entry(key.to_owned()).or_default();
+        *n += 1;
+        *n
+    }
+
+    /// The effects of `key`.
+    pub fn of(&self, key: &str) -> usize {
+        self.0.lock().expect("lock").get(key).copied().unwrap_or(0)
+    }
+
+    /// The effects of every key.
+    pub fn total(&self) -> usize {
+        self.0.lock().expect("lock").values().sum()
+    }
+
+    /// The keys with more than one effect, and how many each had.
+    pub fn twice(&self) -> Vec<(String, usize)> {
+        self.0
+            .lock()
+            .expect("lock")
+            .iter()
+            .filter(|(_, n)| **n > 1)
+            .map(|(k, n)| (k.clone(), *n))
+            .collect()
+    }
+}
