@@ -571,28 +571,45 @@ pub async fn fenced_writes_are_refused_after_takeover<S: IdempotencyStore>(store
 }
 
 /// With [`LeaseExpiry::Reconcile`] an expired lease moves the record to
-/// `needs_reconciliation` instead of being taken over.
+/// `needs_reconciliation` instead of being taken over: whichever route asks for it, the
+/// holder's or the claimer's (two instances configured differently, as in a rolling deploy,
+/// never rerun what either sends to reconciliation).
 pub async fn expired_lease_with_reconcile_needs_reconciliation<S: IdempotencyStore>(store: &S) {
-    let key = unique_key("reconcile");
-    let req = ClaimRequest {
-        on_lease_expiry: LeaseExpiry::Reconcile,
-        ..request(&key, 1, SHORT, LONG)
-    };
-    let lease = acquire(store, &req, "a fresh key").await;
-    tokio::time::sleep(PAST_SHORT).await;
-    let (record, _) = existing(store, &req, "an expired lease on a reconcile route").await;
-    assert_eq!(record.status, RecordStatus::NeedsReconciliation);
-    assert_eq!(record.attempts, 1, "nothing was taken over");
-    assert_fenced(
-        store.release(&key, lease.token).await.map(drop),
-        "release after the move to reconciliation",
-    );
-    // The slow holder that really ran settles the uncertainty with its outcome.
-    store
-        .complete(&key, lease.token, &response(), LONG)
-        .await
-        .expect("the holder completes its record awaiting reconciliation");
-    completed(store, &req, "a settled key").await;
+    let routes = [
+        (LeaseExpiry::Reconcile, LeaseExpiry::Reconcile),
+        (LeaseExpiry::Reconcile, LeaseExpiry::Reclaim),
+        (LeaseExpiry::Reclaim, LeaseExpiry::Reconcile),
+    ];
+    for (holder, claimer) in routes {
+        let key = unique_key("reconcile");
+        let req = |on_lease_expiry| ClaimRequest {
+            on_lease_expiry,
+            ..request(&key, 1, SHORT, LONG)
+        };
+        let lease = acquire(store, &req(holder), "a fresh key").await;
+        tokio::time::sleep(PAST_SHORT).await;
+        let (record, _) = existing(
+            store,
+            &req(claimer),
+            &format!("an expired lease held on {holder:?}, claimed on {claimer:?}"),
+        )
+        .await;
+        assert_eq!(
+            (record.status, record.attempts),
+            (RecordStatus::NeedsReconciliation, 1),
+            "held on {holder:?}, claimed on {claimer:?}: nothing was taken over"
+        );
+        assert_fenced(
+            store.release(&key, lease.token).await.map(drop),
+            "release after the move to reconciliation",
+        );
+        // The slow holder that really ran settles the uncertainty with its outcome.
+        store
+            .complete(&key, lease.token, &response(), LONG)
+            .await
+            .expect("the holder completes its record awaiting reconciliation");
+        completed(store, &req(claimer), "a settled key").await;
+    }
 }
 
 /// A renewed lease is not taken over when its first length passes, and a renewal never

@@ -226,11 +226,14 @@ impl Statements {
         let expired_r = expired("r");
         let lease_over =
             |r: &str| format!("{r}.status = 'in_progress' AND {r}.lease_until <= now()");
-        // Whether the claimer takes over an expired lease: the row it would insert says so
-        // (`reconcile_on_expiry` is its negation), so one statement serves a batch of claims.
+        // Whether the claimer takes over an expired lease: only where both the holder's route
+        // (the record's flag) and the claimer's (the row it would insert, so one statement
+        // serves a batch of claims) reclaim; an instance configured otherwise, as in a rolling
+        // deploy, never reruns what its holder's route sends to reconciliation.
         let takeover = format!(
             "(r.fingerprint = excluded.fingerprint AND (r.status = 'released' OR ({} \
-             AND NOT excluded.reconcile_on_expiry AND NOT r.effect_started)))",
+             AND NOT excluded.reconcile_on_expiry AND NOT r.reconcile_on_expiry \
+             AND NOT r.effect_started)))",
             lease_over("r")
         );
         let fresh_or_takeover = format!("({expired_r} OR {takeover})");

@@ -855,7 +855,8 @@ if not r then
 else
   local same = r.fp == fp
   local lease_over = r.st == 'in_progress' and tonumber(r.lu) <= now
-  if same and (r.st == 'released' or (lease_over and reclaim and r.es ~= '1')) then
+  -- A takeover needs both the holder's route (roe) and this claim's to reclaim.
+  if same and (r.st == 'released' or (lease_over and reclaim and r.roe ~= '1' and r.es ~= '1')) then
     r.at = fmt(tonumber(r.at) + 1)
     -- An earlier attempt's downstream id names its effect, not this one's.
     if r.did then redis.call('HDEL', KEYS[1], 'did'); r.did = nil end

@@ -392,11 +392,14 @@ impl Statements {
         );
         let same = "r.fingerprint = excluded.fingerprint";
         let lease_over = format!("r.status = 'in_progress' AND r.lease_until <= {NOW}");
-        // Whether this claim reclaims an expired lease, read from its own row of values (where
-        // `reconcile_on_expiry` is its negation), so that a batch's rows each keep their own.
+        // Whether this claim reclaims an expired lease: only where both the holder's route (the
+        // record's flag) and this claim's (its own row of values, so that a batch's rows each
+        // keep their own) reclaim; an instance configured otherwise never reruns what its
+        // holder's route sends to reconciliation.
         let takeover = format!(
             "({same} AND (r.status = 'released' OR ({lease_over} \
-             AND NOT excluded.reconcile_on_expiry AND NOT r.effect_started)))"
+             AND NOT excluded.reconcile_on_expiry AND NOT r.reconcile_on_expiry \
+             AND NOT r.effect_started)))"
         );
         let fresh_or_takeover = format!("({expired} OR {takeover})");
         // The claim's own row, made by this same claim before its answer was lost (it is asked
@@ -638,15 +641,18 @@ impl SqliteStore {
     /// The DDL [`migrate`](Self::migrate) runs, one statement per entry, each idempotent. A
     /// table made by an earlier version also needs `ALTER TABLE … ADD COLUMN
     /// reconcile_on_expiry INTEGER NOT NULL DEFAULT 0` and `… ADD COLUMN resolution_note TEXT`
-    /// before the indexes (`migrate` adds them).
+    /// before the indexes (`migrate` adds them). A table made by this version refuses a
+    /// scope, key or fingerprint that is not a BLOB: another tool writing one as TEXT would hide
+    /// its record from every claim (they bind BLOBs, and SQLite never finds TEXT equal to a
+    /// BLOB), so the key would run again; a table made earlier does not check.
     pub fn migration_sql(&self) -> Vec<String> {
         let table = &self.sql.table;
         vec![
             format!(
                 "CREATE TABLE IF NOT EXISTS \"{table}\" (
-                   scope BLOB NOT NULL,
-                   key BLOB NOT NULL,
-                   fingerprint BLOB NOT NULL,
+                   scope BLOB NOT NULL CHECK (typeof(scope) = 'blob'),
+                   key BLOB NOT NULL CHECK (typeof(key) = 'blob'),
+                   fingerprint BLOB NOT NULL CHECK (typeof(fingerprint) = 'blob'),
                    status TEXT NOT NULL CHECK (status IN
                      ('in_progress', 'completed', 'released', 'needs_reconciliation')),
                    lease_token INTEGER NOT NULL,

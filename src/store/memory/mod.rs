@@ -685,7 +685,12 @@ impl MemoryStore {
             match r.status {
                 RecordStatus::Released => true,
                 RecordStatus::InProgress if r.lease_until <= now => {
-                    if req.on_lease_expiry == LeaseExpiry::Reclaim && !r.effect_started() {
+                    // Both the holder's route and this claim's must reclaim: an instance
+                    // configured otherwise never reruns what the holder's route reconciles.
+                    if req.on_lease_expiry == LeaseExpiry::Reclaim
+                        && !r.reconcile_on_expiry()
+                        && !r.effect_started()
+                    {
                         true
                     } else {
                         let before = r.weight();
