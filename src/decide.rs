@@ -50,14 +50,18 @@ pub(crate) fn decide(
         return mismatch(covers, record.status);
     }
     match record.status {
-        // Completed without a response (see `Claim::existing`): nothing to replay.
+        // Completed without a response (see `Claim::existing`): a record damaged or written by
+        // another tool. It will not run again, and nothing says how it ended: a new key could
+        // run it a second time, and this one fails alike until the record expires.
         RecordStatus::Completed => Decision::Refuse(
             Problem::new(
-                ProblemKind::StoreUnavailable,
-                "a completed record has no response",
+                ProblemKind::ResponseNotStored,
+                "the operation completed, but the store holds no response for it (the record \
+                 is damaged, or was written by another tool), so it cannot be replayed; it \
+                 will not run again",
             )
             .state(state)
-            .retry_after(1),
+            .keep_key(),
         ),
         RecordStatus::NeedsReconciliation => {
             observe::count(Event::Unknown);
@@ -229,7 +233,11 @@ mod tests {
         }
         let claim = Claim::existing(record(RecordStatus::Completed, None), now);
         match decide(claim, &same, "the body", None) {
-            Decision::Refuse(problem) => assert_eq!(problem.kind, ProblemKind::StoreUnavailable),
+            // Nothing to replay, and nothing says how it ended: the key stays, not retried.
+            Decision::Refuse(problem) => {
+                assert_eq!(problem.kind, ProblemKind::ResponseNotStored);
+                assert!(!problem.safe_new_key(), "a new key could run it again");
+            }
             other => panic!("{other:?}"),
         }
     }

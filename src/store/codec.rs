@@ -157,8 +157,12 @@ impl StoredResponse {
         };
         let format = Format { lengths, names };
         buf.advance(MAGIC.len());
+        // A final answer: an informational status is not one (replayed, hyper would turn it
+        // into a bare 500).
         let status = StatusCode::from_u16(get_u16(&mut buf)?)
-            .map_err(|_| CorruptRecord("invalid status"))?;
+            .ok()
+            .filter(|status| !status.is_informational())
+            .ok_or(CorruptRecord("invalid status"))?;
         let headers = get_headers(&mut buf, format, &share)?;
         let body = match get_u8(&mut buf)? {
             0 => None,
@@ -490,6 +494,37 @@ mod tests {
         );
     }
 
+    /// §3: a stored status that is not a final answer (1xx, or outside 100–999) is corrupt,
+    /// never replayed (hyper would send an informational status as a bare 500).
+    #[test]
+    fn statuses_that_are_not_final_answers_are_corrupt() {
+        let with_status = |status: u16| {
+            let mut bytes = StoredResponse {
+                status: StatusCode::OK,
+                headers: HeaderMap::new(),
+                body: None,
+                trailers: None,
+            }
+            .to_bytes();
+            bytes[MAGIC.len()..MAGIC.len() + 2].copy_from_slice(&status.to_be_bytes());
+            bytes
+        };
+        for status in [0, 99, 100, 101, 103, 199, 1000] {
+            assert_eq!(
+                StoredResponse::from_bytes(&with_status(status)),
+                Err(CorruptRecord("invalid status")),
+                "status {status}"
+            );
+        }
+        for status in [200, 204, 409, 599, 999] {
+            assert_eq!(
+                StoredResponse::from_bytes(&with_status(status)).map(|r| r.status.as_u16()),
+                Ok(status),
+                "status {status}"
+            );
+        }
+    }
+
     #[test]
     fn lengths_round_trip_across_varint_widths() {
         for len in [0, 1, 127, 128, 129, 16_383, 16_384, 2_097_152] {
@@ -547,7 +582,7 @@ mod tests {
     proptest::proptest! {
         #[test]
         fn any_response_round_trips_exactly(
-            status in 100u16..1000,
+            status in 200u16..1000,
             headers in proptest::collection::vec(
                 (
                     proptest::prop_oneof![
