@@ -140,6 +140,16 @@ impl JsonFields {
                 }
             }
             Mode::Exclude => {
+                // What was left out counts too (as include's list does): two instances that
+                // exclude different fields never read two different requests as one. In any
+                // order, once each.
+                let mut left_out: Vec<&str> = self.pointers.iter().map(|p| &*p.text).collect();
+                left_out.sort_unstable();
+                left_out.dedup();
+                put_len(out, left_out.len());
+                for pointer in left_out {
+                    put_field(out, pointer.as_bytes());
+                }
                 let tokens: Vec<&[String]> = self.pointers.iter().map(|p| &p.tokens[..]).collect();
                 let kept = without(body, &tokens);
                 exact(&kept, out)?;

@@ -516,6 +516,8 @@ fn head_into<'p>(
         // As an HTTP field value (RFC 9110 §5.3, §5.6.1): lines joined by commas, each list
         // element without the whitespace around it, empty elements ignored. One line `a, b`
         // is two lines `a` and `b`; a missing header and an empty one count the same.
+        // By name too: instances counting different headers never read two requests as one.
+        put_field(h, name.as_str().as_bytes());
         let elements =
             field_elements(crate::lines::get_all(&parts.headers, name).map(|v| v.as_bytes()));
         put_len(h, elements.len());
