@@ -169,6 +169,9 @@ where
             watched,
         };
     }
+    // A body that says it is empty (axum's answer to a HEAD, a 304) may keep the length of
+    // the body it stands for.
+    let declared_empty = body.size_hint().exact() == Some(0);
     let mut data = Gathered::default();
     let mut trailers: Option<HeaderMap> = None;
     // Every stored byte counts against the limit: the head's and the trailers' too.
@@ -200,6 +203,26 @@ where
             }
         }
     }
+    // A body that ended short of (or past) its declared length was cut: recorded as it
+    // ended, every retry would be replayed the cut as a whole answer (the replay's length is
+    // the stored bytes'), where the live client would have seen the connection fail.
+    if !declared_empty
+        && !matches!(
+            parts.status,
+            http::StatusCode::NO_CONTENT | http::StatusCode::NOT_MODIFIED
+        )
+        && let Some(declared) = content_length(&parts.headers)
+        && declared != data.len() as u64
+    {
+        let error = format!(
+            "the response body ended after {} bytes; its Content-Length says {declared}",
+            data.len()
+        );
+        return Captured::Broken {
+            parts,
+            error: error.into(),
+        };
+    }
     let stored = head + data.len() + trailers.as_ref().map_or(0, header_bytes);
     Captured::Complete {
         parts,
@@ -207,6 +230,16 @@ where
         trailers: trailers.map(Box::new),
         fits: stored <= limit,
     }
+}
+
+/// The one `Content-Length` a response declares, if it declares one it can mean (several
+/// lines that agree count as one, as RFC 9110 §8.6 lets a recipient read them).
+fn content_length(headers: &HeaderMap) -> Option<u64> {
+    let mut lines = headers.get_all(header::CONTENT_LENGTH).iter();
+    let first: u64 = lines.next()?.to_str().ok()?.trim().parse().ok()?;
+    lines
+        .all(|line| line.to_str().ok().and_then(|v| v.trim().parse().ok()) == Some(first))
+        .then_some(first)
 }
 
 /// What a header map weighs as stored: its names and values.

@@ -89,6 +89,11 @@ where
             .config
             .route(path, crate::uri::matched(req.extensions()));
         if !route.guards(req.method()) {
+            if let Some(problem) = head_of_guarded_get(&route, &self.config.header, &req) {
+                observe::count(Event::KeyRejected);
+                let refused = Dialect::of(req.headers()).refuse(&problem);
+                return ResponseFuture::new(std::future::ready(Ok(refused)));
+            }
             return ResponseFuture::new(pass_through(inner, req.map(RequestBody::passthrough)));
         }
         // An outer idempotency layer already guards this request: one claim per request, if
@@ -697,6 +702,34 @@ enum Next<ResBody> {
     Wait(Option<crate::store::InFlight>),
     /// The answer, and what to write into the key's history first (routes that ask).
     Answer(Response<ResponseBody<ResBody>>, Option<HistoryEvent>),
+}
+
+/// A `HEAD` on a route that guards `GET` but not `HEAD`: axum answers it with the `GET`
+/// handler, which would run unguarded. One with a key is refused (its answer has no body to
+/// record or replay as the `GET`'s), one without where the route requires a key is refused as
+/// a `GET` would be; otherwise it passes, as an unkeyed `GET` does.
+fn head_of_guarded_get<B>(
+    route: &RouteConfig,
+    header: &http::HeaderName,
+    req: &Request<B>,
+) -> Option<Problem> {
+    if req.method() != http::Method::HEAD || !route.guards(&http::Method::GET) {
+        return None;
+    }
+    if req.headers().contains_key(header) {
+        Some(Problem::new(
+            ProblemKind::CallUnguardable,
+            "a HEAD request runs this route's GET handler, which is guarded; a HEAD's answer has \
+             no body to record or replay, so send the GET itself with this key",
+        ))
+    } else if route.require_key {
+        Some(Problem::new(
+            ProblemKind::KeyMissing,
+            "a HEAD request runs this route's GET handler, which requires an idempotency key",
+        ))
+    } else {
+        None
+    }
 }
 
 impl<St, M> Pipeline<St, M> {
