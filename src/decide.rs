@@ -47,7 +47,7 @@ pub(crate) fn decide(
     };
     let state = record.status.as_str();
     if record.fingerprint != *fingerprint {
-        return mismatch(covers, record.status);
+        return mismatch(covers, record.status, &record.fingerprint, fingerprint);
     }
     match record.status {
         // Completed without a response (see `Claim::existing`): a record damaged or written by
@@ -124,16 +124,24 @@ fn completed(
     covers: &str,
 ) -> Decision {
     if recorded != fingerprint {
-        return mismatch(covers, RecordStatus::Completed);
+        return mismatch(covers, RecordStatus::Completed, recorded, fingerprint);
     }
     observe::count(Event::Replay);
     Decision::Replay(response)
 }
 
-/// The key was first used with another request: refused before anything runs.
-fn mismatch(covers: &str, status: RecordStatus) -> Decision {
+/// The key was first used with another request: refused before anything runs. Where the
+/// record's fingerprint was made another way (another version of this crate, or a replica with
+/// other fingerprint settings), whether this is that request cannot be told: a new key could
+/// run it a second time, so the client is not told to use one.
+fn mismatch(
+    covers: &str,
+    status: RecordStatus,
+    recorded: &Fingerprint,
+    fingerprint: &Fingerprint,
+) -> Decision {
     observe::count(Event::Mismatch);
-    Decision::Refuse(
+    let problem = if recorded.scheme() == fingerprint.scheme() {
         Problem::new(
             ProblemKind::FingerprintMismatch,
             format!(
@@ -141,8 +149,17 @@ fn mismatch(covers: &str, status: RecordStatus) -> Decision {
                  nothing was run. Use a new key for a new request"
             ),
         )
-        .state(status.as_str()),
-    )
+    } else {
+        Problem::new(
+            ProblemKind::FingerprintMismatch,
+            "this idempotency key was first used under other fingerprint settings (the \
+             server's configuration or version has changed since), so whether this is the same \
+             request cannot be told; nothing was run. If it is a retry, do not send it again \
+             with a new key: it may already have taken effect",
+        )
+        .keep_key()
+    };
+    Decision::Refuse(problem.state(status.as_str()))
 }
 
 /// A claim that found the key's record locked by a transaction in flight: answered as in
@@ -239,6 +256,35 @@ mod tests {
                 assert!(!problem.safe_new_key(), "a new key could run it again");
             }
             other => panic!("{other:?}"),
+        }
+    }
+
+    /// §1 step 6: a mismatch under the same fingerprint scheme tells the client to use a new
+    /// key for its new request; one under another scheme (a replica configured otherwise, or
+    /// another version) cannot tell a retry from a new request, so it does not.
+    #[test]
+    fn a_mismatch_across_schemes_keeps_the_key() {
+        let now = SystemTime::UNIX_EPOCH;
+        // The record's fingerprint is `[1; 32]`: its scheme is `[1, 1]`.
+        let mut same_scheme = [2; 32];
+        same_scheme[..2].copy_from_slice(&[1, 1]);
+        for (status, response) in [
+            (RecordStatus::Completed, Some(response())),
+            (RecordStatus::InProgress, None),
+        ] {
+            for (other, safe) in [
+                (Fingerprint::from_bytes(same_scheme), true),
+                (Fingerprint::from_bytes([2; 32]), false),
+            ] {
+                let claim = Claim::existing(record(status, response.clone()), now);
+                match decide(claim, &other, "the body", None) {
+                    Decision::Refuse(problem) => {
+                        assert_eq!(problem.kind, ProblemKind::FingerprintMismatch);
+                        assert_eq!(problem.safe_new_key(), safe, "{status:?}, {other:?}");
+                    }
+                    other => panic!("{other:?}"),
+                }
+            }
         }
     }
 

@@ -268,7 +268,11 @@ impl<St, M> IdempotencyLayer<St, M> {
     /// Adds a request header to the fingerprint: requests differing in it are different
     /// operations (for example `x-api-version`).
     pub fn fingerprint_header(mut self, name: HeaderName) -> Self {
-        self.config_mut().fingerprint.headers.push(name);
+        // A set: replicas adding the same headers in another order read one request alike.
+        let headers = &mut self.config_mut().fingerprint.headers;
+        if let Err(at) = headers.binary_search_by(|h| h.as_str().cmp(name.as_str())) {
+            headers.insert(at, name);
+        }
         self
     }
 

@@ -93,10 +93,14 @@ impl JsonFields {
         I: IntoIterator<Item = S>,
         S: AsRef<str>,
     {
-        let pointers: Vec<Pointer> = pointers
+        let mut pointers: Vec<Pointer> = pointers
             .into_iter()
             .map(|p| parse(p.as_ref()))
             .collect::<Result<_, _>>()?;
+        // A set: in any order, once each, it counts the same (replicas listing the same fields
+        // in another order read one request alike).
+        pointers.sort_unstable_by(|a, b| a.text.cmp(&b.text));
+        pointers.dedup_by(|a, b| a.text == b.text);
         // Excluding the whole document would leave nothing to tell two requests apart.
         if mode == Mode::Exclude
             && let Some(whole) = pointers.iter().find(|p| p.tokens.is_empty())
@@ -104,6 +108,18 @@ impl JsonFields {
             return Err(InvalidPointer(whole.text.clone()));
         }
         Ok(Self { mode, pointers })
+    }
+
+    /// Feeds what these settings are to `eat` (the fingerprint's scheme): the mode and the
+    /// pointers.
+    pub(crate) fn name_into(&self, eat: &mut impl FnMut(&[u8])) {
+        eat(match self.mode {
+            Mode::Include => b"include",
+            Mode::Exclude => b"exclude",
+        });
+        for pointer in &self.pointers {
+            eat(pointer.text.as_bytes());
+        }
     }
 
     /// Writes what counts of `body` (already known to be valid JSON) into `out`.
@@ -141,14 +157,10 @@ impl JsonFields {
             }
             Mode::Exclude => {
                 // What was left out counts too (as include's list does): two instances that
-                // exclude different fields never read two different requests as one. In any
-                // order, once each.
-                let mut left_out: Vec<&str> = self.pointers.iter().map(|p| &*p.text).collect();
-                left_out.sort_unstable();
-                left_out.dedup();
-                put_len(out, left_out.len());
-                for pointer in left_out {
-                    put_field(out, pointer.as_bytes());
+                // exclude different fields never read two different requests as one.
+                put_len(out, self.pointers.len());
+                for pointer in &self.pointers {
+                    put_field(out, pointer.text.as_bytes());
                 }
                 let tokens: Vec<&[String]> = self.pointers.iter().map(|p| &p.tokens[..]).collect();
                 let kept = without(body, &tokens);

@@ -99,12 +99,79 @@ impl Fingerprint {
         }
     }
 
-    fn finish(h: Sha256, as_sent: bool) -> Self {
-        Self {
-            bytes: h.finalize().into(),
-            as_sent,
-        }
+    /// The digest, its first two bytes replaced by the scheme that made it (see [`scheme`]).
+    fn finish(h: Sha256, as_sent: bool, scheme: [u8; 2]) -> Self {
+        let mut bytes: [u8; 32] = h.finalize().into();
+        bytes[..2].copy_from_slice(&scheme);
+        Self { bytes, as_sent }
     }
+
+    /// The two bytes naming how this fingerprint was made: two fingerprints made by other
+    /// schemes (another version of this crate, other fingerprint settings) cannot tell whether
+    /// their requests are the same.
+    pub(crate) fn scheme(&self) -> [u8; 2] {
+        [self.bytes[0], self.bytes[1]]
+    }
+}
+
+/// Hashing's versions: bumped whenever what a fingerprint counts changes.
+const HTTP_SCHEME: &[u8] = b"tower-idempotency/fingerprint/v1";
+const JSONRPC_SCHEME: &[u8] = b"tower-idempotency/jsonrpc/v2";
+
+/// Two bytes naming a fingerprint's scheme: the hashing's version and the settings that decide
+/// what counts (fingerprint headers by name, the media types with canonicalisers of their own,
+/// the JSON fields a route counts). They take the place of the digest's first two, so replicas
+/// configured differently, or running different versions, tell "another request" apart from
+/// "a request read another way", where a client told to use a new key could run an operation
+/// a second time. Two schemes share their bytes one time in 65 536; a canonicaliser's code
+/// cannot be named, only its media type.
+fn scheme(version: &[u8], options: &FingerprintOptions, fields: Option<&JsonFields>) -> [u8; 2] {
+    // Nearly every route counts no headers, fields or media types of its own: a constant.
+    if options.headers.is_empty() && options.custom.is_empty() && fields.is_none() {
+        return match version {
+            JSONRPC_SCHEME => PLAIN_JSONRPC,
+            _ => PLAIN_HTTP,
+        };
+    }
+    let mut hash = fnv(FNV_BASIS, version);
+    for name in &options.headers {
+        hash = fnv(hash, name.as_str().as_bytes());
+    }
+    hash = fnv(hash, b"custom");
+    for (media, _) in &options.custom {
+        hash = fnv(hash, media.as_bytes());
+    }
+    if let Some(fields) = fields {
+        hash = fnv(hash, b"fields");
+        fields.name_into(&mut |bytes| hash = fnv(hash, bytes));
+    }
+    fold(hash)
+}
+
+const PLAIN_HTTP: [u8; 2] = fold(fnv(fnv(FNV_BASIS, HTTP_SCHEME), b"custom"));
+const PLAIN_JSONRPC: [u8; 2] = fold(fnv(fnv(FNV_BASIS, JSONRPC_SCHEME), b"custom"));
+const FNV_BASIS: u32 = 0x811c_9dc5;
+
+/// FNV-1a over `bytes`' length and `bytes`: stable across processes and versions (it names
+/// stored records).
+const fn fnv(mut hash: u32, bytes: &[u8]) -> u32 {
+    let len = (bytes.len() as u64).to_le_bytes();
+    let mut i = 0;
+    while i < len.len() {
+        hash = (hash ^ len[i] as u32).wrapping_mul(0x0100_0193);
+        i += 1;
+    }
+    let mut i = 0;
+    while i < bytes.len() {
+        hash = (hash ^ bytes[i] as u32).wrapping_mul(0x0100_0193);
+        i += 1;
+    }
+    hash
+}
+
+const fn fold(hash: u32) -> [u8; 2] {
+    let [a, b, c, d] = hash.to_be_bytes();
+    [a ^ c, b ^ d]
 }
 
 impl fmt::Debug for Fingerprint {
@@ -185,7 +252,7 @@ pub(crate) fn jsonrpc(
     options: &FingerprintOptions,
 ) -> Result<Fingerprint, MalformedBody> {
     let mut h = Sha256::new();
-    put_field(&mut h, b"tower-idempotency/jsonrpc/v2");
+    put_field(&mut h, JSONRPC_SCHEME);
     // Everything the HTTP mode counts (path, query, media type, fingerprint headers)...
     head_into(&mut h, parts, trailers, options)?;
     // A body its handler must decode first is another request than the same text sent plain.
@@ -200,7 +267,11 @@ pub(crate) fn jsonrpc(
             canonical_field(&mut h, b"params", |buf| fields::exact(&kept, buf))?;
         }
     }
-    Ok(Fingerprint::finish(h, false))
+    Ok(Fingerprint::finish(
+        h,
+        false,
+        scheme(JSONRPC_SCHEME, options, None),
+    ))
 }
 
 /// What goes into a fingerprint besides method, path, query and body.
@@ -455,11 +526,12 @@ pub(crate) fn fingerprint_fields(
     recorded: Option<&Fingerprint>,
 ) -> Result<Fingerprint, MalformedBody> {
     let mut h = Sha256::new();
-    put_field(&mut h, b"tower-idempotency/fingerprint/v1");
+    put_field(&mut h, HTTP_SCHEME);
     put_field(&mut h, parts.method.as_str().as_bytes());
     let (content_type, media) = head_into(&mut h, parts, trailers, options)?;
+    let scheme = scheme(HTTP_SCHEME, options, fields);
     if coded_into(&mut h, parts, body) {
-        return Ok(Fingerprint::finish(h, false));
+        return Ok(Fingerprint::finish(h, false, scheme));
     }
     let recorded = recorded.filter(|r| r.as_sent);
     match body_into(
@@ -470,8 +542,9 @@ pub(crate) fn fingerprint_fields(
         options,
         fields,
         recorded,
+        scheme,
     )? {
-        Hashed::Fed { as_sent } => Ok(Fingerprint::finish(h, as_sent)),
+        Hashed::Fed { as_sent } => Ok(Fingerprint::finish(h, as_sent, scheme)),
         Hashed::Done(fingerprint) => Ok(fingerprint),
     }
 }
@@ -585,6 +658,7 @@ fn body_into(
     options: &FingerprintOptions,
     fields: Option<&JsonFields>,
     recorded: Option<&Fingerprint>,
+    scheme: [u8; 2],
 ) -> Result<Hashed, MalformedBody> {
     const FED: Result<Hashed, MalformedBody> = Ok(Hashed::Fed { as_sent: false });
     if let Some((_, custom)) = options.custom.iter().find(|(m, _)| m == media) {
@@ -629,7 +703,7 @@ fn body_into(
             let (Some(recorded), Some(before)) = (recorded, before) else {
                 return Ok(Hashed::Fed { as_sent: true });
             };
-            let sent = Fingerprint::finish(h.clone(), true);
+            let sent = Fingerprint::finish(h.clone(), true, scheme);
             if sent == *recorded || json::verbatim(body) {
                 return Ok(Hashed::Done(sent));
             }
@@ -932,6 +1006,67 @@ mod tests {
         fn media_type_agrees_on_any_text(text in "[ \t\n\x0b\x0c\ra-zA-Z/+;=\u{a0}\u{2003}é]{0,24}") {
             prop_assert_eq!(media_type(&text), media_type_reference(&text));
         }
+    }
+
+    /// §1 step 4: a fingerprint names its scheme (the hashing's version and the settings that
+    /// decide what counts) in its first two bytes: the same settings in any spelling name one
+    /// scheme, other settings another, so a replica configured otherwise can tell "another
+    /// request" from "a request read another way".
+    #[test]
+    fn fingerprints_name_the_settings_that_made_them() {
+        let (parts, ()) = Request::builder()
+            .method("POST")
+            .uri("/op")
+            .header("content-type", "application/json")
+            .header("x-api-version", "2")
+            .body(())
+            .expect("request")
+            .into_parts();
+        let body = br#"{"a":1,"ts":2,"b":3}"#;
+        let with = |options: &FingerprintOptions, fields: Option<&JsonFields>| {
+            fingerprint_fields(&parts, None, body, options, fields, None).expect("fingerprint")
+        };
+        let plain = FingerprintOptions::default();
+        let header = |name: &'static str| FingerprintOptions {
+            headers: vec![HeaderName::from_static(name)],
+            ..FingerprintOptions::default()
+        };
+        let exclude = |list: &[&str]| JsonFields::exclude(list.iter().copied()).expect("pointers");
+        let include = |list: &[&str]| JsonFields::include(list.iter().copied()).expect("pointers");
+        let default = with(&plain, None);
+        assert_eq!(default.scheme(), PLAIN_HTTP);
+        assert_eq!(
+            default,
+            fp("POST", "/op", "application/json", body).expect("fp")
+        );
+        // Other settings, another scheme, whatever the request.
+        let others = [
+            with(&header("x-api-version"), None),
+            with(&header("x-tenant"), None),
+            with(&plain, Some(&exclude(&["/ts"]))),
+            with(&plain, Some(&exclude(&["/ts", "/b"]))),
+            with(&plain, Some(&include(&["/ts"]))),
+            with(&plain, Some(&include(&["/a", "/b"]))),
+        ];
+        let mut schemes: Vec<[u8; 2]> = others.iter().map(Fingerprint::scheme).collect();
+        schemes.push(default.scheme());
+        let count = schemes.len();
+        schemes.sort_unstable();
+        schemes.dedup();
+        assert_eq!(schemes.len(), count, "each setting names its own scheme");
+        // A list of fields in any order, once each, is one setting.
+        assert_eq!(
+            with(&plain, Some(&exclude(&["/ts", "/b"]))),
+            with(&plain, Some(&exclude(&["/b", "/ts", "/b"])))
+        );
+        assert_eq!(
+            with(&plain, Some(&include(&["/a", "/b"]))),
+            with(&plain, Some(&include(&["/b", "/a", "/a"])))
+        );
+        // The JSON-RPC mode is a scheme of its own.
+        let call = jsonrpc(&parts, None, "tools/call", Some("{}"), &[], &plain).expect("call");
+        assert_eq!(call.scheme(), PLAIN_JSONRPC);
+        assert_ne!(PLAIN_JSONRPC, PLAIN_HTTP);
     }
 
     /// The hint is not part of the fingerprint: equal bytes, equal fingerprints, one hash.
