@@ -68,6 +68,9 @@ pub(crate) struct Execution<St> {
     pub(crate) route: Arc<RouteConfig>,
     pub(crate) config: Arc<Resolved>,
     pub(crate) dialect: Dialect,
+    /// Whether the request is a `HEAD`: its answer's `Content-Length` is the `GET`'s, over no
+    /// body.
+    pub(crate) head: bool,
 }
 
 impl<St: IdempotencyStore> Execution<St> {
@@ -156,6 +159,7 @@ impl<St: IdempotencyStore> Execution<St> {
                             }
                         },
                         self.route.response_limit,
+                        self.head,
                         // JSON-RPC event streams go to the client as they arrive (progress
                         // notifications).
                         self.dialect.watches(),
@@ -289,6 +293,7 @@ impl<St: IdempotencyStore> Execution<St> {
             route: self.route.clone(),
             config: self.config.clone(),
             dialect: self.dialect.clone(),
+            head: self.head,
         }
     }
 

@@ -152,6 +152,7 @@ pub(crate) enum Captured<B, W> {
 pub(crate) async fn capture<B, W>(
     res: Response<B>,
     limit: usize,
+    head: bool,
     watched: Option<W>,
 ) -> Captured<B, W>
 where
@@ -169,9 +170,9 @@ where
             watched,
         };
     }
-    // A body that says it is empty (axum's answer to a HEAD, a 304) may keep the length of
-    // the body it stands for.
-    let declared_empty = body.size_hint().exact() == Some(0);
+    // An answer to a HEAD keeps the length of the body it stands for (RFC 9110 §9.3.2), as may
+    // a body that says it is empty (a 304's).
+    let declared_empty = head || body.size_hint().exact() == Some(0);
     let mut data = Gathered::default();
     let mut trailers: Option<HeaderMap> = None;
     // Every stored byte counts against the limit: the head's and the trailers' too.
@@ -211,17 +212,21 @@ where
             parts.status,
             http::StatusCode::NO_CONTENT | http::StatusCode::NOT_MODIFIED
         )
-        && let Some(declared) = content_length(&parts.headers)
-        && declared != data.len() as u64
     {
-        let error = format!(
-            "the response body ended after {} bytes; its Content-Length says {declared}",
-            data.len()
-        );
-        return Captured::Broken {
-            parts,
-            error: error.into(),
+        let cut = match content_length(&parts.headers) {
+            Ok(Some(declared)) if declared != data.len() as u64 => Some(format!(
+                "the response body ended after {} bytes; its Content-Length says {declared}",
+                data.len()
+            )),
+            Ok(_) => None,
+            Err(()) => Some("the response's Content-Length is not one length".to_owned()),
         };
+        if let Some(error) = cut {
+            return Captured::Broken {
+                parts,
+                error: error.into(),
+            };
+        }
     }
     let stored = head + data.len() + trailers.as_ref().map_or(0, header_bytes);
     Captured::Complete {
@@ -232,14 +237,28 @@ where
     }
 }
 
-/// The one `Content-Length` a response declares, if it declares one it can mean (several
-/// lines that agree count as one, as RFC 9110 §8.6 lets a recipient read them).
-fn content_length(headers: &HeaderMap) -> Option<u64> {
-    let mut lines = headers.get_all(header::CONTENT_LENGTH).iter();
-    let first: u64 = lines.next()?.to_str().ok()?.trim().parse().ok()?;
-    lines
-        .all(|line| line.to_str().ok().and_then(|v| v.trim().parse().ok()) == Some(first))
-        .then_some(first)
+/// The length a response's `Content-Length` declares, read as hyper reads it (RFC 9110 §8.6):
+/// every comma-separated value of every line, digits only, all equal. `Err` where it declares
+/// none hyper could send (values that differ, or are not numbers): a body cannot keep it.
+fn content_length(headers: &HeaderMap) -> Result<Option<u64>, ()> {
+    let mut declared = None;
+    for line in headers.get_all(header::CONTENT_LENGTH) {
+        for value in line.as_bytes().split(|&b| b == b',') {
+            let value = value.trim_ascii();
+            if value.is_empty() || !value.iter().all(u8::is_ascii_digit) {
+                return Err(());
+            }
+            let n = std::str::from_utf8(value)
+                .ok()
+                .and_then(|v| v.parse::<u64>().ok())
+                .ok_or(())?;
+            if declared.is_some_and(|d| d != n) {
+                return Err(());
+            }
+            declared = Some(n);
+        }
+    }
+    Ok(declared)
 }
 
 /// What a header map weighs as stored: its names and values.

@@ -87,8 +87,10 @@ impl RouteConfig {
     /// The methods guarded (default `POST` and `PATCH`); others pass through untouched, but
     /// for `HEAD` where `GET` is guarded: axum answers a `HEAD` with the `GET` handler, so a
     /// `HEAD` with a key is refused (`call-unguardable`; its answer has no body to replay as
-    /// the `GET`'s), and one without where a key is required as a `GET` would be. Guard `HEAD`
-    /// itself by naming it: it is then fingerprinted as a request of its own.
+    /// the `GET`'s), and one without where a key is required as a `GET` would be (the layer
+    /// cannot see a `HEAD` handler of the router's own: guard such a route's `GET` with a
+    /// `route_layer` on its method router instead). Guard `HEAD` itself by naming it: it is
+    /// then fingerprinted as a request of its own.
     pub fn methods(mut self, methods: impl IntoIterator<Item = Method>) -> Self {
         self.methods = methods.into_iter().collect();
         self

@@ -244,7 +244,18 @@ impl<St: IdempotencyStore, M: MakeScope> Pipeline<St, M> {
                     Ok(read) => read,
                     Err(problem) => {
                         let refusal = refuse_body(problem, pending.dialect());
-                        return Step::Answer(Ok(self.refuse(refusal)));
+                        let Some(key) = pending.key().cloned() else {
+                            return Step::Answer(Ok(self.refuse(refusal)));
+                        };
+                        // On a future of its own: a rare path, kept out of this one's state.
+                        let telling = async move {
+                            let refusal = self.told(&key, refusal).await;
+                            Ok(self.refuse(refusal))
+                        };
+                        return Step::Run {
+                            run: Box::pin(telling),
+                            detach: false,
+                        };
                     }
                 }
             };
@@ -433,6 +444,7 @@ impl<St: IdempotencyStore, M: MakeScope> Pipeline<St, M> {
             let mut parts = parts;
             // Recorded uncompressed, so that every retry can read the replay (see `coding`).
             dialect.ask_identity(&mut parts.headers);
+            let head = parts.method == http::Method::HEAD;
             let mut req = Request::from_parts(parts, RequestBody::buffered(bytes, trailers));
             // The key moves on from the claim request: no second copy waits in this future.
             let key = request.key;
@@ -455,6 +467,7 @@ impl<St: IdempotencyStore, M: MakeScope> Pipeline<St, M> {
                 route,
                 config,
                 dialect,
+                head,
             };
             if cancel_on_disconnect {
                 // The server treats a hang-up as cancellation: give the key back if this future
@@ -748,6 +761,34 @@ impl<St, M> Pipeline<St, M> {
         }
     }
 
+    /// A keyed request whose body was refused (too large, or cut off on its way) before the
+    /// store was read: the key may have run already (a retry whose upload failed, or a replica
+    /// with a larger body limit ran it), so what became of it is read from its record, never
+    /// guessed. A key in flight, completed or uncertain is not to be left for a new one.
+    async fn told(&self, key: &ScopedKey, refusal: Refusal) -> Refusal
+    where
+        St: IdempotencyStore,
+    {
+        let Refusal {
+            problem,
+            reply,
+            counted,
+        } = refusal;
+        let lookup = self.keeper.store().lookup(key);
+        let problem = match tokio::time::timeout(self.route.lease / 2, lookup).await {
+            Ok(Ok(None)) => problem,
+            Ok(Ok(Some(record))) if record.status == RecordStatus::Released => problem,
+            Ok(Ok(Some(record))) => problem.state(record.status.as_str()).keep_key(),
+            // Unknown: not a key to leave.
+            Ok(Err(_)) | Err(_) => problem.keep_key(),
+        };
+        Refusal {
+            problem,
+            reply,
+            counted,
+        }
+    }
+
     /// A refusal before anything was claimed: counted, noted on the span, framed.
     fn refuse<B>(&self, refusal: Refusal) -> Response<ResponseBody<B>> {
         if let Some(event) = refusal.counted {
@@ -953,6 +994,7 @@ mod tests {
             route: service.config.default.clone(),
             config: service.config.clone(),
             dialect: Dialect::Http,
+            head: false,
         };
         let req = Request::new(RequestBody::buffered(bytes::Bytes::new(), None));
         let future = execution.run(service.inner.clone(), req, None);

@@ -369,6 +369,9 @@ impl Dialect {
         if let Some(coding) = self.unaccepted(request, &headers) {
             return self.answered(&not_accepted(&coding));
         }
+        // A record written by a replica or a version that let them through may hold headers
+        // this layer never replays.
+        crate::replay::withhold(&mut headers, denied, false);
         if let Some(kept) = &mut trailers {
             crate::replay::withhold(kept, denied, false);
             grpc::withhold_per_call(kept);
