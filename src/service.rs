@@ -89,7 +89,7 @@ where
             .config
             .route(path, crate::uri::matched(req.extensions()));
         if !route.guards(req.method()) {
-            if let Some(problem) = head_of_guarded_get(&route, &self.config.header, &req) {
+            if let Some(problem) = head_of_guarded_get(route, &self.config.header, &req) {
                 observe::count(Event::KeyRejected);
                 let refused = Dialect::of(req.headers()).refuse(&problem);
                 return ResponseFuture::new(std::future::ready(Ok(refused)));

@@ -1,6 +1,9 @@
 //! Step 4 of the pipeline: what makes two requests "the same operation".
 //!
-//! A fingerprint is SHA-256 over, in order and each length-prefixed: a version tag, the method,
+//! A fingerprint is SHA-256 (its first two bytes replaced by the scheme that made it: the
+//! hashing's version and the settings that decide what counts, so that a mismatch across
+//! replicas configured differently is told from another request) over, in order and each
+//! length-prefixed: a version tag, the method,
 //! the path, the query (an empty one, `/op?`, is not a missing one), the media type of
 //! `Content-Type` with its parameters (lower-cased names and `charset` values, sorted; only a
 //! multipart `boundary` and JSON's `charset=utf-8` are left out, as they change nothing), the
@@ -541,8 +544,7 @@ pub(crate) fn fingerprint_fields(
         body,
         options,
         fields,
-        recorded,
-        scheme,
+        recorded.map(|recorded| (recorded, scheme)),
     )? {
         Hashed::Fed { as_sent } => Ok(Fingerprint::finish(h, as_sent, scheme)),
         Hashed::Done(fingerprint) => Ok(fingerprint),
@@ -657,8 +659,8 @@ fn body_into(
     body: &[u8],
     options: &FingerprintOptions,
     fields: Option<&JsonFields>,
-    recorded: Option<&Fingerprint>,
-    scheme: [u8; 2],
+    // The recorded fingerprint, and this request's scheme.
+    recorded: Option<(&Fingerprint, [u8; 2])>,
 ) -> Result<Hashed, MalformedBody> {
     const FED: Result<Hashed, MalformedBody> = Ok(Hashed::Fed { as_sent: false });
     if let Some((_, custom)) = options.custom.iter().find(|(m, _)| m == media) {
@@ -700,7 +702,7 @@ fn body_into(
         if before.is_some() || json::verbatim(body) {
             put_field(h, b"json");
             put_field(h, body);
-            let (Some(recorded), Some(before)) = (recorded, before) else {
+            let (Some((recorded, scheme)), Some(before)) = (recorded, before) else {
                 return Ok(Hashed::Fed { as_sent: true });
             };
             let sent = Fingerprint::finish(h.clone(), true, scheme);

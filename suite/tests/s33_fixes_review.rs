@@ -342,18 +342,17 @@ async fn pay(addr: SocketAddr, key: &str) -> (StatusCode, serde_json::Value, Str
 /// Attacks: the fingerprint's settings as two replicas sharing one store may write the same
 /// configuration (a rolling deploy, or config assembled in another order): an include list
 /// in another order, fingerprint headers added in another order, a fingerprint header added
-/// twice. Today's fix made exclude lists order- and duplicate-free; include lists and the
-/// header list were not. DESIGN §1 step 4 (fingerprint = what the request is) and §1 step 6:
-/// the same request retried on the other replica is a replay. Answered 422 with
-/// `safe_new_key: true` (committed code, no scheme check) the client following that advice
-/// runs the operation a second time; answered 422 with `safe_new_key: false` (the working
-/// tree's scheme check) the key is stuck: no replay, no new key, until the TTL.
-/// The control case (exclude lists in another order) is the fix itself.
+/// twice. Exclude lists were made order- and duplicate-free first; include lists and the
+/// header list were not (answered 422: without the scheme check, `safe_new_key: true`, so a
+/// client following it ran the operation a second time; with it, a key stuck until its TTL).
+/// Now all are sets. DESIGN §1 step 4 (fingerprint = what the request is) and §1 step 6: the
+/// same request retried on the other replica is a replay.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn equal_fingerprint_settings_in_another_order_read_one_request_alike() {
     let base = |store: &MemoryStore| IdempotencyLayer::new(store.clone()).single_tenant();
     type L = IdempotencyLayer<MemoryStore, tower_idempotency::scope::SingleTenant>;
-    let cases: Vec<(&str, fn(L) -> L, fn(L) -> L)> = vec![
+    type Case = (&'static str, fn(L) -> L, fn(L) -> L);
+    let cases: Vec<Case> = vec![
         (
             "control: exclude [/note, /x] vs [/x, /note]",
             |l| {
