@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use crate::fingerprint::Fingerprint;
+use crate::fingerprint::{Fingerprint, Scheme};
 use crate::observe::{self, Event};
 use crate::problem::{Problem, ProblemKind};
 use crate::store::{Claim, InFlight, Lease, RecordStatus, StoredResponse};
@@ -25,29 +25,38 @@ pub(crate) enum Decision {
 /// state, so a client that changed its request learns that first.
 /// `covers` names what the fingerprint covers, in the dialect's words, for a mismatch;
 /// `window`, the route's processing window (the p99 of its executions), for how long an
-/// in-flight holder has left.
+/// in-flight holder has left; `schemes`, the fingerprint schemes of the layer's routes.
 pub(crate) fn decide(
     claim: Claim,
     fingerprint: &Fingerprint,
     covers: &str,
     window: Option<Duration>,
+    schemes: &[Scheme],
 ) -> Decision {
     let (record, now) = match claim {
         Claim::Acquired(lease) => return Decision::Run(lease),
         Claim::Completed {
             fingerprint: recorded,
             response,
-        } => return completed(&recorded, *response, fingerprint, covers),
+        } => return completed(&recorded, *response, fingerprint, covers, schemes),
         // A store should answer a completed record as `Claim::Completed`; one it reported
         // whole replays all the same.
         Claim::Existing { record, now } => match record.into_replay() {
-            Ok((recorded, response)) => return completed(&recorded, response, fingerprint, covers),
+            Ok((recorded, response)) => {
+                return completed(&recorded, response, fingerprint, covers, schemes);
+            }
             Err(record) => (record, now),
         },
     };
     let state = record.status.as_str();
-    if record.fingerprint != *fingerprint {
-        return mismatch(covers, record.status, &record.fingerprint, fingerprint);
+    if !record.fingerprint.same_input(fingerprint) {
+        return mismatch(
+            covers,
+            record.status,
+            &record.fingerprint,
+            fingerprint,
+            schemes,
+        );
     }
     match record.status {
         // Completed without a response (see `Claim::existing`): a record damaged or written by
@@ -122,26 +131,36 @@ fn completed(
     response: StoredResponse,
     fingerprint: &Fingerprint,
     covers: &str,
+    schemes: &[Scheme],
 ) -> Decision {
-    if recorded != fingerprint {
-        return mismatch(covers, RecordStatus::Completed, recorded, fingerprint);
+    if !recorded.same_input(fingerprint) {
+        return mismatch(
+            covers,
+            RecordStatus::Completed,
+            recorded,
+            fingerprint,
+            schemes,
+        );
     }
     observe::count(Event::Replay);
     Decision::Replay(response)
 }
 
 /// The key was first used with another request: refused before anything runs. Where the
-/// record's fingerprint was made another way (another version of this crate, or a replica with
-/// other fingerprint settings), whether this is that request cannot be told: a new key could
-/// run it a second time, so the client is not told to use one.
+/// record's fingerprint was made another way than any of this layer's routes makes one
+/// (another version of this crate, or a replica with other fingerprint settings), whether
+/// this is that request cannot be told: a new key could run it a second time, so the client is
+/// not told to use one.
 fn mismatch(
     covers: &str,
     status: RecordStatus,
     recorded: &Fingerprint,
     fingerprint: &Fingerprint,
+    schemes: &[Scheme],
 ) -> Decision {
     observe::count(Event::Mismatch);
-    let problem = if recorded.scheme() == fingerprint.scheme() {
+    let ours = recorded.scheme() == fingerprint.scheme() || schemes.contains(&recorded.scheme());
+    let problem = if ours {
         Problem::new(
             ProblemKind::FingerprintMismatch,
             format!(
@@ -233,11 +252,11 @@ mod tests {
         let now = SystemTime::UNIX_EPOCH;
         let claim = Claim::existing(record(RecordStatus::Completed, Some(response())), now);
         assert!(matches!(claim, Claim::Completed { .. }), "{claim:?}");
-        match decide(claim.clone(), &same, "the body", None) {
+        match decide(claim.clone(), &same, "the body", None, &[]) {
             Decision::Replay(replayed) => assert_eq!(replayed, response()),
             other => panic!("{other:?}"),
         }
-        match decide(claim, &other, "the body", None) {
+        match decide(claim, &other, "the body", None, &[]) {
             Decision::Refuse(problem) => {
                 assert_eq!(problem.kind, ProblemKind::FingerprintMismatch);
                 assert_eq!(problem.state, "completed");
@@ -249,7 +268,7 @@ mod tests {
             assert!(matches!(claim, Claim::Existing { .. }), "{claim:?}");
         }
         let claim = Claim::existing(record(RecordStatus::Completed, None), now);
-        match decide(claim, &same, "the body", None) {
+        match decide(claim, &same, "the body", None, &[]) {
             // Nothing to replay, and nothing says how it ended: the key stays, not retried.
             Decision::Refuse(problem) => {
                 assert_eq!(problem.kind, ProblemKind::ResponseNotStored);
@@ -259,28 +278,43 @@ mod tests {
         }
     }
 
-    /// §1 step 6: a mismatch under the same fingerprint scheme tells the client to use a new
-    /// key for its new request; one under another scheme (a replica configured otherwise, or
-    /// another version) cannot tell a retry from a new request, so it does not.
+    /// §1 step 6: a mismatch under the same fingerprint scheme, or under another scheme of
+    /// this layer's own routes, tells the client to use a new key for its new request; one
+    /// under a scheme none of its routes makes (a replica configured otherwise, or another
+    /// version) cannot tell a retry from a new request, so it does not.
     #[test]
     fn a_mismatch_across_schemes_keeps_the_key() {
         let now = SystemTime::UNIX_EPOCH;
-        // The record's fingerprint is `[1; 32]`: its scheme is `[1, 1]`.
+        // The record's fingerprint is `[1; 32]`: its scheme is `[1; 4]`.
         let mut same_scheme = [2; 32];
-        same_scheme[..2].copy_from_slice(&[1, 1]);
+        same_scheme[..4].copy_from_slice(&[1; 4]);
         for (status, response) in [
             (RecordStatus::Completed, Some(response())),
             (RecordStatus::InProgress, None),
         ] {
-            for (other, safe) in [
-                (Fingerprint::from_bytes(same_scheme), true),
-                (Fingerprint::from_bytes([2; 32]), false),
+            for (other, schemes, safe) in [
+                (Fingerprint::from_bytes(same_scheme), &[][..], true),
+                (
+                    Fingerprint::from_bytes([2; 32]),
+                    &[[1; 4], [2; 4]][..],
+                    true,
+                ),
+                (
+                    Fingerprint::from_bytes([2; 32]),
+                    &[[2; 4], [3; 4]][..],
+                    false,
+                ),
+                (Fingerprint::from_bytes([2; 32]), &[][..], false),
             ] {
                 let claim = Claim::existing(record(status, response.clone()), now);
-                match decide(claim, &other, "the body", None) {
+                match decide(claim, &other, "the body", None, schemes) {
                     Decision::Refuse(problem) => {
                         assert_eq!(problem.kind, ProblemKind::FingerprintMismatch);
-                        assert_eq!(problem.safe_new_key(), safe, "{status:?}, {other:?}");
+                        assert_eq!(
+                            problem.safe_new_key(),
+                            safe,
+                            "{status:?}, {other:?}, {schemes:?}"
+                        );
                     }
                     other => panic!("{other:?}"),
                 }
@@ -301,11 +335,18 @@ mod tests {
             &Fingerprint::from_bytes([1; 32]),
             "the body",
             None,
+            &[],
         ) {
             Decision::Replay(replayed) => assert_eq!(replayed, response()),
             other => panic!("{other:?}"),
         }
-        match decide(claim, &Fingerprint::from_bytes([2; 32]), "the body", None) {
+        match decide(
+            claim,
+            &Fingerprint::from_bytes([2; 32]),
+            "the body",
+            None,
+            &[],
+        ) {
             Decision::Refuse(problem) => {
                 assert_eq!(problem.kind, ProblemKind::FingerprintMismatch);
                 assert_eq!(problem.state, "completed");

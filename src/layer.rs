@@ -277,13 +277,16 @@ impl<St, M> IdempotencyLayer<St, M> {
     }
 
     /// Fingerprints bodies of `media_type` (for example `application/cbor`) by what
-    /// `canonicalizer` returns, instead of their raw bytes.
+    /// `canonicalizer` returns, instead of their raw bytes. One per media type: the first
+    /// registered for a type stands.
     pub fn canonicalize(mut self, media_type: &str, canonicalizer: impl Canonicalize) -> Self {
         let media = crate::fingerprint::media_type(media_type).into_owned();
-        self.config_mut()
-            .fingerprint
-            .custom
-            .push((media, Arc::new(canonicalizer)));
+        // A set by media type: replicas registering the same types in another order read one
+        // request alike.
+        let custom = &mut self.config_mut().fingerprint.custom;
+        if let Err(at) = custom.binary_search_by(|(m, _)| m.as_str().cmp(&media)) {
+            custom.insert(at, (media, Arc::new(canonicalizer)));
+        }
         self
     }
 
@@ -392,12 +395,14 @@ impl<St, M> IdempotencyLayer<St, M> {
         // The defaults too: a layer built from a clone of another shares nothing it measures.
         let mut default = c.default.clone();
         default.window = Arc::default();
+        let schemes = crate::fingerprint::schemes(&c.fingerprint, &default, routes.values());
         Resolved {
             header: c.header.clone(),
             default: Arc::new(default),
             routes,
             templates,
             shapes,
+            schemes,
             fingerprint: c.fingerprint.clone(),
             denied_headers: Arc::new(crate::replay::DeniedHeaders::new(c.denied_headers.clone())),
             woken: crate::woken::WokenReads::default(),

@@ -5,7 +5,7 @@
 //! - `type`: a stable URI, `urn:tower-idempotency:problem:<slug>` (see [`ProblemKind`]);
 //! - `title`, `status`, `detail`: for people;
 //! - `state`: the key's state as the middleware saw it (`none`, `in_progress`, `completed`,
-//!   `released`, `needs_reconciliation`);
+//!   `released`, `needs_reconciliation`; `unknown` where a refusal could not read it);
 //! - `safe_new_key`: `true` when the outcome for this key is definite (nothing ran, or the
 //!   outcome is recorded) so the client may move on to a new key; `false` when the client must
 //!   keep retrying *this* key (the outcome is not known yet, or the store could not tell), or

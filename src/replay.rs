@@ -159,7 +159,16 @@ where
     B: Body<Data = Bytes>,
     B::Error: Into<BoxError>,
 {
-    let (parts, body) = res.into_parts();
+    let (mut parts, body) = res.into_parts();
+    // An informational status is no final answer: hyper sends the client a bare 500 for it, and
+    // a record of it could not be read back. Taken as that 500, its body as broken.
+    if parts.status.is_informational() {
+        parts.status = http::StatusCode::INTERNAL_SERVER_ERROR;
+        return Captured::Broken {
+            parts,
+            error: "the handler answered with an informational status, not a final one".into(),
+        };
+    }
     let mut body = Box::pin(body);
     if let Some(watched) = watched
         && crate::dialect::jsonrpc::is_event_stream(&parts.headers)

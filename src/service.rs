@@ -244,12 +244,21 @@ impl<St: IdempotencyStore, M: MakeScope> Pipeline<St, M> {
                     Ok(read) => read,
                     Err(problem) => {
                         let refusal = refuse_body(problem, pending.dialect());
-                        let Some(key) = pending.key().cloned() else {
-                            return Step::Answer(Ok(self.refuse(refusal)));
+                        let keys = match (pending.key(), route.jsonrpc.as_deref()) {
+                            (Some(key), _) => vec![key.clone()],
+                            (None, Some(settings)) => dialect::jsonrpc::unread_call_keys(
+                                &self.reading(),
+                                settings,
+                                &parts,
+                            ),
+                            (None, None) => Vec::new(),
                         };
+                        if keys.is_empty() {
+                            return Step::Answer(Ok(self.refuse(refusal)));
+                        }
                         // On a future of its own: a rare path, kept out of this one's state.
                         let telling = async move {
-                            let refusal = self.told(&key, refusal).await;
+                            let refusal = self.told(&keys, refusal).await;
                             Ok(self.refuse(refusal))
                         };
                         return Step::Run {
@@ -302,7 +311,8 @@ impl<St: IdempotencyStore, M: MakeScope> Pipeline<St, M> {
                     && let Some(Ok(claim)) = store.completed_now(key)
                 {
                     let window = route.window.p99();
-                    let decision = decide(claim, fingerprint, dialect.covers(), window);
+                    let schemes = &self.config.schemes;
+                    let decision = decide(claim, fingerprint, dialect.covers(), window, schemes);
                     match self.next(decision, false, dialect, &parts.headers) {
                         // Noted on a future of its own: one more `.await` here would lay out
                         // this future's state again, larger.
@@ -362,7 +372,13 @@ impl<St: IdempotencyStore, M: MakeScope> Pipeline<St, M> {
                 let (decision, noted) = match claimed {
                     Ok(claim) => {
                         let window = route.window.p99();
-                        let decided = decide(claim, &request.fingerprint, dialect.covers(), window);
+                        let decided = decide(
+                            claim,
+                            &request.fingerprint,
+                            dialect.covers(),
+                            window,
+                            &self.config.schemes,
+                        );
                         (decided, true)
                     }
                     Err(StoreError::Busy) => (busy(), false),
@@ -763,25 +779,45 @@ impl<St, M> Pipeline<St, M> {
 
     /// A keyed request whose body was refused (too large, or cut off on its way) before the
     /// store was read: the key may have run already (a retry whose upload failed, or a replica
-    /// with a larger body limit ran it), so what became of it is read from its record, never
-    /// guessed. A key in flight, completed or uncertain is not to be left for a new one.
-    async fn told(&self, key: &ScopedKey, refusal: Refusal) -> Refusal
+    /// with a larger body limit ran it), so what became of it is read from its record (each of
+    /// `keys` it may be filed under: a JSON-RPC call's, under each method), never guessed. A
+    /// key in flight, completed or uncertain, or one whose record cannot be read, is not to be
+    /// left for a new one.
+    async fn told(&self, keys: &[ScopedKey], refusal: Refusal) -> Refusal
     where
         St: IdempotencyStore,
     {
         let Refusal {
-            problem,
+            mut problem,
             reply,
             counted,
         } = refusal;
-        let lookup = self.keeper.store().lookup(key);
-        let problem = match tokio::time::timeout(self.route.lease / 2, lookup).await {
-            Ok(Ok(None)) => problem,
-            Ok(Ok(Some(record))) if record.status == RecordStatus::Released => problem,
-            Ok(Ok(Some(record))) => problem.state(record.status.as_str()).keep_key(),
-            // Unknown: not a key to leave.
-            Ok(Err(_)) | Err(_) => problem.keep_key(),
-        };
+        let store = self.keeper.store();
+        for key in keys {
+            match tokio::time::timeout(self.route.lease / 2, store.lookup(key)).await {
+                Ok(Ok(None)) => {}
+                Ok(Ok(Some(record))) if record.status == RecordStatus::Released => {}
+                Ok(Ok(Some(record))) => {
+                    problem = problem.state(record.status.as_str()).keep_key();
+                    if record.status == RecordStatus::InProgress {
+                        let left = record
+                            .lease_until
+                            .duration_since(std::time::SystemTime::now())
+                            .unwrap_or_default();
+                        problem = problem.retry_after(ceil_secs(left));
+                    }
+                    break;
+                }
+                // Unknown: not a key to leave.
+                Ok(Err(_)) | Err(_) => {
+                    problem = problem
+                        .state("unknown")
+                        .keep_key()
+                        .retry_after(ceil_secs(self.route.unavailable_retry_after));
+                    break;
+                }
+            }
+        }
         Refusal {
             problem,
             reply,

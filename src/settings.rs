@@ -21,6 +21,9 @@ pub(crate) struct Resolved {
     /// The same, by [`shape`], for the route axum matched.
     pub(crate) shapes: HashMap<String, Arc<RouteConfig>>,
     pub(crate) fingerprint: FingerprintOptions,
+    /// The fingerprint schemes of this layer's routes: a record made under one of them was
+    /// made by these settings (another route's), not by a replica configured otherwise.
+    pub(crate) schemes: Vec<crate::fingerprint::Scheme>,
     pub(crate) denied_headers: Arc<crate::replay::DeniedHeaders>,
     /// The reads of requests woken together by one record's change, shared.
     pub(crate) woken: crate::woken::WokenReads,

@@ -653,6 +653,33 @@ pub(crate) fn reads_body<M>(reading: &Reading<'_, M>, settings: &JsonRpc, parts:
     parts.headers.contains_key(reading.header) || settings.meta_key.is_some()
 }
 
+/// The keys a call may be filed under whose body could not be read (too large, or cut off):
+/// its header key under each guarded method (the one `Mcp-Method` names, if it names one of
+/// them). None where the key could only be in the unread body, or the scope is missing.
+pub(crate) fn unread_call_keys<M: MakeScope>(
+    reading: &Reading<'_, M>,
+    settings: &JsonRpc,
+    parts: &Parts,
+) -> Vec<ScopedKey> {
+    let Ok(Some(key)) = parse_key(&parts.headers, reading.header) else {
+        return Vec::new();
+    };
+    let Ok(scope) = reading.make_scope.make_scope(parts) else {
+        return Vec::new();
+    };
+    let named = match HeaderMethod::of(&parts.headers) {
+        HeaderMethod::One(method) if settings.methods.iter().any(|m| m == method) => Some(method),
+        _ => None,
+    };
+    settings
+        .methods
+        .iter()
+        .map(String::as_str)
+        .filter(|method| named.is_none_or(|named| named == *method))
+        .map(|method| ScopedKey::new(format!("{scope}\u{0}{method}"), key.as_ref()))
+        .collect()
+}
+
 /// Steps 1–4 in JSON-RPC mode, once the body is read: the method decides what is guarded, the
 /// key comes from the header or `params._meta`, the method joins the scope, and the
 /// fingerprint covers method and params but not the `id`. A refusal answers the call's `id`.

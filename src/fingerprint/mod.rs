@@ -1,6 +1,6 @@
 //! Step 4 of the pipeline: what makes two requests "the same operation".
 //!
-//! A fingerprint is SHA-256 (its first two bytes replaced by the scheme that made it: the
+//! A fingerprint is SHA-256 (its first four bytes replaced by the scheme that made it: the
 //! hashing's version and the settings that decide what counts, so that a mismatch across
 //! replicas configured differently is told from another request) over, in order and each
 //! length-prefixed: a version tag, the method,
@@ -102,18 +102,27 @@ impl Fingerprint {
         }
     }
 
-    /// The digest, its first two bytes replaced by the scheme that made it (see [`scheme`]).
-    fn finish(h: Sha256, as_sent: bool, scheme: [u8; 2]) -> Self {
+    /// The digest, its first four bytes replaced by the scheme that made it (see [`scheme`]).
+    fn finish(h: Sha256, as_sent: bool, scheme: Scheme) -> Self {
         let mut bytes: [u8; 32] = h.finalize().into();
-        bytes[..2].copy_from_slice(&scheme);
+        bytes[..4].copy_from_slice(&scheme);
         Self { bytes, as_sent }
     }
 
     /// The two bytes naming how this fingerprint was made: two fingerprints made by other
     /// schemes (another version of this crate, other fingerprint settings) cannot tell whether
     /// their requests are the same.
-    pub(crate) fn scheme(&self) -> [u8; 2] {
-        [self.bytes[0], self.bytes[1]]
+    pub(crate) fn scheme(&self) -> Scheme {
+        [self.bytes[0], self.bytes[1], self.bytes[2], self.bytes[3]]
+    }
+
+    /// Whether two fingerprints hashed the same input, whatever their schemes: the rest of
+    /// the digest (224 bits) is equal. Every field is tagged and length-prefixed, so one input
+    /// is one request however the settings that chose it differ (a canonicaliser for a media
+    /// type neither request has; a fingerprint made before schemes were named). Stores compare
+    /// all 32 bytes; the layer reads a record through this.
+    pub(crate) fn same_input(&self, other: &Self) -> bool {
+        self.bytes[4..] == other.bytes[4..]
     }
 }
 
@@ -121,19 +130,31 @@ impl Fingerprint {
 const HTTP_SCHEME: &[u8] = b"tower-idempotency/fingerprint/v1";
 const JSONRPC_SCHEME: &[u8] = b"tower-idempotency/jsonrpc/v2";
 
-/// Two bytes naming a fingerprint's scheme: the hashing's version and the settings that decide
+/// How a fingerprint was made: the hashing's version and the settings that decide what counts.
+pub(crate) type Scheme = [u8; 4];
+
+/// The scheme of a route's fingerprints: the hashing's version and the settings that decide
 /// what counts (fingerprint headers by name, the media types with canonicalisers of their own,
-/// the JSON fields a route counts). They take the place of the digest's first two, so replicas
-/// configured differently, or running different versions, tell "another request" apart from
-/// "a request read another way", where a client told to use a new key could run an operation
-/// a second time. Two schemes share their bytes one time in 65 536; a canonicaliser's code
-/// cannot be named, only its media type.
-fn scheme(version: &[u8], options: &FingerprintOptions, fields: Option<&JsonFields>) -> [u8; 2] {
+/// the JSON fields the route counts; in the JSON-RPC mode, the headers alone). Four bytes take
+/// the place of the digest's first four, so replicas configured differently, or running
+/// different versions, tell "another request" apart from "a request read another way", where
+/// a client told to use a new key could run an operation a second time. Two schemes share
+/// their bytes one time in four billion; a canonicaliser's code cannot be named, only its
+/// media type.
+pub(crate) fn scheme(
+    options: &FingerprintOptions,
+    fields: Option<&JsonFields>,
+    jsonrpc: bool,
+) -> Scheme {
+    let (version, custom, fields) = match jsonrpc {
+        true => (JSONRPC_SCHEME, &[][..], None),
+        false => (HTTP_SCHEME, &options.custom[..], fields),
+    };
     // Nearly every route counts no headers, fields or media types of its own: a constant.
-    if options.headers.is_empty() && options.custom.is_empty() && fields.is_none() {
-        return match version {
-            JSONRPC_SCHEME => PLAIN_JSONRPC,
-            _ => PLAIN_HTTP,
+    if options.headers.is_empty() && custom.is_empty() && fields.is_none() {
+        return match jsonrpc {
+            true => PLAIN_JSONRPC,
+            false => PLAIN_HTTP,
         };
     }
     let mut hash = fnv(FNV_BASIS, version);
@@ -141,18 +162,39 @@ fn scheme(version: &[u8], options: &FingerprintOptions, fields: Option<&JsonFiel
         hash = fnv(hash, name.as_str().as_bytes());
     }
     hash = fnv(hash, b"custom");
-    for (media, _) in &options.custom {
+    for (media, _) in custom {
         hash = fnv(hash, media.as_bytes());
     }
     if let Some(fields) = fields {
         hash = fnv(hash, b"fields");
         fields.name_into(&mut |bytes| hash = fnv(hash, bytes));
     }
-    fold(hash)
+    hash.to_be_bytes()
 }
 
-const PLAIN_HTTP: [u8; 2] = fold(fnv(fnv(FNV_BASIS, HTTP_SCHEME), b"custom"));
-const PLAIN_JSONRPC: [u8; 2] = fold(fnv(fnv(FNV_BASIS, JSONRPC_SCHEME), b"custom"));
+/// The schemes of a layer's routes, its defaults' and each of its own.
+pub(crate) fn schemes<'r>(
+    options: &FingerprintOptions,
+    default: &crate::route::RouteConfig,
+    routes: impl Iterator<Item = &'r Arc<crate::route::RouteConfig>>,
+) -> Vec<Scheme> {
+    let of = |route: &crate::route::RouteConfig| {
+        scheme(
+            options,
+            route.json_fields.as_deref(),
+            route.jsonrpc.is_some(),
+        )
+    };
+    let mut schemes: Vec<Scheme> = std::iter::once(of(default))
+        .chain(routes.map(|route| of(route)))
+        .collect();
+    schemes.sort_unstable();
+    schemes.dedup();
+    schemes
+}
+
+const PLAIN_HTTP: Scheme = fnv(fnv(FNV_BASIS, HTTP_SCHEME), b"custom").to_be_bytes();
+const PLAIN_JSONRPC: Scheme = fnv(fnv(FNV_BASIS, JSONRPC_SCHEME), b"custom").to_be_bytes();
 const FNV_BASIS: u32 = 0x811c_9dc5;
 
 /// FNV-1a over `bytes`' length and `bytes`: stable across processes and versions (it names
@@ -170,11 +212,6 @@ const fn fnv(mut hash: u32, bytes: &[u8]) -> u32 {
         i += 1;
     }
     hash
-}
-
-const fn fold(hash: u32) -> [u8; 2] {
-    let [a, b, c, d] = hash.to_be_bytes();
-    [a ^ c, b ^ d]
 }
 
 impl fmt::Debug for Fingerprint {
@@ -270,11 +307,7 @@ pub(crate) fn jsonrpc(
             canonical_field(&mut h, b"params", |buf| fields::exact(&kept, buf))?;
         }
     }
-    Ok(Fingerprint::finish(
-        h,
-        false,
-        scheme(JSONRPC_SCHEME, options, None),
-    ))
+    Ok(Fingerprint::finish(h, false, scheme(options, None, true)))
 }
 
 /// What goes into a fingerprint besides method, path, query and body.
@@ -532,7 +565,7 @@ pub(crate) fn fingerprint_fields(
     put_field(&mut h, HTTP_SCHEME);
     put_field(&mut h, parts.method.as_str().as_bytes());
     let (content_type, media) = head_into(&mut h, parts, trailers, options)?;
-    let scheme = scheme(HTTP_SCHEME, options, fields);
+    let scheme = scheme(options, fields, false);
     if coded_into(&mut h, parts, body) {
         return Ok(Fingerprint::finish(h, false, scheme));
     }
@@ -660,7 +693,7 @@ fn body_into(
     options: &FingerprintOptions,
     fields: Option<&JsonFields>,
     // The recorded fingerprint, and this request's scheme.
-    recorded: Option<(&Fingerprint, [u8; 2])>,
+    recorded: Option<(&Fingerprint, Scheme)>,
 ) -> Result<Hashed, MalformedBody> {
     const FED: Result<Hashed, MalformedBody> = Ok(Hashed::Fed { as_sent: false });
     if let Some((_, custom)) = options.custom.iter().find(|(m, _)| m == media) {
@@ -1050,7 +1083,7 @@ mod tests {
             with(&plain, Some(&include(&["/ts"]))),
             with(&plain, Some(&include(&["/a", "/b"]))),
         ];
-        let mut schemes: Vec<[u8; 2]> = others.iter().map(Fingerprint::scheme).collect();
+        let mut schemes: Vec<Scheme> = others.iter().map(Fingerprint::scheme).collect();
         schemes.push(default.scheme());
         let count = schemes.len();
         schemes.sort_unstable();
