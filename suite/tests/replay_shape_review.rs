@@ -921,9 +921,12 @@ async fn a_key_resolved_as_applied_replays_the_resolution<St: IdempotencyStore +
 
 common::on_every_store!(a_key_resolved_as_applied_replays_the_resolution);
 
-/// DESIGN §1 step 6 ("store unavailable / errors -> 503 + Retry-After, nothing run (fail
-/// closed)"): a store that reports a completed record without its response cannot be
-/// replayed; the layer must refuse, and never run the handler again.
+/// DESIGN §1 step 6 and §3: a store that reports a completed record without its response (a
+/// record damaged by hand, or written by another tool) cannot be replayed; the layer refuses,
+/// and never runs the handler again. It answered 503 `store-unavailable` with
+/// `safe_new_key: true` until session 33, though that key failed alike until it expired and a
+/// new key would have run the operation again: now 409 `response-not-stored`, keep the key
+/// (`s33_foreign_records_review`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_completed_record_without_a_response_fails_closed() {
     let store = Shaped::new(MemoryStore::new(), Shape::NoResponse);
@@ -942,14 +945,13 @@ async fn a_completed_record_without_a_response_fails_closed() {
     );
     for i in 0..5 {
         let retry = raw_post(addr, "/exact", &exact_headers(&key), b"a").await;
-        assert_eq!(retry.status, 503, "retry {i}: {retry:?}");
-        assert!(retry.one("retry-after").is_some(), "retry {i}: Retry-After");
+        assert_eq!(retry.status, 409, "retry {i}: {retry:?}");
         let p = retry.json();
-        assert_eq!(p["type"], problem_type("store-unavailable"), "retry {i}");
+        assert_eq!(p["type"], problem_type("response-not-stored"), "retry {i}");
         assert_eq!(p["state"], "completed", "retry {i}");
         assert_eq!(
-            p["safe_new_key"], true,
-            "completed: the outcome is recorded"
+            p["safe_new_key"], false,
+            "how it ended is unknown: a new key could run it again"
         );
     }
     // Fingerprints are compared first: a changed request is still the 422.

@@ -438,3 +438,72 @@ async fn equal_fingerprint_settings_in_another_order_read_one_request_alike() {
         broken.join("\n")
     );
 }
+
+// ---- a handler's informational status -----------------------------------------------------------
+
+/// Attacks: a handler that answers an informational status (`103 Early Hints`, `100 Continue`)
+/// as its final answer. hyper sends the client a bare 500 for it, and a record of it could not
+/// be read back (the codec refuses a stored 1xx: every retry would get 503 for the key's
+/// TTL). DESIGN §3: it is taken as the 500 the client got, its body as broken: under
+/// `DefinitiveOnly` the key is given back (a retry runs, never a 503); under `Everything` it
+/// is completed without its response (a retry gets `response-not-stored`, never a run).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_informational_final_status_is_the_500_the_client_got() {
+    for (policy, runs_again) in [
+        (tower_idempotency::CachePolicy::DefinitiveOnly, true),
+        (tower_idempotency::CachePolicy::Everything, false),
+    ] {
+        for status in [
+            StatusCode::CONTINUE,
+            StatusCode::from_u16(103).expect("103"),
+        ] {
+            let effects = Effects::default();
+            let sink = effects.clone();
+            let app = Router::new().route(
+                "/op",
+                post(move || async move {
+                    sink.hit();
+                    status
+                })
+                .layer(
+                    IdempotencyLayer::new(MemoryStore::new())
+                        .single_tenant()
+                        .cache_policy(policy.clone()),
+                ),
+            );
+            let addr = serve(app).await;
+            let key = unique("informational");
+            let url = format!("http://{addr}/op");
+            let send = || {
+                client()
+                    .post(&url)
+                    .header("idempotency-key", &key)
+                    .header("content-type", "text/plain")
+                    .body("x")
+                    .send()
+            };
+            let first = send().await.expect("first");
+            assert_eq!(
+                first.status(),
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "{policy:?} {status}"
+            );
+            let retry = send().await.expect("retry");
+            let retried = retry.status();
+            let body = retry.text().await.expect("body");
+            assert_ne!(
+                retried,
+                StatusCode::SERVICE_UNAVAILABLE,
+                "{policy:?} {status}: {body}"
+            );
+            match runs_again {
+                true => assert_eq!(effects.count(), 2, "{policy:?} {status}: released"),
+                false => {
+                    assert_eq!(retried, StatusCode::CONFLICT, "{policy:?} {status}: {body}");
+                    assert!(body.contains("response-not-stored"), "{body}");
+                    assert_eq!(effects.count(), 1, "{policy:?} {status}: never run again");
+                }
+            }
+        }
+    }
+}

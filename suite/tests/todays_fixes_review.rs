@@ -188,7 +188,20 @@ fn s1_4_ordinary_requests_hash_as_documented_and_identity_codings_are_no_coding(
         field(&mut h, media.as_bytes());
         field(&mut h, domain.as_bytes());
         field(&mut h, body);
-        let out: [u8; 32] = h.finalize().into();
+        let mut out: [u8; 32] = h.finalize().into();
+        // The first four bytes name the scheme (session 33): the defaults', FNV-1a over the
+        // version tag and the empty list of canonicalisers, each length-prefixed.
+        let fnv = |mut hash: u32, bytes: &[u8]| {
+            for b in (bytes.len() as u64).to_le_bytes().iter().chain(bytes) {
+                hash = (hash ^ u32::from(*b)).wrapping_mul(0x0100_0193);
+            }
+            hash
+        };
+        let scheme = fnv(
+            fnv(0x811c_9dc5, b"tower-idempotency/fingerprint/v1"),
+            b"custom",
+        );
+        out[..4].copy_from_slice(&scheme.to_be_bytes());
         out
     };
     let text = Fingerprint::of(
