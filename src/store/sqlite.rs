@@ -1,5 +1,6 @@
 //! [`SqliteStore`]: durable records for the processes of one host.
 
+use std::path::Path;
 use std::str::FromStr;
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, SystemTime};
@@ -582,7 +583,11 @@ impl SqliteStore {
 
     /// Opens (creating if missing) the database at `url` (`sqlite://path/to/file.db`) in WAL
     /// mode with a 5 s busy timeout. An error names what went wrong (opening the file, not
-    /// a pool's time-out).
+    /// a pool's time-out), and a file this process may not write is an error (SQLite itself
+    /// would open it read-only). A connection the pool opens later while the file is
+    /// write-protected is refused too, and opened again until the pool's acquire time-out
+    /// (10 s; the store then answers unavailable): a store made with [`new`](Self::new) on a
+    /// pool of your own keeps whatever connections that pool makes.
     pub async fn connect(url: &str) -> Result<Self, sqlx::Error> {
         let in_memory = url.contains(":memory:") || url.contains("mode=memory");
         let options = SqliteConnectOptions::from_str(url)?
@@ -595,11 +600,23 @@ impl SqliteStore {
             .synchronous(SqliteSynchronous::Normal)
             .busy_timeout(Duration::from_secs(5));
         // One connection first, on its own: its error is the real one.
-        let first = SqliteConnection::connect_with(&options).await?;
+        let mut first = SqliteConnection::connect_with(&options).await?;
         if !in_memory {
+            let file: Arc<Path> = options.get_filename().into();
+            writable(&mut first, &file).await?;
             first.close().await?;
+            // Every connection the pool opens is tried the same way: SQLite opens a file it
+            // may not write read-only, without an error, and such a connection would stay in
+            // the pool (failing every write sent to it) long after the file's modes came back.
+            // Refused, it is opened again (sqlx's back-off) until the acquire time-out: 10 s,
+            // past the busy timeout a write waits anyway, short of a client's patience.
             let pool = SqlitePoolOptions::new()
                 .max_connections(8)
+                .acquire_timeout(Duration::from_secs(10))
+                .after_connect(move |connection, _| {
+                    let file = file.clone();
+                    Box::pin(async move { writable(connection, &file).await })
+                })
                 .connect_with(options)
                 .await?;
             return Ok(Self::new(pool));
@@ -995,11 +1012,127 @@ impl SqliteStore {
     }
 }
 
+/// Fails if `connection` was opened read-only: SQLite does so, silently, when the file (or
+/// its WAL) is write-protected. Only a write tells: beginning a write transaction succeeds on
+/// such a connection while another of the process holds the file. So the database's
+/// `user_version` is written back unchanged, in a transaction rolled back at once, without
+/// waiting for the write lock. If another connection holds that lock, the files' modes are
+/// asked instead (whether this process may open `file` and its WAL for writing).
+async fn writable(connection: &mut SqliteConnection, file: &Path) -> Result<(), sqlx::Error> {
+    let wait: i64 = sqlx::query_scalar("PRAGMA busy_timeout")
+        .fetch_one(&mut *connection)
+        .await?;
+    sqlx::query("PRAGMA busy_timeout = 0")
+        .execute(&mut *connection)
+        .await?;
+    let probed = write_back(connection).await;
+    sqlx::query(AssertSqlSafe(format!("PRAGMA busy_timeout = {wait}")))
+        .execute(&mut *connection)
+        .await?;
+    match probed {
+        Err(sqlx::Error::Database(e)) if e.code().is_some_and(|c| busy(&c)) => {
+            files_writable(file).map_err(sqlx::Error::Io)
+        }
+        other => other,
+    }
+}
+
+/// Writes `user_version` back as it is, and rolls the write back.
+async fn write_back(connection: &mut SqliteConnection) -> Result<(), sqlx::Error> {
+    sqlx::query("BEGIN IMMEDIATE")
+        .execute(&mut *connection)
+        .await?;
+    let written = async {
+        let version: i64 = sqlx::query_scalar("PRAGMA user_version")
+            .fetch_one(&mut *connection)
+            .await?;
+        sqlx::query(AssertSqlSafe(format!("PRAGMA user_version = {version}")))
+            .execute(&mut *connection)
+            .await
+    }
+    .await;
+    let undone = sqlx::query("ROLLBACK").execute(&mut *connection).await;
+    written?;
+    undone.map(drop)
+}
+
+/// Whether this process may open `file`, and its `-wal` and `-shm` where they exist, for
+/// writing (as SQLite asks before it falls back to reading).
+fn files_writable(file: &Path) -> std::io::Result<()> {
+    for suffix in ["", "-wal", "-shm"] {
+        let mut name = file.as_os_str().to_owned();
+        name.push(suffix);
+        match std::fs::OpenOptions::new().write(true).open(&name) {
+            Err(e) if suffix.is_empty() || e.kind() != std::io::ErrorKind::NotFound => {
+                return Err(e);
+            }
+            _ => {}
+        }
+    }
+    Ok(())
+}
+
+/// Whether SQLite's (extended) result code is `SQLITE_BUSY` or one of its kinds.
+fn busy(code: &str) -> bool {
+    code.parse::<i64>().is_ok_and(|c| c & 0xff == 5)
+}
+
 sql::sql_store!(SqliteStore, sqlx::Sqlite, sqlx::SqliteConnection, SqliteRow);
 
 #[cfg(test)]
 mod tests {
     use super::{CHUNK_SIZES, chunks};
+
+    /// SQLite's busy codes, extended ones included, and no other.
+    #[test]
+    fn s1_6_busy_codes_are_told_from_read_only_ones() {
+        for busy in ["5", "261", "517", "773"] {
+            assert!(super::busy(busy), "{busy}");
+        }
+        for other in ["8", "264", "520", "1032", "1544", "6", "0", "", "busy"] {
+            assert!(!super::busy(other), "{other}");
+        }
+    }
+
+    /// §1.6: a store connects while another connection holds the file's write lock: a
+    /// connection that cannot take the lock to prove it can write is judged by the files'
+    /// modes, not refused. The check leaves the file as it was. A file in a missing directory
+    /// is refused.
+    #[tokio::test]
+    async fn s1_6_a_store_connects_while_another_holds_the_write_lock() {
+        use sqlx::{Connection, Executor};
+        let dir = std::env::temp_dir().join(format!(
+            "sqlite-writable-{}-{:?}",
+            std::process::id(),
+            std::time::SystemTime::now()
+        ));
+        std::fs::create_dir_all(&dir).expect("dir");
+        let url = format!("sqlite://{}", dir.join("db.sqlite").display());
+        let store = super::SqliteStore::connect(&url).await.expect("connect");
+        store.migrate().await.expect("migrate");
+        sqlx::query("PRAGMA user_version = 42")
+            .execute(store.pool())
+            .await
+            .expect("a version");
+        let mut holder = sqlx::SqliteConnection::connect(&url).await.expect("holder");
+        holder.execute("BEGIN IMMEDIATE").await.expect("lock");
+        let other = tokio::time::timeout(
+            std::time::Duration::from_secs(60),
+            super::SqliteStore::connect(&url),
+        )
+        .await
+        .expect("connect within a minute")
+        .expect("connect while the lock is held");
+        holder.execute("ROLLBACK").await.expect("unlock");
+        let version: i64 = sqlx::query_scalar("PRAGMA user_version")
+            .fetch_one(other.pool())
+            .await
+            .expect("read");
+        assert_eq!(version, 42, "the check leaves the file as it was");
+        let missing = format!("sqlite://{}", dir.join("no/such/dir/db.sqlite").display());
+        assert!(super::SqliteStore::connect(&missing).await.is_err());
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 
     /// The batch's one-row read carries exactly `READ`'s columns, in its order: `raw_of_json`
     /// reads them back by place.

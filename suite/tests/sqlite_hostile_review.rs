@@ -933,8 +933,9 @@ async fn s4_a_record_that_hits_a_full_disk_is_kept_and_lands_when_space_returns(
 /// DESIGN §1.6 (fail closed) and §3: a server process running as `nobody` (root ignores file
 /// modes) serves a file whose mode, its `-wal`/`-shm` and its directory's are then made
 /// read-only. Open connections keep writing; new ones (16 concurrent keys, past the pool's 8)
-/// open read-only. Each key must still run at most once, every answer be a 201, a 409 or a
-/// 503 problem, and once the modes are back every key end replayed or run once.
+/// are refused (SQLite would open them read-only) until the pool's acquire time-out. Each key
+/// must still run at most once, every answer be a 201, a 409 or a 503 problem, and once the
+/// modes are back every key end replayed or run once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn s1_6_a_database_made_read_only_under_a_running_server_fails_closed() {
     if let Some(mode) = child_mode() {
@@ -1050,6 +1051,116 @@ async fn s1_6_a_database_made_read_only_under_a_running_server_fails_closed() {
     let twice: Vec<_> = counts.iter().filter(|(_, n)| **n > 1).collect();
     assert!(twice.is_empty(), "run twice: {twice:?}");
     for key in keys.iter().chain(std::iter::once(&before)) {
+        assert_eq!(effects_of(&sink, key), 1, "{key}");
+    }
+}
+
+/// DESIGN §1.6 and §4: connections SQLite opened while the file was write-protected (it opens
+/// them read-only, without an error) must not outlive the protection. A server running as
+/// `nobody` sees its file, WAL, shared memory and directory made read-only while 24 keys arrive
+/// at once (past the pool's 8 connections), and the modes come back while they are answered.
+/// Then 24 new keys, one after another, must each be answered 201 at their first request: a
+/// read-only connection left in the pool (sqlx hands its idle connections out in turn) fails
+/// the claim sent to it, 503. Every key runs once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s1_6_connections_opened_on_a_read_only_file_do_not_outlive_it() {
+    if let Some(mode) = child_mode() {
+        return child_main(mode).await;
+    }
+    use std::os::unix::fs::PermissionsExt;
+    let dir = std::env::temp_dir().join(unique("hostile-ro-pool"));
+    std::fs::create_dir(&dir).expect("dir");
+    let _cleanup = Cleanup(vec![dir.clone()]);
+    let chmod = |p: &Path, mode: u32| {
+        let _ = std::fs::set_permissions(p, std::fs::Permissions::from_mode(mode));
+    };
+    chmod(&dir, 0o777);
+    let path = dir.join("records.db");
+    let sink = dir.join("effects.sink");
+    std::fs::write(&sink, b"").expect("sink");
+    chmod(&sink, 0o666);
+    let db = url_of(&path);
+    let files = [
+        path.clone(),
+        PathBuf::from(format!("{}-wal", path.display())),
+        PathBuf::from(format!("{}-shm", path.display())),
+    ];
+    let server = Proc::start(
+        "s1_6_connections_opened_on_a_read_only_file_do_not_outlive_it",
+        "serve",
+        &serve_env(&db, &sink, &[("SH_MIGRATE", "1"), ("SH_WORK_MS", "50")]),
+        &[
+            "setpriv",
+            "--reuid=65534",
+            "--regid=65534",
+            "--clear-groups",
+        ],
+    );
+    let run = unique("ro-pool");
+    assert_eq!(
+        send(server.addr(), &format!("{run}-first"), "b")
+            .await
+            .status,
+        201
+    );
+    for p in &files {
+        chmod(p, 0o444);
+    }
+    chmod(&dir, 0o555);
+    let barrier = Arc::new(Barrier::new(24));
+    let crowd: Vec<String> = (0..24).map(|i| format!("{run}-crowd-{i}")).collect();
+    let tasks: Vec<_> = crowd
+        .iter()
+        .map(|key| {
+            let (addr, key, barrier) = (server.addr(), key.clone(), barrier.clone());
+            tokio::spawn(async move {
+                barrier.wait().await;
+                send(addr, &key, "b").await
+            })
+        })
+        .collect();
+    // The crowd's connections are opened in the first moments; the modes come back while
+    // its requests are answered (or wait for a connection).
+    tokio::time::sleep(ms(2000)).await;
+    chmod(&dir, 0o777);
+    for p in &files {
+        chmod(p, 0o666);
+    }
+    for (key, task) in crowd.iter().zip(tasks) {
+        let a = common::guard("a request of the crowd", task)
+            .await
+            .expect("task");
+        assert!(
+            a.status == 201 || a.is("store-unavailable") || a.is("outcome-unknown"),
+            "{key}: {a:?}"
+        );
+    }
+    let mut refused = Vec::new();
+    for i in 0..24 {
+        let key = format!("{run}-after-{i}");
+        let a = send(server.addr(), &key, "b").await;
+        if a.status != 201 {
+            refused.push((key, a.status, a.problem));
+        }
+    }
+    assert!(
+        refused.is_empty(),
+        "new keys refused after the modes came back (a read-only connection kept): {refused:?}"
+    );
+    for key in &crowd {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+        let last = loop {
+            let last = settle(server.addr(), key, "b", Duration::from_secs(20)).await;
+            if !last.is("outcome-unknown") || tokio::time::Instant::now() >= deadline {
+                break last;
+            }
+            tokio::time::sleep(ms(200)).await;
+        };
+        assert_eq!(last.status, 201, "{key}: {last:?}");
+    }
+    let twice: Vec<_> = effects(&sink).into_iter().filter(|(_, n)| *n > 1).collect();
+    assert!(twice.is_empty(), "run twice: {twice:?}");
+    for key in &crowd {
         assert_eq!(effects_of(&sink, key), 1, "{key}");
     }
 }
