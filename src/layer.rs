@@ -380,6 +380,7 @@ impl<St, M> IdempotencyLayer<St, M> {
                 // A window of its own: the defaults' clone would share theirs.
                 let mut route = f(c.default.clone());
                 route.window = Arc::default();
+                route.scheme = crate::fingerprint::route_scheme(&c.fingerprint, &route);
                 (path.clone(), Arc::new(route))
             })
             .collect();
@@ -395,7 +396,12 @@ impl<St, M> IdempotencyLayer<St, M> {
         // The defaults too: a layer built from a clone of another shares nothing it measures.
         let mut default = c.default.clone();
         default.window = Arc::default();
-        let schemes = crate::fingerprint::schemes(&c.fingerprint, &default, routes.values());
+        default.scheme = crate::fingerprint::route_scheme(&c.fingerprint, &default);
+        let mut schemes: Vec<_> = std::iter::once(default.scheme)
+            .chain(routes.values().map(|route| route.scheme))
+            .collect();
+        schemes.sort_unstable();
+        schemes.dedup();
         Resolved {
             header: c.header.clone(),
             default: Arc::new(default),

@@ -50,6 +50,9 @@ pub struct RouteConfig {
     pub(crate) json_fields: Option<Arc<crate::fingerprint::JsonFields>>,
     /// How long this route's executions take (each resolved route has its own).
     pub(crate) window: Arc<crate::window::Window>,
+    /// The scheme of this route's fingerprints: set when the layer is built, from its
+    /// fingerprint settings and this route's, so no request computes it.
+    pub(crate) scheme: crate::fingerprint::Scheme,
 }
 
 impl Default for RouteConfig {
@@ -72,6 +75,7 @@ impl Default for RouteConfig {
             wait_for_in_flight: None,
             json_fields: None,
             window: Arc::default(),
+            scheme: crate::fingerprint::PLAIN_HTTP,
         }
     }
 }

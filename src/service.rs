@@ -773,6 +773,7 @@ impl<St, M> Pipeline<St, M> {
             require_key: self.route.require_key,
             json_fields: self.route.json_fields.as_deref(),
             fingerprint: &self.config.fingerprint,
+            scheme: self.route.scheme,
             make_scope: &self.make_scope,
         }
     }
@@ -794,10 +795,11 @@ impl<St, M> Pipeline<St, M> {
         } = refusal;
         let store = self.keeper.store();
         for key in keys {
-            match tokio::time::timeout(self.route.lease / 2, store.lookup(key)).await {
-                Ok(Ok(None)) => {}
-                Ok(Ok(Some(record))) if record.status == RecordStatus::Released => {}
-                Ok(Ok(Some(record))) => {
+            // Bounded as a holder's reads are: a refusal must not wait on a stuck store.
+            match crate::bounded::bounded(self.route.lease / 2, store.lookup(key)).await {
+                Ok(None) => {}
+                Ok(Some(record)) if record.status == RecordStatus::Released => {}
+                Ok(Some(record)) => {
                     problem = problem.state(record.status.as_str()).keep_key();
                     if record.status == RecordStatus::InProgress {
                         let left = record
@@ -809,7 +811,9 @@ impl<St, M> Pipeline<St, M> {
                     break;
                 }
                 // Unknown: not a key to leave.
-                Ok(Err(_)) | Err(_) => {
+                Err(error) => {
+                    observe::count(Event::StoreError);
+                    tracing::warn!(%error, "could not read the key of a refused body");
                     problem = problem
                         .state("unknown")
                         .keep_key()

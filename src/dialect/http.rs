@@ -26,6 +26,8 @@ pub(crate) struct Reading<'a, M> {
     pub(crate) require_key: bool,
     pub(crate) json_fields: Option<&'a JsonFields>,
     pub(crate) fingerprint: &'a FingerprintOptions,
+    /// The route's fingerprint scheme (computed when the layer was built).
+    pub(crate) scheme: crate::fingerprint::Scheme,
     pub(crate) make_scope: &'a M,
 }
 
@@ -87,8 +89,8 @@ pub(crate) fn fingerprint<M>(
     bytes: &[u8],
     recorded: Option<&Fingerprint>,
 ) -> Result<Fingerprint, Refusal<()>> {
-    let (options, fields) = (reading.fingerprint, reading.json_fields);
-    fingerprint_fields(parts, trailers, bytes, options, fields, recorded).map_err(|error| {
+    let (options, fields, scheme) = (reading.fingerprint, reading.json_fields, reading.scheme);
+    fingerprint_fields(parts, trailers, bytes, options, fields, recorded, scheme).map_err(|error| {
         // The application's canonicaliser panicked: the server's fault, not the body's.
         let kind = match error.panicked() {
             true => ProblemKind::FingerprintFailed,

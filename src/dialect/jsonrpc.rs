@@ -636,10 +636,19 @@ pub(crate) fn fingerprint(
     trailers: Option<&HeaderMap>,
     call: &Call,
     options: &crate::fingerprint::FingerprintOptions,
+    scheme: crate::fingerprint::Scheme,
 ) -> Result<Fingerprint, crate::fingerprint::MalformedBody> {
     let params = call.params.as_deref();
     let method = &call.method;
-    crate::fingerprint::jsonrpc(parts, trailers, method, params, NOT_THE_OPERATION, options)
+    crate::fingerprint::jsonrpc(
+        parts,
+        trailers,
+        method,
+        params,
+        NOT_THE_OPERATION,
+        options,
+        scheme,
+    )
 }
 
 /// What a fingerprint mismatch tells the client its call differs in.
@@ -721,7 +730,7 @@ pub(crate) fn admit<M: MakeScope>(
     };
     // The method joins the scope: a key names one operation of one tool method.
     let scope = format!("{scope}\u{0}{}", call.method);
-    match fingerprint(parts, trailers, &call, reading.fingerprint) {
+    match fingerprint(parts, trailers, &call, reading.fingerprint, reading.scheme) {
         Ok(fingerprint) => Admitted::Guard {
             key: ScopedKey::new(scope, key),
             fingerprint,
@@ -1502,7 +1511,14 @@ mod tests {
         };
         let options = crate::fingerprint::FingerprintOptions::default();
         let fp = |uri: &str, v: Value| {
-            fingerprint(&parts(uri), None, &call(v).expect("call"), &options).expect("fp")
+            fingerprint(
+                &parts(uri),
+                None,
+                &call(v).expect("call"),
+                &options,
+                crate::fingerprint::scheme(&options, None, true),
+            )
+            .expect("fp")
         };
         let a = fp(
             "/mcp",
@@ -1544,7 +1560,14 @@ mod tests {
             let Parsed::Guard(call) = parsed(&body, Some("k")) else {
                 panic!("guarded");
             };
-            fingerprint(&parts, None, &call, &options).expect("fp")
+            fingerprint(
+                &parts,
+                None,
+                &call,
+                &options,
+                crate::fingerprint::scheme(&options, None, true),
+            )
+            .expect("fp")
         };
         assert_ne!(
             fp(r#"{"amount":9007199254740993}"#),
@@ -2020,8 +2043,22 @@ mod tests {
             "params":{"name":"t","inputResponses":{"a":1},"requestState":"opaque"}}))
         .expect("call");
         assert_eq!(
-            fingerprint(&parts, None, &first, &options).expect("fp"),
-            fingerprint(&parts, None, &next, &options).expect("fp")
+            fingerprint(
+                &parts,
+                None,
+                &first,
+                &options,
+                crate::fingerprint::scheme(&options, None, true)
+            )
+            .expect("fp"),
+            fingerprint(
+                &parts,
+                None,
+                &next,
+                &options,
+                crate::fingerprint::scheme(&options, None, true)
+            )
+            .expect("fp")
         );
     }
 

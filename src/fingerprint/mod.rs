@@ -109,7 +109,7 @@ impl Fingerprint {
         Self { bytes, as_sent }
     }
 
-    /// The two bytes naming how this fingerprint was made: two fingerprints made by other
+    /// The four bytes naming how this fingerprint was made: two fingerprints made by other
     /// schemes (another version of this crate, other fingerprint settings) cannot tell whether
     /// their requests are the same.
     pub(crate) fn scheme(&self) -> Scheme {
@@ -172,28 +172,22 @@ pub(crate) fn scheme(
     hash.to_be_bytes()
 }
 
-/// The schemes of a layer's routes, its defaults' and each of its own.
-pub(crate) fn schemes<'r>(
+/// The scheme of `route`'s fingerprints under a layer's `options` (computed once, when the
+/// layer is built).
+pub(crate) fn route_scheme(
     options: &FingerprintOptions,
-    default: &crate::route::RouteConfig,
-    routes: impl Iterator<Item = &'r Arc<crate::route::RouteConfig>>,
-) -> Vec<Scheme> {
-    let of = |route: &crate::route::RouteConfig| {
-        scheme(
-            options,
-            route.json_fields.as_deref(),
-            route.jsonrpc.is_some(),
-        )
-    };
-    let mut schemes: Vec<Scheme> = std::iter::once(of(default))
-        .chain(routes.map(|route| of(route)))
-        .collect();
-    schemes.sort_unstable();
-    schemes.dedup();
-    schemes
+    route: &crate::route::RouteConfig,
+) -> Scheme {
+    scheme(
+        options,
+        route.json_fields.as_deref(),
+        route.jsonrpc.is_some(),
+    )
 }
 
-const PLAIN_HTTP: Scheme = fnv(fnv(FNV_BASIS, HTTP_SCHEME), b"custom").to_be_bytes();
+/// The scheme of a plain HTTP route that counts nothing of its own (a route's until the layer
+/// is built).
+pub(crate) const PLAIN_HTTP: Scheme = fnv(fnv(FNV_BASIS, HTTP_SCHEME), b"custom").to_be_bytes();
 const PLAIN_JSONRPC: Scheme = fnv(fnv(FNV_BASIS, JSONRPC_SCHEME), b"custom").to_be_bytes();
 const FNV_BASIS: u32 = 0x811c_9dc5;
 
@@ -290,6 +284,7 @@ pub(crate) fn jsonrpc(
     params: Option<&str>,
     not_the_operation: &[&str],
     options: &FingerprintOptions,
+    scheme: Scheme,
 ) -> Result<Fingerprint, MalformedBody> {
     let mut h = Sha256::new();
     put_field(&mut h, JSONRPC_SCHEME);
@@ -307,7 +302,7 @@ pub(crate) fn jsonrpc(
             canonical_field(&mut h, b"params", |buf| fields::exact(&kept, buf))?;
         }
     }
-    Ok(Fingerprint::finish(h, false, scheme(options, None, true)))
+    Ok(Fingerprint::finish(h, false, scheme))
 }
 
 /// What goes into a fingerprint besides method, path, query and body.
@@ -544,10 +539,19 @@ pub(crate) fn fingerprint(
     body: &[u8],
     options: &FingerprintOptions,
 ) -> Result<Fingerprint, MalformedBody> {
-    fingerprint_fields(parts, None, body, options, None, None)
+    fingerprint_fields(
+        parts,
+        None,
+        body,
+        options,
+        None,
+        None,
+        scheme(options, None, false),
+    )
 }
 
-/// Fingerprints a request, counting only the JSON `fields` a route chose, if any.
+/// Fingerprints a request, counting only the JSON `fields` a route chose, if any, under the
+/// route's `scheme` (its [`route_scheme`]).
 ///
 /// `recorded` is the fingerprint of the outcome already recorded under the request's key, if
 /// any. Where its body went into the hash as sent, a JSON body is hashed as sent first: equal,
@@ -560,12 +564,12 @@ pub(crate) fn fingerprint_fields(
     options: &FingerprintOptions,
     fields: Option<&JsonFields>,
     recorded: Option<&Fingerprint>,
+    scheme: Scheme,
 ) -> Result<Fingerprint, MalformedBody> {
     let mut h = Sha256::new();
     put_field(&mut h, HTTP_SCHEME);
     put_field(&mut h, parts.method.as_str().as_bytes());
     let (content_type, media) = head_into(&mut h, parts, trailers, options)?;
-    let scheme = scheme(options, fields, false);
     if coded_into(&mut h, parts, body) {
         return Ok(Fingerprint::finish(h, false, scheme));
     }
@@ -863,8 +867,16 @@ mod tests {
             for (name, value) in lines {
                 trailers.append(*name, http::HeaderValue::from_static(value));
             }
-            fingerprint_fields(&parts, Some(&trailers), b"x", &options, None, None)
-                .expect("fingerprint")
+            fingerprint_fields(
+                &parts,
+                Some(&trailers),
+                b"x",
+                &options,
+                None,
+                None,
+                scheme(&options, None, false),
+            )
+            .expect("fingerprint")
         };
         let none = fingerprint(&parts, b"x", &options).expect("fingerprint");
         assert_eq!(with(&[]), none);
@@ -1044,7 +1056,7 @@ mod tests {
     }
 
     /// §1 step 4: a fingerprint names its scheme (the hashing's version and the settings that
-    /// decide what counts) in its first two bytes: the same settings in any spelling name one
+    /// decide what counts) in its first four bytes: the same settings in any spelling name one
     /// scheme, other settings another, so a replica configured otherwise can tell "another
     /// request" from "a request read another way".
     #[test]
@@ -1059,7 +1071,16 @@ mod tests {
             .into_parts();
         let body = br#"{"a":1,"ts":2,"b":3}"#;
         let with = |options: &FingerprintOptions, fields: Option<&JsonFields>| {
-            fingerprint_fields(&parts, None, body, options, fields, None).expect("fingerprint")
+            fingerprint_fields(
+                &parts,
+                None,
+                body,
+                options,
+                fields,
+                None,
+                scheme(options, fields, false),
+            )
+            .expect("fingerprint")
         };
         let plain = FingerprintOptions::default();
         let header = |name: &'static str| FingerprintOptions {
@@ -1099,7 +1120,16 @@ mod tests {
             with(&plain, Some(&include(&["/b", "/a", "/a"])))
         );
         // The JSON-RPC mode is a scheme of its own.
-        let call = jsonrpc(&parts, None, "tools/call", Some("{}"), &[], &plain).expect("call");
+        let call = jsonrpc(
+            &parts,
+            None,
+            "tools/call",
+            Some("{}"),
+            &[],
+            &plain,
+            scheme(&plain, None, true),
+        )
+        .expect("call");
         assert_eq!(call.scheme(), PLAIN_JSONRPC);
         assert_ne!(PLAIN_JSONRPC, PLAIN_HTTP);
     }
@@ -1309,12 +1339,12 @@ mod tests {
             let parts = |ct: &str| Request::post("/t").header("content-type", ct).body(()).expect("request").into_parts().0;
             let options = FingerprintOptions::default();
             let json = parts("application/json");
-            let recorded = fingerprint_fields(&json, None, &canonical, &options, None, None).expect("fp");
+            let recorded = fingerprint_fields(&json, None, &canonical, &options, None, None, scheme(&options, None, false)).expect("fp");
             prop_assert!(recorded.body_as_sent(), "a canonical body is hashed as sent");
             for ct in ["application/json", "application/problem+json", "text/plain"] {
                 let parts = parts(ct);
-                let plain = fingerprint_fields(&parts, None, &retry, &options, None, None);
-                let hinted = fingerprint_fields(&parts, None, &retry, &options, None, Some(&recorded));
+                let plain = fingerprint_fields(&parts, None, &retry, &options, None, None, scheme(&options, None, false));
+                let hinted = fingerprint_fields(&parts, None, &retry, &options, None, Some(&recorded), scheme(&options, None, false));
                 match (&plain, &hinted) {
                     (Ok(a), Ok(b)) => {
                         prop_assert_eq!(a.as_bytes(), b.as_bytes());
@@ -1325,11 +1355,11 @@ mod tests {
                 }
                 // A hint from a record whose body was not hashed as sent is not used.
                 let other = Fingerprint::from_bytes(*recorded.as_bytes());
-                let unhinted = fingerprint_fields(&parts, None, &retry, &options, None, Some(&other));
+                let unhinted = fingerprint_fields(&parts, None, &retry, &options, None, Some(&other), scheme(&options, None, false));
                 prop_assert_eq!(plain.map(|f| *f.as_bytes()), unhinted.map(|f| *f.as_bytes()));
             }
             prop_assert_eq!(
-                fingerprint_fields(&json, None, &retry, &options, None, Some(&recorded)).ok() == Some(recorded),
+                fingerprint_fields(&json, None, &retry, &options, None, Some(&recorded), scheme(&options, None, false)).ok() == Some(recorded),
                 retry == canonical || serde_json::from_slice::<Value>(&retry).ok()
                     .and_then(|r| serde_json_canonicalizer::to_vec(&r).ok()) == Some(canonical.clone()),
                 "a retry matches exactly when it is the same JSON"

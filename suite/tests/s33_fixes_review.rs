@@ -507,3 +507,69 @@ async fn an_informational_final_status_is_the_500_the_client_got() {
         }
     }
 }
+
+/// DESIGN §1 (`safe_new_key` says whether a new key is safe) and §1.6: a body refused 413
+/// before the claim reads its key's record to frame the refusal. A store that cannot be read
+/// then answers `state: "unknown"` and `safe_new_key: false` with a Retry-After (a client must
+/// not take a new key for an operation that may have run); with
+/// the store up and nothing recorded, the same refusal says nothing ran.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s1_6_a_413_whose_record_cannot_be_read_keeps_the_key() {
+    use common::faulty::Faulty;
+    use std::sync::atomic::Ordering;
+    let store = Faulty::new(MemoryStore::new());
+    let effects = Effects::default();
+    let e = effects.clone();
+    let app = Router::new().route(
+        "/op",
+        post(move |_: Bytes| {
+            let e = e.clone();
+            async move {
+                e.hit();
+                StatusCode::CREATED
+            }
+        })
+        .layer(
+            IdempotencyLayer::new(store.clone())
+                .single_tenant()
+                .body_limit(64),
+        ),
+    );
+    let addr = serve(app).await;
+    let big = vec![b'x'; 200];
+    let problem = |x: &Exchange| -> serde_json::Value {
+        serde_json::from_slice(&x.after_head).expect("a problem document")
+    };
+    let up = raw(
+        addr,
+        "POST",
+        "/op",
+        &[
+            ("idempotency-key", &unique("413-up")),
+            ("content-type", "text/plain"),
+        ],
+        &big,
+    )
+    .await;
+    assert_eq!(up.status, 413, "{up:?}");
+    assert_eq!(problem(&up)["safe_new_key"], true, "{up:?}");
+    store.down.store(true, Ordering::SeqCst);
+    let down = raw(
+        addr,
+        "POST",
+        "/op",
+        &[
+            ("idempotency-key", &unique("413-down")),
+            ("content-type", "text/plain"),
+        ],
+        &big,
+    )
+    .await;
+    store.down.store(false, Ordering::SeqCst);
+    assert_eq!(down.status, 413, "{down:?}");
+    let body = problem(&down);
+    assert_eq!(body["state"], "unknown", "{body}");
+    assert_eq!(body["safe_new_key"], false, "{body}");
+    assert!(down.header("retry-after").is_some(), "{down:?}");
+    assert_eq!(effects.count(), 0, "nothing runs on a refused body");
+}
