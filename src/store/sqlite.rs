@@ -1,6 +1,5 @@
 //! [`SqliteStore`]: durable records for the processes of one host.
 
-use std::path::Path;
 use std::str::FromStr;
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, SystemTime};
@@ -586,8 +585,8 @@ impl SqliteStore {
     /// a pool's time-out), and a file this process may not write is an error (SQLite itself
     /// would open it read-only). A connection the pool opens later while the file is
     /// write-protected is refused too, and opened again until the pool's acquire time-out
-    /// (10 s; the store then answers unavailable): a store made with [`new`](Self::new) on a
-    /// pool of your own keeps whatever connections that pool makes.
+    /// (5 s, as the busy timeout; the store then answers unavailable): a store made with
+    /// [`new`](Self::new) on a pool of your own keeps whatever connections that pool makes.
     pub async fn connect(url: &str) -> Result<Self, sqlx::Error> {
         let in_memory = url.contains(":memory:") || url.contains("mode=memory");
         let options = SqliteConnectOptions::from_str(url)?
@@ -602,23 +601,25 @@ impl SqliteStore {
         // One connection first, on its own: its error is the real one.
         let mut first = SqliteConnection::connect_with(&options).await?;
         if !in_memory {
-            let file: Arc<Path> = options.get_filename().into();
-            writable(&mut first, &file).await?;
+            match writable(&mut first).await {
+                // Another connection held the write lock past the busy timeout: this one
+                // cannot tell, and each of the pool's is tried as it is opened.
+                Err(sqlx::Error::Database(e)) if e.code().is_some_and(|c| busy(&c)) => {}
+                other => other?,
+            }
             first.close().await?;
             // Every connection the pool opens is tried the same way: SQLite opens a file it
             // may not write read-only, without an error, and such a connection would stay in
             // the pool (failing every write sent to it) long after the file's modes came back.
-            // Refused, it is opened again (sqlx's back-off) until the acquire time-out: 10 s,
-            // past the busy timeout a write waits anyway, short of a client's patience.
+            // Refused (or busy past the busy timeout), it is opened again (sqlx's back-off)
+            // until the acquire time-out: the busy timeout's 5 s, so a call waits for the
+            // database about as long whether its connection is new or not.
             let pool = SqlitePoolOptions::new()
                 .max_connections(8)
-                .acquire_timeout(Duration::from_secs(10))
-                .after_connect(move |connection, _| {
-                    let file = file.clone();
-                    Box::pin(async move { writable(connection, &file).await })
-                })
-                .connect_with(options)
-                .await?;
+                .acquire_timeout(Duration::from_secs(5))
+                .after_connect(|connection, _| Box::pin(writable(connection)))
+                // Opened as requests need them: none waits here for a lock another holds.
+                .connect_lazy_with(options);
             return Ok(Self::new(pool));
         }
         let pool = SqlitePoolOptions::new()
@@ -1012,33 +1013,16 @@ impl SqliteStore {
     }
 }
 
-/// Fails if `connection` was opened read-only: SQLite does so, silently, when the file (or
-/// its WAL) is write-protected. Only a write tells: beginning a write transaction succeeds on
-/// such a connection while another of the process holds the file. So the database's
-/// `user_version` is written back unchanged, in a transaction rolled back at once, without
-/// waiting for the write lock. If another connection holds that lock, the files' modes are
-/// asked instead (whether this process may open `file` and its WAL for writing).
-async fn writable(connection: &mut SqliteConnection, file: &Path) -> Result<(), sqlx::Error> {
-    let wait: i64 = sqlx::query_scalar("PRAGMA busy_timeout")
-        .fetch_one(&mut *connection)
-        .await?;
-    sqlx::query("PRAGMA busy_timeout = 0")
-        .execute(&mut *connection)
-        .await?;
-    let probed = write_back(connection).await;
-    sqlx::query(AssertSqlSafe(format!("PRAGMA busy_timeout = {wait}")))
-        .execute(&mut *connection)
-        .await?;
-    match probed {
-        Err(sqlx::Error::Database(e)) if e.code().is_some_and(|c| busy(&c)) => {
-            files_writable(file).map_err(sqlx::Error::Io)
-        }
-        other => other,
-    }
-}
-
-/// Writes `user_version` back as it is, and rolls the write back.
-async fn write_back(connection: &mut SqliteConnection) -> Result<(), sqlx::Error> {
+/// Fails if `connection` cannot prove it can write: SQLite opens a file it may not write (or
+/// whose WAL it may not write) read-only, silently. Only a write tells: beginning a write
+/// transaction succeeds on such a connection while another of the process holds the file. So
+/// the database's `user_version` is written back unchanged, in a transaction rolled back at
+/// once. It waits for the write lock as any write does (the busy timeout), so a connection
+/// opened while another holds the lock is ready the moment the lock is let go, as a statement
+/// waiting on the lock would be; still held past the timeout, the connection fails (busy) and
+/// the pool opens another. Nothing here opens the files itself: closing any descriptor of a
+/// file drops every POSIX lock the process holds on it, SQLite's own.
+async fn writable(connection: &mut SqliteConnection) -> Result<(), sqlx::Error> {
     sqlx::query("BEGIN IMMEDIATE")
         .execute(&mut *connection)
         .await?;
@@ -1054,22 +1038,6 @@ async fn write_back(connection: &mut SqliteConnection) -> Result<(), sqlx::Error
     let undone = sqlx::query("ROLLBACK").execute(&mut *connection).await;
     written?;
     undone.map(drop)
-}
-
-/// Whether this process may open `file`, and its `-wal` and `-shm` where they exist, for
-/// writing (as SQLite asks before it falls back to reading).
-fn files_writable(file: &Path) -> std::io::Result<()> {
-    for suffix in ["", "-wal", "-shm"] {
-        let mut name = file.as_os_str().to_owned();
-        name.push(suffix);
-        match std::fs::OpenOptions::new().write(true).open(&name) {
-            Err(e) if suffix.is_empty() || e.kind() != std::io::ErrorKind::NotFound => {
-                return Err(e);
-            }
-            _ => {}
-        }
-    }
-    Ok(())
 }
 
 /// Whether SQLite's (extended) result code is `SQLITE_BUSY` or one of its kinds.
@@ -1094,10 +1062,9 @@ mod tests {
         }
     }
 
-    /// §1.6: a store connects while another connection holds the file's write lock: a
-    /// connection that cannot take the lock to prove it can write is judged by the files'
-    /// modes, not refused. The check leaves the file as it was. A file in a missing directory
-    /// is refused.
+    /// §1.6: a store connects while another connection holds the file's write lock (its
+    /// connections are tried as the pool opens them, once the lock is free). The check leaves
+    /// the file as it was. A file in a missing directory is refused.
     #[tokio::test]
     async fn s1_6_a_store_connects_while_another_holds_the_write_lock() {
         use sqlx::{Connection, Executor};

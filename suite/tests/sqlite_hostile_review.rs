@@ -1796,3 +1796,546 @@ async fn s5_purge_expired_in_a_loop_never_purges_live_or_in_flight_records() {
         "the expired records were not purged: {purged}"
     );
 }
+
+// ==== The connection check under attack (session 34) ==============================================
+//
+// A red-team review of c365b5a (connections SQLite opened read-only refused). Every connection
+// the pool opens runs `writable()`, a rolled-back write. Its first version did so with
+// `busy_timeout = 0` and, when another connection held the write lock, fell back to opening the
+// database file and its `-wal`/`-shm` with `std::fs` and closing them again: closing any
+// descriptor of a file drops every POSIX (`fcntl`) lock the process holds on it, SQLite's own
+// (SQLite's "How To Corrupt An SQLite Database File" §2.2). Tests 1 to 3 failed on it: a lost
+// commit, a key run twice, the WAL deleted under a running server. The probe now waits for the
+// lock as any write does and never opens the files itself.
+
+// ---- the `sqlite3` CLI: another process on the file --------------------------------------------
+
+/// Runs `sql` in a fresh `sqlite3` process (no busy timeout: a held lock answers at once).
+/// `Ok(stdout)` if the CLI reported success, `Err(stderr)` otherwise; `None` if the CLI is not
+/// installed (a failure under CI).
+fn cli_once(path: &Path, sql: &str) -> Option<Result<String, String>> {
+    match Command::new("sqlite3").arg(path).arg(sql).output() {
+        Ok(out) => {
+            let stdout = String::from_utf8_lossy(&out.stdout).trim().to_owned();
+            let stderr = String::from_utf8_lossy(&out.stderr).trim().to_owned();
+            Some(if out.status.success() && stderr.is_empty() {
+                Ok(stdout)
+            } else {
+                Err(format!("{stderr} (exit {:?})", out.status.code()))
+            })
+        }
+        Err(e) => {
+            common::unreachable("the sqlite3 CLI (Debian: sqlite3)", &e);
+            None
+        }
+    }
+}
+
+/// An interactive `sqlite3` process holding `BEGIN IMMEDIATE` (the write lock) until
+/// [`HeldCli::release`]: an operator's session, a backup or migration tool.
+struct HeldCli {
+    child: Child,
+    stdin: Option<std::process::ChildStdin>,
+}
+
+impl HeldCli {
+    fn hold(path: &Path) -> Option<Self> {
+        let mut child = match Command::new("sqlite3")
+            .arg(path)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+        {
+            Ok(c) => c,
+            Err(e) => {
+                common::unreachable("the sqlite3 CLI (Debian: sqlite3)", &e);
+                return None;
+            }
+        };
+        let mut stdin = child.stdin.take().expect("stdin");
+        let mut out = BufReader::new(child.stdout.take().expect("stdout"));
+        stdin
+            .write_all(b"BEGIN IMMEDIATE;\nSELECT 'LOCKED';\n")
+            .expect("to the CLI");
+        stdin.flush().expect("flush");
+        let mut line = String::new();
+        out.read_line(&mut line).expect("the CLI's answer");
+        assert_eq!(line.trim(), "LOCKED", "the CLI took the write lock");
+        Some(Self {
+            child,
+            stdin: Some(stdin),
+        })
+    }
+
+    /// Rolls back and quits: the CLI closes its connection (checkpointing, and removing the
+    /// `-wal`/`-shm` if it finds itself the file's last connection).
+    fn release(mut self) {
+        if let Some(mut stdin) = self.stdin.take() {
+            let _ = stdin.write_all(b"ROLLBACK;\n.quit\n");
+        }
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for HeldCli {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn exists(path: &Path, suffix: &str) -> bool {
+    PathBuf::from(format!("{}{suffix}", path.display())).exists()
+}
+
+fn plain_settings() -> Settings {
+    Settings {
+        lease: Duration::from_secs(30),
+        work: Duration::ZERO,
+        started: false,
+        body_bytes: 0,
+    }
+}
+
+/// Asks `store`'s pool for four connections at once while its one connection is in the app's
+/// transaction (more requests arriving), so the pool opens new ones, each probing under the
+/// held lock; returns those it handed out (none while the lock is held past the busy
+/// timeout: a connection that cannot show it can write is not handed out).
+async fn grow(store: &SqliteStore) -> Vec<sqlx::pool::PoolConnection<sqlx::Sqlite>> {
+    let tasks: Vec<_> = (0..4)
+        .map(|_| {
+            let pool = store.pool().clone();
+            tokio::spawn(async move { pool.acquire().await })
+        })
+        .collect();
+    let mut taken = Vec::new();
+    for task in tasks {
+        let asked = common::guard("a connection asked for under the held lock", task)
+            .await
+            .expect("task");
+        if let Ok(connection) = asked {
+            taken.push(connection);
+        }
+    }
+    taken
+}
+
+// ---- 1. the BUSY fallback drops this process's write lock ------------------------------------------
+
+/// A `sqlite3` session kept open (it has mapped the file's `-shm`, as every other server
+/// process on the file has), with `.bail on`: a failed statement ends it.
+struct Session {
+    child: Child,
+    stdin: std::process::ChildStdin,
+    out: BufReader<std::process::ChildStdout>,
+}
+
+impl Session {
+    fn open(path: &Path) -> Option<Self> {
+        let mut child = match Command::new("sqlite3")
+            .arg(path)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+        {
+            Ok(c) => c,
+            Err(e) => {
+                common::unreachable("the sqlite3 CLI (Debian: sqlite3)", &e);
+                return None;
+            }
+        };
+        let stdin = child.stdin.take().expect("stdin");
+        let out = BufReader::new(child.stdout.take().expect("stdout"));
+        let mut me = Self { child, stdin, out };
+        assert_eq!(me.say(".bail on\nSELECT count(*) FROM app_rows;\n"), "0");
+        Some(me)
+    }
+
+    /// Sends `lines`, answers the first line printed ("" if the session ended on an error).
+    fn say(&mut self, lines: &str) -> String {
+        self.stdin.write_all(lines.as_bytes()).expect("to the CLI");
+        self.stdin.flush().expect("flush");
+        let mut line = String::new();
+        let _ = self.out.read_line(&mut line);
+        line.trim().to_owned()
+    }
+}
+
+impl Drop for Session {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// DESIGN §1.5/§4 (one writer at a time is what makes a claim atomic; §4 lets a handler write
+/// its own rows in the store's database, in its own transaction on the store's pool). This
+/// process holds the write lock in a transaction on `store.pool()`; another process (a
+/// `sqlite3` session open on the file) trying to write must be refused ("database is
+/// locked"). Then the pool opens more connections (requests arriving): their probes meet the
+/// held lock (the first version's BUSY fallback opened and closed the files here). The other
+/// process must still be refused, and no write it was told is committed may vanish when this
+/// process commits.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s1_5_a_probe_under_its_own_process_write_lock_keeps_that_lock() {
+    let path = sqlite_path("ro-attack-own-lock");
+    let _cleanup = Cleanup::db(&path);
+    let store = SqliteStore::connect(&url_of(&path)).await.expect("connect");
+    store.migrate().await.expect("migrate");
+    sqlx::query("CREATE TABLE app_rows (who TEXT NOT NULL)")
+        .execute(store.pool())
+        .await
+        .expect("the app's table");
+    let Some(mut control) = Session::open(&path) else {
+        return;
+    };
+    let Some(mut other) = Session::open(&path) else {
+        return;
+    };
+    let mut tx = store.pool().begin().await.expect("the app's transaction");
+    sqlx::query("INSERT INTO app_rows VALUES ('app')")
+        .execute(&mut *tx)
+        .await
+        .expect("the app's write (takes the write lock)");
+    let write =
+        "BEGIN IMMEDIATE;\nINSERT INTO app_rows VALUES ('cli');\nCOMMIT;\nSELECT 'COMMITTED';\n";
+    assert_eq!(
+        control.say(write),
+        "",
+        "control: another process must be refused while this process holds the write lock"
+    );
+    // More requests: the pool opens connections, whose probes meet the held lock.
+    let grown = grow(&store).await;
+    let attack = other.say(write);
+    drop(grown);
+    tx.commit().await.expect("the app's commit");
+    let rows = cli_once(&path, "SELECT group_concat(who, ',') FROM app_rows")
+        .expect("the CLI")
+        .unwrap_or_else(|e| format!("unreadable: {e}"));
+    assert_eq!(
+        attack,
+        "",
+        "another process took the write lock and committed while this process's transaction \
+         held it, once the pool opened a connection (a probe that opened and closed \
+         descriptors of the db/-wal/-shm would drop the process's fcntl locks); rows after both \
+         committed: {rows:?} (the CLI's 'cli' row lost: {})",
+        !rows.contains("cli")
+    );
+}
+
+// ---- 2. two servers on one file: a claim lost, a key run twice -----------------------------------
+
+/// DESIGN §7.9 ("several service instances sharing one store -> one effect per key"; SQLite is
+/// the store "for the processes of one host") and §4 (a handler's own transaction on the
+/// store's pool). Server A (this process) has a transaction open on its store's pool holding
+/// the write lock when its pool opens another connection; server B (a child process) claims,
+/// runs and records key K meanwhile. Whatever B answers, once A commits and every process
+/// retries K, K must have run exactly once (counted at the sink).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s7_9_a_probe_in_one_server_never_lets_another_servers_claim_be_lost() {
+    if let Some(mode) = child_mode() {
+        return child_main(mode).await;
+    }
+    let path = sqlite_path("ro-attack-two-servers");
+    let _cleanup = Cleanup::db(&path);
+    let (db, sink) = (url_of(&path), path.with_extension("sink"));
+    std::fs::write(&sink, b"").expect("sink");
+    let store = SqliteStore::connect(&db).await.expect("connect");
+    store.migrate().await.expect("migrate");
+    sqlx::query("CREATE TABLE app_rows (who TEXT NOT NULL)")
+        .execute(store.pool())
+        .await
+        .expect("the app's table");
+    let a = serve(app(store.clone(), sink.clone(), plain_settings())).await;
+    let b = Proc::start(
+        "s7_9_a_probe_in_one_server_never_lets_another_servers_claim_be_lost",
+        "serve",
+        &serve_env(&db, &sink, &[]),
+        &[],
+    );
+    let run = unique("two-servers");
+    // Both servers work: a warm-up key each.
+    assert_eq!(send(a, &format!("{run}-warm-a"), "w").await.status, 201);
+    assert_eq!(
+        send(b.addr(), &format!("{run}-warm-b"), "w").await.status,
+        201
+    );
+
+    let mut tx = store.pool().begin().await.expect("the app's transaction");
+    sqlx::query("INSERT INTO app_rows VALUES ('app')")
+        .execute(&mut *tx)
+        .await
+        .expect("the app's write (takes the write lock)");
+    // More traffic on A: its pool opens connections, probing under the held lock.
+    let grown = grow(&store).await;
+    let key = format!("{run}-k");
+    let during = send(b.addr(), &key, "k").await;
+    drop(grown);
+    tx.commit().await.expect("the app's commit");
+    let mut after = Vec::new();
+    for addr in [b.addr(), a, b.addr(), a] {
+        let x = settle(addr, &key, "k", Duration::from_secs(20)).await;
+        after.push(format!(
+            "{} replayed={} {:?}",
+            x.status, x.replayed, x.problem
+        ));
+    }
+    assert_eq!(
+        effects_of(&sink, &key),
+        1,
+        "K ran {} times: B answered {} (replayed={}, {:?}) while A's transaction held the write \
+         lock, and after A committed: {after:?}",
+        effects_of(&sink, &key),
+        during.status,
+        during.replayed,
+        during.problem
+    );
+}
+
+// ---- 3. the CLI's lock while the pool grows: the WAL removed under a running server --------------
+
+/// DESIGN §7.10 / §7.9 and the README's "a write lock held by another process" row: a CLI
+/// holds `BEGIN IMMEDIATE` while requests arrive at server A (this process), so A's pool opens
+/// connections whose probes meet the lock. The CLI then lets go and quits. A keeps running:
+/// the `-wal` and `-shm` it uses must still be the files on disk, so a key A records is seen
+/// by a second server (or a restart) on the same file, which must replay it, not run it again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s7_10_a_cli_lock_while_the_pool_grows_never_splits_the_wal() {
+    if let Some(mode) = child_mode() {
+        return child_main(mode).await;
+    }
+    let path = sqlite_path("ro-attack-cli-split");
+    let _cleanup = Cleanup::db(&path);
+    let (db, sink) = (url_of(&path), path.with_extension("sink"));
+    std::fs::write(&sink, b"").expect("sink");
+    let store = SqliteStore::connect(&db).await.expect("connect");
+    store.migrate().await.expect("migrate");
+    let a = serve(app(store.clone(), sink.clone(), plain_settings())).await;
+    let run = unique("cli-split");
+    assert_eq!(send(a, &format!("{run}-warm"), "w").await.status, 201);
+
+    let Some(cli) = HeldCli::hold(&path) else {
+        return;
+    };
+    let barrier = Arc::new(Barrier::new(8));
+    let crowd: Vec<_> = (0..8)
+        .map(|i| {
+            let (key, barrier) = (format!("{run}-crowd-{i}"), barrier.clone());
+            tokio::spawn(async move {
+                barrier.wait().await;
+                send(a, &key, "c").await
+            })
+        })
+        .collect();
+    for task in crowd {
+        let x = common::guard("a request under the CLI's lock", task)
+            .await
+            .expect("task");
+        assert!(
+            x.status == 503 && x.is("store-unavailable"),
+            "under the CLI's lock: {x:?}"
+        );
+    }
+    cli.release();
+    let (wal, shm) = (exists(&path, "-wal"), exists(&path, "-shm"));
+
+    let key = format!("{run}-k");
+    let first = send(a, &key, "k").await;
+    assert_eq!(first.status, 201, "{first:?}");
+    let b = Proc::start(
+        "s7_10_a_cli_lock_while_the_pool_grows_never_splits_the_wal",
+        "serve",
+        &serve_env(&db, &sink, &[]),
+        &[],
+    );
+    let again = settle(b.addr(), &key, "k", Duration::from_secs(20)).await;
+    let back = settle(a, &key, "k", Duration::from_secs(20)).await;
+    assert_eq!(
+        effects_of(&sink, &key),
+        1,
+        "a key A recorded ran again on a second server: B answered {} replayed={} {:?}, A then \
+         {} replayed={}; after the CLI quit (server A still running) -wal exists: {wal}, \
+         -shm exists: {shm}",
+        again.status,
+        again.replayed,
+        again.problem,
+        back.status,
+        back.replayed
+    );
+    assert!(
+        again.replayed,
+        "B must replay A's record: {again:?}; -wal exists: {wal}, -shm exists: {shm}"
+    );
+}
+
+// ---- 4. what the probe leaves on a pooled connection -------------------------------------------
+
+/// The probe opens a transaction (its first version also set `busy_timeout = 0`); neither may
+/// stay on a connection the pool hands out. Eight connections are opened, four at once without
+/// a lock and four at once while the CLI holds the write lock (let go a second later, while
+/// their probes wait for it): each handed out must wait 5 s on a lock (busy_timeout 5000)
+/// and be outside any transaction (a `BEGIN` succeeds).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s1_6_the_probe_leaves_no_busy_timeout_or_transaction_on_a_pooled_connection() {
+    let path = sqlite_path("ro-attack-leftovers");
+    let _cleanup = Cleanup::db(&path);
+    let store = SqliteStore::connect(&url_of(&path)).await.expect("connect");
+    store.migrate().await.expect("migrate");
+    let mut held = Vec::new();
+    let mut seen = Vec::new();
+    for phase in ["free", "locked"] {
+        let cli = if phase == "locked" {
+            match HeldCli::hold(&path) {
+                Some(c) => Some(c),
+                None => return,
+            }
+        } else {
+            None
+        };
+        let tasks: Vec<_> = (0..4)
+            .map(|_| {
+                let pool = store.pool().clone();
+                tokio::spawn(async move { pool.acquire().await })
+            })
+            .collect();
+        if let Some(cli) = cli {
+            // The probes wait for the lock; letting go hands them the connections.
+            tokio::time::sleep(ms(1000)).await;
+            cli.release();
+        }
+        for t in tasks {
+            let mut c = common::guard("a pooled connection", t)
+                .await
+                .expect("task")
+                .expect("a connection");
+            let wait: i64 = sqlx::query_scalar("PRAGMA busy_timeout")
+                .fetch_one(&mut *c)
+                .await
+                .expect("busy_timeout");
+            let begin = sqlx::query("BEGIN").execute(&mut *c).await;
+            if begin.is_ok() {
+                sqlx::query("ROLLBACK")
+                    .execute(&mut *c)
+                    .await
+                    .expect("rollback");
+            }
+            seen.push((phase, wait, begin.map(drop).map_err(|e| e.to_string())));
+            held.push(c);
+        }
+    }
+    for (phase, wait, begin) in &seen {
+        assert_eq!(
+            *wait, 5000,
+            "{phase}: busy_timeout left at {wait}: {seen:?}"
+        );
+        assert!(begin.is_ok(), "{phase}: a transaction left open: {seen:?}");
+    }
+}
+
+// ---- 5. read-only -wal/-shm under a held lock, as `nobody` --------------------------------------
+
+/// DESIGN §1.6 / §7.10: a server running as `nobody` sees only its `-wal` and `-shm` made
+/// read-only (the database file and directory stay writable) while the CLI (root) holds the
+/// write lock and 16 keys arrive at once (past the pool's 8): the read-only connections must
+/// not pass as writable. Every answer is a 201, a 409 or a 503 problem. The modes
+/// come back, the CLI lets go; then 16 new keys are each answered 201 at their first request,
+/// and every key ends replayed, each run once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s1_6_wal_and_shm_read_only_under_a_held_lock_strand_nothing() {
+    if let Some(mode) = child_mode() {
+        return child_main(mode).await;
+    }
+    use std::os::unix::fs::PermissionsExt;
+    let dir = std::env::temp_dir().join(unique("ro-attack-walshm"));
+    std::fs::create_dir(&dir).expect("dir");
+    let _cleanup = Cleanup(vec![dir.clone()]);
+    let chmod = |p: &Path, mode: u32| {
+        let _ = std::fs::set_permissions(p, std::fs::Permissions::from_mode(mode));
+    };
+    chmod(&dir, 0o777);
+    let path = dir.join("records.db");
+    let sink = dir.join("effects.sink");
+    std::fs::write(&sink, b"").expect("sink");
+    chmod(&sink, 0o666);
+    let db = url_of(&path);
+    let server = Proc::start(
+        "s1_6_wal_and_shm_read_only_under_a_held_lock_strand_nothing",
+        "serve",
+        &serve_env(&db, &sink, &[("SH_MIGRATE", "1"), ("SH_WORK_MS", "50")]),
+        &[
+            "setpriv",
+            "--reuid=65534",
+            "--regid=65534",
+            "--clear-groups",
+        ],
+    );
+    let run = unique("walshm");
+    assert_eq!(
+        send(server.addr(), &format!("{run}-first"), "b")
+            .await
+            .status,
+        201
+    );
+    let side = [
+        PathBuf::from(format!("{}-wal", path.display())),
+        PathBuf::from(format!("{}-shm", path.display())),
+    ];
+    let Some(cli) = HeldCli::hold(&path) else {
+        return;
+    };
+    for p in &side {
+        chmod(p, 0o444);
+    }
+    let barrier = Arc::new(Barrier::new(16));
+    let crowd: Vec<String> = (0..16).map(|i| format!("{run}-crowd-{i}")).collect();
+    let tasks: Vec<_> = crowd
+        .iter()
+        .map(|key| {
+            let (addr, key, barrier) = (server.addr(), key.clone(), barrier.clone());
+            tokio::spawn(async move {
+                barrier.wait().await;
+                send(addr, &key, "b").await
+            })
+        })
+        .collect();
+    tokio::time::sleep(ms(1500)).await;
+    for p in &side {
+        chmod(p, 0o666);
+    }
+    tokio::time::sleep(ms(500)).await;
+    cli.release();
+    for (key, task) in crowd.iter().zip(tasks) {
+        let a = common::guard("a request of the crowd", task)
+            .await
+            .expect("task");
+        assert!(
+            a.status == 201
+                || (a.status == 409 && a.problem.is_some())
+                || a.is("store-unavailable"),
+            "{key}: {a:?}"
+        );
+    }
+    let mut refused = Vec::new();
+    for i in 0..16 {
+        let key = format!("{run}-after-{i}");
+        let a = send(server.addr(), &key, "b").await;
+        if a.status != 201 {
+            refused.push((key, a.status, a.problem));
+        }
+    }
+    assert!(
+        refused.is_empty(),
+        "new keys refused after the modes came back and the CLI let go: {refused:?}"
+    );
+    for key in &crowd {
+        let last = settle(server.addr(), key, "b", Duration::from_secs(30)).await;
+        assert_eq!(last.status, 201, "{key}: {last:?}");
+    }
+    let twice: Vec<_> = effects(&sink).into_iter().filter(|(_, n)| *n > 1).collect();
+    assert!(twice.is_empty(), "run twice: {twice:?}");
+    for key in &crowd {
+        assert_eq!(effects_of(&sink, key), 1, "{key}");
+    }
+}
