@@ -830,6 +830,7 @@ fn keys_used_while_a_threads_locals_are_torn_down() {
     }
     let _serial = serial_blocking();
     common::run_child(
+        module_path!(),
         "keys_used_while_a_threads_locals_are_torn_down",
         TEARDOWN_CHILD,
     );

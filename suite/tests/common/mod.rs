@@ -481,11 +481,17 @@ impl Rng {
 
 /// Runs the test `test` of this test binary again in a child process with `var` set (the
 /// test then does its child's half), and fails unless the child passed and printed
-/// `TEARDOWN-CHILD-OK`: for what must happen while a process's threads end.
-pub fn run_child(test: &str, var: &str) {
+/// `TEARDOWN-CHILD-OK`: for what must happen while a process's threads end. `module` is the
+/// test's `module_path!()`: in a binary of many modules (`tests/reviews`) a test is named by
+/// its module.
+pub fn run_child(module: &str, test: &str, var: &str) {
     let exe = std::env::current_exe().expect("exe");
+    let name = match module.split_once("::") {
+        Some((_, inner)) => format!("{inner}::{test}"),
+        None => test.to_owned(),
+    };
     let out = std::process::Command::new(exe)
-        .args([test, "--exact", "--nocapture", "--test-threads=1"])
+        .args([name.as_str(), "--exact", "--nocapture", "--test-threads=1"])
         .env(var, "1")
         .output()
         .expect("child");
