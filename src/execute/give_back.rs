@@ -49,21 +49,25 @@ impl<St: IdempotencyStore> Drop for ReleaseOnDrop<St> {
     }
 }
 
-/// How long [`give_back`] keeps trying.
+/// How [`give_back`] paces its tries; either way it tries until the key is given back or is
+/// no longer this holder's to give.
 #[derive(Clone, Copy)]
 pub(crate) enum Until {
-    /// Until the lease would end: nothing renews it meanwhile (a claim its request dropped, a
-    /// run cancelled by a hang-up), and after that the next claim decides.
+    /// Nothing renews the lease meanwhile (a claim its request dropped or could not confirm,
+    /// a run cancelled by a hang-up): a try is made just before the lease ends. After it, the
+    /// next claim decides: a takeover fences the release (nothing left to give), and a key a
+    /// retry set aside, since it could not know that nothing ran, is given back as not
+    /// applied. Stopping at the lease's end left such a key set aside for ever, every retry
+    /// told `outcome-unknown` for a request refused 503 before anything ran.
     LeaseEnds,
-    /// Until it lands or is fenced, with the lease kept renewed meanwhile (after a run whose
-    /// outcome releases the key, as a failed record is retried: DESIGN §4).
+    /// The lease is kept renewed meanwhile (after a run whose outcome releases the key, as a
+    /// failed record is retried: DESIGN §4).
     Lands,
 }
 
 /// Gives back a key that nothing runs under any more, trying again while the store fails or
-/// does not answer. A give-back that never lands ends as a crash does: the lease runs out and
-/// the next claim decides, which on a route that reconciles sets the key aside; one failed
-/// write must not be enough for that.
+/// does not answer, until it lands or the key is no longer this holder's (taken over, or set
+/// aside and given back as not applied: see [`give_back_set_aside`]).
 pub(crate) async fn give_back<St: IdempotencyStore>(
     store: &St,
     key: &ScopedKey,
@@ -86,6 +90,7 @@ pub(super) async fn give_back_paced<St: IdempotencyStore>(
     what: &str,
 ) {
     let ends = tokio::time::Instant::now() + retry.lease();
+    let mut lapsed = false;
     loop {
         let error = match retry.bounded(store.release(key, token)).await {
             Ok(status) => {
@@ -107,12 +112,13 @@ pub(super) async fn give_back_paced<St: IdempotencyStore>(
         observe::count(Event::StoreError);
         let left = ends.saturating_duration_since(tokio::time::Instant::now());
         let at_most = match until {
-            Until::LeaseEnds if left.is_zero() => {
-                tracing::warn!(%error, "could not give back {what}; its lease runs out");
-                return;
+            Until::LeaseEnds if !left.is_zero() => left,
+            Until::LeaseEnds if !lapsed => {
+                lapsed = true;
+                tracing::warn!(%error, "could not give back {what} within its lease; trying on");
+                Duration::MAX
             }
-            Until::LeaseEnds => left,
-            Until::Lands => Duration::MAX,
+            Until::LeaseEnds | Until::Lands => Duration::MAX,
         };
         tracing::debug!(%error, "could not give back {what}; trying again");
         retry.pause(at_most).await;

@@ -400,6 +400,53 @@ async fn hang_up_during_claim_with<St: IdempotencyStore>(store: St, fail_first_r
     assert_eq!(effects.count(), 1);
 }
 
+/// DESIGN §1.6 (a 503 means nothing ran: retry with the same key) and §4: a claim answered
+/// late is dropped by its request (the client hung up), and the store then fails every write
+/// for three leases, so the give-back of that claim cannot land within its lease. On this
+/// `Reconcile` route a retry after the lease would set the key aside (it cannot know that
+/// nothing ran); the holder, which knows, must go on giving the key back once the store
+/// recovers, so the key runs (once) instead of answering `outcome-unknown` for ever. Its
+/// give-back used to stop when the lease ended (a review found the key stranded under SQLite
+/// pool exhaustion).
+async fn give_back_outlasting_the_lease<St: IdempotencyStore>(store: St) {
+    let store = Arc::new(Faulty::new(store));
+    let lease = Duration::from_millis(400);
+    *store.pause_after_claim.lock().expect("lock") = Some(Duration::from_millis(300));
+    let effects = Effects::default();
+    let layer = IdempotencyLayer::from_arc(store.clone())
+        .single_tenant()
+        .lease(lease)
+        .on_lease_expiry(LeaseExpiry::Reconcile);
+    let addr = serve(effect_route(layer, effects.clone(), false)).await;
+    let key = unique("give-back-past-lease");
+    let gave_up = hang_up_after(addr, &key, Duration::from_millis(100)).await;
+    assert!(gave_up, "the client hung up during the claim");
+    store.down.store(true, Ordering::SeqCst);
+    *store.pause_after_claim.lock().expect("lock") = None;
+    tokio::time::sleep(lease * 3).await;
+    store.down.store(false, Ordering::SeqCst);
+    let mut answers = Vec::new();
+    let last = common::guard("the key runs again", async {
+        loop {
+            let answer = post_key(addr, &key).await;
+            let status = answer.status();
+            answers.push(status.as_u16());
+            if status != StatusCode::CONFLICT && status != StatusCode::SERVICE_UNAVAILABLE {
+                return status;
+            }
+            assert!(answers.len() < 100, "still refused: {answers:?}");
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    })
+    .await;
+    assert_eq!(last, StatusCode::CREATED, "answers: {answers:?}");
+    assert_eq!(
+        effects.count(),
+        1,
+        "run once, the claim nothing ran under given back"
+    );
+}
+
 /// On a route that cancels on disconnect, a hang-up while the handler runs gives the key back,
 /// and a give-back the store fails once is tried again: the retry runs at once (attempt 2), as
 /// the route promises, instead of finding the key in flight for the rest of a 30 s lease.
@@ -1456,6 +1503,7 @@ on_every_store! {
     s15_2_a_handler_blocking_its_thread_keeps_its_lease => blocking_handler_keeps_its_lease, "faults_blocking";
     s15_4_a_hang_up_during_the_claim_leaves_nothing_stuck => hang_up_during_claim, "faults_hangup";
     s15_4_a_failed_give_back_is_tried_again => hang_up_during_claim_first_give_back_fails, "faults_give_back";
+    s15_4_a_give_back_failing_past_the_lease_never_strands_the_key => give_back_outlasting_the_lease, "faults_give_back_lease";
     s15_5_a_resolved_outcome_is_final => resolution_is_final, "faults_resolved";
     s15_9_the_fault_matrix => fault_matrix, "faults_matrix";
 }
