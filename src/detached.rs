@@ -27,7 +27,8 @@ static IDLE: Notify = Notify::const_new();
 /// run whose client left has recorded its outcome (or given its key back), every write after a
 /// run has landed or given up. Call it after the server's graceful shutdown, before the runtime
 /// ends; bound it with a timeout of your own (a write to a store that is down is tried until
-/// the lease it keeps would be taken over).
+/// the store answers: a record until it lands, a give-back until it lands or a read shows the
+/// key is no longer its holder's).
 pub async fn finished() {
     loop {
         // Made before the count is read: a wake-up between the two is not lost.

@@ -113,12 +113,27 @@ pub(super) async fn give_back_paced<St: IdempotencyStore>(
         let left = ends.saturating_duration_since(tokio::time::Instant::now());
         let at_most = match until {
             Until::LeaseEnds if !left.is_zero() => left,
-            Until::LeaseEnds if !lapsed => {
-                lapsed = true;
-                tracing::warn!(%error, "could not give back {what} within its lease; trying on");
+            Until::LeaseEnds => {
+                if !lapsed {
+                    lapsed = true;
+                    tracing::warn!(%error, "could not give back {what} within its lease; trying on");
+                }
+                // Past the lease the next claim decides: a read tells whether anything is
+                // left to give (a release that fails or hangs cannot tell a takeover).
+                match whose(store, key, token, retry.each()).await {
+                    Ok(Whose::InFlight { .. }) | Err(_) => {}
+                    Ok(Whose::SetAside {
+                        effect_started: false,
+                        ..
+                    }) => {
+                        give_back_set_aside_paced(store, key, token, retry, TakenOver::Quiet).await;
+                        return;
+                    }
+                    Ok(Whose::SetAside { .. } | Whose::Theirs | Whose::Settled) => return,
+                }
                 Duration::MAX
             }
-            Until::LeaseEnds | Until::Lands => Duration::MAX,
+            Until::Lands => Duration::MAX,
         };
         tracing::debug!(%error, "could not give back {what}; trying again");
         retry.pause(at_most).await;
@@ -134,8 +149,9 @@ pub(super) async fn give_back_paced<St: IdempotencyStore>(
 /// operator's or a reconciler's resolution that came first stands. Tried again while the store
 /// fails (a key set aside has no lease to bound it), until the record is given back or is no
 /// longer this holder's to give; whether it gave the key back. A key found still in flight
-/// under the token (the store fenced by mistake) is released instead: until a release lands,
-/// or, where nothing renews the lease, until it runs out and the next claim decides.
+/// under the token (the store fenced by mistake) is released instead, its lease running or
+/// run out: until a release lands or a read shows the key set aside (then given back as
+/// above) or no longer this holder's.
 pub(crate) async fn give_back_set_aside<St: IdempotencyStore>(
     store: &St,
     key: &ScopedKey,
@@ -202,7 +218,7 @@ pub(super) enum TakenOver {
 enum Found {
     /// Nothing more to do: whether the holder gave the key back.
     Settled(bool),
-    /// The key is still in flight under the holder's token, its lease not yet run out.
+    /// The key is still in flight under the holder's token (its lease running or run out).
     InFlight,
 }
 
@@ -215,11 +231,10 @@ async fn set_aside_once<St: IdempotencyStore>(
     each: Duration,
 ) -> Result<Found, StoreError> {
     let expires_at = match whose(store, key, token, each).await? {
-        // Once its lease has run out (nothing renews it), the next claim decides, as after a
-        // crash; which, on a route that reconciles, sets it aside for the next read here.
-        Whose::InFlight { lease_until } if lease_until > SystemTime::now() => {
-            return Ok(Found::InFlight);
-        }
+        // Still this holder's, its lease running or run out with nobody come for it: given
+        // back as a release in time would have (stopping here left a key nothing ran under to
+        // be set aside by the next claim on a route that reconciles, for ever).
+        Whose::InFlight { .. } => return Ok(Found::InFlight),
         Whose::SetAside {
             effect_started: false,
             expires_at,
