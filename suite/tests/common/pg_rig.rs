@@ -35,11 +35,14 @@ pub async fn pool(app: &str, max: u32, settings: &[(&str, &str)]) -> PgPool {
         .expect("pool")
 }
 
-/// A migrated store in `table` on `pool`.
+/// A migrated store in `table` on `pool`. Migrated on a pool of the server's defaults: a
+/// test's own session settings (a 1 ms lock timeout) fail the migration lock whenever another
+/// test of the binary migrates at the same moment.
 pub async fn store(pool: PgPool, table: &str) -> PostgresStore {
-    let store = PostgresStore::new(pool).with_table(table).expect("table");
-    store.migrate().await.expect("migrate");
-    store
+    let plain = super::postgres_pool().await.expect("a PostgreSQL pool");
+    let migrating = PostgresStore::new(plain).with_table(table).expect("table");
+    migrating.migrate().await.expect("migrate");
+    PostgresStore::new(pool).with_table(table).expect("table")
 }
 
 /// Effects per key, counted where they happen.
