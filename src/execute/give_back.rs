@@ -90,7 +90,6 @@ pub(super) async fn give_back_paced<St: IdempotencyStore>(
     what: &str,
 ) {
     let ends = tokio::time::Instant::now() + retry.lease();
-    let mut lapsed = false;
     loop {
         let error = match retry.bounded(store.release(key, token)).await {
             Ok(status) => {
@@ -114,24 +113,11 @@ pub(super) async fn give_back_paced<St: IdempotencyStore>(
         let at_most = match until {
             Until::LeaseEnds if !left.is_zero() => left,
             Until::LeaseEnds => {
-                if !lapsed {
-                    lapsed = true;
-                    tracing::warn!(%error, "could not give back {what} within its lease; trying on");
-                }
-                // Past the lease the next claim decides: a read tells whether anything is
-                // left to give (a release that fails or hangs cannot tell a takeover).
-                match whose(store, key, token, retry.each()).await {
-                    Ok(Whose::InFlight { .. }) | Err(_) => {}
-                    Ok(Whose::SetAside {
-                        effect_started: false,
-                        ..
-                    }) => {
-                        give_back_set_aside_paced(store, key, token, retry, TakenOver::Quiet).await;
-                        return;
-                    }
-                    Ok(Whose::SetAside { .. } | Whose::Theirs | Whose::Settled) => return,
-                }
-                Duration::MAX
+                tracing::warn!(%error, "could not give back {what} within its lease; trying on");
+                // Past the lease the next claim decides, and a release that fails or hangs
+                // cannot tell a takeover: each try reads the record first.
+                give_back_set_aside_paced(store, key, token, retry, TakenOver::Lapsed).await;
+                return;
             }
             Until::Lands => Duration::MAX,
         };
@@ -178,12 +164,16 @@ pub(super) async fn give_back_set_aside_paced<St: IdempotencyStore>(
                 }
                 return given;
             }
-            // Fenced by mistake (a store or a proxy that broke the trait's word): the key is
-            // still in flight under this token. It is given back as a release in time would
-            // have; fenced again, it is read again.
+            // Still in flight under this token: its release failed past the lease, or was
+            // fenced by mistake (a store or a proxy that broke the trait's word). It is given
+            // back as a release in time would have; fenced again, it is read again.
             Ok(Found::InFlight) => {
-                observe::count(Event::StoreError);
-                tracing::warn!("a release was fenced, yet the key is still this holder's");
+                if let TakenOver::Lapsed = taken_over {
+                    tracing::debug!("the key is still this holder's past its lease; releasing");
+                } else {
+                    observe::count(Event::StoreError);
+                    tracing::warn!("a release was fenced, yet the key is still this holder's");
+                }
                 match retry.bounded(store.release(key, token)).await {
                     Ok(status) => {
                         released(status);
@@ -204,14 +194,17 @@ pub(super) async fn give_back_set_aside_paced<St: IdempotencyStore>(
     }
 }
 
-/// Whether a fenced release that led to [`give_back_set_aside`] is counted as a stale write once
-/// a read shows the fence was no mistake.
+/// What led to [`give_back_set_aside`]: a fenced release, counted as a stale write once a read
+/// shows the fence was no mistake, or not; or releases failing past the lease.
 #[derive(Clone, Copy)]
 pub(super) enum TakenOver {
-    /// Counted (the execution's own release: its lease was taken over, or set aside).
+    /// Fenced, counted (the execution's own release: its lease was taken over, or set aside).
     Counted,
-    /// Not at all (a give-back of a key nothing ran under).
+    /// Fenced, not counted (a give-back of a key nothing ran under).
     Quiet,
+    /// Not fenced: a give-back of a key nothing ran under whose releases failed until its
+    /// lease ran out. A key found still in flight under the token is no store's mistake then.
+    Lapsed,
 }
 
 /// What [`set_aside_once`] found.
