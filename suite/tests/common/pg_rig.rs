@@ -37,11 +37,15 @@ pub async fn pool(app: &str, max: u32, settings: &[(&str, &str)]) -> PgPool {
 
 /// A migrated store in `table` on `pool`. Migrated on a pool of the server's defaults: a
 /// test's own session settings (a 1 ms lock timeout) fail the migration lock whenever another
-/// test of the binary migrates at the same moment.
+/// test of the binary migrates at the same moment. That pool is closed once it has migrated
+/// (each call opens one: left to drop, its connection lingered while the test ran).
 pub async fn store(pool: PgPool, table: &str) -> PostgresStore {
     let plain = super::postgres_pool().await.expect("a PostgreSQL pool");
-    let migrating = PostgresStore::new(plain).with_table(table).expect("table");
+    let migrating = PostgresStore::new(plain.clone())
+        .with_table(table)
+        .expect("table");
     migrating.migrate().await.expect("migrate");
+    plain.close().await;
     PostgresStore::new(pool).with_table(table).expect("table")
 }
 
