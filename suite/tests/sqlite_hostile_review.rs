@@ -24,6 +24,7 @@ use std::time::Duration;
 use axum::Router;
 use axum::http::StatusCode;
 use axum::routing::post;
+use common::child::Proc;
 use common::{client, problem_type, serve, sqlite_path};
 use sqlx::Connection;
 use tokio::sync::Barrier;
@@ -202,87 +203,14 @@ fn child_mode() -> Option<String> {
     std::env::var(CHILD).ok()
 }
 
-/// A child process of this binary, killed (SIGKILL) when dropped.
-struct Proc {
-    child: Child,
-    lines: std::sync::mpsc::Receiver<String>,
-    addr: Option<SocketAddr>,
-}
-
-impl Proc {
-    /// Runs `test` of this binary as a child in `mode`, with `env`; `wrap` goes before it
-    /// (`sh -c` to ignore SIGXFSZ, `setpriv` to drop root).
-    fn start(test: &str, mode: &str, env: &[(&str, String)], wrap: &[&str]) -> Self {
-        let exe = std::env::current_exe().expect("this binary");
-        let mut command = match wrap.split_first() {
-            Some((first, rest)) => {
-                let mut c = Command::new(first);
-                c.args(rest).arg(&exe);
-                c
-            }
-            None => Command::new(&exe),
-        };
-        command
-            .args([test, "--exact", "--nocapture", "--test-threads=1"])
-            .env(CHILD, mode)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null());
-        for (k, v) in env {
-            command.env(k, v);
-        }
-        let mut child = command.spawn().expect("spawn the child");
-        let stdout = child.stdout.take().expect("stdout");
-        let (tx, lines) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-                if tx.send(line).is_err() {
-                    break;
-                }
-            }
-        });
-        let mut me = Self {
-            child,
-            lines,
-            addr: None,
-        };
-        if mode == "serve" {
-            let line = me.wait_for("LISTENING ").expect("the server's banner");
-            me.addr = line.strip_prefix("LISTENING ").and_then(|a| a.parse().ok());
-            assert!(me.addr.is_some(), "no address in {line:?}");
-        }
-        me
-    }
-
-    fn addr(&self) -> SocketAddr {
-        self.addr.expect("a server")
-    }
-
-    fn pid(&self) -> u32 {
-        self.child.id()
-    }
-
-    /// The first line holding `prefix`, from it on, within 60 s.
-    fn wait_for(&self, prefix: &str) -> Option<String> {
-        let deadline = std::time::Instant::now() + Duration::from_secs(60);
-        while let Some(left) = deadline.checked_duration_since(std::time::Instant::now()) {
-            match self.lines.recv_timeout(left) {
-                // The harness's `test name ... ` has no newline: the banner may follow it.
-                Ok(line) if line.contains(prefix) => {
-                    let at = line.find(prefix).unwrap_or_default();
-                    return Some(line[at..].to_owned());
-                }
-                Ok(_) => {}
-                Err(_) => return None,
-            }
-        }
-        None
-    }
-}
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+/// Runs `test` of this binary as a child in `mode`, with `env`; `wrap` goes before it (`sh -c`
+/// to ignore SIGXFSZ, `setpriv` to drop root). A server (`serve`) is waited for.
+fn start(test: &str, mode: &str, env: &[(&str, String)], wrap: &[&str]) -> Proc {
+    let child = Proc::spawn(test, CHILD, mode, env, wrap);
+    if mode == "serve" {
+        child.listening()
+    } else {
+        child
     }
 }
 
@@ -411,7 +339,7 @@ async fn s7_9_processes_and_pools_racing_one_file_run_each_key_once() {
                 ("SH_WORK_MS", "30"),
             ],
         );
-        children.push(Proc::start(test, "serve", &env, &[]));
+        children.push(start(test, "serve", &env, &[]));
     }
     let batched = SqliteStore::connect(&db)
         .await
@@ -440,7 +368,7 @@ async fn s7_9_processes_and_pools_racing_one_file_run_each_key_once() {
             }));
         }
     }
-    let migrator = Proc::start(test, "migrate", &[("SH_DB", db.clone())], &[]);
+    let migrator = start(test, "migrate", &[("SH_DB", db.clone())], &[]);
     barrier.wait().await;
     let mut statuses: HashMap<u16, usize> = HashMap::new();
     for task in tasks {
@@ -516,7 +444,7 @@ async fn s7_6_a_process_killed_mid_burst_runs_no_key_twice_and_strands_none() {
     let store = SqliteStore::connect(&db).await.expect("connect");
     store.migrate().await.expect("migrate");
     let test = "s7_6_a_process_killed_mid_burst_runs_no_key_twice_and_strands_none";
-    let victim = Proc::start(
+    let victim = start(
         test,
         "serve",
         &serve_env(
@@ -531,7 +459,7 @@ async fn s7_6_a_process_killed_mid_burst_runs_no_key_twice_and_strands_none() {
         ),
         &[],
     );
-    let survivor = Proc::start(
+    let survivor = start(
         test,
         "serve",
         &serve_env(&db, &sink, &[("SH_LEASE_MS", "1000"), ("SH_STARTED", "1")]),
@@ -849,7 +777,7 @@ async fn s4_a_record_that_hits_a_full_disk_is_kept_and_lands_when_space_returns(
     let local = SqliteStore::connect(&db).await.expect("connect");
     local.migrate().await.expect("migrate");
     let test = "s4_a_record_that_hits_a_full_disk_is_kept_and_lands_when_space_returns";
-    let server = Proc::start(
+    let server = start(
         test,
         "serve",
         &serve_env(
@@ -955,7 +883,7 @@ async fn s1_6_a_database_made_read_only_under_a_running_server_fails_closed() {
     chmod(&sink, 0o666);
     let db = url_of(&path);
     let test = "s1_6_a_database_made_read_only_under_a_running_server_fails_closed";
-    let server = Proc::start(
+    let server = start(
         test,
         "serve",
         &serve_env(&db, &sink, &[("SH_MIGRATE", "1"), ("SH_WORK_MS", "200")]),
@@ -1085,7 +1013,7 @@ async fn s1_6_connections_opened_on_a_read_only_file_do_not_outlive_it() {
         PathBuf::from(format!("{}-wal", path.display())),
         PathBuf::from(format!("{}-shm", path.display())),
     ];
-    let server = Proc::start(
+    let server = start(
         "s1_6_connections_opened_on_a_read_only_file_do_not_outlive_it",
         "serve",
         &serve_env(&db, &sink, &[("SH_MIGRATE", "1"), ("SH_WORK_MS", "50")]),
@@ -2049,7 +1977,7 @@ async fn s7_9_a_probe_in_one_server_never_lets_another_servers_claim_be_lost() {
         .await
         .expect("the app's table");
     let a = serve(app(store.clone(), sink.clone(), plain_settings())).await;
-    let b = Proc::start(
+    let b = start(
         "s7_9_a_probe_in_one_server_never_lets_another_servers_claim_be_lost",
         "serve",
         &serve_env(&db, &sink, &[]),
@@ -2144,7 +2072,7 @@ async fn s7_10_a_cli_lock_while_the_pool_grows_never_splits_the_wal() {
     let key = format!("{run}-k");
     let first = send(a, &key, "k").await;
     assert_eq!(first.status, 201, "{first:?}");
-    let b = Proc::start(
+    let b = start(
         "s7_10_a_cli_lock_while_the_pool_grows_never_splits_the_wal",
         "serve",
         &serve_env(&db, &sink, &[]),
@@ -2260,7 +2188,7 @@ async fn s1_6_wal_and_shm_read_only_under_a_held_lock_strand_nothing() {
     std::fs::write(&sink, b"").expect("sink");
     chmod(&sink, 0o666);
     let db = url_of(&path);
-    let server = Proc::start(
+    let server = start(
         "s1_6_wal_and_shm_read_only_under_a_held_lock_strand_nothing",
         "serve",
         &serve_env(&db, &sink, &[("SH_MIGRATE", "1"), ("SH_WORK_MS", "50")]),

@@ -36,6 +36,7 @@ use std::time::Duration;
 use axum::Router;
 use axum::http::{HeaderMap, HeaderValue, StatusCode};
 use axum::routing::post;
+use common::child::Proc;
 use common::{client, guard, serve, sqlite_path};
 use tokio::sync::Barrier;
 use tower_idempotency::store::{Batching, Milestone, SqliteStore, StoredResponse};
@@ -290,81 +291,14 @@ fn child_mode() -> bool {
     std::env::var(CHILD).is_ok()
 }
 
-/// A child server process of this binary, killed (SIGKILL) when dropped.
-struct Proc {
-    child: Child,
-    lines: std::sync::mpsc::Receiver<String>,
-    addr: Option<SocketAddr>,
+/// Runs `test` of this binary as a child server with `env`; does not wait for it.
+fn spawn(test: &str, env: &[(&str, String)]) -> Proc {
+    Proc::spawn(test, CHILD, "serve", env, &[])
 }
 
-impl Proc {
-    /// Runs `test` of this binary as a child server with `env`; does not wait for it.
-    fn spawn(test: &str, env: &[(&str, String)]) -> Self {
-        let exe = std::env::current_exe().expect("this binary");
-        let mut command = Command::new(&exe);
-        command
-            .args([test, "--exact", "--nocapture", "--test-threads=1"])
-            .env(CHILD, "serve")
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null());
-        for (k, v) in env {
-            command.env(k, v);
-        }
-        let mut child = command.spawn().expect("spawn the child");
-        let stdout = child.stdout.take().expect("stdout");
-        let (tx, lines) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-                if tx.send(line).is_err() {
-                    break;
-                }
-            }
-        });
-        Self {
-            child,
-            lines,
-            addr: None,
-        }
-    }
-
-    /// Waits (up to 60 s) for the server's banner.
-    fn listening(mut self) -> Self {
-        let line = self.wait_for("LISTENING ").expect("the server's banner");
-        self.addr = line.strip_prefix("LISTENING ").and_then(|a| a.parse().ok());
-        assert!(self.addr.is_some(), "no address in {line:?}");
-        self
-    }
-
-    fn start(test: &str, env: &[(&str, String)]) -> Self {
-        Self::spawn(test, env).listening()
-    }
-
-    fn addr(&self) -> SocketAddr {
-        self.addr.expect("a server")
-    }
-
-    /// The first line holding `prefix`, from it on, within 60 s.
-    fn wait_for(&self, prefix: &str) -> Option<String> {
-        let deadline = std::time::Instant::now() + Duration::from_secs(60);
-        while let Some(left) = deadline.checked_duration_since(std::time::Instant::now()) {
-            match self.lines.recv_timeout(left) {
-                Ok(line) if line.contains(prefix) => {
-                    let at = line.find(prefix).unwrap_or_default();
-                    return Some(line[at..].to_owned());
-                }
-                Ok(_) => {}
-                Err(_) => return None,
-            }
-        }
-        None
-    }
-}
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
+/// [`spawn`], waiting (up to 60 s) for the server's banner.
+fn start(test: &str, env: &[(&str, String)]) -> Proc {
+    spawn(test, env).listening()
 }
 
 fn child_env(db: &str, sink: &Path, s: Settings, batch: bool) -> Vec<(&'static str, String)> {
@@ -620,7 +554,7 @@ async fn s4_app_transactions_exhausting_the_pool_never_run_a_key_twice_nor_stran
     };
     let store = SqliteStore::connect(&db).await.expect("connect");
     let a = serve(app(store, sink.clone(), s)).await;
-    let b = Proc::start(test, &child_env(&db, &sink, s, false));
+    let b = start(test, &child_env(&db, &sink, s, false));
     let b = b.addr();
     let run = unique("own-tx");
     let keys: Vec<(String, SocketAddr, SocketAddr, String)> = (0..16)
@@ -699,8 +633,8 @@ async fn s7_9_hundreds_of_keys_over_fresh_lazy_pools_in_four_servers_run_each_on
         .await
         .expect("connect")
         .with_batching(Batching::default());
-    let c1 = Proc::start(test, &child_env(&db, &sink, s, false));
-    let c2 = Proc::start(test, &child_env(&db, &sink, s, true));
+    let c1 = start(test, &child_env(&db, &sink, s, false));
+    let c2 = start(test, &child_env(&db, &sink, s, true));
     let servers = [
         serve(app(plain, sink.clone(), s)).await,
         serve(app(batched, sink.clone(), s)).await,
@@ -834,7 +768,7 @@ async fn cli_lock_on_lazy_pools(test: &str, hold: Duration) {
         s,
     ))
     .await;
-    let z = Proc::start(test, &child_env(&db, &sink, s, false));
+    let z = start(test, &child_env(&db, &sink, s, false));
     let z = z.addr();
     let run = unique("cli");
     let warm = format!("{run}-warm");
@@ -972,7 +906,7 @@ async fn s1_6_connect_under_a_lock_held_past_the_busy_timeout_then_serves() {
         return;
     };
     let locked_at = tokio::time::Instant::now();
-    let child = Proc::spawn(test, &child_env(&db, &sink, s, true));
+    let child = spawn(test, &child_env(&db, &sink, s, true));
     let store = guard("connect under the lock", SqliteStore::connect(&db))
         .await
         .expect("connect while another process holds the write lock past the busy timeout");

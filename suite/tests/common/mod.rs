@@ -3,6 +3,7 @@
 #![allow(dead_code, unreachable_pub, missing_docs)]
 
 pub mod batching;
+pub mod child;
 pub mod counts;
 pub mod faulty;
 pub mod forward;
