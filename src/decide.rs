@@ -124,6 +124,29 @@ pub(crate) fn decide(
     }
 }
 
+/// The fingerprint to claim the key again with, when the claim found a record this request
+/// may take (released, or in flight under a lease run out) whose fingerprint another scheme
+/// made from the same input: another version of this crate, or a replica whose fingerprint
+/// settings differ only in what this request does not have (a canonicaliser for another media
+/// type). A store compares all 32 bytes, so it takes over (or sets aside, on a route that
+/// reconciles) only a record of the claim's own bytes: without this, such a key was answered
+/// "in flight" until its record expired, a day by default, after every rolling deploy that
+/// changed a route's settings or the crate. The record keeps the bytes it was claimed with, so
+/// a later request of other input is told of a mismatch across schemes (`safe_new_key: false`).
+pub(crate) fn adopt(claim: &Claim, fingerprint: &Fingerprint) -> Option<Fingerprint> {
+    let Claim::Existing { record, now } = claim else {
+        return None;
+    };
+    let claimable = match record.status {
+        RecordStatus::Released => true,
+        RecordStatus::InProgress => record.lease_until <= *now,
+        RecordStatus::Completed | RecordStatus::NeedsReconciliation => false,
+    };
+    let theirs = &record.fingerprint;
+    (claimable && theirs != fingerprint && theirs.same_input(fingerprint))
+        .then(|| theirs.with_body_as_sent(fingerprint.body_as_sent()))
+}
+
 /// A completed record's answer: its response for the request that recorded it, a mismatch
 /// for any other.
 fn completed(
@@ -320,6 +343,50 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// §2 (a released record is claimable again) and §4 (a lapsed lease is taken over or set
+    /// aside) across fingerprint schemes: a record another scheme made from the same input is
+    /// adopted (claimed again with its bytes, the hint kept) only where a claim may take it;
+    /// never a live lease, an outcome, a record of other input, or the claim's own bytes.
+    #[test]
+    fn another_schemes_claimable_record_of_the_same_input_is_adopted() {
+        let live = SystemTime::UNIX_EPOCH;
+        let later = live + Duration::from_secs(1);
+        // The record's fingerprint is `[1; 32]`: the same input under another scheme.
+        let mut same_input = [1; 32];
+        same_input[..4].copy_from_slice(&[9; 4]);
+        let ours = Fingerprint::from_bytes(same_input).with_body_as_sent(true);
+        let theirs = Fingerprint::from_bytes([1; 32]);
+        for (status, now, adopted) in [
+            (RecordStatus::Released, live, true),
+            (RecordStatus::InProgress, live, true),
+            (
+                RecordStatus::InProgress,
+                live - Duration::from_millis(1),
+                false,
+            ),
+            (RecordStatus::NeedsReconciliation, later, false),
+        ] {
+            let claim = Claim::existing(record(status, None), now);
+            let got = adopt(&claim, &ours);
+            assert_eq!(got.is_some(), adopted, "{status:?} at {now:?}");
+            if let Some(got) = got {
+                assert_eq!(got, theirs);
+                assert!(got.body_as_sent(), "the hint is the request's");
+            }
+            // Its own bytes, or other input: the store's answer stands.
+            assert!(adopt(&claim, &theirs).is_none());
+            assert!(adopt(&claim, &Fingerprint::from_bytes([2; 32])).is_none());
+        }
+        let completed = Claim::existing(record(RecordStatus::Completed, Some(response())), later);
+        assert!(adopt(&completed, &ours).is_none());
+        let won = Lease {
+            token: FencingToken::new(2),
+            attempt: 1,
+            until: later,
+        };
+        assert!(adopt(&Claim::Acquired(won), &ours).is_none());
     }
 
     /// A store written before `Claim::Completed` that reports a completed record whole still

@@ -14,7 +14,7 @@ use tracing::Instrument;
 
 use crate::body::{RequestBody, ResponseBody};
 use crate::context::IdempotencyContext;
-use crate::decide::{Decision, busy, ceil_secs, decide};
+use crate::decide::{Decision, adopt, busy, ceil_secs, decide};
 use crate::dialect::grpc::read_unary;
 use crate::dialect::http::{Admitted, Reading, buffer, refuse_body};
 use crate::dialect::{self, Dialect, Head, Refusal};
@@ -334,7 +334,7 @@ impl<St: IdempotencyStore, M: MakeScope> Pipeline<St, M> {
 
             // 5–6. Claim, and decide; on routes that wait, an in-flight key is claimed again as
             // its holder finishes, until it replays, runs here (released) or the wait is over.
-            let request = ClaimRequest {
+            let mut request = ClaimRequest {
                 key,
                 fingerprint,
                 lease: route.lease,
@@ -350,6 +350,8 @@ impl<St: IdempotencyStore, M: MakeScope> Pipeline<St, M> {
             // The holder seen before a wait for a change that came back before its round's
             // polling pause (see below).
             let mut early: Option<FencingToken> = None;
+            // Whether the claim has taken another scheme's fingerprint (see `adopt`): once.
+            let mut adopted = false;
             let lease = loop {
                 // Seen to its end even if this request is dropped meanwhile (see `ClaimToEnd`).
                 // A record locked by a transaction is answered at once, and not noted in its
@@ -370,6 +372,15 @@ impl<St: IdempotencyStore, M: MakeScope> Pipeline<St, M> {
                     ClaimToEnd::new(self.keeper.store(), &request, woken).await
                 };
                 let (decision, noted) = match claimed {
+                    // Another scheme's record of this same request that this one may claim:
+                    // claimed again with its bytes, which the store compares.
+                    Ok(claim)
+                        if !adopted && let Some(theirs) = adopt(&claim, &request.fingerprint) =>
+                    {
+                        adopted = true;
+                        request.fingerprint = theirs;
+                        continue;
+                    }
                     Ok(claim) => {
                         let window = route.window.p99();
                         let decided = decide(

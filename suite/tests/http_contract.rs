@@ -14,8 +14,10 @@ use axum::routing::post;
 use common::{Effects, FlakyStore, TestClock, client, problem, problem_type, serve};
 use serde_json::{Value, json};
 use tokio::sync::{Barrier, Notify};
-use tower_idempotency::store::ScopedKey;
-use tower_idempotency::{IdempotencyContext, IdempotencyLayer, IdempotencyStore, MemoryStore};
+use tower_idempotency::store::{Claim, ClaimRequest, RecordStatus, ScopedKey};
+use tower_idempotency::{
+    IdempotencyContext, IdempotencyLayer, IdempotencyStore, LeaseExpiry, MalformedBody, MemoryStore,
+};
 
 /// A ticket endpoint: counts one effect per execution and answers 201 with the ticket number.
 fn tickets(effects: Effects, delay: Duration) -> Router {
@@ -1039,4 +1041,185 @@ async fn s1_a_route_that_waits_replays_the_first_outcome_instead_of_409() {
     );
     assert_eq!(first.await.expect("task").status(), StatusCode::CREATED);
     assert_eq!(effects.count(), 2);
+}
+
+// ---- §2 / §4 across fingerprint schemes: a rolling deploy -------------------------------------
+
+/// A replica of `/tickets` on `store`: with `other_settings`, a canonicaliser for a media type
+/// these requests never have (its fingerprints name another scheme, over the same input, as a
+/// replica of another version or configuration does). Its handler counts an effect and answers
+/// `status`.
+fn replica<St: IdempotencyStore>(
+    store: St,
+    other_settings: bool,
+    expiry: LeaseExpiry,
+    effects: Effects,
+    status: StatusCode,
+) -> Router {
+    fn raw(body: &[u8]) -> Result<Vec<u8>, MalformedBody> {
+        Ok(body.to_vec())
+    }
+    let mut layer = IdempotencyLayer::new(store)
+        .single_tenant()
+        .on_lease_expiry(expiry);
+    if other_settings {
+        layer = layer.canonicalize("application/x-never-sent", raw);
+    }
+    Router::new()
+        .route(
+            "/tickets",
+            post(move || async move { (status, format!("effect {}", effects.hit())) }),
+        )
+        .layer(layer)
+}
+
+/// DESIGN §2 (a released record is claimable again) and §4 (a lease run out is taken over, or
+/// set aside on a route that reconciles), across a rolling deploy: a record left by a replica
+/// whose fingerprints name another scheme, for the same request, is claimed as one of this
+/// replica's own. A store compares all 32 bytes of a fingerprint; before the layer claimed
+/// again with the record's bytes, every retry of such a key was answered 409 "in flight" until
+/// the record expired (a day by default). Effects counted at the sinks.
+async fn another_schemes_records_are_claimed<St: IdempotencyStore + Clone>(store: St) {
+    let body = r#"{"amount":10}"#;
+    let (old_effects, new_effects) = (Effects::default(), Effects::default());
+    let old_ok = serve(replica(
+        store.clone(),
+        true,
+        LeaseExpiry::Reclaim,
+        old_effects.clone(),
+        StatusCode::CREATED,
+    ))
+    .await;
+    let old_failing = serve(replica(
+        store.clone(),
+        true,
+        LeaseExpiry::Reclaim,
+        old_effects.clone(),
+        StatusCode::SERVICE_UNAVAILABLE,
+    ))
+    .await;
+    let new = |expiry| {
+        serve(replica(
+            store.clone(),
+            false,
+            expiry,
+            new_effects.clone(),
+            StatusCode::CREATED,
+        ))
+    };
+    let (reclaiming, reconciling) = (
+        new(LeaseExpiry::Reclaim).await,
+        new(LeaseExpiry::Reconcile).await,
+    );
+
+    // The old replica's fingerprint of this request, read from a record it completed.
+    let seen = common::raw::unique("scheme-seen");
+    assert_eq!(
+        post_ticket(old_ok, &seen, body).await.status(),
+        StatusCode::CREATED
+    );
+    let theirs = store
+        .lookup(&ScopedKey::new("", &seen))
+        .await
+        .expect("lookup")
+        .expect("the record")
+        .fingerprint;
+    // The same request is replayed by the new replica (the fingerprints' input is the same).
+    let replayed = post_ticket(reclaiming, &seen, body).await;
+    assert_eq!(replayed.status(), StatusCode::CREATED);
+    assert_eq!(replayed.headers()["idempotency-replayed"], "true");
+
+    // Released by the old replica (a 503 is not recorded): the new one runs it, once.
+    let released = common::raw::unique("scheme-released");
+    let first = post_ticket(old_failing, &released, body).await;
+    assert_eq!(first.status(), StatusCode::SERVICE_UNAVAILABLE);
+    let record = store
+        .lookup(&ScopedKey::new("", &released))
+        .await
+        .expect("lookup");
+    assert!(
+        record
+            .as_ref()
+            .is_none_or(|r| r.status == RecordStatus::Released),
+        "released: {record:?}"
+    );
+    let retry = post_ticket(reclaiming, &released, body).await;
+    assert_eq!(
+        retry.status(),
+        StatusCode::CREATED,
+        "claimed again, run here"
+    );
+    assert!(
+        retry.headers().get("idempotency-replayed").is_none(),
+        "live"
+    );
+    assert_eq!(new_effects.count(), 1);
+    let again = post_ticket(reclaiming, &released, body).await;
+    assert_eq!(again.headers()["idempotency-replayed"], "true");
+    assert_eq!(new_effects.count(), 1, "never twice");
+
+    // Held by an old replica that died (its lease runs out): taken over where the route
+    // reclaims, set aside where it reconciles; never "in flight" for ever.
+    for (addr, expiry) in [
+        (reclaiming, LeaseExpiry::Reclaim),
+        (reconciling, LeaseExpiry::Reconcile),
+    ] {
+        let key = common::raw::unique("scheme-lapsed");
+        let claim = ClaimRequest {
+            key: ScopedKey::new("", &key),
+            fingerprint: theirs,
+            lease: Duration::from_millis(300),
+            ttl: Duration::from_secs(60),
+            on_lease_expiry: expiry,
+        };
+        let claimed = store.claim(&claim).await.expect("claim");
+        assert!(matches!(claimed, Claim::Acquired(_)), "{claimed:?}");
+        tokio::time::sleep(Duration::from_millis(800)).await;
+        let before = new_effects.count();
+        let retry = post_ticket(addr, &key, body).await;
+        match expiry {
+            LeaseExpiry::Reclaim => {
+                assert_eq!(retry.status(), StatusCode::CREATED, "taken over, run here");
+                assert_eq!(new_effects.count(), before + 1);
+            }
+            _ => {
+                assert_eq!(retry.status(), StatusCode::CONFLICT);
+                assert_eq!(
+                    problem(retry).await["type"],
+                    problem_type("outcome-unknown"),
+                    "set aside, not in flight"
+                );
+                assert_eq!(new_effects.count(), before, "nothing run");
+            }
+        }
+    }
+    assert_eq!(old_effects.count(), 2, "the old replica's two runs");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s2_s4_another_schemes_records_are_claimed_on_memory() {
+    another_schemes_records_are_claimed(MemoryStore::new()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s2_s4_another_schemes_records_are_claimed_on_sqlite() {
+    let (store, path) = common::sqlite("contract-schemes").await;
+    another_schemes_records_are_claimed(store).await;
+    let _ = std::fs::remove_file(path);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s2_s4_another_schemes_records_are_claimed_on_postgres() {
+    let Some(store) = common::postgres("contract_schemes").await else {
+        return;
+    };
+    another_schemes_records_are_claimed(store).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s2_s4_another_schemes_records_are_claimed_on_redis() {
+    let Some(store) = common::redis("contract-schemes").await else {
+        return;
+    };
+    another_schemes_records_are_claimed(store).await;
 }
