@@ -350,8 +350,6 @@ impl<St: IdempotencyStore, M: MakeScope> Pipeline<St, M> {
             // The holder seen before a wait for a change that came back before its round's
             // polling pause (see below).
             let mut early: Option<FencingToken> = None;
-            // Whether the claim has taken another scheme's fingerprint (see `adopt`): once.
-            let mut adopted = false;
             let lease = loop {
                 // Seen to its end even if this request is dropped meanwhile (see `ClaimToEnd`).
                 // A record locked by a transaction is answered at once, and not noted in its
@@ -373,11 +371,11 @@ impl<St: IdempotencyStore, M: MakeScope> Pipeline<St, M> {
                 };
                 let (decision, noted) = match claimed {
                     // Another scheme's record of this same request that this one may claim:
-                    // claimed again with its bytes, which the store compares.
-                    Ok(claim)
-                        if !adopted && let Some(theirs) = adopt(&claim, &request.fingerprint) =>
-                    {
-                        adopted = true;
+                    // claimed again with its bytes, which the store compares. Whenever they
+                    // differ from the claim's: a record given back meanwhile under this
+                    // scheme's bytes is claimed with them again. A store changes a record's
+                    // bytes only with a fresh claim, so this follows other requests' progress.
+                    Ok(claim) if let Some(theirs) = adopt(&claim, &request.fingerprint) => {
                         request.fingerprint = theirs;
                         continue;
                     }

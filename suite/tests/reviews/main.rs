@@ -45,6 +45,7 @@ mod s33_foreign_records_review;
 mod s33_replica_skew_review;
 mod s33_schemes_review;
 mod s33_transport_review;
+mod scheme_adoption_review;
 mod store_error_variants_review;
 mod todays_fixes_review2;
 mod tonic_composition_review;
