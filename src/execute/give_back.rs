@@ -186,6 +186,17 @@ pub(super) async fn give_back_set_aside_paced<St: IdempotencyStore>(
                     Err(error) => error,
                 }
             }
+            // Past its lease a give-back that cannot read the record releases all the same, as
+            // before its lease ran out: fenced, a release leaves a takeover standing.
+            Err(error) if matches!(taken_over, TakenOver::Lapsed) => {
+                match retry.bounded(store.release(key, token)).await {
+                    Ok(status) => {
+                        released(status);
+                        return true;
+                    }
+                    Err(_) => error,
+                }
+            }
             Err(error) => error,
         };
         observe::count(Event::StoreError);

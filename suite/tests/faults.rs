@@ -447,6 +447,57 @@ async fn give_back_outlasting_the_lease<St: IdempotencyStore>(store: St) {
     );
 }
 
+/// A give-back past its lease that cannot read the record (every `lookup` fails, writes land)
+/// still releases the key it holds: a release is fenced, so it cannot undo a takeover. A
+/// give-back that released only after a read answered left the key in flight under its dead
+/// claim for as long as reads failed, and a retry on this `Reconcile` route then set it aside.
+/// Read from the inner store: the release lands while lookups through the layer's store fail;
+/// then the retry runs once.
+async fn give_back_past_the_lease_without_reads<St: IdempotencyStore>(store: St) {
+    let store = Arc::new(Faulty::new(store));
+    let lease = Duration::from_millis(400);
+    *store.pause_after_claim.lock().expect("lock") = Some(Duration::from_millis(300));
+    let effects = Effects::default();
+    let layer = IdempotencyLayer::from_arc(store.clone())
+        .single_tenant()
+        .lease(lease)
+        .on_lease_expiry(LeaseExpiry::Reconcile);
+    let addr = serve(effect_route(layer, effects.clone(), false)).await;
+    let key = unique("give-back-no-reads");
+    let gave_up = hang_up_after(addr, &key, Duration::from_millis(100)).await;
+    assert!(gave_up, "the client hung up during the claim");
+    store.down.store(true, Ordering::SeqCst);
+    *store.pause_after_claim.lock().expect("lock") = None;
+    tokio::time::sleep(lease * 3).await;
+    store.fail_lookup.store(true, Ordering::SeqCst);
+    store.down.store(false, Ordering::SeqCst);
+    let scoped = ScopedKey::new("", &key);
+    common::guard("the key given back without a read", async {
+        loop {
+            let record = store.inner.lookup(&scoped).await.expect("lookup");
+            match record {
+                Some(r) if r.status == RecordStatus::InProgress => {
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+                other => {
+                    assert!(
+                        other
+                            .as_ref()
+                            .is_none_or(|r| r.status == RecordStatus::Released),
+                        "given back, never set aside: {other:?}"
+                    );
+                    return;
+                }
+            }
+        }
+    })
+    .await;
+    store.fail_lookup.store(false, Ordering::SeqCst);
+    let answer = post_key(addr, &key).await;
+    assert_eq!(answer.status(), StatusCode::CREATED);
+    assert_eq!(effects.count(), 1, "run once, by the retry");
+}
+
 /// On a route that cancels on disconnect, a hang-up while the handler runs gives the key back,
 /// and a give-back the store fails once is tried again: the retry runs at once (attempt 2), as
 /// the route promises, instead of finding the key in flight for the rest of a 30 s lease.
@@ -1504,6 +1555,7 @@ on_every_store! {
     s15_4_a_hang_up_during_the_claim_leaves_nothing_stuck => hang_up_during_claim, "faults_hangup";
     s15_4_a_failed_give_back_is_tried_again => hang_up_during_claim_first_give_back_fails, "faults_give_back";
     s15_4_a_give_back_failing_past_the_lease_never_strands_the_key => give_back_outlasting_the_lease, "faults_give_back_lease";
+    s15_4_a_give_back_past_the_lease_releases_without_reads => give_back_past_the_lease_without_reads, "faults_give_back_no_reads";
     s15_5_a_resolved_outcome_is_final => resolution_is_final, "faults_resolved";
     s15_9_the_fault_matrix => fault_matrix, "faults_matrix";
 }

@@ -44,6 +44,8 @@ pub struct Faulty<S> {
     pub at_step: Option<Arc<dyn Fn(&'static str) + Send + Sync>>,
     /// Only `list_uncertain` fails while set.
     pub fail_list: Arc<AtomicBool>,
+    /// Only `lookup` fails while set (a record that cannot be read, writes that land).
+    pub fail_lookup: Arc<AtomicBool>,
     /// While set, `wait_for_change` is the inner store's (woken); else the trait's default
     /// (polling), as a store that does not implement it.
     pub wake: Arc<AtomicBool>,
@@ -72,6 +74,7 @@ impl<S> Faulty<S> {
             pause_before_complete: Arc::default(),
             at_step: None,
             fail_list: Arc::default(),
+            fail_lookup: Arc::default(),
             wake: Arc::default(),
         }
     }
@@ -198,6 +201,9 @@ impl<S: IdempotencyStore> IdempotencyStore for Faulty<S> {
 
     async fn lookup(&self, key: &ScopedKey) -> Result<Option<Record>, StoreError> {
         self.read("lookup")?;
+        if self.fail_lookup.load(Ordering::SeqCst) {
+            return Err(injected("lookup"));
+        }
         self.inner.lookup(key).await
     }
 
