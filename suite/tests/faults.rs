@@ -400,15 +400,13 @@ async fn hang_up_during_claim_with<St: IdempotencyStore>(store: St, fail_first_r
     assert_eq!(effects.count(), 1);
 }
 
-/// DESIGN §1.6 (a 503 means nothing ran: retry with the same key) and §4: a claim answered
-/// late is dropped by its request (the client hung up), and the store then fails every write
-/// for three leases, so the give-back of that claim cannot land within its lease. On this
-/// `Reconcile` route a retry after the lease would set the key aside (it cannot know that
-/// nothing ran); the holder, which knows, must go on giving the key back once the store
-/// recovers, so the key runs (once) instead of answering `outcome-unknown` for ever. Its
-/// give-back used to stop when the lease ended (a review found the key stranded under SQLite
-/// pool exhaustion).
-async fn give_back_outlasting_the_lease<St: IdempotencyStore>(store: St) {
+/// On a `Reconcile` route with a 400 ms lease: a claim answered late (300 ms), dropped by its
+/// client's hang-up, and the store down for three leases, so that its give-back cannot land
+/// within the lease. The store is left down.
+async fn outage_after_a_dropped_late_claim<St: IdempotencyStore>(
+    store: St,
+    name: &str,
+) -> (Arc<Faulty<St>>, SocketAddr, String, Effects) {
     let store = Arc::new(Faulty::new(store));
     let lease = Duration::from_millis(400);
     *store.pause_after_claim.lock().expect("lock") = Some(Duration::from_millis(300));
@@ -418,12 +416,25 @@ async fn give_back_outlasting_the_lease<St: IdempotencyStore>(store: St) {
         .lease(lease)
         .on_lease_expiry(LeaseExpiry::Reconcile);
     let addr = serve(effect_route(layer, effects.clone(), false)).await;
-    let key = unique("give-back-past-lease");
+    let key = unique(&format!("give-back-{name}"));
     let gave_up = hang_up_after(addr, &key, Duration::from_millis(100)).await;
     assert!(gave_up, "the client hung up during the claim");
     store.down.store(true, Ordering::SeqCst);
     *store.pause_after_claim.lock().expect("lock") = None;
     tokio::time::sleep(lease * 3).await;
+    (store, addr, key, effects)
+}
+
+/// DESIGN §1.6 (a 503 means nothing ran: retry with the same key) and §4: a claim answered
+/// late is dropped by its request (the client hung up), and the store then fails every write
+/// for three leases, so the give-back of that claim cannot land within its lease. On this
+/// `Reconcile` route a retry after the lease would set the key aside (it cannot know that
+/// nothing ran); the holder, which knows, must go on giving the key back once the store
+/// recovers, so the key runs (once) instead of answering `outcome-unknown` for ever. Its
+/// give-back used to stop when the lease ended (a review found the key stranded under SQLite
+/// pool exhaustion).
+async fn give_back_outlasting_the_lease<St: IdempotencyStore>(store: St) {
+    let (store, addr, key, effects) = outage_after_a_dropped_late_claim(store, "past-lease").await;
     store.down.store(false, Ordering::SeqCst);
     let mut answers = Vec::new();
     let last = common::guard("the key runs again", async {
@@ -454,21 +465,7 @@ async fn give_back_outlasting_the_lease<St: IdempotencyStore>(store: St) {
 /// Read from the inner store: the release lands while lookups through the layer's store fail;
 /// then the retry runs once.
 async fn give_back_past_the_lease_without_reads<St: IdempotencyStore>(store: St) {
-    let store = Arc::new(Faulty::new(store));
-    let lease = Duration::from_millis(400);
-    *store.pause_after_claim.lock().expect("lock") = Some(Duration::from_millis(300));
-    let effects = Effects::default();
-    let layer = IdempotencyLayer::from_arc(store.clone())
-        .single_tenant()
-        .lease(lease)
-        .on_lease_expiry(LeaseExpiry::Reconcile);
-    let addr = serve(effect_route(layer, effects.clone(), false)).await;
-    let key = unique("give-back-no-reads");
-    let gave_up = hang_up_after(addr, &key, Duration::from_millis(100)).await;
-    assert!(gave_up, "the client hung up during the claim");
-    store.down.store(true, Ordering::SeqCst);
-    *store.pause_after_claim.lock().expect("lock") = None;
-    tokio::time::sleep(lease * 3).await;
+    let (store, addr, key, effects) = outage_after_a_dropped_late_claim(store, "no-reads").await;
     store.fail_lookup.store(true, Ordering::SeqCst);
     store.down.store(false, Ordering::SeqCst);
     let scoped = ScopedKey::new("", &key);
