@@ -334,7 +334,7 @@ impl<St: IdempotencyStore, M: MakeScope> Pipeline<St, M> {
 
             // 5–6. Claim, and decide; on routes that wait, an in-flight key is claimed again as
             // its holder finishes, until it replays, runs here (released) or the wait is over.
-            let mut request = ClaimRequest {
+            let request = ClaimRequest {
                 key,
                 fingerprint,
                 lease: route.lease,
@@ -361,7 +361,7 @@ impl<St: IdempotencyStore, M: MakeScope> Pipeline<St, M> {
                     // Its answer is a temporary of the `if let`, so it takes no room in this
                     // future's state while an in-flight claim is awaited below.
                     if round == 0
-                        && let Some(made) = self.keeper.store().claim_now(&request)
+                        && let Some(made) = claim_now_adopting(&**self.keeper.store(), &request)
                     {
                         break 'claim made;
                     }
@@ -370,15 +370,6 @@ impl<St: IdempotencyStore, M: MakeScope> Pipeline<St, M> {
                     ClaimToEnd::new(self.keeper.store(), &request, woken).await
                 };
                 let (decision, noted) = match claimed {
-                    // Another scheme's record of this same request that this one may claim:
-                    // claimed again with its bytes, which the store compares. Whenever they
-                    // differ from the claim's: a record given back meanwhile under this
-                    // scheme's bytes is claimed with them again. A store changes a record's
-                    // bytes only with a fresh claim, so this follows other requests' progress.
-                    Ok(claim) if let Some(theirs) = adopt(&claim, &request.fingerprint) => {
-                        request.fingerprint = theirs;
-                        continue;
-                    }
                     Ok(claim) => {
                         let window = route.window.p99();
                         let decided = decide(
@@ -635,6 +626,44 @@ async fn confirm<St: IdempotencyStore>(
     Confirmed::Failed
 }
 
+/// How many times one claim adopts another scheme's record (see [`adopting`]) before its
+/// answer stands: each time, the record moved on meanwhile.
+const ADOPTIONS: usize = 4;
+
+/// The claim to make next when `claimed` found a record this request may take that another
+/// fingerprint scheme made from the same input (see `decide::adopt`): `request` with the
+/// record's bytes, which the store compares. A store changes a record's bytes only with a
+/// fresh claim, so a claim that adopts again follows other requests' progress. Each claim
+/// starts from the request's own bytes: a record given back meanwhile under them is taken
+/// as it is.
+fn adopting(claimed: &Result<Claim, StoreError>, request: &ClaimRequest) -> Option<ClaimRequest> {
+    let theirs = adopt(claimed.as_ref().ok()?, &request.fingerprint)?;
+    Some(ClaimRequest {
+        fingerprint: theirs,
+        ..request.clone()
+    })
+}
+
+/// [`IdempotencyStore::claim_now`], adopting as [`adopting`] says; `None` where the store
+/// cannot claim at once (then the claim goes to the store, and adopts there).
+fn claim_now_adopting<St: IdempotencyStore>(
+    store: &St,
+    request: &ClaimRequest,
+) -> Option<Result<Claim, StoreError>> {
+    let mut claimed = store.claim_now(request)?;
+    let mut adopted;
+    let mut current = request;
+    for _ in 0..ADOPTIONS {
+        let Some(next) = adopting(&claimed, current) else {
+            break;
+        };
+        claimed = store.claim_now(&next)?;
+        adopted = next;
+        current = &adopted;
+    }
+    Some(claimed)
+}
+
 type ClaimFuture = std::pin::Pin<Box<dyn Future<Output = Result<Claim, StoreError>> + Send>>;
 
 /// A claim seen to its end even if the request is dropped while it is in flight (a client
@@ -662,10 +691,11 @@ impl<St: IdempotencyStore> ClaimToEnd<St> {
     /// it), the record is read first, once for every request woken with it, and claimed only
     /// if it may still be taken (absent, released, in flight). A recorded outcome (or one
     /// awaiting reconciliation) is answered from the read: on PostgreSQL a claim locks the
-    /// row, and a hundred woken waiters would queue behind one another's commits.
+    /// row, and a hundred woken waiters would queue behind one another's commits. Another
+    /// scheme's record of the same request is adopted (see [`adopting`]).
     fn new(store: &Arc<St>, request: &ClaimRequest, woken: Option<Arc<Resolved>>) -> Self {
         let (owned, key, lease) = (store.clone(), request.key.clone(), request.lease);
-        let request = request.clone();
+        let mut request = request.clone();
         Self {
             claim: Claiming::InFlight(Box::pin(async move {
                 let read = match &woken {
@@ -681,7 +711,15 @@ impl<St: IdempotencyStore> ClaimToEnd<St> {
                     // `now` is read for an in-flight answer's delay only, which this is not.
                     return Ok(Claim::existing(record, std::time::SystemTime::now()));
                 }
-                owned.claim(&request).await
+                let mut claimed = owned.claim(&request).await;
+                for _ in 0..ADOPTIONS {
+                    let Some(next) = adopting(&claimed, &request) else {
+                        break;
+                    };
+                    claimed = owned.claim(&next).await;
+                    request = next;
+                }
+                claimed
             })),
             store: store.clone(),
             key,
