@@ -25,6 +25,7 @@ use axum::Router;
 use axum::http::StatusCode;
 use axum::routing::post;
 use common::child::Proc;
+use common::sqlite_cli::HeldCli;
 use common::{client, problem_type, serve, sqlite_path};
 use sqlx::Connection;
 use tokio::sync::Barrier;
@@ -1756,60 +1757,6 @@ fn cli_once(path: &Path, sql: &str) -> Option<Result<String, String>> {
             common::unreachable("the sqlite3 CLI (Debian: sqlite3)", &e);
             None
         }
-    }
-}
-
-/// An interactive `sqlite3` process holding `BEGIN IMMEDIATE` (the write lock) until
-/// [`HeldCli::release`]: an operator's session, a backup or migration tool.
-struct HeldCli {
-    child: Child,
-    stdin: Option<std::process::ChildStdin>,
-}
-
-impl HeldCli {
-    fn hold(path: &Path) -> Option<Self> {
-        let mut child = match Command::new("sqlite3")
-            .arg(path)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .spawn()
-        {
-            Ok(c) => c,
-            Err(e) => {
-                common::unreachable("the sqlite3 CLI (Debian: sqlite3)", &e);
-                return None;
-            }
-        };
-        let mut stdin = child.stdin.take().expect("stdin");
-        let mut out = BufReader::new(child.stdout.take().expect("stdout"));
-        stdin
-            .write_all(b"BEGIN IMMEDIATE;\nSELECT 'LOCKED';\n")
-            .expect("to the CLI");
-        stdin.flush().expect("flush");
-        let mut line = String::new();
-        out.read_line(&mut line).expect("the CLI's answer");
-        assert_eq!(line.trim(), "LOCKED", "the CLI took the write lock");
-        Some(Self {
-            child,
-            stdin: Some(stdin),
-        })
-    }
-
-    /// Rolls back and quits: the CLI closes its connection (checkpointing, and removing the
-    /// `-wal`/`-shm` if it finds itself the file's last connection).
-    fn release(mut self) {
-        if let Some(mut stdin) = self.stdin.take() {
-            let _ = stdin.write_all(b"ROLLBACK;\n.quit\n");
-        }
-        let _ = self.child.wait();
-    }
-}
-
-impl Drop for HeldCli {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
     }
 }
 

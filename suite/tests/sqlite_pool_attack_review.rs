@@ -25,10 +25,9 @@
 mod common;
 
 use std::collections::HashMap;
-use std::io::{BufRead, BufReader, Write};
+use std::io::Write;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
@@ -37,6 +36,7 @@ use axum::Router;
 use axum::http::{HeaderMap, HeaderValue, StatusCode};
 use axum::routing::post;
 use common::child::Proc;
+use common::sqlite_cli::HeldCli;
 use common::{client, guard, serve, sqlite_path};
 use tokio::sync::Barrier;
 use tower_idempotency::store::{Batching, Milestone, SqliteStore, StoredResponse};
@@ -682,58 +682,6 @@ async fn s7_9_hundreds_of_keys_over_fresh_lazy_pools_in_four_servers_run_each_on
 }
 
 // ---- 3. another process holds the write lock for 4 s, 6 s, 12 s -----------------------------
-
-/// An interactive `sqlite3` process holding `BEGIN IMMEDIATE` (the write lock) until
-/// [`HeldCli::release`].
-struct HeldCli {
-    child: Child,
-    stdin: Option<std::process::ChildStdin>,
-}
-
-impl HeldCli {
-    fn hold(path: &Path) -> Option<Self> {
-        let mut child = match Command::new("sqlite3")
-            .arg(path)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .spawn()
-        {
-            Ok(c) => c,
-            Err(e) => {
-                common::unreachable("the sqlite3 CLI (Debian: sqlite3)", &e);
-                return None;
-            }
-        };
-        let mut stdin = child.stdin.take().expect("stdin");
-        let mut out = BufReader::new(child.stdout.take().expect("stdout"));
-        stdin
-            .write_all(b"BEGIN IMMEDIATE;\nSELECT 'LOCKED';\n")
-            .expect("to the CLI");
-        stdin.flush().expect("flush");
-        let mut line = String::new();
-        out.read_line(&mut line).expect("the CLI's answer");
-        assert_eq!(line.trim(), "LOCKED", "the CLI took the write lock");
-        Some(Self {
-            child,
-            stdin: Some(stdin),
-        })
-    }
-
-    fn release(mut self) {
-        if let Some(mut stdin) = self.stdin.take() {
-            let _ = stdin.write_all(b"ROLLBACK;\n.quit\n");
-        }
-        let _ = self.child.wait();
-    }
-}
-
-impl Drop for HeldCli {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
 
 /// DESIGN §7.10 (store down: fail closed, recovery when it returns), §4 (the holder keeps its
 /// lease while it lives and retries its record; on a `Reconcile` route a lapsed lease is

@@ -16,6 +16,7 @@ pub mod raw;
 pub mod resp;
 pub mod rig;
 pub mod runtimes;
+pub mod sqlite_cli;
 pub mod statements;
 
 use std::net::SocketAddr;
