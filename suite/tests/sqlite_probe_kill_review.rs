@@ -26,10 +26,9 @@
 mod common;
 
 use std::collections::HashMap;
-use std::io::{BufRead, BufReader, Write};
+use std::io::Write;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
@@ -38,6 +37,7 @@ use axum::Router;
 use axum::http::StatusCode;
 use axum::routing::post;
 use common::child::Proc;
+use common::sqlite_cli::HeldCli;
 use common::{client, problem_type, serve, sqlite_path};
 use tower_idempotency::store::{Batching, SqliteStore};
 use tower_idempotency::{IdempotencyContext, IdempotencyLayer, LeaseExpiry};
@@ -451,59 +451,6 @@ async fn fresh_store_faults(db: &str, sink: &Path, run: &str) -> Vec<String> {
 
 // ---- an sqlite3 CLI holding the write lock ----------------------------------------------------
 
-/// An interactive `sqlite3` process holding `BEGIN IMMEDIATE` (the write lock) until
-/// [`HeldCli::release`]. It waits for the lock (`.timeout`) and bails on any error, so a
-/// `LOCKED` answer means it holds it.
-struct HeldCli {
-    child: Child,
-    stdin: Option<std::process::ChildStdin>,
-}
-
-impl HeldCli {
-    fn hold(path: &Path) -> Option<Self> {
-        let mut child = match Command::new("sqlite3")
-            .arg(path)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .spawn()
-        {
-            Ok(c) => c,
-            Err(e) => {
-                common::unreachable("the sqlite3 CLI (Debian: sqlite3)", &e);
-                return None;
-            }
-        };
-        let mut stdin = child.stdin.take().expect("stdin");
-        let mut out = BufReader::new(child.stdout.take().expect("stdout"));
-        stdin
-            .write_all(b".bail on\n.timeout 10000\nBEGIN IMMEDIATE;\nSELECT 'LOCKED';\n")
-            .expect("to the CLI");
-        stdin.flush().expect("flush");
-        let mut line = String::new();
-        out.read_line(&mut line).expect("the CLI's answer");
-        assert_eq!(line.trim(), "LOCKED", "the CLI took the write lock");
-        Some(Self {
-            child,
-            stdin: Some(stdin),
-        })
-    }
-
-    fn release(mut self) {
-        if let Some(mut stdin) = self.stdin.take() {
-            let _ = stdin.write_all(b"ROLLBACK;\n.quit\n");
-        }
-        let _ = self.child.wait();
-    }
-}
-
-impl Drop for HeldCli {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
 // ---- the client -------------------------------------------------------------------------------
 
 #[derive(Debug, Clone)]
@@ -752,41 +699,89 @@ async fn s5_a_churner_killed_mid_probe_dozens_of_times_strands_no_lock_and_runs_
         drop(victim); // SIGKILL
         faults.extend(witness(&witness_store, i).await);
     }
-    stop.store(true, Ordering::SeqCst);
-    let stream = bounded("the stream of keys", 60, stream)
-        .await
-        .expect("the stream");
-    let mut keys = Vec::new();
-    for (key, body, driver) in stream {
-        let answers = bounded("a key's driver", 60, driver).await.expect("driver");
-        keys.push((key, body, answers));
+    let beside = Beside {
+        test,
+        db: &db,
+        sink: &sink,
+        logs: &logs,
+        addrs: &addrs,
+        run: &run,
+    };
+    beside
+        .finish(&stop, stream, witness_store, KILLS, faults)
+        .await;
+}
+
+/// A churn test's run beside its servers, as its end needs it.
+struct Beside<'a> {
+    test: &'a str,
+    db: &'a str,
+    sink: &'a Path,
+    logs: &'a Path,
+    addrs: &'a [SocketAddr],
+    run: &'a str,
+}
+
+impl Beside<'_> {
+    /// Stops the stream of keys and waits for every key's driver; then gathers the faults of
+    /// the keys (their ledger), of the records (each completed), of the file (`witnesses`
+    /// commits) and of a fresh store; fails the test on any, or when no kill landed while a
+    /// churner's probes ran.
+    async fn finish(
+        &self,
+        stop: &AtomicBool,
+        stream: tokio::task::JoinHandle<Vec<Driven>>,
+        witness_store: SqliteStore,
+        witnesses: i64,
+        mut faults: Vec<String>,
+    ) {
+        let Self {
+            test,
+            db,
+            sink,
+            logs,
+            addrs,
+            run,
+        } = *self;
+        stop.store(true, Ordering::SeqCst);
+        let stream = bounded("the stream of keys", 60, stream)
+            .await
+            .expect("the stream");
+        let mut keys = Vec::new();
+        for (key, body, driver) in stream {
+            let answers = bounded("a key's driver", 60, driver).await.expect("driver");
+            keys.push((key, body, answers));
+        }
+        witness_store.pool().close().await;
+        let mid_probe = churn_logs(logs);
+        eprintln!(
+            "{test}: {} keys; {witnesses} kills: {mid_probe:?}",
+            keys.len()
+        );
+        let (key_faults, kinds) = ledger_faults(&keys, addrs, sink).await;
+        eprintln!("{test}: answers by kind: {kinds:?}");
+        faults.extend(key_faults);
+        let not_completed: Vec<_> = records(db)
+            .await
+            .into_iter()
+            .filter(|(_, r)| r.0 != "completed")
+            .collect();
+        if !not_completed.is_empty() {
+            faults.push(format!("records not completed: {not_completed:?}"));
+        }
+        faults.extend(file_faults(db, witnesses).await);
+        faults.extend(fresh_store_faults(db, sink, run).await);
+        assert!(
+            mid_probe.mid_probe() > 0,
+            "{test}: no kill landed while a churner's probes ran (the attack missed)"
+        );
+        assert!(
+            faults.is_empty(),
+            "{test}: {} faults:\n{}",
+            faults.len(),
+            faults.join("\n")
+        );
     }
-    witness_store.pool().close().await;
-    let mid_probe = churn_logs(&logs);
-    eprintln!("{test}: {} keys; {KILLS} kills: {mid_probe:?}", keys.len());
-    let (key_faults, kinds) = ledger_faults(&keys, &addrs, &sink).await;
-    eprintln!("{test}: answers by kind: {kinds:?}");
-    faults.extend(key_faults);
-    let not_completed: Vec<_> = records(&db)
-        .await
-        .into_iter()
-        .filter(|(_, r)| r.0 != "completed")
-        .collect();
-    if !not_completed.is_empty() {
-        faults.push(format!("records not completed: {not_completed:?}"));
-    }
-    faults.extend(file_faults(&db, KILLS).await);
-    faults.extend(fresh_store_faults(&db, &sink, &run).await);
-    assert!(
-        mid_probe.mid_probe() > 0,
-        "{test}: no kill landed while a churner's probes ran (the attack missed)"
-    );
-    assert!(
-        faults.is_empty(),
-        "{test}: {} faults:\n{}",
-        faults.len(),
-        faults.join("\n")
-    );
 }
 
 /// What the churners' logs say: rounds completed in all; churners killed in `connect` (last
@@ -880,41 +875,17 @@ async fn s5_a_churner_killed_while_its_probes_queue_or_hold_the_lock_strands_not
         }
         faults.extend(witness(&witness_store, i).await);
     }
-    stop.store(true, Ordering::SeqCst);
-    let stream = bounded("the stream of keys", 60, stream)
-        .await
-        .expect("the stream");
-    let mut keys = Vec::new();
-    for (key, body, driver) in stream {
-        let answers = bounded("a key's driver", 60, driver).await.expect("driver");
-        keys.push((key, body, answers));
-    }
-    witness_store.pool().close().await;
-    let mid_probe = churn_logs(&logs);
-    eprintln!("{test}: {} keys; {ROUNDS} kills: {mid_probe:?}", keys.len());
-    let (key_faults, kinds) = ledger_faults(&keys, &addrs, &sink).await;
-    eprintln!("{test}: answers by kind: {kinds:?}");
-    faults.extend(key_faults);
-    let not_completed: Vec<_> = records(&db)
-        .await
-        .into_iter()
-        .filter(|(_, r)| r.0 != "completed")
-        .collect();
-    if !not_completed.is_empty() {
-        faults.push(format!("records not completed: {not_completed:?}"));
-    }
-    faults.extend(file_faults(&db, ROUNDS).await);
-    faults.extend(fresh_store_faults(&db, &sink, &run).await);
-    assert!(
-        mid_probe.mid_probe() > 0,
-        "{test}: no kill landed while a churner's probes ran (the attack missed)"
-    );
-    assert!(
-        faults.is_empty(),
-        "{test}: {} faults:\n{}",
-        faults.len(),
-        faults.join("\n")
-    );
+    let beside = Beside {
+        test,
+        db: &db,
+        sink: &sink,
+        logs: &logs,
+        addrs: &addrs,
+        run: &run,
+    };
+    beside
+        .finish(&stop, stream, witness_store, ROUNDS, faults)
+        .await;
 }
 
 // ---- 2b. churners alone on the file, killing one while the other waits ----------------------
