@@ -229,10 +229,9 @@ impl RouteConfig {
     /// For servers that treat a client hanging up as cancellation (default off): the handler
     /// runs on the request's own future, so a disconnect cancels it, and the key is released
     /// (tried again while the store fails, until it lands or the key is no longer this
-    /// holder's), so a retry runs it
-    /// again. Off, the handler runs to completion and its outcome is
-    /// recorded whatever the client does (DESIGN §1 step 7). Only turn it on when cancelling
-    /// the handler cannot leave a half-done effect behind.
+    /// holder's), so a retry runs it again. Off, the handler runs to completion and its
+    /// outcome is recorded whatever the client does (DESIGN §1 step 7). Only turn it on when
+    /// cancelling the handler cannot leave a half-done effect behind.
     pub fn cancel_on_disconnect(mut self, on: bool) -> Self {
         self.cancel_on_disconnect = on;
         self
