@@ -1073,67 +1073,91 @@ fn replica<St: IdempotencyStore>(
         .layer(layer)
 }
 
-/// DESIGN §2 (a released record is claimable again) and §4 (a lease run out is taken over, or
-/// set aside on a route that reconciles), across a rolling deploy: a record left by a replica
-/// whose fingerprints name another scheme, for the same request, is claimed as one of this
-/// replica's own. A store compares all 32 bytes of a fingerprint; before the layer claimed
-/// again with the record's bytes, every retry of such a key was answered 409 "in flight" until
-/// the record expired (a day by default). Effects counted at the sinks.
-async fn another_schemes_records_are_claimed<St: IdempotencyStore + Clone>(store: St) {
-    let body = r#"{"amount":10}"#;
-    let (old_effects, new_effects) = (Effects::default(), Effects::default());
-    let old_ok = serve(replica(
-        store.clone(),
-        true,
-        LeaseExpiry::Reclaim,
-        old_effects.clone(),
-        StatusCode::CREATED,
-    ))
-    .await;
-    let old_failing = serve(replica(
-        store.clone(),
-        true,
-        LeaseExpiry::Reclaim,
-        old_effects.clone(),
-        StatusCode::SERVICE_UNAVAILABLE,
-    ))
-    .await;
-    let new = |expiry| {
-        serve(replica(
-            store.clone(),
-            false,
-            expiry,
-            new_effects.clone(),
-            StatusCode::CREATED,
-        ))
-    };
-    let (reclaiming, reconciling) = (
-        new(LeaseExpiry::Reclaim).await,
-        new(LeaseExpiry::Reconcile).await,
-    );
+/// Replicas of two schemes on one store across a rolling deploy: the old one's fingerprints
+/// name another scheme (a canonicaliser for a media type never sent), the new one's do not;
+/// the input they hash is the same. Effects counted at each side's sink.
+struct Deploy<St> {
+    store: St,
+    old_failing: std::net::SocketAddr,
+    reclaiming: std::net::SocketAddr,
+    reconciling: std::net::SocketAddr,
+    old_effects: Effects,
+    new_effects: Effects,
+    /// The old replica's fingerprint of [`Deploy::BODY`], read from a record it completed.
+    theirs: tower_idempotency::Fingerprint,
+}
 
-    // The old replica's fingerprint of this request, read from a record it completed.
-    let seen = common::raw::unique("scheme-seen");
-    assert_eq!(
-        post_ticket(old_ok, &seen, body).await.status(),
-        StatusCode::CREATED
-    );
-    let theirs = store
-        .lookup(&ScopedKey::new("", &seen))
-        .await
-        .expect("lookup")
-        .expect("the record")
-        .fingerprint;
-    // The same request is replayed by the new replica (the fingerprints' input is the same).
-    let replayed = post_ticket(reclaiming, &seen, body).await;
-    assert_eq!(replayed.status(), StatusCode::CREATED);
-    assert_eq!(replayed.headers()["idempotency-replayed"], "true");
+impl<St: IdempotencyStore + Clone> Deploy<St> {
+    const BODY: &'static str = r#"{"amount":10}"#;
 
-    // Released by the old replica (a 503 is not recorded): the new one runs it, once.
+    async fn new(store: St) -> Self {
+        let (old_effects, new_effects) = (Effects::default(), Effects::default());
+        let old = |status| {
+            serve(replica(
+                store.clone(),
+                true,
+                LeaseExpiry::Reclaim,
+                old_effects.clone(),
+                status,
+            ))
+        };
+        let (old_ok, old_failing) = (
+            old(StatusCode::CREATED).await,
+            old(StatusCode::SERVICE_UNAVAILABLE).await,
+        );
+        let new = |expiry| {
+            serve(replica(
+                store.clone(),
+                false,
+                expiry,
+                new_effects.clone(),
+                StatusCode::CREATED,
+            ))
+        };
+        let (reclaiming, reconciling) = (
+            new(LeaseExpiry::Reclaim).await,
+            new(LeaseExpiry::Reconcile).await,
+        );
+        let seen = common::raw::unique("scheme-seen");
+        assert_eq!(
+            post_ticket(old_ok, &seen, Self::BODY).await.status(),
+            StatusCode::CREATED
+        );
+        let theirs = store
+            .lookup(&ScopedKey::new("", &seen))
+            .await
+            .expect("lookup")
+            .expect("the record")
+            .fingerprint;
+        // The same request is replayed by the new replica (the fingerprints' input is the same).
+        let replayed = post_ticket(reclaiming, &seen, Self::BODY).await;
+        assert_eq!(replayed.status(), StatusCode::CREATED);
+        assert_eq!(replayed.headers()["idempotency-replayed"], "true");
+        Self {
+            store,
+            old_failing,
+            reclaiming,
+            reconciling,
+            old_effects,
+            new_effects,
+            theirs,
+        }
+    }
+}
+
+/// DESIGN §2 (a released record is claimable again), across a rolling deploy: a key the old
+/// replica released (its handler answered 503, which is not recorded) is run by the new one's
+/// retry, once. A store compares all 32 bytes of a fingerprint; before the layer claimed again
+/// with the record's bytes, every retry of such a key was answered 409 "in flight" until the
+/// record expired (a day by default).
+async fn another_schemes_released_record_is_claimed<St: IdempotencyStore + Clone>(store: St) {
+    let d = Deploy::new(store).await;
+    let body = Deploy::<St>::BODY;
     let released = common::raw::unique("scheme-released");
-    let first = post_ticket(old_failing, &released, body).await;
+    let first = post_ticket(d.old_failing, &released, body).await;
     assert_eq!(first.status(), StatusCode::SERVICE_UNAVAILABLE);
-    let record = store
+    let record = d
+        .store
         .lookup(&ScopedKey::new("", &released))
         .await
         .expect("lookup");
@@ -1143,7 +1167,7 @@ async fn another_schemes_records_are_claimed<St: IdempotencyStore + Clone>(store
             .is_none_or(|r| r.status == RecordStatus::Released),
         "released: {record:?}"
     );
-    let retry = post_ticket(reclaiming, &released, body).await;
+    let retry = post_ticket(d.reclaiming, &released, body).await;
     assert_eq!(
         retry.status(),
         StatusCode::CREATED,
@@ -1153,34 +1177,44 @@ async fn another_schemes_records_are_claimed<St: IdempotencyStore + Clone>(store
         retry.headers().get("idempotency-replayed").is_none(),
         "live"
     );
-    assert_eq!(new_effects.count(), 1);
-    let again = post_ticket(reclaiming, &released, body).await;
+    assert_eq!(d.new_effects.count(), 1);
+    let again = post_ticket(d.reclaiming, &released, body).await;
     assert_eq!(again.headers()["idempotency-replayed"], "true");
-    assert_eq!(new_effects.count(), 1, "never twice");
+    assert_eq!(d.new_effects.count(), 1, "never twice");
+    assert_eq!(d.old_effects.count(), 2, "the old replica's two runs");
+}
 
-    // Held by an old replica that died (its lease runs out): taken over where the route
-    // reclaims, set aside where it reconciles; never "in flight" for ever.
+/// DESIGN §4 (a lease run out is taken over, or set aside on a route that reconciles), across
+/// a rolling deploy: a key held by an old replica that died (its lease runs out) is taken
+/// over by the new one's retry where the route reclaims, and set aside where it reconciles;
+/// never "in flight" until the record expires, as before the layer claimed again with the
+/// record's bytes.
+async fn another_schemes_lapsed_lease_is_taken_over_or_set_aside<St>(store: St)
+where
+    St: IdempotencyStore + Clone,
+{
+    let d = Deploy::new(store).await;
     for (addr, expiry) in [
-        (reclaiming, LeaseExpiry::Reclaim),
-        (reconciling, LeaseExpiry::Reconcile),
+        (d.reclaiming, LeaseExpiry::Reclaim),
+        (d.reconciling, LeaseExpiry::Reconcile),
     ] {
         let key = common::raw::unique("scheme-lapsed");
         let claim = ClaimRequest {
             key: ScopedKey::new("", &key),
-            fingerprint: theirs,
+            fingerprint: d.theirs,
             lease: Duration::from_millis(300),
             ttl: Duration::from_secs(60),
             on_lease_expiry: expiry,
         };
-        let claimed = store.claim(&claim).await.expect("claim");
+        let claimed = d.store.claim(&claim).await.expect("claim");
         assert!(matches!(claimed, Claim::Acquired(_)), "{claimed:?}");
         tokio::time::sleep(Duration::from_millis(800)).await;
-        let before = new_effects.count();
-        let retry = post_ticket(addr, &key, body).await;
+        let before = d.new_effects.count();
+        let retry = post_ticket(addr, &key, Deploy::<St>::BODY).await;
         match expiry {
             LeaseExpiry::Reclaim => {
                 assert_eq!(retry.status(), StatusCode::CREATED, "taken over, run here");
-                assert_eq!(new_effects.count(), before + 1);
+                assert_eq!(d.new_effects.count(), before + 1);
             }
             _ => {
                 assert_eq!(retry.status(), StatusCode::CONFLICT);
@@ -1189,37 +1223,64 @@ async fn another_schemes_records_are_claimed<St: IdempotencyStore + Clone>(store
                     problem_type("outcome-unknown"),
                     "set aside, not in flight"
                 );
-                assert_eq!(new_effects.count(), before, "nothing run");
+                assert_eq!(d.new_effects.count(), before, "nothing run");
             }
         }
     }
-    assert_eq!(old_effects.count(), 2, "the old replica's two runs");
+    assert_eq!(d.old_effects.count(), 1, "the old replica's one run");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn s2_s4_another_schemes_records_are_claimed_on_memory() {
-    another_schemes_records_are_claimed(MemoryStore::new()).await;
+async fn s2_s4_another_schemes_released_record_is_claimed_on_memory() {
+    another_schemes_released_record_is_claimed(MemoryStore::new()).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn s2_s4_another_schemes_records_are_claimed_on_sqlite() {
-    let (store, path) = common::sqlite("contract-schemes").await;
-    another_schemes_records_are_claimed(store).await;
+async fn s2_s4_another_schemes_released_record_is_claimed_on_sqlite() {
+    let (store, path) = common::sqlite("contract-schemes-released").await;
+    another_schemes_released_record_is_claimed(store).await;
     let _ = std::fs::remove_file(path);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn s2_s4_another_schemes_records_are_claimed_on_postgres() {
-    let Some(store) = common::postgres("contract_schemes").await else {
+async fn s2_s4_another_schemes_released_record_is_claimed_on_postgres() {
+    let Some(store) = common::postgres("contract_schemes_released").await else {
         return;
     };
-    another_schemes_records_are_claimed(store).await;
+    another_schemes_released_record_is_claimed(store).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn s2_s4_another_schemes_records_are_claimed_on_redis() {
-    let Some(store) = common::redis("contract-schemes").await else {
+async fn s2_s4_another_schemes_released_record_is_claimed_on_redis() {
+    let Some(store) = common::redis("contract-schemes-released").await else {
         return;
     };
-    another_schemes_records_are_claimed(store).await;
+    another_schemes_released_record_is_claimed(store).await;
+}
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s2_s4_another_schemes_lapsed_lease_is_taken_over_or_set_aside_on_memory() {
+    another_schemes_lapsed_lease_is_taken_over_or_set_aside(MemoryStore::new()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s2_s4_another_schemes_lapsed_lease_is_taken_over_or_set_aside_on_sqlite() {
+    let (store, path) = common::sqlite("contract-schemes-lapsed").await;
+    another_schemes_lapsed_lease_is_taken_over_or_set_aside(store).await;
+    let _ = std::fs::remove_file(path);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s2_s4_another_schemes_lapsed_lease_is_taken_over_or_set_aside_on_postgres() {
+    let Some(store) = common::postgres("contract_schemes_lapsed").await else {
+        return;
+    };
+    another_schemes_lapsed_lease_is_taken_over_or_set_aside(store).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s2_s4_another_schemes_lapsed_lease_is_taken_over_or_set_aside_on_redis() {
+    let Some(store) = common::redis("contract-schemes-lapsed").await else {
+        return;
+    };
+    another_schemes_lapsed_lease_is_taken_over_or_set_aside(store).await;
 }
