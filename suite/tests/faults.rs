@@ -1519,7 +1519,8 @@ async fn s18_4_an_unknown_outcome_outlives_its_ttl() {
 
 // ---- Every scenario above, on every store ----------------------------------------------------
 
-/// Runs each scenario on a fresh `MemoryStore`, a SQLite file and a PostgreSQL table of its own.
+/// Runs each scenario on a fresh `MemoryStore`, a SQLite file, a PostgreSQL table and a Redis
+/// prefix of its own.
 macro_rules! on_every_store {
     ($($name:ident => $scenario:ident, $table:literal;)*) => {$(
         mod $name {
@@ -1538,6 +1539,14 @@ macro_rules! on_every_store {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn on_postgres() {
                 let Some(store) = common::postgres($table).await else {
+                    return;
+                };
+                $scenario(store).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn on_redis() {
+                let Some(store) = common::redis($table).await else {
                     return;
                 };
                 $scenario(store).await;
