@@ -567,7 +567,8 @@ impl SqliteStore {
     pub const DEFAULT_TABLE: &'static str = "idempotency_records";
 
     /// A store on `pool`, in the default table. Open the pool with WAL and a busy timeout (as
-    /// [`connect`](Self::connect) does) if several writers share the file. An in-memory
+    /// [`connect`](Self::connect) does) if several writers share the file, and with
+    /// [`check_writable`](Self::check_writable) as its `after_connect`. An in-memory
     /// database (`sqlite::memory:`) is one per connection: give it a pool of one connection, or
     /// use [`connect`](Self::connect), which does.
     pub fn new(pool: SqlitePool) -> Self {
@@ -585,8 +586,9 @@ impl SqliteStore {
     /// a pool's time-out), and a file this process may not write is an error (SQLite itself
     /// would open it read-only). A connection the pool opens later while the file is
     /// write-protected is refused too, and opened again until the pool's acquire time-out
-    /// (5 s, as the busy timeout; the store then answers unavailable): a store made with
-    /// [`new`](Self::new) on a pool of your own keeps whatever connections that pool makes.
+    /// (5 s, as the busy timeout; the store then answers unavailable). A store made with
+    /// [`new`](Self::new) on a pool of your own keeps whatever connections that pool makes,
+    /// unless the pool runs [`check_writable`](Self::check_writable) on each.
     pub async fn connect(url: &str) -> Result<Self, sqlx::Error> {
         let in_memory = url.contains(":memory:") || url.contains("mode=memory");
         let options = SqliteConnectOptions::from_str(url)?
@@ -632,6 +634,37 @@ impl SqliteStore {
             anchor: Some(Arc::new(std::sync::Mutex::new(first))),
             ..Self::new(pool)
         })
+    }
+
+    /// Proves that `connection` can write, for a pool of your own given to [`new`](Self::new):
+    /// SQLite opens a file the process may not write (or whose WAL it may not write) read-only,
+    /// without an error, and such a connection stays in a pool failing every write sent to it.
+    /// [`connect`](Self::connect) runs this on every connection its pool opens; hand it to your
+    /// pool's `after_connect` for the same. It writes the database's `user_version` back
+    /// unchanged in a transaction it rolls back at once, waiting for the write lock as any
+    /// write does (the connection's busy timeout): a connection refused, or busy past that
+    /// timeout, is dropped and the pool opens another until its acquire time-out.
+    ///
+    /// ```no_run
+    /// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+    /// use std::str::FromStr;
+    /// use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions};
+    /// use tower_idempotency::store::SqliteStore;
+    ///
+    /// let options = SqliteConnectOptions::from_str("sqlite://idempotency.db")?
+    ///     .create_if_missing(true)
+    ///     .journal_mode(SqliteJournalMode::Wal)
+    ///     .busy_timeout(std::time::Duration::from_secs(5));
+    /// let pool = SqlitePoolOptions::new()
+    ///     .max_connections(16)
+    ///     .after_connect(|connection, _| Box::pin(SqliteStore::check_writable(connection)))
+    ///     .connect_lazy_with(options);
+    /// let store = SqliteStore::new(pool);
+    /// store.migrate().await?;
+    /// # Ok(()) }
+    /// ```
+    pub async fn check_writable(connection: &mut SqliteConnection) -> Result<(), sqlx::Error> {
+        writable(connection).await
     }
 
     /// Keeps records in `table` instead; it must be a plain identifier (SQLite has no schemas
@@ -1098,6 +1131,84 @@ mod tests {
         assert_eq!(version, 42, "the check leaves the file as it was");
         let missing = format!("sqlite://{}", dir.join("no/such/dir/db.sqlite").display());
         assert!(super::SqliteStore::connect(&missing).await.is_err());
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// §1.6: a pool of one's own, given to `SqliteStore::new`, refuses the read-only
+    /// connections SQLite opens without an error once it runs `check_writable` on each: its
+    /// store answers unavailable instead of keeping a connection that fails every write. The
+    /// same pool without the check hands such a connection out; on a writable file the check
+    /// passes and leaves the file as it was.
+    #[tokio::test]
+    async fn s1_6_a_pool_of_ones_own_refuses_read_only_connections_with_the_check() {
+        use sqlx::sqlite::{SqliteConnectOptions, SqlitePoolOptions};
+        use std::str::FromStr;
+        use std::time::Duration;
+        let dir = std::env::temp_dir().join(format!(
+            "sqlite-own-pool-{}-{:?}",
+            std::process::id(),
+            std::time::SystemTime::now()
+        ));
+        std::fs::create_dir_all(&dir).expect("dir");
+        let file = dir.join("db.sqlite");
+        let url = format!("sqlite://{}", file.display());
+        let made = super::SqliteStore::connect(&url).await.expect("connect");
+        made.migrate().await.expect("migrate");
+        sqlx::query("PRAGMA user_version = 7")
+            .execute(made.pool())
+            .await
+            .expect("a version");
+        made.pool().close().await;
+        let pool = |url: &str, checked: bool| {
+            let options = SqliteConnectOptions::from_str(url).expect("options");
+            let pool = SqlitePoolOptions::new()
+                .max_connections(2)
+                .acquire_timeout(Duration::from_millis(500));
+            if checked {
+                pool.after_connect(|c, _| Box::pin(super::SqliteStore::check_writable(c)))
+                    .connect_lazy_with(options)
+            } else {
+                pool.connect_lazy_with(options)
+            }
+        };
+        let read_only = format!("{url}?mode=ro");
+        let unchecked = pool(&read_only, false);
+        assert!(
+            unchecked.acquire().await.is_ok(),
+            "without the check SQLite hands out a read-only connection"
+        );
+        let checked = pool(&read_only, true);
+        assert!(
+            checked.acquire().await.is_err(),
+            "the check refuses a read-only connection"
+        );
+        let store = super::SqliteStore::new(checked);
+        let request = crate::store::ClaimRequest {
+            key: crate::store::ScopedKey::new("", "own-pool"),
+            fingerprint: crate::Fingerprint::from_bytes([1; 32]),
+            lease: Duration::from_secs(30),
+            ttl: Duration::from_secs(60),
+            on_lease_expiry: crate::LeaseExpiry::Reclaim,
+        };
+        use crate::store::IdempotencyStore;
+        assert!(
+            store.claim(&request).await.is_err(),
+            "its store answers unavailable, never a claim"
+        );
+        let writable = pool(&url, true);
+        let version: i64 = sqlx::query_scalar("PRAGMA user_version")
+            .fetch_one(&writable)
+            .await
+            .expect("a checked writable connection");
+        assert_eq!(version, 7, "the check leaves the file as it was");
+        let store = super::SqliteStore::new(writable);
+        assert!(matches!(
+            store.claim(&request).await,
+            Ok(crate::store::Claim::Acquired(_))
+        ));
+        for p in [unchecked, store.pool().clone()] {
+            p.close().await;
+        }
         let _ = std::fs::remove_dir_all(&dir);
     }
 
