@@ -513,6 +513,124 @@ async fn s7_10_a_replacement_that_failed_is_tried_again() {
     );
 }
 
+// ==== 4b. A cluster node's connection that stops answering ========================================
+
+/// A one-node Redis Cluster of the test's own (every slot on it) that announces `valve`'s port
+/// to clients, so the store's connections to the node, those it makes on discovering the
+/// cluster included, go through the valve. `None` where it could not be set up outside CI.
+async fn cluster_behind_a_valve() -> Option<(OwnRedis, Valve)> {
+    let bus = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("a free port for the cluster bus")
+        .port()
+        .to_string();
+    let server = OwnRedis::start(&[
+        "--cluster-enabled",
+        "yes",
+        "--cluster-port",
+        &bus,
+        "--cluster-config-file",
+        "nodes.conf",
+    ])?;
+    let valve = Valve::start(server.addr()).await;
+    let port = valve.addr.port().to_string();
+    for args in [
+        &["CONFIG", "SET", "cluster-announce-ip", "127.0.0.1"][..],
+        &["CONFIG", "SET", "cluster-announce-port", &port],
+        &["CLUSTER", "ADDSLOTSRANGE", "0", "16383"],
+    ] {
+        server
+            .cmd(args)
+            .await
+            .unwrap_or_else(|e| panic!("{args:?}: {e}"));
+    }
+    for _ in 0..200 {
+        if let Ok(redis::Value::BulkString(info)) = server.cmd(&["CLUSTER", "INFO"]).await
+            && String::from_utf8_lossy(&info).contains("cluster_state:ok")
+        {
+            return Some((server, valve));
+        }
+        tokio::time::sleep(ms(50)).await;
+    }
+    panic!("the one-node cluster never came up");
+}
+
+/// README's Redis paragraph ("a connection that stops answering … is replaced after its first
+/// 5 s timeout"), on a cluster, and DESIGN §7.10 (store down: 503, nothing run; recovery when
+/// it returns). Fault: every link to a cluster node made so far stalls for good (its host gone
+/// without a FIN or RST, a frozen VM), while a new connection would be answered. The request
+/// that meets the stall is refused 503 and runs nothing; a new connection to the cluster is
+/// made, so later requests run, each key once at the sink, and keep running and replaying once
+/// the stalled links deliver what they held. Before cluster connections were replaced, every
+/// request on the node's slots timed out until the kernel gave the link up, minutes later.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s7_10_a_cluster_node_that_stops_answering_has_its_connection_made_anew() {
+    let Some((_server, valve)) = cluster_behind_a_valve().await else {
+        return;
+    };
+    let store = guard(
+        "connect to the cluster",
+        RedisStore::connect_cluster(&[&valve.url()]),
+    )
+    .await
+    .expect("connect to the one-node cluster")
+    .with_prefix("cluster-stall")
+    .expect("prefix");
+    let sink = Sink::open("clusterstall", false);
+    let addr = serve(app(
+        store,
+        &sink,
+        &Knobs {
+            lease: Duration::from_secs(3),
+            wait: None,
+            external: false,
+        },
+    ))
+    .await;
+    let warm = send(addr, &unique("warm")).await;
+    assert!(warm.live_201(), "warm-up: {warm:?}");
+    let links_before = valve.links();
+    valve.freeze();
+    let met = unique("met");
+    let first = send(addr, &met).await;
+    assert_eq!(
+        first.status, 503,
+        "the request that met the stall: {first:?}"
+    );
+    assert_eq!(sink.effects.count(), 1, "nothing ran for it");
+    // Each try that meets the stall takes the store's 5 s: ten are more than enough for a
+    // replacement, far fewer than the kernel takes to give the link up.
+    let after = unique("after");
+    let answers = poll_until(addr, &after, 10, Answer::live_201).await;
+    println!(
+        "after the stall: {:?}; links made since {}",
+        statuses(&answers),
+        valve.links() - links_before
+    );
+    assert!(
+        answers.last().is_some_and(Answer::live_201),
+        "requests after the stall must run on a new connection to the cluster: {:?}",
+        statuses(&answers)
+    );
+    let again = settled(addr, &met).await;
+    assert!(again.live_201(), "the refused key runs on retry: {again:?}");
+    assert_eq!(
+        sink.effects.count(),
+        3,
+        "warm-up, the refused key, the later key"
+    );
+    // What the stalled links held reaches the node now: nothing runs again.
+    valve.thaw();
+    tokio::time::sleep(ms(500)).await;
+    for key in [&met, &after] {
+        let replay = send(addr, key).await;
+        assert!(replay.replay_201(), "{key}: {replay:?}");
+    }
+    let later = send(addr, &unique("later")).await;
+    assert!(later.live_201(), "{later:?}");
+    assert_eq!(sink.effects.count(), 4, "each key once at the sink");
+}
+
 // ==== 5. Milestones and renewals landing after a takeover =======================================
 
 /// DESIGN §4 (milestones are durable writes on the record, fenced by the lease token; "a

@@ -29,12 +29,15 @@
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use redis::aio::ConnectionLike;
-use redis::{Cmd, Pipeline, RedisFuture, Script, Value};
+use redis::{Script, Value};
+
+use connection::{Connection, Replaceable, TIMEOUT};
 
 use super::Fingerprint;
 use super::codec::fresh_token;
 use super::history::{HISTORY_LIMIT, HISTORY_REFUSALS, HistoryEntry};
+mod connection;
+
 use super::{
     Claim, ClaimRequest, FencingToken, HistoryEvent, IdempotencyStore, InFlight, Lease,
     LeaseExpiry, Milestone, Record, RecordStatus, Resolution, ScopedKey, StoreError,
@@ -46,186 +49,6 @@ const BUCKETS: u64 = 64;
 
 /// The most records one listing returns (a page asked larger gets this many, and a cursor).
 const MAX_PAGE: usize = 10_000;
-
-/// How long a connection attempt, and a reply, may take before the store counts as down.
-const TIMEOUT: Duration = Duration::from_secs(5);
-
-/// A connection to one server (reconnecting by itself; the store's own one also replaced when
-/// it stops answering) or to a cluster (routing by slot).
-#[derive(Clone)]
-enum Connection {
-    /// The store's connection to one server: each command takes the current one.
-    Replaced(Arc<Replaceable>),
-    /// One connection of a [`Replaceable`], kept for commands that must follow one another on
-    /// it: a completion and its `WAIT`; a claim, its asking again and the give-back of what
-    /// may have landed. A timeout on it still has the replaceable connect anew.
-    Pinned {
-        shared: Arc<Replaceable>,
-        generation: u64,
-        connection: redis::aio::ConnectionManager,
-    },
-    Cluster(redis::cluster_async::ClusterConnection),
-}
-
-impl Connection {
-    /// This connection, pinned to the one it would use now (see [`Connection::Pinned`]).
-    fn pinned(&self) -> Self {
-        match self {
-            Self::Replaced(shared) => {
-                let (generation, connection) = shared.current();
-                Self::Pinned {
-                    shared: shared.clone(),
-                    generation,
-                    connection,
-                }
-            }
-            other => other.clone(),
-        }
-    }
-}
-
-/// The store's connection to one server. redis-rs's manager connects again when its
-/// connection breaks, but not when it only stops answering (a host gone without a FIN or RST,
-/// a frozen VM, a failover that moved the address): every command would then time out until
-/// the kernel gives the link up, minutes later, while a new connection would be answered. A
-/// command that times out has a new connection made in the background; the commands after it
-/// go there. (Commands still on the old one may land after those: a claim that lands late is
-/// held as any whose answers were lost, see `store::unheard`.)
-struct Replaceable {
-    client: redis::Client,
-    config: redis::aio::ConnectionManagerConfig,
-    /// The connection, and how many times it was replaced.
-    current: std::sync::RwLock<(u64, redis::aio::ConnectionManager)>,
-    /// Whether a replacement is being connected.
-    replacing: std::sync::atomic::AtomicBool,
-}
-
-impl Replaceable {
-    /// A replaceable connection to `client`: connecting and each reply are bounded by
-    /// [`TIMEOUT`], and a broken connection is tried once more before the call fails.
-    async fn connect(client: redis::Client) -> Result<Arc<Self>, redis::RedisError> {
-        let config = redis::aio::ConnectionManagerConfig::new()
-            .set_connection_timeout(Some(TIMEOUT))
-            .set_response_timeout(Some(TIMEOUT))
-            .set_number_of_retries(1);
-        let manager =
-            redis::aio::ConnectionManager::new_with_config(client.clone(), config.clone()).await?;
-        Ok(Arc::new(Self {
-            client,
-            config,
-            current: std::sync::RwLock::new((0, manager)),
-            replacing: std::sync::atomic::AtomicBool::new(false),
-        }))
-    }
-
-    fn current(&self) -> (u64, redis::aio::ConnectionManager) {
-        let current = self
-            .current
-            .read()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        (current.0, current.1.clone())
-    }
-
-    /// Connects a replacement for the connection of `generation` (once), unless it was
-    /// replaced already.
-    fn replace(self: &Arc<Self>, generation: u64) {
-        use std::sync::atomic::Ordering;
-        if self.replacing.swap(true, Ordering::AcqRel) {
-            return;
-        }
-        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
-            self.replacing.store(false, Ordering::Release);
-            return;
-        };
-        let this = self.clone();
-        runtime.spawn(async move {
-            let fresh = redis::aio::ConnectionManager::new_with_config(
-                this.client.clone(),
-                this.config.clone(),
-            );
-            if let Ok(Ok(fresh)) = tokio::time::timeout(TIMEOUT, fresh).await {
-                let mut current = this
-                    .current
-                    .write()
-                    .unwrap_or_else(std::sync::PoisonError::into_inner);
-                if current.0 == generation {
-                    *current = (generation + 1, fresh);
-                }
-            }
-            this.replacing.store(false, Ordering::Release);
-        });
-    }
-
-    /// `reply`, having asked for a new connection if it timed out on the one of `generation`.
-    fn after<T>(
-        self: &Arc<Self>,
-        generation: u64,
-        reply: redis::RedisResult<T>,
-    ) -> redis::RedisResult<T> {
-        if reply.as_ref().is_err_and(redis::RedisError::is_timeout) {
-            self.replace(generation);
-        }
-        reply
-    }
-}
-
-impl ConnectionLike for Connection {
-    fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
-        match self {
-            // The current connection, for this command.
-            Self::Replaced(_) => {
-                let mut pinned = self.pinned();
-                Box::pin(async move { pinned.req_packed_command(cmd).await })
-            }
-            Self::Pinned {
-                shared,
-                generation,
-                connection,
-            } => {
-                let (shared, generation) = (shared.clone(), *generation);
-                Box::pin(async move {
-                    let reply = connection.req_packed_command(cmd).await;
-                    shared.after(generation, reply)
-                })
-            }
-            Self::Cluster(c) => c.req_packed_command(cmd),
-        }
-    }
-
-    fn req_packed_commands<'a>(
-        &'a mut self,
-        cmd: &'a Pipeline,
-        offset: usize,
-        count: usize,
-    ) -> RedisFuture<'a, Vec<Value>> {
-        match self {
-            Self::Replaced(_) => {
-                let mut pinned = self.pinned();
-                Box::pin(async move { pinned.req_packed_commands(cmd, offset, count).await })
-            }
-            Self::Pinned {
-                shared,
-                generation,
-                connection,
-            } => {
-                let (shared, generation) = (shared.clone(), *generation);
-                Box::pin(async move {
-                    let reply = connection.req_packed_commands(cmd, offset, count).await;
-                    shared.after(generation, reply)
-                })
-            }
-            Self::Cluster(c) => c.req_packed_commands(cmd, offset, count),
-        }
-    }
-
-    fn get_db(&self) -> i64 {
-        match self {
-            Self::Replaced(shared) => shared.current().1.get_db(),
-            Self::Pinned { connection, .. } => connection.get_db(),
-            Self::Cluster(c) => c.get_db(),
-        }
-    }
-}
 
 /// Records in Redis or Valkey, shared by every replica that connects to the same server or
 /// cluster (see the [module docs](self) for keys, Cluster and durability).
@@ -285,9 +108,9 @@ impl std::fmt::Debug for RedisStore {
         f.debug_struct("RedisStore")
             .field(
                 "connection",
-                &match self.connection {
-                    Connection::Replaced(_) | Connection::Pinned { .. } => "single server",
-                    Connection::Cluster(_) => "cluster",
+                &match self.connection.is_cluster() {
+                    false => "single server",
+                    true => "cluster",
                 },
             )
             .field("prefix", &self.prefix)
@@ -372,24 +195,24 @@ impl RedisStore {
     /// [`StoreError::Unavailable`], so requests fail closed.
     pub async fn connect(url: &str) -> Result<Self, redis::RedisError> {
         let client = redis::Client::open(url)?;
-        let connection = Connection::Replaced(Replaceable::connect(client.clone()).await?);
+        let connection = Connection::Replaced(Replaceable::server(client.clone()).await?);
         Ok(Self::new(connection, vec![client]))
     }
 
     /// Connects to a Redis Cluster through any of its nodes (`redis://host:port` each); the
     /// rest of the cluster is discovered, and each operation goes to the node owning its slot.
+    /// A node's connection that breaks is made again by redis-rs; one that stops answering (a
+    /// reply later than 5 s) has a new connection to the cluster made for the operations
+    /// after it, as [`connect`](Self::connect)'s has. While a node is down, operations on its
+    /// keys fail with [`StoreError::Unavailable`], so requests fail closed.
     pub async fn connect_cluster(nodes: &[&str]) -> Result<Self, redis::RedisError> {
-        let client = redis::cluster::ClusterClientBuilder::new(nodes.to_vec())
-            .connection_timeout(TIMEOUT)
-            .response_timeout(TIMEOUT)
-            .build()?;
-        let connection = client.get_async_connection().await?;
+        let connection = Connection::Replaced(Replaceable::cluster(nodes).await?);
         // Any node hears every PUBLISH of the cluster: the subscription tries each in turn.
         let clients = nodes
             .iter()
             .map(|node| redis::Client::open(*node))
             .collect::<Result<Vec<_>, _>>()?;
-        Ok(Self::new(Connection::Cluster(connection), clients))
+        Ok(Self::new(connection, clients))
     }
 
     fn new(connection: Connection, clients: Vec<redis::Client>) -> Self {
@@ -496,7 +319,7 @@ impl RedisStore {
                 let mut connections = Vec::new();
                 for _ in 0..4 {
                     connections.push(
-                        Replaceable::connect(client.clone())
+                        Replaceable::server(client.clone())
                             .await
                             .map_err(StoreError::unavailable)?,
                     );
@@ -1304,10 +1127,7 @@ impl IdempotencyStore for RedisStore {
         let at = self.locate(key);
         // A completion that waits for replicas runs on a connection of its own: `WAIT`
         // blocks the connection, and must run on the one that wrote.
-        let waits = match (self.wait, &self.connection) {
-            (Some(wait), Connection::Replaced(_) | Connection::Pinned { .. }) => Some(wait),
-            _ => None,
-        };
+        let waits = self.wait.filter(|_| !self.connection.is_cluster());
         let mut connection = match waits {
             Some(_) => self.waiting_connection().await?,
             None => self.connection.clone(),
