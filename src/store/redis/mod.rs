@@ -149,7 +149,7 @@ pub enum RedisCheckError {
     /// again (completed records and claims carry a TTL, which `volatile-*` policies evict
     /// first). Run it with `maxmemory-policy noeviction`, or without `maxmemory`.
     Evicts {
-        /// The node's address, as the store was given it.
+        /// The node's address, as the store was given it or as the cluster lists it.
         node: String,
         /// Its `maxmemory-policy`.
         policy: String,
@@ -225,10 +225,12 @@ impl RedisStore {
         }
     }
 
-    /// Whether the server (each node the store was given, on a cluster) keeps every record
-    /// until the store lets it go: one with a `maxmemory` and a policy other than
-    /// `noeviction` may evict records when full, and a record evicted is a key that runs
-    /// again. Call it at start-up, as the SQL stores' `check()`.
+    /// Whether the server (on a cluster, every node: those the store was given and those they
+    /// list in `CLUSTER NODES`, replicas included, since a replica promoted by a failover
+    /// holds the records then) keeps every record until the store lets it go: one with a
+    /// `maxmemory` and a policy other than `noeviction` may evict records when full, and a
+    /// record evicted is a key that runs again. Call it at start-up, as the SQL stores'
+    /// `check()`. Nodes the cluster marks failed, or knows no address of, are skipped.
     ///
     /// ```no_run
     /// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
@@ -237,41 +239,36 @@ impl RedisStore {
     /// # Ok(()) }
     /// ```
     pub async fn check(&self) -> Result<(), RedisCheckError> {
-        for client in &self.changes.clients {
-            let node = client.get_connection_info().addr().to_string();
-            // The store's own bounds, not redis-rs's half-second reply timeout: a slow link
-            // is not a refused `CONFIG`.
-            let bounds = redis::AsyncConnectionConfig::new()
-                .set_connection_timeout(Some(TIMEOUT))
-                .set_response_timeout(Some(TIMEOUT));
-            let mut connection = client
-                .get_multiplexed_async_connection_with_config(&bounds)
-                .await
-                .map_err(RedisCheckError::Unreachable)?;
-            let config: Vec<String> = redis::cmd("CONFIG")
-                .arg("GET")
-                .arg("maxmemory*")
-                .query_async(&mut connection)
-                .await
-                .map_err(|error| {
-                    match error.is_timeout() || error.is_io_error() || error.is_connection_dropped()
-                    {
-                        true => RedisCheckError::Unreachable(error),
-                        false => RedisCheckError::ConfigUnreadable(error),
+        let mut nodes = self.changes.clients.clone();
+        if self.connection.is_cluster() {
+            let mut listed = None;
+            let mut failure = None;
+            for client in &self.changes.clients {
+                match cluster_nodes(client).await {
+                    Ok(found) => {
+                        listed = Some(found);
+                        break;
                     }
-                })?;
-            let value = |name: &str| {
-                config
-                    .chunks(2)
-                    .find(|pair| pair[0] == name)
-                    .and_then(|pair| pair.get(1))
-                    .cloned()
-            };
-            let limited = value("maxmemory").is_some_and(|bytes| bytes != "0");
-            let policy = value("maxmemory-policy").unwrap_or_default();
-            if limited && policy != "noeviction" {
-                return Err(RedisCheckError::Evicts { node, policy });
+                    Err(e) => failure = Some(e),
+                }
             }
+            match (listed, failure) {
+                (Some(found), _) => {
+                    for node in found {
+                        let known = |c: &redis::Client| {
+                            c.get_connection_info().addr() == node.get_connection_info().addr()
+                        };
+                        if !nodes.iter().any(known) {
+                            nodes.push(node);
+                        }
+                    }
+                }
+                (None, Some(e)) => return Err(e),
+                (None, None) => {}
+            }
+        }
+        for client in &nodes {
+            check_node(client).await?;
         }
         Ok(())
     }
@@ -1391,6 +1388,118 @@ impl RedisStore {
     }
 }
 
+/// The host, port and announced hostname of each node a `CLUSTER NODES` listing names,
+/// but those marked failed, still in handshake or without an address.
+fn endpoints(listing: &str) -> Vec<(&str, u16, Option<&str>)> {
+    let mut found = Vec::new();
+    for line in listing.lines() {
+        let mut fields = line.split(' ');
+        let (Some(address), Some(flags)) = (fields.nth(1), fields.next()) else {
+            continue;
+        };
+        let skipped = |flag: &str| matches!(flag, "fail" | "noaddr" | "handshake");
+        if flags.split(',').any(skipped) {
+            continue;
+        }
+        // `host:port@bus[,hostname[,field=value]...]` (Redis 7.2 adds the fields); an IPv6
+        // host has colons of its own.
+        let mut parts = address.split(',');
+        let endpoint = parts.next().unwrap_or_default();
+        let hostname = parts.next().filter(|h| !h.is_empty() && !h.contains('='));
+        let endpoint = endpoint.split('@').next().unwrap_or_default();
+        let Some((host, Ok(port))) = endpoint
+            .rsplit_once(':')
+            .map(|(host, port)| (host, port.parse::<u16>()))
+        else {
+            continue;
+        };
+        if !host.is_empty() && port != 0 {
+            found.push((host, port, hostname));
+        }
+    }
+    found
+}
+
+/// A connection to `client`'s server for `check()`, on the store's own bounds (not
+/// redis-rs's half-second reply timeout: a slow link is not a refused `CONFIG`).
+async fn checking(
+    client: &redis::Client,
+) -> Result<redis::aio::MultiplexedConnection, RedisCheckError> {
+    let bounds = redis::AsyncConnectionConfig::new()
+        .set_connection_timeout(Some(TIMEOUT))
+        .set_response_timeout(Some(TIMEOUT));
+    client
+        .get_multiplexed_async_connection_with_config(&bounds)
+        .await
+        .map_err(RedisCheckError::Unreachable)
+}
+
+/// An error of a command `check()` sent: the server unreachable, or the command refused.
+fn refused(error: redis::RedisError) -> RedisCheckError {
+    match error.is_timeout() || error.is_io_error() || error.is_connection_dropped() {
+        true => RedisCheckError::Unreachable(error),
+        false => RedisCheckError::ConfigUnreadable(error),
+    }
+}
+
+/// Whether the server of `client` may evict keys (see [`RedisStore::check`]).
+async fn check_node(client: &redis::Client) -> Result<(), RedisCheckError> {
+    let node = client.get_connection_info().addr().to_string();
+    let mut connection = checking(client).await?;
+    let config: Vec<String> = redis::cmd("CONFIG")
+        .arg("GET")
+        .arg("maxmemory*")
+        .query_async(&mut connection)
+        .await
+        .map_err(refused)?;
+    let value = |name: &str| {
+        config
+            .chunks(2)
+            .find(|pair| pair[0] == name)
+            .and_then(|pair| pair.get(1))
+            .cloned()
+    };
+    let limited = value("maxmemory").is_some_and(|bytes| bytes != "0");
+    let policy = value("maxmemory-policy").unwrap_or_default();
+    if limited && policy != "noeviction" {
+        return Err(RedisCheckError::Evicts { node, policy });
+    }
+    Ok(())
+}
+
+/// The nodes of the cluster `client`'s server is part of, as its `CLUSTER NODES` lists them
+/// (masters and replicas; not those marked failed or without an address), each a client
+/// with `client`'s settings (credentials, TLS) at the node's address.
+async fn cluster_nodes(client: &redis::Client) -> Result<Vec<redis::Client>, RedisCheckError> {
+    let mut connection = checking(client).await?;
+    let listing: String = redis::cmd("CLUSTER")
+        .arg("NODES")
+        .query_async(&mut connection)
+        .await
+        .map_err(refused)?;
+    let given = client.get_connection_info();
+    let mut nodes = Vec::new();
+    for (host, port, hostname) in endpoints(&listing) {
+        let addr = match given.addr() {
+            redis::ConnectionAddr::TcpTls {
+                insecure,
+                tls_params,
+                ..
+            } => redis::ConnectionAddr::TcpTls {
+                // The name its certificate is for, where the cluster announces one.
+                host: hostname.unwrap_or(host).to_owned(),
+                port,
+                insecure: *insecure,
+                tls_params: tls_params.clone(),
+            },
+            _ => redis::ConnectionAddr::Tcp(host.to_owned(), port),
+        };
+        let info = given.clone().set_addr(addr);
+        nodes.push(redis::Client::open(info).map_err(RedisCheckError::Unreachable)?);
+    }
+    Ok(nodes)
+}
+
 /// How often a quiet subscription is checked: that its store still lives, and that its
 /// connection still answers (a link a NAT dropped without closing it shows only then).
 const HEARTBEAT: Duration = Duration::from_secs(2);
@@ -1487,6 +1596,33 @@ impl Drop for Running {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// §2 (`check()` reads every node of a cluster): each node a `CLUSTER NODES` listing names
+    /// is checked, replicas and IPv6 hosts included, under its announced hostname where TLS
+    /// needs one; failed nodes, nodes in handshake and nodes without an address are not.
+    #[test]
+    fn s2_check_reads_the_nodes_a_cluster_lists() {
+        let listing = "\
+07c3 127.0.0.1:30004@31004,db-4.example slave e7d1 0 1426238317239 4 connected
+67ed 127.0.0.1:30002@31002,,shard-id=9f2c master - 0 1426238316232 2 connected 5461-10922
+5a5a 127.0.0.1:30007@31007,db-7.example,tls-port=0,shard-id=9f2c slave 67ed 0 0 2 connected
+292f ::1:30003@31003 myself,master - 0 0 3 connected 10923-16383
+6ec2 127.0.0.1:30005@31005 master,fail 67ed 1426238316232 1426238315228 5 disconnected
+824f :0@0 master,noaddr - 1426238316232 1426238315228 5 disconnected
+a1b2 127.0.0.1:30006@31006 handshake - 0 0 0 connected
+e7d1 127.0.0.1:0@0 master - 0 0 0 connected
+garbage
+";
+        assert_eq!(
+            endpoints(listing),
+            vec![
+                ("127.0.0.1", 30004, Some("db-4.example")),
+                ("127.0.0.1", 30002, None),
+                ("127.0.0.1", 30007, Some("db-7.example")),
+                ("::1", 30003, None),
+            ]
+        );
+    }
 
     #[test]
     fn members_are_unambiguous_and_split_back() {

@@ -515,23 +515,41 @@ async fn s7_10_a_replacement_that_failed_is_tried_again() {
 
 // ==== 4b. A cluster node's connection that stops answering ========================================
 
-/// A one-node Redis Cluster of the test's own (every slot on it) that announces `valve`'s port
-/// to clients, so the store's connections to the node, those it makes on discovering the
-/// cluster included, go through the valve. `None` where it could not be set up outside CI.
-async fn cluster_behind_a_valve() -> Option<(OwnRedis, Valve)> {
+/// A cluster-enabled redis-server of the test's own, no slots yet, and its cluster bus port.
+fn cluster_node() -> Option<(OwnRedis, u16)> {
     let bus = std::net::TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())
         .expect("a free port for the cluster bus")
-        .port()
-        .to_string();
+        .port();
     let server = OwnRedis::start(&[
         "--cluster-enabled",
         "yes",
         "--cluster-port",
-        &bus,
+        &bus.to_string(),
         "--cluster-config-file",
         "nodes.conf",
     ])?;
+    Some((server, bus))
+}
+
+/// Waits until `node` says its cluster serves every slot.
+async fn cluster_ok(node: &OwnRedis) {
+    for _ in 0..400 {
+        if let Ok(redis::Value::BulkString(info)) = node.cmd(&["CLUSTER", "INFO"]).await
+            && String::from_utf8_lossy(&info).contains("cluster_state:ok")
+        {
+            return;
+        }
+        tokio::time::sleep(ms(50)).await;
+    }
+    panic!("the cluster of {} never came up", node.url());
+}
+
+/// A one-node Redis Cluster of the test's own (every slot on it) that announces `valve`'s port
+/// to clients, so the store's connections to the node, those it makes on discovering the
+/// cluster included, go through the valve. `None` where it could not be set up outside CI.
+async fn cluster_behind_a_valve() -> Option<(OwnRedis, Valve)> {
+    let (server, _) = cluster_node()?;
     let valve = Valve::start(server.addr()).await;
     let port = valve.addr.port().to_string();
     for args in [
@@ -544,15 +562,8 @@ async fn cluster_behind_a_valve() -> Option<(OwnRedis, Valve)> {
             .await
             .unwrap_or_else(|e| panic!("{args:?}: {e}"));
     }
-    for _ in 0..200 {
-        if let Ok(redis::Value::BulkString(info)) = server.cmd(&["CLUSTER", "INFO"]).await
-            && String::from_utf8_lossy(&info).contains("cluster_state:ok")
-        {
-            return Some((server, valve));
-        }
-        tokio::time::sleep(ms(50)).await;
-    }
-    panic!("the one-node cluster never came up");
+    cluster_ok(&server).await;
+    Some((server, valve))
 }
 
 /// README's Redis paragraph ("a connection that stops answering … is replaced after its first
@@ -754,6 +765,47 @@ async fn s2_check_on_a_slow_link_does_not_report_config_refused() {
 /// README ("`RedisStore::check()` reports a server (each node it was given)"). The suite's
 /// cluster (127.0.0.1:7000-7002, read only here): check() agrees with each node's own
 /// `CONFIG GET maxmemory*`.
+/// DESIGN §2 (`check()` reports a store that may lose records) on a cluster: records live on
+/// every master, not only on the node the store was given. A two-node cluster of the test's
+/// own, the store given node A alone: `check()` passes while neither evicts, and reports
+/// node B (by its address) once B may evict. Before, it read only the nodes it was given.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s2_check_on_a_cluster_reads_the_nodes_it_was_not_given() {
+    let (Some((a, _)), Some((b, b_bus))) = (cluster_node(), cluster_node()) else {
+        return;
+    };
+    a.cmd(&["CLUSTER", "ADDSLOTSRANGE", "0", "8191"])
+        .await
+        .expect("A's slots");
+    b.cmd(&["CLUSTER", "ADDSLOTSRANGE", "8192", "16383"])
+        .await
+        .expect("B's slots");
+    let (b_port, b_bus) = (b.port.to_string(), b_bus.to_string());
+    a.cmd(&["CLUSTER", "MEET", "127.0.0.1", &b_port, &b_bus])
+        .await
+        .expect("MEET");
+    cluster_ok(&a).await;
+    cluster_ok(&b).await;
+    let store = guard("connect", RedisStore::connect_cluster(&[&a.url()]))
+        .await
+        .expect("connect through A");
+    let checked = guard("check", store.check()).await;
+    assert!(checked.is_ok(), "neither node evicts: {checked:?}");
+    for args in [
+        &["CONFIG", "SET", "maxmemory", "100mb"][..],
+        &["CONFIG", "SET", "maxmemory-policy", "allkeys-lru"],
+    ] {
+        b.cmd(args).await.expect("B's memory settings");
+    }
+    match guard("check", store.check()).await {
+        Err(RedisCheckError::Evicts { node, policy }) => {
+            assert!(node.ends_with(&format!(":{b_port}")), "{node}");
+            assert_eq!(policy, "allkeys-lru");
+        }
+        other => panic!("node B, never given, evicts: {other:?}"),
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn s2_check_on_the_cluster_agrees_with_each_node() {
     let nodes = [
