@@ -253,12 +253,15 @@ enum At {
     AfterAcquired,
 }
 
+/// Fingerprints armed at a [`Gate`], each with where its claim stops.
+type Armed = Arc<Mutex<VecDeque<([u8; 32], At)>>>;
+
 /// Wraps a store; claims with an armed fingerprint stop at the gate (once per arming) until
 /// the test lets them go. Every claim's fingerprint is logged. Only `claim` is touched.
 #[derive(Clone)]
 struct Gate<S> {
     inner: S,
-    armed: Arc<Mutex<VecDeque<([u8; 32], At)>>>,
+    armed: Armed,
     go: Arc<Semaphore>,
     claims: Arc<Mutex<Vec<[u8; 32]>>>,
     held: Arc<AtomicUsize>,
