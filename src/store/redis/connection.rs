@@ -134,19 +134,24 @@ impl Replaceable {
         (current.0, current.1.clone())
     }
 
-    /// Connects a replacement for the connection of `generation` (once), unless it was
-    /// replaced already.
+    /// Connects a replacement for the connection of `generation` (one at a time), unless it
+    /// was replaced already: the commands that time out on a connection replaced meanwhile
+    /// (a storm of them, each asked again) make no connection of their own.
     fn replace(self: &Arc<Self>, generation: u64) {
         use std::sync::atomic::Ordering;
-        if self.replacing.swap(true, Ordering::AcqRel) {
+        if self.current().0 != generation || self.replacing.swap(true, Ordering::AcqRel) {
             return;
         }
+        // Let go however the attempt ends: its runtime may shut down in the middle of it.
+        let replacing = Replacing(self.clone());
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
-            self.replacing.store(false, Ordering::Release);
             return;
         };
-        let this = self.clone();
         runtime.spawn(async move {
+            let this = &replacing.0;
+            if this.current().0 != generation {
+                return;
+            }
             if let Ok(Ok(fresh)) = tokio::time::timeout(TIMEOUT, this.connector.connect()).await {
                 let mut current = this
                     .current
@@ -156,20 +161,41 @@ impl Replaceable {
                     *current = (generation + 1, fresh);
                 }
             }
-            this.replacing.store(false, Ordering::Release);
         });
     }
 
-    /// `reply`, having asked for a new connection if it timed out on the one of `generation`.
+    /// `reply`, having asked for a new connection if the one of `generation` is of no more
+    /// use: it timed out, or (a cluster's) its task is gone. redis-rs runs a cluster
+    /// connection on a task of the runtime it was made on, and does not make it again when
+    /// that runtime shuts down while another goes on serving: every command would fail at
+    /// once (a broken pipe to the task), for good. A server's connection manager connects
+    /// again by itself; a refused connection is a node down, which a new one would not mend.
     fn after<T>(
         self: &Arc<Self>,
         generation: u64,
         reply: redis::RedisResult<T>,
     ) -> redis::RedisResult<T> {
-        if reply.as_ref().is_err_and(redis::RedisError::is_timeout) {
-            self.replace(generation);
+        if let Err(error) = &reply {
+            let gone = matches!(self.connector, Connector::Cluster(_))
+                && error.is_connection_dropped()
+                && !error.is_connection_refusal();
+            if error.is_timeout() || gone {
+                self.replace(generation);
+            }
         }
         reply
+    }
+}
+
+/// A replacement being connected: lets the next one be tried once it is dropped, whether it
+/// ran to its end or its runtime shut down first.
+struct Replacing(Arc<Replaceable>);
+
+impl Drop for Replacing {
+    fn drop(&mut self) {
+        self.0
+            .replacing
+            .store(false, std::sync::atomic::Ordering::Release);
     }
 }
 
