@@ -141,10 +141,20 @@ impl std::error::Error for InvalidPrefix {}
 #[non_exhaustive]
 pub enum RedisCheckError {
     /// The server could not be reached.
-    Unreachable(redis::RedisError),
+    Unreachable {
+        /// The node's address, as the store was given it or as the cluster lists it.
+        node: String,
+        /// What went wrong.
+        error: redis::RedisError,
+    },
     /// `CONFIG GET` is refused (a managed service, or an ACL): whether the server evicts keys
     /// cannot be read here; check its `maxmemory-policy` by hand.
-    ConfigUnreadable(redis::RedisError),
+    ConfigUnreadable {
+        /// The node's address, as the store was given it or as the cluster lists it.
+        node: String,
+        /// The refusal.
+        error: redis::RedisError,
+    },
     /// The server may evict keys when its memory is full: a record evicted is a key that runs
     /// again (completed records and claims carry a TTL, which `volatile-*` policies evict
     /// first). Run it with `maxmemory-policy noeviction`, or without `maxmemory`.
@@ -159,11 +169,15 @@ pub enum RedisCheckError {
 impl std::fmt::Display for RedisCheckError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            Self::Unreachable(e) => write!(f, "the idempotency store's Redis is unreachable: {e}"),
-            Self::ConfigUnreadable(e) => write!(
+            Self::Unreachable { node, error } => write!(
                 f,
-                "the idempotency store cannot read its Redis's maxmemory-policy ({e}); make sure \
-                 it is noeviction: an evicted record is a key that runs again"
+                "the idempotency store's Redis at {node} is unreachable: {error}"
+            ),
+            Self::ConfigUnreadable { node, error } => write!(
+                f,
+                "the idempotency store cannot read the maxmemory-policy of its Redis at {node} \
+                 ({error}); make sure it is noeviction: an evicted record is a key that runs \
+                 again"
             ),
             Self::Evicts { node, policy } => write!(
                 f,
@@ -178,7 +192,7 @@ impl std::fmt::Display for RedisCheckError {
 impl std::error::Error for RedisCheckError {
     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
         match self {
-            Self::Unreachable(e) | Self::ConfigUnreadable(e) => Some(e),
+            Self::Unreachable { error, .. } | Self::ConfigUnreadable { error, .. } => Some(error),
             Self::Evicts { .. } => None,
         }
     }
@@ -241,30 +255,28 @@ impl RedisStore {
     pub async fn check(&self) -> Result<(), RedisCheckError> {
         let mut nodes = self.changes.clients.clone();
         if self.connection.is_cluster() {
-            let mut listed = None;
             let mut failure = None;
+            let mut listing = None;
             for client in &self.changes.clients {
                 match cluster_nodes(client).await {
                     Ok(found) => {
-                        listed = Some(found);
+                        listing = Some(found);
                         break;
                     }
                     Err(e) => failure = Some(e),
                 }
             }
-            match (listed, failure) {
-                (Some(found), _) => {
-                    for node in found {
-                        let known = |c: &redis::Client| {
-                            c.get_connection_info().addr() == node.get_connection_info().addr()
-                        };
-                        if !nodes.iter().any(known) {
-                            nodes.push(node);
-                        }
-                    }
+            let Some((listed, skipped)) = listing else {
+                return failure.map_or(Ok(()), Err);
+            };
+            let addr = |c: &redis::Client| c.get_connection_info().addr().clone();
+            // A node given at start-up that the cluster has since marked failed is skipped as
+            // a listed one is: a seed list outliving a node must not fail a healthy cluster.
+            nodes.retain(|given| !skipped.contains(&addr(given)));
+            for node in listed {
+                if !nodes.iter().any(|known| addr(known) == addr(&node)) {
+                    nodes.push(node);
                 }
-                (None, Some(e)) => return Err(e),
-                (None, None) => {}
             }
         }
         for client in &nodes {
@@ -1388,17 +1400,30 @@ impl RedisStore {
     }
 }
 
-/// The host, port and announced hostname of each node a `CLUSTER NODES` listing names,
-/// but those marked failed, still in handshake or without an address.
-fn endpoints(listing: &str) -> Vec<(&str, u16, Option<&str>)> {
+/// A node as a `CLUSTER NODES` listing names it.
+#[derive(Debug, PartialEq, Eq)]
+struct Listed<'a> {
+    host: &'a str,
+    port: u16,
+    /// The hostname it announces, if any.
+    hostname: Option<&'a str>,
+    /// Marked failed by the cluster.
+    failed: bool,
+}
+
+/// The nodes a `CLUSTER NODES` listing names, but those still in handshake or without an
+/// address.
+fn endpoints(listing: &str) -> Vec<Listed<'_>> {
     let mut found = Vec::new();
     for line in listing.lines() {
         let mut fields = line.split(' ');
         let (Some(address), Some(flags)) = (fields.nth(1), fields.next()) else {
             continue;
         };
-        let skipped = |flag: &str| matches!(flag, "fail" | "noaddr" | "handshake");
-        if flags.split(',').any(skipped) {
+        if flags
+            .split(',')
+            .any(|f| matches!(f, "noaddr" | "handshake"))
+        {
             continue;
         }
         // `host:port@bus[,hostname[,field=value]...]` (Redis 7.2 adds the fields); an IPv6
@@ -1414,16 +1439,23 @@ fn endpoints(listing: &str) -> Vec<(&str, u16, Option<&str>)> {
             continue;
         };
         if !host.is_empty() && port != 0 {
-            found.push((host, port, hostname));
+            let failed = flags.split(',').any(|f| f == "fail");
+            found.push(Listed {
+                host,
+                port,
+                hostname,
+                failed,
+            });
         }
     }
     found
 }
 
-/// A connection to `client`'s server for `check()`, on the store's own bounds (not
-/// redis-rs's half-second reply timeout: a slow link is not a refused `CONFIG`).
+/// A connection to `client`'s server (at `node`) for `check()`, on the store's own bounds
+/// (not redis-rs's half-second reply timeout: a slow link is not a refused `CONFIG`).
 async fn checking(
     client: &redis::Client,
+    node: &str,
 ) -> Result<redis::aio::MultiplexedConnection, RedisCheckError> {
     let bounds = redis::AsyncConnectionConfig::new()
         .set_connection_timeout(Some(TIMEOUT))
@@ -1431,27 +1463,32 @@ async fn checking(
     client
         .get_multiplexed_async_connection_with_config(&bounds)
         .await
-        .map_err(RedisCheckError::Unreachable)
+        .map_err(|error| RedisCheckError::Unreachable {
+            node: node.to_owned(),
+            error,
+        })
 }
 
-/// An error of a command `check()` sent: the server unreachable, or the command refused.
-fn refused(error: redis::RedisError) -> RedisCheckError {
+/// An error of a command `check()` sent to `node`: the server unreachable, or the command
+/// refused.
+fn refused(node: &str, error: redis::RedisError) -> RedisCheckError {
+    let node = node.to_owned();
     match error.is_timeout() || error.is_io_error() || error.is_connection_dropped() {
-        true => RedisCheckError::Unreachable(error),
-        false => RedisCheckError::ConfigUnreadable(error),
+        true => RedisCheckError::Unreachable { node, error },
+        false => RedisCheckError::ConfigUnreadable { node, error },
     }
 }
 
 /// Whether the server of `client` may evict keys (see [`RedisStore::check`]).
 async fn check_node(client: &redis::Client) -> Result<(), RedisCheckError> {
     let node = client.get_connection_info().addr().to_string();
-    let mut connection = checking(client).await?;
+    let mut connection = checking(client, &node).await?;
     let config: Vec<String> = redis::cmd("CONFIG")
         .arg("GET")
         .arg("maxmemory*")
         .query_async(&mut connection)
         .await
-        .map_err(refused)?;
+        .map_err(|error| refused(&node, error))?;
     let value = |name: &str| {
         config
             .chunks(2)
@@ -1467,19 +1504,22 @@ async fn check_node(client: &redis::Client) -> Result<(), RedisCheckError> {
     Ok(())
 }
 
-/// The nodes of the cluster `client`'s server is part of, as its `CLUSTER NODES` lists them
-/// (masters and replicas; not those marked failed or without an address), each a client
-/// with `client`'s settings (credentials, TLS) at the node's address.
-async fn cluster_nodes(client: &redis::Client) -> Result<Vec<redis::Client>, RedisCheckError> {
-    let mut connection = checking(client).await?;
+/// The nodes of the cluster `client`'s server is part of, as its `CLUSTER NODES` lists them:
+/// those to check (masters and replicas), each a client with `client`'s settings
+/// (credentials, TLS) at the node's address; and the addresses of those marked failed.
+async fn cluster_nodes(
+    client: &redis::Client,
+) -> Result<(Vec<redis::Client>, Vec<redis::ConnectionAddr>), RedisCheckError> {
+    let given = client.get_connection_info();
+    let node = given.addr().to_string();
+    let mut connection = checking(client, &node).await?;
     let listing: String = redis::cmd("CLUSTER")
         .arg("NODES")
         .query_async(&mut connection)
         .await
-        .map_err(refused)?;
-    let given = client.get_connection_info();
-    let mut nodes = Vec::new();
-    for (host, port, hostname) in endpoints(&listing) {
+        .map_err(|error| refused(&node, error))?;
+    let (mut nodes, mut failed) = (Vec::new(), Vec::new());
+    for listed in endpoints(&listing) {
         let addr = match given.addr() {
             redis::ConnectionAddr::TcpTls {
                 insecure,
@@ -1487,17 +1527,32 @@ async fn cluster_nodes(client: &redis::Client) -> Result<Vec<redis::Client>, Red
                 ..
             } => redis::ConnectionAddr::TcpTls {
                 // The name its certificate is for, where the cluster announces one.
-                host: hostname.unwrap_or(host).to_owned(),
-                port,
+                host: listed.hostname.unwrap_or(listed.host).to_owned(),
+                port: listed.port,
                 insecure: *insecure,
                 tls_params: tls_params.clone(),
             },
-            _ => redis::ConnectionAddr::Tcp(host.to_owned(), port),
+            _ => redis::ConnectionAddr::Tcp(listed.host.to_owned(), listed.port),
         };
+        if listed.failed {
+            // As the store may have been given it: by its address, or by its hostname.
+            failed.push(redis::ConnectionAddr::Tcp(
+                listed.host.to_owned(),
+                listed.port,
+            ));
+            if let Some(hostname) = listed.hostname {
+                failed.push(redis::ConnectionAddr::Tcp(hostname.to_owned(), listed.port));
+            }
+            failed.push(addr);
+            continue;
+        }
         let info = given.clone().set_addr(addr);
-        nodes.push(redis::Client::open(info).map_err(RedisCheckError::Unreachable)?);
+        let node = info.addr().to_string();
+        let client = redis::Client::open(info)
+            .map_err(|error| RedisCheckError::Unreachable { node, error })?;
+        nodes.push(client);
     }
-    Ok(nodes)
+    Ok((nodes, failed))
 }
 
 /// How often a quiet subscription is checked: that its store still lives, and that its
@@ -1599,7 +1654,8 @@ mod tests {
 
     /// §2 (`check()` reads every node of a cluster): each node a `CLUSTER NODES` listing names
     /// is checked, replicas and IPv6 hosts included, under its announced hostname where TLS
-    /// needs one; failed nodes, nodes in handshake and nodes without an address are not.
+    /// needs one; failed nodes are told apart (skipped, given or not); nodes in handshake and
+    /// nodes without an address are not listed.
     #[test]
     fn s2_check_reads_the_nodes_a_cluster_lists() {
         let listing = "\
@@ -1613,13 +1669,20 @@ a1b2 127.0.0.1:30006@31006 handshake - 0 0 0 connected
 e7d1 127.0.0.1:0@0 master - 0 0 0 connected
 garbage
 ";
+        let listed = |host, port, hostname, failed| Listed {
+            host,
+            port,
+            hostname,
+            failed,
+        };
         assert_eq!(
             endpoints(listing),
             vec![
-                ("127.0.0.1", 30004, Some("db-4.example")),
-                ("127.0.0.1", 30002, None),
-                ("127.0.0.1", 30007, Some("db-7.example")),
-                ("::1", 30003, None),
+                listed("127.0.0.1", 30004, Some("db-4.example"), false),
+                listed("127.0.0.1", 30002, None, false),
+                listed("127.0.0.1", 30007, Some("db-7.example"), false),
+                listed("::1", 30003, None, false),
+                listed("127.0.0.1", 30005, None, true),
             ]
         );
     }
