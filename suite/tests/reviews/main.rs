@@ -33,6 +33,7 @@ mod model_grpc_review;
 mod model_mutants_review;
 mod postgres_server_faults_review;
 mod reconcile_console_review;
+mod redis_cluster_replace_review;
 mod redis_coalescing_review;
 mod redis_replace_review;
 mod redis_server_faults_review;
