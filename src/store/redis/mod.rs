@@ -29,6 +29,8 @@
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+mod connection;
+
 use redis::{Script, Value};
 
 use connection::{Connection, Replaceable, TIMEOUT};
@@ -36,8 +38,6 @@ use connection::{Connection, Replaceable, TIMEOUT};
 use super::Fingerprint;
 use super::codec::fresh_token;
 use super::history::{HISTORY_LIMIT, HISTORY_REFUSALS, HistoryEntry};
-mod connection;
-
 use super::{
     Claim, ClaimRequest, FencingToken, HistoryEvent, IdempotencyStore, InFlight, Lease,
     LeaseExpiry, Milestone, Record, RecordStatus, Resolution, ScopedKey, StoreError,
