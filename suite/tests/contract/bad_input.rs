@@ -1,7 +1,7 @@
 //! DESIGN §1 steps 1–4 on hostile input: every bad request gets a clear 4xx problem, no effect,
 //! and no record claimed.
 
-mod common;
+use crate::common;
 
 use std::net::SocketAddr;
 use std::time::Duration;

@@ -3,7 +3,7 @@
 //! operations go in few statements, counted on the wire; a batch that fails, a caller that
 //! leaves and a database that goes away lose no effect and run none twice.
 
-mod common;
+use crate::common;
 
 use common::batching::{LONG, answer, claim, claim_together, hold_row, through_proxy, unique};
 

@@ -4,7 +4,7 @@
 //! `s4_fault_*` test failed before the bound; `s4_held_*` held. Gigabytes of memory each: the
 //! tests take turns.
 
-mod common;
+use crate::common;
 
 use common::batching::{acquire, unique};
 

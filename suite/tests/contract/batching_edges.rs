@@ -4,7 +4,7 @@
 //! 3000 claims. The `s4_fault_*` tests failed on the version reviewed; `s4_held_*` held.
 //! Waits are hang guards or setup pauses, never measurements.
 
-mod common;
+use crate::common;
 
 use common::batching::{LONG, claim, spawn_claim, unique, within};
 

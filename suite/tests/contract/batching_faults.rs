@@ -4,7 +4,7 @@
 //! broke the first version (the `s4_fault_*` tests failed on it); the `s4_held_*` ones held.
 //! Waits here are hang guards with wide slack, never measurements.
 
-mod common;
+use crate::common;
 
 use common::batching::{
     LONG, acquire, answer, claim, hold_row, spawn_claim, through_proxy, unique,

@@ -1,7 +1,7 @@
 //! Issue 22, the caller's half: `IdempotentClientLayer` on hyper-util's client, against a real
 //! server behind the layer over TCP. Effects are counted in the handler.
 
-mod common;
+use crate::common;
 
 use std::net::SocketAddr;
 use std::sync::atomic::Ordering;

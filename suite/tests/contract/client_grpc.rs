@@ -4,7 +4,7 @@
 //! their `ErrorInfo` reason, waits as their `RetryInfo` says, and its typed stops reach the
 //! tonic caller as the source of the `Status`. Effects are counted in the handler.
 
-mod common;
+use crate::common;
 
 use std::convert::Infallible;
 use std::future::Future;

@@ -2,7 +2,7 @@
 //! own refusals in every dialect. A fresh review wrote these against the first version; each
 //! failed there as its comment tells (the code named is that version's), and holds now.
 
-mod common;
+use crate::common;
 
 use std::convert::Infallible;
 use std::pin::Pin;

@@ -3,7 +3,7 @@
 //! the record moves on (MemoryStore in process, RedisStore by pub/sub; a store that does not
 //! implement it polls), and answer with its replay. Effects are counted in the handler.
 
-mod common;
+use crate::common;
 
 use std::net::SocketAddr;
 use std::sync::Arc;

@@ -2,7 +2,7 @@
 //! races with registration, a silently dead subscription, a restarted and an out-of-memory
 //! Redis (a private redis-server this test starts and stops), runtimes, and AnyStore URLs.
 
-mod common;
+use crate::common;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;

@@ -4,7 +4,7 @@
 //! other retry is told so (406 / FAILED_PRECONDITION), never run again. Proven with tonic's
 //! gzip switched on and off, and over plain HTTP.
 
-mod common;
+use crate::common;
 
 use std::collections::HashMap;
 use std::convert::Infallible;

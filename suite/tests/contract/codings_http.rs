@@ -1,7 +1,7 @@
 //! Issue 19 §3, attacked over plain HTTP: Accept-Encoding edge cases against a
 //! handler that compresses whatever it is asked, on a real socket.
 
-mod common;
+use crate::common;
 
 use std::sync::{Arc, Mutex};
 

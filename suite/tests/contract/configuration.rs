@@ -1,7 +1,7 @@
 //! Issue 20 (first items): wiring mistakes are the server's, and configuration that cannot
 //! work is cut to what works or refused when the layer is built, never a panic per request.
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

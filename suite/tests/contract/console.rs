@@ -2,7 +2,7 @@
 //! API, cross-site refusals, escaping) and in a real headless Chromium driven over WebDriver
 //! (list, inspect, resolve; the resolved key then replays).
 
-mod common;
+use crate::common;
 
 use std::net::SocketAddr;
 use std::process::{Child, Command, Stdio};

@@ -4,7 +4,7 @@
 //! body that fails after its head, a client that hangs up during the claim, a late holder after
 //! a resolution, a full memory store, a claim behind a held row lock, long table names.
 
-mod common;
+use crate::common;
 
 use std::net::SocketAddr;
 use std::sync::Arc;

@@ -1,4 +1,4 @@
-mod common;
+use crate::common;
 
 // Adversarial review of a4e2c8c and d2a35eb: a write or a renewal answered `Fenced` is no longer
 // final on its own word; a read (`lookup`, bounded) decides whether the record is, all the same,

@@ -1,4 +1,4 @@
-mod common;
+use crate::common;
 
 // Adversarial review of e9b1728: a give-back of a key nothing runs under any more (a claim its
 // request dropped or could not confirm, a run cancelled by a hang-up on a `cancel_on_disconnect`

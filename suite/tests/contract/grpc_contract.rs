@@ -2,7 +2,7 @@
 //! real tonic client over loopback TCP, effects counted in the handler. The service is written
 //! by hand with prost messages: no `protoc`.
 
-mod common;
+use crate::common;
 
 use std::collections::HashMap;
 use std::convert::Infallible;

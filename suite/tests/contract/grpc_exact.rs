@@ -2,7 +2,7 @@
 //! service that ends its calls with trailers of its own: trailers pass the deny list, their
 //! bytes count against the record limit, and a call that never says how it ended is UNKNOWN.
 
-mod common;
+use crate::common;
 
 use std::convert::Infallible;
 use std::future::Future;

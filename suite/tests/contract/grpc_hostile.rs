@@ -2,7 +2,7 @@
 //! answer is over the limit, how a malformed `grpc-status` is classified, and codings edge
 //! cases. Real tonic server, real tonic client, raw HTTP/2 where no client would send it.
 
-mod common;
+use crate::common;
 
 use std::convert::Infallible;
 use std::future::Future;

@@ -5,7 +5,7 @@
 //! tonic client through `tonic_web::GrpcWebClientLayer` over HTTP/1.1, and raw requests for
 //! the text variant, decoded here by a base64 reader of the test's own.
 
-mod common;
+use crate::common;
 
 use std::convert::Infallible;
 use std::future::Future;

@@ -3,7 +3,7 @@
 //! (HTTP/1.1) behind the layer; tonic's gRPC-Web client over hyper's legacy client, raw
 //! reqwest calls for text and for bodies no client library reads.
 
-mod common;
+use crate::common;
 
 use std::convert::Infallible;
 use std::net::SocketAddr;

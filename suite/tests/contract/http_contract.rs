@@ -1,7 +1,7 @@
 //! DESIGN §7 over real sockets: an axum server on 127.0.0.1:0, a real HTTP client, effects
 //! counted in the handler.
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;

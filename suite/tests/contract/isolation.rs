@@ -2,7 +2,7 @@
 //! request as the client sent it, outcomes classified right. Over real sockets, effects counted
 //! at the sink.
 
-mod common;
+use crate::common;
 
 use std::net::SocketAddr;
 

@@ -2,7 +2,7 @@
 //! HTTP shape: one POST per message, answered with JSON or an SSE stream), over real sockets,
 //! with the tool's effects counted where they happen.
 
-mod common;
+use crate::common;
 
 use std::net::SocketAddr;
 use std::sync::Arc;

@@ -2,7 +2,7 @@
 //! unguarded, two calls are the same only when they are, replays are byte-faithful, and an
 //! event stream is read once. Over real sockets, effects counted at the sink.
 
-mod common;
+use crate::common;
 
 use std::net::SocketAddr;
 

@@ -16,7 +16,7 @@
 //! - A keyed call whose id this layer cannot read back (`1e400`) is refused, nothing run; a
 //!   response with id `null` never answers a call.
 
-mod common;
+use crate::common;
 
 use std::net::SocketAddr;
 use std::time::Duration;

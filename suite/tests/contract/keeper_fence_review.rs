@@ -1,4 +1,4 @@
-mod common;
+use crate::common;
 
 // Adversarial review of d2a35eb and 13ad8fd (src/hold.rs): a renewal answered `Fenced` is no
 // longer taken as a lost lease at once. It is tried again a tick later, like a failed one, while

@@ -2,7 +2,7 @@
 //! mounted in axum) behind the layer in JSON-RPC mode, called by rmcp's Streamable HTTP client,
 //! in both response modes (JSON and SSE). Effects are counted in the tool.
 
-mod common;
+use crate::common;
 
 use std::collections::HashMap;
 use std::net::SocketAddr;

@@ -15,7 +15,7 @@
 //! replay or "in flight" (§7.3), whichever shortcut it took.
 #![allow(missing_docs)]
 
-mod common;
+use crate::common;
 
 use std::collections::HashMap;
 use std::time::Duration;

@@ -19,7 +19,7 @@
 //! result or began with an error to a `null` id, which give the key back.
 #![allow(missing_docs)]
 
-mod common;
+use crate::common;
 
 use std::collections::HashMap;
 

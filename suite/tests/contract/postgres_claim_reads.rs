@@ -5,7 +5,7 @@
 //! released key taken over, an expired one claimed afresh) still takes the lock, and waits
 //! for it as long as before. Alone and batched alike.
 
-mod common;
+use crate::common;
 
 use common::batching::{
     LONG, acquire, alone_or_batched, answer, claim, claim_together, claim_with, hold_row,

@@ -1,7 +1,7 @@
 //! DESIGN §4 and §7 tests 7 and 8: milestones, uncertain outcomes and their reconciliation,
 //! proven by counting effects at a downstream fake that deduplicates by the derived key.
 
-mod common;
+use crate::common;
 
 use std::collections::HashMap;
 use std::net::SocketAddr;

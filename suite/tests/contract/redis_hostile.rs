@@ -2,7 +2,7 @@
 //! dangling records, odd keys, extreme durations, paging through ties, racing resolutions,
 //! cluster wake-ups and huge listing limits. Each asserts what the trait docs promise.
 
-mod common;
+use crate::common;
 
 use std::collections::BTreeSet;
 use std::sync::Arc;

@@ -7,7 +7,7 @@
 //! the trait's defaults): statuses, bodies, markers and the effects counted in the handler must
 //! agree.
 
-mod common;
+use crate::common;
 
 use std::net::SocketAddr;
 use std::sync::Arc;

@@ -4,7 +4,7 @@
 //! count under the wrong name. Effects are counted in the handler (the sink), never inferred
 //! from answers. Every store the crate ships is attacked where the change touched it.
 
-mod common;
+use crate::common;
 
 use std::collections::BTreeMap;
 use std::convert::Infallible;

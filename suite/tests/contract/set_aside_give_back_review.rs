@@ -1,4 +1,4 @@
-mod common;
+use crate::common;
 
 // Adversarial review of d4552d3 (a record refused `Busy` is retried) and d425450 (every write
 // after a run is bounded by half a lease; a key set aside for reconciliation while its holder

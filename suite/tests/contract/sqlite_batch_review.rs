@@ -11,7 +11,7 @@
 //! is still in flight). The chunk statements sqlx ran are counted (from its `sqlx::query`
 //! events), so a test that did not batch fails rather than passing vacuously.
 
-mod common;
+use crate::common;
 
 use common::batching::{LONG, acquired, answer, claim, claim_with, recorded, unique};
 

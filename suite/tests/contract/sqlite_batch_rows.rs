@@ -4,7 +4,7 @@
 //! sent together must be fenced one by one; a response too big to read back in the batch's row
 //! is answered by a claim of its own, whole.
 
-mod common;
+use crate::common;
 
 use common::batching::{
     LONG, acquired, answer, claim, claim_together, claim_with, complete_together, recorded, unique,

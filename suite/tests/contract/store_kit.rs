@@ -1,6 +1,6 @@
 //! DESIGN §5: every store passes the public conformance kit, one test per rule and store.
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 use std::time::Duration;

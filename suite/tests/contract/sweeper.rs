@@ -2,7 +2,7 @@
 //! record gets its turn, a record that cannot be read is set aside, purging always runs, and
 //! the gauges tell the true count. On every store.
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};

@@ -5,7 +5,7 @@
 //! attempts. Real HTTP over TCP, real PostgreSQL and Redis; effects counted at the handler.
 //! Each test names the DESIGN section it attacks.
 
-mod common;
+use crate::common;
 
 use std::net::SocketAddr;
 use std::pin::Pin;

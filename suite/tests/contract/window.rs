@@ -3,7 +3,7 @@
 //! has left by the window, not its whole lease) and through
 //! `IdempotencyLayer::processing_windows` (for tool descriptions), per route.
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

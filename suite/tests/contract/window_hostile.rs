@@ -4,7 +4,7 @@
 //! review wrote these against the first version; the comments tell how that one failed (the
 //! code named is its), and each holds now.
 
-mod common;
+use crate::common;
 
 use std::net::SocketAddr;
 use std::time::Duration;
