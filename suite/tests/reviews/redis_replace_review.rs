@@ -44,18 +44,18 @@ async fn record(
 /// its socket is seen at once: [`Valve::open`] counts the client sockets still open. New links
 /// can be refused (accepted and closed at once), and every reply slowed.
 #[derive(Clone)]
-struct Valve {
-    addr: SocketAddr,
-    next: Arc<AtomicU64>,
-    frozen_from: Arc<AtomicU64>,
-    frozen_below: Arc<AtomicU64>,
-    refuse: Arc<AtomicBool>,
-    delay_ms: Arc<AtomicU64>,
-    open: Arc<AtomicUsize>,
+pub(crate) struct Valve {
+    pub(crate) addr: SocketAddr,
+    pub(crate) next: Arc<AtomicU64>,
+    pub(crate) frozen_from: Arc<AtomicU64>,
+    pub(crate) frozen_below: Arc<AtomicU64>,
+    pub(crate) refuse: Arc<AtomicBool>,
+    pub(crate) delay_ms: Arc<AtomicU64>,
+    pub(crate) open: Arc<AtomicUsize>,
 }
 
 impl Valve {
-    async fn start(upstream: SocketAddr) -> Self {
+    pub(crate) async fn start(upstream: SocketAddr) -> Self {
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
         let valve = Self {
             addr: listener.local_addr().expect("addr"),
@@ -83,38 +83,48 @@ impl Valve {
         valve
     }
 
-    fn url(&self) -> String {
+    pub(crate) fn url(&self) -> String {
         format!("redis://{}", self.addr)
     }
 
-    /// Links accepted so far (the next one's id).
-    fn links(&self) -> u64 {
+    /// Links accepted so far, refused ones included (the next one's id).
+    pub(crate) fn links(&self) -> u64 {
         self.next.load(Ordering::SeqCst)
     }
 
     /// Stalls every link made so far.
-    fn freeze(&self) {
+    pub(crate) fn freeze(&self) {
         self.freeze_from(0);
     }
 
     /// Stalls the links made since `mark` (a [`links`](Self::links) reading).
-    fn freeze_from(&self, mark: u64) {
+    pub(crate) fn freeze_from(&self, mark: u64) {
         self.frozen_from.store(mark, Ordering::SeqCst);
         self.frozen_below.store(self.links(), Ordering::SeqCst);
     }
 
     /// Delivers what the stalled links hold, and lets them carry again.
-    fn thaw(&self) {
+    pub(crate) fn thaw(&self) {
         self.frozen_below.store(0, Ordering::SeqCst);
     }
 
-    fn frozen(&self, id: u64) -> bool {
+    pub(crate) fn frozen(&self, id: u64) -> bool {
         id >= self.frozen_from.load(Ordering::SeqCst)
             && id < self.frozen_below.load(Ordering::SeqCst)
     }
 
-    fn open(&self) -> usize {
+    pub(crate) fn open(&self) -> usize {
         self.open.load(Ordering::SeqCst)
+    }
+
+    /// Refuses new links (accepted and closed at once) while `on`.
+    pub(crate) fn refusing(&self, on: bool) {
+        self.refuse.store(on, Ordering::SeqCst);
+    }
+
+    /// Holds every reply `delay` ms.
+    pub(crate) fn slow(&self, delay: u64) {
+        self.delay_ms.store(delay, Ordering::SeqCst);
     }
 }
 
