@@ -1266,6 +1266,150 @@ async fn s1_a_wal_deleted_under_a_running_server_never_reruns_a_key() {
     );
 }
 
+/// Makes a migrated database at `path` with a table of its own (`marker`), all in the file
+/// itself (rollback journal, so no `-wal`/`-shm`): the file an operator puts in a running
+/// store's place.
+async fn another_database(path: &Path) {
+    let other = SqliteStore::connect(&url_of(path)).await.expect("connect");
+    other.migrate().await.expect("migrate");
+    sqlx::query("CREATE TABLE marker (x)")
+        .execute(other.pool())
+        .await
+        .expect("marker");
+    other.pool().close().await;
+    let mut last = sqlx::SqliteConnection::connect(&url_of(path))
+        .await
+        .expect("connect");
+    let mode: String = sqlx::query_scalar("PRAGMA journal_mode = DELETE")
+        .fetch_one(&mut last)
+        .await
+        .expect("journal mode");
+    assert_eq!(mode, "delete", "another connection is still open");
+    last.close().await.expect("close");
+    assert!(!exists(path, "-wal") && !exists(path, "-shm"));
+}
+
+/// Takes every connection `store`'s pool has open (at least one) out of it.
+async fn hold_open(store: &SqliteStore) -> Vec<sqlx::pool::PoolConnection<sqlx::Sqlite>> {
+    let open = store.pool().size().max(1);
+    let mut held = Vec::new();
+    for _ in 0..open {
+        held.push(store.pool().acquire().await.expect("an open connection"));
+    }
+    held
+}
+
+/// A connection from `store`'s pool, all of whose open ones are held: one it opens now.
+/// `Err` if it is refused, or not handed out within a second (the pool tries again until
+/// its 5 s acquire time-out).
+async fn new_connection(
+    store: &SqliteStore,
+) -> Result<sqlx::pool::PoolConnection<sqlx::Sqlite>, String> {
+    match tokio::time::timeout(Duration::from_secs(1), store.pool().acquire()).await {
+        Ok(opened) => opened.map_err(|e| e.to_string()),
+        Err(_) => Err("not handed out within a second".to_owned()),
+    }
+}
+
+/// DESIGN §1.6 (a store that cannot serve answers 503, nothing run) and §1 (one database per
+/// store): a file renamed over a running store's. A connection the pool opened afterwards on
+/// the new file would share the `-wal` and `-shm` names with the open connections on the old
+/// one, in one process (SQLite shares by inode, and POSIX locks never conflict within a
+/// process): its first read took the old WAL for the new file's and truncated the `-shm` the
+/// old connections had mapped, so their next read killed the process with SIGBUS (CI of
+/// 56728b4, `s1_a_database_replaced_*`). Such a connection is now refused before it reads a
+/// page (`PRAGMA synchronous`, which loads the schema, runs after the check: SQLite's
+/// `pragma.h` marks it `NeedSchema`; a race this test may miss); the open ones keep the old
+/// file (which refuses their writes once moved), so the
+/// completed key is replayed or refused 503, never run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s1_6_a_connection_on_a_file_put_in_the_stores_place_is_refused_before_it_reads() {
+    let path = sqlite_path("hostile-swap");
+    let fresh_path = sqlite_path("hostile-swap-in");
+    let _cleanup = (Cleanup::db(&path), Cleanup::db(&fresh_path));
+    let (db, sink) = (url_of(&path), path.with_extension("sink"));
+    let store = SqliteStore::connect(&db).await.expect("connect");
+    store.migrate().await.expect("migrate");
+    let addr = serve(app(store.clone(), sink.clone(), plain_settings())).await;
+    let done = unique("swap-done");
+    assert_eq!(send(addr, &done, "d").await.status, 201);
+    another_database(&fresh_path).await;
+    // The pool's open connections (the old file's `-shm` mapped) are kept out of the pool,
+    // so the next acquire opens a connection.
+    let mut held = hold_open(&store).await;
+    let mut reading = held.pop().expect("an open connection");
+    // One open connection reads the old file throughout (before the fix this process died
+    // of SIGBUS at once, the new connection having truncated the `-shm` it reads).
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let reader = tokio::spawn({
+        let stop = stop.clone();
+        async move {
+            let mut markers = Vec::new();
+            while !stop.load(std::sync::atomic::Ordering::SeqCst) || markers.is_empty() {
+                let marker: Result<i64, _> =
+                    sqlx::query_scalar("SELECT count(*) FROM sqlite_master WHERE name = 'marker'")
+                        .fetch_one(&mut *reading)
+                        .await;
+                markers.push(marker.map_err(|e| e.to_string()));
+            }
+            markers
+        }
+    });
+    tokio::time::sleep(ms(50)).await;
+    std::fs::rename(&fresh_path, &path).expect("rename over");
+    let opened = new_connection(&store).await;
+    stop.store(true, std::sync::atomic::Ordering::SeqCst);
+    let markers = common::guard("the reader", reader).await.expect("reader");
+    assert!(
+        opened.is_err(),
+        "a connection on the file put in the store's place was handed out"
+    );
+    let other: Vec<_> = markers.iter().filter(|m| **m != Ok(0)).collect();
+    assert!(
+        other.is_empty(),
+        "the open connection read the new file, or failed: {:?}",
+        &other[..other.len().min(3)]
+    );
+    drop(held);
+    // SQLite refuses the open connections' writes once their file has moved
+    // (`SQLITE_READONLY_DBMOVED`), a claim among them.
+    let again = send(addr, &done, "d").await;
+    assert!(
+        again.replayed || again.is("store-unavailable"),
+        "the completed key: {again:?}"
+    );
+    assert_eq!(effects_of(&sink, &done), 1, "the completed key ran again");
+}
+
+/// The same for a file deleted under a running store (with its `-wal` and `-shm`): a
+/// connection opened afterwards is refused, and no empty database is made in its place (a
+/// restart on such a file would run every completed key again).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s1_6_a_deleted_database_file_is_not_made_anew_by_a_running_store() {
+    let path = sqlite_path("hostile-gone");
+    let _cleanup = Cleanup::db(&path);
+    let (db, sink) = (url_of(&path), path.with_extension("sink"));
+    let store = SqliteStore::connect(&db).await.expect("connect");
+    store.migrate().await.expect("migrate");
+    let addr = serve(app(store.clone(), sink.clone(), plain_settings())).await;
+    let done = unique("gone-done");
+    assert_eq!(send(addr, &done, "d").await.status, 201);
+    let held = hold_open(&store).await;
+    for suffix in ["", "-wal", "-shm"] {
+        let _ = std::fs::remove_file(format!("{}{suffix}", path.display()));
+    }
+    let opened = new_connection(&store).await;
+    assert!(opened.is_err(), "a connection was opened on a deleted file");
+    assert!(
+        !path.exists(),
+        "an empty database was made in the deleted one's place"
+    );
+    drop(held);
+    let again = send(addr, &done, "d").await;
+    assert!(again.replayed, "the completed key: {again:?}");
+    assert_eq!(effects_of(&sink, &done), 1, "the completed key ran again");
+}
+
 // ---- §5 / README `check()`: tables made by hand, or another application's ------------------------
 
 /// The table DDL `migrate` runs, with `edit` applied.
