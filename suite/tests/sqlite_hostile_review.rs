@@ -26,6 +26,7 @@ use axum::http::StatusCode;
 use axum::routing::post;
 use common::child::Proc;
 use common::sqlite_cli::HeldCli;
+use common::sqlite_files::{another_database, hold_all};
 use common::{client, problem_type, serve, sqlite_path};
 use sqlx::Connection;
 use tokio::sync::Barrier;
@@ -1266,39 +1267,6 @@ async fn s1_a_wal_deleted_under_a_running_server_never_reruns_a_key() {
     );
 }
 
-/// Makes a migrated database at `path` with a table of its own (`marker`), all in the file
-/// itself (rollback journal, so no `-wal`/`-shm`): the file an operator puts in a running
-/// store's place.
-async fn another_database(path: &Path) {
-    let other = SqliteStore::connect(&url_of(path)).await.expect("connect");
-    other.migrate().await.expect("migrate");
-    sqlx::query("CREATE TABLE marker (x)")
-        .execute(other.pool())
-        .await
-        .expect("marker");
-    other.pool().close().await;
-    let mut last = sqlx::SqliteConnection::connect(&url_of(path))
-        .await
-        .expect("connect");
-    let mode: String = sqlx::query_scalar("PRAGMA journal_mode = DELETE")
-        .fetch_one(&mut last)
-        .await
-        .expect("journal mode");
-    assert_eq!(mode, "delete", "another connection is still open");
-    last.close().await.expect("close");
-    assert!(!exists(path, "-wal") && !exists(path, "-shm"));
-}
-
-/// Takes every connection `store`'s pool has open (at least one) out of it.
-async fn hold_open(store: &SqliteStore) -> Vec<sqlx::pool::PoolConnection<sqlx::Sqlite>> {
-    let open = store.pool().size().max(1);
-    let mut held = Vec::new();
-    for _ in 0..open {
-        held.push(store.pool().acquire().await.expect("an open connection"));
-    }
-    held
-}
-
 /// A connection from `store`'s pool, all of whose open ones are held: one it opens now.
 /// `Err` if it is refused, or not handed out within a second (the pool tries again until
 /// its 5 s acquire time-out).
@@ -1336,7 +1304,7 @@ async fn s1_6_a_connection_on_a_file_put_in_the_stores_place_is_refused_before_i
     another_database(&fresh_path).await;
     // The pool's open connections (the old file's `-shm` mapped) are kept out of the pool,
     // so the next acquire opens a connection.
-    let mut held = hold_open(&store).await;
+    let mut held = hold_all(&store).await;
     let mut reading = held.pop().expect("an open connection");
     // One open connection reads the old file throughout (before the fix this process died
     // of SIGBUS at once, the new connection having truncated the `-shm` it reads).
@@ -1394,7 +1362,7 @@ async fn s1_6_a_deleted_database_file_is_not_made_anew_by_a_running_store() {
     let addr = serve(app(store.clone(), sink.clone(), plain_settings())).await;
     let done = unique("gone-done");
     assert_eq!(send(addr, &done, "d").await.status, 201);
-    let held = hold_open(&store).await;
+    let held = hold_all(&store).await;
     for suffix in ["", "-wal", "-shm"] {
         let _ = std::fs::remove_file(format!("{}{suffix}", path.display()));
     }

@@ -17,6 +17,7 @@ pub mod resp;
 pub mod rig;
 pub mod runtimes;
 pub mod sqlite_cli;
+pub mod sqlite_files;
 pub mod statements;
 
 use std::net::SocketAddr;

@@ -1,5 +1,7 @@
 //! [`SqliteStore`]: durable records for the processes of one host.
 
+mod file;
+
 use std::str::FromStr;
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, SystemTime};
@@ -10,6 +12,7 @@ use sqlx::sqlite::{
 };
 use sqlx::{AssertSqlSafe, Connection, Row};
 
+use self::file::OpenedFile;
 use super::batch::{Batches, ClaimOp, CompleteOp};
 use super::history::{HISTORY_LIMIT, HISTORY_REFUSALS};
 use super::sql::{self, InvalidIdentifier, RawRecord, RowError, millis, unavailable};
@@ -586,17 +589,27 @@ impl SqliteStore {
     /// a pool's time-out), and a file this process may not write is an error (SQLite itself
     /// would open it read-only). A connection the pool opens later while the file is
     /// write-protected is refused too, and opened again until the pool's acquire time-out
-    /// (5 s, as the busy timeout; the store then answers unavailable). So is a connection
-    /// opened once the file was deleted or another put in its place under the running
-    /// store: connections already open keep the file they opened, new ones are refused
-    /// before they read it (sharing its `-wal` and `-shm` with the old file's connections
-    /// would mix the two databases, and can kill the process with SIGBUS); restart to open
-    /// the new file. A store made with
-    /// [`new`](Self::new) on a pool of your own keeps whatever connections that pool makes,
-    /// unless the pool runs [`check_writable`](Self::check_writable) on each.
+    /// (5 s, as the busy timeout; the store then answers unavailable).
+    ///
+    /// So is a connection opened once the file was deleted or another put in its place under
+    /// the running store: connections already open keep the file they opened, new ones are
+    /// refused before they read a page (sharing the `-wal` and `-shm` names with the old
+    /// file's connections would mix the two databases and can kill the process with
+    /// SIGBUS), and `connect` refuses the path while this process still has the old file
+    /// open. Stop the server, then delete the `-wal` and `-shm` beside the new file before
+    /// starting it again: they are the old file's (SQLite keeps them when the file it wrote
+    /// has moved), and SQLite would read the new file through them.
+    ///
+    /// A store made with [`new`](Self::new) on a pool of your own keeps whatever connections
+    /// that pool makes, unless the pool runs [`check_writable`](Self::check_writable) on each;
+    /// it has none of the checks for a file deleted or replaced.
     pub async fn connect(url: &str) -> Result<Self, sqlx::Error> {
         let in_memory = url.contains(":memory:") || url.contains("mode=memory");
-        let base = SqliteConnectOptions::from_str(url)?.busy_timeout(Duration::from_secs(5));
+        // Never created by the pool's connections, whatever the URL asks (`mode=rwc`): the
+        // first makes the file, and one the pool opens after it was deleted must not.
+        let base = SqliteConnectOptions::from_str(url)?
+            .busy_timeout(Duration::from_secs(5))
+            .create_if_missing(false);
         let options = base
             .clone()
             .synchronous(SqliteSynchronous::Normal)
@@ -606,6 +619,9 @@ impl SqliteStore {
             } else {
                 SqliteJournalMode::Wal
             });
+        if !in_memory {
+            file::check_unshared(base.get_filename())?;
+        }
         // One connection first, on its own: its error is the real one.
         let mut first = SqliteConnection::connect_with(&options).await?;
         if !in_memory {
@@ -1092,67 +1108,6 @@ async fn writable(connection: &mut SqliteConnection) -> Result<(), sqlx::Error> 
     let undone = sqlx::query("ROLLBACK").execute(&mut *connection).await;
     written?;
     undone.map(drop)
-}
-
-/// The database file [`SqliteStore::connect`] opened, told by device and inode: every
-/// connection its pool opens later must have opened that file. An operator who deletes the
-/// file, or puts another in its place (`rename` over it), under a running server leaves the
-/// path naming another file while the pool's open connections keep the old one. A connection
-/// opened on the new file would share the `-wal` and `-shm` names with them, and SQLite keys
-/// its in-process sharing by inode while POSIX locks never conflict within a process: its
-/// first read takes the old file's WAL for its own and truncates the `-shm` the old
-/// connections have mapped, which kills the process with SIGBUS when they next touch it.
-/// So such a connection is refused before it reads a page (the store answers unavailable
-/// until the server is restarted on the new file).
-struct OpenedFile {
-    path: std::path::PathBuf,
-    id: (u64, u64),
-}
-
-impl OpenedFile {
-    /// The file at `path` now; `None` where it cannot be told (not a Unix host, or a name
-    /// SQLite resolves and `stat` does not).
-    fn of(path: &std::path::Path) -> Option<Self> {
-        let id = Self::id(path).ok()??;
-        Some(Self {
-            path: path.to_owned(),
-            id,
-        })
-    }
-
-    #[cfg(unix)]
-    fn id(path: &std::path::Path) -> std::io::Result<Option<(u64, u64)>> {
-        use std::os::unix::fs::MetadataExt;
-        std::fs::metadata(path).map(|m| Some((m.dev(), m.ino())))
-    }
-
-    #[cfg(not(unix))]
-    fn id(_: &std::path::Path) -> std::io::Result<Option<(u64, u64)>> {
-        Ok(None)
-    }
-
-    /// Whether the path still names the file first opened. A connection is opened before
-    /// this runs, so a file replaced in between refuses a connection on the old one too:
-    /// never the other way round.
-    fn check(&self) -> Result<(), sqlx::Error> {
-        match Self::id(&self.path) {
-            Ok(Some(id)) if id == self.id => Ok(()),
-            Ok(None) => Ok(()),
-            Ok(Some(_)) => Err(sqlx::Error::Io(std::io::Error::other(format!(
-                "{} is not the database file this store opened: it was replaced under the \
-                 running store; restart to open the new one",
-                self.path.display()
-            )))),
-            Err(e) => Err(sqlx::Error::Io(std::io::Error::new(
-                e.kind(),
-                format!(
-                    "{} is not the database file this store opened ({e}); restart to open \
-                     a new one",
-                    self.path.display()
-                ),
-            ))),
-        }
-    }
 }
 
 /// Whether SQLite's (extended) result code is `SQLITE_BUSY` or one of its kinds.
