@@ -549,6 +549,44 @@ fn watched(router: Router, watch: Arc<Watch>) -> Router {
 
 // ---- 1. a request dropped between the two claims --------------------------------------------
 
+/// A test of `$scenario` (an async fn taking the store, then `$arg`s) on one store, the
+/// child-mode guard first (the kill tests run this binary again as their children): `memory`,
+/// or `sqlite`/`postgres`/`redis` with the tag of the file, table or prefix it makes.
+macro_rules! on_store {
+    ($name:ident, memory, $scenario:ident $(, $arg:expr)*) => {
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn $name() {
+            if let Some(mode) = child_mode() {
+                return child_main(mode).await;
+            }
+            $scenario(MemoryStore::new() $(, $arg)*).await;
+        }
+    };
+    ($name:ident, sqlite($tag:literal), $scenario:ident $(, $arg:expr)*) => {
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn $name() {
+            if let Some(mode) = child_mode() {
+                return child_main(mode).await;
+            }
+            let (store, path) = common::sqlite($tag).await;
+            $scenario(store $(, $arg)*).await;
+            let _ = std::fs::remove_file(path);
+        }
+    };
+    ($name:ident, $server:ident($tag:literal), $scenario:ident $(, $arg:expr)*) => {
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn $name() {
+            if let Some(mode) = child_mode() {
+                return child_main(mode).await;
+            }
+            let Some(store) = common::$server($tag).await else {
+                return;
+            };
+            $scenario(store $(, $arg)*).await;
+        }
+    };
+}
+
 /// DESIGN §1 step 7 (a hang-up never leaves a half-done claim behind), §2 (a released record is
 /// claimable again), §4 (a lapsed lease is taken over where the route reclaims, set aside where
 /// it reconciles; nothing is left in progress for a request that ran nothing): a request whose
@@ -696,45 +734,26 @@ async fn dropped_between_the_claims<St: IdempotencyStore + Clone>(store: St) {
     );
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn s1_s4_dropped_between_the_claims_on_memory_async_path() {
-    if let Some(mode) = child_mode() {
-        return child_main(mode).await;
-    }
-    dropped_between_the_claims(MemoryStore::new()).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn s1_s4_dropped_between_the_claims_on_sqlite() {
-    if let Some(mode) = child_mode() {
-        return child_main(mode).await;
-    }
-    let (store, path) = common::sqlite("adk-drop").await;
-    dropped_between_the_claims(store).await;
-    let _ = std::fs::remove_file(path);
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn s1_s4_dropped_between_the_claims_on_postgres() {
-    if let Some(mode) = child_mode() {
-        return child_main(mode).await;
-    }
-    let Some(store) = common::postgres("adk_drop").await else {
-        return;
-    };
-    dropped_between_the_claims(store).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn s1_s4_dropped_between_the_claims_on_redis() {
-    if let Some(mode) = child_mode() {
-        return child_main(mode).await;
-    }
-    let Some(store) = common::redis("adk-drop").await else {
-        return;
-    };
-    dropped_between_the_claims(store).await;
-}
+on_store!(
+    s1_s4_dropped_between_the_claims_on_memory_async_path,
+    memory,
+    dropped_between_the_claims
+);
+on_store!(
+    s1_s4_dropped_between_the_claims_on_sqlite,
+    sqlite("adk-drop"),
+    dropped_between_the_claims
+);
+on_store!(
+    s1_s4_dropped_between_the_claims_on_postgres,
+    postgres("adk_drop"),
+    dropped_between_the_claims
+);
+on_store!(
+    s1_s4_dropped_between_the_claims_on_redis,
+    redis("adk-drop"),
+    dropped_between_the_claims
+);
 
 /// DESIGN §4 (a key nothing ran under is given back, never left set aside for ever; a
 /// resolution as not applied lets the next attempt run), §1 step 7: on a route that reconciles,
@@ -1632,53 +1651,36 @@ async fn two_adopting_schemes_race<St: IdempotencyStore + Clone>(store: St, rend
     );
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn s1_two_adopting_schemes_race_on_memory_at_once() {
-    if let Some(mode) = child_mode() {
-        return child_main(mode).await;
-    }
-    two_adopting_schemes_race(MemoryStore::new(), false).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn s1_two_adopting_schemes_race_on_memory_async_path() {
-    if let Some(mode) = child_mode() {
-        return child_main(mode).await;
-    }
-    two_adopting_schemes_race(MemoryStore::new(), true).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn s1_two_adopting_schemes_race_on_sqlite() {
-    if let Some(mode) = child_mode() {
-        return child_main(mode).await;
-    }
-    let (store, path) = common::sqlite("adk-race").await;
-    two_adopting_schemes_race(store, true).await;
-    let _ = std::fs::remove_file(path);
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn s1_two_adopting_schemes_race_on_postgres() {
-    if let Some(mode) = child_mode() {
-        return child_main(mode).await;
-    }
-    let Some(store) = common::postgres("adk_race").await else {
-        return;
-    };
-    two_adopting_schemes_race(store, true).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn s1_two_adopting_schemes_race_on_redis() {
-    if let Some(mode) = child_mode() {
-        return child_main(mode).await;
-    }
-    let Some(store) = common::redis("adk-race").await else {
-        return;
-    };
-    two_adopting_schemes_race(store, true).await;
-}
+on_store!(
+    s1_two_adopting_schemes_race_on_memory_at_once,
+    memory,
+    two_adopting_schemes_race,
+    false
+);
+on_store!(
+    s1_two_adopting_schemes_race_on_memory_async_path,
+    memory,
+    two_adopting_schemes_race,
+    true
+);
+on_store!(
+    s1_two_adopting_schemes_race_on_sqlite,
+    sqlite("adk-race"),
+    two_adopting_schemes_race,
+    true
+);
+on_store!(
+    s1_two_adopting_schemes_race_on_postgres,
+    postgres("adk_race"),
+    two_adopting_schemes_race,
+    true
+);
+on_store!(
+    s1_two_adopting_schemes_race_on_redis,
+    redis("adk-race"),
+    two_adopting_schemes_race,
+    true
+);
 
 /// DESIGN §1 step 4 (one input, one request: the 224-bit digest after the scheme names it) and
 /// step 6 (a mismatch keeps the key where the scheme is not this layer's), §2: a released
@@ -1762,23 +1764,16 @@ async fn foreign_scheme_bytes<St: IdempotencyStore + Clone>(store: St) {
     );
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn s1_foreign_scheme_bytes_of_the_same_digest_are_adopted_on_memory() {
-    if let Some(mode) = child_mode() {
-        return child_main(mode).await;
-    }
-    foreign_scheme_bytes(MemoryStore::new()).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn s1_foreign_scheme_bytes_of_the_same_digest_are_adopted_on_sqlite() {
-    if let Some(mode) = child_mode() {
-        return child_main(mode).await;
-    }
-    let (store, path) = common::sqlite("adk-foreign").await;
-    foreign_scheme_bytes(store).await;
-    let _ = std::fs::remove_file(path);
-}
+on_store!(
+    s1_foreign_scheme_bytes_of_the_same_digest_are_adopted_on_memory,
+    memory,
+    foreign_scheme_bytes
+);
+on_store!(
+    s1_foreign_scheme_bytes_of_the_same_digest_are_adopted_on_sqlite,
+    sqlite("adk-foreign"),
+    foreign_scheme_bytes
+);
 
 /// DESIGN §1 step 6 (a mismatch is reported before anything, nothing run), §4 (only the same
 /// request's lapsed lease is taken over or set aside): on the async path of every store, a
@@ -1856,45 +1851,26 @@ async fn other_input_is_never_adopted<St: IdempotencyStore + Clone>(store: St) {
     );
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn s1_s4_other_input_is_never_adopted_on_memory_async_path() {
-    if let Some(mode) = child_mode() {
-        return child_main(mode).await;
-    }
-    other_input_is_never_adopted(MemoryStore::new()).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn s1_s4_other_input_is_never_adopted_on_sqlite() {
-    if let Some(mode) = child_mode() {
-        return child_main(mode).await;
-    }
-    let (store, path) = common::sqlite("adk-other").await;
-    other_input_is_never_adopted(store).await;
-    let _ = std::fs::remove_file(path);
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn s1_s4_other_input_is_never_adopted_on_postgres() {
-    if let Some(mode) = child_mode() {
-        return child_main(mode).await;
-    }
-    let Some(store) = common::postgres("adk_other").await else {
-        return;
-    };
-    other_input_is_never_adopted(store).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn s1_s4_other_input_is_never_adopted_on_redis() {
-    if let Some(mode) = child_mode() {
-        return child_main(mode).await;
-    }
-    let Some(store) = common::redis("adk-other").await else {
-        return;
-    };
-    other_input_is_never_adopted(store).await;
-}
+on_store!(
+    s1_s4_other_input_is_never_adopted_on_memory_async_path,
+    memory,
+    other_input_is_never_adopted
+);
+on_store!(
+    s1_s4_other_input_is_never_adopted_on_sqlite,
+    sqlite("adk-other"),
+    other_input_is_never_adopted
+);
+on_store!(
+    s1_s4_other_input_is_never_adopted_on_postgres,
+    postgres("adk_other"),
+    other_input_is_never_adopted
+);
+on_store!(
+    s1_s4_other_input_is_never_adopted_on_redis,
+    redis("adk-other"),
+    other_input_is_never_adopted
+);
 
 /// A hostile memory store: while `on`, every record a claim finds is reported under yet another
 /// scheme's bytes (same digest), as if another replica adopted and re-created it each time.
