@@ -21,8 +21,6 @@
 
 mod common;
 
-use std::collections::HashMap;
-use std::io::Write;
 use std::net::SocketAddr;
 use std::os::unix::fs::MetadataExt;
 use std::os::unix::process::ExitStatusExt;
@@ -34,6 +32,7 @@ use std::time::Duration;
 use axum::Router;
 use axum::http::StatusCode;
 use axum::routing::post;
+use common::sink::{effect, effects, effects_of};
 use common::sqlite_files::{another_database, hold_all};
 use common::{client, problem_type, serve, sqlite_path};
 use sqlx::Connection;
@@ -125,28 +124,6 @@ async fn in_child(test: &str) -> bool {
 }
 
 // ---- the effect sink and the server -----------------------------------------------------------
-
-fn effect(sink: &Path, key: &str) {
-    let mut file = std::fs::OpenOptions::new()
-        .create(true)
-        .append(true)
-        .open(sink)
-        .expect("sink");
-    file.write_all(format!("{key}\n").as_bytes())
-        .expect("write the effect");
-}
-
-fn effects(sink: &Path) -> HashMap<String, usize> {
-    let mut counts = HashMap::new();
-    for line in std::fs::read_to_string(sink).unwrap_or_default().lines() {
-        *counts.entry(line.to_owned()).or_insert(0) += 1;
-    }
-    counts
-}
-
-fn effects_of(sink: &Path, key: &str) -> usize {
-    effects(sink).get(key).copied().unwrap_or(0)
-}
 
 /// `POST /op`: makes the effect at the sink, answers 201 with the key.
 fn app<St: IdempotencyStore>(store: St, sink: PathBuf) -> Router {

@@ -25,6 +25,7 @@ use axum::Router;
 use axum::http::StatusCode;
 use axum::routing::post;
 use common::child::Proc;
+use common::sink::{effect, effects, effects_of};
 use common::sqlite_cli::HeldCli;
 use common::sqlite_files::{another_database, hold_all};
 use common::{client, problem_type, serve, sqlite_path};
@@ -77,30 +78,6 @@ impl Drop for Cleanup {
 }
 
 // ---- the effect sink ------------------------------------------------------------------------
-
-/// One effect of `key`: one line appended with one `write` (atomic under `O_APPEND`), before
-/// the handler answers; a SIGKILL after it keeps it (the page cache outlives the process).
-fn effect(sink: &Path, key: &str) {
-    let mut file = std::fs::OpenOptions::new()
-        .create(true)
-        .append(true)
-        .open(sink)
-        .expect("sink");
-    file.write_all(format!("{key}\n").as_bytes())
-        .expect("write the effect");
-}
-
-fn effects(sink: &Path) -> HashMap<String, usize> {
-    let mut counts = HashMap::new();
-    for line in std::fs::read_to_string(sink).unwrap_or_default().lines() {
-        *counts.entry(line.to_owned()).or_insert(0) += 1;
-    }
-    counts
-}
-
-fn effects_of(sink: &Path, key: &str) -> usize {
-    effects(sink).get(key).copied().unwrap_or(0)
-}
 
 // ---- the server (in this process or a child) -------------------------------------------------
 

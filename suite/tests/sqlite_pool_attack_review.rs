@@ -36,6 +36,7 @@ use axum::Router;
 use axum::http::{HeaderMap, HeaderValue, StatusCode};
 use axum::routing::post;
 use common::child::Proc;
+use common::sink::{effect, effects};
 use common::sqlite_cli::HeldCli;
 use common::{client, guard, serve, sqlite_path};
 use tokio::sync::Barrier;
@@ -82,25 +83,6 @@ impl Drop for Cleanup {
 }
 
 // ---- the effect sink ------------------------------------------------------------------------
-
-/// One effect of `key`: one line appended with one `write` (atomic under `O_APPEND`).
-fn effect(sink: &Path, key: &str) {
-    let mut file = std::fs::OpenOptions::new()
-        .create(true)
-        .append(true)
-        .open(sink)
-        .expect("sink");
-    file.write_all(format!("{key}\n").as_bytes())
-        .expect("write the effect");
-}
-
-fn effects(sink: &Path) -> HashMap<String, usize> {
-    let mut counts = HashMap::new();
-    for line in std::fs::read_to_string(sink).unwrap_or_default().lines() {
-        *counts.entry(line.to_owned()).or_insert(0) += 1;
-    }
-    counts
-}
 
 /// Rows of the business table, per key (committed with the handler's milestone).
 async fn business_rows(db: &str) -> HashMap<String, usize> {
