@@ -4,8 +4,8 @@
 //! path, not of the connection's own file), a second store connected in the same process on
 //! a file renamed over a running one's, a restart on a file renamed over a running server's,
 //! a URL asking to create (`?mode=rwc`), a file moved away and back (with the pool's
-//! connections lapsed meanwhile), a file moved and a symlink left in its place, and the
-//! in-memory forms.
+//! connections lapsed meanwhile), a file moved and a symlink left in its place, a relative
+//! path, and the in-memory forms.
 //!
 //! Four tests failed on 1e63d59, all fixed since: a connection that opened the other file
 //! while the path named it passed a check made once the path named the store's file again
@@ -737,4 +737,53 @@ async fn s1_the_in_memory_forms_run_a_key_once_and_replay_it() {
             "{url}: a file was made on disk"
         );
     }
+}
+
+/// DESIGN §1 and §1.6 with a relative path (`sqlite://records.db`, the quickstart's form), in
+/// a child whose working directory is the database's: the kernel names descriptors by their
+/// absolute path, so the checks must resolve the one given. Another file renamed over the
+/// store's: a connection the pool opens is refused, and a second store on the same relative
+/// path is refused while the first still has the old file open; the completed key never runs
+/// again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s1_6_a_relative_path_is_checked_as_the_file_it_names() {
+    if !in_child("s1_6_a_relative_path_is_checked_as_the_file_it_names").await {
+        return;
+    }
+    let dir = std::env::temp_dir().join(unique("fi-relative"));
+    std::fs::create_dir(&dir).expect("dir");
+    let _cleanup = Cleanup(vec![dir.clone()]);
+    std::env::set_current_dir(&dir).expect("cd");
+    let (path, fresh, sink) = (
+        Path::new("records.db"),
+        Path::new("fresh.db"),
+        dir.join("effects.sink"),
+    );
+    let first = SqliteStore::connect("sqlite://records.db")
+        .await
+        .expect("connect");
+    first.migrate().await.expect("migrate");
+    let addr = serve(app(first.clone(), sink.clone())).await;
+    let done = unique("relative-done");
+    assert_eq!(send(addr, &done).await.status, 201);
+    another_database(fresh).await;
+    let held = hold_all(&first).await;
+    std::fs::rename(fresh, path).expect("rename over");
+    let opened = tokio::time::timeout(Duration::from_secs(1), first.pool().acquire()).await;
+    assert!(
+        !matches!(opened, Ok(Ok(_))),
+        "a connection on the file renamed over a relative path was handed out"
+    );
+    let second = SqliteStore::connect("sqlite://records.db").await;
+    assert!(
+        second.is_err(),
+        "a second store opened the relative path while the first had the old file open"
+    );
+    drop(held);
+    let again = send(addr, &done).await;
+    assert!(
+        again.replayed || again.unavailable(),
+        "the completed key: {again:?}"
+    );
+    assert_eq!(effects_of(&sink, &done), 1, "the completed key ran again");
 }
