@@ -69,7 +69,8 @@ impl OpenedFile {
         if Id::at(&self.path) != Some(self.id) {
             return Err(refused(&format!(
                 "{} is not the database file this store opened: it was deleted or replaced \
-                 under the running store; restart to open the one there now",
+                 under the running store; stop the server, delete the -wal and -shm beside \
+                 the file (the old one's), and start it again to open the one there now",
                 self.path.display()
             )));
         }
