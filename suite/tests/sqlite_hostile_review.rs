@@ -1166,14 +1166,7 @@ async fn s1_a_database_replaced_under_a_running_server_never_reruns_a_key() {
     let addr = serve(app(store, sink.clone(), settings)).await;
     let done = unique("replaced-done");
     assert_eq!(send(addr, &done, "d").await.status, 201);
-    let replacement = SqliteStore::connect(&url_of(&fresh_path))
-        .await
-        .expect("connect");
-    replacement.migrate().await.expect("migrate");
-    replacement.pool().close().await;
-    for suffix in ["-wal", "-shm"] {
-        let _ = std::fs::remove_file(format!("{}{suffix}", fresh_path.display()));
-    }
+    another_database(&fresh_path).await;
     std::fs::rename(&fresh_path, &path).expect("rename over");
     let answers = crowd(addr, &done).await;
     let mut shapes: HashMap<String, usize> = HashMap::new();
