@@ -3,6 +3,7 @@
 //! here: the path swapped back and forth while the pool opens connections (a check of the
 //! path, not of the connection's own file), a second store connected in the same process on
 //! a file renamed over a running one's, a restart on a file renamed over a running server's,
+//! a second store on a path whose running file was moved away and another put in its place,
 //! a URL asking to create (`?mode=rwc`), a file moved away and back (with the pool's
 //! connections lapsed meanwhile), a file moved and a symlink left in its place, a relative
 //! path, and the in-memory forms.
@@ -457,6 +458,86 @@ async fn s1_a_second_store_in_the_process_on_a_file_renamed_over_a_running_ones_
         (integrity.as_str(), marker),
         ("ok", Ok(1)),
         "the file renamed in was damaged, or overlaid with the old file's WAL"
+    );
+}
+
+/// DESIGN §1 (one database per store): the running store's file MOVED AWAY (renamed to
+/// another name, not deleted, not renamed over), and another file put at the path. The
+/// kernel now names the running store's descriptors after the new name, so nothing open is
+/// under the path, but its `-wal` and `-shm` are still the ones under the path's name, and a
+/// second store connected there would read the new file through them (the wal-index is
+/// shared within the process by name). `check_unshared`'s second condition (a `-wal`/`-shm`
+/// in use with no descriptor on the file now at the path) must refuse it; the completed key is
+/// never run again, and the new file is left whole.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s1_a_second_store_on_a_path_whose_running_file_was_moved_away_is_refused() {
+    if !in_child("s1_a_second_store_on_a_path_whose_running_file_was_moved_away_is_refused").await {
+        return;
+    }
+    let path = sqlite_path("fi-moved");
+    let aside = sqlite_path("fi-moved-aside");
+    let fresh = sqlite_path("fi-moved-in");
+    let _cleanup = Cleanup::dbs(&[&path, &aside, &fresh]);
+    let sink = path.with_extension("sink");
+    let first = SqliteStore::connect(&url_of(&path)).await.expect("connect");
+    first.migrate().await.expect("migrate");
+    let addr = serve(app(first.clone(), sink.clone())).await;
+    let done = unique("moved-done");
+    assert_eq!(send(addr, &done).await.status, 201);
+    another_database(&fresh).await;
+    let stop = Arc::new(AtomicBool::new(false));
+    let reading = readers(hold(&first, 2).await, stop.clone());
+    tokio::time::sleep(ms(30)).await;
+    std::fs::rename(&path, &aside).expect("move away");
+    std::fs::rename(&fresh, &path).expect("put another in its place");
+    let held_old = open_on(file_id(&aside));
+    let second = SqliteStore::connect(&url_of(&path)).await;
+    let seen: Result<i64, String> = match &second {
+        Ok(s) => sqlx::query_scalar("SELECT count(*) FROM marker")
+            .fetch_one(s.pool())
+            .await
+            .map_err(|e| e.to_string()),
+        Err(e) => Err(format!("connect refused: {e}")),
+    };
+    tokio::time::sleep(ms(100)).await;
+    stop.store(true, Ordering::SeqCst);
+    let mut errors = Vec::new();
+    for r in reading {
+        errors.extend(common::guard("a reader", r).await.expect("reader"));
+    }
+    let again = send(addr, &done).await;
+    if let Ok(s) = &second {
+        s.pool().close().await;
+    }
+    first.pool().close().await;
+    // The README's remedy once the server stopped: the old file's `-wal`/`-shm` go.
+    for suffix in ["-wal", "-shm"] {
+        let _ = std::fs::remove_file(side(&path, suffix));
+    }
+    let (integrity, marker, _) = inspect(&path).await;
+    println!(
+        "descriptors on the moved file: {held_old}; second store saw marker: {seen:?}; \
+         readers' errors {:?}; the file now: integrity {integrity:?}, marker {marker:?}",
+        &errors[..errors.len().min(3)]
+    );
+    assert!(
+        held_old >= 2,
+        "the premise: the running store still has its moved file open ({held_old})"
+    );
+    assert!(
+        again.replayed || again.unavailable(),
+        "the completed key: {again:?}"
+    );
+    assert_eq!(effects_of(&sink, &done), 1, "the completed key ran again");
+    assert!(
+        second.is_err(),
+        "a second store connected on the path while the first still used its -wal/-shm for \
+         the file moved away (it saw the new file's marker: {seen:?})"
+    );
+    assert_eq!(
+        (integrity.as_str(), marker),
+        ("ok", Ok(1)),
+        "the file put in place was damaged, or overlaid with the moved file's WAL"
     );
 }
 
