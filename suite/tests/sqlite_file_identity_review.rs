@@ -33,8 +33,9 @@ use std::time::Duration;
 use axum::Router;
 use axum::http::StatusCode;
 use axum::routing::post;
+use common::raw::unique;
 use common::sink::{effect, effects, effects_of};
-use common::sqlite_files::{another_database, hold_all};
+use common::sqlite_files::{Cleanup, another_database, hold_all, side, url_of};
 use common::{client, problem_type, serve, sqlite_path};
 use sqlx::Connection;
 use tower_idempotency::store::SqliteStore;
@@ -44,50 +45,6 @@ const CHILD: &str = "FILE_IDENTITY_CHILD";
 
 fn ms(n: u64) -> Duration {
     Duration::from_millis(n)
-}
-
-fn unique(name: &str) -> String {
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_nanos());
-    format!("{name}-{}-{nanos}", std::process::id())
-}
-
-fn url_of(path: &Path) -> String {
-    format!("sqlite://{}", path.display())
-}
-
-fn side(path: &Path, suffix: &str) -> PathBuf {
-    PathBuf::from(format!("{}{suffix}", path.display()))
-}
-
-/// Removes databases (with their `-wal`, `-shm`, `-journal` and sink) when dropped.
-struct Cleanup(Vec<PathBuf>);
-
-impl Cleanup {
-    fn dbs(paths: &[&Path]) -> Self {
-        let mut all = Vec::new();
-        for path in paths {
-            all.push(path.to_path_buf());
-            for suffix in ["-wal", "-shm", "-journal"] {
-                all.push(side(path, suffix));
-            }
-            all.push(path.with_extension("sink"));
-        }
-        Self(all)
-    }
-}
-
-impl Drop for Cleanup {
-    fn drop(&mut self) {
-        for p in &self.0 {
-            if p.is_dir() {
-                let _ = std::fs::remove_dir_all(p);
-            } else {
-                let _ = std::fs::remove_file(p);
-            }
-        }
-    }
 }
 
 // ---- the child process ------------------------------------------------------------------------

@@ -25,9 +25,10 @@ use axum::Router;
 use axum::http::StatusCode;
 use axum::routing::post;
 use common::child::Proc;
+use common::raw::unique;
 use common::sink::{effect, effects, effects_of};
 use common::sqlite_cli::HeldCli;
-use common::sqlite_files::{another_database, hold_all};
+use common::sqlite_files::{Cleanup, another_database, hold_all, url_of};
 use common::{client, problem_type, serve, sqlite_path};
 use sqlx::Connection;
 use tokio::sync::Barrier;
@@ -38,43 +39,6 @@ const CHILD: &str = "SQLITE_HOSTILE_CHILD";
 
 fn ms(n: u64) -> Duration {
     Duration::from_millis(n)
-}
-
-fn unique(name: &str) -> String {
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_nanos());
-    format!("{name}-{}-{nanos}", std::process::id())
-}
-
-fn url_of(path: &Path) -> String {
-    format!("sqlite://{}", path.display())
-}
-
-/// Removes a database, its `-wal`/`-shm` and the sink when the test ends, however it ends.
-struct Cleanup(Vec<PathBuf>);
-
-impl Cleanup {
-    fn db(path: &Path) -> Self {
-        let mut all = vec![path.to_path_buf()];
-        for suffix in ["-wal", "-shm", "-journal"] {
-            all.push(PathBuf::from(format!("{}{suffix}", path.display())));
-        }
-        all.push(path.with_extension("sink"));
-        Self(all)
-    }
-}
-
-impl Drop for Cleanup {
-    fn drop(&mut self) {
-        for p in &self.0 {
-            if p.is_dir() {
-                let _ = std::fs::remove_dir_all(p);
-            } else {
-                let _ = std::fs::remove_file(p);
-            }
-        }
-    }
 }
 
 // ---- the effect sink ------------------------------------------------------------------------

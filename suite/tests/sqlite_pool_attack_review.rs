@@ -36,8 +36,10 @@ use axum::Router;
 use axum::http::{HeaderMap, HeaderValue, StatusCode};
 use axum::routing::post;
 use common::child::Proc;
+use common::raw::unique;
 use common::sink::{effect, effects};
 use common::sqlite_cli::HeldCli;
+use common::sqlite_files::{Cleanup, url_of};
 use common::{client, guard, serve, sqlite_path};
 use tokio::sync::Barrier;
 use tower_idempotency::store::{Batching, Milestone, SqliteStore, StoredResponse};
@@ -47,39 +49,6 @@ const CHILD: &str = "SQLITE_POOL_ATTACK_CHILD";
 
 fn ms(n: u64) -> Duration {
     Duration::from_millis(n)
-}
-
-fn unique(name: &str) -> String {
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_nanos());
-    format!("{name}-{}-{nanos}", std::process::id())
-}
-
-fn url_of(path: &Path) -> String {
-    format!("sqlite://{}", path.display())
-}
-
-/// Removes a database, its `-wal`/`-shm` and the sink when the test ends, however it ends.
-struct Cleanup(Vec<PathBuf>);
-
-impl Cleanup {
-    fn db(path: &Path) -> Self {
-        let mut all = vec![path.to_path_buf()];
-        for suffix in ["-wal", "-shm", "-journal"] {
-            all.push(PathBuf::from(format!("{}{suffix}", path.display())));
-        }
-        all.push(path.with_extension("sink"));
-        Self(all)
-    }
-}
-
-impl Drop for Cleanup {
-    fn drop(&mut self) {
-        for p in &self.0 {
-            let _ = std::fs::remove_file(p);
-        }
-    }
 }
 
 // ---- the effect sink ------------------------------------------------------------------------

@@ -37,7 +37,9 @@ use axum::Router;
 use axum::http::StatusCode;
 use axum::routing::post;
 use common::child::Proc;
+use common::raw::unique;
 use common::sqlite_cli::HeldCli;
+use common::sqlite_files::{Cleanup, url_of};
 use common::{client, problem_type, serve, sqlite_path};
 use tower_idempotency::store::{Batching, SqliteStore};
 use tower_idempotency::{IdempotencyContext, IdempotencyLayer, LeaseExpiry};
@@ -49,17 +51,6 @@ const VERSION: i64 = 7;
 
 fn ms(n: u64) -> Duration {
     Duration::from_millis(n)
-}
-
-fn unique(name: &str) -> String {
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_nanos());
-    format!("{name}-{}-{nanos}", std::process::id())
-}
-
-fn url_of(path: &Path) -> String {
-    format!("sqlite://{}", path.display())
 }
 
 /// `f` within `secs` seconds, or the test fails naming `what` (a hang).
@@ -95,33 +86,6 @@ impl Rng {
         x ^= x << 17;
         self.0 = x;
         x.wrapping_mul(0x2545_F491_4F6C_DD1D) % (max + 1)
-    }
-}
-
-/// Removes a database, its `-wal`/`-shm`, the sink and the churners' logs when the test ends.
-struct Cleanup(Vec<PathBuf>);
-
-impl Cleanup {
-    fn db(path: &Path) -> Self {
-        let mut all = vec![path.to_path_buf()];
-        for suffix in ["-wal", "-shm", "-journal"] {
-            all.push(PathBuf::from(format!("{}{suffix}", path.display())));
-        }
-        all.push(path.with_extension("sink"));
-        all.push(path.with_extension("churn"));
-        Self(all)
-    }
-}
-
-impl Drop for Cleanup {
-    fn drop(&mut self) {
-        for p in &self.0 {
-            if p.is_dir() {
-                let _ = std::fs::remove_dir_all(p);
-            } else {
-                let _ = std::fs::remove_file(p);
-            }
-        }
     }
 }
 
@@ -674,7 +638,7 @@ async fn s5_a_churner_killed_mid_probe_dozens_of_times_strands_no_lock_and_runs_
     let test =
         "s5_a_churner_killed_mid_probe_dozens_of_times_strands_no_lock_and_runs_each_key_once";
     let path = sqlite_path("probe-kill-churn");
-    let _cleanup = Cleanup::db(&path);
+    let _cleanup = Cleanup::db(&path).and(path.with_extension("churn"));
     let (db, sink) = (url_of(&path), path.with_extension("sink"));
     let logs = path.with_extension("churn");
     std::fs::create_dir_all(&logs).expect("the churners' logs");
@@ -842,7 +806,7 @@ async fn s5_a_churner_killed_while_its_probes_queue_or_hold_the_lock_strands_not
     }
     let test = "s5_a_churner_killed_while_its_probes_queue_or_hold_the_lock_strands_nothing";
     let path = sqlite_path("probe-kill-queue");
-    let _cleanup = Cleanup::db(&path);
+    let _cleanup = Cleanup::db(&path).and(path.with_extension("churn"));
     let (db, sink) = (url_of(&path), path.with_extension("sink"));
     let logs = path.with_extension("churn");
     std::fs::create_dir_all(&logs).expect("the churners' logs");
@@ -907,7 +871,7 @@ async fn s5_churners_alone_on_the_file_killed_mid_probe_lose_no_commit() {
     }
     let test = "s5_churners_alone_on_the_file_killed_mid_probe_lose_no_commit";
     let path = sqlite_path("probe-kill-alone");
-    let _cleanup = Cleanup::db(&path);
+    let _cleanup = Cleanup::db(&path).and(path.with_extension("churn"));
     let (db, sink) = (url_of(&path), path.with_extension("sink"));
     let logs = path.with_extension("churn");
     std::fs::create_dir_all(&logs).expect("the churners' logs");
@@ -988,7 +952,7 @@ async fn s5_churners_alone_on_the_file_killed_mid_probe_lose_no_commit() {
 /// new key work.
 async fn server_killed_while_its_pool_probes(test: &str, expiry: LeaseExpiry) {
     let path = sqlite_path("probe-kill-server");
-    let _cleanup = Cleanup::db(&path);
+    let _cleanup = Cleanup::db(&path).and(path.with_extension("churn"));
     let (db, sink) = (url_of(&path), path.with_extension("sink"));
     prepare(&db).await;
     let mut rng = Rng::new(test);
