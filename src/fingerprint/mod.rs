@@ -6,7 +6,8 @@
 //! length-prefixed: a version tag, the method,
 //! the path, the query (an empty one, `/op?`, is not a missing one), the media type of
 //! `Content-Type` with its parameters (lower-cased names and `charset` values, sorted; only a
-//! multipart `boundary` and JSON's `charset=utf-8` are left out, as they change nothing), the
+//! multipart `boundary` and JSON's `charset=utf-8` are left out, as they change nothing; a
+//! value that does not read strictly counts as sent, see `media`), the
 //! configured extra request headers, the request's trailers if it sent any, and the canonical
 //! body:
 //!
@@ -21,8 +22,9 @@
 //! | anything else, and empty bodies | the raw bytes |
 //!
 //! A body that claims a structured type and is not one (invalid JSON, invalid UTF-8, nesting
-//! deeper than 128 levels, multipart without its boundary) is refused with 400 before anything
-//! is claimed. JSON that is valid but has no exact canonical form (duplicate member names, a
+//! deeper than 128 levels, multipart without one boundary in a `Content-Type` that reads, with
+//! folded part headers, or with more than padding after its close delimiter) is refused with
+//! 400 before anything is claimed. JSON that is valid but has no exact canonical form (duplicate member names, a
 //! number whose canonical form names another value: beyond 2^53 precision, beyond double range,
 //! underflowing to zero; an escaped UTF-16 surrogate without its pair) is hashed as raw bytes
 //! in a domain of its own, so it is never merged with another document. Canonicalisation
@@ -31,6 +33,7 @@
 mod fields;
 mod form;
 mod json;
+mod media;
 mod multipart;
 
 use std::fmt;
@@ -39,6 +42,7 @@ use std::sync::Arc;
 use http::{HeaderMap, HeaderName, request::Parts};
 
 pub use fields::{InvalidPointer, JsonFields};
+pub(crate) use media::{is_json, media_type, media_with_parameters};
 use sha2::{Digest, Sha256};
 
 /// The SHA-256 fingerprint of a request: equal fingerprints mean the same operation.
@@ -126,9 +130,17 @@ impl Fingerprint {
     }
 }
 
-/// Hashing's versions: bumped whenever what a fingerprint counts changes.
-const HTTP_SCHEME: &[u8] = b"tower-idempotency/fingerprint/v1";
-const JSONRPC_SCHEME: &[u8] = b"tower-idempotency/jsonrpc/v2";
+/// The tags hashed first into every fingerprint. Kept while every request that reads as
+/// before hashes as before: a retry across an upgrade then still replays.
+const HTTP_TAG: &[u8] = b"tower-idempotency/fingerprint/v1";
+const JSONRPC_TAG: &[u8] = b"tower-idempotency/jsonrpc/v2";
+
+/// Hashing's versions, which name the schemes: bumped whenever what a fingerprint counts
+/// changes, even for a few requests, so that a retry of one recorded under the old reading is
+/// told "read another way", never "another request, use a new key". `r2`: `Content-Type`
+/// values and multipart bodies read strictly (a value that does not read counts as sent).
+const HTTP_SCHEME: &[u8] = b"tower-idempotency/fingerprint/v1/r2";
+const JSONRPC_SCHEME: &[u8] = b"tower-idempotency/jsonrpc/v2/r2";
 
 /// How a fingerprint was made: the hashing's version and the settings that decide what counts.
 pub(crate) type Scheme = [u8; 4];
@@ -287,7 +299,7 @@ pub(crate) fn jsonrpc(
     scheme: Scheme,
 ) -> Result<Fingerprint, MalformedBody> {
     let mut h = Sha256::new();
-    put_field(&mut h, JSONRPC_SCHEME);
+    put_field(&mut h, JSONRPC_TAG);
     // Everything the HTTP mode counts (path, query, media type, fingerprint headers)...
     head_into(&mut h, parts, trailers, options)?;
     // A body its handler must decode first is another request than the same text sent plain.
@@ -392,61 +404,6 @@ thread_local! {
 /// The largest scratch buffer kept between requests.
 const SCRATCH_KEEP: usize = 64 * 1024;
 
-/// The media type and parameters of a `Content-Type` value, as they count in a fingerprint:
-/// type, parameter names and `charset` values lower-cased, quoted values unquoted, parameters
-/// sorted; dropped
-/// are only those that provably change nothing: the `boundary` of a multipart request body
-/// (its parts are what counts; `outer`: this is the request's own `Content-Type`, not a
-/// part's, whose content is hashed as it is and so read by its boundary) and `charset=utf-8`
-/// of JSON (JSON is UTF-8 by definition). `text/plain; charset=latin1` and `text/plain` are
-/// different requests. `media` is the value's [`media_type`], read once by the caller, which
-/// the body's fingerprint uses too.
-pub(crate) fn media_with_parameters<'m>(
-    content_type: &str,
-    media: &'m str,
-    outer: bool,
-) -> std::borrow::Cow<'m, str> {
-    // Most requests: no parameters, nothing to allocate.
-    if !content_type.contains(';') {
-        return media.into();
-    }
-    let mut parameters: Vec<(String, String)> = split_outside_quotes(content_type.as_bytes(), b';')
-        .into_iter()
-        .skip(1)
-        // Split at an ASCII byte, so each piece is UTF-8 still.
-        .filter_map(|parameter| std::str::from_utf8(parameter).ok())
-        .filter_map(|parameter| {
-            let (name, value) = parameter.split_once('=').unwrap_or((parameter, ""));
-            let name = name.trim().to_ascii_lowercase();
-            let value = value.trim();
-            let mut value = match value.strip_prefix('"').and_then(|v| v.strip_suffix('"')) {
-                Some(quoted) => unquote(quoted),
-                None => value.to_owned(),
-            };
-            // RFC 9110 §8.3.2: a charset's name is case-insensitive (`LATIN1` is `latin1`);
-            // other parameters' values may not be (a boundary is not).
-            if name == "charset" {
-                value.make_ascii_lowercase();
-            }
-            let redundant = (outer && name == "boundary" && media == "multipart/form-data")
-                || (name == "charset" && is_json(media) && value.eq_ignore_ascii_case("utf-8"))
-                || name.is_empty();
-            (!redundant).then_some((name, value))
-        })
-        .collect();
-    if parameters.is_empty() {
-        return media.into();
-    }
-    // By name only, and stable: a repeated parameter keeps its order, which may be data.
-    parameters.sort_by(|a, b| a.0.cmp(&b.0));
-    let mut out = media.to_owned();
-    for (name, value) in parameters {
-        // Length-framed, so no value can imitate another parameter.
-        out.push_str(&format!(";{}:{name}={}:{value}", name.len(), value.len()));
-    }
-    out.into()
-}
-
 /// `text` split at `separator`, except inside quoted strings (RFC 9110 §5.6.4).
 fn split_outside_quotes(text: &[u8], separator: u8) -> Vec<&[u8]> {
     let (mut pieces, mut start, mut quoted, mut escaped) = (Vec::new(), 0, false, false);
@@ -474,63 +431,6 @@ fn field_elements<'a>(lines: impl Iterator<Item = &'a [u8]>) -> Vec<&'a [u8]> {
         .map(<[u8]>::trim_ascii)
         .filter(|element| !element.is_empty())
         .collect()
-}
-
-/// The contents of an RFC 9110 quoted-string: `\x` stands for `x`.
-fn unquote(quoted: &str) -> String {
-    let mut out = String::with_capacity(quoted.len());
-    let mut chars = quoted.chars();
-    while let Some(c) = chars.next() {
-        out.push(if c == '\\' {
-            chars.next().unwrap_or(c)
-        } else {
-            c
-        });
-    }
-    out
-}
-
-/// The media type of a `Content-Type` value: lower-cased, parameters dropped.
-pub(crate) fn media_type(content_type: &str) -> std::borrow::Cow<'_, str> {
-    // The type nearly every guarded request sends, answered by one comparison.
-    if content_type == "application/json" {
-        return content_type.into();
-    }
-    // `;` is ASCII, so the cut is at a character boundary.
-    let end = content_type
-        .bytes()
-        .position(|b| b == b';')
-        .unwrap_or(content_type.len());
-    let head = &content_type[..end];
-    // `trim` decodes characters; on ASCII (every header value read as a string) the same
-    // whitespace is trimmed byte by byte.
-    let media = match head.is_ascii() {
-        true => trim_ascii_whitespace(head),
-        false => head.trim(),
-    };
-    if media.bytes().any(|b| b.is_ascii_uppercase()) {
-        media.to_ascii_lowercase().into()
-    } else {
-        media.into()
-    }
-}
-
-/// `str::trim` on an ASCII `text`, without decoding characters: the ASCII bytes that are
-/// `char::is_whitespace` are space and `\t` to `\r` (vertical tab among them).
-fn trim_ascii_whitespace(text: &str) -> &str {
-    let space = |b: &u8| matches!(b, b' ' | b'\t'..=b'\r');
-    let bytes = text.as_bytes();
-    let start = bytes.iter().position(|b| !space(b)).unwrap_or(bytes.len());
-    let end = bytes
-        .iter()
-        .rposition(|b| !space(b))
-        .map_or(start, |i| i + 1);
-    // ASCII: every byte offset is a character boundary.
-    text.get(start..end).unwrap_or_default()
-}
-
-pub(crate) fn is_json(media_type: &str) -> bool {
-    media_type == "application/json" || media_type.ends_with("+json")
 }
 
 /// Fingerprints a request from its parts and buffered body.
@@ -567,7 +467,7 @@ pub(crate) fn fingerprint_fields(
     scheme: Scheme,
 ) -> Result<Fingerprint, MalformedBody> {
     let mut h = Sha256::new();
-    put_field(&mut h, HTTP_SCHEME);
+    put_field(&mut h, HTTP_TAG);
     put_field(&mut h, parts.method.as_str().as_bytes());
     let (content_type, media) = head_into(&mut h, parts, trailers, options)?;
     if coded_into(&mut h, parts, body) {

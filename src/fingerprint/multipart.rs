@@ -2,9 +2,15 @@
 //!
 //! Clients draw a fresh random boundary for every request, retries included, so the raw bytes
 //! of two identical submissions differ. Each part counts by its headers (names lower-cased,
-//! values trimmed, a `Content-Type` read as the request's is but keeping a nested part's own
-//! `boundary`, sorted by name, repeated names in their order) and its content, in order;
-//! preamble and epilogue do not count.
+//! values without the spaces and tabs around them, a `Content-Type` read as the request's is
+//! but keeping a nested part's own `boundary`, sorted by name, repeated names in their order)
+//! and its content, in order; preamble and epilogue do not count.
+//!
+//! What has no one reading is refused as malformed rather than read one way: a `Content-Type`
+//! whose parameters do not read (a `;` inside a quoted value is data, not a separator), a
+//! `boundary` given twice, a header line folded over two (obsolete, and read apart by
+//! readers that unfold it and readers that do not), and anything but padding after the close
+//! delimiter on its line.
 
 use std::borrow::Cow;
 
@@ -15,9 +21,7 @@ pub(crate) fn canonicalize(
     body: &[u8],
     out: &mut impl Sink,
 ) -> Result<(), MalformedBody> {
-    let boundary = boundary(content_type).ok_or(MalformedBody::new(
-        "multipart body without a boundary parameter",
-    ))?;
+    let boundary = boundary(content_type)?;
     let parts = split(body, boundary.as_bytes()).ok_or(MalformedBody::new(
         "multipart body does not follow its boundary",
     ))?;
@@ -37,12 +41,19 @@ pub(crate) fn canonicalize(
         // Header lines end in CRLF only: a bare LF stays inside its line's value, so two
         // different heads never read as one.
         for line in split_crlf(head) {
+            if matches!(line.first(), Some(b' ' | b'\t')) {
+                return Err(MalformedBody::new(
+                    "multipart part header folded over lines (obsolete)",
+                ));
+            }
             let colon = line
                 .iter()
                 .position(|&b| b == b':')
                 .ok_or(MalformedBody::new("multipart header line without a colon"))?;
             let name = line[..colon].to_ascii_lowercase();
-            let value = line[colon + 1..].trim_ascii();
+            // Only spaces and tabs surround a value (RFC 5322's WSP): any other byte there is
+            // part of what was sent.
+            let value = trim_wsp(&line[colon + 1..]);
             // A part's media type reads as the request's does (type, parameter names and a
             // charset without case, parameters sorted).
             let value = match std::str::from_utf8(value) {
@@ -71,19 +82,31 @@ pub(crate) fn canonicalize(
     Ok(())
 }
 
-fn boundary(content_type: &str) -> Option<String> {
-    content_type.split(';').skip(1).find_map(|param| {
-        let (name, value) = param.split_once('=')?;
-        if !name.trim().eq_ignore_ascii_case("boundary") {
-            return None;
-        }
-        let value = value.trim();
-        let value = value
-            .strip_prefix('"')
-            .and_then(|v| v.strip_suffix('"'))
-            .unwrap_or(value);
-        (!value.is_empty()).then(|| value.to_owned())
-    })
+/// The one `boundary` parameter of a `Content-Type` that reads strictly.
+fn boundary(content_type: &str) -> Result<String, MalformedBody> {
+    let parameters = super::media::parameters(content_type).ok_or(MalformedBody::new(
+        "multipart Content-Type whose parameters do not read",
+    ))?;
+    let mut boundaries = parameters
+        .into_iter()
+        .filter(|(name, _)| name == "boundary")
+        .map(|(_, value)| value);
+    match (boundaries.next(), boundaries.next()) {
+        (Some(boundary), None) if !boundary.is_empty() => Ok(boundary),
+        (Some(_), Some(_)) => Err(MalformedBody::new(
+            "multipart Content-Type with more than one boundary parameter",
+        )),
+        _ => Err(MalformedBody::new(
+            "multipart body without a boundary parameter",
+        )),
+    }
+}
+
+fn trim_wsp(value: &[u8]) -> &[u8] {
+    let wsp = |b: &u8| matches!(b, b' ' | b'\t');
+    let start = value.iter().position(|b| !wsp(b)).unwrap_or(value.len());
+    let end = value.iter().rposition(|b| !wsp(b)).map_or(start, |i| i + 1);
+    &value[start..end]
 }
 
 /// The parts between `--boundary` delimiters (RFC 2046 §5.1.1), or `None` if malformed.
@@ -99,15 +122,20 @@ fn split<'a>(body: &'a [u8], boundary: &[u8]) -> Option<Vec<&'a [u8]>> {
     let mut parts = Vec::new();
     loop {
         let rest = &body[at..];
-        if rest.starts_with(b"--") {
-            return Some(parts);
+        // Transport padding, then the CRLF that ends the delimiter line (or, after the close
+        // delimiter, the body's end).
+        let padded = |line: &'a [u8]| {
+            let pad = line
+                .iter()
+                .take_while(|&&b| b == b' ' || b == b'\t')
+                .count();
+            &line[pad..]
+        };
+        if let Some(after) = rest.strip_prefix(b"--") {
+            let after = padded(after);
+            return (after.is_empty() || after.starts_with(b"\r\n")).then_some(parts);
         }
-        // Transport padding, then the CRLF that ends the delimiter line.
-        let pad = rest
-            .iter()
-            .take_while(|&&b| b == b' ' || b == b'\t')
-            .count();
-        let rest = rest[pad..].strip_prefix(b"\r\n")?;
+        let rest = padded(rest).strip_prefix(b"\r\n")?;
         let end = find(rest, &delimiter)?;
         parts.push(&rest[..end]);
         at = body.len() - rest.len() + end + delimiter.len();
@@ -310,6 +338,106 @@ mod tests {
             if let (Ok(cx), Ok(cy)) = (canon(&ct("XyZ0"), &x), canon(&ct("qQ9-8"), &y)) {
                 proptest::prop_assert_eq!(cx == cy, normal(&a) == normal(&b));
             }
+        }
+    }
+
+    /// DESIGN §1.4, found by a differential review against a strict RFC 2046 reader: what
+    /// one reader takes one way and another reader another is refused, never merged.
+    #[test]
+    fn what_has_no_one_reading_is_refused() {
+        let field = |value: &str| {
+            format!(
+                "--REAL\r\nContent-Disposition: form-data; name=\"a\"\r\n\r\n{value}\r\n--REAL--\r\n"
+            )
+        };
+        // A `;` inside a quoted parameter is data: the boundary is REAL, not EVIL.
+        let hidden = "multipart/form-data; x=\"; boundary=EVIL; y=\"; boundary=REAL";
+        let decoy = |value: &str| {
+            format!(
+                "--EVIL\r\nContent-Disposition: form-data; name=\"a\"\r\n\r\npay 1\r\n--EVIL--\r\n{}",
+                field(value)
+            )
+        };
+        assert_ne!(
+            canon(hidden, decoy("pay 100").as_bytes()).expect("reads by REAL"),
+            canon(hidden, decoy("pay 999").as_bytes()).expect("reads by REAL"),
+        );
+        assert_eq!(
+            canon(hidden, decoy("pay 100").as_bytes()).expect("reads by REAL"),
+            canon(
+                "multipart/form-data; boundary=REAL",
+                field("pay 100").as_bytes()
+            )
+            .expect("valid"),
+            "the decoy is the preamble"
+        );
+        for ct in [
+            "multipart/form-data; boundary=REAL; boundary=REAL",
+            "multipart/form-data; boundary=\"REAL",
+            "multipart/form-data; boundary",
+            "multipart/form-data; boundary=\"\"",
+        ] {
+            assert!(canon(ct, field("v").as_bytes()).is_err(), "{ct}");
+        }
+        let ct = "multipart/form-data; boundary=b";
+        for body in [
+            // Folded header lines.
+            &b"--b\r\nContent-Disposition: form-data;\r\n name=\"a\"\r\n\r\nv\r\n--b--"[..],
+            b"--b\r\n\tX: 1\r\n\r\nv\r\n--b--",
+            // More than padding after the close delimiter.
+            b"--b\r\n\r\nv\r\n--b--x",
+            b"--b\r\n\r\nv\r\n--b-- x\r\n",
+        ] {
+            assert!(
+                canon(ct, body).is_err(),
+                "{}",
+                String::from_utf8_lossy(body)
+            );
+        }
+        for body in [
+            &b"--b\r\n\r\nv\r\n--b-- \t"[..],
+            b"--b\r\n\r\nv\r\n--b--\t\r\nend",
+        ] {
+            assert_eq!(
+                canon(ct, body).expect("padding and an epilogue"),
+                canon(ct, b"--b\r\n\r\nv\r\n--b--").expect("valid")
+            );
+        }
+    }
+
+    /// DESIGN §1.4: a header value loses only the spaces and tabs around it; any other byte
+    /// there, or in a part's `Content-Type` that does not read, counts.
+    #[test]
+    fn only_spaces_and_tabs_around_a_header_value_do_not_count() {
+        let ct = "multipart/form-data; boundary=b";
+        let part = |head: &[u8]| {
+            let mut body = b"--b\r\n".to_vec();
+            body.extend_from_slice(head);
+            body.extend_from_slice(b"\r\n\r\nv\r\n--b--");
+            canon(ct, &body).expect("valid")
+        };
+        let plain = part(b"Content-Disposition: form-data; name=\"a\"");
+        assert_eq!(
+            plain,
+            part(b"Content-Disposition: \t form-data; name=\"a\" \t")
+        );
+        for other in [
+            &b"Content-Disposition: form-data; name=\"a\"\x0c"[..],
+            b"Content-Disposition:\x0cform-data; name=\"a\"",
+            b"Content-Disposition: form-data; name=\"a\"\n",
+            b"Content-Disposition: form-data; name=\"a\"\r",
+        ] {
+            assert_ne!(part(other), plain, "{}", String::from_utf8_lossy(other));
+        }
+        let typed = part(b"Content-Disposition: form-data; name=\"a\"\r\nContent-Type: text/plain");
+        for other in [
+            &b"Content-Type: text/plain\x0b"[..],
+            "Content-Type: text/plain\u{a0}".as_bytes(),
+            "Content-Type: \u{3000}text/plain".as_bytes(),
+        ] {
+            let mut head = b"Content-Disposition: form-data; name=\"a\"\r\n".to_vec();
+            head.extend_from_slice(other);
+            assert_ne!(part(&head), typed, "{}", String::from_utf8_lossy(other));
         }
     }
 

@@ -190,7 +190,8 @@ fn s1_4_ordinary_requests_hash_as_documented_and_identity_codings_are_no_coding(
         field(&mut h, body);
         let mut out: [u8; 32] = h.finalize().into();
         // The first four bytes name the scheme (session 33): the defaults', FNV-1a over the
-        // version tag and the empty list of canonicalisers, each length-prefixed.
+        // version's name (`v1/r2` since session 38's strict reading; the hashed tag stays
+        // `v1`) and the empty list of canonicalisers, each length-prefixed.
         let fnv = |mut hash: u32, bytes: &[u8]| {
             for b in (bytes.len() as u64).to_le_bytes().iter().chain(bytes) {
                 hash = (hash ^ u32::from(*b)).wrapping_mul(0x0100_0193);
@@ -198,7 +199,7 @@ fn s1_4_ordinary_requests_hash_as_documented_and_identity_codings_are_no_coding(
             hash
         };
         let scheme = fnv(
-            fnv(0x811c_9dc5, b"tower-idempotency/fingerprint/v1"),
+            fnv(0x811c_9dc5, b"tower-idempotency/fingerprint/v1/r2"),
             b"custom",
         );
         out[..4].copy_from_slice(&scheme.to_be_bytes());

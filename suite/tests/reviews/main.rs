@@ -31,6 +31,7 @@ mod lookup_hash_review;
 mod milestone_hold_review;
 mod model_grpc_review;
 mod model_mutants_review;
+mod multipart_differential_review;
 mod postgres_server_faults_review;
 mod reconcile_console_review;
 mod redis_cluster_replace_review;

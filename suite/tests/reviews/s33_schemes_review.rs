@@ -1081,7 +1081,7 @@ fn fnv(mut hash: u32, bytes: &[u8]) -> u32 {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_sixteen_bit_scheme_collision_advises_a_new_key_for_a_retry() {
     const BASIS: u32 = 0x811c_9dc5;
-    const VERSION: &[u8] = b"tower-idempotency/fingerprint/v1";
+    const VERSION: &[u8] = b"tower-idempotency/fingerprint/v1/r2";
     let plain = fnv(fnv(BASIS, VERSION), b"custom").to_be_bytes();
     let of_header = |name: &str| fnv(fnv(fnv(BASIS, VERSION), name.as_bytes()), b"custom");
     let body = br#"{"amount":12}"#;
