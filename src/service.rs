@@ -301,6 +301,17 @@ impl<St: IdempotencyStore, M: MakeScope> Pipeline<St, M> {
                         };
                     }
                     Admitted::Refuse(refusal) => return Step::Answer(Ok(self.refuse(refusal))),
+                    Admitted::RefuseKeyed(refusal, key) => {
+                        // On a future of its own: a rare path, kept out of this one's state.
+                        let telling = async move {
+                            let refusal = self.told(std::slice::from_ref(&key), refusal).await;
+                            Ok(self.refuse(refusal))
+                        };
+                        return Step::Run {
+                            run: Box::pin(telling),
+                            detach: false,
+                        };
+                    }
                 };
                 // 5–6 for a completed record: read again, now that the request is fingerprinted
                 // (it may have expired meanwhile), in place of a claim that would change
@@ -825,9 +836,10 @@ impl<St, M> Pipeline<St, M> {
         }
     }
 
-    /// A keyed request whose body was refused (too large, or cut off on its way) before the
-    /// store was read: the key may have run already (a retry whose upload failed, or a replica
-    /// with a larger body limit ran it), so what became of it is read from its record (each of
+    /// A keyed request whose body was refused (too large, cut off on its way, or not
+    /// fingerprinted) before the store was read: the key may have run already (a retry whose
+    /// upload failed, a replica with a larger body limit, or another version that read the
+    /// body, ran it), so what became of it is read from its record (each of
     /// `keys` it may be filed under: a JSON-RPC call's, under each method), never guessed. A
     /// key in flight, completed or uncertain, or one whose record cannot be read, is not to be
     /// left for a new one.

@@ -60,6 +60,10 @@ pub(crate) enum Admitted<R> {
     /// Not asked to be guarded: hand the (read) body on.
     PassThrough,
     Refuse(Refusal<R>),
+    /// Refused once its key was read (its body could not be fingerprinted): the key may have
+    /// run already (under another version or replica that read the body), so what became of
+    /// it is read before the answer.
+    RefuseKeyed(Refusal<R>, ScopedKey),
 }
 
 /// Steps 1–2 for a request whose key is in a header (HTTP and gRPC): its scoped key, or `None`

@@ -738,7 +738,7 @@ pub(crate) fn admit<M: MakeScope>(
         },
         Err(error) => {
             let problem = Problem::new(ProblemKind::BodyMalformed, error.to_string());
-            Admitted::Refuse(refuse_body(problem, call.id))
+            Admitted::RefuseKeyed(refuse_body(problem, call.id), ScopedKey::new(scope, key))
         }
     }
 }

@@ -130,7 +130,7 @@ pub(crate) fn admit<M: MakeScope>(
                     fingerprint,
                     reply: dialect,
                 },
-                Err(refusal) => Admitted::Refuse(refusal.map_reply(|()| dialect)),
+                Err(refusal) => Admitted::RefuseKeyed(refusal.map_reply(|()| dialect), key),
             }
         }
         (Pending::Call, Some(settings)) => {
@@ -146,6 +146,9 @@ pub(crate) fn admit<M: MakeScope>(
                 },
                 Admitted::PassThrough => Admitted::PassThrough,
                 Admitted::Refuse(refusal) => Admitted::Refuse(refusal.map_reply(Dialect::JsonRpc)),
+                Admitted::RefuseKeyed(refusal, key) => {
+                    Admitted::RefuseKeyed(refusal.map_reply(Dialect::JsonRpc), key)
+                }
             }
         }
         // `head` reads a call's body only on a JSON-RPC route.

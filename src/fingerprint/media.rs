@@ -57,40 +57,44 @@ pub(crate) fn is_json(media_type: &str) -> bool {
 
 /// The media type and parameters of a `Content-Type` value, as they count in a fingerprint:
 /// type, parameter names and `charset` values lower-cased, quoted values unquoted, parameters
-/// sorted; dropped are only those that provably change nothing: the `boundary` of a multipart
-/// request body (its parts are what counts; `outer`: this is the request's own
-/// `Content-Type`, not a part's, whose content is hashed as it is and so read by its
-/// boundary) and `charset=utf-8` of JSON (JSON is UTF-8 by definition). `text/plain;
-/// charset=latin1` and `text/plain` are different requests. `media` is the value's
-/// [`media_type`], read once by the caller, which the body's fingerprint uses too.
+/// sorted; dropped are only those that provably change nothing: the one `boundary` of a
+/// multipart body read by its parts (`framed`: the request's own `Content-Type`, its body
+/// read by the multipart reading, not hashed as sent nor by a canonicaliser of the
+/// application's; a part's `boundary` frames a nested body hashed as it is) and the one
+/// `charset` of JSON when it is `utf-8` (JSON is UTF-8 by definition; beside another
+/// `charset`, a reader may take either). `text/plain; charset=latin1` and `text/plain` are
+/// different requests. `media` is the value's [`media_type`], read once by the caller, which
+/// the body's fingerprint uses too.
 ///
-/// A value that does not read strictly (see the module) is itself, after a `"` no reading
-/// can begin with.
+/// A value that does not read strictly (see the module), an empty one among them, is itself,
+/// after a `"` no reading can begin with.
 pub(crate) fn media_with_parameters<'m>(
     content_type: &str,
     media: &'m str,
-    outer: bool,
+    framed: bool,
 ) -> Cow<'m, str> {
-    // Most requests: no parameters, nothing to allocate.
-    if content_type == "application/json" || content_type.is_empty() {
+    // Nearly every request: no parameters, nothing to allocate.
+    if content_type == "application/json" {
         return media.into();
     }
-    let Some(parameters) = parameters(content_type) else {
+    let Some(mut parameters) = parameters(content_type) else {
         return format!("\"{content_type}").into();
     };
-    let mut parameters: Vec<(String, String)> = parameters
-        .into_iter()
-        .filter_map(|(name, mut value)| {
-            // RFC 9110 §8.3.2: a charset's name is case-insensitive (`LATIN1` is `latin1`);
-            // other parameters' values may not be (a boundary is not).
-            if name == "charset" {
-                value.make_ascii_lowercase();
-            }
-            let redundant = (outer && name == "boundary" && media == "multipart/form-data")
-                || (name == "charset" && is_json(media) && value.eq_ignore_ascii_case("utf-8"));
-            (!redundant).then_some((name, value))
-        })
-        .collect();
+    let one = |name: &str, parameters: &[(String, String)]| {
+        parameters.iter().filter(|(n, _)| n == name).count() == 1
+    };
+    let boundary = framed && media == "multipart/form-data" && one("boundary", &parameters);
+    let charset = is_json(media) && one("charset", &parameters);
+    parameters.retain_mut(|(name, value)| {
+        // RFC 9110 §8.3.2: a charset's name is case-insensitive (`LATIN1` is `latin1`);
+        // other parameters' values may not be (a boundary is not).
+        if name == "charset" {
+            value.make_ascii_lowercase();
+        }
+        let redundant =
+            (boundary && name == "boundary") || (charset && name == "charset" && value == "utf-8");
+        !redundant
+    });
     if parameters.is_empty() {
         return media.into();
     }
@@ -226,6 +230,11 @@ mod tests {
     fn only_a_value_that_reads_has_a_reading_two_spellings_share() {
         let counted = |ct: &str| media_with_parameters(ct, &media_type(ct), false).into_owned();
         for (a, b) in [
+            ("application/json; charset=UTF-8", "application/json"),
+            (
+                "application/problem+json;charset=\"utf-8\"",
+                "application/problem+json",
+            ),
             ("text/plain; charset=UTF-8", "Text/Plain;charset=\"utf-8\""),
             ("text/plain; a=1; b=2", "text/plain ; b=2 ;a=1"),
             ("text/plain; a = 1", "text/plain; a=1"),
@@ -255,6 +264,16 @@ mod tests {
             ("text plain", "textplain"),
             ("text/plain; a=\"1", "text/plain; a=1"),
             ("text/plain; a=1 2", "text/plain; a=\"1 2\""),
+            ("", "\""),
+            // Found by review: `utf-8` beside another charset is not redundant.
+            (
+                "application/json;charset=utf-16",
+                "application/json;charset=utf-16;charset=utf-8",
+            ),
+            (
+                "application/json; charset=utf-8; charset=latin1",
+                "application/json; charset=latin1",
+            ),
         ] {
             assert_ne!(counted(a), counted(b), "{a:?} and {b:?} must not merge");
         }

@@ -301,7 +301,7 @@ pub(crate) fn jsonrpc(
     let mut h = Sha256::new();
     put_field(&mut h, JSONRPC_TAG);
     // Everything the HTTP mode counts (path, query, media type, fingerprint headers)...
-    head_into(&mut h, parts, trailers, options)?;
+    head_into(&mut h, parts, trailers, options, None)?;
     // A body its handler must decode first is another request than the same text sent plain.
     codings_into(&mut h, parts);
     // ...then the call: its method and its params, exact, without `_meta` and the fields a
@@ -469,7 +469,7 @@ pub(crate) fn fingerprint_fields(
     let mut h = Sha256::new();
     put_field(&mut h, HTTP_TAG);
     put_field(&mut h, parts.method.as_str().as_bytes());
-    let (content_type, media) = head_into(&mut h, parts, trailers, options)?;
+    let (content_type, media) = head_into(&mut h, parts, trailers, options, Some(body))?;
     if coded_into(&mut h, parts, body) {
         return Ok(Fingerprint::finish(h, false, scheme));
     }
@@ -497,12 +497,14 @@ enum Hashed {
 }
 
 /// Path, query, media type, fingerprint headers and the request's trailers; hands back
-/// `Content-Type` and its media type.
+/// `Content-Type` and its media type. `body`: the body [`body_into`] will hash (`None` in the
+/// JSON-RPC mode, which reads the call instead).
 fn head_into<'p>(
     h: &mut Sha256,
     parts: &'p Parts,
     trailers: Option<&HeaderMap>,
     options: &FingerprintOptions,
+    body: Option<&[u8]>,
 ) -> Result<(&'p str, std::borrow::Cow<'p, str>), MalformedBody> {
     // The path the client sent: a `nest` prefix axum stripped still counts.
     let uri = crate::uri::sent(&parts.extensions, &parts.uri);
@@ -513,17 +515,42 @@ fn head_into<'p>(
         Some("") => h.put(&u64::MAX.to_le_bytes()),
         query => put_field(h, query.unwrap_or_default().as_bytes()),
     }
-    let content_type = match crate::lines::get(&parts.headers, &http::header::CONTENT_TYPE) {
+    let mut lines = crate::lines::get_all(&parts.headers, &http::header::CONTENT_TYPE);
+    let first = lines.next();
+    let content_type = match first {
         Some(value) => value
             .to_str()
             .map_err(|_| MalformedBody::new("Content-Type is not visible ASCII"))?,
         None => "",
     };
+    // The body is read as the first line says, as `HeaderMap::get` gives it to handlers.
     let media = media_type(content_type);
-    put_field(
-        h,
-        media_with_parameters(content_type, &media, true).as_bytes(),
-    );
+    match (first, lines.next()) {
+        // Absent: as it always hashed.
+        (None, _) => put_field(h, b""),
+        (Some(_), None) => {
+            // The boundary frames the parts only where the parts are what is hashed.
+            let framed = media == "multipart/form-data"
+                && body.is_some_and(|body| !body.is_empty())
+                && !options.custom.iter().any(|(m, _)| *m == *media)
+                && !coded(parts);
+            put_field(
+                h,
+                media_with_parameters(content_type, &media, framed).as_bytes(),
+            );
+        }
+        // A field that must be one line sent as several: handlers may read any of them, so
+        // each counts as sent, after a NUL that no one line's reading begins with.
+        (Some(first), Some(second)) => {
+            let all: Vec<&http::HeaderValue> = [first, second].into_iter().chain(lines).collect();
+            let mut field = vec![0];
+            for line in all {
+                field.extend_from_slice(&(line.len() as u64).to_le_bytes());
+                field.extend_from_slice(line.as_bytes());
+            }
+            put_field(h, &field);
+        }
+    }
     for name in &options.headers {
         // As an HTTP field value (RFC 9110 §5.3, §5.6.1): lines joined by commas, each list
         // element without the whitespace around it, empty elements ignored. One line `a, b`
@@ -563,6 +590,17 @@ fn coded_into(h: &mut Sha256, parts: &Parts, body: &[u8]) -> bool {
     }
     put_field(h, body);
     true
+}
+
+/// Whether the request has a content coding other than `identity` (its body is hashed as
+/// sent).
+fn coded(parts: &Parts) -> bool {
+    field_elements(
+        crate::lines::get_all(&parts.headers, &http::header::CONTENT_ENCODING)
+            .map(|v| v.as_bytes()),
+    )
+    .iter()
+    .any(|coding| !coding.eq_ignore_ascii_case(b"identity"))
 }
 
 /// The request's content codings (other than `identity`), in order and without case, if it

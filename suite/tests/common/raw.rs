@@ -154,18 +154,33 @@ pub fn parse_raw(buf: &[u8]) -> Raw {
 
 /// One POST on a connection of its own, read to the connection's close.
 pub async fn raw_post(addr: SocketAddr, path: &str, headers: &[(&str, &str)], body: &[u8]) -> Raw {
+    let headers: Vec<(&str, &[u8])> = headers.iter().map(|(n, v)| (*n, v.as_bytes())).collect();
+    raw_post_bytes(addr, path, &headers, body).await
+}
+
+/// [`raw_post`] with header values as raw bytes (obs-text, which `&str` cannot carry).
+pub async fn raw_post_bytes(
+    addr: SocketAddr,
+    path: &str,
+    headers: &[(&str, &[u8])],
+    body: &[u8],
+) -> Raw {
     guard("a raw request", async {
         let mut stream = TcpStream::connect(addr).await.expect("connect");
         let mut head = format!(
             "POST {path} HTTP/1.1\r\nhost: {addr}\r\nte: trailers\r\nconnection: close\r\n\
              content-length: {}\r\n",
             body.len()
-        );
+        )
+        .into_bytes();
         for (name, value) in headers {
-            head.push_str(&format!("{name}: {value}\r\n"));
+            head.extend_from_slice(name.as_bytes());
+            head.extend_from_slice(b": ");
+            head.extend_from_slice(value);
+            head.extend_from_slice(b"\r\n");
         }
-        head.push_str("\r\n");
-        stream.write_all(head.as_bytes()).await.expect("write");
+        head.extend_from_slice(b"\r\n");
+        stream.write_all(&head).await.expect("write");
         stream.write_all(body).await.expect("write");
         let mut buf = Vec::new();
         // A connection the server drops without an answer reads as empty.

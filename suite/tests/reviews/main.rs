@@ -49,6 +49,7 @@ mod s33_schemes_review;
 mod s33_transport_review;
 mod scheme_adoption_review;
 mod store_error_variants_review;
+mod strict_media_review;
 mod todays_fixes_review2;
 mod tonic_composition_review;
 mod window_moves_review;
