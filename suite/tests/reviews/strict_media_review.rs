@@ -170,7 +170,18 @@ fn strict_media(v: &[u8]) -> Option<(Vec<u8>, Vec<(Vec<u8>, Vec<u8>)>)> {
             }
             out
         } else {
-            token(&mut i)?
+            // The crate's one documented leniency (session 38, after this review): an
+            // unquoted value of any visible ASCII but `"`, `;` and `\` reads as its text
+            // (`profile=https://example.com/v2`).
+            let start = i;
+            while i < v.len() && matches!(v[i], 0x21..=0x7e) && !matches!(v[i], b'"' | b';' | b'\\')
+            {
+                i += 1;
+            }
+            if i == start {
+                return None;
+            }
+            v[start..i].to_vec()
         };
         params.push((name, value));
     }
@@ -1828,7 +1839,7 @@ async fn strict_media_upgrade_changed_reading_never_advises_a_new_key() {
             OldBody::Raw,
         ),
         (
-            "a boundary with '=' unquoted (old: read; now 400)",
+            "a boundary with '=' unquoted (reads as before, so replayed)",
             "multipart/form-data; boundary=----=_Part_0_1.2",
             b"multipart/form-data".to_vec(),
             form("----=_Part_0_1.2", b"", field_part, b"\r\n"),
@@ -1864,11 +1875,11 @@ async fn strict_media_upgrade_changed_reading_never_advises_a_new_key() {
         .await;
         let ran = runs.of(&key);
         let problem: serde_json::Value = serde_json::from_slice(&retry.body).unwrap_or_default();
-        if !ran.is_empty()
-            || retry.replayed()
-            || !(retry.status == 422 || retry.status == 400)
-            || problem["safe_new_key"] != serde_json::Value::Bool(false)
-        {
+        // Replayed (where the reading did not change after all) or refused keeping the key.
+        let refused_keeping_the_key = (retry.status == 422 || retry.status == 400)
+            && problem["safe_new_key"] == serde_json::Value::Bool(false);
+        let replayed = retry.replayed() && name.contains("replayed");
+        if !ran.is_empty() || !(replayed || refused_keeping_the_key) {
             failures.push(format!(
                 "[{name}] {ct:?}: retry answered {} (replayed {}), problem {problem}; the handler \
                  ran {} time(s)",
@@ -2192,4 +2203,57 @@ async fn strict_media_hostile_values_over_tcp() {
     }
     println!("hostile Content-Type statuses (value prefix, A, B): {statuses:?}");
     assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+/// After the fix, the JSON-RPC branch of `RefuseKeyed` (DESIGN §8 and §1: `safe_new_key` only
+/// where the outcome is definite): a keyed `tools/call` whose fingerprint cannot be made once
+/// its key was read (a `Content-Type` holding a byte that is not visible ASCII, sent raw) reads
+/// its key's record before it answers. A call already completed under the key is refused with
+/// -31005 echoing the new id, and `error.data` never advises a new key; the tool does not run
+/// again, counted at the tool.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn strict_media_jsonrpc_call_refused_at_its_fingerprint_reads_its_key_first() {
+    let runs = Runs::default();
+    let addr = serve(
+        tools(&runs).layer(
+            IdempotencyLayer::new(MemoryStore::new())
+                .jsonrpc(JsonRpc::new())
+                .single_tenant(),
+        ),
+    )
+    .await;
+    let key = unique("strict-media-rpc-refused");
+    let first = raw_post(
+        addr,
+        "/mcp",
+        &[
+            ("idempotency-key", &key),
+            ("content-type", "application/json"),
+        ],
+        tool_call(1).as_bytes(),
+    )
+    .await;
+    assert_eq!(first.status, 200, "{first:?}");
+    assert_eq!(runs.of(&key).len(), 1);
+    let key_bytes = key.clone().into_bytes();
+    let retry = raw_post_bytes(
+        addr,
+        "/mcp",
+        &[
+            ("idempotency-key", &key_bytes),
+            ("content-type", b"application/json; a=\"caf\xe9\""),
+        ],
+        tool_call(2).as_bytes(),
+    )
+    .await;
+    assert_eq!(runs.of(&key).len(), 1, "the tool ran again: {retry:?}");
+    let answer = retry.json();
+    assert_eq!(answer["id"], 2, "{}", retry.text());
+    assert_eq!(answer["error"]["code"], -31005, "{}", retry.text());
+    assert_eq!(
+        answer["error"]["data"]["safe_new_key"],
+        serde_json::Value::Bool(false),
+        "a call completed under the key is left for a new key: {}",
+        retry.text()
+    );
 }
