@@ -16,6 +16,7 @@ pub mod raw;
 pub mod resp;
 pub mod rig;
 pub mod runtimes;
+pub mod schemes;
 pub mod sink;
 pub mod sqlite_cli;
 pub mod sqlite_files;

@@ -36,6 +36,8 @@
 
 use crate::common;
 
+use common::schemes::{cases, esc, field, old_response, plain_scheme, seeded};
+
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
@@ -49,23 +51,9 @@ use common::serve;
 use http_body_util::BodyExt;
 use proptest::prelude::*;
 use proptest::sample::Index;
-use proptest::test_runner::Config as ProptestConfig;
 use tower_idempotency::{Fingerprint, IdempotencyLayer, MemoryStore};
 
 const CRLF: &[u8] = b"\r\n";
-
-/// Proptest settings: modest case counts, no regression files written into the tree.
-fn cases(n: u32) -> ProptestConfig {
-    ProptestConfig {
-        cases: n,
-        failure_persistence: None,
-        ..ProptestConfig::default()
-    }
-}
-
-fn esc(bytes: &[u8]) -> String {
-    bytes.escape_ascii().to_string()
-}
 
 // ---- the strict reader ----------------------------------------------------------------------
 
@@ -2036,24 +2024,6 @@ async fn multipart_differential_http_different_requests_are_never_replayed() {
 
 // ---- after the fix: what hashes as before, and a retry across the upgrade -------------------
 
-fn field(h: &mut sha2::Sha256, bytes: &[u8]) {
-    use sha2::Digest;
-    h.update((bytes.len() as u64).to_le_bytes());
-    h.update(bytes);
-}
-
-fn fnv(mut hash: u32, bytes: &[u8]) -> u32 {
-    for b in (bytes.len() as u64).to_le_bytes().iter().chain(bytes) {
-        hash = (hash ^ u32::from(*b)).wrapping_mul(0x0100_0193);
-    }
-    hash
-}
-
-/// The scheme bytes of the defaults under a hashing version's name.
-fn plain_scheme(version: &[u8]) -> [u8; 4] {
-    fnv(fnv(0x811c_9dc5, version), b"custom").to_be_bytes()
-}
-
 /// DESIGN §1.4 across an upgrade: a multipart request (quoted boundary, a part's media type
 /// with parameters) and a request whose `Content-Type` has parameters read as before the
 /// strict reading (the documented layout under the tag `v1`, written out here), so a retry
@@ -2107,32 +2077,12 @@ fn multipart_differential_requests_that_read_hash_as_before() {
 /// A server whose store already holds `key` completed under `fingerprint` (as the previous
 /// version recorded it), with a handler counting its runs.
 async fn upgraded(key: &str, fingerprint: [u8; 32], sink: &Sink) -> SocketAddr {
-    use std::time::Duration;
-    use tower_idempotency::IdempotencyStore;
-    use tower_idempotency::store::{Claim, ClaimRequest, ScopedKey, StoredResponse};
-    let store = MemoryStore::new();
-    let scoped = ScopedKey::new("", key);
-    let claim = ClaimRequest {
-        key: scoped.clone(),
-        fingerprint: Fingerprint::from_bytes(fingerprint),
-        lease: Duration::from_secs(30),
-        ttl: Duration::from_secs(3600),
-        on_lease_expiry: tower_idempotency::LeaseExpiry::Reclaim,
-    };
-    let token = match store.claim(&claim).await.expect("claim") {
-        Claim::Acquired(lease) => lease.token,
-        other => panic!("acquired: {other:?}"),
-    };
-    let stored = StoredResponse {
-        status: StatusCode::CREATED,
-        headers: http::HeaderMap::new(),
-        body: Some(bytes::Bytes::from_static(b"the previous version's run")),
-        trailers: None,
-    };
-    store
-        .complete(&scoped, token, &stored, Duration::from_secs(3600))
-        .await
-        .expect("complete");
+    let store = seeded(
+        &tower_idempotency::store::ScopedKey::new("", key),
+        fingerprint,
+        old_response(),
+    )
+    .await;
     let handler = {
         let sink = sink.clone();
         move |req: Request| {

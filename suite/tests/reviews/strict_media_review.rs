@@ -39,10 +39,11 @@
 
 use crate::common;
 
+use common::schemes::{cases, esc, field, old_response, plain_scheme, put_field, seeded};
+
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
 
 use axum::Router;
 use axum::extract::Request;
@@ -53,27 +54,13 @@ use common::{guard, serve};
 use http_body_util::BodyExt;
 use proptest::prelude::*;
 use proptest::sample::Index;
-use proptest::test_runner::Config as ProptestConfig;
 use sha2::{Digest, Sha256};
 use tower_idempotency::jsonrpc::JsonRpc;
 use tower_idempotency::scope::SingleTenant;
-use tower_idempotency::store::{Claim, ClaimRequest, StoredResponse};
+use tower_idempotency::store::StoredResponse;
 use tower_idempotency::{
-    Fingerprint, IdempotencyLayer, IdempotencyStore, LeaseExpiry, MalformedBody, MemoryStore,
-    ScopedKey,
+    Fingerprint, IdempotencyLayer, IdempotencyStore, MalformedBody, MemoryStore, ScopedKey,
 };
-
-fn cases(n: u32) -> ProptestConfig {
-    ProptestConfig {
-        cases: n,
-        failure_persistence: None,
-        ..ProptestConfig::default()
-    }
-}
-
-fn esc(bytes: &[u8]) -> String {
-    bytes.escape_ascii().to_string()
-}
 
 // ---- the strict reader (RFC 9110 §8.3.1, §5.6.6, §5.6.4) ---------------------------------------
 
@@ -1512,27 +1499,6 @@ async fn strict_media_http_real_client_content_types_are_accepted() {
 
 // ---- across the upgrade -------------------------------------------------------------------------
 
-fn field(h: &mut Sha256, bytes: &[u8]) {
-    h.update((bytes.len() as u64).to_le_bytes());
-    h.update(bytes);
-}
-
-fn put_field(out: &mut Vec<u8>, bytes: &[u8]) {
-    out.extend_from_slice(&(bytes.len() as u64).to_le_bytes());
-    out.extend_from_slice(bytes);
-}
-
-fn fnv(mut hash: u32, bytes: &[u8]) -> u32 {
-    for b in (bytes.len() as u64).to_le_bytes().iter().chain(bytes) {
-        hash = (hash ^ u32::from(*b)).wrapping_mul(0x0100_0193);
-    }
-    hash
-}
-
-fn plain_scheme(version: &[u8]) -> [u8; 4] {
-    fnv(fnv(0x811c_9dc5, version), b"custom").to_be_bytes()
-}
-
 /// What the previous version hashed for a part's `Content-Type` (its documented reading,
 /// written out per value used here).
 fn old_part_ct(value: &[u8]) -> Vec<u8> {
@@ -1654,36 +1620,6 @@ fn old_http_fp(media: &[u8], body: &[u8], kind: OldBody<'_>) -> [u8; 32] {
     let mut out: [u8; 32] = h.finalize().into();
     out[..4].copy_from_slice(&plain_scheme(b"tower-idempotency/fingerprint/v1"));
     out
-}
-
-/// A store holding `key` completed under `fingerprint`, as the previous version left it.
-async fn seeded(key: &ScopedKey, fingerprint: [u8; 32], response: StoredResponse) -> MemoryStore {
-    let store = MemoryStore::new();
-    let claim = ClaimRequest {
-        key: key.clone(),
-        fingerprint: Fingerprint::from_bytes(fingerprint),
-        lease: Duration::from_secs(30),
-        ttl: Duration::from_secs(3600),
-        on_lease_expiry: LeaseExpiry::Reclaim,
-    };
-    let token = match store.claim(&claim).await.expect("claim") {
-        Claim::Acquired(lease) => lease.token,
-        other => panic!("acquired: {other:?}"),
-    };
-    store
-        .complete(key, token, &response, Duration::from_secs(3600))
-        .await
-        .expect("complete");
-    store
-}
-
-fn old_response() -> StoredResponse {
-    StoredResponse {
-        status: StatusCode::CREATED,
-        headers: http::HeaderMap::new(),
-        body: Some(bytes::Bytes::from_static(b"the previous version's run")),
-        trailers: None,
-    }
 }
 
 /// An ordinary request the previous version recorded: `(name, Content-Type, its old reading,
