@@ -763,6 +763,97 @@ impl MemoryStore {
             range.filter(is_uncertain).take(n).cloned().collect()
         }
     }
+
+    /// The index entries of the page `query` asks for: the first `query.limit` of all
+    /// shards' uncertain records past its cursor, in the listing's order.
+    fn uncertain_found(&self, query: &UncertainQuery, now: u64) -> Vec<(u64, ScopedKey)> {
+        let limit = query.limit;
+        if limit == 0 {
+            return Vec::new();
+        }
+        let from = query
+            .after
+            .as_ref()
+            .map(|c| (ms(c.updated_at), c.key.clone()));
+        // A merge of the shards' indexes, a few entries of each at a time: the page is the
+        // first `limit` of all shards' uncertain records past the cursor, and a shard is asked
+        // for more only while its last entry read could still be in the page. About
+        // `limit + shards` index entries are read, whatever the store holds.
+        let step = limit.div_ceil(SHARDS) + 1;
+        let desc = query.newest_first;
+        // In the listing's order: ascending, or descending for newest first.
+        let before = |a: &(u64, ScopedKey), b: &(u64, ScopedKey)| if desc { a > b } else { a < b };
+        let mut heads: Vec<ShardHead> = (0..SHARDS)
+            .map(|shard| ShardHead {
+                shard,
+                after: from.clone(),
+                done: false,
+            })
+            .collect();
+        let mut found: Vec<(u64, ScopedKey)> = Vec::new();
+        loop {
+            let cutoff = found.get(limit.wrapping_sub(1)).cloned();
+            let mut asked = false;
+            for head in heads.iter_mut().filter(|h| !h.done) {
+                let behind = match (&head.after, &cutoff) {
+                    (Some(last), Some(cutoff)) => before(last, cutoff),
+                    _ => true,
+                };
+                if !behind {
+                    continue;
+                }
+                asked = true;
+                let more = self.uncertain_in(head.shard, head.after.as_ref(), step, now, desc);
+                head.done = more.len() < step;
+                if let Some(last) = more.last() {
+                    head.after = Some(last.clone());
+                }
+                found.extend(more);
+            }
+            found.sort_unstable();
+            if desc {
+                found.reverse();
+            }
+            found.truncate(limit);
+            if !asked {
+                break;
+            }
+        }
+        found
+    }
+
+    /// The page of the index entries `found` for a listing asked for `limit`. A record
+    /// settled since it was found is left out, but the listing still goes on past it: the
+    /// next page follows from what was found, not from what is left, or a record settled
+    /// meanwhile would end the listing early.
+    fn uncertain_page(&self, found: &[(u64, ScopedKey)], limit: usize, now: u64) -> UncertainPage {
+        let mut records = Vec::with_capacity(found.len());
+        let mut unreadable = Vec::new();
+        for (_, key) in found {
+            let (hash, shard) = self.shard(key);
+            // Settled since it was found: not part of the page any more.
+            let Some(r) = shard.entry(hash, key).filter(|r| uncertain(r, now)) else {
+                continue;
+            };
+            match r.to_record(key) {
+                Ok(record) => records.push(record),
+                Err(error) => unreadable.push(Unreadable {
+                    key: key.clone(),
+                    error: error.to_string(),
+                }),
+            }
+        }
+        // Not `UncertainPage::new`, which reads a page as full by what it holds.
+        let next = found
+            .last()
+            .filter(|_| limit > 0 && found.len() >= limit)
+            .map(|(at, key)| UncertainCursor::new(time(*at), key.clone()));
+        UncertainPage {
+            records,
+            unreadable,
+            next,
+        }
+    }
 }
 
 impl IdempotencyStore for MemoryStore {
@@ -913,78 +1004,8 @@ impl IdempotencyStore for MemoryStore {
 
     async fn list_uncertain(&self, query: &UncertainQuery) -> Result<UncertainPage, StoreError> {
         let now = self.now();
-        let limit = query.limit;
-        if limit == 0 {
-            return Ok(UncertainPage::default());
-        }
-        let from = query
-            .after
-            .as_ref()
-            .map(|c| (ms(c.updated_at), c.key.clone()));
-        // A merge of the shards' indexes, a few entries of each at a time: the page is the
-        // first `limit` of all shards' uncertain records past the cursor, and a shard is asked
-        // for more only while its last entry read could still be in the page. About
-        // `limit + shards` index entries are read, whatever the store holds.
-        let step = limit.div_ceil(SHARDS) + 1;
-        let desc = query.newest_first;
-        // In the listing's order: ascending, or descending for newest first.
-        let before = |a: &(u64, ScopedKey), b: &(u64, ScopedKey)| if desc { a > b } else { a < b };
-        let mut heads: Vec<ShardHead> = (0..SHARDS)
-            .map(|shard| ShardHead {
-                shard,
-                after: from.clone(),
-                done: false,
-            })
-            .collect();
-        let mut found: Vec<(u64, ScopedKey)> = Vec::new();
-        loop {
-            let cutoff = found.get(limit.wrapping_sub(1)).cloned();
-            let mut asked = false;
-            for head in heads.iter_mut().filter(|h| !h.done) {
-                let behind = match (&head.after, &cutoff) {
-                    (Some(last), Some(cutoff)) => before(last, cutoff),
-                    _ => true,
-                };
-                if !behind {
-                    continue;
-                }
-                asked = true;
-                let more = self.uncertain_in(head.shard, head.after.as_ref(), step, now, desc);
-                head.done = more.len() < step;
-                if let Some(last) = more.last() {
-                    head.after = Some(last.clone());
-                }
-                found.extend(more);
-            }
-            found.sort_unstable();
-            if desc {
-                found.reverse();
-            }
-            found.truncate(limit);
-            if !asked {
-                break;
-            }
-        }
-        let mut records = Vec::with_capacity(found.len());
-        let mut unreadable = Vec::new();
-        for (_, key) in &found {
-            let (hash, shard) = self.shard(key);
-            // Settled since it was found: not part of the page any more.
-            let Some(r) = shard.entry(hash, key).filter(|r| uncertain(r, now)) else {
-                continue;
-            };
-            match r.to_record(key) {
-                Ok(record) => records.push(record),
-                Err(error) => unreadable.push(Unreadable {
-                    key: key.clone(),
-                    error: error.to_string(),
-                }),
-            }
-        }
-        let last = found
-            .last()
-            .map(|(at, key)| UncertainCursor::new(time(*at), key.clone()));
-        Ok(UncertainPage::new(records, unreadable, last, limit))
+        let found = self.uncertain_found(query, now);
+        Ok(self.uncertain_page(&found, query.limit, now))
     }
 
     async fn count_uncertain(&self) -> Result<UncertainCount, StoreError> {
@@ -1384,5 +1405,68 @@ mod unit {
         let in_flight = existing(store.claim(&running).await);
         assert_eq!(in_flight.history.len(), 1);
         assert_eq!(in_flight.history[0].token, lease.token);
+    }
+
+    /// Issue 18 §2: a record settled between the listing's scan of its index and the read of
+    /// its entry is left out of the page, and the listing goes on past it. The page used to
+    /// count as full only by what it held, so a page of one whose record a reconciler had just
+    /// resolved ended the listing there, and every later record went unlisted (the store kit
+    /// on one shared store found it: a concurrent check's resolution hid this check's records).
+    #[tokio::test]
+    async fn a_record_settled_while_listing_does_not_end_the_listing() {
+        let store = MemoryStore::new();
+        let mut keys = Vec::new();
+        for i in 0..3 {
+            let key = ScopedKey::new("tenant", format!("uncertain-{i}"));
+            let Claim::Acquired(lease) = store
+                .claim(&ClaimRequest::a_minute(&key))
+                .await
+                .expect("claim")
+            else {
+                panic!("a new key is acquired");
+            };
+            store.mark_uncertain(&key, lease.token).await.expect("mark");
+            keys.push((key, lease.token));
+        }
+        let now = store.now();
+        let found = store.uncertain_found(&UncertainQuery::first(1), now);
+        assert_eq!(found.len(), 1, "a page of one");
+        let (first, token) = keys
+            .iter()
+            .find(|(key, _)| *key == found[0].1)
+            .expect("one of ours");
+        // A reconciler settles it between the scan and the read.
+        store
+            .resolve(
+                first,
+                *token,
+                &Resolution::NotApplied,
+                Duration::from_secs(60),
+                None,
+            )
+            .await
+            .expect("resolve");
+        let page = store.uncertain_page(&found, 1, now);
+        assert!(page.records.is_empty(), "the settled record is left out");
+        let next = page
+            .next
+            .expect("the listing goes on past a settled record");
+        let mut listed = Vec::new();
+        let mut query = UncertainQuery::after(next, 1);
+        loop {
+            let page = store.list_uncertain(&query).await.expect("list");
+            listed.extend(page.records.into_iter().map(|r| r.key));
+            match page.next {
+                Some(next) => query = UncertainQuery::after(next, 1),
+                None => break,
+            }
+        }
+        let rest: Vec<_> = keys
+            .iter()
+            .map(|(key, _)| key.clone())
+            .filter(|key| key != first)
+            .collect();
+        assert_eq!(listed.len(), 2, "both records left are listed: {listed:?}");
+        assert!(rest.iter().all(|key| listed.contains(key)));
     }
 }
