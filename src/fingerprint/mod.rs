@@ -24,11 +24,11 @@
 //! A body that claims a structured type and is not one (invalid JSON, invalid UTF-8, nesting
 //! deeper than 128 levels, multipart without one boundary in a `Content-Type` that reads, with
 //! folded part headers, or with more than padding after its close delimiter) is refused with
-//! 400 before anything is claimed. JSON that is valid but has no exact canonical form (duplicate member names, a
-//! number whose canonical form names another value: beyond 2^53 precision, beyond double range,
-//! underflowing to zero; an escaped UTF-16 surrogate without its pair) is hashed as raw bytes
-//! in a domain of its own, so it is never merged with another document. Canonicalisation
-//! merges only what is provably the same request.
+//! 400 before anything is claimed. JSON that is valid but has no exact canonical form
+//! (duplicate member names, a number whose canonical form names another value: beyond 2^53
+//! precision, beyond double range, underflowing to zero; an escaped UTF-16 surrogate without
+//! its pair) is hashed as raw bytes in a domain of its own, so it is never merged with another
+//! document. Canonicalisation merges only what is provably the same request.
 
 mod fields;
 mod form;
@@ -595,27 +595,28 @@ fn coded_into(h: &mut Sha256, parts: &Parts, body: &[u8]) -> bool {
 /// Whether the request has a content coding other than `identity` (its body is hashed as
 /// sent).
 fn coded(parts: &Parts) -> bool {
-    field_elements(
-        crate::lines::get_all(&parts.headers, &http::header::CONTENT_ENCODING)
-            .map(|v| v.as_bytes()),
-    )
-    .iter()
-    .any(|coding| !coding.eq_ignore_ascii_case(b"identity"))
+    !codings(parts).is_empty()
+}
+
+/// The request's content codings other than `identity`, in order: one reading for both
+/// what is hashed and whether a body is read by its parts, so the two always agree.
+fn codings(parts: &Parts) -> Vec<&[u8]> {
+    // Nearly every request has no coding: answered by the one scan, before any list is built.
+    let mut lines =
+        crate::lines::get_all(&parts.headers, &http::header::CONTENT_ENCODING).peekable();
+    if lines.peek().is_none() {
+        return Vec::new();
+    }
+    field_elements(lines.map(|v| v.as_bytes()))
+        .into_iter()
+        .filter(|coding| !coding.eq_ignore_ascii_case(b"identity"))
+        .collect()
 }
 
 /// The request's content codings (other than `identity`), in order and without case, if it
 /// has any; whether it had.
 fn codings_into(h: &mut Sha256, parts: &Parts) -> bool {
-    // Nearly every request has no coding: answered by the one scan, before any list is built.
-    let mut lines =
-        crate::lines::get_all(&parts.headers, &http::header::CONTENT_ENCODING).peekable();
-    if lines.peek().is_none() {
-        return false;
-    }
-    let codings: Vec<&[u8]> = field_elements(lines.map(|v| v.as_bytes()))
-        .into_iter()
-        .filter(|coding| !coding.eq_ignore_ascii_case(b"identity"))
-        .collect();
+    let codings = codings(parts);
     if codings.is_empty() {
         return false;
     }
