@@ -256,15 +256,7 @@ impl<St: IdempotencyStore, M: MakeScope> Pipeline<St, M> {
                         if keys.is_empty() {
                             return Step::Answer(Ok(self.refuse(refusal)));
                         }
-                        // On a future of its own: a rare path, kept out of this one's state.
-                        let telling = async move {
-                            let refusal = self.told(&keys, refusal).await;
-                            Ok(self.refuse(refusal))
-                        };
-                        return Step::Run {
-                            run: Box::pin(telling),
-                            detach: false,
-                        };
+                        return self.telling(keys, refusal);
                     }
                 }
             };
@@ -302,15 +294,7 @@ impl<St: IdempotencyStore, M: MakeScope> Pipeline<St, M> {
                     }
                     Admitted::Refuse(refusal) => return Step::Answer(Ok(self.refuse(refusal))),
                     Admitted::RefuseKeyed(refusal, key) => {
-                        // On a future of its own: a rare path, kept out of this one's state.
-                        let telling = async move {
-                            let refusal = self.told(std::slice::from_ref(&key), refusal).await;
-                            Ok(self.refuse(refusal))
-                        };
-                        return Step::Run {
-                            run: Box::pin(telling),
-                            detach: false,
-                        };
+                        return self.telling(vec![key], refusal);
                     }
                 };
                 // 5–6 for a completed record: read again, now that the request is fingerprinted
@@ -885,6 +869,26 @@ impl<St, M> Pipeline<St, M> {
             problem,
             reply,
             counted,
+        }
+    }
+
+    /// The refusal of a keyed request refused before the store was read, once the key's
+    /// record has told what became of it (see [`told`](Self::told)). On a future of its own:
+    /// a rare path, kept out of the pipeline's state.
+    fn telling<B, E>(self, keys: Vec<ScopedKey>, refusal: Refusal) -> Step<B, E>
+    where
+        St: IdempotencyStore,
+        M: MakeScope,
+        B: Send + 'static,
+        E: Send + 'static,
+    {
+        let telling = async move {
+            let refusal = self.told(&keys, refusal).await;
+            Ok(self.refuse(refusal))
+        };
+        Step::Run {
+            run: Box::pin(telling),
+            detach: false,
         }
     }
 

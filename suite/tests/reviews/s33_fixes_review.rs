@@ -573,3 +573,84 @@ async fn s1_6_a_413_whose_record_cannot_be_read_keeps_the_key() {
     assert!(down.header("retry-after").is_some(), "{down:?}");
     assert_eq!(effects.count(), 0, "nothing runs on a refused body");
 }
+
+/// DESIGN §1 (`safe_new_key`) and §1.4: a keyed body refused at its fingerprint (here a
+/// multipart body under two boundaries, 400) reads its key's record first, as a body refused
+/// while buffering does. When that read fails, the key may have run (a retry of a completed
+/// request sent in a form this version refuses), so the refusal says "unknown", keeps the key
+/// and asks to retry later; nothing runs. With the store readable, a fresh key refused alike
+/// is safe to leave, and the completed one is told completed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s1_4_a_body_refused_at_its_fingerprint_whose_record_cannot_be_read_keeps_the_key() {
+    use common::faulty::Faulty;
+    use std::sync::atomic::Ordering;
+    let store = Faulty::new(MemoryStore::new());
+    let effects = Effects::default();
+    let e = effects.clone();
+    let app = Router::new().route(
+        "/op",
+        post(move |_: Bytes| {
+            let e = e.clone();
+            async move {
+                e.hit();
+                StatusCode::CREATED
+            }
+        })
+        .layer(IdempotencyLayer::new(store.clone()).single_tenant()),
+    );
+    let addr = serve(app).await;
+    let problem = |x: &Exchange| -> serde_json::Value {
+        serde_json::from_slice(&x.after_head).expect("a problem document")
+    };
+    let form = b"--a\r\nContent-Disposition: form-data; name=\"amount\"\r\n\r\n10\r\n--a--\r\n";
+    let ran = unique("refused-ran");
+    let first = raw(
+        addr,
+        "POST",
+        "/op",
+        &[
+            ("idempotency-key", &ran),
+            ("content-type", "multipart/form-data; boundary=a"),
+        ],
+        form,
+    )
+    .await;
+    assert_eq!(first.status, 201, "{first:?}");
+    assert_eq!(effects.count(), 1);
+    // The retry, in a form that cannot be fingerprinted: two boundaries.
+    let refused = |key: String| async move {
+        raw(
+            addr,
+            "POST",
+            "/op",
+            &[
+                ("idempotency-key", &key),
+                (
+                    "content-type",
+                    "multipart/form-data; boundary=a; boundary=b",
+                ),
+            ],
+            form,
+        )
+        .await
+    };
+    store.fail_lookup.store(true, Ordering::SeqCst);
+    let down_ran = refused(ran.clone()).await;
+    let down_fresh = refused(unique("refused-fresh")).await;
+    store.fail_lookup.store(false, Ordering::SeqCst);
+    for (what, x) in [("the run key", &down_ran), ("a fresh key", &down_fresh)] {
+        assert_eq!(x.status, 400, "{what}: {x:?}");
+        let body = problem(x);
+        assert_eq!(body["state"], "unknown", "{what}: {body}");
+        assert_eq!(body["safe_new_key"], false, "{what}: {body}");
+        assert!(x.header("retry-after").is_some(), "{what}: {x:?}");
+    }
+    let up_ran = refused(ran).await;
+    assert_eq!(up_ran.status, 400, "{up_ran:?}");
+    assert_eq!(problem(&up_ran)["state"], "completed", "{up_ran:?}");
+    assert_eq!(problem(&up_ran)["safe_new_key"], false, "{up_ran:?}");
+    let up_fresh = refused(unique("refused-fresh")).await;
+    assert_eq!(up_fresh.status, 400, "{up_fresh:?}");
+    assert_eq!(problem(&up_fresh)["safe_new_key"], true, "{up_fresh:?}");
+    assert_eq!(effects.count(), 1, "a refused body never runs");
+}
