@@ -196,9 +196,9 @@ impl<St: IdempotencyStore, R: Reconciler> Sweeper<St, R> {
             None => UncertainQuery::first(self.batch),
         };
         let mut page = self.store.list_uncertain(&query).await?;
-        if resumed && page.records.is_empty() && page.unreadable.is_empty() {
+        if resumed && page.records.is_empty() && page.unreadable.is_empty() && page.next.is_none() {
             // The last round ended exactly on a full page: start the next one now, not a
-            // pass later.
+            // pass later. (An empty page that goes on held records settled meanwhile.)
             page = self
                 .store
                 .list_uncertain(&UncertainQuery::first(self.batch))

@@ -111,7 +111,9 @@ pub struct UncertainPage {
     /// Records of the page that could not be read (a corrupt row): skipped here, kept in the
     /// store for an operator, each with what is wrong with it.
     pub unreadable: Vec<Unreadable>,
-    /// Where the next page starts; `None` when this page reached the end of the listing.
+    /// Where the next page starts; `None` when this page reached the end of the listing. A
+    /// page may hold fewer records than asked, even none, and still go on: records settled
+    /// while it was read are left out of it.
     pub next: Option<UncertainCursor>,
 }
 
