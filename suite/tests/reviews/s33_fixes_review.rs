@@ -92,6 +92,37 @@ async fn raw(
     .await
 }
 
+/// A route whose runs are counted, guarded on a memory store that faults on demand, with
+/// `body_limit`: the store to fault, the runs, the address.
+async fn counted_on_faulty(
+    body_limit: usize,
+) -> (common::faulty::Faulty<MemoryStore>, Effects, SocketAddr) {
+    let store = common::faulty::Faulty::new(MemoryStore::new());
+    let effects = Effects::default();
+    let e = effects.clone();
+    let app = Router::new().route(
+        "/op",
+        post(move |_: Bytes| {
+            let e = e.clone();
+            async move {
+                e.hit();
+                StatusCode::CREATED
+            }
+        })
+        .layer(
+            IdempotencyLayer::new(store.clone())
+                .single_tenant()
+                .body_limit(body_limit),
+        ),
+    );
+    (store, effects, serve(app).await)
+}
+
+/// The problem document of an answer.
+fn problem(x: &Exchange) -> serde_json::Value {
+    serde_json::from_slice(&x.after_head).expect("a problem document")
+}
+
 fn problem_slug(body: &[u8]) -> String {
     serde_json::from_slice::<serde_json::Value>(body)
         .ok()
@@ -515,31 +546,9 @@ async fn an_informational_final_status_is_the_500_the_client_got() {
 /// the store up and nothing recorded, the same refusal says nothing ran.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn s1_6_a_413_whose_record_cannot_be_read_keeps_the_key() {
-    use common::faulty::Faulty;
     use std::sync::atomic::Ordering;
-    let store = Faulty::new(MemoryStore::new());
-    let effects = Effects::default();
-    let e = effects.clone();
-    let app = Router::new().route(
-        "/op",
-        post(move |_: Bytes| {
-            let e = e.clone();
-            async move {
-                e.hit();
-                StatusCode::CREATED
-            }
-        })
-        .layer(
-            IdempotencyLayer::new(store.clone())
-                .single_tenant()
-                .body_limit(64),
-        ),
-    );
-    let addr = serve(app).await;
+    let (store, effects, addr) = counted_on_faulty(64).await;
     let big = vec![b'x'; 200];
-    let problem = |x: &Exchange| -> serde_json::Value {
-        serde_json::from_slice(&x.after_head).expect("a problem document")
-    };
     let up = raw(
         addr,
         "POST",
@@ -582,26 +591,8 @@ async fn s1_6_a_413_whose_record_cannot_be_read_keeps_the_key() {
 /// is safe to leave, and the completed one is told completed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn s1_4_a_body_refused_at_its_fingerprint_whose_record_cannot_be_read_keeps_the_key() {
-    use common::faulty::Faulty;
     use std::sync::atomic::Ordering;
-    let store = Faulty::new(MemoryStore::new());
-    let effects = Effects::default();
-    let e = effects.clone();
-    let app = Router::new().route(
-        "/op",
-        post(move |_: Bytes| {
-            let e = e.clone();
-            async move {
-                e.hit();
-                StatusCode::CREATED
-            }
-        })
-        .layer(IdempotencyLayer::new(store.clone()).single_tenant()),
-    );
-    let addr = serve(app).await;
-    let problem = |x: &Exchange| -> serde_json::Value {
-        serde_json::from_slice(&x.after_head).expect("a problem document")
-    };
+    let (store, effects, addr) = counted_on_faulty(1 << 20).await;
     let form = b"--a\r\nContent-Disposition: form-data; name=\"amount\"\r\n\r\n10\r\n--a--\r\n";
     let ran = unique("refused-ran");
     let first = raw(
