@@ -805,7 +805,14 @@ impl IdempotencyStore for $store {
             let place = UncertainCursor::stored(sql::from_ticks(at, Self::CURSOR_TICK), scope, key);
             let key = place.key.clone();
             match raw(row).map_err(sql::RowError::column).and_then(|(raw, _)| raw.into_record()) {
-                Ok(record) => records.push(record),
+                // Its last change as the listing places it (PostgreSQL keeps microseconds,
+                // a record's times are read in milliseconds): a cursor made from a listed
+                // record is then just past it, never before it (listed again) or past a
+                // neighbour in the same millisecond (skipped).
+                Ok(mut record) => {
+                    record.updated_at = place.updated_at;
+                    records.push(record);
+                }
                 Err(error) => {
                     tracing::error!(?key, %error, "an uncertain record cannot be read; skipped");
                     // What is wrong with the row, without the store's "unavailable" framing.

@@ -7,8 +7,8 @@ use std::time::{Duration, UNIX_EPOCH};
 use super::{Record, ScopedKey};
 
 /// Where a listing of uncertain records ([`IdempotencyStore::list_uncertain`]) starts: just
-/// past `after`, in the listing's order (oldest change first, then by key; or the reverse with
-/// `newest_first`), at most `limit`.
+/// past `after`, in the listing's order (oldest change first, then by key in the store's
+/// order of keys; or the reverse with `newest_first`), at most `limit`.
 ///
 /// [`IdempotencyStore::list_uncertain`]: super::IdempotencyStore::list_uncertain
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -61,7 +61,11 @@ pub struct UncertainCursor {
 }
 
 impl UncertainCursor {
-    /// A cursor just past the record of `key` last changed at `updated_at`.
+    /// A cursor just past the record of `key` last changed at `updated_at`, as a listing gave
+    /// it: a listed record's [`Record::updated_at`]. A record read otherwise
+    /// ([`lookup`](super::IdempotencyStore::lookup)) may carry a coarser time than the
+    /// listing's place (PostgreSQL places records to the microsecond), and a cursor made from
+    /// it may then list that record again or step over a neighbour.
     pub fn new(updated_at: SystemTime, key: ScopedKey) -> Self {
         Self {
             updated_at,
