@@ -495,8 +495,13 @@ pub trait IdempotencyStore: Send + Sync + 'static {
     /// settle: `needs_reconciliation`, and `in_progress` ones whose holder died (its lease ran
     /// out) after marking its effect started or on a route that reconciles expired leases
     /// ([`LeaseExpiry::Reconcile`]). A dead holder's record that the next claim simply takes
-    /// over is not listed. Oldest change first, then by key, starting after `query.after`;
-    /// its cost is the page's, not the store's: each store keeps the index it needs.
+    /// over is not listed. Oldest change first, starting after `query.after`; its cost is the
+    /// page's, not the store's: each store keeps the index it needs.
+    ///
+    /// Records changed in the same instant are listed in an order of their keys that the
+    /// store keeps, the same in every listing and reversed for newest first, so pages never
+    /// skip or repeat one: scope, then key, in [`MemoryStore`](super::MemoryStore) and the SQL
+    /// stores; a key's stored name in `RedisStore`, where the scope's length comes first.
     ///
     /// A record that cannot be read is not an error of the listing: it is reported in
     /// [`UncertainPage::unreadable`] and left in place.

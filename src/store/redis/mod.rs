@@ -13,7 +13,10 @@
 //! `member`. `{prefix}:{b}` is the key's hash tag: a record and its bucket's reconciliation
 //! index (`{prefix}:{b}:u`, `{prefix}:{b}:p`) share one slot, so every script touches one slot
 //! and a record never spans two. The 64 buckets spread over a cluster's masters; a listing of
-//! uncertain records reads each bucket's head and merges them, O(page) per bucket.
+//! uncertain records reads each bucket's head and merges them, O(page) per bucket. Records
+//! changed in the same millisecond are listed in their members' byte order (the scope's
+//! length, in decimal, first), not by scope then key: the member names the record, so it
+//! cannot change between versions.
 //!
 //! # Durability
 //!
