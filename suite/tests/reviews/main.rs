@@ -27,6 +27,7 @@ mod jsonrpc_mcp_review;
 mod jsonrpc_stream_ends_review;
 mod keeper_runtimes_review;
 mod lease_keeper_review;
+mod listing_under_change_review;
 mod lookup_hash_review;
 mod milestone_hold_review;
 mod model_grpc_review;
