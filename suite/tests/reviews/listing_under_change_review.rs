@@ -332,6 +332,33 @@ fn ours(walked: &[ScopedKey], keys: &BTreeSet<ScopedKey>) -> Vec<ScopedKey> {
         .collect()
 }
 
+/// Each of `steady` is in `listed` exactly once, and they come in `reference`'s order (the
+/// quiet oldest-first listing's), reversed for `newest` first.
+fn assert_listed_once_in_order(
+    what: &str,
+    listed: &[ScopedKey],
+    steady: &[ScopedKey],
+    reference: &[ScopedKey],
+    newest: bool,
+) {
+    let seen = tally(listed, steady);
+    let wrong: Vec<_> = seen.iter().filter(|(_, n)| **n != 1).collect();
+    assert!(
+        wrong.is_empty(),
+        "{what}: steady records not listed exactly once (key, times): {wrong:?}"
+    );
+    let mut expected = reference.to_vec();
+    if newest {
+        expected.reverse();
+    }
+    let steady: BTreeSet<ScopedKey> = steady.iter().cloned().collect();
+    assert_eq!(
+        ours(listed, &steady),
+        expected,
+        "{what}: in the quiet listing's order"
+    );
+}
+
 /// Marks every key uncertain; returns them in the order given.
 async fn mark_all<S: IdempotencyStore>(store: &S, keys: &[ScopedKey]) -> Vec<FencingToken> {
     let mut tokens = Vec::new();
@@ -413,21 +440,7 @@ async fn s4_walk_lists_each_untouched_record_once_under_change<S: IdempotencySto
             churn.fill(&*store, 6).await;
             tokio::time::sleep(LAPSE).await;
             let walked = walk(&*store, limit, newest, Some(&mut churn), &what).await;
-            let seen = tally(&walked.keys, &steady);
-            let wrong: Vec<_> = seen.iter().filter(|(_, n)| **n != 1).collect();
-            assert!(
-                wrong.is_empty(),
-                "{what}: steady records not listed exactly once (key, times): {wrong:?}"
-            );
-            let mut expected = reference.clone();
-            if newest {
-                expected.reverse();
-            }
-            assert_eq!(
-                ours(&walked.keys, &steady_set),
-                expected,
-                "{what}: the steady records in the quiescent listing's order"
-            );
+            assert_listed_once_in_order(&what, &walked.keys, &steady, &reference, newest);
             for key in &gone {
                 assert!(
                     !walked.keys.contains(key),
@@ -849,17 +862,7 @@ async fn s4_console_pages_like_the_store_under_change<S: IdempotencyStore>(
                 }
                 churn.step(&*store).await;
             }
-            let seen = tally(&listed, &steady);
-            let wrong: Vec<_> = seen.iter().filter(|(_, n)| **n != 1).collect();
-            assert!(
-                wrong.is_empty(),
-                "{what}: steady records not listed exactly once (key, times): {wrong:?}"
-            );
-            let mut expected = reference.clone();
-            if newest {
-                expected.reverse();
-            }
-            assert_eq!(ours(&listed, &steady_set), expected, "{what}: in order");
+            assert_listed_once_in_order(&what, &listed, &steady, &reference, newest);
             for (key, token) in churn.pool.drain(..) {
                 settle(&*store, &key, token).await;
             }
