@@ -1166,11 +1166,10 @@ pub async fn uncertain_records_page_in_order<S: IdempotencyStore>(store: &S) {
         .filter(|r| keys.contains(&r.key))
         .map(|r| r.updated_at)
         .min();
-    // A store may keep finer times than its records show (PostgreSQL: microseconds, records
-    // in milliseconds, rounded): within a millisecond.
-    let slack = first_of_ours.map(|t| t + Duration::from_millis(1));
+    // A listed record carries its place in the listing, exactly (PostgreSQL keeps
+    // microseconds where its records are read in milliseconds), as the count does.
     assert!(
-        count.oldest.is_some() && count.oldest <= slack,
+        count.oldest.is_some() && count.oldest <= first_of_ours,
         "the oldest is no later than any of these"
     );
     // Settled records leave the listing.
