@@ -46,6 +46,9 @@ pub struct Faulty<S> {
     pub fail_list: Arc<AtomicBool>,
     /// Only `lookup` fails while set (a record that cannot be read, writes that land).
     pub fail_lookup: Arc<AtomicBool>,
+    /// The next listing that resumes after a cursor finds its whole page settled meanwhile:
+    /// it answers no records, and the page after as its next (once).
+    pub settle_next_resumed_page: Arc<AtomicBool>,
     /// While set, `wait_for_change` is the inner store's (woken); else the trait's default
     /// (polling), as a store that does not implement it.
     pub wake: Arc<AtomicBool>,
@@ -75,6 +78,7 @@ impl<S> Faulty<S> {
             at_step: None,
             fail_list: Arc::default(),
             fail_lookup: Arc::default(),
+            settle_next_resumed_page: Arc::default(),
             wake: Arc::default(),
         }
     }
@@ -233,7 +237,12 @@ impl<S: IdempotencyStore> IdempotencyStore for Faulty<S> {
             return Err(injected("list_uncertain"));
         }
         self.read("list_uncertain")?;
-        self.inner.list_uncertain(query).await
+        let mut page = self.inner.list_uncertain(query).await?;
+        if query.after.is_some() && self.settle_next_resumed_page.swap(false, Ordering::SeqCst) {
+            page.records.clear();
+            page.unreadable.clear();
+        }
+        Ok(page)
     }
 
     async fn count_uncertain(&self) -> Result<UncertainCount, StoreError> {

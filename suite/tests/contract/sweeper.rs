@@ -795,3 +795,53 @@ async fn s18_5_the_memory_index_agrees_with_a_plain_filter_under_random_writes()
         assert_eq!(count, expected.len() as u64, "step {step}");
     }
 }
+
+/// §2 (every record gets its turn): a page whose records were all settled while it was read
+/// comes back empty but names the page after it; the sweeper goes on from there, as from any
+/// page, and does not take it for the end of the listing (which would start the round over and
+/// ask the first records again before the rest had their turn).
+#[tokio::test]
+async fn s18_2_an_emptied_page_that_goes_on_does_not_end_the_round() {
+    let store = Faulty::new(MemoryStore::new());
+    let mut keys = Vec::new();
+    for i in 0..4 {
+        keys.push(uncertain(&store, &format!("unknown-{i}")).await);
+        // Apart in time, so the listing's order is the order of marking.
+        tokio::time::sleep(Duration::from_millis(3)).await;
+    }
+    let reconciler = ByName::default();
+    let sweeper = Sweeper::new(store.clone(), reconciler.clone()).batch(1);
+    sweeper.run_once().await.expect("first pass");
+    assert_eq!(reconciler.asked(), ["unknown-0"]);
+    // The next page's record is settled while it is read (the wrapper leaves it uncertain:
+    // it is the next round's).
+    store.settle_next_resumed_page.store(true, Ordering::SeqCst);
+    sweeper.run_once().await.expect("the emptied page");
+    assert!(
+        !store.settle_next_resumed_page.load(Ordering::SeqCst),
+        "the pass resumed after a cursor"
+    );
+    sweeper.run_once().await.expect("third pass");
+    sweeper.run_once().await.expect("fourth pass");
+    assert_eq!(
+        reconciler.asked(),
+        ["unknown-0", "unknown-2", "unknown-3"],
+        "the round goes on past the emptied page; nothing is asked twice in it"
+    );
+    // The round then ends, the next one starts over at once, and the record left out of the
+    // emptied page has its turn.
+    sweeper.run_once().await.expect("the next round");
+    sweeper.run_once().await.expect("its second page");
+    assert_eq!(
+        reconciler.asked()[3..],
+        ["unknown-0", "unknown-1"],
+        "the next round, from the first record"
+    );
+    for k in &keys {
+        assert_eq!(
+            status(&store, k).await,
+            Some(RecordStatus::NeedsReconciliation),
+            "an unknown outcome stays for reconciliation"
+        );
+    }
+}
