@@ -122,19 +122,36 @@ pub struct UncertainPage {
 }
 
 impl UncertainPage {
-    /// A page of `records` and `unreadable` ones, out of a listing asked for `limit`: the
-    /// next page starts after `last` when this one is full.
+    /// A page of `records` and `unreadable` ones, read in one step (one statement, one
+    /// script), out of a listing asked for `limit`: the next page starts after `last` when
+    /// this one is full.
     pub fn new(
         records: Vec<Record>,
         unreadable: Vec<Unreadable>,
         last: Option<UncertainCursor>,
         limit: usize,
     ) -> Self {
-        let full = records.len() + unreadable.len() >= limit;
+        let found = records.len() + unreadable.len();
+        Self::scanned(found, records, unreadable, last, limit)
+    }
+
+    /// A page read in two steps, as a store that scans an index and then reads each entry it
+    /// found does: the scan found `found` entries, the last at `last`, for a listing asked
+    /// for `limit`; `records` and `unreadable` are what the reads gave. A record settled
+    /// between the two is left out, but the listing still goes on after `last` when the
+    /// scan filled the page: counted by what is left, a page whose records were all settled
+    /// meanwhile would end the listing early, and every later record would go unlisted.
+    pub fn scanned(
+        found: usize,
+        records: Vec<Record>,
+        unreadable: Vec<Unreadable>,
+        last: Option<UncertainCursor>,
+        limit: usize,
+    ) -> Self {
         Self {
             records,
             unreadable,
-            next: last.filter(|_| full),
+            next: last.filter(|_| found >= limit),
         }
     }
 }
@@ -198,6 +215,35 @@ pub(crate) fn from_ticks(ticks: i64, tick: Duration) -> SystemTime {
 ))]
 mod tests {
     use super::*;
+
+    /// §18.2: a page scanned full goes on even when every record it found was settled before
+    /// it was read; a page read in one step goes on only when it holds `limit` entries.
+    #[test]
+    fn a_page_scanned_full_goes_on_whatever_is_left_of_it() {
+        let last = UncertainCursor::new(SystemTime::UNIX_EPOCH, ScopedKey::new("tenant", "k"));
+        let emptied = UncertainPage::scanned(2, Vec::new(), Vec::new(), Some(last.clone()), 2);
+        assert_eq!(emptied.next, Some(last.clone()), "scanned full: goes on");
+        let short = UncertainPage::scanned(1, Vec::new(), Vec::new(), Some(last.clone()), 2);
+        assert_eq!(short.next, None, "the scan found less than asked: the end");
+        let unreadable = vec![
+            Unreadable {
+                key: ScopedKey::new("tenant", "j"),
+                error: "corrupt".to_owned(),
+            };
+            2
+        ];
+        let held = UncertainPage::new(Vec::new(), unreadable, Some(last.clone()), 2);
+        assert_eq!(
+            held.next,
+            Some(last.clone()),
+            "unreadable entries fill a page"
+        );
+        let one_step = UncertainPage::new(Vec::new(), Vec::new(), Some(last), 2);
+        assert_eq!(
+            one_step.next, None,
+            "read in one step, an empty page is the end"
+        );
+    }
 
     /// A cursor's time comes back as the place it was read from, for every place a store can
     /// give (times written by hand included: far future, before the epoch, the sentinels):

@@ -843,16 +843,10 @@ impl MemoryStore {
                 }),
             }
         }
-        // Not `UncertainPage::new`, which reads a page as full by what it holds.
-        let next = found
+        let last = found
             .last()
-            .filter(|_| limit > 0 && found.len() >= limit)
             .map(|(at, key)| UncertainCursor::new(time(*at), key.clone()));
-        UncertainPage {
-            records,
-            unreadable,
-            next,
-        }
+        UncertainPage::scanned(found.len(), records, unreadable, last, limit)
     }
 }
 
