@@ -1179,6 +1179,25 @@ pub async fn uncertain_records_page_in_order<S: IdempotencyStore>(store: &S) {
             .await
             .expect("lookup")
             .expect("the record");
+        // A record read by `lookup` stands where the listing places it: a cursor made from
+        // it pages on just past it (PostgreSQL read its times in milliseconds once, and such
+        // a cursor sat before the record, which was listed again).
+        let listed = whole.iter().find(|r| &r.key == key).expect("listed");
+        assert_eq!(
+            record.updated_at, listed.updated_at,
+            "lookup and listing agree"
+        );
+        let past = UncertainCursor::new(record.updated_at, key.clone());
+        for query in [
+            UncertainQuery::after(past.clone(), 10_000),
+            UncertainQuery::after(past, 10_000).newest_first(),
+        ] {
+            let page = store.list_uncertain(&query).await.expect("list_uncertain");
+            assert!(
+                page.records.iter().all(|r| &r.key != key),
+                "a cursor made from a looked-up record is past it either way"
+            );
+        }
         store
             .resolve(key, record.lease_token, &Resolution::NotApplied, LONG, None)
             .await

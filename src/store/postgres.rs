@@ -219,7 +219,8 @@ impl Statements {
                  {a}.history, {a}.resolution_note, (extract(epoch from now()) * 1000)::int8",
                 ms("lease_until"),
                 ms("created_at"),
-                ms("updated_at"),
+                // At the listing's tick: a record read here stands where the listing places it.
+                CURSOR_MICROS.replace("r.updated_at", &format!("{a}.updated_at")),
                 ms("expires_at"),
             )
         };

@@ -160,7 +160,9 @@ pub(crate) struct RawRecord {
     pub(crate) downstream_id: Option<String>,
     pub(crate) response: Option<Vec<u8>>,
     pub(crate) created_at_ms: i64,
-    pub(crate) updated_at_ms: i64,
+    /// Read at the store's cursor tick, not in milliseconds: a record read by `lookup` then
+    /// stands where the listing places it, and a cursor made from it pages on exactly.
+    pub(crate) updated_at: SystemTime,
     pub(crate) expires_at_ms: i64,
     pub(crate) history: String,
     pub(crate) resolution_note: Option<String>,
@@ -215,7 +217,7 @@ impl RawRecord {
             downstream_id: self.downstream_id,
             response,
             created_at: from_millis(self.created_at_ms),
-            updated_at: from_millis(self.updated_at_ms),
+            updated_at: self.updated_at,
             expires_at: from_millis(self.expires_at_ms),
             history: HistoryEntry::parse_all(&self.history),
             resolution_note: self.resolution_note,
@@ -642,7 +644,7 @@ fn raw(row: &$row) -> Result<(RawRecord, SystemTime), sqlx::Error> {
         downstream_id: row.try_get(8)?,
         response: row.try_get(9)?,
         created_at_ms: row.try_get(10)?,
-        updated_at_ms: row.try_get(11)?,
+        updated_at: sql::from_ticks(row.try_get(11)?, $store::CURSOR_TICK),
         expires_at_ms: row.try_get(12)?,
         history: row.try_get(13)?,
         resolution_note: row.try_get(14)?,
@@ -805,14 +807,10 @@ impl IdempotencyStore for $store {
             let place = UncertainCursor::stored(sql::from_ticks(at, Self::CURSOR_TICK), scope, key);
             let key = place.key.clone();
             match raw(row).map_err(sql::RowError::column).and_then(|(raw, _)| raw.into_record()) {
-                // Its last change as the listing places it (PostgreSQL keeps microseconds,
-                // a record's times are read in milliseconds): a cursor made from a listed
-                // record is then just past it, never before it (listed again) or past a
-                // neighbour in the same millisecond (skipped).
-                Ok(mut record) => {
-                    record.updated_at = place.updated_at;
-                    records.push(record);
-                }
+                // Its last change is read at the cursor's tick (see `RawRecord::updated_at`):
+                // a cursor made from it is just past it, never before it (listed again) or
+                // past a neighbour in the same millisecond (skipped).
+                Ok(record) => records.push(record),
                 Err(error) => {
                     tracing::error!(?key, %error, "an uncertain record cannot be read; skipped");
                     // What is wrong with the row, without the store's "unavailable" framing.
@@ -914,7 +912,7 @@ mod tests {
             downstream_id: None,
             response: None,
             created_at_ms: 1_000,
-            updated_at_ms: 1_000,
+            updated_at: from_millis(1_000),
             expires_at_ms: 9_000,
             history: String::new(),
             resolution_note: None,

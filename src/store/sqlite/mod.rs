@@ -270,7 +270,7 @@ fn raw_of_json(v: &serde_json::Value) -> Result<RawRecord, StoreError> {
             _ => Some(blob(10)?),
         },
         created_at_ms: int(11)?,
-        updated_at_ms: int(12)?,
+        updated_at: sql::from_ticks(int(12)?, SqliteStore::CURSOR_TICK),
         expires_at_ms: int(13)?,
         history: text(14)?,
         resolution_note: optional_text(15)?,
