@@ -42,6 +42,18 @@ pub async fn seeded(
     response: StoredResponse,
 ) -> MemoryStore {
     let store = MemoryStore::new();
+    seed(&store, key, fingerprint, &response).await;
+    store
+}
+
+/// `key` claimed under `fingerprint` and completed with `response` in `store`, as an earlier
+/// version (or another process) left it.
+pub async fn seed(
+    store: &impl IdempotencyStore,
+    key: &ScopedKey,
+    fingerprint: [u8; 32],
+    response: &StoredResponse,
+) {
     let claim = ClaimRequest {
         key: key.clone(),
         fingerprint: Fingerprint::from_bytes(fingerprint),
@@ -54,10 +66,9 @@ pub async fn seeded(
         other => panic!("acquired: {other:?}"),
     };
     store
-        .complete(key, token, &response, Duration::from_secs(3600))
+        .complete(key, token, response, Duration::from_secs(3600))
         .await
         .expect("complete");
-    store
 }
 
 /// The answer an earlier version recorded: 201, `the previous version's run`.

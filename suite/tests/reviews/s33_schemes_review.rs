@@ -8,7 +8,6 @@ use crate::common;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::time::Duration;
 
 use axum::Router;
 use axum::body::{Body, Bytes};
@@ -20,10 +19,9 @@ use sha2::{Digest, Sha256};
 use tower_idempotency::fingerprint::JsonFields;
 use tower_idempotency::jsonrpc::JsonRpc;
 use tower_idempotency::scope::SingleTenant;
-use tower_idempotency::store::{Claim, ClaimRequest, StoredResponse};
+use tower_idempotency::store::StoredResponse;
 use tower_idempotency::{
-    Fingerprint, IdempotencyLayer, IdempotencyStore, LeaseExpiry, MalformedBody, MemoryStore,
-    ScopedKey,
+    Fingerprint, IdempotencyLayer, IdempotencyStore, MalformedBody, MemoryStore, ScopedKey,
 };
 
 // ---- shared pieces ----------------------------------------------------------------------------
@@ -332,17 +330,6 @@ async fn a_record_written_before_the_scheme_bytes_is_replayed_to_its_retry() {
     let (store, _path) = common::sqlite("s33-schemes-upgrade").await;
     let key_text = unique("upgrade");
     let key = ScopedKey::new("", &key_text);
-    let claim = ClaimRequest {
-        key: key.clone(),
-        fingerprint: Fingerprint::from_bytes(old),
-        lease: Duration::from_secs(30),
-        ttl: Duration::from_secs(3600),
-        on_lease_expiry: LeaseExpiry::Reclaim,
-    };
-    let token = match store.claim(&claim).await.expect("claim") {
-        Claim::Acquired(lease) => lease.token,
-        other => panic!("acquired: {other:?}"),
-    };
     let mut headers = HeaderMap::new();
     headers.insert("content-type", HeaderValue::from_static("text/plain"));
     let stored = StoredResponse {
@@ -351,10 +338,7 @@ async fn a_record_written_before_the_scheme_bytes_is_replayed_to_its_retry() {
         body: Some(Bytes::from_static(b"old version's run")),
         trailers: None,
     };
-    store
-        .complete(&key, token, &stored, Duration::from_secs(3600))
-        .await
-        .expect("complete");
+    common::schemes::seed(&store, &key, old, &stored).await;
     let effects = Effects::default();
     let addr = serve(
         counting(&["/op"], &effects).layer(IdempotencyLayer::new(store.clone()).single_tenant()),
@@ -801,17 +785,6 @@ async fn replays_of_foreign_records_drop_denied_and_hop_by_hop_headers_only() {
     for _ in 0..2 {
         let key_text = unique("foreign");
         let key = ScopedKey::new("", &key_text);
-        let claim = ClaimRequest {
-            key: key.clone(),
-            fingerprint,
-            lease: Duration::from_secs(30),
-            ttl: Duration::from_secs(3600),
-            on_lease_expiry: LeaseExpiry::Reclaim,
-        };
-        let token = match store.claim(&claim).await.expect("claim") {
-            Claim::Acquired(lease) => lease.token,
-            other => panic!("acquired: {other:?}"),
-        };
         let mut headers = HeaderMap::new();
         for (n, v) in [
             ("content-type", "text/plain"),
@@ -835,10 +808,7 @@ async fn replays_of_foreign_records_drop_denied_and_hop_by_hop_headers_only() {
             body: Some(Bytes::from_static(b"order 7")),
             trailers: None,
         };
-        store
-            .complete(&key, token, &stored, Duration::from_secs(3600))
-            .await
-            .expect("complete");
+        common::schemes::seed(&store, &key, *fingerprint.as_bytes(), &stored).await;
         keys.push(key_text);
     }
     let effects = Effects::default();
