@@ -164,8 +164,12 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 /// store waits on a lock, or runs, without bound.
 const SESSION_LIMITS: [(&str, &str); 2] = [("lock_timeout", "5s"), ("statement_timeout", "30s")];
 /// A record's place in the uncertain listing, in microseconds, exact: `infinity` and
-/// `-infinity` written by hand are `i64`'s ends, which [`CURSOR_TIME`] reads back as them (the
-/// last three centuries of PostgreSQL's range, past `i64` microseconds, read as its end).
+/// `-infinity` written by hand are `i64`'s ends, which [`CURSOR_TIME`] reads back as them. The
+/// last three decades of PostgreSQL's range (after 294247-01-10, past `i64` microseconds; only
+/// a time written by hand) are placed at its end, one before `infinity`, where a cursor
+/// cannot tell them apart from the times before them: a walk oldest first lists such a record
+/// again on every page that starts there, up to the walker's bound, and of two such records a
+/// walk newest first lists only the latest.
 const CURSOR_MICROS: &str = "(CASE WHEN r.updated_at = 'infinity' THEN 9223372036854775807 \
     WHEN r.updated_at = '-infinity' THEN -9223372036854775807 - 1 \
     ELSE LEAST(extract(epoch from r.updated_at) * 1000000, 9223372036854775806)::int8 END)";
@@ -178,8 +182,8 @@ const CURSOR_MICROS: &str = "(CASE WHEN r.updated_at = 'infinity' THEN 922337203
 const CURSOR_TIME: &str = "(CASE WHEN $2 = 9223372036854775807 THEN timestamptz 'infinity' \
     WHEN $2 = -9223372036854775807 - 1 THEN timestamptz '-infinity' \
     ELSE (timestamp 'epoch' \
-      + (GREATEST(LEAST($2, 9223372036854775806), -210800000000000000) / 86400000000) * interval '1 day' \
-      + (GREATEST(LEAST($2, 9223372036854775806), -210800000000000000) % 86400000000) * interval '1 microsecond') \
+      + (GREATEST(LEAST($2, 9223372036854775806), -210866803200000000) / 86400000000) * interval '1 day' \
+      + (GREATEST(LEAST($2, 9223372036854775806), -210866803200000000) % 86400000000) * interval '1 microsecond') \
       AT TIME ZONE 'UTC' END)";
 
 /// Records only a reconciliation can settle once their holder is gone: awaiting it, or in
@@ -197,7 +201,7 @@ const UNCERTAIN: &str = "r.status = 'needs_reconciliation' \
 fn entry(attempt: &str, token: &str, event: &str) -> String {
     format!(
         "({attempt})::text || ' ' || ({token})::text || ' ' || \
-         ((extract(epoch from now()) * 1000)::int8)::text || ' ' || ({event}) || ';'"
+         (floor(extract(epoch from now()) * 1000)::int8)::text || ' ' || ({event}) || ';'"
     )
 }
 
@@ -206,17 +210,19 @@ impl Statements {
         let t = format!("\"{schema}\".\"{table}\"");
         let cols = |a: &str| {
             // An operator may write `infinity` into a time: read as the far future (or past),
-            // never an error that fails every listing.
+            // never an error that fails every listing. Rounded down (`::int8` alone rounds to
+            // nearest): a time written on the same clock reading as the last change, which is
+            // read to the microsecond, never reads later than it.
             let ms = |c: &str| {
                 format!(
-                    "(CASE WHEN isfinite({a}.{c}) THEN (extract(epoch from {a}.{c}) * 1000)::int8 \
+                    "(CASE WHEN isfinite({a}.{c}) THEN floor(extract(epoch from {a}.{c}) * 1000)::int8 \
                      WHEN {a}.{c} > now() THEN 9223372036854775807 ELSE 0 END)"
                 )
             };
             format!(
                 "{a}.scope, {a}.key, {a}.fingerprint, {a}.status, {a}.lease_token, {}, \
                  {a}.attempts::int8, {a}.effect_started, {a}.downstream_id, {a}.response, {}, {}, {}, \
-                 {a}.history, {a}.resolution_note, (extract(epoch from now()) * 1000)::int8",
+                 {a}.history, {a}.resolution_note, (extract(epoch from now()) * 1000000)::int8",
                 ms("lease_until"),
                 ms("created_at"),
                 // At the listing's tick: a record read here stands where the listing places it.
@@ -412,7 +418,7 @@ impl Statements {
                    updated_at = now()
                  FROM {BOUNDED}
                  WHERE {fenced} AND bounded.wait IS NOT NULL
-                 RETURNING (extract(epoch from lease_until) * 1000)::int8"
+                 RETURNING floor(extract(epoch from lease_until) * 1000)::int8"
             )
             .into(),
             // `clock_timestamp()`: in a handler's own transaction (`complete_in`), `now()` is

@@ -649,7 +649,9 @@ fn raw(row: &$row) -> Result<(RawRecord, SystemTime), sqlx::Error> {
         history: row.try_get(13)?,
         resolution_note: row.try_get(14)?,
     };
-    Ok((record, sql::from_millis(row.try_get(15)?)))
+    // The store's clock at the cursor's tick too, or a claim's clock could read earlier
+    // than the change it answers.
+    Ok((record, sql::from_ticks(row.try_get(15)?, $store::CURSOR_TICK)))
 }
 
 impl IdempotencyStore for $store {

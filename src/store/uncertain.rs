@@ -61,11 +61,10 @@ pub struct UncertainCursor {
 }
 
 impl UncertainCursor {
-    /// A cursor just past the record of `key` last changed at `updated_at`, as a listing gave
-    /// it: a listed record's [`Record::updated_at`]. A record read otherwise
-    /// ([`lookup`](super::IdempotencyStore::lookup)) may carry a coarser time than the
-    /// listing's place (PostgreSQL places records to the microsecond), and a cursor made from
-    /// it may then list that record again or step over a neighbour.
+    /// A cursor just past the record of `key` last changed at `updated_at`, as the store gave
+    /// it: a record's [`Record::updated_at`], listed, looked up or answered by a claim. Every
+    /// store reads a record's last change where its listing places it (PostgreSQL to the
+    /// microsecond), so the cursor lists neither that record again nor skips a neighbour.
     pub fn new(updated_at: SystemTime, key: ScopedKey) -> Self {
         Self {
             updated_at,

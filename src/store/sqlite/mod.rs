@@ -371,7 +371,10 @@ const READ: &str = "scope, key, fingerprint, status, lease_token, lease_until, a
                     history, resolution_note";
 
 /// A record's place in the uncertain listing: its time, or, for a time that is not an integer
-/// (written by hand), the end of the listing, where SQLite sorts such values.
+/// (written by hand), the end of the listing, where SQLite sorts text and blobs. A real number
+/// written by hand sorts among the integers instead, and a walk in pages that end on it goes
+/// on from the end: the records after it are not listed until it is mended (it is reported
+/// unreadable on every page that holds it).
 const CURSOR_MILLIS: &str =
     "(CASE WHEN typeof(r.updated_at) = 'integer' THEN r.updated_at ELSE 9223372036854775807 END)";
 

@@ -35,6 +35,7 @@ mod model_mutants_review;
 mod multipart_differential_review;
 mod postgres_server_faults_review;
 mod reconcile_console_review;
+mod record_times_review;
 mod redis_cluster_replace_review;
 mod redis_coalescing_review;
 mod redis_replace_review;
