@@ -501,7 +501,9 @@ pub trait IdempotencyStore: Send + Sync + 'static {
     /// Records changed in the same instant are listed in an order of their keys that the
     /// store keeps, the same in every listing and reversed for newest first, so pages never
     /// skip or repeat one: scope, then key, in [`MemoryStore`] and the SQL
-    /// stores; a key's stored name in `RedisStore`, where the scope's length comes first.
+    /// stores; a key's stored name in `RedisStore`, where the scope's length comes first. A
+    /// record changed while a walk pages through the listing moves to its new place, and may
+    /// be listed again later in that walk.
     ///
     /// A record that cannot be read is not an error of the listing: it is reported in
     /// [`UncertainPage::unreadable`] and left in place.

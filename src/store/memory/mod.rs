@@ -825,14 +825,19 @@ impl MemoryStore {
     /// The page of the index entries `found` for a listing asked for `limit`. A record
     /// settled since it was found is left out, but the listing still goes on past it: the
     /// next page follows from what was found, not from what is left, or a record settled
-    /// meanwhile would end the listing early.
+    /// meanwhile would end the listing early. A record changed since it was found is left
+    /// out too: it is listed at its new place, and here its new time would break the page's
+    /// order (a cursor made from it would step over the records between).
     fn uncertain_page(&self, found: &[(u64, ScopedKey)], limit: usize, now: u64) -> UncertainPage {
         let mut records = Vec::with_capacity(found.len());
         let mut unreadable = Vec::new();
-        for (_, key) in found {
+        for (at, key) in found {
             let (hash, shard) = self.shard(key);
-            // Settled since it was found: not part of the page any more.
-            let Some(r) = shard.entry(hash, key).filter(|r| uncertain(r, now)) else {
+            // Settled or moved since it was found: not part of this page any more.
+            let Some(r) = shard
+                .entry(hash, key)
+                .filter(|r| uncertain(r, now) && r.updated_at() == *at)
+            else {
                 continue;
             };
             match r.to_record(key) {
@@ -1399,6 +1404,67 @@ mod unit {
         let in_flight = existing(store.claim(&running).await);
         assert_eq!(in_flight.history.len(), 1);
         assert_eq!(in_flight.history[0].token, lease.token);
+    }
+
+    /// Issue 18 §2: a record changed between the listing's scan of its index and the read of
+    /// its entry (a holder's milestone on its lapsed lease) is listed at its new place only:
+    /// read where it was found, it came back with its new time inside a page of older ones,
+    /// out of order, and was listed again at its new place.
+    #[tokio::test]
+    async fn a_record_moved_while_listing_is_listed_at_its_new_place_only() {
+        let offset = Arc::new(AtomicU64::new(0));
+        let base = SystemTime::now();
+        let clock = offset.clone();
+        let store = MemoryStore::with_clock(move || {
+            base + Duration::from_millis(clock.load(Ordering::SeqCst))
+        });
+        let mut tokens = Vec::new();
+        for i in 0..3 {
+            let key = ScopedKey::new("tenant", format!("moving-{i}"));
+            let Claim::Acquired(lease) = store
+                .claim(&ClaimRequest::a_minute(&key))
+                .await
+                .expect("claim")
+            else {
+                panic!("a new key is acquired");
+            };
+            store
+                .record_milestone(&key, lease.token, &Milestone::EffectStarted)
+                .await
+                .expect("effect started");
+            tokens.push((key, lease.token));
+        }
+        // Every lease lapses: the three await reconciliation, changed at the same instant.
+        offset.store(120_000, Ordering::SeqCst);
+        let found = store.uncertain_found(&UncertainQuery::first(2), store.now());
+        assert_eq!(found.len(), 2, "a page of two");
+        let moved = found[0].1.clone();
+        let token = tokens.iter().find(|(k, _)| *k == moved).expect("ours").1;
+        // Its holder, still running, records a milestone: the record moves to now.
+        offset.store(125_000, Ordering::SeqCst);
+        store
+            .record_milestone(&moved, token, &Milestone::DownstreamId("ch_1".to_owned()))
+            .await
+            .expect("milestone on a lapsed lease");
+        let page = store.uncertain_page(&found, 2, store.now());
+        assert!(
+            page.records.iter().all(|r| r.key != moved),
+            "not listed at the place it left: {:?}",
+            page.records
+        );
+        assert_eq!(page.records.len(), 1, "the other record found is listed");
+        let mut listed: Vec<ScopedKey> = page.records.iter().map(|r| r.key.clone()).collect();
+        let mut next = page.next;
+        while let Some(cursor) = next {
+            let page = store
+                .list_uncertain(&UncertainQuery::after(cursor, 1))
+                .await
+                .expect("list");
+            listed.extend(page.records.iter().map(|r| r.key.clone()));
+            next = page.next;
+        }
+        assert_eq!(listed.len(), 3, "each record once: {listed:?}");
+        assert_eq!(listed.last(), Some(&moved), "the moved record at its new place");
     }
 
     /// Issue 18 §2: a record settled between the listing's scan of its index and the read of
