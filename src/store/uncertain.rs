@@ -137,9 +137,11 @@ impl UncertainPage {
     /// A page read in two steps, as a store that scans an index and then reads each entry it
     /// found does: the scan found `found` entries, the last at `last`, for a listing asked
     /// for `limit`; `records` and `unreadable` are what the reads gave. A record settled
-    /// between the two is left out, but the listing still goes on after `last` when the
-    /// scan filled the page: counted by what is left, a page whose records were all settled
-    /// meanwhile would end the listing early, and every later record would go unlisted.
+    /// between the two is left out, and so is one changed since (it is listed at its new
+    /// place; kept here, its new time would break the page's order). The listing still goes
+    /// on after `last` when the scan filled the page: counted by what is left, a page whose
+    /// records were all settled meanwhile would end the listing early, and every later
+    /// record would go unlisted.
     pub fn scanned(
         found: usize,
         records: Vec<Record>,
