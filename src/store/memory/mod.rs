@@ -1464,7 +1464,11 @@ mod unit {
             next = page.next;
         }
         assert_eq!(listed.len(), 3, "each record once: {listed:?}");
-        assert_eq!(listed.last(), Some(&moved), "the moved record at its new place");
+        assert_eq!(
+            listed.last(),
+            Some(&moved),
+            "the moved record at its new place"
+        );
     }
 
     /// Issue 18 §2: a record settled between the listing's scan of its index and the read of
