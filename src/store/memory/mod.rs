@@ -320,6 +320,21 @@ impl MemoryStore {
                 >= self.inner.max_bytes.load(Ordering::Relaxed)
     }
 
+    /// Counts one record more if the store has room for it (see [`full`](Self::full)).
+    fn take_room(&self) -> bool {
+        let counts = &self.inner.counts;
+        if counts.bytes.load(Ordering::Relaxed) >= self.inner.max_bytes.load(Ordering::Relaxed) {
+            return false;
+        }
+        let max = self.inner.max_records.load(Ordering::Relaxed);
+        counts
+            .len
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| {
+                (n < max).then_some(n + 1)
+            })
+            .is_ok()
+    }
+
     fn weigh(&self, before: usize, after: usize) {
         let bytes = &self.inner.counts.bytes;
         if after >= before {
@@ -355,6 +370,7 @@ impl MemoryStore {
                         shard.requeue(i, at);
                     }
                 }
+                self.uncount(&freed);
             }
             self.forget(&mut freed);
         }
@@ -369,6 +385,7 @@ impl MemoryStore {
         {
             let mut shard = lock(&self.inner.shards[i]);
             self.look_at_polled(&mut shard, now, &mut freed);
+            self.uncount(&freed);
         }
         let mut removed = self.forget(&mut freed);
         let mut popped = Vec::with_capacity(SLICE);
@@ -378,6 +395,7 @@ impl MemoryStore {
                 let mut shard = lock(&self.inner.shards[i]);
                 shard.pop_due(until, SLICE, &mut popped);
                 self.look_at_due(&mut shard, &popped, now, &mut freed);
+                self.uncount(&freed);
             }
             removed += self.forget(&mut freed);
             if popped.len() < SLICE {
@@ -389,16 +407,26 @@ impl MemoryStore {
         removed
     }
 
-    /// Records taken out of a shard, off the counts and freed (outside the shard's lock);
-    /// how many.
+    /// Records taken out of a shard, off the counts: called before the shard's lock is let
+    /// go, so that a claim that finds the store full and then sweeps every shard sees all the
+    /// room taken out before it got each lock (counted after, another thread's sweep left it
+    /// refusing a claim there was room for).
+    fn uncount(&self, freed: &[Entry]) {
+        if !freed.is_empty() {
+            let weight: usize = freed.iter().map(Entry::weight).sum();
+            self.inner
+                .counts
+                .len
+                .fetch_sub(freed.len(), Ordering::Relaxed);
+            self.inner.counts.bytes.fetch_sub(weight, Ordering::Relaxed);
+        }
+    }
+
+    /// Records taken out of a shard and off the counts ([`uncount`](Self::uncount)), freed
+    /// outside the shard's lock; how many.
     fn forget(&self, freed: &mut Vec<Entry>) -> u64 {
         let n = freed.len();
-        if n > 0 {
-            let weight: usize = freed.iter().map(Entry::weight).sum();
-            self.inner.counts.len.fetch_sub(n, Ordering::Relaxed);
-            self.inner.counts.bytes.fetch_sub(weight, Ordering::Relaxed);
-            freed.clear();
-        }
+        freed.clear();
         n as u64
     }
 
@@ -479,6 +507,7 @@ impl MemoryStore {
             };
             self.look_at_due(shard, &[due], now, &mut freed);
         }
+        self.uncount(&freed);
         self.forget(&mut freed);
         shard.freed = freed;
     }
@@ -616,10 +645,12 @@ impl MemoryStore {
             shard.rewatch(&req.key, watched_before, watched_after);
             return claim;
         }
-        if self.full() {
+        // The record's room is taken in one step with the check: claims of new keys in other
+        // shards (other locks) check at the same time, and a check then an add let two of
+        // them take the last room, one record past the bound.
+        if !self.take_room() {
             return Err(StoreError::Full);
         }
-        self.inner.counts.len.fetch_add(1, Ordering::Relaxed);
         let token = self.token();
         let entry = Entry::claimed(req, hash, token, now, lease_until);
         self.weigh(0, entry.weight());
