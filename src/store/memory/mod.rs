@@ -302,7 +302,10 @@ impl MemoryStore {
     /// [`DEFAULT_MAX_BYTES`](Self::DEFAULT_MAX_BYTES)). Claims of new keys are refused as for
     /// [`max_records`](Self::max_records) once the weight reaches it. A key already claimed
     /// always records its outcome, so the weight may pass the bound by what requests in
-    /// flight then record (at most their response limit each).
+    /// flight then record (at most their response limit each). Claims of new keys in
+    /// different shards check the weight at once, so each may add its new record (its key
+    /// and own size) past the bound: one per shard at most. [`max_records`](Self::max_records)
+    /// holds exactly.
     pub fn max_bytes(self, max: usize) -> Self {
         self.inner.max_bytes.store(max, Ordering::Relaxed);
         self
@@ -316,18 +319,22 @@ impl MemoryStore {
     fn full(&self) -> bool {
         self.inner.counts.len.load(Ordering::Relaxed)
             >= self.inner.max_records.load(Ordering::Relaxed)
-            || self.inner.counts.bytes.load(Ordering::Relaxed)
-                >= self.inner.max_bytes.load(Ordering::Relaxed)
+            || self.bytes_full()
+    }
+
+    /// Whether the records weigh [`max_bytes`](Self::max_bytes) or more.
+    fn bytes_full(&self) -> bool {
+        self.bytes() >= self.inner.max_bytes.load(Ordering::Relaxed)
     }
 
     /// Counts one record more if the store has room for it (see [`full`](Self::full)).
     fn take_room(&self) -> bool {
-        let counts = &self.inner.counts;
-        if counts.bytes.load(Ordering::Relaxed) >= self.inner.max_bytes.load(Ordering::Relaxed) {
+        if self.bytes_full() {
             return false;
         }
         let max = self.inner.max_records.load(Ordering::Relaxed);
-        counts
+        self.inner
+            .counts
             .len
             .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| {
                 (n < max).then_some(n + 1)
@@ -370,9 +377,8 @@ impl MemoryStore {
                         shard.requeue(i, at);
                     }
                 }
-                self.uncount(&freed);
             }
-            self.forget(&mut freed);
+            free(&mut freed);
         }
     }
 
@@ -385,9 +391,8 @@ impl MemoryStore {
         {
             let mut shard = lock(&self.inner.shards[i]);
             self.look_at_polled(&mut shard, now, &mut freed);
-            self.uncount(&freed);
         }
-        let mut removed = self.forget(&mut freed);
+        let mut removed = free(&mut freed);
         let mut popped = Vec::with_capacity(SLICE);
         loop {
             popped.clear();
@@ -395,9 +400,8 @@ impl MemoryStore {
                 let mut shard = lock(&self.inner.shards[i]);
                 shard.pop_due(until, SLICE, &mut popped);
                 self.look_at_due(&mut shard, &popped, now, &mut freed);
-                self.uncount(&freed);
             }
-            removed += self.forget(&mut freed);
+            removed += free(&mut freed);
             if popped.len() < SLICE {
                 break;
             }
@@ -407,37 +411,26 @@ impl MemoryStore {
         removed
     }
 
-    /// Records taken out of a shard, off the counts: called before the shard's lock is let
-    /// go, so that a claim that finds the store full and then sweeps every shard sees all the
-    /// room taken out before it got each lock (counted after, another thread's sweep left it
-    /// refusing a claim there was room for).
-    fn uncount(&self, freed: &[Entry]) {
-        if !freed.is_empty() {
-            let weight: usize = freed.iter().map(Entry::weight).sum();
-            self.inner
-                .counts
-                .len
-                .fetch_sub(freed.len(), Ordering::Relaxed);
-            self.inner.counts.bytes.fetch_sub(weight, Ordering::Relaxed);
-        }
+    /// Takes record `i` out of its shard and off the store's counts. The counts change here,
+    /// under the shard's lock, so that a claim that finds the store full and then sweeps
+    /// every shard sees all the room taken out before it got each lock (counted after, another
+    /// thread's sweep left it refusing a claim there was room for).
+    fn take_out(&self, shard: &mut Shard, i: u32) -> Option<Entry> {
+        let entry = shard.remove(i)?;
+        self.inner.counts.len.fetch_sub(1, Ordering::Relaxed);
+        self.weigh(entry.weight(), 0);
+        Some(entry)
     }
 
-    /// Records taken out of a shard and off the counts ([`uncount`](Self::uncount)), freed
-    /// outside the shard's lock; how many.
-    fn forget(&self, freed: &mut Vec<Entry>) -> u64 {
-        let n = freed.len();
-        freed.clear();
-        n as u64
-    }
-
-    /// Takes record `i` out of its shard if it expired by `now`.
+    /// Takes record `i` out of its shard ([`take_out`](Self::take_out)) if it expired by
+    /// `now`, into `freed`: freed after the shard's lock is let go ([`free`]).
     fn take_if_expired(&self, shard: &mut Shard, i: u32, now: u64, freed: &mut Vec<Entry>) -> bool {
         if !shard.get(i).is_some_and(|e| expired(e, now)) {
             return false;
         }
         // Expired records are never watched (those never expire), so the watch index is
         // untouched.
-        freed.extend(shard.remove(i));
+        freed.extend(self.take_out(shard, i));
         true
     }
 
@@ -507,8 +500,7 @@ impl MemoryStore {
             };
             self.look_at_due(shard, &[due], now, &mut freed);
         }
-        self.uncount(&freed);
-        self.forget(&mut freed);
+        free(&mut freed);
         shard.freed = freed;
     }
 
@@ -999,10 +991,10 @@ impl IdempotencyStore for MemoryStore {
 
     async fn remove(&self, key: &ScopedKey) -> Result<bool, StoreError> {
         let (hash, mut shard) = self.shard(key);
-        let removed = shard.find(hash, key).and_then(|i| shard.remove(i));
+        let removed = shard
+            .find(hash, key)
+            .and_then(|i| self.take_out(&mut shard, i));
         if let Some(entry) = &removed {
-            self.inner.counts.len.fetch_sub(1, Ordering::Relaxed);
-            self.weigh(entry.weight(), 0);
             shard.rewatch(key, watched(entry), None);
             drop(shard);
             self.inner.waiters.wake(key);
@@ -1142,6 +1134,14 @@ fn log(r: &mut Entry, now: u64, event: HistoryEvent) {
 
 fn log_capped(r: &mut Entry, now: u64, event: HistoryEvent, cap: usize) {
     r.log(now, event, cap);
+}
+
+/// Frees records taken out of a shard ([`MemoryStore::take_out`]), outside its lock: they
+/// are off the counts already. How many.
+fn free(freed: &mut Vec<Entry>) -> u64 {
+    let n = freed.len();
+    freed.clear();
+    n as u64
 }
 
 /// Whether a record counts as absent: past its TTL, and its outcome not unknown. A record
@@ -1437,6 +1437,28 @@ mod unit {
         assert_eq!(in_flight.history[0].token, lease.token);
     }
 
+    /// Claims `key`, new to `store`: its lease's token.
+    async fn acquire(store: &MemoryStore, key: &ScopedKey) -> FencingToken {
+        match store.claim(&ClaimRequest::a_minute(key)).await {
+            Ok(Claim::Acquired(lease)) => lease.token,
+            other => panic!("a new key is acquired: {other:?}"),
+        }
+    }
+
+    /// The keys listed from `next` on, a page of one at a time.
+    async fn listed_from(store: &MemoryStore, mut next: Option<UncertainCursor>) -> Vec<ScopedKey> {
+        let mut listed = Vec::new();
+        while let Some(cursor) = next {
+            let page = store
+                .list_uncertain(&UncertainQuery::after(cursor, 1))
+                .await
+                .expect("list");
+            listed.extend(page.records.into_iter().map(|r| r.key));
+            next = page.next;
+        }
+        listed
+    }
+
     /// Issue 18 §2: a record changed between the listing's scan of its index and the read of
     /// its entry (a holder's milestone on its lapsed lease) is listed at its new place only:
     /// read where it was found, it came back with its new time inside a page of older ones,
@@ -1452,18 +1474,12 @@ mod unit {
         let mut tokens = Vec::new();
         for i in 0..3 {
             let key = ScopedKey::new("tenant", format!("moving-{i}"));
-            let Claim::Acquired(lease) = store
-                .claim(&ClaimRequest::a_minute(&key))
-                .await
-                .expect("claim")
-            else {
-                panic!("a new key is acquired");
-            };
+            let token = acquire(&store, &key).await;
             store
-                .record_milestone(&key, lease.token, &Milestone::EffectStarted)
+                .record_milestone(&key, token, &Milestone::EffectStarted)
                 .await
                 .expect("effect started");
-            tokens.push((key, lease.token));
+            tokens.push((key, token));
         }
         // Every lease lapses: the three await reconciliation, changed at the same instant.
         offset.store(120_000, Ordering::SeqCst);
@@ -1485,15 +1501,7 @@ mod unit {
         );
         assert_eq!(page.records.len(), 1, "the other record found is listed");
         let mut listed: Vec<ScopedKey> = page.records.iter().map(|r| r.key.clone()).collect();
-        let mut next = page.next;
-        while let Some(cursor) = next {
-            let page = store
-                .list_uncertain(&UncertainQuery::after(cursor, 1))
-                .await
-                .expect("list");
-            listed.extend(page.records.iter().map(|r| r.key.clone()));
-            next = page.next;
-        }
+        listed.extend(listed_from(&store, page.next).await);
         assert_eq!(listed.len(), 3, "each record once: {listed:?}");
         assert_eq!(
             listed.last(),
@@ -1513,15 +1521,9 @@ mod unit {
         let mut keys = Vec::new();
         for i in 0..3 {
             let key = ScopedKey::new("tenant", format!("uncertain-{i}"));
-            let Claim::Acquired(lease) = store
-                .claim(&ClaimRequest::a_minute(&key))
-                .await
-                .expect("claim")
-            else {
-                panic!("a new key is acquired");
-            };
-            store.mark_uncertain(&key, lease.token).await.expect("mark");
-            keys.push((key, lease.token));
+            let token = acquire(&store, &key).await;
+            store.mark_uncertain(&key, token).await.expect("mark");
+            keys.push((key, token));
         }
         let now = store.now();
         let found = store.uncertain_found(&UncertainQuery::first(1), now);
@@ -1543,19 +1545,11 @@ mod unit {
             .expect("resolve");
         let page = store.uncertain_page(&found, 1, now);
         assert!(page.records.is_empty(), "the settled record is left out");
-        let next = page
-            .next
-            .expect("the listing goes on past a settled record");
-        let mut listed = Vec::new();
-        let mut query = UncertainQuery::after(next, 1);
-        loop {
-            let page = store.list_uncertain(&query).await.expect("list");
-            listed.extend(page.records.into_iter().map(|r| r.key));
-            match page.next {
-                Some(next) => query = UncertainQuery::after(next, 1),
-                None => break,
-            }
-        }
+        assert!(
+            page.next.is_some(),
+            "the listing goes on past a settled record"
+        );
+        let listed = listed_from(&store, page.next).await;
         let rest: Vec<_> = keys
             .iter()
             .map(|(key, _)| key.clone())
