@@ -390,13 +390,14 @@ impl Statements {
         // The holder may complete again what it completed in its own transaction.
         let completer = "scope = $1 AND key = $2 AND lease_token = $3 \
                          AND status IN ('in_progress', 'completed', 'needs_reconciliation')";
+        // A record's place is its last change, column 11, already read at the cursor's tick.
         let list_first = format!(
-            "SELECT {}, {CURSOR_MICROS} FROM {t} r
+            "SELECT {} FROM {t} r
                  WHERE ({UNCERTAIN}) ORDER BY r.updated_at, r.scope, r.key LIMIT $1",
             cols("r"),
         );
         let list_after = format!(
-            "SELECT {}, {CURSOR_MICROS} FROM {t} r
+            "SELECT {} FROM {t} r
                  WHERE ({UNCERTAIN})
                    AND (r.updated_at, r.scope, r.key) > ({CURSOR_TIME}, $3, $4)
                  ORDER BY r.updated_at, r.scope, r.key LIMIT $1",
@@ -538,6 +539,9 @@ impl Statements {
 impl PostgresStore {
     /// The unit of a listing cursor's time: timestamps are microseconds here, so a cursor is exact.
     const CURSOR_TICK: Duration = Duration::from_micros(1);
+    /// The listing's column that places a record: its last change ([`CURSOR_MICROS`]), which
+    /// the shared reader reads anyway.
+    const PLACE_COLUMN: usize = 11;
 
     /// The default table: `public.idempotency_records`.
     pub const DEFAULT_TABLE: &'static str = "idempotency_records";

@@ -805,7 +805,7 @@ impl IdempotencyStore for $store {
             // cannot be read is still stepped over, and reported.
             let scope: Vec<u8> = row.try_get(0).map_err(unavailable)?;
             let key: Vec<u8> = row.try_get(1).map_err(unavailable)?;
-            let at: i64 = row.try_get(16).map_err(unavailable)?;
+            let at: i64 = row.try_get(Self::PLACE_COLUMN).map_err(unavailable)?;
             let place = UncertainCursor::stored(sql::from_ticks(at, Self::CURSOR_TICK), scope, key);
             let key = place.key.clone();
             match raw(row).map_err(sql::RowError::column).and_then(|(raw, _)| raw.into_record()) {

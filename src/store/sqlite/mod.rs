@@ -568,6 +568,10 @@ impl Statements {
 impl SqliteStore {
     /// The unit of a listing cursor's time: times are whole milliseconds here, so a cursor is exact.
     const CURSOR_TICK: Duration = Duration::from_millis(1);
+    /// The listing's column that places a record: [`CURSOR_MILLIS`], after the shared reader's
+    /// columns. It differs from the last change the reader reads (column 11) for a time
+    /// written by hand that is not an integer, which it places at the listing's end.
+    const PLACE_COLUMN: usize = 16;
 
     /// The default table: `idempotency_records`.
     pub const DEFAULT_TABLE: &'static str = "idempotency_records";
