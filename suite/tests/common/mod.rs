@@ -466,6 +466,90 @@ macro_rules! on_every_store {
 #[allow(unused_imports)]
 pub(crate) use on_every_store;
 
+/// A PostgreSQL store on a table made afresh (dropped, then migrated): uncertain records never
+/// expire, so an earlier run's would be listed and counted. `None` (after saying so) when
+/// there is no server.
+pub async fn fresh_postgres(table: &str) -> Option<tower_idempotency::store::PostgresStore> {
+    let pool = postgres_pool().await?;
+    sqlx::query(sqlx::AssertSqlSafe(format!("DROP TABLE IF EXISTS {table}")))
+        .execute(&pool)
+        .await
+        .expect("drop the table");
+    postgres(table).await
+}
+
+/// Runs `scenario(Arc<store>, name)` on all seven store set-ups, one test each: MemoryStore,
+/// SQLite on a real file (plain and batching), PostgreSQL (plain and batching, each on a table
+/// of its own made afresh: `$table` and `$table_b`), Redis and Redis Cluster (each under a
+/// prefix of its own). For scenarios that list or count every record of their store. A
+/// missing server skips visibly (CI fails).
+#[allow(unused_macros)]
+macro_rules! on_every_store_afresh {
+    ($scenario:ident, $table:literal) => {
+        mod $scenario {
+            use std::sync::Arc;
+
+            use tower_idempotency::store::Batching;
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn memory() {
+                super::$scenario(Arc::new(tower_idempotency::MemoryStore::new()), "memory").await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn sqlite() {
+                let (store, path) = $crate::common::sqlite($table).await;
+                super::$scenario(Arc::new(store), "sqlite").await;
+                let _ = std::fs::remove_file(path);
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn sqlite_batched() {
+                let (store, path) = $crate::common::sqlite(concat!($table, "_b")).await;
+                let store = store.with_batching(Batching::default());
+                super::$scenario(Arc::new(store), "sqlite-batched").await;
+                let _ = std::fs::remove_file(path);
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn postgres() {
+                let Some(store) = $crate::common::fresh_postgres($table).await else {
+                    return;
+                };
+                super::$scenario(Arc::new(store), "postgres").await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn postgres_batched() {
+                let Some(store) = $crate::common::fresh_postgres(concat!($table, "_b")).await
+                else {
+                    return;
+                };
+                let store = store.with_batching(Batching::default());
+                super::$scenario(Arc::new(store), "postgres-batched").await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn redis() {
+                let Some(store) = $crate::common::redis($table).await else {
+                    return;
+                };
+                super::$scenario(Arc::new(store), "redis").await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn redis_cluster() {
+                let Some(store) = $crate::common::redis_cluster($table).await else {
+                    return;
+                };
+                super::$scenario(Arc::new(store), "redis-cluster").await;
+            }
+        }
+    };
+}
+#[allow(unused_imports)]
+pub(crate) use on_every_store_afresh;
+
 /// A small deterministic generator (xorshift): reproducible "random" cases without a crate.
 pub struct Rng(pub u64);
 

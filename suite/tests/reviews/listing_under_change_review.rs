@@ -26,65 +26,6 @@ use tower_idempotency::store::{
 };
 use tower_idempotency::{Fingerprint, IdempotencyStore, LeaseExpiry};
 
-// ---- stores ------------------------------------------------------------------------------
-
-/// A PostgreSQL store on a table of this review's own, emptied first: uncertain records never
-/// expire, so an earlier run's would be counted.
-async fn fresh_postgres(table: &str) -> Option<tower_idempotency::store::PostgresStore> {
-    let store = common::postgres(table).await?;
-    let pool = common::postgres_pool().await?;
-    sqlx::query(sqlx::AssertSqlSafe(format!("DELETE FROM {table}")))
-        .execute(&pool)
-        .await
-        .expect("empty the table");
-    Some(store)
-}
-
-/// Runs `scenario(store, name)` on every store: one test each.
-macro_rules! every_store {
-    ($scenario:ident, $table:literal) => {
-        mod $scenario {
-            use std::sync::Arc;
-
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn memory() {
-                super::$scenario(Arc::new(tower_idempotency::MemoryStore::new()), "memory").await;
-            }
-
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn sqlite() {
-                let (store, path) = crate::common::sqlite($table).await;
-                super::$scenario(Arc::new(store), "sqlite").await;
-                let _ = std::fs::remove_file(path);
-            }
-
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn postgres() {
-                let Some(store) = super::fresh_postgres($table).await else {
-                    return;
-                };
-                super::$scenario(Arc::new(store), "postgres").await;
-            }
-
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn redis() {
-                let Some(store) = crate::common::redis($table).await else {
-                    return;
-                };
-                super::$scenario(Arc::new(store), "redis").await;
-            }
-
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn redis_cluster() {
-                let Some(store) = crate::common::redis_cluster($table).await else {
-                    return;
-                };
-                super::$scenario(Arc::new(store), "redis-cluster").await;
-            }
-        }
-    };
-}
-
 // ---- records -----------------------------------------------------------------------------
 
 const LONG: Duration = Duration::from_secs(3600);
@@ -472,7 +413,7 @@ async fn s4_walk_lists_each_untouched_record_once_under_change<S: IdempotencySto
     }
 }
 
-every_store!(
+common::on_every_store_afresh!(
     s4_walk_lists_each_untouched_record_once_under_change,
     "luc_walk"
 );
@@ -594,7 +535,7 @@ async fn s4_ties_list_in_key_order_and_count_agrees<S: IdempotencyStore>(
     assert_eq!(ours(&ones.keys, &all).len(), keys.len());
 }
 
-every_store!(s4_ties_list_in_key_order_and_count_agrees, "luc_ties");
+common::on_every_store_afresh!(s4_ties_list_in_key_order_and_count_agrees, "luc_ties");
 
 // ---- the sweeper ---------------------------------------------------------------------------
 
@@ -783,7 +724,7 @@ async fn s4_sweeper_reconciles_each_steady_record_once_while_others_settle<S: Id
     }
 }
 
-every_store!(
+common::on_every_store_afresh!(
     s4_sweeper_reconciles_each_steady_record_once_while_others_settle,
     "luc_sweep"
 );
@@ -891,7 +832,7 @@ async fn s4_console_pages_like_the_store_under_change<S: IdempotencyStore>(
     );
 }
 
-every_store!(s4_console_pages_like_the_store_under_change, "luc_console");
+common::on_every_store_afresh!(s4_console_pages_like_the_store_under_change, "luc_console");
 
 // ---- many tasks racing one walker ----------------------------------------------------------
 
@@ -969,7 +910,7 @@ async fn s4_walkers_and_writers_released_together<S: IdempotencyStore>(store: Ar
     }
 }
 
-every_store!(s4_walkers_and_writers_released_together, "luc_race");
+common::on_every_store_afresh!(s4_walkers_and_writers_released_together, "luc_race");
 
 // ---- a cursor made from a listed record ------------------------------------------------------
 
@@ -1023,4 +964,4 @@ async fn s4_a_cursor_made_from_a_listed_record_pages_on<S: IdempotencyStore>(
     }
 }
 
-every_store!(s4_a_cursor_made_from_a_listed_record_pages_on, "luc_made");
+common::on_every_store_afresh!(s4_a_cursor_made_from_a_listed_record_pages_on, "luc_made");

@@ -21,88 +21,10 @@ use serde_json::Value;
 use tower_idempotency::console::Console;
 use tower_idempotency::reconcile::{Reconciler, Reconciliation, Sweeper};
 use tower_idempotency::store::{
-    Batching, Claim, ClaimRequest, FencingToken, Milestone, PostgresStore, Record, RecordStatus,
-    Resolution, ScopedKey, StoreError, StoredResponse, UncertainCursor, UncertainPage,
-    UncertainQuery,
+    Batching, Claim, ClaimRequest, FencingToken, Milestone, Record, RecordStatus, Resolution,
+    ScopedKey, StoreError, StoredResponse, UncertainCursor, UncertainPage, UncertainQuery,
 };
 use tower_idempotency::{Fingerprint, IdempotencyStore, LeaseExpiry, MemoryStore};
-
-// ---- stores ------------------------------------------------------------------------------
-
-/// A PostgreSQL store on a table of this review's own, made afresh: uncertain records never
-/// expire, so an earlier run's would be listed.
-async fn fresh_postgres(table: &str) -> Option<PostgresStore> {
-    let pool = common::postgres_pool().await?;
-    sqlx::query(sqlx::AssertSqlSafe(format!("DROP TABLE IF EXISTS {table}")))
-        .execute(&pool)
-        .await
-        .expect("drop the table");
-    common::postgres(table).await
-}
-
-/// Runs `scenario(store, name)` on every store, batching ones included: one test each.
-macro_rules! every_store {
-    ($scenario:ident, $name:literal) => {
-        mod $scenario {
-            use std::sync::Arc;
-
-            use tower_idempotency::store::Batching;
-
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn memory() {
-                super::$scenario(Arc::new(tower_idempotency::MemoryStore::new()), "memory").await;
-            }
-
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn sqlite() {
-                let (store, path) = crate::common::sqlite($name).await;
-                super::$scenario(Arc::new(store), "sqlite").await;
-                let _ = std::fs::remove_file(path);
-            }
-
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn sqlite_batched() {
-                let (store, path) = crate::common::sqlite(concat!($name, "_b")).await;
-                let store = store.with_batching(Batching::default());
-                super::$scenario(Arc::new(store), "sqlite-batched").await;
-                let _ = std::fs::remove_file(path);
-            }
-
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn postgres() {
-                let Some(store) = super::fresh_postgres($name).await else {
-                    return;
-                };
-                super::$scenario(Arc::new(store), "postgres").await;
-            }
-
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn postgres_batched() {
-                let Some(store) = super::fresh_postgres(concat!($name, "_b")).await else {
-                    return;
-                };
-                let store = store.with_batching(Batching::default());
-                super::$scenario(Arc::new(store), "postgres-batched").await;
-            }
-
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn redis() {
-                let Some(store) = crate::common::redis($name).await else {
-                    return;
-                };
-                super::$scenario(Arc::new(store), "redis").await;
-            }
-
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn redis_cluster() {
-                let Some(store) = crate::common::redis_cluster($name).await else {
-                    return;
-                };
-                super::$scenario(Arc::new(store), "redis-cluster").await;
-            }
-        }
-    };
-}
 
 // ---- records -----------------------------------------------------------------------------
 
@@ -427,7 +349,7 @@ async fn s4_looked_up_and_claimed_records_page_exactly_past_themselves<S: Idempo
     );
 }
 
-every_store!(
+common::on_every_store_afresh!(
     s4_looked_up_and_claimed_records_page_exactly_past_themselves,
     "rtr_agree"
 );
@@ -461,6 +383,16 @@ fn times_wrong(record: &Record, what: &str) -> Vec<String> {
     wrong
 }
 
+/// Fails with how many of `of` cases on store `name` went wrong (`what`), and the first few.
+fn assert_none_wrong(name: &str, wrong: &[String], of: usize, what: &str) {
+    assert!(
+        wrong.is_empty(),
+        "{name}: {} of {of} {what}, e.g. {:?}",
+        wrong.len(),
+        &wrong[..wrong.len().min(4)]
+    );
+}
+
 /// DESIGN §2, §5 (one behaviour): a record is never created after its last change, and no
 /// entry of its history (written by the same write, on the same clock) is later than its last
 /// change, as `lookup` reads it: freshly claimed (created, changed and logged "claimed" in one
@@ -486,16 +418,15 @@ async fn s2_a_record_is_never_created_or_logged_after_its_last_change<S: Idempot
     for key in &keys {
         wrong.extend(times_wrong(&looked_up(&*store, key).await, "marked"));
     }
-    assert!(
-        wrong.is_empty(),
-        "{name}: {} of {} reads have times out of order, e.g. {:?}",
-        wrong.len(),
+    assert_none_wrong(
+        name,
+        &wrong,
         2 * keys.len(),
-        &wrong[..wrong.len().min(4)]
+        "reads have times out of order",
     );
 }
 
-every_store!(
+common::on_every_store_afresh!(
     s2_a_record_is_never_created_or_logged_after_its_last_change,
     "rtr_times"
 );
@@ -539,16 +470,15 @@ async fn s4_a_claims_clock_is_never_before_the_change_it_answers<S: IdempotencyS
             }
         }
     }
-    assert!(
-        wrong.is_empty(),
-        "{name}: {} of {claims} claims answer a record changed after the clock they read it \
-         at, e.g. {:?}",
-        wrong.len(),
-        &wrong[..wrong.len().min(4)]
+    assert_none_wrong(
+        name,
+        &wrong,
+        claims,
+        "claims answer a record changed after the clock they read it at",
     );
 }
 
-every_store!(
+common::on_every_store_afresh!(
     s4_a_claims_clock_is_never_before_the_change_it_answers,
     "rtr_clock"
 );
@@ -637,7 +567,7 @@ async fn s4_console_cursors_name_the_looked_up_time<S: IdempotencyStore>(
     );
 }
 
-every_store!(s4_console_cursors_name_the_looked_up_time, "rtr_console");
+common::on_every_store_afresh!(s4_console_cursors_name_the_looked_up_time, "rtr_console");
 
 // ---- times written by hand: PostgreSQL --------------------------------------------------------
 
@@ -664,7 +594,7 @@ async fn pg_write_times(pool: &sqlx::PgPool, table: &str, times: &[(&str, &str)]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn s4_postgres_times_written_within_a_millisecond_page_exactly() {
     let table = "rtr_pg_micro";
-    let Some(store) = fresh_postgres(table).await else {
+    let Some(store) = common::fresh_postgres(table).await else {
         return;
     };
     let Some(pool) = common::postgres_pool().await else {
@@ -779,7 +709,7 @@ async fn s4_postgres_times_written_within_a_millisecond_page_exactly() {
 /// Walks by `next` in pages of 1, both ways, over records whose times were written by hand:
 /// each is listed exactly once.
 async fn pg_pages_once_each(table: &str, times: &[(&str, &str)]) {
-    let Some(store) = fresh_postgres(table).await else {
+    let Some(store) = common::fresh_postgres(table).await else {
         return;
     };
     let Some(pool) = common::postgres_pool().await else {
@@ -828,7 +758,7 @@ async fn s4_postgres_times_past_i64_microseconds_come_last_and_hold_back_no_reco
         ("a-2022", "2022-03-04 05:06:07+00"),
         ("b-294250", "294250-01-01 00:00:00+00"),
     ];
-    let Some(store) = fresh_postgres(table).await else {
+    let Some(store) = common::fresh_postgres(table).await else {
         return;
     };
     let Some(pool) = common::postgres_pool().await else {
