@@ -380,7 +380,7 @@ impl<St, M> IdempotencyLayer<St, M> {
                 // A window of its own: the defaults' clone would share theirs.
                 let mut route = f(c.default.clone());
                 route.window = Arc::default();
-                route.scheme = crate::fingerprint::route_scheme(&c.fingerprint, &route);
+                route.scheme = route.scheme_under(&c.fingerprint);
                 (path.clone(), Arc::new(route))
             })
             .collect();
@@ -396,7 +396,7 @@ impl<St, M> IdempotencyLayer<St, M> {
         // The defaults too: a layer built from a clone of another shares nothing it measures.
         let mut default = c.default.clone();
         default.window = Arc::default();
-        default.scheme = crate::fingerprint::route_scheme(&c.fingerprint, &default);
+        default.scheme = default.scheme_under(&c.fingerprint);
         let mut schemes: Vec<_> = std::iter::once(default.scheme)
             .chain(routes.values().map(|route| route.scheme))
             .collect();

@@ -8,6 +8,7 @@ use http::Method;
 use std::sync::Arc;
 
 use crate::dialect::jsonrpc::JsonRpc;
+use crate::fingerprint::Scheme;
 use crate::policy::CachePolicy;
 use crate::store::LeaseExpiry;
 
@@ -52,7 +53,7 @@ pub struct RouteConfig {
     pub(crate) window: Arc<crate::window::Window>,
     /// The scheme of this route's fingerprints: set when the layer is built, from its
     /// fingerprint settings and this route's, so no request computes it.
-    pub(crate) scheme: crate::fingerprint::Scheme,
+    pub(crate) scheme: Scheme,
 }
 
 impl Default for RouteConfig {
@@ -81,6 +82,12 @@ impl Default for RouteConfig {
 }
 
 impl RouteConfig {
+    /// The scheme of this route's fingerprints under a layer's `options` (computed once, when
+    /// the layer is built).
+    pub(crate) fn scheme_under(&self, options: &crate::fingerprint::FingerprintOptions) -> Scheme {
+        crate::fingerprint::scheme(options, self.json_fields.as_deref(), self.jsonrpc.is_some())
+    }
+
     /// Whether requests without a key are refused with 400 (`true`, the default) or passed
     /// through unguarded (`false`).
     pub fn require_key(mut self, required: bool) -> Self {

@@ -184,19 +184,6 @@ pub(crate) fn scheme(
     hash.to_be_bytes()
 }
 
-/// The scheme of `route`'s fingerprints under a layer's `options` (computed once, when the
-/// layer is built).
-pub(crate) fn route_scheme(
-    options: &FingerprintOptions,
-    route: &crate::route::RouteConfig,
-) -> Scheme {
-    scheme(
-        options,
-        route.json_fields.as_deref(),
-        route.jsonrpc.is_some(),
-    )
-}
-
 /// The scheme of a plain HTTP route that counts nothing of its own (a route's until the layer
 /// is built).
 pub(crate) const PLAIN_HTTP: Scheme = fnv(fnv(FNV_BASIS, HTTP_SCHEME), b"custom").to_be_bytes();
@@ -451,7 +438,7 @@ pub(crate) fn fingerprint(
 }
 
 /// Fingerprints a request, counting only the JSON `fields` a route chose, if any, under the
-/// route's `scheme` (its [`route_scheme`]).
+/// route's `scheme` (see [`scheme`]).
 ///
 /// `recorded` is the fingerprint of the outcome already recorded under the request's key, if
 /// any. Where its body went into the hash as sent, a JSON body is hashed as sent first: equal,
