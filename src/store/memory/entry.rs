@@ -10,7 +10,7 @@ use super::super::{
     Claim, ClaimRequest, FencingToken, Fingerprint, HistoryEntry, HistoryEvent, LeaseExpiry,
     Record, RecordStatus, ScopedKey, StoreError, StoredResponse,
 };
-use super::shard::KeyHash;
+use super::hash::KeyHash;
 
 /// The holder marked its effect started.
 const EFFECT_STARTED: u8 = 1;
@@ -49,7 +49,7 @@ pub(super) struct Entry {
     /// A downstream id, a resolution note, a history longer than a claim and one event: most
     /// records have none of them.
     extra: Option<Box<Extra>>,
-    /// Its key's hash (see [`super::shard::KeyHash`]): growing, shrinking and compacting the
+    /// Its key's hash (see [`KeyHash`]): growing, shrinking and compacting the
     /// shard's table, and purging, never hash a key again, nor read it. Four bytes the record
     /// had to spare once the key's length went into its data's head, beside the scope's.
     hash: KeyHash,

@@ -2,6 +2,7 @@
 
 mod due;
 mod entry;
+mod hash;
 mod shard;
 
 use std::fmt;
@@ -18,7 +19,8 @@ use super::{
     StoredResponse, UncertainCount, UncertainCursor, UncertainPage, UncertainQuery, Unreadable,
 };
 use entry::{Entry, span, time};
-use shard::{KeyHash, Shard, now_tick, tick};
+use hash::KeyHash;
+use shard::{Shard, now_tick, tick};
 
 const SHARDS: usize = 64;
 

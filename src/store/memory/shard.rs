@@ -9,6 +9,7 @@ use hashbrown::HashTable;
 use super::super::{RecordStatus, ScopedKey};
 use super::due::Due;
 use super::entry::Entry;
+use super::hash::{KeyHash, spread};
 
 /// Records per slab chunk: 56 KiB each, so growing never copies records (but the first
 /// chunk's) and a chunk not yet filled is not yet resident.
@@ -17,26 +18,6 @@ const CHUNK: usize = 512;
 /// Expiry ticks are this many milliseconds: coarse enough that a tick fits 32 bits for two
 /// years, fine enough that a record goes within a tick of its TTL.
 pub(super) const TICK_MS: u64 = 16;
-
-/// A key's hash as its shard keeps it: 32 bits of the store's keyed hash, carried by its
-/// record (in the four bytes its key's length took before it moved into the record's data),
-/// so that growing the table re-places slots without hashing a key again. The table places
-/// and tags slots by these bits spread over 64; the shard itself is chosen by other bits of the
-/// keyed hash (see `MemoryStore::shard`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) struct KeyHash(u32);
-
-impl KeyHash {
-    /// The bits of the store's keyed hash `keyed` that a record keeps.
-    pub(super) fn of(keyed: u64) -> Self {
-        Self(keyed as u32)
-    }
-
-    /// The hash the table places and tags the key's slot by.
-    fn slot(self) -> u64 {
-        spread(self.0)
-    }
-}
 
 /// A shard. No lock is taken inside: the store holds the shard's lock around every call.
 #[derive(Default)]
@@ -124,13 +105,6 @@ impl Slab {
         }
         Some(entry)
     }
-}
-
-/// Spreads 32 bits over 64 for a table: a slab index for the polled set's, a key's hash for
-/// the keys'. A multiplication by an odd constant: no two inputs collide, and the top bits
-/// (the table's tags) depend on every bit of the input.
-fn spread(i: u32) -> u64 {
-    u64::from(i).wrapping_mul(0x9E37_79B9_7F4A_7C15)
 }
 
 /// Where the table places a record's slot (a slot naming no record is never rehashed: the
