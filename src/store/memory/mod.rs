@@ -318,20 +318,10 @@ impl MemoryStore {
         self.inner.counts.bytes.load(Ordering::Relaxed)
     }
 
-    fn full(&self) -> bool {
-        self.inner.counts.len.load(Ordering::Relaxed)
-            >= self.inner.max_records.load(Ordering::Relaxed)
-            || self.bytes_full()
-    }
-
-    /// Whether the records weigh [`max_bytes`](Self::max_bytes) or more.
-    fn bytes_full(&self) -> bool {
-        self.bytes() >= self.inner.max_bytes.load(Ordering::Relaxed)
-    }
-
-    /// Counts one record more if the store has room for it (see [`full`](Self::full)).
+    /// Counts one record more if the store has room for it: fewer records than
+    /// [`max_records`](Self::max_records), and lighter than [`max_bytes`](Self::max_bytes).
     fn take_room(&self) -> bool {
-        if self.bytes_full() {
+        if self.bytes() >= self.inner.max_bytes.load(Ordering::Relaxed) {
             return false;
         }
         let max = self.inner.max_records.load(Ordering::Relaxed);
@@ -668,10 +658,18 @@ impl MemoryStore {
             Err(StoreError::Full) => {
                 let now = self.now();
                 self.sweep_all(now);
-                if self.full() {
-                    self.sweep_tick_under_way(now);
+                match self.claim_locked(req) {
+                    // What expired within the tick under way makes room too. Swept only when
+                    // the claim is refused again, never on a reading of the counts: other
+                    // claims may take the room the first sweep made while a sweep of this tick
+                    // is still under way in another thread, and the room it has yet to free
+                    // is this claim's.
+                    Err(StoreError::Full) => {
+                        self.sweep_tick_under_way(now);
+                        self.claim_locked(req)
+                    }
+                    other => other,
                 }
-                self.claim_locked(req)
             }
             other => other,
         }
