@@ -29,6 +29,7 @@ mod keeper_runtimes_review;
 mod lease_keeper_review;
 mod listing_under_change_review;
 mod lookup_hash_review;
+mod memory_counts_review;
 mod milestone_hold_review;
 mod model_grpc_review;
 mod model_mutants_review;
