@@ -10,7 +10,8 @@ use bytes::Bytes;
 use http::{HeaderMap, StatusCode};
 use stats_alloc::Region;
 use tower_idempotency::store::{
-    Claim, ClaimRequest, FencingToken, Fingerprint, LeaseExpiry, Record, ScopedKey, StoredResponse,
+    Claim, ClaimRequest, FencingToken, Fingerprint, LeaseExpiry, Record, ScopedKey, StoreError,
+    StoredResponse,
 };
 use tower_idempotency::{IdempotencyStore, MemoryStore};
 
@@ -133,4 +134,19 @@ pub async fn record(store: &MemoryStore, key: &ScopedKey) -> Record {
         .await
         .expect("lookup")
         .unwrap_or_else(|| panic!("{key:?} has a record"))
+}
+
+/// How many of racing claims of new keys acquired, after checking that every one either
+/// acquired or was refused `Full` (`what` names the race in the failure).
+pub fn acquired_or_full(answers: &[Result<Claim, StoreError>], what: &str) -> usize {
+    assert!(
+        answers
+            .iter()
+            .all(|a| matches!(a, Ok(Claim::Acquired(_)) | Err(StoreError::Full))),
+        "{what}: {answers:?}"
+    );
+    answers
+        .iter()
+        .filter(|a| matches!(a, Ok(Claim::Acquired(_))))
+        .count()
 }

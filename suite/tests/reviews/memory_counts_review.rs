@@ -14,7 +14,7 @@ use futures_util::FutureExt;
 use tower_idempotency::store::{Claim, Milestone, Resolution, ScopedKey, StoreError};
 use tower_idempotency::{IdempotencyStore, MemoryStore};
 
-use crate::common::memory::{Clock, ms, req, response};
+use crate::common::memory::{Clock, acquired_or_full, ms, req, response};
 
 /// The store's expiry tick (ms): records expiring within the tick under way are swept only
 /// by a full store's second sweep.
@@ -139,16 +139,7 @@ fn every_racing_claim_finds_room(under_way: bool, rounds: usize) {
         // At the expiry itself (inside the tick under way), or two ticks after it.
         clock.advance(if under_way { ttl } else { ttl + 2 * TICK } as i64);
         let answers = race_new_keys(&store, threads, per_thread, &format!("r{round}"));
-        let won = answers
-            .iter()
-            .filter(|a| matches!(a, Ok(Claim::Acquired(_))))
-            .count();
-        assert!(
-            answers
-                .iter()
-                .all(|a| matches!(a, Ok(Claim::Acquired(_)) | Err(StoreError::Full))),
-            "round {round}: {answers:?}"
-        );
+        let won = acquired_or_full(&answers, &format!("round {round}"));
         assert!(
             store.len() <= expired,
             "round {round}: {} held",

@@ -274,16 +274,7 @@ fn review_many_threads_on_a_full_store() {
             .into_iter()
             .map(|t| t.join().expect("thread"))
             .collect();
-        let won = answers
-            .iter()
-            .filter(|a| matches!(a, Ok(Claim::Acquired(_))))
-            .count();
-        assert!(
-            answers
-                .iter()
-                .all(|a| matches!(a, Ok(Claim::Acquired(_)) | Err(StoreError::Full))),
-            "at {at}: {answers:?}"
-        );
+        let won = crate::common::memory::acquired_or_full(&answers, &format!("at {at}"));
         assert_eq!(won, n / 2, "at {at}: the expired half makes room, no more");
         for i in (1..n).step_by(2) {
             let got = rt.block_on(store.claim(&req(&format!("r{i}"), 60_000)));
