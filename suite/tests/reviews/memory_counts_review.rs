@@ -14,6 +14,7 @@ use futures_util::FutureExt;
 use tower_idempotency::store::{Claim, Milestone, Resolution, ScopedKey, StoreError};
 use tower_idempotency::{IdempotencyStore, MemoryStore};
 
+use crate::common::Rng;
 use crate::common::memory::{Clock, acquired_or_full, ms, req, response};
 
 /// The store's expiry tick (ms): records expiring within the tick under way are swept only
@@ -29,21 +30,6 @@ fn ready<F: Future>(f: F) -> F::Output {
 
 fn key(name: &str) -> ScopedKey {
     ScopedKey::new("counts", name)
-}
-
-struct Rng(u64);
-
-impl Rng {
-    fn new(seed: u64) -> Self {
-        Self(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
-    }
-
-    fn below(&mut self, n: u64) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0 % n
-    }
 }
 
 /// How many of `keys` a lookup finds (live records).
@@ -256,9 +242,9 @@ fn s5_claims_racing_removes_of_the_same_keys_on_an_exactly_full_store() {
                         barrier.wait();
                         for op in 0..OPS {
                             if t == 0 && op % 8 == 0 {
-                                clock.advance(rng.below(6) as i64);
+                                clock.advance(rng.next(6) as i64);
                             }
-                            match rng.below(10) {
+                            match rng.next(10) {
                                 // The owned slot: its key goes, a fresh one takes its room.
                                 0 => {
                                     ready(store.remove(&slot(t, *generation))).expect("remove");
@@ -270,18 +256,18 @@ fn s5_claims_racing_removes_of_the_same_keys_on_an_exactly_full_store() {
                                     }
                                 }
                                 1 => {
-                                    ready(store.remove(&contested(rng.below(CONTESTED as u64))))
+                                    ready(store.remove(&contested(rng.next(CONTESTED as u64))))
                                         .expect("remove");
                                 }
                                 2 => {
                                     ready(store.purge_expired()).expect("purge");
                                 }
                                 _ => {
-                                    let k = contested(rng.below(CONTESTED as u64));
-                                    let r = req(&k, 1 + rng.below(30), 1 + rng.below(40));
+                                    let k = contested(rng.next(CONTESTED as u64));
+                                    let r = req(&k, 1 + rng.next(30), 1 + rng.next(40));
                                     match ready(store.claim(&r)) {
                                         Ok(Claim::Acquired(lease)) => {
-                                            let wrote = match rng.below(3) {
+                                            let wrote = match rng.next(3) {
                                                 0 => ready(store.complete(
                                                     &k,
                                                     lease.token,
@@ -394,9 +380,9 @@ fn s5_counts_never_drift_under_a_storm_of_every_operation() {
                         barrier.wait();
                         for op in 0..OPS {
                             if t == 0 && op % 4 == 0 {
-                                clock.advance(rng.below(4) as i64);
+                                clock.advance(rng.next(4) as i64);
                             }
-                            let k = key(&format!("p{}", rng.below(KEYS)));
+                            let k = key(&format!("p{}", rng.next(KEYS)));
                             storm_op(store, &k, &mut rng);
                         }
                     })
@@ -453,7 +439,7 @@ fn storm_op(store: &MemoryStore, k: &ScopedKey, rng: &mut Rng) {
             "{what} {k:?}: {r:?}"
         );
     };
-    match rng.below(12) {
+    match rng.next(12) {
         0 | 1 => {
             ready(store.remove(k)).expect("remove");
         }
@@ -464,7 +450,7 @@ fn storm_op(store: &MemoryStore, k: &ScopedKey, rng: &mut Rng) {
             ready(store.lookup(k)).expect("lookup");
         }
         _ => {
-            let r = req(k, 1 + rng.below(20), 1 + rng.below(30));
+            let r = req(k, 1 + rng.next(20), 1 + rng.next(30));
             let lease = match ready(store.claim(&r)) {
                 Ok(Claim::Acquired(lease)) => lease,
                 Ok(Claim::Existing { .. } | Claim::Completed { .. }) | Err(StoreError::Full) => {
@@ -472,8 +458,8 @@ fn storm_op(store: &MemoryStore, k: &ScopedKey, rng: &mut Rng) {
                 }
                 other => panic!("claim {k:?}: {other:?}"),
             };
-            let ttl = ms(1 + rng.below(30));
-            match rng.below(6) {
+            let ttl = ms(1 + rng.next(30));
+            match rng.next(6) {
                 0 => fenced_ok(
                     "complete",
                     ready(store.complete(k, lease.token, &response("done"), ttl)),
@@ -481,7 +467,7 @@ fn storm_op(store: &MemoryStore, k: &ScopedKey, rng: &mut Rng) {
                 1 => fenced_ok("release", ready(store.release(k, lease.token)).map(|_| ())),
                 2 => {
                     fenced_ok("mark", ready(store.mark_uncertain(k, lease.token)));
-                    let resolution = match rng.below(2) {
+                    let resolution = match rng.next(2) {
                         0 => Resolution::NotApplied,
                         _ => Resolution::Applied(Box::new(response("applied"))),
                     };
@@ -554,8 +540,8 @@ fn s5_max_bytes_passes_its_bound_by_at_most_one_new_record_per_shard() {
                         barrier.wait();
                         loop {
                             // After the first round, removes race the claims.
-                            if round > 0 && !mine.is_empty() && rng.below(3) == 0 {
-                                let at = rng.below(mine.len() as u64) as usize;
+                            if round > 0 && !mine.is_empty() && rng.next(3) == 0 {
+                                let at = rng.next(mine.len() as u64) as usize;
                                 let k: ScopedKey = mine.swap_remove(at);
                                 assert!(ready(store.remove(&k)).expect("remove"));
                             }
