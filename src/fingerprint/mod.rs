@@ -35,6 +35,8 @@ mod form;
 mod json;
 mod media;
 mod multipart;
+#[cfg(test)]
+mod v1_digests;
 
 use std::fmt;
 use std::sync::Arc;
