@@ -300,11 +300,14 @@ impl MemoryStore {
         self
     }
 
-    /// Caps what the records weigh: their keys, recorded responses and own size (default
-    /// [`DEFAULT_MAX_BYTES`](Self::DEFAULT_MAX_BYTES)). Claims of new keys are refused as for
-    /// [`max_records`](Self::max_records) once the weight reaches it. A key already claimed
-    /// always records its outcome, so the weight may pass the bound by what requests in
-    /// flight then record (at most their response limit each). Claims of new keys in
+    /// Caps what the records weigh: their keys, recorded responses, histories and own size
+    /// (default [`DEFAULT_MAX_BYTES`](Self::DEFAULT_MAX_BYTES)). Claims of new keys are
+    /// refused as for [`max_records`](Self::max_records) once the weight reaches it. A key the
+    /// store holds goes on as if it had room: requests in flight record their outcomes (at
+    /// most their response limit each), a released key is taken over by its retry, and what
+    /// happens to a key is written in its history, which stops growing at
+    /// [`HISTORY_LIMIT`](crate::store::HISTORY_LIMIT) entries. So the weight may pass the
+    /// bound by what those add to the records held. Claims of new keys in
     /// different shards check the weight at once, so each may add its new record (its key
     /// and own size) past the bound: one per shard at most. [`max_records`](Self::max_records)
     /// holds exactly.
@@ -1206,6 +1209,59 @@ mod unit {
         );
         let record = store.lookup(&key).await.expect("lookup").expect("record");
         assert_eq!(record.status, RecordStatus::InProgress, "the lease is live");
+    }
+
+    /// Issue 15 §6: a store full by bytes refuses new keys, yet a key it holds goes on being
+    /// retried: a released key is taken over, and its history grows until the history's cap
+    /// (see `max_bytes`), then no further, however often it is released and retried.
+    #[tokio::test]
+    async fn a_store_full_by_bytes_still_takes_its_released_keys_over_within_the_history_cap() {
+        let store = MemoryStore::new();
+        let held = ScopedKey::new("", "released-again");
+        let request = ClaimRequest::a_minute(&held);
+        let take = |store: &MemoryStore| match store.claim_locked(&request) {
+            Ok(Claim::Acquired(lease)) => lease,
+            other => panic!("the released key is taken over: {other:?}"),
+        };
+        let first = take(&store);
+        store.release(&held, first.token).await.expect("release");
+        let full = store.bytes();
+        let store = store.max_bytes(full);
+        let new = ScopedKey::new("", "new");
+        assert!(
+            matches!(
+                store.claim_locked(&ClaimRequest::a_minute(&new)),
+                Err(StoreError::Full)
+            ),
+            "a new key does not fit"
+        );
+        // Each round writes two entries (claimed, released); the cap is reached within the
+        // first HISTORY_LIMIT / 2 rounds, and the weight holds from there on.
+        let mut weights = Vec::new();
+        for round in 0..HISTORY_LIMIT + 50 {
+            let lease = take(&store);
+            assert_eq!(
+                lease.attempt as usize,
+                round + 2,
+                "one attempt more each round"
+            );
+            store.release(&held, lease.token).await.expect("release");
+            weights.push(store.bytes());
+        }
+        let record = store.lookup(&held).await.expect("lookup").expect("held");
+        assert_eq!(
+            record.history.len(),
+            HISTORY_LIMIT,
+            "the history stops at its cap"
+        );
+        let capped = weights[HISTORY_LIMIT / 2];
+        assert!(
+            weights[HISTORY_LIMIT / 2..].iter().all(|w| *w == capped),
+            "the weight stops growing with the history: {:?}",
+            &weights[HISTORY_LIMIT / 2 - 2..HISTORY_LIMIT / 2 + 2]
+        );
+        assert!(weights[0] < capped, "the history weighs as it grows");
+        assert_eq!(store.len(), 1);
     }
 
     /// The hash remembered for a thread's last key is always that key's, in that store: keys
