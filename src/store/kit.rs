@@ -79,6 +79,7 @@ async fn run_checks<S: IdempotencyStore>(store: &Arc<S>) {
     expired_lease_with_reconcile_needs_reconciliation(store).await;
     renew_keeps_the_lease_alive(store).await;
     ttl_expiry_counts_as_absent_and_is_purged(store).await;
+    purging_races_claims_of_expired_keys_and_loses_none(store).await;
     lookup_and_remove(store).await;
     keys_round_trip_exactly(store).await;
     milestones_are_fenced_and_durable(store).await;
@@ -681,6 +682,85 @@ pub async fn ttl_expiry_counts_as_absent_and_is_purged<S: IdempotencyStore>(stor
         survivor.is_some_and(|r| r.status == RecordStatus::InProgress),
         "a record under a live lease is never purged"
     );
+}
+
+/// Purges race claims of the very keys they would remove, completed records past their TTL:
+/// every claim acquires its key afresh (attempt 1, whatever the expired record's fingerprint),
+/// and what it acquired stands after the purges and any purge after them, so its holder
+/// completes under it. A purge that deleted a key just claimed would leave its holder fenced
+/// out and let a retry run the operation again.
+pub async fn purging_races_claims_of_expired_keys_and_loses_none<S: IdempotencyStore>(
+    store: &Arc<S>,
+) {
+    const KEYS: usize = 16;
+    const PURGES: usize = 2;
+    for round in 0..2 {
+        let keys: Vec<ScopedKey> = (0..KEYS).map(|_| unique_key("purge-race")).collect();
+        for key in &keys {
+            let lease = acquire(&**store, &request(key, 1, SHORT, LONG), "a fresh key").await;
+            store
+                .complete(key, lease.token, &response(), SHORT)
+                .await
+                .expect("complete");
+        }
+        tokio::time::sleep(PAST_SHORT).await;
+        let barrier = Arc::new(tokio::sync::Barrier::new(KEYS + PURGES));
+        let purges: Vec<_> = (0..PURGES)
+            .map(|_| {
+                let (store, barrier) = (store.clone(), barrier.clone());
+                tokio::spawn(async move {
+                    barrier.wait().await;
+                    store.purge_expired().await
+                })
+            })
+            .collect();
+        let claims: Vec<_> = keys
+            .iter()
+            .enumerate()
+            .map(|(turn, key)| {
+                let (store, barrier) = (store.clone(), barrier.clone());
+                let req = request(key, 2, LONG, LONG);
+                spawn_in_pass(turn, async move {
+                    barrier.wait().await;
+                    claim(&*store, &req).await
+                })
+            })
+            .collect();
+        for purge in purges {
+            purge.await.expect("purge task").expect("purge");
+        }
+        let mut leases = Vec::new();
+        for task in claims {
+            match task.await.expect("claim task") {
+                Ok(Claim::Acquired(lease)) => {
+                    assert_eq!(
+                        lease.attempt, 1,
+                        "round {round}: an expired record counts as absent, purged or not"
+                    );
+                    leases.push(lease);
+                }
+                other => panic!(
+                    "round {round}: a claim of an expired key raced by a purge must acquire it, \
+                     got {other:?}"
+                ),
+            }
+        }
+        store.purge_expired().await.expect("purge");
+        for (key, lease) in keys.iter().zip(&leases) {
+            let Some(record) = store.lookup(key).await.expect("lookup") else {
+                panic!("round {round}: a key claimed while a purge ran was lost");
+            };
+            assert_eq!(
+                (record.status, record.lease_token, record.fingerprint),
+                (RecordStatus::InProgress, lease.token, fingerprint(2)),
+                "round {round}: the claim made while a purge ran is the record that stands"
+            );
+            store
+                .complete(key, lease.token, &response(), LONG)
+                .await
+                .expect("the claimer completes under the lease it was given");
+        }
+    }
 }
 
 /// `lookup` returns the record, `remove` deletes it and says whether it existed.

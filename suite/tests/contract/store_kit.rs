@@ -48,6 +48,7 @@ macro_rules! all_checks {
             expired_lease_with_reconcile_needs_reconciliation,
             renew_keeps_the_lease_alive,
             ttl_expiry_counts_as_absent_and_is_purged,
+            purging_races_claims_of_expired_keys_and_loses_none,
             lookup_and_remove,
             keys_round_trip_exactly,
             milestones_are_fenced_and_durable,
