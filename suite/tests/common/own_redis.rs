@@ -23,6 +23,8 @@ pub struct OwnRedis {
     pub port: u16,
     pub dir: std::path::PathBuf,
     pub child: Option<std::process::Child>,
+    /// What it was started with, to start it again on the same port and directory.
+    args: Vec<String>,
 }
 
 impl OwnRedis {
@@ -55,8 +57,20 @@ impl OwnRedis {
         .map(|s| (*s).to_owned())
         .collect();
         args.extend(extra.iter().map(|s| (*s).to_owned()));
+        let mut me = Self {
+            port,
+            dir,
+            child: None,
+            args,
+        };
+        me.run().then_some(me)
+    }
+
+    /// Starts the server with its arguments and waits for its PING; false (after
+    /// `super::unreachable`) when it cannot be started or never answers.
+    fn run(&mut self) -> bool {
         let child = match std::process::Command::new("redis-server")
-            .args(&args)
+            .args(&self.args)
             .stdout(std::process::Stdio::null())
             .stderr(std::process::Stdio::null())
             .spawn()
@@ -64,14 +78,11 @@ impl OwnRedis {
             Ok(child) => child,
             Err(e) => {
                 super::unreachable("a private redis-server (redis-server binary)", &e);
-                return None;
+                return false;
             }
         };
-        let me = Self {
-            port,
-            dir,
-            child: Some(child),
-        };
+        self.child = Some(child);
+        let port = self.port;
         for _ in 0..250 {
             if let Ok(mut s) = std::net::TcpStream::connect(("127.0.0.1", port)) {
                 use std::io::{Read, Write};
@@ -81,13 +92,24 @@ impl OwnRedis {
                     && s.read(&mut buf)
                         .is_ok_and(|n| buf[..n].starts_with(b"+PONG"))
                 {
-                    return Some(me);
+                    return true;
                 }
             }
             std::thread::sleep(Duration::from_millis(20));
         }
         super::unreachable("a private redis-server", &"it never answered PING");
-        None
+        false
+    }
+
+    /// Kills the server (SIGKILL: no shutdown save, every connection dropped) and starts it
+    /// again on the same port and directory: what it kept on disk (an append-only file) is
+    /// all it has.
+    pub fn restart(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        assert!(self.run(), "the private redis-server started again");
     }
 
     pub fn url(&self) -> String {

@@ -40,6 +40,7 @@ mod record_times_review;
 mod redis_cluster_replace_review;
 mod redis_coalescing_review;
 mod redis_replace_review;
+mod redis_restart_review;
 mod redis_server_faults_review;
 mod resolution_changes_review;
 mod review_claim_reads;

@@ -1,0 +1,126 @@
+//! Review: a Redis server killed (SIGKILL) and started again on its append-only file, under
+//! the layer: every connection the store had is gone (commands, the change subscription), its
+//! scripts are unloaded, and its records are what the file kept (`appendfsync always`: all of
+//! them). Peers lost claims and completions over a Redis restart and ran keys again.
+//!
+//! Expected (DESIGN §1.5–§1.6, §5): a key answered before the restart replays after it and
+//! never runs again; a key in flight across the restart runs once, its retries meanwhile are
+//! told it is in flight (or that the store is unavailable while the store reconnects), never
+//! run; its outcome lands on the restarted server and replays; a request waiting for it is
+//! answered with that replay. Effects are counted at the handler's sink.
+
+use crate::common;
+
+use std::time::Duration;
+
+use common::own_redis::*;
+use common::{guard, serve};
+
+/// A Redis that keeps every write on disk before it answers, so a restart loses nothing.
+fn durable() -> Option<OwnRedis> {
+    OwnRedis::start(&["--appendonly", "yes", "--appendfsync", "always"])
+}
+
+/// Sends `key` until it is answered with neither 409 (in flight) nor 503 (the store
+/// reconnecting), at most 200 tries 50 ms apart; every answer on the way is checked by `seen`.
+async fn answered(addr: std::net::SocketAddr, key: &str, seen: impl Fn(&Answer)) -> Answer {
+    let mut last = None;
+    for _ in 0..200 {
+        let a = send(addr, key).await;
+        seen(&a);
+        if a.status != 409 && a.status != 503 {
+            return a;
+        }
+        last = Some(a);
+        tokio::time::sleep(ms(50)).await;
+    }
+    panic!("{key} still unanswered after 200 tries: {last:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s5_a_key_answered_before_a_redis_restart_replays_after_it() {
+    let Some(mut redis) = durable() else { return };
+    let sink = Sink::open("restart-done", false);
+    let store = store_on(&redis.url(), Some(&unique("restart-done"))).await;
+    let addr = serve(app(store, &sink, &Knobs::default())).await;
+    let key = unique("k");
+    let first = send(addr, &key).await;
+    assert!(first.live_201(), "{first:?}");
+
+    redis.restart();
+    let again = answered(addr, &key, |a| {
+        assert!(
+            !a.live_201(),
+            "a key answered before the restart ran again: {a:?}"
+        );
+    })
+    .await;
+    assert!(again.replay_201(), "{again:?}");
+    assert_eq!(again.body, first.body, "the replay is the first answer");
+    assert_eq!(sink.effects.count(), 1, "one effect");
+    assert_eq!(sink.runs.count(), 1, "one run");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s5_a_key_in_flight_across_a_redis_restart_runs_once_and_its_waiter_replays() {
+    let Some(mut redis) = durable() else { return };
+    let sink = Sink::new("restart-flight", false);
+    let store = store_on(&redis.url(), Some(&unique("restart-flight"))).await;
+    let knobs = Knobs {
+        lease: Duration::from_secs(5),
+        ..Knobs::default()
+    };
+    let addr = serve(app(store.clone(), &sink, &knobs)).await;
+    // A second app on the same store whose requests wait for a key in flight.
+    let waiting = Knobs {
+        wait: Some(Duration::from_secs(20)),
+        ..knobs.clone()
+    };
+    let waiter_addr = serve(app(store, &sink, &waiting)).await;
+    let key = unique("k");
+    let first = tokio::spawn({
+        let key = key.clone();
+        async move { send(addr, &key).await }
+    });
+    started(&sink, 1).await;
+    let waiter = tokio::spawn({
+        let key = key.clone();
+        async move { send(waiter_addr, &key).await }
+    });
+    // Let the waiter reach its wait (it subscribes, then waits for the change).
+    tokio::time::sleep(ms(300)).await;
+
+    redis.restart();
+    // Retries while the holder runs across the restart: in flight, or the store
+    // reconnecting; never a run.
+    for _ in 0..10 {
+        let a = send(addr, &key).await;
+        assert!(
+            a.status == 409 || a.status == 503,
+            "a retry during the run is told to wait: {a:?}"
+        );
+        tokio::time::sleep(ms(50)).await;
+    }
+    assert_eq!(
+        sink.runs.count(),
+        1,
+        "no second run while the first holds the key"
+    );
+
+    sink.gate_a.add_permits(10_000);
+    sink.gate_b.add_permits(10_000);
+    let first = guard("the first request", first).await.expect("first");
+    assert!(first.live_201(), "{first:?}");
+    let waited = guard("the waiting request", waiter).await.expect("waiter");
+    assert!(
+        waited.replay_201() && waited.body == first.body,
+        "the request waiting across the restart gets the replay: {waited:?}"
+    );
+    let again = answered(addr, &key, |a| {
+        assert!(!a.live_201(), "the key ran again: {a:?}");
+    })
+    .await;
+    assert!(again.replay_201() && again.body == first.body, "{again:?}");
+    assert_eq!(sink.effects.count(), 1, "one effect");
+    assert_eq!(sink.runs.count(), 1, "one run");
+}
