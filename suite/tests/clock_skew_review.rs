@@ -1,7 +1,8 @@
 //! Review: leases, TTLs and what is left of a lease are judged on the store server's clock
 //! (PostgreSQL's `now()`, Redis's `TIME`), never a replica's (DESIGN §1: "Leases, TTLs and
-//! Retry-After are computed with the store's clock"; §5). Peers judged lease expiry on each node's own clock, so a node whose clock ran ahead
-//! took over a live run, and one behind waited out a dead holder.
+//! Retry-After are computed with the store's clock"; §5). Peers judged lease expiry on each
+//! node's own clock, so a node whose clock ran ahead took over a live run, and one behind
+//! waited out a dead holder.
 //!
 //! A replica is a child process of this binary under libfaketime (Debian: `faketime`), its
 //! clock two minutes ahead of this process's or two minutes behind, on the same table or
@@ -11,7 +12,8 @@
 //!   with most of its lease left as the store tells it (what `Retry-After` is made from), and
 //!   a key completed with a 60 s TTL replays (never found expired);
 //! - two minutes behind, a key whose 1 s lease ran out is taken over (attempt 2), and a key
-//!   completed with a 1 s TTL that ran out counts as absent (attempt 1).
+//!   completed with a 1 s TTL that ran out counts as absent (attempt 1); the leases it takes
+//!   are then live on this process's claims (written from the server's clock too).
 //!
 //! A store that compared a replica's clock with the record's times would answer each of the
 //! four the other way. The child prints its clock first, so a libfaketime that did not take
@@ -140,7 +142,8 @@ fn replica(
         let line = child
             .wait_for(&format!("CLAIM {key} "))
             .unwrap_or_else(|| panic!("the replica's claim of {key}"));
-        let answer = line.rsplit(' ').next().unwrap_or_default().to_owned();
+        // Everything after `CLAIM <key> `: an error's words too.
+        let answer = line.splitn(3, ' ').nth(2).unwrap_or_default().to_owned();
         answers.insert((*key).to_owned(), answer);
     }
     (answers, skew)
@@ -155,8 +158,8 @@ async fn scenario<St: IdempotencyStore>(
     if !faketime_runs() {
         return;
     }
-    let nanos = unix_ms(SystemTime::now());
-    let scope = format!("skew-{kind}-{}-{nanos}", std::process::id());
+    let started = unix_ms(SystemTime::now());
+    let scope = format!("skew-{kind}-{}-{started}", std::process::id());
     let mut env = env;
     env.push(("SKEW_SCOPE", scope.clone()));
     let claimed = |claim| match claim {
@@ -232,6 +235,17 @@ async fn scenario<St: IdempotencyStore>(
         behind["expired"], "acquired:1",
         "{kind}: a replica two minutes behind finds a record past its TTL absent"
     );
+    // What the replica behind wrote is judged on the server's clock too: its leases (20 s,
+    // written from the server's now, not two minutes early) are live here.
+    for key in ["lapsed", "expired"] {
+        let again = outcome(store.claim(&request(&scope, key, long, long)).await);
+        let left = again.strip_prefix("existing:in_progress:");
+        let left: Option<u64> = left.and_then(|left| left.parse().ok());
+        assert!(
+            left.is_some_and(|left| (10..=20).contains(&left)),
+            "{kind}: the lease a replica two minutes behind took on {key} is live: {again}"
+        );
+    }
     // And this process still holds what it held.
     let record = store
         .lookup(&ScopedKey::new(&*scope, "live"))

@@ -271,7 +271,8 @@ impl Entry {
         self.lease_token = token;
     }
 
-    /// What this record counts toward the byte bound: its own size, its key and its response.
+    /// What this record counts toward the byte bound: its own size, its key and response, and
+    /// what it keeps beside them (history, downstream id, resolution note).
     pub(super) fn weight(&self) -> usize {
         size_of::<Self>()
             + self.data.len()

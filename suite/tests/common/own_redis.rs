@@ -1,4 +1,4 @@
-//! A redis-server of a test's own (a free port, nothing on disk, killed by a Drop guard), so
+//! A redis-server of a test's own (a free port, its own directory, killed by a Drop guard), so
 //! that killing connections, sleeping, evicting and reconfiguring touch no other test; and an
 //! app whose handler is held at gates, its effects counted at a sink.
 
@@ -17,8 +17,8 @@ use super::{Effects, guard};
 
 // ==== a redis-server of the test's own ==========================================================
 
-/// A redis-server on a free port, no persistence, killed (and its directory removed) on drop,
-/// even when the test fails.
+/// A redis-server on a free port, without persistence unless `extra` turns it on, killed (and
+/// its directory removed) on drop, even when the test fails.
 pub struct OwnRedis {
     pub port: u16,
     pub dir: std::path::PathBuf,
