@@ -351,16 +351,28 @@ pub async fn send(addr: SocketAddr, key: &str) -> Answer {
 /// Sends `key` until it is answered with something other than 409 (at most 200 tries, 50 ms
 /// apart), and returns that answer.
 pub async fn settled(addr: SocketAddr, key: &str) -> Answer {
+    settled_past(addr, key, &[409], |_| {}).await
+}
+
+/// Sends `key` until it is answered with a status not in `waits` (at most 200 tries, 50 ms
+/// apart), every answer on the way checked by `seen`, and returns that answer.
+pub async fn settled_past(
+    addr: SocketAddr,
+    key: &str,
+    waits: &[u16],
+    seen: impl Fn(&Answer),
+) -> Answer {
     let mut last = None;
     for _ in 0..200 {
         let a = send(addr, key).await;
-        if a.status != 409 {
+        seen(&a);
+        if !waits.contains(&a.status) {
             return a;
         }
         last = Some(a);
         tokio::time::sleep(ms(50)).await;
     }
-    panic!("{key} still 409 after 200 tries: {last:?}");
+    panic!("{key} still answered {waits:?} after 200 tries: {last:?}");
 }
 
 pub async fn store_on(url: &str, prefix: Option<&str>) -> RedisStore {

@@ -26,22 +26,6 @@ fn durable() -> Option<OwnRedis> {
     OwnRedis::start(&["--appendonly", "yes", "--appendfsync", "always"])
 }
 
-/// Sends `key` until it is answered with neither 409 (in flight) nor 503 (the store
-/// reconnecting), at most 200 tries 50 ms apart; every answer on the way is checked by `seen`.
-async fn answered(addr: std::net::SocketAddr, key: &str, seen: impl Fn(&Answer)) -> Answer {
-    let mut last = None;
-    for _ in 0..200 {
-        let a = send(addr, key).await;
-        seen(&a);
-        if a.status != 409 && a.status != 503 {
-            return a;
-        }
-        last = Some(a);
-        tokio::time::sleep(ms(50)).await;
-    }
-    panic!("{key} still unanswered after 200 tries: {last:?}");
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn s5_a_key_answered_before_a_redis_restart_replays_after_it() {
     let Some(mut redis) = durable() else { return };
@@ -53,7 +37,7 @@ async fn s5_a_key_answered_before_a_redis_restart_replays_after_it() {
     assert!(first.live_201(), "{first:?}");
 
     tokio::task::block_in_place(|| redis.restart());
-    let again = answered(addr, &key, |a| {
+    let again = settled_past(addr, &key, &[409, 503], |a| {
         assert!(
             !a.live_201(),
             "a key answered before the restart ran again: {a:?}"
@@ -139,7 +123,7 @@ async fn s5_a_key_in_flight_across_a_redis_restart_runs_once_and_its_waiter_repl
         waited.replay_201() && waited.body == first.body,
         "the request waiting across the restart gets the replay: {waited:?}"
     );
-    let again = answered(addr, &key, |a| {
+    let again = settled_past(addr, &key, &[409, 503], |a| {
         assert!(!a.live_201(), "the key ran again: {a:?}");
     })
     .await;
