@@ -313,9 +313,10 @@ async fn s21_redis_outage_fails_closed_and_recovers() {
     assert_eq!(effects.count(), 2, "each key ran once across the outage");
 }
 
-/// `with_wait`: a completion waits for replica acknowledgements. The test server has no
-/// replica, so asking for one fails the completion (the layer would keep retrying it, holding
-/// the key), and asking for none passes; either way the outcome itself is written.
+/// `with_wait`: a claim and a completion wait for replica acknowledgements. The test server
+/// has no replica, so asking for one fails the claim (given back: the key can be claimed
+/// again) and the completion (the layer would keep retrying it, holding the key), and asking
+/// for none passes; either way the outcome itself is written.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn s21_completions_can_wait_for_replicas() {
     use tower_idempotency::store::{
@@ -330,6 +331,7 @@ async fn s21_completions_can_wait_for_replicas() {
         body: Some(bytes::Bytes::from_static(b"refund 1")),
         trailers: None,
     };
+    let unwaiting = store.clone();
     for (replicas, acknowledged) in [(1, false), (0, true)] {
         let store = store
             .clone()
@@ -342,7 +344,19 @@ async fn s21_completions_can_wait_for_replicas() {
             ttl: Duration::from_secs(60),
             on_lease_expiry: LeaseExpiry::Reclaim,
         };
-        let Claim::Acquired(lease) = store.claim(&request).await.expect("claim") else {
+        let claimed = match acknowledged {
+            true => store.claim(&request).await,
+            false => {
+                // A claim waits too: unacknowledged, nothing may run under it, so it is
+                // refused and given back. The key is claimed again without waiting, to try
+                // its completion.
+                let refused = store.claim(&request).await;
+                let error = refused.expect_err("no replica to acknowledge the claim");
+                assert!(error.to_string().contains("0 of 1 replicas"), "{error}");
+                settled_claim(&unwaiting, &request).await
+            }
+        };
+        let Claim::Acquired(lease) = claimed.expect("claim") else {
             panic!("a fresh key");
         };
         let completed = store
@@ -359,4 +373,20 @@ async fn s21_completions_can_wait_for_replicas() {
         let record = store.lookup(&key).await.expect("lookup").expect("record");
         assert_eq!(record.status, RecordStatus::Completed);
     }
+}
+
+/// Claims `request` until it is acquired (a claim given back lands a moment later).
+async fn settled_claim(
+    store: &RedisStore,
+    request: &tower_idempotency::store::ClaimRequest,
+) -> Result<tower_idempotency::store::Claim, tower_idempotency::store::StoreError> {
+    use tower_idempotency::store::Claim;
+    for _ in 0..200 {
+        let claimed = store.claim(request).await?;
+        if matches!(claimed, Claim::Acquired(_)) {
+            return Ok(claimed);
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    panic!("the key given back was never claimed again");
 }

@@ -16,7 +16,7 @@ pub(super) enum Connection {
     /// The store's replaceable connection: each command takes the current one.
     Replaced(Arc<Replaceable>),
     /// One connection of a [`Replaceable`], kept for commands that must follow one another on
-    /// it: a completion and its `WAIT`; a claim, its asking again and the give-back of what
+    /// it: a write and its `WAIT`; a claim, its asking again and the give-back of what
     /// may have landed. A timeout on it still has the replaceable connect anew.
     Pinned {
         shared: Arc<Replaceable>,

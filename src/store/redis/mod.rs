@@ -26,8 +26,8 @@
 //! failover to a replica can lose what the replica had not yet received. A lost claim means a
 //! retry may run the operation again; a lost completion means the retry waits out the lease
 //! and runs again (or, past a started effect, awaits reconciliation on another record). Where
-//! that matters, run with `appendfsync always`, or ask for replica acknowledgements on
-//! completions ([`RedisStore::with_wait`]).
+//! that matters, run with `appendfsync always`, or ask for replica acknowledgements of claims,
+//! milestones and completions ([`RedisStore::with_wait`]).
 
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -83,7 +83,7 @@ pub struct RedisStore {
 struct Changes {
     /// Where the subscription connects: any of these (a cluster's nodes), in turn.
     clients: Vec<redis::Client>,
-    /// Connections of their own for completions that `WAIT` for replicas (a `WAIT` blocks
+    /// Connections of their own for writes that `WAIT` for replicas (a `WAIT` blocks
     /// its connection), opened on first use.
     waiting: tokio::sync::OnceCell<Vec<Arc<Replaceable>>>,
     next_waiting: std::sync::atomic::AtomicUsize,
@@ -167,6 +167,16 @@ pub enum RedisCheckError {
         /// Its `maxmemory-policy`.
         policy: String,
     },
+    /// Fewer replicas follow the server than [`RedisStore::with_wait`] waits for: every claim
+    /// would be refused (503) until enough of them do.
+    TooFewReplicas {
+        /// The server's address, as the store was given it.
+        node: String,
+        /// Replicas following it now (`connected_slaves`).
+        connected: u32,
+        /// Replicas the store waits for.
+        wanted: u32,
+    },
 }
 
 impl std::fmt::Display for RedisCheckError {
@@ -188,6 +198,15 @@ impl std::fmt::Display for RedisCheckError {
                  (maxmemory-policy {policy}): an evicted record is a key that runs again; set \
                  maxmemory-policy noeviction (a full server then answers 503)"
             ),
+            Self::TooFewReplicas {
+                node,
+                connected,
+                wanted,
+            } => write!(
+                f,
+                "the idempotency store waits for {wanted} replicas of its Redis at {node}, which \
+                 has {connected}: every claim is refused until enough replicas follow it"
+            ),
         }
     }
 }
@@ -196,7 +215,7 @@ impl std::error::Error for RedisCheckError {
     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
         match self {
             Self::Unreachable { error, .. } | Self::ConfigUnreadable { error, .. } => Some(error),
-            Self::Evicts { .. } => None,
+            Self::Evicts { .. } | Self::TooFewReplicas { .. } => None,
         }
     }
 }
@@ -247,7 +266,9 @@ impl RedisStore {
     /// holds the records then) keeps every record until the store lets it go: one with a
     /// `maxmemory` and a policy other than `noeviction` may evict records when full, and a
     /// record evicted is a key that runs again. Call it at start-up, as the SQL stores'
-    /// `check()`. Nodes the cluster marks failed, or knows no address of, are skipped.
+    /// `check()`. Nodes the cluster marks failed, or knows no address of, are skipped. A store
+    /// that [waits for replicas](Self::with_wait) also needs that many to follow its server
+    /// now ([`RedisCheckError::TooFewReplicas`]).
     ///
     /// ```no_run
     /// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
@@ -285,6 +306,9 @@ impl RedisStore {
         for client in &nodes {
             check_node(client).await?;
         }
+        if let (Some((wanted, _)), Some(client)) = (self.waits(), self.changes.clients.first()) {
+            check_replicas(client, wanted).await?;
+        }
         Ok(())
     }
 
@@ -301,22 +325,37 @@ impl RedisStore {
         Ok(self)
     }
 
-    /// Makes each completion wait until `replicas` replicas acknowledge it (`WAIT`), for at
-    /// most `timeout`: a failover then cannot lose a recorded outcome to a replica that never
-    /// had it. Off by default; it costs a second round trip per completion, and a completion
-    /// the replicas did not acknowledge in time fails (the layer keeps retrying it, holding
-    /// the key meanwhile). Not available on a cluster connection (Redis routes `WAIT` to no
-    /// one shard); there it is ignored.
+    /// Makes each write a failover must not lose wait until `replicas` replicas acknowledge it
+    /// (`WAIT`), for at most `timeout`: a won claim, a milestone
+    /// ([`effect_started`](crate::IdempotencyContext::effect_started), a downstream id) and a
+    /// completion. A promoted replica then holds every claim a handler ran under, every effect
+    /// a handler said it started, and every recorded outcome: its retries find the key in
+    /// flight, set aside for reconciliation, or replayed, never free to run again beside an
+    /// effect that happened. Off by default; it costs a second round trip per such write.
+    ///
+    /// What the replicas do not acknowledge in time stays on the primary and fails: a claim
+    /// is given back and the request refused (503, nothing run); a milestone's handler is told
+    /// the store is down (its effect must not start; the primary holds the milestone, so the
+    /// key goes to reconciliation there); a completion is retried by the layer, which holds
+    /// the key meanwhile (the client has its answer already). Renewals, releases and
+    /// resolutions do not wait. Not available on a cluster connection (Redis routes `WAIT` to
+    /// no one shard); there it is ignored.
     ///
     /// A `WAIT` blocks the connection it runs on, and must run on the one that wrote: these
-    /// completions run on four connections of their own, so other operations never queue
-    /// behind them. `timeout` is kept under the store's 5 s reply timeout.
+    /// writes run on four connections of their own, so other operations never queue behind
+    /// them. `timeout` is kept under the store's 5 s reply timeout.
     pub fn with_wait(mut self, replicas: u32, timeout: Duration) -> Self {
         self.wait = Some((replicas, timeout.min(TIMEOUT - Duration::from_secs(1))));
         self
     }
 
-    /// One of the connections completions that wait for replicas run on.
+    /// The replicas to wait for and how long, unless on a cluster (see
+    /// [`with_wait`](Self::with_wait)).
+    fn waits(&self) -> Option<(u32, Duration)> {
+        self.wait.filter(|_| !self.connection.is_cluster())
+    }
+
+    /// One of the connections writes that wait for replicas run on.
     async fn waiting_connection(&self) -> Result<Connection, StoreError> {
         use std::sync::atomic::Ordering;
         let connections = self
@@ -340,7 +379,7 @@ impl RedisStore {
             })
             .await?;
         let i = self.changes.next_waiting.fetch_add(1, Ordering::Relaxed) % connections.len();
-        // Pinned: the completion and its `WAIT` run on one connection.
+        // Pinned: the write and its `WAIT` run on one connection.
         Ok(Connection::Replaced(connections[i].clone()).pinned())
     }
 
@@ -425,6 +464,27 @@ impl RedisStore {
             .await
             .map_err(StoreError::unavailable)
     }
+}
+
+/// Waits on `connection` until `replicas` replicas acknowledge what was written on it, for at
+/// most `timeout`; unavailable when fewer did (what was written stays on the primary).
+async fn replicated(
+    connection: &mut Connection,
+    (replicas, timeout): (u32, Duration),
+    what: &str,
+) -> Result<(), StoreError> {
+    let acknowledged: i64 = redis::cmd("WAIT")
+        .arg(replicas)
+        .arg(ms(timeout))
+        .query_async(connection)
+        .await
+        .map_err(StoreError::unavailable)?;
+    if acknowledged < i64::from(replicas) {
+        return Err(StoreError::unavailable(format!(
+            "{acknowledged} of {replicas} replicas acknowledged the {what} in time"
+        )));
+    }
+    Ok(())
 }
 
 /// Whether a failed script may have run all the same: its connection broke or timed out
@@ -1064,8 +1124,15 @@ impl IdempotencyStore for RedisStore {
         // All on one connection, pinned: a claim still on its way on it (a stalled link) lands
         // before the give-back that follows it there, never after (commands on one
         // connection run in order; a replaced connection would take the give-back past it).
+        // With replicas to wait for, on a waiting connection: the claim's `WAIT` follows it
+        // there, and so does the give-back of one the replicas did not acknowledge.
+        let waits = self.waits();
+        let connection = match waits {
+            Some(_) => self.waiting_connection().await?,
+            None => self.connection.pinned(),
+        };
         let pinned = Self {
-            connection: self.connection.pinned(),
+            connection,
             ..self.clone()
         };
         let mut connection = pinned.connection.clone();
@@ -1098,6 +1165,15 @@ impl IdempotencyStore for RedisStore {
             && record.lease_token == token
             && record.status == RecordStatus::InProgress
         {
+            // Nothing runs under a claim a failover could lose: a promoted replica without it
+            // would let a retry run the key beside this holder. Not acknowledged in time, it
+            // is given back and the request refused, nothing run.
+            if let Some(wait) = waits
+                && let Err(error) = replicated(&mut connection, wait, "claim").await
+            {
+                super::unheard::give_back(&pinned, &request.key, token, request.lease);
+                return Err(error);
+            }
             return Ok(Claim::Acquired(Lease {
                 token,
                 attempt: record.attempts,
@@ -1139,7 +1215,7 @@ impl IdempotencyStore for RedisStore {
         let at = self.locate(key);
         // A completion that waits for replicas runs on a connection of its own: `WAIT`
         // blocks the connection, and must run on the one that wrote.
-        let waits = self.wait.filter(|_| !self.connection.is_cluster());
+        let waits = self.waits();
         let mut connection = match waits {
             Some(_) => self.waiting_connection().await?,
             None => self.connection.clone(),
@@ -1157,20 +1233,10 @@ impl IdempotencyStore for RedisStore {
             )
             .await?;
         written(&reply)?;
-        if let Some((replicas, timeout)) = waits {
-            let acknowledged: i64 = redis::cmd("WAIT")
-                .arg(replicas)
-                .arg(ms(timeout))
-                .query_async(&mut connection)
-                .await
-                .map_err(StoreError::unavailable)?;
-            if acknowledged < i64::from(replicas) {
-                return Err(StoreError::unavailable(format!(
-                    "{acknowledged} of {replicas} replicas acknowledged the outcome in time"
-                )));
-            }
+        match waits {
+            Some(wait) => replicated(&mut connection, wait, "outcome").await,
+            None => Ok(()),
         }
-        Ok(())
     }
 
     async fn release(
@@ -1246,18 +1312,31 @@ impl IdempotencyStore for RedisStore {
             Milestone::DownstreamId(id) => (b"did", id.as_bytes()),
         };
         let args: [&[u8]; 3] = [token.as_bytes(), kind, value];
+        // A milestone a failover could lose would let the promoted replica's next claim run an
+        // effect that started: with replicas to wait for, it waits as a completion does, and
+        // the handler hears the store is down unless they have it.
+        let waits = self.waits();
+        let mut connection = match waits {
+            Some(_) => self.waiting_connection().await?,
+            None => self.connection.clone(),
+        };
         // A connection the server closed while idle (`timeout` in redis.conf, a balancer's
         // idle reset) fails the next command before or after it was sent; the manager then
         // connects again. A milestone is fenced and written twice alike, so it is asked once
         // more, as a claim whose reply was lost is: the handler is told the store is down only
         // when it is.
-        let reply = match self.run(&self.scripts.milestone, &at, &args).await {
+        let milestone = &self.scripts.milestone;
+        let reply = match self.run_on(&mut connection, milestone, &at, &args).await {
             Err(error) if reply_lost(&error) => {
-                self.run(&self.scripts.milestone, &at, &args).await?
+                self.run_on(&mut connection, milestone, &at, &args).await?
             }
             reply => reply?,
         };
-        written(&reply)
+        written(&reply)?;
+        match waits {
+            Some(wait) => replicated(&mut connection, wait, "milestone").await,
+            None => Ok(()),
+        }
     }
 
     async fn list_uncertain(&self, query: &UncertainQuery) -> Result<UncertainPage, StoreError> {
@@ -1505,6 +1584,31 @@ async fn check_node(client: &redis::Client) -> Result<(), RedisCheckError> {
         return Err(RedisCheckError::Evicts { node, policy });
     }
     Ok(())
+}
+
+/// Whether at least `wanted` replicas follow the server of `client` (see
+/// [`RedisStore::with_wait`]).
+async fn check_replicas(client: &redis::Client, wanted: u32) -> Result<(), RedisCheckError> {
+    let node = client.get_connection_info().addr().to_string();
+    let mut connection = checking(client, &node).await?;
+    let info: String = redis::cmd("INFO")
+        .arg("replication")
+        .query_async(&mut connection)
+        .await
+        .map_err(|error| refused(&node, error))?;
+    let connected = info
+        .lines()
+        .find_map(|line| line.strip_prefix("connected_slaves:"))
+        .and_then(|n| n.trim().parse().ok())
+        .unwrap_or(0);
+    match connected < wanted {
+        true => Err(RedisCheckError::TooFewReplicas {
+            node,
+            connected,
+            wanted,
+        }),
+        false => Ok(()),
+    }
 }
 
 /// The nodes of the cluster `client`'s server is part of, as its `CLUSTER NODES` lists them:

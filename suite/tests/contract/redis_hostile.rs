@@ -68,7 +68,8 @@ async fn s21_with_wait_blocks_no_other_operation_of_the_store() {
     // The test server has no replica: WAIT 1 waits out its whole timeout.
     let waiting = store.clone().with_wait(1, Duration::from_secs(2));
     let a = ScopedKey::new("", unique("a"));
-    let token = acquire(&waiting, &req(&a, LONG, LONG)).await;
+    // Claimed without waiting (a claim that waits would fail first, with no replica).
+    let token = acquire(&store, &req(&a, LONG, LONG)).await;
     let completing = {
         let waiting = waiting.clone();
         let a = a.clone();
@@ -100,7 +101,8 @@ async fn s21_with_wait_longer_than_5s_fails_no_unrelated_operation() {
     };
     let waiting = store.clone().with_wait(1, Duration::from_secs(8));
     let a = ScopedKey::new("", unique("a"));
-    let token = acquire(&waiting, &req(&a, LONG, LONG)).await;
+    // Claimed without waiting (a claim that waits would fail first, with no replica).
+    let token = acquire(&store, &req(&a, LONG, LONG)).await;
     let completing = {
         let waiting = waiting.clone();
         let a = a.clone();

@@ -39,6 +39,7 @@ mod reconcile_console_review;
 mod record_times_review;
 mod redis_cluster_replace_review;
 mod redis_coalescing_review;
+mod redis_failover_review;
 mod redis_replace_review;
 mod redis_restart_review;
 mod redis_server_faults_review;
