@@ -2,8 +2,8 @@
 //! Lua scripts invoked directly through redis-rs (`Script::invoke_async` on a
 //! `ConnectionManager`, as the store uses), with the same concurrency, in alternating rounds of
 //! one run. Round trips per operation are counted on the server (`INFO commandstats`: calls
-//! of EVALSHA and EVAL), not assumed. Then the cost of `with_wait(0, …)`: a `WAIT` after
-//! each won claim and each completion.
+//! of EVALSHA and EVAL), not assumed. Then the cost of `with_wait(0, …)`: a `WAIT` with
+//! each claim and completion (and milestone), in the same flight.
 //!
 //! `cargo bench -p suite --bench redis` (`TOWER_IDEMPOTENCY_REDIS_URL`, default
 //! `redis://127.0.0.1:6379`; `BENCH_SECONDS` per round, default 2)
@@ -239,7 +239,7 @@ async fn main() {
     .await;
     println!(
         "{:<44} {:>10.0} ops/s ({:.2}x of without)",
-        "with_wait(0, 100 ms): WAIT per claim, outcome",
+        "with_wait(0, 100 ms): WAITs in flight",
         w,
         w / s
     );

@@ -172,7 +172,7 @@ pub enum RedisCheckError {
     TooFewReplicas {
         /// The server's address, as the store was given it.
         node: String,
-        /// Replicas following it now (`connected_slaves`).
+        /// Replicas following it now, past their first sync (`state=online`).
         connected: u32,
         /// Replicas the store waits for.
         wanted: u32,
@@ -329,21 +329,29 @@ impl RedisStore {
     /// (`WAIT`), for at most `timeout`: a won claim, a milestone
     /// ([`effect_started`](crate::IdempotencyContext::effect_started), a downstream id) and a
     /// completion. A promoted replica then holds every claim a handler ran under, every effect
-    /// a handler said it started, and every recorded outcome: its retries find the key in
-    /// flight, set aside for reconciliation, or replayed, never free to run again beside an
-    /// effect that happened. Off by default; it costs a second round trip per such write.
+    /// a handler said it started, and every outcome the layer recorded: on routes whose
+    /// handlers mark their effects started (or that have external effects), its retries find
+    /// the key in flight, set aside for reconciliation, or replayed, never free to run again
+    /// beside an effect that happened. Off by default; each such write carries its `WAIT` in
+    /// the same flight.
     ///
     /// What the replicas do not acknowledge in time stays on the primary and fails: a claim
     /// is given back and the request refused (503, nothing run); a milestone's handler is told
     /// the store is down (its effect must not start; the primary holds the milestone, so the
     /// key goes to reconciliation there); a completion is retried by the layer, which holds
-    /// the key meanwhile (the client has its answer already). Renewals, releases and
-    /// resolutions do not wait. Not available on a cluster connection (Redis routes `WAIT` to
-    /// no one shard); there it is ignored.
+    /// the key meanwhile, but the client has its answer already: promoted before the retry
+    /// lands, a replica holds that key in flight, and on a route without a started effect or
+    /// external effects, a retry runs it again once its lease ends. Renewals, releases (a
+    /// refused claim's give-back too), moves to reconciliation and resolutions do not wait:
+    /// a replica that got a refused claim late but not its give-back holds the key until
+    /// the lease ends (on a route with external effects, for reconciliation). Not available
+    /// on a cluster connection (Redis routes `WAIT` to no one shard); there it is ignored.
     ///
-    /// A `WAIT` blocks the connection it runs on, and must run on the one that wrote: these
-    /// writes run on four connections of their own, so other operations never queue behind
-    /// them. `timeout` is kept under the store's 5 s reply timeout.
+    /// A `WAIT` blocks the connection it runs on, and counts the writes of that connection
+    /// alone: these writes run on four connections of their own, so replays, renewals and
+    /// releases never queue behind them, but they queue behind each other, four waiting at a
+    /// time (about four per replica round trip; with a replica down, one per `timeout` each).
+    /// `timeout` is kept under the store's 5 s reply timeout.
     pub fn with_wait(mut self, replicas: u32, timeout: Duration) -> Self {
         self.wait = Some((replicas, timeout.min(TIMEOUT - Duration::from_secs(1))));
         self
@@ -451,40 +459,100 @@ impl RedisStore {
         at: &Located,
         args: &[&[u8]],
     ) -> Result<Value, StoreError> {
-        let mut invocation = script.key(&at.record[..]);
-        invocation
-            .key(&at.uncertain)
-            .key(&at.pending)
-            .arg(&at.member[..]);
-        for arg in args {
-            invocation.arg(*arg);
-        }
-        invocation
+        invocation(script, at, args)
             .invoke_async(connection)
             .await
             .map_err(StoreError::unavailable)
     }
+
+    /// [`run_on`](Self::run_on), and with `wait`, a `WAIT` for that many replicas after it:
+    /// the script's reply, and how many replicas acknowledged it (`None` without `wait`).
+    ///
+    /// The two go in one pipeline, so they reach the server on one connection: a `WAIT` counts
+    /// the writes of the connection it runs on, and one sent on its own could meet a
+    /// connection made anew meanwhile (the manager reconnects after another caller's command
+    /// broke the old one), which wrote nothing and is acknowledged at once.
+    async fn run_then_wait(
+        &self,
+        connection: &mut Connection,
+        script: &Script,
+        at: &Located,
+        args: &[&[u8]],
+        wait: Option<(u32, Duration)>,
+    ) -> Result<(Value, Option<i64>), StoreError> {
+        let Some((replicas, timeout)) = wait else {
+            let reply = self.run_on(connection, script, at, args).await?;
+            return Ok((reply, None));
+        };
+        let invocation = invocation(script, at, args);
+        let mut pipe = redis::pipe();
+        pipe.invoke_script(&invocation)
+            .cmd("WAIT")
+            .arg(replicas)
+            .arg(ms(timeout));
+        // The script's error is read from its reply, so the `WAIT`'s is not lost with it.
+        pipe.ignore_errors();
+        let replies = pipe.query_async(connection).await;
+        let replies = match two(replies.map_err(StoreError::unavailable)?)? {
+            // Not in this server's script cache (a first use, a restart, a promoted replica):
+            // loaded, then the pair sent again. Nothing ran.
+            (Value::ServerError(e), _) if e.kind() == Some(redis::ServerErrorKind::NoScript) => {
+                invocation
+                    .load_async(connection)
+                    .await
+                    .map_err(StoreError::unavailable)?;
+                let replies = pipe.query_async(connection).await;
+                two(replies.map_err(StoreError::unavailable)?)?
+            }
+            replies => replies,
+        };
+        match replies {
+            (Value::ServerError(e), _) => Err(StoreError::unavailable(redis::RedisError::from(e))),
+            (reply, acknowledged) => {
+                let acknowledged = int(&acknowledged).ok_or_else(|| odd("a WAIT's count"))?;
+                Ok((reply, Some(acknowledged)))
+            }
+        }
+    }
 }
 
-/// Waits on `connection` until `replicas` replicas acknowledge what was written on it, for at
-/// most `timeout`; unavailable when fewer did (what was written stays on the primary).
-async fn replicated(
-    connection: &mut Connection,
-    (replicas, timeout): (u32, Duration),
+/// `script`'s invocation on the located record's slot: its record, uncertain and pending
+/// keys, then `args` after the member.
+fn invocation<'a>(script: &'a Script, at: &Located, args: &[&[u8]]) -> redis::ScriptInvocation<'a> {
+    let mut invocation = script.key(&at.record[..]);
+    invocation
+        .key(&at.uncertain)
+        .key(&at.pending)
+        .arg(&at.member[..]);
+    for arg in args {
+        invocation.arg(*arg);
+    }
+    invocation
+}
+
+/// A write's reply and its `WAIT`'s, from their pipeline's.
+fn two(replies: Vec<Value>) -> Result<(Value, Value), StoreError> {
+    let [reply, acknowledged] = <[Value; 2]>::try_from(replies)
+        .map_err(|_| odd("a write and its WAIT, not two replies"))?;
+    Ok((reply, acknowledged))
+}
+
+/// Whether as many replicas as `wait` asks for acknowledged a write (`acknowledged`, from
+/// [`RedisStore::run_then_wait`]); unavailable when fewer did (the write stays on the
+/// primary).
+fn replicated(
+    acknowledged: Option<i64>,
+    wait: Option<(u32, Duration)>,
     what: &str,
 ) -> Result<(), StoreError> {
-    let acknowledged: i64 = redis::cmd("WAIT")
-        .arg(replicas)
-        .arg(ms(timeout))
-        .query_async(connection)
-        .await
-        .map_err(StoreError::unavailable)?;
-    if acknowledged < i64::from(replicas) {
-        return Err(StoreError::unavailable(format!(
-            "{acknowledged} of {replicas} replicas acknowledged the {what} in time"
-        )));
+    match (wait, acknowledged) {
+        (Some((replicas, _)), Some(acknowledged)) if acknowledged < i64::from(replicas) => {
+            Err(StoreError::unavailable(format!(
+                "{acknowledged} of {replicas} replicas acknowledged the {what} in time"
+            )))
+        }
+        _ => Ok(()),
     }
-    Ok(())
 }
 
 /// Whether a failed script may have run all the same: its connection broke or timed out
@@ -1136,13 +1204,14 @@ impl IdempotencyStore for RedisStore {
             ..self.clone()
         };
         let mut connection = pinned.connection.clone();
-        let reply = match pinned
-            .run_on(&mut connection, &self.scripts.claim, &at, &args)
+        let claim = &self.scripts.claim;
+        let (reply, acknowledged) = match pinned
+            .run_then_wait(&mut connection, claim, &at, &args, waits)
             .await
         {
             Err(error) if reply_lost(&error) => {
                 match pinned
-                    .run_on(&mut connection, &self.scripts.claim, &at, &args)
+                    .run_then_wait(&mut connection, claim, &at, &args, waits)
                     .await
                 {
                     Err(error) if reply_lost(&error) => {
@@ -1168,9 +1237,7 @@ impl IdempotencyStore for RedisStore {
             // Nothing runs under a claim a failover could lose: a promoted replica without it
             // would let a retry run the key beside this holder. Not acknowledged in time, it
             // is given back and the request refused, nothing run.
-            if let Some(wait) = waits
-                && let Err(error) = replicated(&mut connection, wait, "claim").await
-            {
+            if let Err(error) = replicated(acknowledged, waits, "claim") {
                 super::unheard::give_back(&pinned, &request.key, token, request.lease);
                 return Err(error);
             }
@@ -1220,23 +1287,13 @@ impl IdempotencyStore for RedisStore {
             Some(_) => self.waiting_connection().await?,
             None => self.connection.clone(),
         };
-        let reply = self
-            .run_on(
-                &mut connection,
-                &self.scripts.complete,
-                &at,
-                &[
-                    token.get().to_string().as_bytes(),
-                    &response.to_bytes(),
-                    ms(ttl).as_bytes(),
-                ],
-            )
+        let (token, response, ttl) = (token.get().to_string(), response.to_bytes(), ms(ttl));
+        let args: [&[u8]; 3] = [token.as_bytes(), &response, ttl.as_bytes()];
+        let (reply, acknowledged) = self
+            .run_then_wait(&mut connection, &self.scripts.complete, &at, &args, waits)
             .await?;
         written(&reply)?;
-        match waits {
-            Some(wait) => replicated(&mut connection, wait, "outcome").await,
-            None => Ok(()),
-        }
+        replicated(acknowledged, waits, "outcome")
     }
 
     async fn release(
@@ -1326,17 +1383,18 @@ impl IdempotencyStore for RedisStore {
         // more, as a claim whose reply was lost is: the handler is told the store is down only
         // when it is.
         let milestone = &self.scripts.milestone;
-        let reply = match self.run_on(&mut connection, milestone, &at, &args).await {
+        let (reply, acknowledged) = match self
+            .run_then_wait(&mut connection, milestone, &at, &args, waits)
+            .await
+        {
             Err(error) if reply_lost(&error) => {
-                self.run_on(&mut connection, milestone, &at, &args).await?
+                self.run_then_wait(&mut connection, milestone, &at, &args, waits)
+                    .await?
             }
             reply => reply?,
         };
         written(&reply)?;
-        match waits {
-            Some(wait) => replicated(&mut connection, wait, "milestone").await,
-            None => Ok(()),
-        }
+        replicated(acknowledged, waits, "milestone")
     }
 
     async fn list_uncertain(&self, query: &UncertainQuery) -> Result<UncertainPage, StoreError> {
@@ -1596,11 +1654,16 @@ async fn check_replicas(client: &redis::Client, wanted: u32) -> Result<(), Redis
         .query_async(&mut connection)
         .await
         .map_err(|error| refused(&node, error))?;
-    let connected = info
-        .lines()
-        .find_map(|line| line.strip_prefix("connected_slaves:"))
-        .and_then(|n| n.trim().parse().ok())
-        .unwrap_or(0);
+    // Those a `WAIT` counts: online, not still in their first sync (`slaveN:…,state=online,…`).
+    let online = |line: &str| {
+        line.strip_prefix("slave")
+            .and_then(|rest| rest.split_once(':'))
+            .is_some_and(|(n, fields)| {
+                n.parse::<u32>().is_ok() && fields.split(',').any(|f| f == "state=online")
+            })
+    };
+    let connected = info.lines().filter(|line| online(line)).count();
+    let connected = u32::try_from(connected).unwrap_or(u32::MAX);
     match connected < wanted {
         true => Err(RedisCheckError::TooFewReplicas {
             node,

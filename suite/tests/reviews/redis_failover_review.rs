@@ -19,6 +19,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::task::JoinHandle;
 use tower_idempotency::store::{
@@ -33,12 +35,16 @@ use common::{guard, serve};
 /// How long a write waits for the replica's acknowledgement.
 const WAIT: Duration = Duration::from_millis(500);
 
-/// A TCP link the replica follows its primary through: cut, it closes every connection and
-/// refuses new ones, so the replica falls behind; restored, the replica catches up.
+/// A TCP link the replica follows its primary through. Stalled, it passes no byte either way
+/// but keeps its connections open: the primary still counts the replica as following (until
+/// `repl-timeout`, a minute), so only a `WAIT` on the connection that wrote can tell it has
+/// not acknowledged. Cut, it closes them and refuses new ones. Restored, the replica catches
+/// up.
 #[derive(Clone)]
 struct Link {
     port: u16,
     down: Arc<AtomicBool>,
+    stalled: Arc<AtomicBool>,
     relays: Arc<Mutex<Vec<JoinHandle<()>>>>,
 }
 
@@ -48,24 +54,32 @@ impl Link {
         let link = Self {
             port: listener.local_addr().expect("addr").port(),
             down: Arc::default(),
+            stalled: Arc::default(),
             relays: Arc::default(),
         };
         let l = link.clone();
         tokio::spawn(async move {
-            while let Ok((mut near, _)) = listener.accept().await {
+            while let Ok((near, _)) = listener.accept().await {
                 if l.down.load(Ordering::SeqCst) {
                     continue; // refused while cut
                 }
-                let Ok(mut far) = TcpStream::connect(upstream).await else {
+                let Ok(far) = TcpStream::connect(upstream).await else {
                     continue;
                 };
+                let (near_r, near_w) = near.into_split();
+                let (far_r, far_w) = far.into_split();
+                let (up, down) = (l.stalled.clone(), l.stalled.clone());
                 let relay = tokio::spawn(async move {
-                    let _ = tokio::io::copy_bidirectional(&mut near, &mut far).await;
+                    tokio::join!(pump(near_r, far_w, up), pump(far_r, near_w, down));
                 });
                 l.relays.lock().expect("lock").push(relay);
             }
         });
         link
+    }
+
+    fn stall(&self) {
+        self.stalled.store(true, Ordering::SeqCst);
     }
 
     fn cut(&self) {
@@ -76,7 +90,29 @@ impl Link {
     }
 
     fn restore(&self) {
+        self.stalled.store(false, Ordering::SeqCst);
         self.down.store(false, Ordering::SeqCst);
+    }
+}
+
+/// Copies `from` to `to`, holding what it read while `stalled`.
+async fn pump(mut from: OwnedReadHalf, mut to: OwnedWriteHalf, stalled: Arc<AtomicBool>) {
+    let mut buf = vec![0u8; 16 * 1024];
+    let held = || async {
+        while stalled.load(Ordering::SeqCst) {
+            tokio::time::sleep(ms(5)).await;
+        }
+    };
+    loop {
+        held().await;
+        let n = match from.read(&mut buf).await {
+            Ok(0) | Err(_) => return,
+            Ok(n) => n,
+        };
+        held().await;
+        if to.write_all(&buf[..n]).await.is_err() {
+            return;
+        }
     }
 }
 
@@ -102,14 +138,22 @@ impl Pair {
         Some(pair)
     }
 
-    /// Until the replica follows the primary and the primary counts it.
+    /// Until the replica follows the primary, the primary counts it, and it has all the
+    /// primary wrote.
     async fn in_step(&self) {
         guard("the replica follows its primary", async {
             loop {
                 let replica = info(&self.replica).await;
                 let primary = info(&self.primary).await;
+                let offset = |info: &str| {
+                    info.lines()
+                        .find_map(|l| l.strip_prefix("master_repl_offset:"))
+                        .map(str::to_owned)
+                };
                 if replica.contains("master_link_status:up")
                     && primary.contains("connected_slaves:1")
+                    && offset(&primary).is_some()
+                    && offset(&primary) == offset(&replica)
                 {
                     break;
                 }
@@ -119,16 +163,14 @@ impl Pair {
         .await;
     }
 
-    /// Cuts the link and waits until the primary has noticed: from then on, it writes what
-    /// the replica does not get.
+    /// Stalls the link: from now on the primary writes what the replica does not get, while
+    /// it still counts the replica as following.
     async fn partition(&self) {
-        self.link.cut();
-        guard("the primary loses its replica", async {
-            while !info(&self.primary).await.contains("connected_slaves:0") {
-                tokio::time::sleep(ms(20)).await;
-            }
-        })
-        .await;
+        self.link.stall();
+        assert!(
+            info(&self.primary).await.contains("connected_slaves:1"),
+            "the stalled replica is still counted"
+        );
     }
 
     /// The primary dies (SIGKILL) and the replica is promoted: what it had is all there is.
@@ -137,6 +179,7 @@ impl Pair {
             let _ = primary.kill();
             let _ = primary.wait();
         }
+        // What the stalled link held is lost with it.
         self.link.cut();
         let promoted = self.replica.cmd(&["REPLICAOF", "NO", "ONE"]).await;
         assert!(promoted.is_ok(), "REPLICAOF NO ONE: {promoted:?}");
@@ -157,6 +200,14 @@ async fn info(server: &OwnRedis) -> String {
 
 async fn waiting_store(url: &str, prefix: &str) -> RedisStore {
     store_on(url, Some(prefix)).await.with_wait(1, WAIT)
+}
+
+/// The store on the promoted replica, which has no replica of its own: it waits for none,
+/// but still sends each write with its `WAIT`, on a server whose script cache is empty.
+async fn promoted_store(pair: &Pair, prefix: &str) -> RedisStore {
+    store_on(&pair.replica.url(), Some(prefix))
+        .await
+        .with_wait(0, WAIT)
 }
 
 /// The first request's claim reaches the primary after the partition: the replica never has
@@ -184,7 +235,7 @@ async fn s5_a_claim_the_replica_never_had_runs_nothing_and_the_key_runs_once_aft
     let ran_before = sink.runs.count();
 
     pair.fail_over().await;
-    let promoted = store_on(&pair.replica.url(), Some(&prefix)).await;
+    let promoted = promoted_store(&pair, &prefix).await;
     let after = serve(app(promoted, &sink, &knobs)).await;
     let answer = settled_past(after, &key, &[409, 503], |_| {}).await;
     assert_eq!(sink.effects.count(), 1, "one effect across the failover");
@@ -217,7 +268,7 @@ async fn s5_a_milestone_the_replica_never_had_starts_no_effect_and_the_key_runs_
     let effects_before = sink.effects.count();
 
     pair.fail_over().await;
-    let promoted = store_on(&pair.replica.url(), Some(&held.prefix)).await;
+    let promoted = promoted_store(&pair, &held.prefix).await;
     let after = serve(app(promoted, sink, &held.knobs)).await;
     let answer = settled_past(after, key, &[409, 503], |_| {}).await;
     assert_eq!(sink.effects.count(), 1, "one effect across the failover");
@@ -261,7 +312,8 @@ async fn s5_after_a_partition_heals_a_refused_claim_runs_once_and_a_refused_mile
 
     pair.link.restore();
     pair.in_step().await;
-    let answer = settled_past(addr, &claimed, &[409], |_| {}).await;
+    // Given back, not left to its lease: the first resend runs.
+    let answer = send(addr, &claimed).await;
     assert!(answer.live_201(), "{answer:?}");
     assert!(send(addr, &claimed).await.replay_201());
     let unknown = send(addr, &held.key).await;
@@ -326,9 +378,47 @@ async fn s5_writes_that_wait_are_acknowledged_only_with_the_replica_and_survive_
         .await
         .expect("a completion the replica acknowledged");
 
-    // Claimed while it follows, then cut off: the completion is refused, as is a new claim.
+    // Claimed while it follows, then stalled (still counted as following): the milestone and
+    // the completion are refused, as is a new claim, which is given back on the primary.
     let held = acquired(&store, &cut_off).await;
     pair.partition().await;
+    let refused = |what: &str, result: Result<(), StoreError>| {
+        assert!(
+            matches!(&result, Err(StoreError::Unavailable(e)) if e.to_string().contains("0 of 1")),
+            "a {what} the replica did not acknowledge: {result:?}"
+        );
+    };
+    let milestone = store
+        .record_milestone(&cut_off, held, &Milestone::EffectStarted)
+        .await;
+    refused("milestone", milestone);
+    let completed = store
+        .complete(&cut_off, held, &response, Duration::from_secs(60))
+        .await;
+    refused("completion", completed);
+    let other = ScopedKey::new("t", "other");
+    let claimed = store.claim(&request(&other)).await.map(|_| ());
+    refused("claim", claimed);
+    guard("the refused claim is given back", async {
+        loop {
+            let record = store.lookup(&other).await.expect("lookup on the primary");
+            match record.map(|r| r.status) {
+                Some(RecordStatus::Released) => break,
+                Some(RecordStatus::InProgress) => tokio::time::sleep(ms(10)).await,
+                other => panic!("the refused claim's record: {other:?}"),
+            }
+        }
+    })
+    .await;
+
+    // Cut: no replica follows, and `check()` says so.
+    pair.link.cut();
+    guard("the primary loses its replica", async {
+        while !info(&pair.primary).await.contains("connected_slaves:0") {
+            tokio::time::sleep(ms(20)).await;
+        }
+    })
+    .await;
     let alone = store.check().await;
     assert!(
         matches!(
@@ -338,19 +428,6 @@ async fn s5_writes_that_wait_are_acknowledged_only_with_the_replica_and_survive_
         "{alone:?}"
     );
     assert!(alone.is_err_and(|e| e.to_string().contains("every claim is refused")));
-    let completed = store
-        .complete(&cut_off, held, &response, Duration::from_secs(60))
-        .await;
-    assert!(
-        matches!(&completed, Err(StoreError::Unavailable(e)) if e.to_string().contains("0 of 1")),
-        "a completion the replica did not acknowledge: {completed:?}"
-    );
-    let other = ScopedKey::new("t", "other");
-    let claimed = store.claim(&request(&other)).await;
-    assert!(
-        matches!(claimed, Err(StoreError::Unavailable(_))),
-        "a claim the replica did not acknowledge: {claimed:?}"
-    );
 
     pair.fail_over().await;
     let promoted = store_on(&pair.replica.url(), Some(&prefix)).await;
@@ -364,8 +441,9 @@ async fn s5_writes_that_wait_are_acknowledged_only_with_the_replica_and_survive_
     assert_eq!(
         record.status,
         RecordStatus::InProgress,
-        "the unacknowledged completion is not on the replica: {record:?}"
+        "the unacknowledged milestone and completion are not on the replica: {record:?}"
     );
+    assert!(!record.effect_started, "{record:?}");
     assert!(
         promoted.lookup(&other).await.expect("lookup").is_none(),
         "the unacknowledged claim is not on the replica"
@@ -373,8 +451,8 @@ async fn s5_writes_that_wait_are_acknowledged_only_with_the_replica_and_survive_
 }
 
 /// A request whose handler needs its milestone (`effect_started()`) before its effect, on an
-/// app over a store that waits for the replica: held before the milestone while the link is
-/// cut, then let through.
+/// app over a store that waits for the replica: held before the milestone while the link
+/// stalls, then let through.
 struct MilestoneCut {
     sink: Sink,
     knobs: Knobs,
