@@ -52,8 +52,8 @@ impl Connection {
 
 /// How a connection is made, and made again.
 enum Connector {
-    /// To one server: redis-rs's manager, which connects again when its connection breaks,
-    /// and tries a broken one once more before a call fails.
+    /// To one server: redis-rs's manager, which connects again when its connection breaks
+    /// (a command that met the break fails; it is not sent again).
     Server(redis::Client, redis::aio::ConnectionManagerConfig),
     /// To a cluster, through its nodes: redis-rs routes each command by slot, and connects
     /// again to a node whose connection breaks.

@@ -85,12 +85,49 @@ struct Changes {
     clients: Vec<redis::Client>,
     /// Connections of their own for writes that `WAIT` for replicas (a `WAIT` blocks
     /// its connection), opened on first use.
-    waiting: tokio::sync::OnceCell<Vec<Arc<Replaceable>>>,
-    next_waiting: std::sync::atomic::AtomicUsize,
+    waiting: tokio::sync::OnceCell<Arc<Pool>>,
     waiters: super::Waiters<Vec<u8>>,
     started: std::sync::atomic::AtomicBool,
     /// Whether the subscription is up.
     live: std::sync::atomic::AtomicBool,
+}
+
+/// How many writes may wait for replicas at once (see [`RedisStore::with_wait`]).
+const WAITING_CONNECTIONS: usize = 4;
+
+/// The connections writes that wait for replicas run on, each lent to one write at a time: a
+/// `WAIT` blocks its connection, and a write queued behind it there would spend its reply
+/// timeout waiting for another's. Writes queue here instead, for at most [`TIMEOUT`].
+struct Pool {
+    connections: Vec<Arc<Replaceable>>,
+    /// Those not lent now.
+    free: std::sync::Mutex<Vec<usize>>,
+    /// One per free connection.
+    permits: Arc<tokio::sync::Semaphore>,
+}
+
+/// A connection for one write: the store's own, or one of the [`Pool`]'s, lent to this write
+/// alone until dropped.
+struct Lent {
+    connection: Connection,
+    _slot: Option<Slot>,
+}
+
+/// A pool connection lent out; given back to the pool on drop.
+struct Slot {
+    pool: Arc<Pool>,
+    index: usize,
+    _permit: tokio::sync::OwnedSemaphorePermit,
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        self.pool
+            .free
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .push(self.index);
+    }
 }
 
 impl Changes {
@@ -98,7 +135,6 @@ impl Changes {
         Arc::new(Self {
             clients,
             waiting: tokio::sync::OnceCell::new(),
-            next_waiting: std::sync::atomic::AtomicUsize::new(0),
             waiters: super::Waiters::default(),
             started: std::sync::atomic::AtomicBool::new(false),
             live: std::sync::atomic::AtomicBool::new(false),
@@ -332,8 +368,9 @@ impl RedisStore {
     /// a handler said it started, and every outcome the layer recorded: on routes whose
     /// handlers mark their effects started (or that have external effects), its retries find
     /// the key in flight, set aside for reconciliation, or replayed, never free to run again
-    /// beside an effect that happened. Off by default; each such write carries its `WAIT` in
-    /// the same flight.
+    /// beside an effect that happened. Off by default. A milestone or completion carries its
+    /// `WAIT` in the same flight; a claim that won is asked again with its `WAIT` (a second
+    /// round trip), so claims that find a record (replays, keys in flight) never wait.
     ///
     /// What the replicas do not acknowledge in time stays on the primary and fails: a claim
     /// is given back and the request refused (503, nothing run); a milestone's handler is told
@@ -341,17 +378,18 @@ impl RedisStore {
     /// key goes to reconciliation there); a completion is retried by the layer, which holds
     /// the key meanwhile, but the client has its answer already: promoted before the retry
     /// lands, a replica holds that key in flight, and on a route without a started effect or
-    /// external effects, a retry runs it again once its lease ends. Renewals, releases (a
-    /// refused claim's give-back too), moves to reconciliation and resolutions do not wait:
-    /// a replica that got a refused claim late but not its give-back holds the key until
-    /// the lease ends (on a route with external effects, for reconciliation). Not available
-    /// on a cluster connection (Redis routes `WAIT` to no one shard); there it is ignored.
+    /// external effects, a retry runs it again once its lease ends. A `WAIT` the server
+    /// refuses (an ACL without it) acknowledges nothing. Renewals, releases (a refused claim's
+    /// give-back too), moves to reconciliation and resolutions do not wait: a replica that got
+    /// a refused claim late but not its give-back holds the key until the lease ends (on a
+    /// route with external effects, for reconciliation). Not available on a cluster
+    /// connection (Redis routes `WAIT` to no one shard); there it is ignored.
     ///
-    /// A `WAIT` blocks the connection it runs on, and counts the writes of that connection
-    /// alone: these writes run on four connections of their own, so replays, renewals and
-    /// releases never queue behind them, but they queue behind each other, four waiting at a
-    /// time (about four per replica round trip; with a replica down, one per `timeout` each).
-    /// `timeout` is kept under the store's 5 s reply timeout.
+    /// A `WAIT` blocks the connection it runs on, and counts the writes of that connection:
+    /// these writes run on four connections of their own, each lent to one write at a time,
+    /// so nothing queues behind a `WAIT` on its connection; a fifth write waits for one to be
+    /// free (at most 5 s, then the store is unavailable for it). With a replica down, each
+    /// takes `timeout`. `timeout` is kept under the store's 5 s reply timeout.
     pub fn with_wait(mut self, replicas: u32, timeout: Duration) -> Self {
         self.wait = Some((replicas, timeout.min(TIMEOUT - Duration::from_secs(1))));
         self
@@ -363,10 +401,16 @@ impl RedisStore {
         self.wait.filter(|_| !self.connection.is_cluster())
     }
 
-    /// One of the connections writes that wait for replicas run on.
-    async fn waiting_connection(&self) -> Result<Connection, StoreError> {
-        use std::sync::atomic::Ordering;
-        let connections = self
+    /// The connection for a write: with replicas to wait for, one of the pool's, lent to it
+    /// alone (waiting at most [`TIMEOUT`] for one to be free); else the store's own.
+    async fn writing_connection(&self, waits: Option<(u32, Duration)>) -> Result<Lent, StoreError> {
+        if waits.is_none() {
+            return Ok(Lent {
+                connection: self.connection.clone(),
+                _slot: None,
+            });
+        }
+        let pool = self
             .changes
             .waiting
             .get_or_try_init(|| async {
@@ -376,19 +420,43 @@ impl RedisStore {
                     .first()
                     .ok_or_else(|| StoreError::unavailable("no server to connect to"))?;
                 let mut connections = Vec::new();
-                for _ in 0..4 {
+                for _ in 0..WAITING_CONNECTIONS {
                     connections.push(
                         Replaceable::server(client.clone())
                             .await
                             .map_err(StoreError::unavailable)?,
                     );
                 }
-                Ok::<_, StoreError>(connections)
+                Ok::<_, StoreError>(Arc::new(Pool {
+                    connections,
+                    free: std::sync::Mutex::new((0..WAITING_CONNECTIONS).collect()),
+                    permits: Arc::new(tokio::sync::Semaphore::new(WAITING_CONNECTIONS)),
+                }))
             })
             .await?;
-        let i = self.changes.next_waiting.fetch_add(1, Ordering::Relaxed) % connections.len();
+        let permit = tokio::time::timeout(TIMEOUT, pool.permits.clone().acquire_owned())
+            .await
+            .map_err(|_| {
+                StoreError::unavailable(
+                    "every connection that waits for replicas stayed busy past the timeout",
+                )
+            })?
+            .map_err(StoreError::unavailable)?;
+        let index = pool
+            .free
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .pop()
+            .ok_or_else(|| odd("a waiting connection's permit without a free connection"))?;
         // Pinned: the write and its `WAIT` run on one connection.
-        Ok(Connection::Replaced(connections[i].clone()).pinned())
+        Ok(Lent {
+            connection: Connection::Replaced(pool.connections[index].clone()).pinned(),
+            _slot: Some(Slot {
+                pool: pool.clone(),
+                index,
+                _permit: permit,
+            }),
+        })
     }
 
     /// The Lua source of the claim, as the server runs it: `KEYS` are the record, its bucket's
@@ -465,32 +533,31 @@ impl RedisStore {
             .map_err(StoreError::unavailable)
     }
 
-    /// [`run_on`](Self::run_on), and with `wait`, a `WAIT` for that many replicas after it:
-    /// the script's reply, and how many replicas acknowledged it (`None` without `wait`).
+    /// [`run_on`](Self::run_on), then a `WAIT` for `wait`'s replicas: the script's reply, and
+    /// whether they acknowledged it (`what` names it in the error).
     ///
     /// The two go in one pipeline, so they reach the server on one connection: a `WAIT` counts
     /// the writes of the connection it runs on, and one sent on its own could meet a
     /// connection made anew meanwhile (the manager reconnects after another caller's command
-    /// broke the old one), which wrote nothing and is acknowledged at once.
+    /// broke the old one), which wrote nothing and is acknowledged at once. The `WAIT` waits
+    /// whether or not the script wrote (Redis counts the connection's last command), so only
+    /// writes that always write go through here.
     async fn run_then_wait(
         &self,
         connection: &mut Connection,
         script: &Script,
         at: &Located,
         args: &[&[u8]],
-        wait: Option<(u32, Duration)>,
-    ) -> Result<(Value, Option<i64>), StoreError> {
-        let Some((replicas, timeout)) = wait else {
-            let reply = self.run_on(connection, script, at, args).await?;
-            return Ok((reply, None));
-        };
+        (replicas, timeout): (u32, Duration),
+        what: &str,
+    ) -> Result<(Value, Result<(), StoreError>), StoreError> {
         let invocation = invocation(script, at, args);
         let mut pipe = redis::pipe();
         pipe.invoke_script(&invocation)
             .cmd("WAIT")
             .arg(replicas)
             .arg(ms(timeout));
-        // The script's error is read from its reply, so the `WAIT`'s is not lost with it.
+        // Each reply read on its own: the script's error does not hide the `WAIT`'s.
         pipe.ignore_errors();
         let replies = pipe.query_async(connection).await;
         let replies = match two(replies.map_err(StoreError::unavailable)?)? {
@@ -506,12 +573,46 @@ impl RedisStore {
             }
             replies => replies,
         };
-        match replies {
-            (Value::ServerError(e), _) => Err(StoreError::unavailable(redis::RedisError::from(e))),
-            (reply, acknowledged) => {
-                let acknowledged = int(&acknowledged).ok_or_else(|| odd("a WAIT's count"))?;
-                Ok((reply, Some(acknowledged)))
+        let (reply, acknowledged) = match replies {
+            (Value::ServerError(e), _) => {
+                return Err(StoreError::unavailable(redis::RedisError::from(e)));
             }
+            replies => replies,
+        };
+        // A `WAIT` refused (an ACL without it, a proxy that does not pass it) acknowledges
+        // nothing.
+        let acknowledged = match acknowledged {
+            Value::ServerError(e) => Err(StoreError::unavailable(format!(
+                "the {what}'s WAIT failed: {}",
+                redis::RedisError::from(e)
+            ))),
+            count => match int(&count) {
+                Some(n) if n >= i64::from(replicas) => Ok(()),
+                Some(n) => Err(StoreError::unavailable(format!(
+                    "{n} of {replicas} replicas acknowledged the {what} in time"
+                ))),
+                None => Err(odd("a WAIT's count")),
+            },
+        };
+        Ok((reply, acknowledged))
+    }
+
+    /// A write that waits for replicas when the store does ([`run_then_wait`](Self::run_then_wait)),
+    /// else [`run_on`](Self::run_on) (acknowledged by the primary alone).
+    async fn write(
+        &self,
+        connection: &mut Connection,
+        script: &Script,
+        at: &Located,
+        args: &[&[u8]],
+        what: &str,
+    ) -> Result<(Value, Result<(), StoreError>), StoreError> {
+        match self.waits() {
+            Some(wait) => {
+                self.run_then_wait(connection, script, at, args, wait, what)
+                    .await
+            }
+            None => Ok((self.run_on(connection, script, at, args).await?, Ok(()))),
         }
     }
 }
@@ -535,24 +636,6 @@ fn two(replies: Vec<Value>) -> Result<(Value, Value), StoreError> {
     let [reply, acknowledged] = <[Value; 2]>::try_from(replies)
         .map_err(|_| odd("a write and its WAIT, not two replies"))?;
     Ok((reply, acknowledged))
-}
-
-/// Whether as many replicas as `wait` asks for acknowledged a write (`acknowledged`, from
-/// [`RedisStore::run_then_wait`]); unavailable when fewer did (the write stays on the
-/// primary).
-fn replicated(
-    acknowledged: Option<i64>,
-    wait: Option<(u32, Duration)>,
-    what: &str,
-) -> Result<(), StoreError> {
-    match (wait, acknowledged) {
-        (Some((replicas, _)), Some(acknowledged)) if acknowledged < i64::from(replicas) => {
-            Err(StoreError::unavailable(format!(
-                "{acknowledged} of {replicas} replicas acknowledged the {what} in time"
-            )))
-        }
-        _ => Ok(()),
-    }
 }
 
 /// Whether a failed script may have run all the same: its connection broke or timed out
@@ -1168,6 +1251,46 @@ impl RedisStore {
     }
 }
 
+impl RedisStore {
+    /// Asks a won claim again (its own token: it writes again, as it was) with a `WAIT` for
+    /// `wait`'s replicas, on a waiting connection: only a claim that won waits, so a replay
+    /// never queues behind a lagging replica. Returns the store on the connection it went to
+    /// (for the give-back to follow it there), if it went to one, and whether the replicas
+    /// acknowledged the claim.
+    async fn acknowledged_claim(
+        &self,
+        at: &Located,
+        args: &[&[u8]],
+        wait: (u32, Duration),
+    ) -> (Option<Self>, Result<(), StoreError>) {
+        let mut lent = match self.writing_connection(Some(wait)).await {
+            Ok(lent) => lent,
+            Err(error) => return (None, Err(error)),
+        };
+        let on = Self {
+            connection: lent.connection.clone(),
+            ..self.clone()
+        };
+        let claim = &self.scripts.claim;
+        let asked = self
+            .run_then_wait(&mut lent.connection, claim, at, args, wait, "claim")
+            .await;
+        let acknowledged = match asked {
+            Ok((reply, acknowledged)) => {
+                let won = array(&reply).and_then(|parts| parts.first().and_then(int));
+                match won {
+                    Some(1) => acknowledged,
+                    _ => Err(StoreError::unavailable(
+                        "a won claim asked again for its acknowledgement was no longer held",
+                    )),
+                }
+            }
+            Err(error) => Err(error),
+        };
+        (Some(on), acknowledged)
+    }
+}
+
 impl IdempotencyStore for RedisStore {
     async fn claim(&self, request: &ClaimRequest) -> Result<Claim, StoreError> {
         let at = self.locate(&request.key);
@@ -1192,28 +1315,15 @@ impl IdempotencyStore for RedisStore {
         // All on one connection, pinned: a claim still on its way on it (a stalled link) lands
         // before the give-back that follows it there, never after (commands on one
         // connection run in order; a replaced connection would take the give-back past it).
-        // With replicas to wait for, on a waiting connection: the claim's `WAIT` follows it
-        // there, and so does the give-back of one the replicas did not acknowledge.
-        let waits = self.waits();
-        let connection = match waits {
-            Some(_) => self.waiting_connection().await?,
-            None => self.connection.pinned(),
-        };
         let pinned = Self {
-            connection,
+            connection: self.connection.pinned(),
             ..self.clone()
         };
         let mut connection = pinned.connection.clone();
         let claim = &self.scripts.claim;
-        let (reply, acknowledged) = match pinned
-            .run_then_wait(&mut connection, claim, &at, &args, waits)
-            .await
-        {
+        let reply = match pinned.run_on(&mut connection, claim, &at, &args).await {
             Err(error) if reply_lost(&error) => {
-                match pinned
-                    .run_then_wait(&mut connection, claim, &at, &args, waits)
-                    .await
-                {
+                match pinned.run_on(&mut connection, claim, &at, &args).await {
                     Err(error) if reply_lost(&error) => {
                         super::unheard::give_back(&pinned, &request.key, token, request.lease);
                         return Err(error);
@@ -1237,9 +1347,13 @@ impl IdempotencyStore for RedisStore {
             // Nothing runs under a claim a failover could lose: a promoted replica without it
             // would let a retry run the key beside this holder. Not acknowledged in time, it
             // is given back and the request refused, nothing run.
-            if let Err(error) = replicated(acknowledged, waits, "claim") {
-                super::unheard::give_back(&pinned, &request.key, token, request.lease);
-                return Err(error);
+            if let Some(wait) = self.waits() {
+                let (giver, acknowledged) = self.acknowledged_claim(&at, &args, wait).await;
+                if let Err(error) = acknowledged {
+                    let giver = giver.unwrap_or(pinned);
+                    super::unheard::give_back(&giver, &request.key, token, request.lease);
+                    return Err(error);
+                }
             }
             return Ok(Claim::Acquired(Lease {
                 token,
@@ -1282,18 +1396,15 @@ impl IdempotencyStore for RedisStore {
         let at = self.locate(key);
         // A completion that waits for replicas runs on a connection of its own: `WAIT`
         // blocks the connection, and must run on the one that wrote.
-        let waits = self.waits();
-        let mut connection = match waits {
-            Some(_) => self.waiting_connection().await?,
-            None => self.connection.clone(),
-        };
+        let mut lent = self.writing_connection(self.waits()).await?;
         let (token, response, ttl) = (token.get().to_string(), response.to_bytes(), ms(ttl));
         let args: [&[u8]; 3] = [token.as_bytes(), &response, ttl.as_bytes()];
+        let complete = &self.scripts.complete;
         let (reply, acknowledged) = self
-            .run_then_wait(&mut connection, &self.scripts.complete, &at, &args, waits)
+            .write(&mut lent.connection, complete, &at, &args, "outcome")
             .await?;
         written(&reply)?;
-        replicated(acknowledged, waits, "outcome")
+        acknowledged
     }
 
     async fn release(
@@ -1372,11 +1483,8 @@ impl IdempotencyStore for RedisStore {
         // A milestone a failover could lose would let the promoted replica's next claim run an
         // effect that started: with replicas to wait for, it waits as a completion does, and
         // the handler hears the store is down unless they have it.
-        let waits = self.waits();
-        let mut connection = match waits {
-            Some(_) => self.waiting_connection().await?,
-            None => self.connection.clone(),
-        };
+        let mut lent = self.writing_connection(self.waits()).await?;
+        let connection = &mut lent.connection;
         // A connection the server closed while idle (`timeout` in redis.conf, a balancer's
         // idle reset) fails the next command before or after it was sent; the manager then
         // connects again. A milestone is fenced and written twice alike, so it is asked once
@@ -1384,17 +1492,17 @@ impl IdempotencyStore for RedisStore {
         // when it is.
         let milestone = &self.scripts.milestone;
         let (reply, acknowledged) = match self
-            .run_then_wait(&mut connection, milestone, &at, &args, waits)
+            .write(connection, milestone, &at, &args, "milestone")
             .await
         {
             Err(error) if reply_lost(&error) => {
-                self.run_then_wait(&mut connection, milestone, &at, &args, waits)
+                self.write(connection, milestone, &at, &args, "milestone")
                     .await?
             }
             reply => reply?,
         };
         written(&reply)?;
-        replicated(acknowledged, waits, "milestone")
+        acknowledged
     }
 
     async fn list_uncertain(&self, query: &UncertainQuery) -> Result<UncertainPage, StoreError> {

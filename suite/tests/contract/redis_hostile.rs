@@ -92,6 +92,46 @@ async fn s21_with_wait_blocks_no_other_operation_of_the_store() {
     );
 }
 
+/// `with_wait`: writes that wait are lent a waiting connection each, and one that finds none
+/// free within 5 s is refused (the store unavailable for it) rather than queued without end
+/// behind `WAIT`s that block their connections. Sixteen claims on a server without a replica,
+/// each `WAIT` taking its 2 s: four at a time on the four connections, so the last four would
+/// start after 6 s. Every claim is refused for what it is: no replica acknowledged it, or no
+/// connection came free in time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s21_writes_that_wait_queue_for_a_connection_at_most_5s() {
+    let Some(store) = common::redis("wait-queue").await else {
+        return;
+    };
+    let waiting = store.with_wait(1, Duration::from_secs(2));
+    let claims = (0..16).map(|i| {
+        let waiting = waiting.clone();
+        async move {
+            let key = ScopedKey::new("", unique(&format!("q{i}")));
+            waiting.claim(&req(&key, LONG, LONG)).await
+        }
+    });
+    let answers = futures_util::future::join_all(claims).await;
+    let said = |answer: &Result<Claim, StoreError>, what: &str| matches!(answer, Err(StoreError::Unavailable(e)) if e.to_string().contains(what));
+    let unacknowledged = answers
+        .iter()
+        .filter(|a| said(a, "0 of 1 replicas acknowledged the claim"))
+        .count();
+    let busy = answers
+        .iter()
+        .filter(|a| said(a, "stayed busy past the timeout"))
+        .count();
+    assert_eq!(unacknowledged + busy, 16, "{answers:?}");
+    assert!(
+        unacknowledged >= 4,
+        "the first four had connections: {answers:?}"
+    );
+    assert!(
+        busy >= 4,
+        "the last four found none free in 5 s: {answers:?}"
+    );
+}
+
 /// The same with a WAIT timeout asked past the connection's 5 s response timeout: it is kept
 /// under it, and unrelated operations never fail while Redis is healthy.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
