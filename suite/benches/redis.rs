@@ -2,8 +2,9 @@
 //! Lua scripts invoked directly through redis-rs (`Script::invoke_async` on a
 //! `ConnectionManager`, as the store uses), with the same concurrency, in alternating rounds of
 //! one run. Round trips per operation are counted on the server (`INFO commandstats`: calls
-//! of EVALSHA and EVAL), not assumed. Then the cost of `with_wait(0, …)`: a `WAIT` with
-//! each claim and completion (and milestone), in the same flight.
+//! of EVALSHA and EVAL), not assumed. Then the cost of `with_wait(0, …)`: a won claim asked
+//! again with its `WAIT` (a second round trip), and a completion sent with its `WAIT`, on the
+//! store's four waiting connections (lent to one write at a time, so 32 tasks queue for them).
 //!
 //! `cargo bench -p suite --bench redis` (`TOWER_IDEMPOTENCY_REDIS_URL`, default
 //! `redis://127.0.0.1:6379`; `BENCH_SECONDS` per round, default 2)
@@ -239,7 +240,7 @@ async fn main() {
     .await;
     println!(
         "{:<44} {:>10.0} ops/s ({:.2}x of without)",
-        "with_wait(0, 100 ms): WAITs in flight",
+        "with_wait(0, 100 ms), four waiting conns",
         w,
         w / s
     );

@@ -100,8 +100,8 @@ const WAITING_CONNECTIONS: usize = 4;
 /// timeout waiting for another's. Writes queue here instead, for at most [`TIMEOUT`].
 struct Pool {
     connections: Vec<Arc<Replaceable>>,
-    /// Those not lent now.
-    free: std::sync::Mutex<Vec<usize>>,
+    /// Those not lent now, the one free longest first.
+    free: std::sync::Mutex<std::collections::VecDeque<usize>>,
     /// One per free connection.
     permits: Arc<tokio::sync::Semaphore>,
 }
@@ -110,24 +110,65 @@ struct Pool {
 /// alone until dropped.
 struct Lent {
     connection: Connection,
-    _slot: Option<Slot>,
+    slot: Option<Slot>,
 }
 
-/// A pool connection lent out; given back to the pool on drop.
+impl Lent {
+    /// The write's replies are in: nothing of it is left on the connection.
+    fn done(&mut self) {
+        if let Some(slot) = &mut self.slot {
+            slot.done = true;
+        }
+    }
+}
+
+/// A pool connection lent out.
 struct Slot {
+    back: Option<Back>,
+    connection: Connection,
+    /// Whether its write's replies came in.
+    done: bool,
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        let Some(back) = self.back.take() else { return };
+        if self.done {
+            return drop(back);
+        }
+        // Dropped before its replies (a caller gave up): its `WAIT` may still block the
+        // connection on the server. It goes back once a PING sent behind it is answered, so
+        // no write is lent a connection still blocked by another's.
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return drop(back);
+        };
+        let mut connection = self.connection.clone();
+        crate::detached::spawn(&runtime, async move {
+            let ping = redis::cmd("PING");
+            let _ = tokio::time::timeout(TIMEOUT, ping.query_async::<Value>(&mut connection)).await;
+            drop(back);
+        });
+    }
+}
+
+/// A pool connection's way back: to the free ones, then its permit, on drop.
+struct Back {
     pool: Arc<Pool>,
     index: usize,
     _permit: tokio::sync::OwnedSemaphorePermit,
 }
 
-impl Drop for Slot {
+impl Drop for Back {
     fn drop(&mut self) {
-        self.pool
-            .free
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .push(self.index);
+        lock(&self.pool.free).push_back(self.index);
     }
+}
+
+fn lock<T>(mutex: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    // A list of free indices is whole after every push and pop: a poisoned one is still one.
+    mutex
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 impl Changes {
@@ -203,8 +244,8 @@ pub enum RedisCheckError {
         /// Its `maxmemory-policy`.
         policy: String,
     },
-    /// Fewer replicas follow the server than [`RedisStore::with_wait`] waits for: every claim
-    /// would be refused (503) until enough of them do.
+    /// Fewer replicas follow the server (online) than [`RedisStore::with_wait`] waits for:
+    /// every claim that wins would be refused (503) until enough of them do.
     TooFewReplicas {
         /// The server's address, as the store was given it.
         node: String,
@@ -241,7 +282,8 @@ impl std::fmt::Display for RedisCheckError {
             } => write!(
                 f,
                 "the idempotency store waits for {wanted} replicas of its Redis at {node}, which \
-                 has {connected}: every claim is refused until enough replicas follow it"
+                 has {connected} online: every claim that wins is refused until enough \
+                 replicas follow it"
             ),
         }
     }
@@ -386,10 +428,12 @@ impl RedisStore {
     /// connection (Redis routes `WAIT` to no one shard); there it is ignored.
     ///
     /// A `WAIT` blocks the connection it runs on, and counts the writes of that connection:
-    /// these writes run on four connections of their own, each lent to one write at a time,
-    /// so nothing queues behind a `WAIT` on its connection; a fifth write waits for one to be
-    /// free (at most 5 s, then the store is unavailable for it). With a replica down, each
-    /// takes `timeout`. `timeout` is kept under the store's 5 s reply timeout.
+    /// these writes run on four connections of their own, each lent to one write at a time
+    /// (a write given up on mid-`WAIT` returns its connection once the `WAIT` is over), so no
+    /// write queues behind another's `WAIT` there. A fifth write waits for one to be free, at
+    /// most 5 s (a won claim, at most half its lease, so that nothing sets it aside meanwhile),
+    /// then the store is unavailable for it. With a replica down, each takes `timeout`: give
+    /// the lease more than `timeout`. `timeout` is kept under the store's 5 s reply timeout.
     pub fn with_wait(mut self, replicas: u32, timeout: Duration) -> Self {
         self.wait = Some((replicas, timeout.min(TIMEOUT - Duration::from_secs(1))));
         self
@@ -402,59 +446,74 @@ impl RedisStore {
     }
 
     /// The connection for a write: with replicas to wait for, one of the pool's, lent to it
-    /// alone (waiting at most [`TIMEOUT`] for one to be free); else the store's own.
-    async fn writing_connection(&self, waits: Option<(u32, Duration)>) -> Result<Lent, StoreError> {
+    /// alone (opening the pool and waiting for a free connection take at most `within`, or
+    /// the store is unavailable for this write); else the store's own.
+    async fn writing_connection(
+        &self,
+        waits: Option<(u32, Duration)>,
+        within: Duration,
+    ) -> Result<Lent, StoreError> {
         if waits.is_none() {
             return Ok(Lent {
                 connection: self.connection.clone(),
-                _slot: None,
+                slot: None,
             });
         }
-        let pool = self
-            .changes
-            .waiting
-            .get_or_try_init(|| async {
-                let client = self
-                    .changes
-                    .clients
-                    .first()
-                    .ok_or_else(|| StoreError::unavailable("no server to connect to"))?;
-                let mut connections = Vec::new();
-                for _ in 0..WAITING_CONNECTIONS {
-                    connections.push(
-                        Replaceable::server(client.clone())
-                            .await
-                            .map_err(StoreError::unavailable)?,
-                    );
-                }
-                Ok::<_, StoreError>(Arc::new(Pool {
-                    connections,
-                    free: std::sync::Mutex::new((0..WAITING_CONNECTIONS).collect()),
-                    permits: Arc::new(tokio::sync::Semaphore::new(WAITING_CONNECTIONS)),
-                }))
-            })
-            .await?;
-        let permit = tokio::time::timeout(TIMEOUT, pool.permits.clone().acquire_owned())
+        let borrowing = async {
+            let pool =
+                self.changes
+                    .waiting
+                    .get_or_try_init(|| async {
+                        let client =
+                            self.changes.clients.first().ok_or_else(|| {
+                                StoreError::unavailable("no server to connect to")
+                            })?;
+                        let mut connections = Vec::new();
+                        for _ in 0..WAITING_CONNECTIONS {
+                            connections.push(
+                                Replaceable::server(client.clone())
+                                    .await
+                                    .map_err(StoreError::unavailable)?,
+                            );
+                        }
+                        Ok::<_, StoreError>(Arc::new(Pool {
+                            connections,
+                            free: std::sync::Mutex::new((0..WAITING_CONNECTIONS).collect()),
+                            permits: Arc::new(tokio::sync::Semaphore::new(WAITING_CONNECTIONS)),
+                        }))
+                    })
+                    .await?;
+            let permit = pool
+                .permits
+                .clone()
+                .acquire_owned()
+                .await
+                .map_err(StoreError::unavailable)?;
+            Ok::<_, StoreError>((pool.clone(), permit))
+        };
+        let (pool, permit) = tokio::time::timeout(within, borrowing)
             .await
             .map_err(|_| {
                 StoreError::unavailable(
                     "every connection that waits for replicas stayed busy past the timeout",
                 )
-            })?
-            .map_err(StoreError::unavailable)?;
-        let index = pool
-            .free
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .pop()
+            })??;
+        // The one free longest: a connection given back is the last lent again.
+        let index = lock(&pool.free)
+            .pop_front()
             .ok_or_else(|| odd("a waiting connection's permit without a free connection"))?;
         // Pinned: the write and its `WAIT` run on one connection.
+        let connection = Connection::Replaced(pool.connections[index].clone()).pinned();
         Ok(Lent {
-            connection: Connection::Replaced(pool.connections[index].clone()).pinned(),
-            _slot: Some(Slot {
-                pool: pool.clone(),
-                index,
-                _permit: permit,
+            connection: connection.clone(),
+            slot: Some(Slot {
+                back: Some(Back {
+                    pool,
+                    index,
+                    _permit: permit,
+                }),
+                connection,
+                done: false,
             }),
         })
     }
@@ -615,6 +674,28 @@ impl RedisStore {
             None => Ok((self.run_on(connection, script, at, args).await?, Ok(()))),
         }
     }
+}
+
+/// What a claim's reply says: acquired under `token`, or the record it found.
+fn claimed(reply: &Value, token: FencingToken) -> Result<Claim, StoreError> {
+    let parts = array(reply).ok_or_else(|| odd("a claim is not an array"))?;
+    let [won, now, fields] = parts else {
+        return Err(odd("a claim has not three parts"));
+    };
+    let fields = array(fields).ok_or_else(|| odd("a claimed record is not a hash"))?;
+    let record = parse_record(fields).map_err(StoreError::unavailable)?;
+    let now = from_ms(int(now).ok_or_else(|| odd("the server's time"))?);
+    if int(won) == Some(1)
+        && record.lease_token == token
+        && record.status == RecordStatus::InProgress
+    {
+        return Ok(Claim::Acquired(Lease {
+            token,
+            attempt: record.attempts,
+            until: record.lease_until,
+        }));
+    }
+    Ok(Claim::existing(record, now))
 }
 
 /// `script`'s invocation on the located record's slot: its record, uncertain and pending
@@ -1254,40 +1335,34 @@ impl RedisStore {
 impl RedisStore {
     /// Asks a won claim again (its own token: it writes again, as it was) with a `WAIT` for
     /// `wait`'s replicas, on a waiting connection: only a claim that won waits, so a replay
-    /// never queues behind a lagging replica. Returns the store on the connection it went to
-    /// (for the give-back to follow it there), if it went to one, and whether the replicas
-    /// acknowledged the claim.
+    /// never queues behind a lagging replica. Returns the claim as it stands, held and
+    /// acknowledged, or why not.
     async fn acknowledged_claim(
         &self,
         at: &Located,
         args: &[&[u8]],
         wait: (u32, Duration),
-    ) -> (Option<Self>, Result<(), StoreError>) {
-        let mut lent = match self.writing_connection(Some(wait)).await {
-            Ok(lent) => lent,
-            Err(error) => return (None, Err(error)),
-        };
-        let on = Self {
-            connection: lent.connection.clone(),
-            ..self.clone()
-        };
+        token: FencingToken,
+        lease: Duration,
+    ) -> Result<Claim, StoreError> {
+        // Asked again within half its lease, or not at all: a re-ask that came later could
+        // find the key set aside by a retry that saw the lease run out, though nothing ran.
+        let within = (lease / 2).min(TIMEOUT);
+        let mut lent = self.writing_connection(Some(wait), within).await?;
         let claim = &self.scripts.claim;
         let asked = self
             .run_then_wait(&mut lent.connection, claim, at, args, wait, "claim")
             .await;
-        let acknowledged = match asked {
-            Ok((reply, acknowledged)) => {
-                let won = array(&reply).and_then(|parts| parts.first().and_then(int));
-                match won {
-                    Some(1) => acknowledged,
-                    _ => Err(StoreError::unavailable(
-                        "a won claim asked again for its acknowledgement was no longer held",
-                    )),
-                }
+        asked.and_then(|(reply, acknowledged)| {
+            lent.done();
+            // The claim as it stands now (its lease renewed by the re-ask), held or not.
+            match claimed(&reply, token)? {
+                held @ Claim::Acquired(_) => acknowledged.map(|()| held),
+                _ => Err(StoreError::unavailable(
+                    "a won claim asked again for its acknowledgement was no longer held",
+                )),
             }
-            Err(error) => Err(error),
-        };
-        (Some(on), acknowledged)
+        })
     }
 }
 
@@ -1333,35 +1408,22 @@ impl IdempotencyStore for RedisStore {
             }
             reply => reply?,
         };
-        let parts = array(&reply).ok_or_else(|| odd("a claim is not an array"))?;
-        let [won, now, fields] = parts else {
-            return Err(odd("a claim has not three parts"));
-        };
-        let fields = array(fields).ok_or_else(|| odd("a claimed record is not a hash"))?;
-        let record = parse_record(fields).map_err(StoreError::unavailable)?;
-        let now = from_ms(int(now).ok_or_else(|| odd("the server's time"))?);
-        if int(won) == Some(1)
-            && record.lease_token == token
-            && record.status == RecordStatus::InProgress
-        {
-            // Nothing runs under a claim a failover could lose: a promoted replica without it
-            // would let a retry run the key beside this holder. Not acknowledged in time, it
-            // is given back and the request refused, nothing run.
-            if let Some(wait) = self.waits() {
-                let (giver, acknowledged) = self.acknowledged_claim(&at, &args, wait).await;
-                if let Err(error) = acknowledged {
-                    let giver = giver.unwrap_or(pinned);
-                    super::unheard::give_back(&giver, &request.key, token, request.lease);
-                    return Err(error);
-                }
-            }
-            return Ok(Claim::Acquired(Lease {
-                token,
-                attempt: record.attempts,
-                until: record.lease_until,
-            }));
+        let claimed = claimed(&reply, token)?;
+        // Nothing runs under a claim a failover could lose: a promoted replica without it
+        // would let a retry run the key beside this holder. Not acknowledged in time, it is
+        // given back and the request refused, nothing run.
+        match (self.waits(), claimed) {
+            // Given back on the claim's own connection, which answers: the waiting one may
+            // not (its reply timed out). Should the re-ask land after the give-back, it finds
+            // its token's record ended and writes nothing (see `CLAIM`).
+            (Some(wait), Claim::Acquired(_)) => self
+                .acknowledged_claim(&at, &args, wait, token, request.lease)
+                .await
+                .inspect_err(|_| {
+                    super::unheard::give_back(&pinned, &request.key, token, request.lease);
+                }),
+            (_, claimed) => Ok(claimed),
         }
-        Ok(Claim::existing(record, now))
     }
 
     async fn renew(
@@ -1396,13 +1458,14 @@ impl IdempotencyStore for RedisStore {
         let at = self.locate(key);
         // A completion that waits for replicas runs on a connection of its own: `WAIT`
         // blocks the connection, and must run on the one that wrote.
-        let mut lent = self.writing_connection(self.waits()).await?;
+        let mut lent = self.writing_connection(self.waits(), TIMEOUT).await?;
         let (token, response, ttl) = (token.get().to_string(), response.to_bytes(), ms(ttl));
         let args: [&[u8]; 3] = [token.as_bytes(), &response, ttl.as_bytes()];
         let complete = &self.scripts.complete;
         let (reply, acknowledged) = self
             .write(&mut lent.connection, complete, &at, &args, "outcome")
             .await?;
+        lent.done();
         written(&reply)?;
         acknowledged
     }
@@ -1483,7 +1546,7 @@ impl IdempotencyStore for RedisStore {
         // A milestone a failover could lose would let the promoted replica's next claim run an
         // effect that started: with replicas to wait for, it waits as a completion does, and
         // the handler hears the store is down unless they have it.
-        let mut lent = self.writing_connection(self.waits()).await?;
+        let mut lent = self.writing_connection(self.waits(), TIMEOUT).await?;
         let connection = &mut lent.connection;
         // A connection the server closed while idle (`timeout` in redis.conf, a balancer's
         // idle reset) fails the next command before or after it was sent; the manager then
@@ -1501,6 +1564,7 @@ impl IdempotencyStore for RedisStore {
             }
             reply => reply?,
         };
+        lent.done();
         written(&reply)?;
         acknowledged
     }

@@ -429,7 +429,7 @@ async fn s5_writes_that_wait_are_acknowledged_only_with_the_replica_and_survive_
         ),
         "{alone:?}"
     );
-    assert!(alone.is_err_and(|e| e.to_string().contains("every claim is refused")));
+    assert!(alone.is_err_and(|e| e.to_string().contains("every claim that wins is refused")));
 
     pair.fail_over().await;
     let promoted = store_on(&pair.replica.url(), Some(&prefix)).await;

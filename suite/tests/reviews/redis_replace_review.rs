@@ -309,8 +309,10 @@ async fn s7_10_a_claim_stalled_on_the_replaced_connection_is_given_back() {
 /// timeout: the request that met it is refused 503, the next one runs on a new connection")
 /// and DESIGN §4 (the holder retries recording its outcome until it lands). Fault: on a store
 /// `with_wait`, the connections the completions wait on stop answering without closing, while
-/// a new connection would be answered (and the store's own connection still answers). The
-/// key runs once; its outcome must land on some connection in the end, and a retry replay it.
+/// a new connection would be answered (and the store's own connection still answers). A won
+/// claim's acknowledgement goes there too: each such claim is refused 503 and given back on
+/// the store's own connection, and each refusal has a waiting connection replaced. The key
+/// runs once; its outcome must land on some connection in the end, and a retry replay it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn s7_10_completions_that_wait_are_not_stuck_on_a_dead_connection() {
     let Some(server) = OwnRedis::start(&[]) else {
