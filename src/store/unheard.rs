@@ -44,6 +44,8 @@ pub(crate) fn lost<E: std::error::Error + 'static>(
 /// by a link or a pooler after the connection broke): asked [`FENCED_TRIES`] times over a
 /// second and a half, whatever the lease, before it is believed. On a store whose commands on one connection run in
 /// order (Redis), the release follows the lost claim there, so one that timed out lands first.
+/// (A Redis claim refused for want of replicas' acknowledgement is given back on its first
+/// connection; the re-ask that waited for them, should it land later, writes nothing.)
 pub(crate) fn give_back<S: IdempotencyStore + Clone>(
     store: &S,
     key: &ScopedKey,

@@ -136,9 +136,10 @@ impl Drop for Slot {
         if self.done {
             return drop(back);
         }
-        // Dropped before its replies (a caller gave up): its `WAIT` may still block the
-        // connection on the server. It goes back once a PING sent behind it is answered, so
-        // no write is lent a connection still blocked by another's.
+        // Dropped before its replies (a caller gave up, or they could not be read): its
+        // `WAIT` may still block the connection on the server. It goes back once a PING sent
+        // behind it is answered (or 5 s pass), so no write is lent a connection still blocked
+        // by another's.
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             return drop(back);
         };
@@ -429,7 +430,8 @@ impl RedisStore {
     ///
     /// A `WAIT` blocks the connection it runs on, and counts the writes of that connection:
     /// these writes run on four connections of their own, each lent to one write at a time
-    /// (a write given up on mid-`WAIT` returns its connection once the `WAIT` is over), so no
+    /// (a write given up on mid-`WAIT` returns its connection once a PING behind the `WAIT`
+    /// is answered, or after 5 s), so no
     /// write queues behind another's `WAIT` there. A fifth write waits for one to be free, at
     /// most 5 s (a won claim, at most half its lease, so that nothing sets it aside meanwhile),
     /// then the store is unavailable for it. With a replica down, each takes `timeout`: give
@@ -446,8 +448,8 @@ impl RedisStore {
     }
 
     /// The connection for a write: with replicas to wait for, one of the pool's, lent to it
-    /// alone (opening the pool and waiting for a free connection take at most `within`, or
-    /// the store is unavailable for this write); else the store's own.
+    /// alone (waiting at most `within` for a free one, or the store is unavailable for this
+    /// write; the pool's opening, at most the store's timeout); else the store's own.
     async fn writing_connection(
         &self,
         waits: Option<(u32, Duration)>,
@@ -459,45 +461,40 @@ impl RedisStore {
                 slot: None,
             });
         }
-        let borrowing = async {
-            let pool =
-                self.changes
-                    .waiting
-                    .get_or_try_init(|| async {
-                        let client =
-                            self.changes.clients.first().ok_or_else(|| {
-                                StoreError::unavailable("no server to connect to")
-                            })?;
-                        let mut connections = Vec::new();
-                        for _ in 0..WAITING_CONNECTIONS {
-                            connections.push(
-                                Replaceable::server(client.clone())
-                                    .await
-                                    .map_err(StoreError::unavailable)?,
-                            );
-                        }
-                        Ok::<_, StoreError>(Arc::new(Pool {
-                            connections,
-                            free: std::sync::Mutex::new((0..WAITING_CONNECTIONS).collect()),
-                            permits: Arc::new(tokio::sync::Semaphore::new(WAITING_CONNECTIONS)),
-                        }))
-                    })
-                    .await?;
-            let permit = pool
-                .permits
-                .clone()
-                .acquire_owned()
-                .await
-                .map_err(StoreError::unavailable)?;
-            Ok::<_, StoreError>((pool.clone(), permit))
-        };
-        let (pool, permit) = tokio::time::timeout(within, borrowing)
+        let opening = self.changes.waiting.get_or_try_init(|| async {
+            let client = self
+                .changes
+                .clients
+                .first()
+                .ok_or_else(|| StoreError::unavailable("no server to connect to"))?;
+            let mut connections = Vec::new();
+            for _ in 0..WAITING_CONNECTIONS {
+                connections.push(
+                    Replaceable::server(client.clone())
+                        .await
+                        .map_err(StoreError::unavailable)?,
+                );
+            }
+            Ok::<_, StoreError>(Arc::new(Pool {
+                connections,
+                free: std::sync::Mutex::new((0..WAITING_CONNECTIONS).collect()),
+                permits: Arc::new(tokio::sync::Semaphore::new(WAITING_CONNECTIONS)),
+            }))
+        });
+        // Opened once, within the store's timeout whatever `within` is: a bound shorter than
+        // four connects would cancel the opening every time.
+        let pool = tokio::time::timeout(TIMEOUT, opening).await.map_err(|_| {
+            StoreError::unavailable("the connections that wait for replicas could not be opened")
+        })??;
+        let permit = tokio::time::timeout(within, pool.permits.clone().acquire_owned())
             .await
             .map_err(|_| {
                 StoreError::unavailable(
                     "every connection that waits for replicas stayed busy past the timeout",
                 )
-            })??;
+            })?
+            .map_err(StoreError::unavailable)?;
+        let pool = pool.clone();
         // The one free longest: a connection given back is the last lent again.
         let index = lock(&pool.free)
             .pop_front()
@@ -521,7 +518,8 @@ impl RedisStore {
     /// The Lua source of the claim, as the server runs it: `KEYS` are the record, its bucket's
     /// uncertain and pending sets ([`keys`](Self::keys)); `ARGV` the member, fingerprint,
     /// token, lease and TTL in milliseconds, `1` to reclaim an expired lease (else `0`), scope
-    /// and key. For inspection, and for measuring the store against its own scripts.
+    /// and key, and `1` when a claim that won is asked again (else nothing). For inspection,
+    /// and for measuring the store against its own scripts.
     pub fn claim_script(&self) -> &str {
         &self.scripts.claim_source
     }
@@ -944,12 +942,18 @@ local function fenced(r, token)
 end
 ";
 
-/// `ARGV`: member, fingerprint, token, lease ms, ttl ms, reclaim (`1`/`0`), scope, key.
-/// Returns `{written, now, fields}`.
+/// `ARGV`: member, fingerprint, token, lease ms, ttl ms, reclaim (`1`/`0`), scope, key, and
+/// `1` to ask again a claim that won (else nothing). Returns `{written, now, fields}`.
 const CLAIM: &str = r"
 local fp, tok = ARGV[2], ARGV[3]
 local lease, ttl, reclaim = tonumber(ARGV[4]), tonumber(ARGV[5]), ARGV[6] == '1'
 local r = load(KEYS[1])
+-- A won claim asked again (for its replicas' acknowledgement) renews its own record in
+-- flight, and writes nothing else: landing late, after its give-back, it must not take the
+-- key anew for nobody.
+if ARGV[9] == '1' and not (r and not expired(r) and r.st == 'in_progress' and r.tok == tok) then
+  return {0, fmt(now), redis.call('HGETALL', KEYS[1])}
+end
 if r and expired(r) then
   redis.call('DEL', KEYS[1])
   redis.call('ZREM', KEYS[2], ARGV[1])
@@ -1350,8 +1354,10 @@ impl RedisStore {
         let within = (lease / 2).min(TIMEOUT);
         let mut lent = self.writing_connection(Some(wait), within).await?;
         let claim = &self.scripts.claim;
+        let mut again = args.to_vec();
+        again.push(b"1");
         let asked = self
-            .run_then_wait(&mut lent.connection, claim, at, args, wait, "claim")
+            .run_then_wait(&mut lent.connection, claim, at, &again, wait, "claim")
             .await;
         asked.and_then(|(reply, acknowledged)| {
             lent.done();
@@ -1414,8 +1420,8 @@ impl IdempotencyStore for RedisStore {
         // given back and the request refused, nothing run.
         match (self.waits(), claimed) {
             // Given back on the claim's own connection, which answers: the waiting one may
-            // not (its reply timed out). Should the re-ask land after the give-back, it finds
-            // its token's record ended and writes nothing (see `CLAIM`).
+            // not (its reply timed out). A re-ask landing after the give-back writes nothing,
+            // whoever holds the key by then (see `CLAIM`'s re-ask).
             (Some(wait), Claim::Acquired(_)) => self
                 .acknowledged_claim(&at, &args, wait, token, request.lease)
                 .await

@@ -132,6 +132,71 @@ async fn s21_writes_that_wait_queue_for_a_connection_at_most_5s() {
     assert_eq!(busy, 4, "the last four found none free in 5 s: {answers:?}");
 }
 
+/// `with_wait`: a won claim is asked again for its replicas' acknowledgement, and, refused, is
+/// given back on its first connection; the re-ask, stuck on a waiting connection, may land
+/// after that, and after another request's claim of the key was given back in turn. It must
+/// then write nothing: taking the released key anew would hold it for nobody. The re-ask is
+/// sent here as the store sends it (the claim script with its ninth argument); without that
+/// argument, the same call takes the key over, which is what a late re-ask used to do.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s21_a_late_re_ask_of_a_claim_given_back_writes_nothing() {
+    let Some(store) = common::redis("late-re-ask").await else {
+        return;
+    };
+    let key = ScopedKey::new("", unique("late"));
+    let request = req(&key, LONG, LONG);
+    // Another request's claim, given back: the key is released under its token.
+    let theirs = acquire(&store, &request).await;
+    store.release(&key, theirs).await.expect("release");
+    let [record, uncertain, pending, member] = store.keys(&key);
+    let script = redis::Script::new(store.claim_script());
+    let mut conn = raw(&common::redis_url()).await;
+    let stale = "424242"; // the re-asked claim's token, given back long ago
+    let ask = |again: Option<&'static str>| {
+        let mut invocation = script.key(&record[..]);
+        invocation
+            .key(&uncertain[..])
+            .key(&pending[..])
+            .arg(&member[..])
+            .arg(request.fingerprint.as_bytes())
+            .arg(stale)
+            .arg(LONG.as_millis().to_string())
+            .arg(LONG.as_millis().to_string())
+            .arg("1")
+            .arg(key.scope())
+            .arg(key.key());
+        if let Some(flag) = again {
+            invocation.arg(flag);
+        }
+        invocation
+    };
+    let reply: redis::Value = ask(Some("1"))
+        .invoke_async(&mut conn)
+        .await
+        .expect("re-ask");
+    let won = match &reply {
+        redis::Value::Array(parts) => parts.first().cloned(),
+        _ => None,
+    };
+    assert_eq!(won, Some(redis::Value::Int(0)), "{reply:?}");
+    let after = store.lookup(&key).await.expect("lookup").expect("record");
+    assert_eq!(after.status, RecordStatus::Released, "{after:?}");
+    assert_eq!(
+        after.lease_token, theirs,
+        "the record is still theirs: {after:?}"
+    );
+    assert_eq!(after.attempts, 1, "{after:?}");
+
+    // The same call as a first claim (no ninth argument) takes the released key over.
+    let reply: redis::Value = ask(None).invoke_async(&mut conn).await.expect("claim");
+    let after = store.lookup(&key).await.expect("lookup").expect("record");
+    assert_eq!(
+        (after.status, after.attempts),
+        (RecordStatus::InProgress, 2),
+        "{reply:?}"
+    );
+}
+
 /// The same with a WAIT timeout asked past the connection's 5 s response timeout: it is kept
 /// under it, and unrelated operations never fail while Redis is healthy.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
