@@ -140,6 +140,16 @@ impl OwnRedis {
         self.cmd_on(0, args).await
     }
 
+    /// What an admin command answers as text (`INFO …`, `CLUSTER INFO`); empty when it fails,
+    /// so a loop waiting for a line simply asks again.
+    pub async fn text(&self, args: &[&str]) -> String {
+        match self.cmd(args).await {
+            Ok(redis::Value::BulkString(b)) => String::from_utf8_lossy(&b).into_owned(),
+            Ok(redis::Value::VerbatimString { text, .. }) => text,
+            _ => String::new(),
+        }
+    }
+
     /// Kills every client connection of `kind` (`normal`, `pubsub`) but the admin's own: on
     /// this private server, those are the stores' connections only.
     pub async fn kill(&self, kind: &str) -> i64 {
@@ -161,6 +171,21 @@ impl Drop for OwnRedis {
         }
         let _ = std::fs::remove_dir_all(&self.dir);
     }
+}
+
+/// One section of `server`'s `INFO` (`replication`, `commandstats`).
+pub async fn info(server: &OwnRedis, section: &str) -> String {
+    server.text(&["INFO", section]).await
+}
+
+/// How many times `command` (lower case) ran, read from `INFO commandstats` text; 0 when it
+/// never ran.
+pub fn calls(commandstats: &str, command: &str) -> u64 {
+    commandstats
+        .lines()
+        .find_map(|l| l.strip_prefix(&format!("cmdstat_{command}:calls=")))
+        .and_then(|rest| rest.split(',').next())
+        .map_or(0, |n| n.parse().expect("a count of calls"))
 }
 
 pub fn unique(name: &str) -> String {

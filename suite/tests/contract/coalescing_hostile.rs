@@ -897,17 +897,7 @@ async fn s21_an_acl_user_without_channels() {
             redis::Value::VerbatimString { text, .. } => text,
             other => format!("{other:?}"),
         };
-        text.lines()
-            .filter(|l| l.starts_with("cmdstat_evalsha:") || l.starts_with("cmdstat_eval:"))
-            .filter_map(|l| {
-                l.split("calls=")
-                    .nth(1)?
-                    .split(',')
-                    .next()?
-                    .parse::<u64>()
-                    .ok()
-            })
-            .sum::<u64>()
+        common::own_redis::calls(&text, "evalsha") + common::own_redis::calls(&text, "eval")
     };
     let before = scripts(server.cmd(&["INFO", "commandstats"]).await.expect("info"));
     tokio::time::sleep(Duration::from_secs(4)).await;

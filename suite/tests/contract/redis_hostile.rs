@@ -132,6 +132,50 @@ async fn s21_writes_that_wait_queue_for_a_connection_at_most_5s() {
     assert_eq!(busy, 4, "the last four found none free in 5 s: {answers:?}");
 }
 
+/// `with_wait`: a write given up on mid-`WAIT` (its caller's future dropped, as a request's
+/// when its client hangs up) leaves that `WAIT` blocking its connection on the server, so the
+/// connection goes back to the pool only once a PING sent behind the `WAIT` is answered. Four
+/// milestones given up on after 300 ms hold the four connections in `WAIT`s of 4 s (the most a
+/// `WAIT` may take, under the 5 s reply timeout). A fifth, sent then, waits for a connection
+/// (at most 5 s), gets one as the first `WAIT` ends, and its own `WAIT` answers "0 of 1"
+/// within its reply timeout. Lent a connection still blocked, it would queue behind the other
+/// write's `WAIT`, and its reply would time out 5 s after it was sent, before its own `WAIT`
+/// could end.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s21_a_write_given_up_on_mid_wait_returns_its_connection_once_the_wait_ends() {
+    let Some(store) = common::redis("wait-dropped").await else {
+        return;
+    };
+    let waiting = store.clone().with_wait(1, Duration::from_secs(30));
+    let mut held = Vec::new();
+    for i in 0..5 {
+        let key = ScopedKey::new("", unique(&format!("dropped{i}")));
+        let token = acquire(&store, &req(&key, LONG, LONG)).await;
+        held.push((key, token));
+    }
+    let given_up = held[..4].iter().map(|(key, token)| {
+        let waiting = waiting.clone();
+        async move {
+            let milestone = waiting.record_milestone(key, *token, &Milestone::EffectStarted);
+            tokio::time::timeout(Duration::from_millis(300), milestone).await
+        }
+    });
+    let given_up = futures_util::future::join_all(given_up).await;
+    assert!(
+        given_up.iter().all(Result::is_err),
+        "each of the four was still in its WAIT when given up on: {given_up:?}"
+    );
+    let (key, token) = &held[4];
+    let fifth = waiting
+        .record_milestone(key, *token, &Milestone::EffectStarted)
+        .await;
+    assert!(
+        matches!(&fifth, Err(StoreError::Unavailable(e))
+            if e.to_string().contains("0 of 1 replicas acknowledged the milestone")),
+        "the fifth write ran on a connection of its own, its WAIT answered: {fifth:?}"
+    );
+}
+
 /// `with_wait`: a won claim is asked again for its replicas' acknowledgement, and, refused, is
 /// given back on its first connection; the re-ask, stuck on a waiting connection, may land
 /// after that, and after another request's claim of the key was given back in turn. It must

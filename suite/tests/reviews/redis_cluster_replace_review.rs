@@ -133,11 +133,7 @@ async fn settle(nodes: &[&Node], count: usize) {
     for _ in 0..400 {
         let mut ok = true;
         for n in nodes {
-            let info = match n.server.cmd(&["CLUSTER", "INFO"]).await {
-                Ok(redis::Value::BulkString(b)) => String::from_utf8_lossy(&b).into_owned(),
-                Ok(redis::Value::VerbatimString { text, .. }) => text,
-                _ => String::new(),
-            };
+            let info = n.server.text(&["CLUSTER", "INFO"]).await;
             let listing = n.nodes().await;
             let known = listing
                 .lines()

@@ -1,7 +1,7 @@
 //! Review: a Redis primary lost and its replica promoted (`REPLICAOF NO ONE`) while the
 //! replica lagged, under the layer and `RedisStore::with_wait(1, …)`. The replica follows the
-//! primary through a link the test cuts (a partition, a replica that fell behind): what the
-//! primary took after the cut, the promoted replica never had. Peers (and this store before
+//! primary through a link the test stalls (a partition, a replica that fell behind): what the
+//! primary took after the stall, the promoted replica never had. Peers (and this store before
 //! claims and milestones waited) ran an effect a second time after a failover: the claim, or
 //! the milestone saying the effect started, was acknowledged to the layer by the primary alone.
 //!
@@ -15,14 +15,8 @@
 use crate::common;
 
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
-use tokio::net::{TcpListener, TcpStream};
-use tokio::task::JoinHandle;
 use tower_idempotency::store::{
     Claim, ClaimRequest, FencingToken, Milestone, RecordStatus, RedisCheckError, RedisStore,
     StoreError, StoredResponse,
@@ -32,102 +26,26 @@ use tower_idempotency::{Fingerprint, IdempotencyStore, LeaseExpiry, ScopedKey};
 use common::own_redis::*;
 use common::{guard, serve};
 
+use super::redis_replace_review::Valve;
+
 /// How long a write waits for the replica's acknowledgement.
 const WAIT: Duration = Duration::from_millis(500);
 
-/// A TCP link the replica follows its primary through. Stalled, it passes no byte either way
-/// but keeps its connections open: the primary still counts the replica as following (until
-/// `repl-timeout`, a minute), so only a `WAIT` on the connection that wrote can tell it has
-/// not acknowledged. Cut, it closes them and refuses new ones. Restored, the replica catches
-/// up.
-#[derive(Clone)]
-struct Link {
-    port: u16,
-    down: Arc<AtomicBool>,
-    stalled: Arc<AtomicBool>,
-    relays: Arc<Mutex<Vec<JoinHandle<()>>>>,
-}
-
-impl Link {
-    async fn to(upstream: SocketAddr) -> Self {
-        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind link");
-        let link = Self {
-            port: listener.local_addr().expect("addr").port(),
-            down: Arc::default(),
-            stalled: Arc::default(),
-            relays: Arc::default(),
-        };
-        let l = link.clone();
-        tokio::spawn(async move {
-            while let Ok((near, _)) = listener.accept().await {
-                if l.down.load(Ordering::SeqCst) {
-                    continue; // refused while cut
-                }
-                let Ok(far) = TcpStream::connect(upstream).await else {
-                    continue;
-                };
-                let (near_r, near_w) = near.into_split();
-                let (far_r, far_w) = far.into_split();
-                let (up, down) = (l.stalled.clone(), l.stalled.clone());
-                let relay = tokio::spawn(async move {
-                    tokio::join!(pump(near_r, far_w, up), pump(far_r, near_w, down));
-                });
-                l.relays.lock().expect("lock").push(relay);
-            }
-        });
-        link
-    }
-
-    fn stall(&self) {
-        self.stalled.store(true, Ordering::SeqCst);
-    }
-
-    fn cut(&self) {
-        self.down.store(true, Ordering::SeqCst);
-        for relay in self.relays.lock().expect("lock").drain(..) {
-            relay.abort();
-        }
-    }
-
-    fn restore(&self) {
-        self.stalled.store(false, Ordering::SeqCst);
-        self.down.store(false, Ordering::SeqCst);
-    }
-}
-
-/// Copies `from` to `to`, holding what it read while `stalled`.
-async fn pump(mut from: OwnedReadHalf, mut to: OwnedWriteHalf, stalled: Arc<AtomicBool>) {
-    let mut buf = vec![0u8; 16 * 1024];
-    let held = || async {
-        while stalled.load(Ordering::SeqCst) {
-            tokio::time::sleep(ms(5)).await;
-        }
-    };
-    loop {
-        held().await;
-        let n = match from.read(&mut buf).await {
-            Ok(0) | Err(_) => return,
-            Ok(n) => n,
-        };
-        held().await;
-        if to.write_all(&buf[..n]).await.is_err() {
-            return;
-        }
-    }
-}
-
-/// A primary, and a replica following it through a [`Link`].
+/// A primary, and a replica following it through a [`Valve`]. Frozen, the valve passes no
+/// byte either way but keeps its links open: the primary still counts the replica as
+/// following (until `repl-timeout`, a minute), so only a `WAIT` on the connection that wrote
+/// can tell it has not acknowledged. Thawed, the replica catches up.
 struct Pair {
     primary: OwnRedis,
     replica: OwnRedis,
-    link: Link,
+    link: Valve,
 }
 
 impl Pair {
     async fn start() -> Option<Self> {
         let primary = OwnRedis::start(&[])?;
-        let link = Link::to(primary.addr()).await;
-        let port = link.port.to_string();
+        let link = Valve::start(primary.addr()).await;
+        let port = link.addr.port().to_string();
         let replica = OwnRedis::start(&["--replicaof", "127.0.0.1", &port])?;
         let pair = Self {
             primary,
@@ -143,8 +61,8 @@ impl Pair {
     async fn in_step(&self) {
         guard("the replica follows its primary", async {
             loop {
-                let replica = info(&self.replica).await;
-                let primary = info(&self.primary).await;
+                let replica = info(&self.replica, "replication").await;
+                let primary = info(&self.primary, "replication").await;
                 let offset = |info: &str| {
                     info.lines()
                         .find_map(|l| l.strip_prefix("master_repl_offset:"))
@@ -169,11 +87,38 @@ impl Pair {
     /// Stalls the link: from now on the primary writes what the replica does not get, while
     /// it still counts the replica as following.
     async fn partition(&self) {
-        self.link.stall();
+        self.link.freeze();
         assert!(
-            info(&self.primary).await.contains("connected_slaves:1"),
+            info(&self.primary, "replication")
+                .await
+                .contains("connected_slaves:1"),
             "the stalled replica is still counted"
         );
+    }
+
+    /// The partition heals: the valve delivers what it held, and the replica catches up.
+    async fn heal(&self) {
+        self.link.thaw();
+        self.in_step().await;
+    }
+
+    /// The primary drops its replica, which cannot follow anew: no replica follows it.
+    async fn cut(&self) {
+        self.link.refusing(true);
+        assert_eq!(
+            self.primary.kill("replica").await,
+            1,
+            "one replica followed"
+        );
+        guard("the primary loses its replica", async {
+            while !info(&self.primary, "replication")
+                .await
+                .contains("connected_slaves:0")
+            {
+                tokio::time::sleep(ms(20)).await;
+            }
+        })
+        .await;
     }
 
     /// The primary dies (SIGKILL) and the replica is promoted: what it had is all there is.
@@ -182,22 +127,17 @@ impl Pair {
             let _ = primary.kill();
             let _ = primary.wait();
         }
-        // What the stalled link held is lost with it.
-        self.link.cut();
+        // What the frozen link held is lost with it: it stays frozen, and the replica cannot
+        // follow anew.
+        self.link.refusing(true);
         let promoted = self.replica.cmd(&["REPLICAOF", "NO", "ONE"]).await;
         assert!(promoted.is_ok(), "REPLICAOF NO ONE: {promoted:?}");
         assert!(
-            info(&self.replica).await.contains("role:master"),
+            info(&self.replica, "replication")
+                .await
+                .contains("role:master"),
             "the replica is promoted"
         );
-    }
-}
-
-async fn info(server: &OwnRedis) -> String {
-    match server.cmd(&["INFO", "replication"]).await {
-        Ok(redis::Value::BulkString(b)) => String::from_utf8_lossy(&b).into_owned(),
-        Ok(redis::Value::VerbatimString { text, .. }) => text,
-        other => panic!("INFO replication: {other:?}"),
     }
 }
 
@@ -313,8 +253,7 @@ async fn s5_after_a_partition_heals_a_refused_claim_runs_once_and_a_refused_mile
     );
     assert_eq!(sink.runs.count(), 1, "only the milestone's request ran");
 
-    pair.link.restore();
-    pair.in_step().await;
+    pair.heal().await;
     // Given back, not left to its lease: the first resend runs.
     let answer = send(addr, &claimed).await;
     assert!(answer.live_201(), "{answer:?}");
@@ -414,13 +353,7 @@ async fn s5_writes_that_wait_are_acknowledged_only_with_the_replica_and_survive_
     given_back(&store, &other).await;
 
     // Cut: no replica follows, and `check()` says so.
-    pair.link.cut();
-    guard("the primary loses its replica", async {
-        while !info(&pair.primary).await.contains("connected_slaves:0") {
-            tokio::time::sleep(ms(20)).await;
-        }
-    })
-    .await;
+    pair.cut().await;
     let alone = store.check().await;
     assert!(
         matches!(
@@ -515,16 +448,7 @@ async fn given_back(store: &RedisStore, key: &ScopedKey) {
 
 /// How many `WAIT`s `server` has run.
 async fn waits_sent(server: &OwnRedis) -> u64 {
-    let stats = match server.cmd(&["INFO", "commandstats"]).await {
-        Ok(redis::Value::BulkString(b)) => String::from_utf8_lossy(&b).into_owned(),
-        Ok(redis::Value::VerbatimString { text, .. }) => text,
-        other => panic!("INFO commandstats: {other:?}"),
-    };
-    stats
-        .lines()
-        .find_map(|l| l.strip_prefix("cmdstat_wait:calls="))
-        .and_then(|rest| rest.split(',').next())
-        .map_or(0, |n| n.parse().expect("calls"))
+    calls(&info(server, "commandstats").await, "wait")
 }
 
 /// A `WAIT` the server refuses (an ACL user without it) acknowledges nothing: a claim that
