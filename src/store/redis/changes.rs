@@ -7,7 +7,7 @@ use std::time::Duration;
 use redis::Value;
 
 use super::RedisStore;
-use super::waiting::Pool;
+use super::replicas::Pool;
 
 /// The waiters of one store, woken by the records' `PUBLISH`es on `{prefix}:changed`
 /// (classic pub/sub reaches every node of a cluster, so one subscription to any node hears

@@ -35,9 +35,9 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 mod changes;
 mod check;
 mod connection;
+mod replicas;
 mod reply;
 mod scripts;
-mod waiting;
 
 pub use check::RedisCheckError;
 
