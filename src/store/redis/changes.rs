@@ -7,17 +7,13 @@ use std::time::Duration;
 use redis::Value;
 
 use super::RedisStore;
-use super::replicas::Pool;
 
 /// The waiters of one store, woken by the records' `PUBLISH`es on `{prefix}:changed`
 /// (classic pub/sub reaches every node of a cluster, so one subscription to any node hears
 /// them all). Subscribed on the first wait; while it is down, waiters poll.
 pub(super) struct Changes {
-    /// Where the subscription connects: any of these (a cluster's nodes), in turn.
-    pub(super) clients: Vec<redis::Client>,
-    /// Connections of their own for writes that `WAIT` for replicas (a `WAIT` blocks
-    /// its connection), opened on first use.
-    pub(super) waiting: tokio::sync::OnceCell<Arc<Pool>>,
+    /// Where the subscription connects: any of the store's nodes, in turn.
+    nodes: Arc<[redis::Client]>,
     pub(super) waiters: crate::store::Waiters<Vec<u8>>,
     started: std::sync::atomic::AtomicBool,
     /// Whether the subscription is up.
@@ -25,10 +21,9 @@ pub(super) struct Changes {
 }
 
 impl Changes {
-    pub(super) fn new(clients: Vec<redis::Client>) -> Arc<Self> {
+    pub(super) fn new(nodes: Arc<[redis::Client]>) -> Arc<Self> {
         Arc::new(Self {
-            clients,
-            waiting: tokio::sync::OnceCell::new(),
+            nodes,
             waiters: crate::store::Waiters::default(),
             started: std::sync::atomic::AtomicBool::new(false),
             live: std::sync::atomic::AtomicBool::new(false),
@@ -72,7 +67,7 @@ async fn listen(changes: std::sync::Weak<Changes>, channel: String) {
     loop {
         let Some(client) = changes
             .upgrade()
-            .and_then(|c| c.clients.get(attempt % c.clients.len().max(1)).cloned())
+            .and_then(|c| c.nodes.get(attempt % c.nodes.len().max(1)).cloned())
         else {
             return;
         };

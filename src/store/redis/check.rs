@@ -104,11 +104,11 @@ impl RedisStore {
     /// # Ok(()) }
     /// ```
     pub async fn check(&self) -> Result<(), RedisCheckError> {
-        let mut nodes = self.changes.clients.clone();
+        let mut nodes = self.nodes.to_vec();
         if self.connection.is_cluster() {
             let mut failure = None;
             let mut listing = None;
-            for client in &self.changes.clients {
+            for client in self.nodes.iter() {
                 match cluster_nodes(client).await {
                     Ok(found) => {
                         listing = Some(found);
@@ -133,7 +133,7 @@ impl RedisStore {
         for client in &nodes {
             check_node(client).await?;
         }
-        if let (Some((wanted, _)), Some(client)) = (self.waits(), self.changes.clients.first()) {
+        if let (Some((wanted, _)), Some(client)) = (self.waits(), self.nodes.first()) {
             check_replicas(client, wanted).await?;
         }
         Ok(())

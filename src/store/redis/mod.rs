@@ -35,6 +35,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 mod changes;
 mod check;
 mod connection;
+mod keys;
 mod replicas;
 mod reply;
 mod scripts;
@@ -45,7 +46,9 @@ use redis::{Script, Value};
 
 use changes::Changes;
 use connection::{Connection, Replaceable, TIMEOUT};
-use reply::{array, bytes, claimed, int, odd, parse_record, written};
+use keys::{BUCKETS, Located, member, split_member};
+use replicas::Pool;
+use reply::{array, bytes, claimed, from_ms, int, odd, parse_record, written};
 use scripts::{Scripts, invocation};
 
 use super::codec::fresh_token;
@@ -54,9 +57,6 @@ use super::{
     Milestone, Record, RecordStatus, Resolution, ScopedKey, StoreError, StoredResponse,
     UncertainCount, UncertainCursor, UncertainPage, UncertainQuery, Unreadable,
 };
-
-/// How many buckets the records of one prefix are spread over (see the module docs).
-const BUCKETS: u64 = 64;
 
 /// The most records one listing returns (a page asked larger gets this many, and a cursor).
 const MAX_PAGE: usize = 10_000;
@@ -77,11 +77,16 @@ const MAX_PAGE: usize = 10_000;
 #[derive(Clone)]
 pub struct RedisStore {
     connection: Connection,
+    /// The nodes the store was given (a cluster's seeds): where `check()`, the change
+    /// subscription and the connections that wait for replicas connect.
+    nodes: Arc<[redis::Client]>,
     prefix: Arc<str>,
     scripts: Arc<Scripts>,
     /// Replicas that must acknowledge a won claim, a milestone and a completion, and how long
     /// to wait for them ([`with_wait`](Self::with_wait)).
     wait: Option<(u32, Duration)>,
+    /// The connections of writes that wait for replicas, opened on first use.
+    waiting: Arc<tokio::sync::OnceCell<Arc<Pool>>>,
     /// Requests waiting for in-flight keys, and the subscription that wakes them.
     changes: Arc<Changes>,
 }
@@ -150,13 +155,16 @@ impl RedisStore {
         Ok(Self::new(connection, clients))
     }
 
-    fn new(connection: Connection, clients: Vec<redis::Client>) -> Self {
+    fn new(connection: Connection, nodes: Vec<redis::Client>) -> Self {
+        let nodes: Arc<[redis::Client]> = nodes.into();
         Self {
             connection,
+            nodes: nodes.clone(),
             prefix: Self::DEFAULT_PREFIX.into(),
             scripts: Arc::new(Scripts::new()),
             wait: None,
-            changes: Changes::new(clients),
+            waiting: Arc::default(),
+            changes: Changes::new(nodes),
         }
     }
 
@@ -169,7 +177,7 @@ impl RedisStore {
         }
         self.prefix = prefix.into();
         // Its waiters hear its own channel.
-        self.changes = Changes::new(self.changes.clients.clone());
+        self.changes = Changes::new(self.nodes.clone());
         Ok(self)
     }
 
@@ -204,9 +212,11 @@ impl RedisStore {
     /// write queues behind another's `WAIT` there. A fifth write waits for one to be free, at
     /// most 5 s (a won claim, at most half its lease, so that nothing sets it aside meanwhile),
     /// then the store is unavailable for it. With a replica down, each takes `timeout`: give
-    /// the lease more than `timeout`. `timeout` is kept under the store's 5 s reply timeout.
+    /// the lease more than `timeout`. `timeout` is kept under the store's 5 s reply timeout,
+    /// and at 1 ms at least (Redis reads a `WAIT` of 0 ms as one without end).
     pub fn with_wait(mut self, replicas: u32, timeout: Duration) -> Self {
-        self.wait = Some((replicas, timeout.min(TIMEOUT - Duration::from_secs(1))));
+        let timeout = timeout.clamp(Duration::from_millis(1), TIMEOUT - Duration::from_secs(1));
+        self.wait = Some((replicas, timeout));
         self
     }
 
@@ -223,40 +233,6 @@ impl RedisStore {
     /// the response ([`StoredResponse::to_bytes`]) and the TTL in milliseconds.
     pub fn complete_script(&self) -> &str {
         &self.scripts.complete_source
-    }
-
-    /// Where the record of `key` lives: its hash, its bucket's uncertain and pending sets (one
-    /// hash slot), and its member in those sets.
-    pub fn keys(&self, key: &ScopedKey) -> [Vec<u8>; 4] {
-        let at = self.locate(key);
-        [
-            at.record,
-            at.uncertain.into_bytes(),
-            at.pending.into_bytes(),
-            at.member,
-        ]
-    }
-
-    /// The record's member (its scope and key, length-prefixed) and bucket tag.
-    fn locate(&self, key: &ScopedKey) -> Located {
-        let member = member(key.scope().as_bytes(), key.key().as_bytes());
-        let bucket = bucket_of(&member);
-        Located {
-            record: self.record_key(bucket, &member),
-            uncertain: format!("{}:{{{bucket}}}:u", self.prefix),
-            pending: format!("{}:{{{bucket}}}:p", self.prefix),
-            member,
-        }
-    }
-
-    fn record_key(&self, bucket: u64, member: &[u8]) -> Vec<u8> {
-        let mut key = self.record_prefix(bucket).into_bytes();
-        key.extend_from_slice(member);
-        key
-    }
-
-    fn record_prefix(&self, bucket: u64) -> String {
-        format!("{}:{{{bucket}}}:r:", self.prefix)
     }
 
     /// Runs `script` on the located record's slot: its record, uncertain and pending keys,
@@ -294,38 +270,6 @@ fn reply_lost(error: &StoreError) -> bool {
     })
 }
 
-/// Where a record lives.
-struct Located {
-    record: Vec<u8>,
-    uncertain: String,
-    pending: String,
-    member: Vec<u8>,
-}
-
-/// A scope and key as one binary-safe member: the scope's length, `:`, the scope, the key.
-fn member(scope: &[u8], key: &[u8]) -> Vec<u8> {
-    let mut out = format!("{}:", scope.len()).into_bytes();
-    out.extend_from_slice(scope);
-    out.extend_from_slice(key);
-    out
-}
-
-/// The scope and key of a member, if it is one.
-fn split_member(member: &[u8]) -> Option<(Vec<u8>, Vec<u8>)> {
-    let colon = member.iter().position(|&b| b == b':')?;
-    let len: usize = std::str::from_utf8(&member[..colon]).ok()?.parse().ok()?;
-    let rest = &member[colon + 1..];
-    (rest.len() >= len).then(|| (rest[..len].to_vec(), rest[len..].to_vec()))
-}
-
-/// The bucket of a member: FNV-1a, stable across processes and versions (it names keys).
-fn bucket_of(member: &[u8]) -> u64 {
-    let hash = member.iter().fold(0xcbf2_9ce4_8422_2325_u64, |h, &b| {
-        (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
-    });
-    hash % BUCKETS
-}
-
 fn ms(d: Duration) -> String {
     u64::try_from(d.as_millis())
         .unwrap_or(u64::MAX)
@@ -333,21 +277,7 @@ fn ms(d: Duration) -> String {
         .to_string()
 }
 
-fn from_ms(ms: i64) -> SystemTime {
-    UNIX_EPOCH + Duration::from_millis(ms.max(0) as u64)
-}
-
 impl RedisStore {
-    /// The bucket's keys, for the listing scripts.
-    fn bucket(&self, bucket: u64) -> Located {
-        Located {
-            record: format!("{}:{{{bucket}}}:r:", self.prefix).into_bytes(),
-            uncertain: format!("{}:{{{bucket}}}:u", self.prefix),
-            pending: format!("{}:{{{bucket}}}:p", self.prefix),
-            member: Vec::new(),
-        }
-    }
-
     async fn list_bucket(
         &self,
         bucket: u64,
@@ -428,7 +358,7 @@ impl IdempotencyStore for RedisStore {
         // A script that ran and whose reply was lost with the connection would hold the key
         // for a request that ran nothing (and, on a route with external effects, send it to
         // reconciliation when the lease ends). Asked again with the same token, a claim that
-        // landed answers as this one's (see `CLAIM`).
+        // landed answers as this one's (see `scripts::CLAIM`).
         // Lost again, what may have landed is given back: the request is refused, nothing ran.
         // All on one connection, pinned: a claim still on its way on it (a stalled link) lands
         // before the give-back that follows it there, never after (commands on one
@@ -458,7 +388,7 @@ impl IdempotencyStore for RedisStore {
         match (self.waits(), claimed) {
             // Given back on the claim's own connection, which answers: the waiting one may
             // not (its reply timed out). A re-ask landing after the give-back writes nothing,
-            // whoever holds the key by then (see `CLAIM`'s re-ask).
+            // whoever holds the key by then (see the re-ask in `scripts::CLAIM`).
             (Some(wait), Claim::Acquired(_)) => self
                 .acknowledged_claim(&at, &args, wait, token, request.lease)
                 .await
@@ -744,31 +674,6 @@ impl IdempotencyStore for RedisStore {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn members_are_unambiguous_and_split_back() {
-        let a = member(b"ab", b"c");
-        let b = member(b"a", b"bc");
-        assert_ne!(a, b);
-        assert_eq!(split_member(&a), Some((b"ab".to_vec(), b"c".to_vec())));
-        assert_eq!(
-            split_member(&member(b"", b"k\0{x}")),
-            Some((Vec::new(), b"k\0{x}".to_vec()))
-        );
-        assert_eq!(split_member(b"9:ab"), None);
-        assert_eq!(split_member(b"x"), None);
-    }
-
-    #[test]
-    fn buckets_are_stable_and_spread() {
-        // The bucket names keys in a server: it must never change between versions.
-        assert_eq!(bucket_of(b"0:order-1"), bucket_of(b"0:order-1"));
-        let mut seen = std::collections::HashSet::new();
-        for i in 0..2000 {
-            seen.insert(bucket_of(&member(b"", format!("k-{i}").as_bytes())));
-        }
-        assert_eq!(seen.len(), BUCKETS as usize, "2000 keys reach every bucket");
-    }
 
     #[test]
     fn prefixes_that_would_break_hash_tags_are_refused() {

@@ -59,15 +59,18 @@ impl Drop for Slot {
         }
         // Dropped before its replies (a caller gave up, or they could not be read): its
         // `WAIT` may still block the connection on the server. It goes back once a PING sent
-        // behind it is answered (or 5 s pass), so no write is lent a connection still blocked
-        // by another's.
+        // behind it is answered, so no write is lent a connection still blocked by another's;
+        // or once the PING's reply times out (5 s), which has a new connection made for the
+        // next write. The bound here is a second longer, so that the reply's own timeout,
+        // which asks for that connection, always comes first.
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             return drop(back);
         };
         let mut connection = self.connection.clone();
         crate::detached::spawn(&runtime, async move {
             let ping = redis::cmd("PING");
-            let _ = tokio::time::timeout(TIMEOUT, ping.query_async::<Value>(&mut connection)).await;
+            let bound = TIMEOUT + Duration::from_secs(1);
+            let _ = tokio::time::timeout(bound, ping.query_async::<Value>(&mut connection)).await;
             drop(back);
         });
     }
@@ -114,10 +117,9 @@ impl RedisStore {
                 slot: None,
             });
         }
-        let opening = self.changes.waiting.get_or_try_init(|| async {
+        let opening = self.waiting.get_or_try_init(|| async {
             let client = self
-                .changes
-                .clients
+                .nodes
                 .first()
                 .ok_or_else(|| StoreError::unavailable("no server to connect to"))?;
             let mut connections = Vec::new();

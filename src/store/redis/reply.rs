@@ -1,9 +1,10 @@
 //! Reading the scripts' replies: a claim's, a fenced write's, a record's fields. A reply that
 //! is not what the scripts return is [`odd`]: the server is not ours, or damaged.
 
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
 use redis::Value;
 
-use super::from_ms;
 use crate::store::Fingerprint;
 use crate::store::history::HistoryEntry;
 use crate::store::{
@@ -137,4 +138,9 @@ pub(super) fn parse_record(flat: &[Value]) -> Result<Record, String> {
         history: HistoryEntry::parse_all(&text("hist")?),
         resolution_note: optional("note"),
     })
+}
+
+/// A time the scripts write (milliseconds since the epoch, the server's clock).
+pub(super) fn from_ms(ms: i64) -> SystemTime {
+    UNIX_EPOCH + Duration::from_millis(ms.max(0) as u64)
 }

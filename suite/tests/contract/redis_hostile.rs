@@ -134,36 +134,60 @@ async fn s21_writes_that_wait_queue_for_a_connection_at_most_5s() {
 
 /// `with_wait`: a write given up on mid-`WAIT` (its caller's future dropped, as a request's
 /// when its client hangs up) leaves that `WAIT` blocking its connection on the server, so the
-/// connection goes back to the pool only once a PING sent behind the `WAIT` is answered. Four
-/// milestones given up on after 300 ms hold the four connections in `WAIT`s of 4 s (the most a
-/// `WAIT` may take, under the 5 s reply timeout). A fifth, sent then, waits for a connection
-/// (at most 5 s), gets one as the first `WAIT` ends, and its own `WAIT` answers "0 of 1"
-/// within its reply timeout. Lent a connection still blocked, it would queue behind the other
-/// write's `WAIT`, and its reply would time out 5 s after it was sent, before its own `WAIT`
-/// could end.
+/// connection goes back to the pool only once a PING sent behind the `WAIT` is answered. On a
+/// server of the test's own, four milestones hold the four connections in `WAIT`s of 3.5 s
+/// (the server counts four blocked clients) and are then given up on. A fifth, sent then,
+/// waits for a connection (at most 5 s), gets one as the first `WAIT` ends, and its own
+/// `WAIT` answers "0 of 1" within its reply timeout. Lent a connection still blocked, it
+/// queues behind the other write's `WAIT`, and its reply times out 5 s after it was sent,
+/// before its own `WAIT` could end.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn s21_a_write_given_up_on_mid_wait_returns_its_connection_once_the_wait_ends() {
-    let Some(store) = common::redis("wait-dropped").await else {
+    let Some(server) = common::own_redis::OwnRedis::start(&[]) else {
         return;
     };
-    let waiting = store.clone().with_wait(1, Duration::from_secs(30));
+    let store = common::own_redis::store_on(&server.url(), Some("wait-dropped")).await;
+    let waiting = store.clone().with_wait(1, Duration::from_millis(3500));
     let mut held = Vec::new();
     for i in 0..5 {
         let key = ScopedKey::new("", unique(&format!("dropped{i}")));
         let token = acquire(&store, &req(&key, LONG, LONG)).await;
         held.push((key, token));
     }
-    let given_up = held[..4].iter().map(|(key, token)| {
-        let waiting = waiting.clone();
-        async move {
-            let milestone = waiting.record_milestone(key, *token, &Milestone::EffectStarted);
-            tokio::time::timeout(Duration::from_millis(300), milestone).await
+    let blocked = || async {
+        let clients = common::own_redis::info(&server, "clients").await;
+        clients
+            .lines()
+            .find_map(|l| l.strip_prefix("blocked_clients:"))
+            .map_or(0, |n| n.trim().parse::<u64>().expect("a count"))
+    };
+    let given_up: Vec<_> = held[..4]
+        .iter()
+        .map(|(key, token)| {
+            let (waiting, key, token) = (waiting.clone(), key.clone(), *token);
+            tokio::spawn(async move {
+                waiting
+                    .record_milestone(&key, token, &Milestone::EffectStarted)
+                    .await
+            })
+        })
+        .collect();
+    common::guard("the four writes block in their WAITs", async {
+        while blocked().await < 4 {
+            tokio::time::sleep(Duration::from_millis(10)).await;
         }
-    });
-    let given_up = futures_util::future::join_all(given_up).await;
-    assert!(
-        given_up.iter().all(Result::is_err),
-        "each of the four was still in its WAIT when given up on: {given_up:?}"
+    })
+    .await;
+    for write in &given_up {
+        write.abort();
+    }
+    for write in given_up {
+        assert!(write.await.is_err_and(|e| e.is_cancelled()), "given up on");
+    }
+    assert_eq!(
+        blocked().await,
+        4,
+        "their WAITs still block their connections"
     );
     let (key, token) = &held[4];
     let fifth = waiting
@@ -174,6 +198,26 @@ async fn s21_a_write_given_up_on_mid_wait_returns_its_connection_once_the_wait_e
             if e.to_string().contains("0 of 1 replicas acknowledged the milestone")),
         "the fifth write ran on a connection of its own, its WAIT answered: {fifth:?}"
     );
+}
+
+/// `with_wait` with a timeout under a millisecond: Redis reads `WAIT n 0` as a wait without
+/// end, so the store waits 1 ms at the least. On a server without a replica, a claim that
+/// waits is refused "0 of 1" at once, not after the store's 5 s reply timeout as "timed out".
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s21_a_wait_of_no_time_is_a_wait_of_one_millisecond_not_one_without_end() {
+    let Some(store) = common::redis("wait-zero").await else {
+        return;
+    };
+    for timeout in [Duration::ZERO, Duration::from_micros(500)] {
+        let waiting = store.clone().with_wait(1, timeout);
+        let key = ScopedKey::new("", unique("zero"));
+        let claimed = waiting.claim(&req(&key, LONG, LONG)).await;
+        assert!(
+            matches!(&claimed, Err(StoreError::Unavailable(e))
+                if e.to_string().contains("0 of 1 replicas acknowledged the claim")),
+            "a WAIT of {timeout:?}: {claimed:?}"
+        );
+    }
 }
 
 /// `with_wait`: a won claim is asked again for its replicas' acknowledgement, and, refused, is

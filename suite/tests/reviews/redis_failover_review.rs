@@ -87,17 +87,19 @@ impl Pair {
     /// Stalls the link: from now on the primary writes what the replica does not get, while
     /// it still counts the replica as following.
     async fn partition(&self) {
+        // A link the replica made anew meanwhile would not be frozen: none is let through.
+        self.link.refusing(true);
         self.link.freeze();
+        let primary = info(&self.primary, "replication").await;
         assert!(
-            info(&self.primary, "replication")
-                .await
-                .contains("connected_slaves:1"),
-            "the stalled replica is still counted"
+            primary.contains("connected_slaves:1"),
+            "the stalled replica is still counted: {primary}"
         );
     }
 
     /// The partition heals: the valve delivers what it held, and the replica catches up.
     async fn heal(&self) {
+        self.link.refusing(false);
         self.link.thaw();
         self.in_step().await;
     }
@@ -123,20 +125,19 @@ impl Pair {
 
     /// The primary dies (SIGKILL) and the replica is promoted: what it had is all there is.
     async fn fail_over(&mut self) {
+        // What the frozen link holds is lost with the primary: the link stays frozen, and the
+        // replica cannot follow anew (not even a server that takes the dead one's port).
+        self.link.refusing(true);
         if let Some(mut primary) = self.primary.child.take() {
             let _ = primary.kill();
             let _ = primary.wait();
         }
-        // What the frozen link held is lost with it: it stays frozen, and the replica cannot
-        // follow anew.
-        self.link.refusing(true);
         let promoted = self.replica.cmd(&["REPLICAOF", "NO", "ONE"]).await;
         assert!(promoted.is_ok(), "REPLICAOF NO ONE: {promoted:?}");
+        let replica = info(&self.replica, "replication").await;
         assert!(
-            info(&self.replica, "replication")
-                .await
-                .contains("role:master"),
-            "the replica is promoted"
+            replica.contains("role:master"),
+            "the replica is promoted: {replica}"
         );
     }
 }
@@ -206,7 +207,7 @@ async fn s5_a_milestone_the_replica_never_had_starts_no_effect_and_the_key_runs_
     let Some(mut pair) = Pair::start().await else {
         return;
     };
-    let held = MilestoneCut::run(&pair, "failover-milestone").await;
+    let held = MilestoneStall::run(&pair, "failover-milestone").await;
     let (sink, key, first) = (&held.sink, &held.key, &held.first);
     let effects_before = sink.effects.count();
 
@@ -241,7 +242,7 @@ async fn s5_after_a_partition_heals_a_refused_claim_runs_once_and_a_refused_mile
     let Some(pair) = Pair::start().await else {
         return;
     };
-    let held = MilestoneCut::run(&pair, "failover-heal").await;
+    let held = MilestoneStall::run(&pair, "failover-heal").await;
     let (sink, addr, first) = (&held.sink, held.addr, &held.first);
     let claimed = unique("claim");
     assert_eq!(first.status, 503, "{first:?}");
@@ -343,6 +344,10 @@ async fn s5_writes_that_wait_are_acknowledged_only_with_the_replica_and_survive_
     refused("claim", claimed);
     // A claim that finds a record (a replay) sends no `WAIT`: it never waits for the replica.
     let waits_before = waits_sent(&pair.primary).await;
+    assert!(
+        waits_before > 0,
+        "the writes before waited, and INFO counts them"
+    );
     let replay = store.claim(&request(&kept)).await;
     assert!(matches!(&replay, Ok(Claim::Completed { .. })), "{replay:?}");
     assert_eq!(
@@ -388,7 +393,7 @@ async fn s5_writes_that_wait_are_acknowledged_only_with_the_replica_and_survive_
 /// A request whose handler needs its milestone (`effect_started()`) before its effect, on an
 /// app over a store that waits for the replica: held before the milestone while the link
 /// stalls, then let through.
-struct MilestoneCut {
+struct MilestoneStall {
     sink: Sink,
     knobs: Knobs,
     prefix: String,
@@ -398,7 +403,7 @@ struct MilestoneCut {
     first: Answer,
 }
 
-impl MilestoneCut {
+impl MilestoneStall {
     async fn run(pair: &Pair, tag: &'static str) -> Self {
         let prefix = unique(tag);
         let sink = Sink::new(tag, true);
