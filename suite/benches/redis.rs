@@ -4,7 +4,8 @@
 //! one run. Round trips per operation are counted on the server (`INFO commandstats`: calls
 //! of EVALSHA and EVAL), not assumed. Then the cost of `with_wait(0, …)`: a won claim asked
 //! again with its `WAIT` (a second round trip), and a completion sent with its `WAIT`, on the
-//! store's four waiting connections (lent to one write at a time, so 32 tasks queue for them).
+//! store's waiting connections (lent to one write at a time, so 32 tasks queue for them): four,
+//! the default, and sixteen.
 //!
 //! `cargo bench -p suite --bench redis` (`TOWER_IDEMPOTENCY_REDIS_URL`, default
 //! `redis://127.0.0.1:6379`; `BENCH_SECONDS` per round, default 2)
@@ -232,16 +233,25 @@ async fn main() {
     println!("{:<44} {:>10.0} ops/s", "the same scripts, raw", r);
     println!("{:<44} {:>10.2}x (target >= 0.85x)", "store / raw", s / r);
 
-    let waiting = store.clone().with_wait(0, Duration::from_millis(100));
-    let w = run(seconds, &format!("{run_id}-w"), move |key: ScopedKey, _| {
-        let s = waiting.clone();
-        async move { through_store(&s, &key).await }
-    })
-    .await;
-    println!(
-        "{:<44} {:>10.0} ops/s ({:.2}x of without)",
-        "with_wait(0, 100 ms), four waiting conns",
-        w,
-        w / s
-    );
+    for connections in [4, 16] {
+        let waiting = store
+            .clone()
+            .with_wait(0, Duration::from_millis(100))
+            .with_waiting_connections(connections);
+        let w = run(
+            seconds,
+            &format!("{run_id}-w{connections}"),
+            move |key: ScopedKey, _| {
+                let s = waiting.clone();
+                async move { through_store(&s, &key).await }
+            },
+        )
+        .await;
+        println!(
+            "{:<44} {:>10.0} ops/s ({:.2}x of without)",
+            format!("with_wait(0, 100 ms), {connections} waiting conns"),
+            w,
+            w / s
+        );
+    }
 }

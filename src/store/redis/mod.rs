@@ -85,8 +85,9 @@ pub struct RedisStore {
     /// Replicas that must acknowledge a won claim, a milestone and a completion, and how long
     /// to wait for them ([`with_wait`](Self::with_wait)).
     wait: Option<(u32, Duration)>,
-    /// The connections of writes that wait for replicas, opened on first use.
+    /// The connections of writes that wait for replicas, opened on first use, and how many.
     waiting: Arc<tokio::sync::OnceCell<Arc<Pool>>>,
+    waiting_connections: usize,
     /// Requests waiting for in-flight keys, and the subscription that wakes them.
     changes: Arc<Changes>,
 }
@@ -164,6 +165,7 @@ impl RedisStore {
             scripts: Arc::new(Scripts::new()),
             wait: None,
             waiting: Arc::default(),
+            waiting_connections: replicas::WAITING_CONNECTIONS,
             changes: Changes::new(nodes),
         }
     }
@@ -206,17 +208,44 @@ impl RedisStore {
     /// connection (Redis routes `WAIT` to no one shard); there it is ignored.
     ///
     /// A `WAIT` blocks the connection it runs on, and counts the writes of that connection:
-    /// these writes run on four connections of their own, each lent to one write at a time
+    /// these writes run on connections of their own (four, or
+    /// [as many as set](Self::with_waiting_connections)), each lent to one write at a time
     /// (a write given up on mid-`WAIT` returns its connection once a PING behind the `WAIT`
-    /// is answered, or after 5 s), so no
-    /// write queues behind another's `WAIT` there. A fifth write waits for one to be free, at
-    /// most 5 s (a won claim, at most half its lease, so that nothing sets it aside meanwhile),
-    /// then the store is unavailable for it. With a replica down, each takes `timeout`: give
+    /// is answered, or its reply times out), so no write queues behind another's `WAIT`
+    /// there. A write that finds them all lent waits for one to be free, at most 5 s (a won
+    /// claim, at most half its lease, so that nothing sets it aside meanwhile), then the
+    /// store is unavailable for it. With a replica down, each takes `timeout`: give
     /// the lease more than `timeout`. `timeout` is kept under the store's 5 s reply timeout,
     /// and at 1 ms at least (Redis reads a `WAIT` of 0 ms as one without end).
     pub fn with_wait(mut self, replicas: u32, timeout: Duration) -> Self {
         let timeout = timeout.clamp(Duration::from_millis(1), TIMEOUT - Duration::from_secs(1));
         self.wait = Some((replicas, timeout));
+        self
+    }
+
+    /// How many writes may [wait for replicas](Self::with_wait) at once (default 4, at least
+    /// 1): each holds a connection of its own while its script and `WAIT` run, and a write
+    /// that finds every one lent waits for one. With replicas that take `L` to acknowledge,
+    /// the store makes at most `connections / L` such writes a second (four at 1 ms: 4 000; a
+    /// request that runs makes two, its claim and its completion, three with a milestone).
+    /// The connections are opened together, at the first write that waits. Clones share them:
+    /// set this before the store is cloned into layers.
+    ///
+    /// ```no_run
+    /// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+    /// use std::time::Duration;
+    /// use tower_idempotency::store::RedisStore;
+    ///
+    /// let store = RedisStore::connect("redis://127.0.0.1:6379")
+    ///     .await?
+    ///     .with_wait(1, Duration::from_millis(200))
+    ///     .with_waiting_connections(16);
+    /// # Ok(()) }
+    /// ```
+    pub fn with_waiting_connections(mut self, connections: usize) -> Self {
+        self.waiting_connections = connections.max(1);
+        // A pool of its own, of that size: clones made before keep theirs.
+        self.waiting = Arc::default();
         self
     }
 

@@ -13,8 +13,9 @@ use super::scripts::invocation;
 use super::{Located, RedisStore, ms};
 use crate::store::{Claim, FencingToken, StoreError};
 
-/// How many writes may wait for replicas at once (see [`RedisStore::with_wait`]).
-const WAITING_CONNECTIONS: usize = 4;
+/// How many writes may wait for replicas at once unless
+/// [`with_waiting_connections`](RedisStore::with_waiting_connections) says otherwise.
+pub(super) const WAITING_CONNECTIONS: usize = 4;
 
 /// The connections writes that wait for replicas run on, each lent to one write at a time: a
 /// `WAIT` blocks its connection, and a write queued behind it there would spend its reply
@@ -122,22 +123,21 @@ impl RedisStore {
                 .nodes
                 .first()
                 .ok_or_else(|| StoreError::unavailable("no server to connect to"))?;
-            let mut connections = Vec::new();
-            for _ in 0..WAITING_CONNECTIONS {
-                connections.push(
-                    Replaceable::server(client.clone())
-                        .await
-                        .map_err(StoreError::unavailable)?,
-                );
-            }
+            let size = self.waiting_connections;
+            // Connected together: one at a time, many would not fit the bound below.
+            let connections = futures_util::future::try_join_all(
+                (0..size).map(|_| Replaceable::server(client.clone())),
+            )
+            .await
+            .map_err(StoreError::unavailable)?;
             Ok::<_, StoreError>(Arc::new(Pool {
                 connections,
-                free: std::sync::Mutex::new((0..WAITING_CONNECTIONS).collect()),
-                permits: Arc::new(tokio::sync::Semaphore::new(WAITING_CONNECTIONS)),
+                free: std::sync::Mutex::new((0..size).collect()),
+                permits: Arc::new(tokio::sync::Semaphore::new(size)),
             }))
         });
         // Opened once, within the store's timeout whatever `within` is: a bound shorter than
-        // four connects would cancel the opening every time.
+        // a connect would cancel the opening every time.
         let pool = tokio::time::timeout(TIMEOUT, opening).await.map_err(|_| {
             StoreError::unavailable("the connections that wait for replicas could not be opened")
         })??;

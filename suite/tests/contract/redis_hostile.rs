@@ -132,6 +132,47 @@ async fn s21_writes_that_wait_queue_for_a_connection_at_most_5s() {
     assert_eq!(busy, 4, "the last four found none free in 5 s: {answers:?}");
 }
 
+/// `with_waiting_connections`: as many writes wait for replicas at once as the store has
+/// connections for them. Sixteen claims, each `WAIT` taking its 2 s, on eight connections: two
+/// rounds, at 0 and 2 s, both within the 5 s a write waits for a connection, so every claim is
+/// refused for its replicas, none for want of a connection (on the default four, twelve and
+/// four: the test above). Asked for none, the store keeps one: three rounds fit, thirteen
+/// claims find no connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s21_as_many_writes_wait_at_once_as_the_store_has_waiting_connections() {
+    let Some(store) = common::redis("wait-connections").await else {
+        return;
+    };
+    for (connections, unacknowledged, busy) in [(8, 16, 0), (0, 3, 13)] {
+        let waiting = store
+            .clone()
+            .with_wait(1, Duration::from_secs(2))
+            .with_waiting_connections(connections);
+        let claims = (0..16).map(|i| {
+            let waiting = waiting.clone();
+            async move {
+                let key = ScopedKey::new("", unique(&format!("c{connections}-{i}")));
+                waiting.claim(&req(&key, LONG, LONG)).await
+            }
+        });
+        let answers = futures_util::future::join_all(claims).await;
+        let said = |what: &str| {
+            answers
+                .iter()
+                .filter(|a| matches!(a, Err(StoreError::Unavailable(e)) if e.to_string().contains(what)))
+                .count()
+        };
+        assert_eq!(
+            (
+                said("0 of 1 replicas acknowledged the claim"),
+                said("stayed busy past the timeout")
+            ),
+            (unacknowledged, busy),
+            "{connections} connections: {answers:?}"
+        );
+    }
+}
+
 /// `with_wait`: a write given up on mid-`WAIT` (its caller's future dropped, as a request's
 /// when its client hangs up) leaves that `WAIT` blocking its connection on the server, so the
 /// connection goes back to the pool only once a PING sent behind the `WAIT` is answered. On a
