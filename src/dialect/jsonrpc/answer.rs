@@ -5,9 +5,9 @@ use bytes::Bytes;
 use http::HeaderMap;
 use serde_json::Value;
 
-use super::call::Id;
 use super::events::{Events, is_event_stream};
-use super::message::{Reply, json, last_member, read};
+use super::id::Id;
+use super::reply::{Reply, json, last_member, read};
 
 /// What an answer holds for a call.
 #[derive(Debug, PartialEq, Eq)]

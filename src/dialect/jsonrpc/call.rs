@@ -4,18 +4,18 @@
 use std::sync::Arc;
 
 use http::HeaderMap;
-use serde_json::Value;
 use serde_json::value::RawValue;
 
 use super::JsonRpc;
+use super::id::Id;
 use crate::problem::{Problem, ProblemKind};
 
 /// The MCP 2026-07-28 header naming a Streamable HTTP request's JSON-RPC method.
-pub(crate) static MCP_METHOD: http::HeaderName = http::HeaderName::from_static("mcp-method");
+pub(super) static MCP_METHOD: http::HeaderName = http::HeaderName::from_static("mcp-method");
 
 /// What a request's `Mcp-Method` header says, as the check against its body reads it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum HeaderMethod<'a> {
+pub(super) enum HeaderMethod<'a> {
     /// No `Mcp-Method` line.
     Absent,
     /// One line, in visible ASCII.
@@ -27,7 +27,7 @@ pub(crate) enum HeaderMethod<'a> {
 
 impl<'a> HeaderMethod<'a> {
     /// The `Mcp-Method` lines of `headers`.
-    pub(crate) fn of(headers: &'a HeaderMap) -> Self {
+    pub(super) fn of(headers: &'a HeaderMap) -> Self {
         let mut lines = headers.get_all(&MCP_METHOD).iter();
         match (lines.next(), lines.next()) {
             (None, _) => Self::Absent,
@@ -50,87 +50,20 @@ impl<'a> HeaderMethod<'a> {
     }
 }
 
-/// A request's `id` as it was sent: its text, written back byte for byte, and its value, to
-/// find the response that answers it.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) struct Id {
-    raw: Box<str>,
-    /// `None` for `null`, and for an id that is not a value this layer can read (a number
-    /// beyond a double's range, `1e400`): such an id answers no call.
-    pub(super) value: Option<Value>,
-}
-
-impl Id {
-    pub(super) fn new(raw: &str) -> Self {
-        Self {
-            raw: raw.trim().into(),
-            value: serde_json::from_str(raw)
-                .ok()
-                .filter(|value: &Value| !value.is_null()),
-        }
-    }
-
-    /// `null`: for refusals of bodies whose id cannot be read.
-    pub(crate) fn null() -> Self {
-        Self::new("null")
-    }
-
-    /// The id's text as the client sent it.
-    pub(crate) fn raw(&self) -> &str {
-        &self.raw
-    }
-
-    /// Whether a response's `id` member answers this request: the same value, numbers by the
-    /// double nearest their value. Numbers of one value are (a server may write `1.0` back as
-    /// `1`, `1e2` as `100`), and so is an id beyond 2^53 that a server reading numbers as
-    /// doubles (JavaScript's `JSON.parse`) writes back rounded: its answer can only be to
-    /// this call, and not finding it would give the key back and run the call again. For the
-    /// same reason a number and a string holding a number's text compare as that number (a
-    /// server that keeps ids as text writes `7` back as `"7"`, one that reads such text as a
-    /// number writes `"7"` back as `7`); two strings compare as they are.
-    /// A response with id `null` (written where a server could not read the call's id) answers
-    /// no call, and an id this layer cannot read is answered by none.
-    pub(super) fn answers(&self, id: Option<&Value>) -> bool {
-        match (id, &self.value) {
-            (Some(Value::Null) | None, _) | (_, None) => false,
-            (Some(theirs), Some(ours)) if theirs.is_number() || ours.is_number() => {
-                match (number(theirs), number(ours)) {
-                    (Some(theirs), Some(ours)) => theirs == ours,
-                    _ => false,
-                }
-            }
-            (Some(theirs), Some(ours)) => theirs == ours,
-        }
-    }
-}
-
-/// The double nearest a number, or a string holding exactly a JSON number's text.
-fn number(value: &Value) -> Option<f64> {
-    match value {
-        Value::Number(n) => n.as_f64(),
-        Value::String(text) if text.trim() == text => {
-            serde_json::from_str::<serde_json::Number>(text)
-                .ok()?
-                .as_f64()
-        }
-        _ => None,
-    }
-}
-
 /// A guarded JSON-RPC call.
 #[derive(Debug, Clone)]
-pub(crate) struct Call {
-    pub(crate) id: Arc<Id>,
-    pub(crate) method: String,
+pub(super) struct Call {
+    pub(super) id: Arc<Id>,
+    pub(super) method: String,
     /// The params' text as sent, if any.
     pub(super) params: Option<String>,
     /// The key from `params._meta`, validated like the header's.
-    pub(crate) meta_key: Option<String>,
+    pub(super) meta_key: Option<String>,
 }
 
 /// What the mode makes of a request body.
 #[derive(Debug)]
-pub(crate) enum Parsed {
+pub(super) enum Parsed {
     /// One call of a guarded method, with an id and a key: guard it.
     Guard(Call),
     /// Not a guarded call, and not asked to be: hand it on untouched.
@@ -243,7 +176,7 @@ impl serde::de::Visitor<'_> for MemberVisitor {
 /// theirs; either alone is the key. A `coded` body (`Content-Encoding`) is never read: on a
 /// route that reads `_meta` keys it may hold one, so it is refused there as any body this mode
 /// cannot read that may carry a key.
-pub(crate) fn parse(
+pub(super) fn parse(
     body: &[u8],
     settings: &JsonRpc,
     header_key: Option<&str>,
@@ -348,7 +281,7 @@ pub(crate) fn parse(
             reply_to,
         );
     }
-    if reply_to.value.is_none() {
+    if !reply_to.readable() {
         // `1e400`: no response could be found to answer it, and JavaScript writes it back
         // as `null`.
         return refuse(

@@ -3,8 +3,8 @@
 use bytes::Bytes;
 use http::{HeaderMap, header};
 
-use super::call::Id;
-use super::message::{Reply, read};
+use super::id::Id;
+use super::reply::{Reply, read};
 
 /// Whether a response is an event stream (`text/event-stream`, in any case: media types are
 /// case-insensitive).
@@ -74,7 +74,8 @@ impl Events {
     }
 
     /// Whether a stream that ended without the call's final response gives the key back
-    /// ([`Answer::NotFinal`]) rather than being taken as done ([`Answer::Unseen`]).
+    /// ([`Answer::NotFinal`](super::Answer::NotFinal)) rather than being taken as done
+    /// ([`Answer::Unseen`](super::Answer::Unseen)).
     pub(crate) fn gives_back(&self) -> bool {
         self.gives_back
     }

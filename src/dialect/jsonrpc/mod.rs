@@ -107,13 +107,14 @@ use crate::scope::MakeScope;
 mod answer;
 mod call;
 mod events;
-mod message;
+mod id;
+mod reply;
 mod stored;
 
 pub(crate) use answer::{Answer, final_response, is_definitive};
-pub(crate) use call::Id;
 use call::{Call, HeaderMethod, Message, Parsed, parse};
 pub(crate) use events::{Events, is_event_stream};
+pub(crate) use id::Id;
 pub(crate) use stored::{readdress, stored_call, stored_unread, unread_detail};
 
 /// The `_meta` entry set on replayed results when [`JsonRpc::mark_replay_in_meta`] is on.
@@ -173,7 +174,7 @@ pub(crate) const NOT_THE_OPERATION: &[&str] = &["_meta", "inputResponses", "requ
 
 /// Everything the HTTP mode counts, the method and the exact params without `_meta` and the
 /// per-round-trip fields; never the id.
-pub(crate) fn fingerprint(
+fn fingerprint(
     parts: &Parts,
     trailers: Option<&HeaderMap>,
     call: &Call,

@@ -4,8 +4,8 @@ use bytes::Bytes;
 use http::{HeaderMap, HeaderValue, StatusCode, header};
 
 use super::REPLAY_META;
-use super::call::Id;
 use super::events::is_event_stream;
+use super::id::Id;
 use crate::store::StoredResponse;
 
 /// A stored final response, re-addressed to the call `id`: the new id's text replaces the

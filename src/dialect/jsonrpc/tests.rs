@@ -1,8 +1,10 @@
-//! The JSON-RPC mode's unit tests: requests read, answers read, replays re-addressed.
+//! The JSON-RPC mode's unit tests, across its modules: requests read (a call, its id and key),
+//! answers read (JSON and event streams), stored forms and replays re-addressed.
 
 use super::answer::*;
 use super::call::*;
 use super::events::*;
+use super::id::*;
 use super::stored::*;
 use super::*;
 use http::StatusCode;

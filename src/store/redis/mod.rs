@@ -85,8 +85,9 @@ pub struct RedisStore {
     /// Replicas that must acknowledge a won claim, a milestone and a completion, and how long
     /// to wait for them ([`with_wait`](Self::with_wait)).
     wait: Option<(u32, Duration)>,
-    /// The connections of writes that wait for replicas, opened on first use, and how many.
+    /// The connections of writes that wait for replicas, opened on first use.
     waiting: Arc<tokio::sync::OnceCell<Arc<Pool>>>,
+    /// How many [`waiting`](Self::waiting) opens.
     waiting_connections: usize,
     /// Requests waiting for in-flight keys, and the subscription that wakes them.
     changes: Arc<Changes>,
@@ -104,6 +105,7 @@ impl std::fmt::Debug for RedisStore {
             )
             .field("prefix", &self.prefix)
             .field("wait", &self.wait)
+            .field("waiting_connections", &self.waiting_connections)
             .finish()
     }
 }
@@ -223,13 +225,16 @@ impl RedisStore {
         self
     }
 
-    /// How many writes may [wait for replicas](Self::with_wait) at once (default 4, at least
-    /// 1): each holds a connection of its own while its script and `WAIT` run, and a write
-    /// that finds every one lent waits for one. With replicas that take `L` to acknowledge,
-    /// the store makes at most `connections / L` such writes a second (four at 1 ms: 4 000; a
-    /// request that runs makes two, its claim and its completion, three with a milestone).
-    /// The connections are opened together, at the first write that waits. Clones share them:
-    /// set this before the store is cloned into layers.
+    /// How many writes may [wait for replicas](Self::with_wait) at once (default 4; 0 counts
+    /// as 1, more than 64 as 64): each holds a connection of its own while its script and
+    /// `WAIT` run, and a write that finds every one lent waits for one. With replicas that
+    /// take `L` to acknowledge, the store makes at most `connections / L` such writes a
+    /// second (four at 1 ms: 4 000; a request that runs makes two, its claim and its
+    /// completion, three with a milestone). The connections are opened together, at the
+    /// first write that waits; a store that does not wait (no `with_wait`, or a cluster,
+    /// where it is ignored) opens none. Clones share them: set this before the store is
+    /// cloned into layers, since the store it returns opens connections of its own (clones
+    /// made before keep theirs).
     ///
     /// ```no_run
     /// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
@@ -243,7 +248,7 @@ impl RedisStore {
     /// # Ok(()) }
     /// ```
     pub fn with_waiting_connections(mut self, connections: usize) -> Self {
-        self.waiting_connections = connections.max(1);
+        self.waiting_connections = connections.clamp(1, replicas::MOST_WAITING_CONNECTIONS);
         // A pool of its own, of that size: clones made before keep theirs.
         self.waiting = Arc::default();
         self

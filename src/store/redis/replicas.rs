@@ -17,6 +17,10 @@ use crate::store::{Claim, FencingToken, StoreError};
 /// [`with_waiting_connections`](RedisStore::with_waiting_connections) says otherwise.
 pub(super) const WAITING_CONNECTIONS: usize = 4;
 
+/// The most a store opens: beyond, a number set by mistake would open connections by the
+/// thousand inside a request, past the server's accept queue and `maxclients`.
+pub(super) const MOST_WAITING_CONNECTIONS: usize = 64;
+
 /// The connections writes that wait for replicas run on, each lent to one write at a time: a
 /// `WAIT` blocks its connection, and a write queued behind it there would spend its reply
 /// timeout waiting for another's. Writes queue here instead, for at most [`TIMEOUT`].
@@ -61,9 +65,10 @@ impl Drop for Slot {
         // Dropped before its replies (a caller gave up, or they could not be read): its
         // `WAIT` may still block the connection on the server. It goes back once a PING sent
         // behind it is answered, so no write is lent a connection still blocked by another's;
-        // or once the PING's reply times out (5 s), which has a new connection made for the
-        // next write. The bound here is a second longer, so that the reply's own timeout,
-        // which asks for that connection, always comes first.
+        // or once the PING's reply times out (5 s, longer than any `WAIT`: the link is dead,
+        // not blocked), which starts a new connection in the background; a write lent this
+        // one before that is made times out in turn. The bound here is a second longer, so
+        // that the reply's own timeout, which starts the new connection, comes first.
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             return drop(back);
         };

@@ -133,17 +133,17 @@ async fn s21_writes_that_wait_queue_for_a_connection_at_most_5s() {
 }
 
 /// `with_waiting_connections`: as many writes wait for replicas at once as the store has
-/// connections for them. Sixteen claims, each `WAIT` taking its 2 s, on eight connections: two
-/// rounds, at 0 and 2 s, both within the 5 s a write waits for a connection, so every claim is
-/// refused for its replicas, none for want of a connection (on the default four, twelve and
-/// four: the test above). Asked for none, the store keeps one: three rounds fit, thirteen
-/// claims find no connection.
+/// connections for them, no more. Sixteen claims, each `WAIT` taking its 2 s, on five
+/// connections: rounds at 0, 2 and 4 s, within the 5 s a write waits for a connection, take
+/// fifteen, each refused for its replica; the sixteenth finds no connection in time (on the
+/// default four, twelve and four: the test above; on six or more, sixteen and none). Asked for
+/// none, the store keeps one: three rounds fit, thirteen claims find no connection.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn s21_as_many_writes_wait_at_once_as_the_store_has_waiting_connections() {
     let Some(store) = common::redis("wait-connections").await else {
         return;
     };
-    for (connections, unacknowledged, busy) in [(8, 16, 0), (0, 3, 13)] {
+    for (connections, unacknowledged, busy) in [(5, 15, 1), (0, 3, 13)] {
         let waiting = store
             .clone()
             .with_wait(1, Duration::from_secs(2))
@@ -171,6 +171,37 @@ async fn s21_as_many_writes_wait_at_once_as_the_store_has_waiting_connections() 
             "{connections} connections: {answers:?}"
         );
     }
+}
+
+/// `with_waiting_connections` set far too high (a million, by mistake) opens 64, the most,
+/// not a million inside a request: counted on a server of the test's own, the first write
+/// that waits adds exactly 64 clients.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s21_waiting_connections_are_capped_at_64() {
+    let Some(server) = common::own_redis::OwnRedis::start(&[]) else {
+        return;
+    };
+    let clients = || async {
+        let info = common::own_redis::info(&server, "clients").await;
+        info.lines()
+            .find_map(|l| l.strip_prefix("connected_clients:"))
+            .map_or(0, |n| n.trim().parse::<i64>().expect("a count"))
+    };
+    let store = common::own_redis::store_on(&server.url(), Some("wait-cap"))
+        .await
+        .with_wait(0, Duration::from_millis(100))
+        .with_waiting_connections(1_000_000);
+    let before = clients().await;
+    let key = ScopedKey::new("", unique("cap"));
+    let claimed = store.claim(&req(&key, LONG, LONG)).await;
+    assert!(matches!(claimed, Ok(Claim::Acquired(_))), "{claimed:?}");
+    // Exactly: an admin connection of an earlier count may still be closing.
+    common::guard("64 waiting connections, no more", async {
+        while clients().await - before != 64 {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await;
 }
 
 /// `with_wait`: a write given up on mid-`WAIT` (its caller's future dropped, as a request's

@@ -4,7 +4,7 @@
 
 use serde_json::Value;
 
-use super::call::Id;
+use super::id::Id;
 
 /// What one JSON-RPC message is to the call `id`.
 pub(super) enum Reply {
