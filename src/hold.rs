@@ -310,7 +310,7 @@ async fn keep<St: IdempotencyStore>(
         };
         for (slot, key, token, lease) in due {
             // A task per renewal: one slow or hanging store call holds up no other lease.
-            tokio::spawn(renew(shared.clone(), slot, key, token, lease, tick));
+            tokio::spawn(renew(shared.clone(), slot, key, token, lease));
         }
     }
 }
@@ -321,7 +321,6 @@ async fn renew<St: IdempotencyStore>(
     key: ScopedKey,
     token: FencingToken,
     lease: Duration,
-    tick: Duration,
 ) {
     // A store's renewal that panics is a failed one: the slot's count of renewals under way
     // must come down, or after two the lease would never be renewed again.
@@ -337,16 +336,20 @@ async fn renew<St: IdempotencyStore>(
         observe::count(Event::StoreError);
         tracing::warn!(%error, "lease renewal failed; trying again");
     }
-    // Until a read shows the lease lost, a fenced renewal is tried again a tick later as a
-    // failed one is: a store or a proxy may fence by mistake (breaking the trait's word), and
-    // a lease given up then would lapse under a running handler, for a retry to take over.
-    // The read may take a while: the next renewal does not wait for it.
+    // Until a read shows the lease lost, a fenced renewal is tried again at the keeper's next
+    // wake, within a tick, as a failed one is: a store or a proxy may fence by mistake
+    // (breaking the trait's word), and a lease given up then would lapse under a running
+    // handler, for a retry to take over. The read may take a while: the next renewal does not
+    // wait for it.
     let fenced = matches!(result, Err(StoreError::Fenced));
     let mut read = false;
     settle(&shared, slot, &key, token, |held| {
         held.renewing = held.renewing.saturating_sub(1);
+        // Due now, so the keeper's next wake, at most a tick away, sends it. Due a tick from
+        // now, it would miss that wake by however long the store took to answer and wait for
+        // the one after: two ticks, and a few failures in a row would let the lease lapse.
         if result.is_err() {
-            held.due = held.due.min(Instant::now() + tick);
+            held.due = held.due.min(Instant::now());
         }
         read = fenced && !held.lost && !std::mem::replace(&mut held.reading, true);
     });

@@ -79,6 +79,8 @@ pub struct Rig<S> {
     pub fail_until: Mutex<HashMap<&'static str, Instant>>,
     /// How many more `wait_for_change` calls return (almost) at once, as a store may.
     pub early_waits: AtomicUsize,
+    /// How long every operation of a kind takes before its act (a store that answers slowly).
+    pub slow: Mutex<HashMap<&'static str, Duration>>,
     pub log: Mutex<Vec<String>>,
 }
 
@@ -108,6 +110,7 @@ impl<S: IdempotencyStore> Rig<S> {
             renewed_ok: AtomicUsize::new(0),
             fail_until: Mutex::default(),
             early_waits: AtomicUsize::new(0),
+            slow: Mutex::default(),
             log: Mutex::default(),
         })
     }
@@ -118,6 +121,11 @@ impl<S: IdempotencyStore> Rig<S> {
 
     pub fn always(&self, kind: &'static str, act: Act) {
         self.always.lock().unwrap().insert(kind, act);
+    }
+
+    /// Every later operation of `kind` takes `d` before its act, whatever the act.
+    pub fn slow(&self, kind: &'static str, d: Duration) {
+        self.slow.lock().unwrap().insert(kind, d);
     }
 
     pub fn fail_for(&self, kind: &'static str, d: Duration) {
@@ -215,6 +223,10 @@ impl<S: IdempotencyStore> Rig<S> {
         let gated =
             kind == "release" && self.acquired() < self.release_fails_below.load(Ordering::SeqCst);
         let doomed = kind == "renew" && token.is_some_and(|t| self.doomed_token(t));
+        let slow = self.slow.lock().unwrap().get(kind).copied();
+        if let Some(slow) = slow {
+            tokio::time::sleep(slow).await;
+        }
         let out = if self.is_down() || gated || doomed {
             Err(injected(kind))
         } else {

@@ -255,6 +255,61 @@ async fn s4_renewals_fenced_by_mistake_while_reads_answer_keep_the_lease() {
     assert_eq!(effects.count(), 1, "{what}");
 }
 
+/// DESIGN §4 (the holder keeps its lease while it runs): a failed or mistakenly fenced renewal
+/// goes again at the keeper's next wake, within a tick, however long the store took to say no.
+/// Here the first two renewals of a 300 ms lease take 10 ms each to be refused (a store over a
+/// network fails in a round trip, not at once), then renewals pass. Tried again "a tick after
+/// the refusal", each retry missed the keeper's next wake by those 10 ms and waited for the one
+/// after: renewals at about 100, 200 and 300 ms, the lease lapsed under the running handler,
+/// and a polling client took the key over and ran it twice (the mechanism of two CI failures,
+/// session 44). Within a tick: about 100, 150 and 200 ms, in time. One row per refusal.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s4_renewals_refused_slowly_are_tried_again_within_a_tick_and_keep_the_lease() {
+    for (name, refusal) in [("fenced", Act::Fenced), ("failed", Act::Fail)] {
+        let rig = Rig::new(MemoryStore::new());
+        rig.slow("renew", ms(10));
+        for n in 1..=2 {
+            rig.on("renew", n, refusal);
+        }
+        let effects = Effects::default();
+        let addr = server(
+            &rig,
+            Route::plain(ms(300)),
+            sleep_then_effect(&effects, ms(800), false),
+        )
+        .await;
+        let key = unique(&format!("renew-{name}-slowly"));
+        let k = key.clone();
+        let holder = tokio::spawn(async move { ask(addr, &k).await });
+        tokio::time::sleep(ms(150)).await;
+        let mut probes = Vec::new();
+        while effects.count() == 0 && probes.len() < 50 {
+            probes.push(ask(addr, &key).await);
+            tokio::time::sleep(ms(20)).await;
+        }
+        let first = holder.await.expect("the holder");
+        let what = format!(
+            "{name}: holder {first:?}; probes: {}; renewals {}, ok {}\n  {}",
+            summary(&probes),
+            rig.count("renew"),
+            rig.renewed_ok.load(std::sync::atomic::Ordering::SeqCst),
+            rig.log()
+        );
+        assert!(first.is_live(), "{what}");
+        assert_eq!(
+            probes.iter().filter(|a| a.is_live()).count(),
+            0,
+            "a retry took the key over: {what}"
+        );
+        assert_eq!(rig.acquired(), 1, "the key was claimed twice: {what}");
+        assert_eq!(effects.count(), 1, "{what}");
+        assert!(
+            rig.renewed_ok.load(std::sync::atomic::Ordering::SeqCst) >= 1,
+            "no renewal passed: {what}"
+        );
+    }
+}
+
 /// DESIGN §4 ("a worker whose lease was taken over can no longer write") and the brief's
 /// liveness question for d2a35eb and a4e2c8c's held give-back: holder A's renewals fail, its
 /// lease lapses, and B takes the key over on a `Reclaim` route and records its outcome. Then
