@@ -178,6 +178,19 @@ pub async fn info(server: &OwnRedis, section: &str) -> String {
     server.text(&["INFO", section]).await
 }
 
+/// The value of `name` in `INFO` text (its `name:value` line), if there is one.
+pub fn field<'a>(info: &'a str, name: &str) -> Option<&'a str> {
+    info.lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(':'))
+        .map(str::trim)
+}
+
+/// A count `INFO section` gives as `name` (`connected_clients`, `blocked_clients`...); 0
+/// when it gives none.
+pub async fn number(server: &OwnRedis, section: &str, name: &str) -> i64 {
+    field(&info(server, section).await, name).map_or(0, |n| n.parse().expect("a count"))
+}
+
 /// How many times `command` (lower case) ran, read from `INFO commandstats` text; 0 when it
 /// never ran.
 pub fn calls(commandstats: &str, command: &str) -> u64 {

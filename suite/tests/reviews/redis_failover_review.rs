@@ -63,11 +63,7 @@ impl Pair {
             loop {
                 let replica = info(&self.replica, "replication").await;
                 let primary = info(&self.primary, "replication").await;
-                let offset = |info: &str| {
-                    info.lines()
-                        .find_map(|l| l.strip_prefix("master_repl_offset:"))
-                        .map(str::to_owned)
-                };
+                let offset = |info: &str| field(info, "master_repl_offset").map(str::to_owned);
                 // Online: past its first sync, counted by `WAIT` (a diskless sync puts it
                 // online at its first acknowledgement, after its own link is up).
                 if replica.contains("master_link_status:up")
