@@ -134,7 +134,11 @@ impl RedisStore {
                 (0..size).map(|_| Replaceable::server(client.clone())),
             )
             .await
-            .map_err(StoreError::unavailable)?;
+            .map_err(|e| {
+                StoreError::unavailable(format!(
+                    "the connections that wait for replicas could not be opened: {e}"
+                ))
+            })?;
             Ok::<_, StoreError>(Arc::new(Pool {
                 connections,
                 free: std::sync::Mutex::new((0..size).collect()),

@@ -293,6 +293,68 @@ async fn s21_the_names_of_a_records_keys_never_change() {
     assert_eq!(found, vec![pinned], "the claim wrote these keys");
 }
 
+/// `with_wait`: the connections that wait for replicas are opened at the first write that
+/// waits, together; when the server refuses some of them (its `maxclients` reached), the
+/// opening fails whole. The claim that needed them is refused as unavailable (503, nothing
+/// run) and given back, the connections that did open are closed, not kept or leaked, and
+/// the next write that waits tries the opening again: with room on the server, it opens the
+/// four and the same key is claimed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s21_a_pool_opening_refused_partway_refuses_the_claim_gives_it_back_and_leaks_nothing() {
+    let Some(server) = common::own_redis::OwnRedis::start(&[]) else {
+        return;
+    };
+    let clients = || common::own_redis::number(&server, "clients", "connected_clients");
+    let store = common::own_redis::store_on(&server.url(), Some("pool-refused")).await;
+    let waiting = store.clone().with_wait(0, Duration::from_millis(100));
+    // The store's own connections up (a claim without waiting), then room for two more.
+    let warm = ScopedKey::new("", unique("warm"));
+    acquire(&store, &req(&warm, LONG, LONG)).await;
+    let before = clients().await - 1; // the count's own admin connection closes after it
+    let room = (before + 2).to_string();
+    server
+        .cmd(&["CONFIG", "SET", "maxclients", &room])
+        .await
+        .expect("CONFIG SET maxclients");
+    let key = ScopedKey::new("", unique("refused"));
+    let refused = waiting.claim(&req(&key, LONG, LONG)).await;
+    assert!(
+        matches!(&refused, Err(StoreError::Unavailable(e))
+            if e.to_string().contains("the connections that wait for replicas could not be opened")),
+        "{refused:?}"
+    );
+    common::guard("the claim given back", async {
+        loop {
+            let record = store.lookup(&key).await.expect("lookup");
+            if record
+                .as_ref()
+                .is_some_and(|r| r.status == RecordStatus::Released)
+            {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await;
+    common::guard("the connections that opened closed", async {
+        while clients().await - 1 != before {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await;
+    server
+        .cmd(&["CONFIG", "SET", "maxclients", "1000"])
+        .await
+        .expect("CONFIG SET maxclients");
+    let claimed = waiting.claim(&req(&key, LONG, LONG)).await;
+    assert!(matches!(claimed, Ok(Claim::Acquired(_))), "{claimed:?}");
+    assert_eq!(
+        clients().await - 1 - before,
+        4,
+        "the pool opened whole on the next write that waits"
+    );
+}
+
 /// `with_wait`: a won claim is asked again for its replicas' acknowledgement, and, refused, is
 /// given back on its first connection; the re-ask, stuck on a waiting connection, may land
 /// after that, and after another request's claim of the key was given back in turn. It must
