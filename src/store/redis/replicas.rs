@@ -21,6 +21,11 @@ pub(super) const WAITING_CONNECTIONS: usize = 4;
 /// thousand inside a request, past the server's accept queue and `maxclients`.
 pub(super) const MOST_WAITING_CONNECTIONS: usize = 64;
 
+/// How long the pool's opening gives loading the scripts that wait (see
+/// [`Scripts::waited`](super::scripts::Scripts::waited)): a server slow to load them does not
+/// hold the first write that waits for the whole of the store's timeout.
+const PRELOAD: Duration = Duration::from_secs(1);
+
 /// The connections writes that wait for replicas run on, each lent to one write at a time: a
 /// `WAIT` blocks its connection, and a write queued behind it there would spend its reply
 /// timeout waiting for another's. Writes queue here instead, for at most [`TIMEOUT`].
@@ -139,6 +144,12 @@ impl RedisStore {
                     "the connections that wait for replicas could not be opened: {e}"
                 ))
             })?;
+            // Best effort, and bounded apart from the opening: a script still missing is loaded
+            // when a write meets its absence.
+            if let Some(first) = connections.first() {
+                let mut first = Connection::Replaced(first.clone());
+                let _ = tokio::time::timeout(PRELOAD, self.load_waited(&mut first)).await;
+            }
             Ok::<_, StoreError>(Arc::new(Pool {
                 connections,
                 free: std::sync::Mutex::new((0..size).collect()),
@@ -209,11 +220,10 @@ impl RedisStore {
         let replies = match two(replies.map_err(StoreError::unavailable)?)? {
             // Not in this server's script cache (a first use, a restart, a promoted replica):
             // loaded, then the pair sent again. Nothing ran.
+            // All of the scripts that wait are loaded at once, so after a restart or a failover
+            // only the first write that waits pays a second `WAIT`, not the first of each kind.
             (Value::ServerError(e), _) if e.kind() == Some(redis::ServerErrorKind::NoScript) => {
-                invocation
-                    .load_async(connection)
-                    .await
-                    .map_err(StoreError::unavailable)?;
+                self.load_waited(connection).await?;
                 let replies = pipe.query_async(connection).await;
                 two(replies.map_err(StoreError::unavailable)?)?
             }
@@ -241,6 +251,18 @@ impl RedisStore {
             },
         };
         Ok((reply, acknowledged))
+    }
+
+    /// Loads [`Scripts::waited`] into the server `connection` reaches, in one round trip.
+    async fn load_waited(&self, connection: &mut Connection) -> Result<(), StoreError> {
+        let loads = self.scripts.waited().map(|script| {
+            let mut connection = connection.clone();
+            async move { script.load_async(&mut connection).await }
+        });
+        futures_util::future::try_join_all(loads)
+            .await
+            .map_err(StoreError::unavailable)?;
+        Ok(())
     }
 
     /// A write that waits for replicas when the store does ([`run_then_wait`](Self::run_then_wait)),

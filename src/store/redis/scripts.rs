@@ -394,6 +394,15 @@ impl Scripts {
     }
 }
 
+impl Scripts {
+    /// The scripts a write sends beside a `WAIT` (a won claim's re-ask, a milestone, a
+    /// completion), loaded together: in a pipeline a script the server lacks still has its
+    /// `WAIT` run, a whole timeout when replicas lag, so each is loaded before it is needed.
+    pub(super) fn waited(&self) -> [&Script; 3] {
+        [&self.claim, &self.milestone, &self.complete]
+    }
+}
+
 /// `script`'s invocation on the located record's slot: its record, uncertain and pending
 /// keys, then `args` after the member.
 pub(super) fn invocation<'a>(

@@ -136,6 +136,64 @@ async fn s21_writes_that_wait_take_a_waiting_connection_each_or_give_up_after_5s
     }
 }
 
+/// `with_wait`: a write that waits sends its script and its `WAIT` in one pipeline, so a
+/// script the server lacks still has its `WAIT` run (a whole timeout when replicas lag), and
+/// the pair goes again once the script is loaded. The scripts that wait are therefore loaded
+/// when the waiting connections open, and all together when a write finds one missing (a
+/// restart, a failover, `SCRIPT FLUSH`): the first completion sends one `WAIT`, not two, and
+/// after a flush only the first write that waits pays a second, not the first of each kind.
+/// Counted on a server of the test's own: `WAIT`s per write, [1, 2, 1, 1] (loading each
+/// script alone when it was missing, [2, 2, 2, 1]).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s21_a_missing_script_costs_one_extra_wait_once_not_once_per_script() {
+    let Some(server) = common::own_redis::OwnRedis::start(&[]) else {
+        return;
+    };
+    let waits = || async {
+        common::own_redis::calls(
+            &common::own_redis::info(&server, "commandstats").await,
+            "wait",
+        )
+    };
+    let store = common::own_redis::store_on(&server.url(), Some("preload")).await;
+    // No replica: each write is refused for it after its 50 ms `WAIT`, having landed.
+    let waiting = store.clone().with_wait(1, Duration::from_millis(50));
+    let mut held = Vec::new();
+    for i in 0..4 {
+        // Claimed without waiting: the claim script is loaded, the others are not.
+        let key = ScopedKey::new("", unique(&format!("preload{i}")));
+        let token = acquire(&store, &req(&key, LONG, LONG)).await;
+        held.push((key, token));
+    }
+    let mut sent = Vec::new();
+    for (i, (key, token)) in held.iter().enumerate() {
+        if i == 1 {
+            server
+                .cmd(&["SCRIPT", "FLUSH"])
+                .await
+                .expect("SCRIPT FLUSH");
+        }
+        let before = waits().await;
+        let written = if i % 2 == 0 {
+            waiting.complete(key, *token, &response("done"), LONG).await
+        } else {
+            waiting
+                .record_milestone(key, *token, &Milestone::EffectStarted)
+                .await
+        };
+        assert!(
+            matches!(&written, Err(StoreError::Unavailable(e)) if e.to_string().contains("0 of 1")),
+            "write {i}: {written:?}"
+        );
+        sent.push(waits().await - before);
+    }
+    assert_eq!(
+        sent,
+        [1, 2, 1, 1],
+        "WAITs per write: completion, flush, milestone, completion, milestone"
+    );
+}
+
 /// `with_waiting_connections` set far too high (a million, by mistake) opens 64, the most,
 /// not a million inside a request: counted on a server of the test's own, the first write
 /// that waits adds exactly 64 clients.
