@@ -8,7 +8,7 @@ use std::time::{Duration, SystemTime};
 
 use proptest::prelude::*;
 
-use super::super::{Fingerprint, HistoryEntry};
+use super::super::{Fingerprint, HistoryEntry, LeaseExpiry};
 use super::*;
 
 #[derive(Debug, Clone)]
