@@ -62,8 +62,10 @@ struct Held {
     key: ScopedKey,
     token: FencingToken,
     lease: Duration,
-    /// When the next renewal starts: a third of a lease after the last one was sent, whether
-    /// or not it has come back.
+    /// When the next renewal starts: a tick after the last one was sent, until one comes back
+    /// renewed, which puts it a third of a lease after it was sent. So a renewal slow to
+    /// come back, or refused, has the next go a tick after it, however long the store takes
+    /// to answer (at most [`OUTSTANDING`] at once).
     due: Instant,
     /// Renewals under way. One that hangs (a connection stuck, a row lock) does not hold up
     /// the next: the lease would run out behind it and another request take the key over
@@ -123,8 +125,10 @@ impl<St> Keeper<St> {
 impl<St: IdempotencyStore> Keeper<St> {
     /// Keeps `token`'s lease on `key` renewed until the returned hold is dropped. `since`:
     /// when the lease was asked for, if the store took a while to answer (the lease began
-    /// somewhere between then and now, so its first renewal is due a third of a lease after
-    /// then); otherwise now.
+    /// somewhere between then and now); otherwise now. The first renewal is due a tick before
+    /// a third of the lease from then: the keeper wakes a tick apart at a phase of its own, so
+    /// it goes by a third of the lease at the latest, leaving the refusals that follow as many
+    /// tries, a tick apart, as a lease renewed on time has.
     pub(crate) fn hold(
         &self,
         key: &ScopedKey,
@@ -134,11 +138,12 @@ impl<St: IdempotencyStore> Keeper<St> {
     ) -> Hold<St> {
         let runtime = tokio::runtime::Handle::try_current().ok();
         self.start(lease, runtime.as_ref());
+        let tick = tick(self.shared.shortest.load(Ordering::Relaxed));
         let held = Held {
             key: key.clone(),
             token,
             lease,
-            due: since.unwrap_or_else(Instant::now) + lease / 3,
+            due: since.unwrap_or_else(Instant::now) + (lease / 3).saturating_sub(tick),
             renewing: 0,
             lost: false,
             reading: false,
@@ -285,7 +290,7 @@ async fn keep<St: IdempotencyStore>(
             return;
         };
         let now = Instant::now();
-        let due: Vec<(usize, ScopedKey, FencingToken, Duration)> = {
+        let due: Vec<(usize, ScopedKey, FencingToken, Duration, Instant)> = {
             let mut slots = lock(&shared.slots);
             slots
                 .held
@@ -301,16 +306,16 @@ async fn keep<St: IdempotencyStore>(
                         return None;
                     }
                     held.renewing += 1;
-                    // The next one starts a third of a lease after this one was sent, even if
-                    // this one has not come back by then.
-                    held.due = now + held.lease / 3;
-                    Some((slot, held.key.clone(), held.token, held.lease))
+                    // The next one starts a tick after this one unless this one comes back
+                    // renewed by then (see `Held::due`).
+                    held.due = now + tick;
+                    Some((slot, held.key.clone(), held.token, held.lease, now))
                 })
                 .collect()
         };
-        for (slot, key, token, lease) in due {
+        for (slot, key, token, lease, sent) in due {
             // A task per renewal: one slow or hanging store call holds up no other lease.
-            tokio::spawn(renew(shared.clone(), slot, key, token, lease));
+            tokio::spawn(renew(shared.clone(), slot, key, token, lease, sent));
         }
     }
 }
@@ -321,6 +326,7 @@ async fn renew<St: IdempotencyStore>(
     key: ScopedKey,
     token: FencingToken,
     lease: Duration,
+    sent: Instant,
 ) {
     // A store's renewal that panics is a failed one: the slot's count of renewals under way
     // must come down, or after two the lease would never be renewed again.
@@ -336,20 +342,21 @@ async fn renew<St: IdempotencyStore>(
         observe::count(Event::StoreError);
         tracing::warn!(%error, "lease renewal failed; trying again");
     }
-    // Until a read shows the lease lost, a fenced renewal is tried again at the keeper's next
-    // wake, within a tick, as a failed one is: a store or a proxy may fence by mistake
-    // (breaking the trait's word), and a lease given up then would lapse under a running
-    // handler, for a retry to take over. The read may take a while: the next renewal does not
-    // wait for it.
+    // Until a read shows the lease lost, a fenced renewal is tried again a tick after it was
+    // sent, as a failed one is: a store or a proxy may fence by mistake (breaking the trait's
+    // word), and a lease given up then would lapse under a running handler, for a retry to
+    // take over. The read may take a while: the next renewal does not wait for it.
     let fenced = matches!(result, Err(StoreError::Fenced));
     let mut read = false;
     settle(&shared, slot, &key, token, |held| {
         held.renewing = held.renewing.saturating_sub(1);
-        // Due now, so the keeper's next wake, at most a tick away, sends it. Due a tick from
-        // now, it would miss that wake by however long the store took to answer and wait for
-        // the one after: two ticks, and a few failures in a row would let the lease lapse.
-        if result.is_err() {
-            held.due = held.due.min(Instant::now());
+        // Renewed: the next a third of a lease after this one was sent (a later one may have
+        // been sent meanwhile, and come back later still). Refused: the next stays due a tick
+        // after this one was sent, not a tick after the refusal came back, which would miss
+        // the keeper's wake by however long the store took to say no and wait for the one
+        // after, and a few refusals in a row would let the lease lapse.
+        if result.is_ok() {
+            held.due = held.due.max(sent + lease / 3);
         }
         read = fenced && !held.lost && !std::mem::replace(&mut held.reading, true);
     });
