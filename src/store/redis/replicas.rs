@@ -128,6 +128,7 @@ impl RedisStore {
                 slot: None,
             });
         }
+        let began = tokio::time::Instant::now();
         let opening = self.waiting.get_or_try_init(|| async {
             let client = self
                 .nodes
@@ -144,11 +145,14 @@ impl RedisStore {
                     "the connections that wait for replicas could not be opened: {e}"
                 ))
             })?;
-            // Best effort, and bounded apart from the opening: a script still missing is loaded
-            // when a write meets its absence.
+            // Best effort, within half the time the opening has left, so connections slow to
+            // open are not given up on for it: a script still missing is loaded when a write
+            // meets its absence.
             if let Some(first) = connections.first() {
                 let mut first = Connection::Replaced(first.clone());
-                let _ = tokio::time::timeout(PRELOAD, self.load_waited(&mut first)).await;
+                let left = TIMEOUT.saturating_sub(began.elapsed()) / 2;
+                let preload = self.load_waited(&mut first, None);
+                let _ = tokio::time::timeout(PRELOAD.min(left), preload).await;
             }
             Ok::<_, StoreError>(Arc::new(Pool {
                 connections,
@@ -223,7 +227,7 @@ impl RedisStore {
             // All of the scripts that wait are loaded at once, so after a restart or a failover
             // only the first write that waits pays a second `WAIT`, not the first of each kind.
             (Value::ServerError(e), _) if e.kind() == Some(redis::ServerErrorKind::NoScript) => {
-                self.load_waited(connection).await?;
+                self.load_waited(connection, Some(script)).await?;
                 let replies = pipe.query_async(connection).await;
                 two(replies.map_err(StoreError::unavailable)?)?
             }
@@ -253,9 +257,16 @@ impl RedisStore {
         Ok((reply, acknowledged))
     }
 
-    /// Loads [`Scripts::waited`] into the server `connection` reaches, in one round trip.
-    async fn load_waited(&self, connection: &mut Connection) -> Result<(), StoreError> {
-        let loads = self.scripts.waited().map(|script| {
+    /// Loads [`Scripts::waited`], and `also` if it is not one of them, into the server
+    /// `connection` reaches, in one round trip.
+    async fn load_waited(
+        &self,
+        connection: &mut Connection,
+        also: Option<&Script>,
+    ) -> Result<(), StoreError> {
+        let waited = self.scripts.waited();
+        let also = also.filter(|also| waited.iter().all(|w| w.get_hash() != also.get_hash()));
+        let loads = waited.into_iter().chain(also).map(|script| {
             let mut connection = connection.clone();
             async move { script.load_async(&mut connection).await }
         });
