@@ -21,6 +21,7 @@ pub mod sink;
 pub mod sqlite_cli;
 pub mod sqlite_files;
 pub mod statements;
+pub mod valve;
 
 use std::net::SocketAddr;
 use std::sync::Arc;

@@ -105,10 +105,20 @@ impl OwnRedis {
     /// again on the same port and directory: what it kept on disk (an append-only file) is
     /// all it has.
     pub fn restart(&mut self) {
+        self.stop();
+        self.start_again();
+    }
+
+    /// Kills the server (SIGKILL); [`start_again`](Self::start_again) brings it back.
+    pub fn stop(&mut self) {
         if let Some(mut child) = self.child.take() {
             let _ = child.kill();
             let _ = child.wait();
         }
+    }
+
+    /// Starts the stopped server again on the same port and directory.
+    pub fn start_again(&mut self) {
         assert!(self.run(), "the private redis-server started again");
     }
 

@@ -5,17 +5,16 @@
 use crate::common;
 
 use std::net::SocketAddr;
-use std::path::PathBuf;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime};
 
 use axum::Router;
 use axum::http::StatusCode;
 use axum::routing::post;
+use common::own_redis::OwnRedis;
+use common::valve::Valve;
 use common::{Effects, serve};
-use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::Notify;
 use tower_idempotency::store::{
     AnyStore, Claim, ClaimRequest, FencingToken, Fingerprint, InFlight, LeaseExpiry, RecordStatus,
     RedisStore, ScopedKey, StoredResponse,
@@ -23,6 +22,10 @@ use tower_idempotency::store::{
 use tower_idempotency::{IdempotencyLayer, IdempotencyStore, MemoryStore};
 
 const LONG: Duration = Duration::from_secs(60);
+
+/// A private server that loses nothing it acknowledged when killed: every write appended and
+/// synced.
+const AOF: &[&str] = &["--appendonly", "yes", "--appendfsync", "always"];
 
 fn unique(name: &str) -> String {
     let nanos = SystemTime::now()
@@ -272,55 +275,6 @@ async fn s21_no_wakeup_is_lost_at_registration() {
     }
 }
 
-/// A TCP proxy whose links can be cut *silently*: the server's side is closed (as when Redis
-/// restarts, or a NAT forgets an idle flow), the client's side stays open and hears nothing.
-#[derive(Clone)]
-struct SilentProxy {
-    addr: SocketAddr,
-    links: Arc<Mutex<Vec<Arc<Notify>>>>,
-    graveyard: Arc<Mutex<Vec<TcpStream>>>,
-}
-
-impl SilentProxy {
-    async fn start(upstream: SocketAddr) -> Self {
-        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
-        let proxy = Self {
-            addr: listener.local_addr().expect("addr"),
-            links: Arc::default(),
-            graveyard: Arc::default(),
-        };
-        let p = proxy.clone();
-        tokio::spawn(async move {
-            while let Ok((mut client, _)) = listener.accept().await {
-                let Ok(mut server) = TcpStream::connect(upstream).await else {
-                    continue;
-                };
-                let sever = Arc::new(Notify::new());
-                p.links.lock().expect("lock").push(sever.clone());
-                let graveyard = p.graveyard.clone();
-                tokio::spawn(async move {
-                    tokio::select! {
-                        _ = tokio::io::copy_bidirectional(&mut client, &mut server) => {}
-                        _ = sever.notified() => {
-                            drop(server);
-                            graveyard.lock().expect("lock").push(client);
-                        }
-                    }
-                });
-            }
-        });
-        proxy
-    }
-
-    fn links(&self) -> usize {
-        self.links.lock().expect("lock").len()
-    }
-
-    fn sever(&self, i: usize) {
-        self.links.lock().expect("lock")[i].notify_one();
-    }
-}
-
 /// The store's subscription dies silently (no FIN reaches the client: a NAT or firewall
 /// dropped the idle flow, or Redis restarted behind a partition). Its heartbeat finds the dead
 /// link within a few seconds: the waiters of that moment are woken to look again (never
@@ -339,8 +293,8 @@ async fn s21_a_silently_dead_subscription_is_found_by_its_heartbeat() {
     .expect("resolve")
     .next()
     .expect("an address");
-    let proxy = SilentProxy::start(upstream).await;
-    let store = RedisStore::connect(&format!("redis://{}", proxy.addr))
+    let proxy = Valve::start(upstream).await;
+    let store = RedisStore::connect(&proxy.url())
         .await
         .expect("connect")
         .with_prefix(&common::redis_prefix("silent"))
@@ -357,8 +311,9 @@ async fn s21_a_silently_dead_subscription_is_found_by_its_heartbeat() {
         2,
         "the command connection and the subscription"
     );
-    // The subscription (the second connection) dies silently.
-    proxy.sever(1);
+    // The subscription (the second connection) dies silently: stalled for good, it carries
+    // nothing either way and no FIN reaches the client.
+    proxy.freeze_from(1);
     tokio::time::sleep(Duration::from_millis(200)).await;
     let effects_before = effects.count();
     let answers = burst(addr, &unique("after"), 5, 300).await;
@@ -385,100 +340,12 @@ async fn s21_a_silently_dead_subscription_is_found_by_its_heartbeat() {
     assert_eq!(effects.count(), effects_before + 2);
 }
 
-/// A redis-server of this test's own on a free port (AOF on every write, in a temp dir), that
-/// it can kill, restart and starve of memory without touching the shared servers.
-struct PrivateRedis {
-    port: u16,
-    dir: PathBuf,
-    child: Option<std::process::Child>,
-}
-
-impl PrivateRedis {
-    fn start() -> Option<Self> {
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .ok()?
-            .local_addr()
-            .ok()?
-            .port();
-        let dir = std::env::temp_dir().join(unique("rev21-redis"));
-        std::fs::create_dir_all(&dir).ok()?;
-        let mut me = Self {
-            port,
-            dir,
-            child: None,
-        };
-        me.spawn()?;
-        Some(me)
-    }
-
-    fn spawn(&mut self) -> Option<()> {
-        let child = std::process::Command::new("redis-server")
-            .args([
-                "--port",
-                &self.port.to_string(),
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-                "--appendonly",
-                "yes",
-                "--appendfsync",
-                "always",
-                "--dir",
-                self.dir.to_str()?,
-            ])
-            .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::null())
-            .spawn()
-            .ok()?;
-        self.child = Some(child);
-        for _ in 0..100 {
-            if std::net::TcpStream::connect(("127.0.0.1", self.port)).is_ok() {
-                std::thread::sleep(Duration::from_millis(50));
-                return Some(());
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        None
-    }
-
-    fn url(&self) -> String {
-        format!("redis://127.0.0.1:{}", self.port)
-    }
-
-    fn kill(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
-    }
-
-    async fn cmd(&self, args: &[&str]) -> redis::RedisResult<redis::Value> {
-        let mut conn = redis::Client::open(self.url())?
-            .get_multiplexed_async_connection()
-            .await?;
-        let mut c = redis::cmd(args[0]);
-        for a in &args[1..] {
-            c.arg(*a);
-        }
-        c.query_async(&mut conn).await
-    }
-}
-
-impl Drop for PrivateRedis {
-    fn drop(&mut self) {
-        self.kill();
-        let _ = std::fs::remove_dir_all(&self.dir);
-    }
-}
-
 /// Redis killed and restarted (AOF, nothing lost) while duplicates wait for a running
 /// request: the subscription is lost and restored. Nobody hangs, nothing runs twice, and every
 /// duplicate gets the replay or a 503 (never a second run nor a wrong answer).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn s21_redis_restarted_under_waiters() {
-    let Some(mut server) = PrivateRedis::start() else {
-        common::unreachable("a private redis-server", &"could not start");
+    let Some(mut server) = OwnRedis::start(AOF) else {
         return;
     };
     let store = RedisStore::connect(&server.url())
@@ -494,9 +361,9 @@ async fn s21_redis_restarted_under_waiters() {
     let k = key.clone();
     let running = tokio::spawn(async move { burst(addr, &k, 10, 2000).await });
     tokio::time::sleep(Duration::from_millis(600)).await;
-    server.kill();
+    server.stop();
     tokio::time::sleep(Duration::from_millis(300)).await;
-    server.spawn().expect("restart");
+    server.start_again();
     let answers = running.await.expect("burst");
     println!(
         "{:?}",
@@ -528,8 +395,7 @@ async fn s21_redis_restarted_under_waiters() {
 /// outcome lands once memory is back.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn s21_redis_out_of_memory_fails_closed() {
-    let Some(server) = PrivateRedis::start() else {
-        common::unreachable("a private redis-server", &"could not start");
+    let Some(server) = OwnRedis::start(AOF) else {
         return;
     };
     let store = RedisStore::connect(&server.url())
@@ -820,8 +686,7 @@ async fn s21_cluster_waiters_claim_a_bounded_number_of_times() {
 /// the write it made stands and is reported as made (nothing retries it), and waiters poll.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn s21_an_acl_user_without_channels() {
-    let Some(server) = PrivateRedis::start() else {
-        common::unreachable("a private redis-server", &"could not start");
+    let Some(server) = OwnRedis::start(AOF) else {
         return;
     };
     println!(
@@ -832,7 +697,7 @@ async fn s21_an_acl_user_without_channels() {
         .cmd(&["ACL", "SETUSER", "app", "on", ">pw", "~*", "+@all"])
         .await
         .expect("acl");
-    let url = format!("redis://app:pw@127.0.0.1:{}", server.port);
+    let url = format!("redis://app:pw@127.0.0.1:{}", server.addr().port());
     let store = RedisStore::connect(&url)
         .await
         .expect("connect")
@@ -891,17 +756,17 @@ async fn s21_an_acl_user_without_channels() {
     let b = send(addr, &k, 0).await;
     println!("first {:?}, retry {:?}", (a.0, a.1), (b.0, b.1));
     // No write is retried in the background: the script calls stay as they are.
-    let scripts = |v: redis::Value| {
-        let text = match v {
-            redis::Value::BulkString(b) => String::from_utf8_lossy(&b).into_owned(),
-            redis::Value::VerbatimString { text, .. } => text,
-            other => format!("{other:?}"),
-        };
+    let scripts = || async {
+        let text = common::own_redis::info(&server, "commandstats").await;
+        assert!(
+            text.contains("cmdstat_"),
+            "INFO commandstats answered: {text:?}"
+        );
         common::own_redis::calls(&text, "evalsha") + common::own_redis::calls(&text, "eval")
     };
-    let before = scripts(server.cmd(&["INFO", "commandstats"]).await.expect("info"));
+    let before = scripts().await;
     tokio::time::sleep(Duration::from_secs(4)).await;
-    let after = scripts(server.cmd(&["INFO", "commandstats"]).await.expect("info"));
+    let after = scripts().await;
     assert_eq!(effects.count(), 1);
     completed.expect("a completion that landed is reported as landed");
     assert_eq!(

@@ -26,7 +26,7 @@ use tower_idempotency::IdempotencyStore;
 use tower_idempotency::store::{RecordStatus, RedisCheckError, RedisStore, ScopedKey};
 
 // The stalling proxy is redis_replace_review's.
-use super::redis_replace_review::Valve;
+use common::valve::Valve;
 
 // ==== clusters of the test's own ================================================================
 

@@ -26,7 +26,7 @@ use tower_idempotency::{Fingerprint, IdempotencyStore, LeaseExpiry, ScopedKey};
 use common::own_redis::*;
 use common::{guard, serve};
 
-use super::redis_replace_review::Valve;
+use common::valve::Valve;
 
 /// How long a write waits for the replica's acknowledgement.
 const WAIT: Duration = Duration::from_millis(500);
