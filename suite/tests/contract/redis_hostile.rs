@@ -142,10 +142,17 @@ async fn s21_writes_that_wait_take_a_waiting_connection_each_or_give_up_after_5s
 /// when the waiting connections open, and all together when a write finds one missing (a
 /// restart, a failover, `SCRIPT FLUSH`): the first completion sends one `WAIT`, not two, and
 /// after a flush only the first write that waits pays a second, not the first of each kind.
-/// Counted on a server of the test's own: `WAIT`s per write, [1, 2, 1, 1] (loading each
-/// script alone when it was missing, [2, 2, 2, 1]).
+/// A claim that waits after a flush pays none: its first round trip (without `WAIT`) loads
+/// its script before the re-ask. Counted on a server of the test's own, `WAIT`s per write:
+/// [1, 2, 1, 1, 1, 2, 1] (loading each script alone when it was missing: [2, 2, 2, 1, 1, 2,
+/// 2]).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn s21_a_missing_script_costs_one_extra_wait_once_not_once_per_script() {
+    enum Write {
+        Complete,
+        Milestone,
+        Claim,
+    }
     let Some(server) = common::own_redis::OwnRedis::start(&[]) else {
         return;
     };
@@ -158,39 +165,54 @@ async fn s21_a_missing_script_costs_one_extra_wait_once_not_once_per_script() {
     let store = common::own_redis::store_on(&server.url(), Some("preload")).await;
     // No replica: each write is refused for it after its 50 ms `WAIT`, having landed.
     let waiting = store.clone().with_wait(1, Duration::from_millis(50));
-    let mut held = Vec::new();
-    for i in 0..4 {
-        // Claimed without waiting: the claim script is loaded, the others are not.
-        let key = ScopedKey::new("", unique(&format!("preload{i}")));
-        let token = acquire(&store, &req(&key, LONG, LONG)).await;
-        held.push((key, token));
-    }
+    // (flush first, the write)
+    let steps = [
+        (false, Write::Complete),
+        (true, Write::Milestone),
+        (false, Write::Complete),
+        (false, Write::Milestone),
+        (true, Write::Claim),
+        (false, Write::Complete),
+        (false, Write::Milestone),
+    ];
     let mut sent = Vec::new();
-    for (i, (key, token)) in held.iter().enumerate() {
-        if i == 1 {
+    for (i, (flush, write)) in steps.iter().enumerate() {
+        // Claimed without waiting: the claim script is loaded, the others need not be.
+        let key = ScopedKey::new("", unique(&format!("preload{i}")));
+        let token = match write {
+            Write::Claim => None,
+            _ => Some(acquire(&store, &req(&key, LONG, LONG)).await),
+        };
+        if *flush {
             server
                 .cmd(&["SCRIPT", "FLUSH"])
                 .await
                 .expect("SCRIPT FLUSH");
         }
         let before = waits().await;
-        let written = if i % 2 == 0 {
-            waiting.complete(key, *token, &response("done"), LONG).await
-        } else {
-            waiting
-                .record_milestone(key, *token, &Milestone::EffectStarted)
+        let refused = |e: &StoreError| e.to_string().contains("0 of 1");
+        let written = match (write, token) {
+            (Write::Complete, Some(token)) => waiting
+                .complete(&key, token, &response("done"), LONG)
                 .await
+                .map(drop),
+            (Write::Milestone, Some(token)) => waiting
+                .record_milestone(&key, token, &Milestone::EffectStarted)
+                .await
+                .map(drop),
+            _ => waiting.claim(&req(&key, LONG, LONG)).await.map(drop),
         };
         assert!(
-            matches!(&written, Err(StoreError::Unavailable(e)) if e.to_string().contains("0 of 1")),
+            written.as_ref().is_err_and(refused),
             "write {i}: {written:?}"
         );
         sent.push(waits().await - before);
     }
     assert_eq!(
         sent,
-        [1, 2, 1, 1],
-        "WAITs per write: completion, flush, milestone, completion, milestone"
+        [1, 2, 1, 1, 1, 2, 1],
+        "WAITs per write: completion; flush, milestone, completion, milestone; flush, claim, \
+         completion, milestone"
     );
 }
 
