@@ -1,6 +1,6 @@
 //! The holder keeps its lease for as long as its process lives (DESIGN §4).
 //!
-//! A [`Keeper`], one per layer, renews every lease held longer than a third of its length from
+//! A [`Keeper`], one per layer, renews every lease held for about a third of its length from
 //! a task of its own on each runtime that holds leases (a layer may serve several: a runtime
 //! per core, or one that shuts down while another goes on). Renewal never runs on the
 //! handler's task, so on a multi-threaded runtime a handler that blocks its thread
@@ -62,10 +62,13 @@ struct Held {
     key: ScopedKey,
     token: FencingToken,
     lease: Duration,
-    /// When the next renewal starts: a tick after the last one was sent, until one comes back
-    /// renewed, which puts it a third of a lease after it was sent. So a renewal slow to
-    /// come back, or refused, has the next go a tick after it, however long the store takes
-    /// to answer (at most [`OUTSTANDING`] at once).
+    /// When the next renewal starts: a sixth of the lease (and at least a tick) after the last
+    /// one was sent, until one comes back renewed, which puts it a third of a lease after it
+    /// was sent. So a renewal refused, or slower to come back than a sixth of the lease, has
+    /// the next go a sixth of a lease after it, however long the store took to say no, and
+    /// the lease gets four tries before it runs out; a store that answers in time sees one
+    /// renewal per third of a lease, and a slower one at most twice as many. At most
+    /// [`OUTSTANDING`] at once: refusals slower than a third of the lease leave fewer tries.
     due: Instant,
     /// Renewals under way. One that hangs (a connection stuck, a row lock) does not hold up
     /// the next: the lease would run out behind it and another request take the key over
@@ -128,7 +131,7 @@ impl<St: IdempotencyStore> Keeper<St> {
     /// somewhere between then and now); otherwise now. The first renewal is due a tick before
     /// a third of the lease from then: the keeper wakes a tick apart at a phase of its own, so
     /// it goes by a third of the lease at the latest, leaving the refusals that follow as many
-    /// tries, a tick apart, as a lease renewed on time has.
+    /// tries as a lease renewed on time has.
     pub(crate) fn hold(
         &self,
         key: &ScopedKey,
@@ -306,9 +309,11 @@ async fn keep<St: IdempotencyStore>(
                         return None;
                     }
                     held.renewing += 1;
-                    // The next one starts a tick after this one unless this one comes back
-                    // renewed by then (see `Held::due`).
-                    held.due = now + tick;
+                    // The next one starts a sixth of the lease after this one unless this one
+                    // comes back renewed by then (see `Held::due`). Not a tick: the tick is
+                    // the shortest lease's, and a longer lease renewed that often by a slow
+                    // store would add to its load as many times over.
+                    held.due = now + tick.max(held.lease / 6);
                     Some((slot, held.key.clone(), held.token, held.lease, now))
                 })
                 .collect()
@@ -342,19 +347,20 @@ async fn renew<St: IdempotencyStore>(
         observe::count(Event::StoreError);
         tracing::warn!(%error, "lease renewal failed; trying again");
     }
-    // Until a read shows the lease lost, a fenced renewal is tried again a tick after it was
-    // sent, as a failed one is: a store or a proxy may fence by mistake (breaking the trait's
-    // word), and a lease given up then would lapse under a running handler, for a retry to
-    // take over. The read may take a while: the next renewal does not wait for it.
+    // Until a read shows the lease lost, a fenced renewal is followed by the next a sixth of a
+    // lease after it was sent, as a failed one is: a store or a proxy may fence by mistake
+    // (breaking the trait's word), and a lease given up then would lapse under a running
+    // handler, for a retry to take over. The read may take a while: the next renewal does not
+    // wait for it.
     let fenced = matches!(result, Err(StoreError::Fenced));
     let mut read = false;
     settle(&shared, slot, &key, token, |held| {
         held.renewing = held.renewing.saturating_sub(1);
         // Renewed: the next a third of a lease after this one was sent (a later one may have
-        // been sent meanwhile, and come back later still). Refused: the next stays due a tick
-        // after this one was sent, not a tick after the refusal came back, which would miss
-        // the keeper's wake by however long the store took to say no and wait for the one
-        // after, and a few refusals in a row would let the lease lapse.
+        // been sent meanwhile, and come back later still). Refused: the next stays due a sixth
+        // of a lease after this one was sent, not after the refusal came back, which would
+        // miss the keeper's wake by however long the store took to say no and wait for the
+        // one after, and a few refusals in a row would let the lease lapse.
         if result.is_ok() {
             held.due = held.due.max(sent + lease / 3);
         }
