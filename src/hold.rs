@@ -64,11 +64,13 @@ struct Held {
     lease: Duration,
     /// When the next renewal starts: a sixth of the lease (and at least a tick) after the last
     /// one was sent, until one comes back renewed, which puts it a third of a lease after it
-    /// was sent. So a renewal refused, or slower to come back than a sixth of the lease, has
-    /// the next go a sixth of a lease after it, however long the store took to say no, and
-    /// the lease gets four tries before it runs out; a store that answers in time sees one
-    /// renewal per third of a lease, and a slower one at most twice as many. At most
-    /// [`OUTSTANDING`] at once: refusals slower than a third of the lease leave fewer tries.
+    /// was sent, or refused, which brings it to a second after it was sent for a lease longer
+    /// than six (a blip lasts seconds whatever the lease). So a renewal refused, or slower to
+    /// come back than a sixth of the lease, has the next go at most a sixth of a lease (or a
+    /// second) after it was sent, however long the store took to say no, and the lease gets
+    /// at least four tries before it runs out; a store that answers in time sees one renewal
+    /// per third of a lease, a slower one at most twice as many. At most [`OUTSTANDING`] at
+    /// once: refusals slower than a third of the lease leave fewer tries.
     due: Instant,
     /// Renewals under way. One that hangs (a connection stuck, a row lock) does not hold up
     /// the next: the lease would run out behind it and another request take the key over
@@ -293,7 +295,7 @@ async fn keep<St: IdempotencyStore>(
             return;
         };
         let now = Instant::now();
-        let due: Vec<(usize, ScopedKey, FencingToken, Duration, Instant)> = {
+        let due: Vec<(usize, ScopedKey, FencingToken, Duration, Instant, Instant)> = {
             let mut slots = lock(&shared.slots);
             slots
                 .held
@@ -314,15 +316,26 @@ async fn keep<St: IdempotencyStore>(
                     // the shortest lease's, and a longer lease renewed that often by a slow
                     // store would add to its load as many times over.
                     held.due = now + tick.max(held.lease / 6);
-                    Some((slot, held.key.clone(), held.token, held.lease, now))
+                    // Refused, the next goes sooner for a lease longer than six seconds: a
+                    // store's blip lasts seconds whatever the lease, and a long lease tried
+                    // again only a sixth of it later would have its tries spread over hours.
+                    let again = now + tick.max((held.lease / 6).min(MAX_TICK));
+                    Some((slot, held.key.clone(), held.token, held.lease, now, again))
                 })
                 .collect()
         };
-        for (slot, key, token, lease, sent) in due {
+        for (slot, key, token, lease, sent, again) in due {
             // A task per renewal: one slow or hanging store call holds up no other lease.
+            let sent = Sent { at: sent, again };
             tokio::spawn(renew(shared.clone(), slot, key, token, lease, sent));
         }
     }
+}
+
+/// When a renewal was sent, and when the next goes if it is refused.
+struct Sent {
+    at: Instant,
+    again: Instant,
 }
 
 async fn renew<St: IdempotencyStore>(
@@ -331,7 +344,7 @@ async fn renew<St: IdempotencyStore>(
     key: ScopedKey,
     token: FencingToken,
     lease: Duration,
-    sent: Instant,
+    sent: Sent,
 ) {
     // A store's renewal that panics is a failed one: the slot's count of renewals under way
     // must come down, or after two the lease would never be renewed again.
@@ -347,22 +360,22 @@ async fn renew<St: IdempotencyStore>(
         observe::count(Event::StoreError);
         tracing::warn!(%error, "lease renewal failed; trying again");
     }
-    // Until a read shows the lease lost, a fenced renewal is followed by the next a sixth of a
-    // lease after it was sent, as a failed one is: a store or a proxy may fence by mistake
-    // (breaking the trait's word), and a lease given up then would lapse under a running
-    // handler, for a retry to take over. The read may take a while: the next renewal does not
-    // wait for it.
+    // Until a read shows the lease lost, a fenced renewal is followed by the next as a failed
+    // one is (see `Held::due`): a store or a proxy may fence by mistake (breaking the trait's
+    // word), and a lease given up then would lapse under a running handler, for a retry to
+    // take over. The read may take a while: the next renewal does not wait for it.
     let fenced = matches!(result, Err(StoreError::Fenced));
     let mut read = false;
     settle(&shared, slot, &key, token, |held| {
         held.renewing = held.renewing.saturating_sub(1);
         // Renewed: the next a third of a lease after this one was sent (a later one may have
-        // been sent meanwhile, and come back later still). Refused: the next stays due a sixth
-        // of a lease after this one was sent, not after the refusal came back, which would
-        // miss the keeper's wake by however long the store took to say no and wait for the
-        // one after, and a few refusals in a row would let the lease lapse.
-        if result.is_ok() {
-            held.due = held.due.max(sent + lease / 3);
+        // been sent meanwhile, and come back later still). Refused: the next is due as
+        // `again` says, counted from when this one was sent, not from when the refusal came
+        // back, which would miss the keeper's wake by however long the store took to say no
+        // and wait for the one after, and a few refusals in a row would let the lease lapse.
+        match result {
+            Ok(_) => held.due = held.due.max(sent.at + lease / 3),
+            Err(_) => held.due = held.due.min(sent.again),
         }
         read = fenced && !held.lost && !std::mem::replace(&mut held.reading, true);
     });

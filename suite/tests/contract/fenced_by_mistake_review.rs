@@ -338,6 +338,69 @@ async fn s4_renewals_refused_slowly_are_tried_again_a_tick_after_they_were_sent(
     }
 }
 
+/// DESIGN §4: a refused renewal of a long lease is tried again within a second, not a sixth
+/// of the lease later: a store's blip lasts seconds whatever the lease. A 30 s lease alone on
+/// its keeper (a tick of 1 s), renewals that take 2 s each, the first four refused: retried a
+/// sixth of the lease apart, they went at 9, 14, 19 and 24 s and the fifth, at 29 s, landed at
+/// 31 s, after the lease had run out; a retry then took the key over and ran it again. On a
+/// paused clock, in process: a probe every half second must never run the key twice.
+#[tokio::test(start_paused = true)]
+async fn s4_a_long_lease_tries_a_refused_renewal_again_within_a_second() {
+    use tower::ServiceExt;
+    for (name, refusal) in [("fenced", Act::Fenced), ("failed", Act::Fail)] {
+        let rig = Rig::new(MemoryStore::on_tokio_clock());
+        rig.slow("renew", Duration::from_secs(2));
+        for n in 1..=4 {
+            rig.on("renew", n, refusal);
+        }
+        let effects = Effects::default();
+        let e = effects.clone();
+        let app = app(
+            layer(&rig, Route::plain(Duration::from_secs(30))),
+            handler(move |i, _ctx| {
+                let e = e.clone();
+                async move {
+                    // The first call is the holder: it works 40 s.
+                    if i == 0 {
+                        tokio::time::sleep(Duration::from_secs(40)).await;
+                    }
+                    (StatusCode::CREATED, format!("effect {}", e.hit()))
+                }
+            }),
+        );
+        let call = |key: String| {
+            let app = app.clone();
+            async move {
+                let request = axum::http::Request::post("/op")
+                    .header("idempotency-key", key)
+                    .header("content-type", "application/json")
+                    .body(axum::body::Body::from(r#"{"amount":10}"#))
+                    .expect("request");
+                app.oneshot(request).await.expect("infallible").status()
+            }
+        };
+        let key = unique(&format!("long-lease-{name}"));
+        let holder = tokio::spawn(call(key.clone()));
+        let mut answers = Vec::new();
+        while !holder.is_finished() {
+            tokio::time::sleep(ms(500)).await;
+            answers.push(call(key.clone()).await);
+        }
+        let held = holder.await.expect("the holder");
+        let what = format!(
+            "{name}: holder {held}; answers {answers:?}\n  {}",
+            rig.log()
+        );
+        assert_eq!(held, StatusCode::CREATED, "{what}");
+        assert_eq!(effects.count(), 1, "the key ran twice: {what}");
+        assert_eq!(rig.acquired(), 1, "the key was claimed twice: {what}");
+        assert!(
+            rig.renewed_ok.load(std::sync::atomic::Ordering::SeqCst) >= 1,
+            "{what}"
+        );
+    }
+}
+
 /// DESIGN §4: a store slower than the keeper's tick is not renewed the more often for it. The
 /// keeper's tick is a sixth of the shortest lease it serves (here 300 ms, a tick of 50 ms),
 /// and a lease of 30 s on the same layer, whose renewals take 60 ms each (longer than a

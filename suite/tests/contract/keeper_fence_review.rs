@@ -1,7 +1,8 @@
 use crate::common;
 
 // Adversarial review of d2a35eb and 13ad8fd (src/hold.rs): a renewal answered `Fenced` is no
-// longer taken as a lost lease at once. It is tried again a tick later, like a failed one, while
+// longer taken as a lost lease at once. It is tried again like a failed one (session 45: a sixth
+// of the lease after it was sent, within a second for leases over six seconds), while
 // a read (`lookup`, bounded by half a lease) runs beside it; only a read that shows the record
 // no longer in progress under the hold's token marks the slot lost (matched by slot, key and
 // token, since slots are reused) and counts `LeaseLost`.
