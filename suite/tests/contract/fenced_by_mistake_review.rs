@@ -42,6 +42,18 @@ use common::rig::*;
 
 // ---- helpers -------------------------------------------------------------------------------
 
+/// One POST of `{"amount":10}` to `path` under `key`, in process (no socket: a paused clock
+/// jumps ahead only while nothing runs); the answer's status.
+async fn post_in_process(app: axum::Router, path: &str, key: String) -> StatusCode {
+    use tower::ServiceExt;
+    let request = axum::http::Request::post(path)
+        .header("idempotency-key", key)
+        .header("content-type", "application/json")
+        .body(axum::body::Body::from(r#"{"amount":10}"#))
+        .expect("request");
+    app.oneshot(request).await.expect("infallible").status()
+}
+
 // ==== 1. a record fenced by mistake =============================================================
 
 /// DESIGN §4 (a failed record is retried under a renewed lease; "a resolved outcome is final:
@@ -346,7 +358,6 @@ async fn s4_renewals_refused_slowly_are_tried_again_a_tick_after_they_were_sent(
 /// paused clock, in process: a probe every half second must never run the key twice.
 #[tokio::test(start_paused = true)]
 async fn s4_a_long_lease_tries_a_refused_renewal_again_within_a_second() {
-    use tower::ServiceExt;
     for (name, refusal) in [("fenced", Act::Fenced), ("failed", Act::Fail)] {
         let rig = Rig::new(MemoryStore::on_tokio_clock());
         rig.slow("renew", Duration::from_secs(2));
@@ -368,17 +379,7 @@ async fn s4_a_long_lease_tries_a_refused_renewal_again_within_a_second() {
                 }
             }),
         );
-        let call = |key: String| {
-            let app = app.clone();
-            async move {
-                let request = axum::http::Request::post("/op")
-                    .header("idempotency-key", key)
-                    .header("content-type", "application/json")
-                    .body(axum::body::Body::from(r#"{"amount":10}"#))
-                    .expect("request");
-                app.oneshot(request).await.expect("infallible").status()
-            }
-        };
+        let call = |key: String| post_in_process(app.clone(), "/op", key);
         let key = unique(&format!("long-lease-{name}"));
         let holder = tokio::spawn(call(key.clone()));
         let mut answers = Vec::new();
@@ -409,7 +410,6 @@ async fn s4_a_long_lease_tries_a_refused_renewal_again_within_a_second() {
 /// clock, in process.
 #[tokio::test(start_paused = true)]
 async fn s4_a_slow_store_renews_a_long_lease_once_per_third_of_it_not_once_per_tick() {
-    use tower::ServiceExt;
     let rig = Rig::new(MemoryStore::on_tokio_clock());
     rig.slow("renew", ms(60));
     let layer = layer(&rig, Route::plain(ms(300)))
@@ -428,15 +428,7 @@ async fn s4_a_slow_store_renews_a_long_lease_once_per_third_of_it_not_once_per_t
         )
         .layer(layer);
     let call = |path: &'static str| {
-        let app = app.clone();
-        async move {
-            let request = axum::http::Request::post(path)
-                .header("idempotency-key", unique(path.trim_start_matches('/')))
-                .header("content-type", "application/json")
-                .body(axum::body::Body::from(r#"{"amount":10}"#))
-                .expect("request");
-            app.oneshot(request).await.expect("infallible").status()
-        }
+        post_in_process(app.clone(), path, unique(path.trim_start_matches('/')))
     };
     // The short lease sets the keeper's tick.
     assert_eq!(call("/short").await, StatusCode::CREATED);
@@ -460,7 +452,6 @@ async fn s4_a_slow_store_renews_a_long_lease_once_per_third_of_it_not_once_per_t
 /// every millisecond must never take the key over and run it a second time.
 #[tokio::test(start_paused = true)]
 async fn s4_three_refusals_at_the_keepers_worst_phase_keep_the_lease() {
-    use tower::ServiceExt;
     for (name, refusal) in [("fenced", Act::Fenced), ("failed", Act::Fail)] {
         let rig = Rig::new(MemoryStore::on_tokio_clock());
         rig.slow("renew", ms(3));
@@ -485,18 +476,7 @@ async fn s4_three_refusals_at_the_keepers_worst_phase_keep_the_lease() {
                 }
             }),
         );
-        let call = |key: String| {
-            let app = app.clone();
-            async move {
-                let request = axum::http::Request::post("/op")
-                    .header("idempotency-key", key)
-                    .header("content-type", "application/json")
-                    .body(axum::body::Body::from(r#"{"amount":10}"#))
-                    .expect("request");
-                let response = app.oneshot(request).await.expect("infallible");
-                response.status()
-            }
-        };
+        let call = |key: String| post_in_process(app.clone(), "/op", key);
         let starter = unique(&format!("phase-start-{name}"));
         assert_eq!(call(starter).await, StatusCode::CREATED);
         tokio::time::sleep(ms(51)).await;

@@ -406,13 +406,19 @@ async fn s21_the_names_a_store_writes_never_change() {
         ],
         "a claimed record's fields"
     );
-    let status: String = redis::cmd("HGET")
-        .arg(&record)
-        .arg("st")
-        .query_async(&mut conn)
-        .await
-        .expect("HGET");
-    assert_eq!(status, "in_progress");
+    let status = |mut conn: redis::aio::MultiplexedConnection| {
+        let record = record.clone();
+        async move {
+            let status: String = redis::cmd("HGET")
+                .arg(&record)
+                .arg("st")
+                .query_async(&mut conn)
+                .await
+                .expect("HGET");
+            status
+        }
+    };
+    assert_eq!(status(conn.clone()).await, "in_progress");
     // A route that reconciles watches its record: the bucket's pending set holds it.
     let watched = ScopedKey::new("tenant-\u{e9}", "order-1");
     let mut reconciling = req(&watched, LONG, LONG);
@@ -445,13 +451,7 @@ async fn s21_the_names_a_store_writes_never_change() {
     .await
     .expect("a message");
     assert_eq!(message.get_payload_bytes(), b"8:tenant-aorder-1");
-    let status: String = redis::cmd("HGET")
-        .arg(&record)
-        .arg("st")
-        .query_async(&mut conn)
-        .await
-        .expect("HGET");
-    assert_eq!(status, "completed");
+    assert_eq!(status(conn.clone()).await, "completed");
 }
 
 /// `with_wait`: the connections that wait for replicas are opened at the first write that
