@@ -65,12 +65,13 @@ struct Held {
     /// When the next renewal starts: a sixth of the lease (and at least a tick) after the last
     /// one was sent, until one comes back renewed, which puts it a third of a lease after it
     /// was sent, or refused, which brings it to a second after it was sent for a lease longer
-    /// than six (a blip lasts seconds whatever the lease). So a renewal refused, or slower to
-    /// come back than a sixth of the lease, has the next go at most a sixth of a lease (or a
-    /// second) after it was sent, however long the store took to say no, and the lease gets
-    /// at least four tries before it runs out; a store that answers in time sees one renewal
-    /// per third of a lease, a slower one at most twice as many. At most [`OUTSTANDING`] at
-    /// once: refusals slower than a third of the lease leave fewer tries.
+    /// than six seconds (a blip lasts seconds whatever the lease); each counted from the wake
+    /// that sent it, to the nearest wake. So a renewal refused, or slower to come back than a
+    /// sixth of the lease, has the next go at most a sixth of a lease (or a second) after it
+    /// was sent, however long the store took to say no, and the lease gets at least four tries
+    /// before it runs out; a store that answers in time sees one renewal per third of a lease,
+    /// a slower one at most twice as many. At most [`OUTSTANDING`] at once: refusals slower
+    /// than a third of the lease leave fewer tries.
     due: Instant,
     /// Renewals under way. One that hangs (a connection stuck, a row lock) does not hold up
     /// the next: the lease would run out behind it and another request take the key over
@@ -284,18 +285,37 @@ async fn keep<St: IdempotencyStore>(
     shorter: Arc<tokio::sync::Notify>,
     _running: Running<St>,
 ) {
+    let mut wake = Instant::now();
     loop {
         let tick = match shared.upgrade() {
             Some(shared) => tick(shared.shortest.load(Ordering::Relaxed)),
             None => return,
         };
-        // Woken early by a shorter lease, it looks at the slots and sleeps the shorter tick.
-        let _ = tokio::time::timeout(tick, shorter.notified()).await;
+        // Wakes a tick after the last wake was due, not a tick after it woke: timers fire up
+        // to a millisecond late, and a tick counted from each late wake would let them fall
+        // behind by that much every time (a fifth of a 5 ms tick). One that is behind anyway
+        // (a busy runtime) wakes at once, without a burst to catch up.
+        wake = (wake + tick).max(Instant::now());
+        // Woken early by a shorter lease, it looks at the slots and counts the shorter tick
+        // from then.
+        if tokio::time::timeout_at(wake, shorter.notified())
+            .await
+            .is_ok()
+        {
+            wake = Instant::now();
+        }
         let Some(shared) = shared.upgrade() else {
             return;
         };
         let now = Instant::now();
-        let due: Vec<(usize, ScopedKey, FencingToken, Duration, Instant, Instant)> = {
+        // What this wake sends is scheduled from when the wake was due, not from when it
+        // fired (a little late, by varying amounts), and half a tick early: the wakes that
+        // follow are due a whole number of ticks after this one, so a renewal due a tick (or
+        // a sixth, or a third of a lease) on goes at the wake nearest that, not at the one
+        // after it because it fell a hair past a wake (a late firing, a lease whose sixth is
+        // not a whole number of ticks).
+        let from = wake.checked_sub(tick / 2).unwrap_or(wake);
+        let due: Vec<(usize, ScopedKey, FencingToken, Duration, Sent)> = {
             let mut slots = lock(&shared.slots);
             slots
                 .held
@@ -315,26 +335,30 @@ async fn keep<St: IdempotencyStore>(
                     // comes back renewed by then (see `Held::due`). Not a tick: the tick is
                     // the shortest lease's, and a longer lease renewed that often by a slow
                     // store would add to its load as many times over.
-                    held.due = now + tick.max(held.lease / 6);
-                    // Refused, the next goes sooner for a lease longer than six seconds: a
-                    // store's blip lasts seconds whatever the lease, and a long lease tried
-                    // again only a sixth of it later would have its tries spread over hours.
-                    let again = now + tick.max((held.lease / 6).min(MAX_TICK));
-                    Some((slot, held.key.clone(), held.token, held.lease, now, again))
+                    held.due = from + tick.max(held.lease / 6);
+                    let sent = Sent {
+                        renewed: from + held.lease / 3,
+                        // Refused, the next goes sooner for a lease longer than six seconds:
+                        // a store's blip lasts seconds whatever the lease, and a long lease
+                        // tried again only a sixth of it later would have its tries spread
+                        // over hours.
+                        again: from + tick.max((held.lease / 6).min(MAX_TICK)),
+                    };
+                    Some((slot, held.key.clone(), held.token, held.lease, sent))
                 })
                 .collect()
         };
-        for (slot, key, token, lease, sent, again) in due {
+        for (slot, key, token, lease, sent) in due {
             // A task per renewal: one slow or hanging store call holds up no other lease.
-            let sent = Sent { at: sent, again };
             tokio::spawn(renew(shared.clone(), slot, key, token, lease, sent));
         }
     }
 }
 
-/// When a renewal was sent, and when the next goes if it is refused.
+/// When the next renewal goes after one sent at a wake: `renewed` if this one comes back
+/// renewed, `again` if it is refused.
 struct Sent {
-    at: Instant,
+    renewed: Instant,
     again: Instant,
 }
 
@@ -368,13 +392,13 @@ async fn renew<St: IdempotencyStore>(
     let mut read = false;
     settle(&shared, slot, &key, token, |held| {
         held.renewing = held.renewing.saturating_sub(1);
-        // Renewed: the next a third of a lease after this one was sent (a later one may have
-        // been sent meanwhile, and come back later still). Refused: the next is due as
+        // Renewed: the next about a third of a lease after this one was sent (a later one may
+        // have been sent meanwhile, and come back later still). Refused: the next is due as
         // `again` says, counted from when this one was sent, not from when the refusal came
         // back, which would miss the keeper's wake by however long the store took to say no
         // and wait for the one after, and a few refusals in a row would let the lease lapse.
         match result {
-            Ok(_) => held.due = held.due.max(sent.at + lease / 3),
+            Ok(_) => held.due = held.due.max(sent.renewed),
             Err(_) => held.due = held.due.min(sent.again),
         }
         read = fenced && !held.lost && !std::mem::replace(&mut held.reading, true);

@@ -75,6 +75,8 @@ pub struct Rig<S> {
     /// `release` fails while fewer claims than this have acquired.
     pub release_fails_below: AtomicUsize,
     pub renewed_ok: AtomicUsize,
+    /// When each renewal reached the store (the tokio clock: exact under a paused one).
+    pub renewals_at: Mutex<Vec<Instant>>,
     /// Operations of a kind fail until this instant.
     pub fail_until: Mutex<HashMap<&'static str, Instant>>,
     /// How many more `wait_for_change` calls return (almost) at once, as a store may.
@@ -108,6 +110,7 @@ impl<S: IdempotencyStore> Rig<S> {
             doomed: Mutex::default(),
             release_fails_below: AtomicUsize::new(0),
             renewed_ok: AtomicUsize::new(0),
+            renewals_at: Mutex::default(),
             fail_until: Mutex::default(),
             early_waits: AtomicUsize::new(0),
             slow: Mutex::default(),
@@ -293,6 +296,7 @@ impl<S: IdempotencyStore> IdempotencyStore for Rig<S> {
         token: FencingToken,
         lease: Duration,
     ) -> Result<SystemTime, StoreError> {
+        self.renewals_at.lock().unwrap().push(Instant::now());
         let out = self
             .around("renew", Some(token), self.inner.renew(key, token, lease))
             .await;

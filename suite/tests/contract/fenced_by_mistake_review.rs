@@ -402,6 +402,64 @@ async fn s4_a_long_lease_tries_a_refused_renewal_again_within_a_second() {
     }
 }
 
+/// DESIGN §4: the keeper's wakes keep their schedule when its timers fire late, and a renewal
+/// due a third or a sixth of a lease on goes at the wake nearest that. A timer fires up to a
+/// millisecond after it was due (tokio rounds it up to the millisecond, and a thread wakes
+/// when it can); a keeper that counted each tick from its own late wake fell behind by that
+/// much every wake, a fifth of the 5 ms tick of a 30 ms lease, and renewed such a lease every
+/// 12 ms where a third of it is 10. And a due time counted from a late wake, or a lease whose
+/// sixth is not a whole number of milliseconds (1 s: a tick of 166 ms), fell a hair past the
+/// wake it meant and waited a tick more: a third of a second became half. On a paused clock
+/// moved by hand in steps of 0.3 ms, never jumping to a timer (as a real clock does not): a
+/// handler works 100 ticks under each lease, its renewals answered, or after the first one
+/// all refused. No two renewals may be more than a third of the lease (a sixth, refused) and
+/// a millisecond and a half apart, and on average at most 0.3 ms more than that.
+#[tokio::test(start_paused = true)]
+async fn s4_a_keeper_whose_timers_fire_late_keeps_renewing_a_third_of_a_lease_apart() {
+    for (lease, refused) in [(ms(30), false), (ms(1_000), false), (ms(1_000), true)] {
+        let rig = Rig::new(MemoryStore::on_tokio_clock());
+        if refused {
+            for n in 2..=200 {
+                rig.on("renew", n, Act::Fail);
+            }
+        }
+        let runs = lease / 6 * 100;
+        let app = app(
+            layer(&rig, Route::plain(lease)),
+            handler(move |_, _| async move {
+                tokio::time::sleep(runs).await;
+                (StatusCode::CREATED, "done".to_owned())
+            }),
+        );
+        let held = tokio::spawn(post_in_process(app, "/op", unique("late-timers")));
+        // The runtime is never idle while this runs, so its clock never jumps to a timer.
+        while !held.is_finished() {
+            tokio::time::advance(Duration::from_micros(300)).await;
+        }
+        // Refused, the lease runs out and a retry may take over; none is sent here.
+        assert_eq!(held.await.expect("the holder"), StatusCode::CREATED);
+        let at = rig.renewals_at.lock().unwrap().clone();
+        // After a refusal, the next goes a sixth of the lease on.
+        let (at, apart) = if refused {
+            (&at[1..], lease / 6)
+        } else {
+            (&at[..], lease / 3)
+        };
+        let gaps: Vec<Duration> = at.windows(2).map(|w| w[1] - w[0]).collect();
+        let widest = gaps.iter().max().copied().unwrap_or_default();
+        let mean = (at[at.len() - 1] - at[0]) / u32::try_from(gaps.len()).expect("a few hundred");
+        let what = format!(
+            "a {lease:?} lease, renewals refused: {refused}: {} renewals, {mean:?} apart on \
+             average, {widest:?} at most (each due {apart:?} on)",
+            at.len()
+        );
+        println!("a keeper whose timers fire late: {what}");
+        assert!(gaps.len() >= 40, "{what}");
+        assert!(widest <= apart + Duration::from_micros(1_500), "{what}");
+        assert!(mean <= apart + Duration::from_micros(300), "{what}");
+    }
+}
+
 /// DESIGN §4: a store slower than the keeper's tick is not renewed the more often for it. The
 /// keeper's tick is a sixth of the shortest lease it serves (here 300 ms, a tick of 50 ms),
 /// and a lease of 30 s on the same layer, whose renewals take 60 ms each (longer than a

@@ -506,8 +506,10 @@ async fn fenced_by_mistake_load(
     let most = rig.inner.take_reads_max();
     let alive = effects.count() == 0;
     let answer = holder.await.expect("the holder");
-    // Reads still out end at their bound (half a lease); then nothing more is sent.
-    tokio::time::sleep(lease / 2 + ms(200)).await;
+    // Reads still out end at their bound (two leases: `hold::renew`); then nothing more is
+    // sent. (Half a lease, as this waited, passed or failed by the phase the last read began
+    // at.)
+    tokio::time::sleep(lease * 2 + ms(200)).await;
     let (r2, l2, out2) = (
         rig.count("renew"),
         rig.count("lookup"),
