@@ -876,7 +876,13 @@ impl<St: IdempotencyStore> Execution<St> {
     /// (shutting down) nothing runs: the lease runs out, and the record stays as the store has
     /// it.
     fn held_while(&self, work: impl Future<Output = ()> + Send + 'static) {
-        let hold = self.hold();
+        // The run's hold may have renewed the lease last up to a third of a lease ago: this
+        // one renews it at the keeper's next wake, so the write keeps the four tries before
+        // the lease runs out that the run had. Counted from now, its first renewal would come
+        // a third of a lease late, and three refusals would let the lease lapse under it.
+        let (key, token, lease) = (&self.key, self.lease.token, self.route.lease);
+        let renewed = tokio::time::Instant::now().checked_sub(lease / 3);
+        let hold = self.keeper.hold(key, token, lease, renewed.or(self.asked));
         if let Ok(runtime) = tokio::runtime::Handle::try_current() {
             let pending = observe::PendingWrite::begin();
             let held = async move {

@@ -129,12 +129,12 @@ impl<St> Keeper<St> {
 }
 
 impl<St: IdempotencyStore> Keeper<St> {
-    /// Keeps `token`'s lease on `key` renewed until the returned hold is dropped. `since`:
-    /// when the lease was asked for, if the store took a while to answer (the lease began
-    /// somewhere between then and now); otherwise now. The first renewal is due a tick before
-    /// a third of the lease from then: the keeper wakes a tick apart at a phase of its own, so
-    /// it goes by a third of the lease at the latest, leaving the refusals that follow as many
-    /// tries as a lease renewed on time has.
+    /// Keeps `token`'s lease on `key` renewed until the returned hold is dropped. `since`: when the
+    /// lease was asked for, if the store took a while to answer (the lease began somewhere between
+    /// then and now), or for a lease held already, a time at or before its last renewal; otherwise
+    /// now. The first renewal is due a tick before a third of the lease from then: the keeper wakes
+    /// a tick apart at a phase of its own, so it goes by a third of the lease at the latest,
+    /// leaving the refusals that follow as many tries as a lease renewed on time has.
     pub(crate) fn hold(
         &self,
         key: &ScopedKey,

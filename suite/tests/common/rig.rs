@@ -2,8 +2,8 @@
 //! of a kind, takes the store down for a while, fails the renewals of chosen holders (a crashed
 //! holder), wakes waiters early, and logs what it did; with the HTTP harness the fault reviews
 //! of waiting routes, milestones and give-backs drive it through (routes, answers, waiters). It
-//! does not offer the inner store's at-once paths (`claim_now`...), so every claim is a round
-//! trip a hang-up can drop.
+//! does not offer the inner store's at-once paths (`claim_now`...) unless [`Rig::at_once`] says
+//! so for claims, so every claim is otherwise a round trip a hang-up can drop.
 
 use std::collections::{HashMap, HashSet};
 use std::future::Future;
@@ -75,6 +75,9 @@ pub struct Rig<S> {
     /// `release` fails while fewer claims than this have acquired.
     pub release_fails_below: AtomicUsize,
     pub renewed_ok: AtomicUsize,
+    /// Claims go to the inner store's `claim_now` (no faults injected into them), as
+    /// MemoryStore's do without a rig: the pipeline then knows the lease began at once.
+    pub at_once: std::sync::atomic::AtomicBool,
     /// When each renewal reached the store (the tokio clock: exact under a paused one).
     pub renewals_at: Mutex<Vec<Instant>>,
     /// Operations of a kind fail until this instant.
@@ -111,6 +114,7 @@ impl<S: IdempotencyStore> Rig<S> {
             release_fails_below: AtomicUsize::new(0),
             renewed_ok: AtomicUsize::new(0),
             renewals_at: Mutex::default(),
+            at_once: std::sync::atomic::AtomicBool::new(false),
             fail_until: Mutex::default(),
             early_waits: AtomicUsize::new(0),
             slow: Mutex::default(),
@@ -275,6 +279,22 @@ impl<S: IdempotencyStore> Rig<S> {
 }
 
 impl<S: IdempotencyStore> IdempotencyStore for Rig<S> {
+    fn claim_now(&self, request: &ClaimRequest) -> Option<Result<Claim, StoreError>> {
+        if !self.at_once.load(Ordering::SeqCst) {
+            return None;
+        }
+        let claim = self.inner.claim_now(request)?;
+        if let Ok(Claim::Acquired(lease)) = &claim {
+            self.acquired.lock().unwrap().push(lease.token);
+            self.note(format!(
+                "  acquired t={} attempt {} (at once)",
+                lease.token.get(),
+                lease.attempt
+            ));
+        }
+        Some(claim)
+    }
+
     async fn claim(&self, request: &ClaimRequest) -> Result<Claim, StoreError> {
         let claim = self
             .around("claim", None, self.inner.claim(request))

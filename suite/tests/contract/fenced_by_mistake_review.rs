@@ -559,6 +559,58 @@ async fn s4_three_refusals_at_the_keepers_worst_phase_keep_the_lease() {
     }
 }
 
+/// DESIGN §4 (a failed record is retried under a renewed lease): the write after the run keeps
+/// the lease's four tries. Its hold is a new one, and counted from when the write failed, its
+/// first renewal came a third of a lease after that, though the run's last renewal may have
+/// been almost a third of a lease earlier: three tries were left before the lease ran out. On
+/// a paused clock, exactly: a first request starts the keeper at 0 ms (tick 50 ms); a second
+/// takes the key at 51 ms under a 300 ms lease, renewed at 150 ms (until 450 ms); its handler
+/// answers at 240 ms and the record fails until 600 ms, as does every renewal after the
+/// first. Four renewals must be tried before 450 ms (at 250, 300, 350 and 400), not three.
+#[tokio::test(start_paused = true)]
+async fn s4_a_record_retried_after_the_run_keeps_four_renewal_tries() {
+    let rig = Rig::new(MemoryStore::on_tokio_clock());
+    // Claimed at once, as MemoryStore claims: the pipeline knows the lease began then, and
+    // counts the run's first renewal from then (a store that answers a claim later has it
+    // counted from when the claim was sent, which hides the hand-over).
+    rig.at_once.store(true, std::sync::atomic::Ordering::SeqCst);
+    for n in 2..=20 {
+        rig.on("renew", n, Act::Fail);
+    }
+    let effects = Effects::default();
+    let e = effects.clone();
+    let app = app(
+        layer(&rig, Route::plain(ms(300))),
+        handler(move |i, _ctx| {
+            let e = e.clone();
+            async move {
+                if i == 1 {
+                    tokio::time::sleep(ms(189)).await;
+                }
+                (StatusCode::CREATED, format!("effect {}", e.hit()))
+            }
+        }),
+    );
+    let call = |key: String| post_in_process(app.clone(), "/op", key);
+    assert_eq!(call(unique("handed-start")).await, StatusCode::CREATED);
+    rig.fail_for("complete", ms(600));
+    tokio::time::sleep(ms(51)).await;
+    let held = call(unique("handed")).await;
+    tokio::time::sleep(ms(600)).await;
+    let at = rig.renewals_at.lock().unwrap().clone();
+    let what = format!(
+        "renewals at {:?}\n  {}",
+        at.iter().map(|t| *t - rig.start).collect::<Vec<_>>(),
+        rig.log()
+    );
+    assert_eq!(held, StatusCode::CREATED, "{what}");
+    assert_eq!(effects.count(), 2, "{what}");
+    println!("a record retried after the run: {what}");
+    let ends = at[0] + ms(300);
+    let tries = at[1..].iter().filter(|t| **t < ends).count();
+    assert!(tries >= 4, "{tries} tries before the lease ran out: {what}");
+}
+
 /// DESIGN §4 ("a worker whose lease was taken over can no longer write") and the brief's
 /// liveness question for d2a35eb and a4e2c8c's held give-back: holder A's renewals fail, its
 /// lease lapses, and B takes the key over on a `Reclaim` route and records its outcome. Then
