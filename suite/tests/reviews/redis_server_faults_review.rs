@@ -8,99 +8,16 @@
 
 use crate::common;
 
-use std::net::SocketAddr;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
+use common::valve::Valve;
 use common::{guard, serve};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::{TcpListener, TcpStream};
 use tower_idempotency::IdempotencyStore;
 use tower_idempotency::store::ScopedKey;
 
 use common::own_redis::*;
 
 // ==== 1. A server host that dies without closing its connections ================================
-
-/// A TCP proxy whose links made before [`Hole::freeze`] stop carrying anything either way
-/// while staying open (a host powered off, a VM frozen, a failover that moved the server's
-/// address to the replica: no FIN, no RST), and whose new links work.
-#[derive(Clone)]
-struct Hole {
-    addr: SocketAddr,
-    next: Arc<AtomicU64>,
-    frozen_below: Arc<AtomicU64>,
-}
-
-impl Hole {
-    async fn start(upstream: SocketAddr) -> Self {
-        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
-        let hole = Self {
-            addr: listener.local_addr().expect("addr"),
-            next: Arc::default(),
-            frozen_below: Arc::default(),
-        };
-        let h = hole.clone();
-        tokio::spawn(async move {
-            while let Ok((client, _)) = listener.accept().await {
-                let id = h.next.fetch_add(1, Ordering::SeqCst);
-                let Ok(server) = TcpStream::connect(upstream).await else {
-                    continue;
-                };
-                let frozen = h.frozen_below.clone();
-                tokio::spawn(relay(client, server, id, frozen));
-            }
-        });
-        hole
-    }
-
-    fn url(&self) -> String {
-        format!("redis://{}", self.addr)
-    }
-
-    fn freeze(&self) {
-        self.frozen_below
-            .store(self.next.load(Ordering::SeqCst), Ordering::SeqCst);
-    }
-}
-
-async fn relay(client: TcpStream, server: TcpStream, id: u64, frozen: Arc<AtomicU64>) {
-    let (mut cr, mut cw) = client.into_split();
-    let (mut sr, mut sw) = server.into_split();
-    let f1 = frozen.clone();
-    let up = async move {
-        let mut buf = vec![0u8; 64 * 1024];
-        loop {
-            let n = match cr.read(&mut buf).await {
-                Ok(0) | Err(_) => return,
-                Ok(n) => n,
-            };
-            if id < f1.load(Ordering::SeqCst) {
-                continue; // swallowed: the host is gone
-            }
-            if sw.write_all(&buf[..n]).await.is_err() {
-                return;
-            }
-        }
-    };
-    let down = async move {
-        let mut buf = vec![0u8; 64 * 1024];
-        loop {
-            let n = match sr.read(&mut buf).await {
-                Ok(0) | Err(_) => return,
-                Ok(n) => n,
-            };
-            if id < frozen.load(Ordering::SeqCst) {
-                continue;
-            }
-            if cw.write_all(&buf[..n]).await.is_err() {
-                return;
-            }
-        }
-    };
-    tokio::join!(up, down);
-}
 
 /// DESIGN §7.10 ("Store down -> fail closed (503/UNAVAILABLE), nothing executed, recovery when
 /// it returns") and README (Redis: "The connection reconnects by itself"). Fault: the store's
@@ -114,7 +31,10 @@ async fn s7_10_a_silently_dead_command_connection_is_replaced() {
     let Some(server) = OwnRedis::start(&[]) else {
         return;
     };
-    let hole = Hole::start(server.addr()).await;
+    // Links made before the freeze stop carrying anything either way while staying open (a
+    // host powered off, a VM frozen, a failover that moved the address: no FIN, no RST); new
+    // links work.
+    let hole = Valve::start(server.addr()).await;
     let store = store_on(&hole.url(), Some("hole")).await;
     let sink = Sink::open("hole", false);
     let addr = serve(app(store, &sink, &Knobs::default())).await;
