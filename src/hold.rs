@@ -293,8 +293,8 @@ async fn keep<St: IdempotencyStore>(
         };
         // Wakes a tick after the last wake was due, not a tick after it woke: timers fire up
         // to a millisecond late, and a tick counted from each late wake would let them fall
-        // behind by that much every time (a fifth of a 5 ms tick). One that is behind anyway
-        // (a busy runtime) wakes at once, without a burst to catch up.
+        // behind by that much every time (a fifth of a 5 ms tick). One that is behind (a busy
+        // runtime) wakes at once.
         wake = (wake + tick).max(Instant::now());
         // Woken early by a shorter lease, it looks at the slots and counts the shorter tick
         // from then.
@@ -308,13 +308,16 @@ async fn keep<St: IdempotencyStore>(
             return;
         };
         let now = Instant::now();
-        // What this wake sends is scheduled from when the wake was due, not from when it
-        // fired (a little late, by varying amounts), and half a tick early: the wakes that
-        // follow are due a whole number of ticks after this one, so a renewal due a tick (or
-        // a sixth, or a third of a lease) on goes at the wake nearest that, not at the one
-        // after it because it fell a hair past a wake (a late firing, a lease whose sixth is
-        // not a whole number of ticks).
-        let from = wake.checked_sub(tick / 2).unwrap_or(wake);
+        // A shorter lease (the one that woke it, say) has the tick it leaves.
+        let tick = self::tick(shared.shortest.load(Ordering::Relaxed));
+        // What this wake sends is due again counted from now, half a tick early: wakes are a
+        // tick apart, give or take how late each fires, so a renewal due a tick (or a sixth,
+        // or a third of a lease) on goes at the wake nearest that, not at the one after it
+        // because it fell a hair past a wake (a later wake that fired less late, a lease whose
+        // sixth is not a whole number of ticks). Counted from now, not from when the wake was
+        // due: a wake that fired late, or one at once behind it, never sends what the last
+        // one just sent.
+        let from = now.checked_sub(tick / 2).unwrap_or(now);
         let due: Vec<(usize, ScopedKey, FencingToken, Duration, Sent)> = {
             let mut slots = lock(&shared.slots);
             slots

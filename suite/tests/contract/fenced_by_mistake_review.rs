@@ -403,27 +403,39 @@ async fn s4_a_long_lease_tries_a_refused_renewal_again_within_a_second() {
 }
 
 /// DESIGN §4: the keeper's wakes keep their schedule when its timers fire late, and a renewal
-/// due a third or a sixth of a lease on goes at the wake nearest that. A timer fires up to a
-/// millisecond after it was due (tokio rounds it up to the millisecond, and a thread wakes
+/// due a third or a sixth of a lease on goes at the wake nearest that: not later, nor sooner.
+/// A timer fires after it was due (tokio rounds it up to the millisecond, and a thread wakes
 /// when it can); a keeper that counted each tick from its own late wake fell behind by that
 /// much every wake, a fifth of the 5 ms tick of a 30 ms lease, and renewed such a lease every
-/// 12 ms where a third of it is 10. And a due time counted from a late wake, or a lease whose
-/// sixth is not a whole number of milliseconds (1 s: a tick of 166 ms), fell a hair past the
-/// wake it meant and waited a tick more: a third of a second became half. On a paused clock
-/// moved by hand in steps of 0.3 ms, never jumping to a timer (as a real clock does not): a
-/// handler works 100 ticks under each lease, its renewals answered, or after the first one
-/// all refused. No two renewals may be more than a third of the lease (a sixth, refused) and
-/// a millisecond and a half apart, and on average at most 0.3 ms more than that.
+/// 12 ms where a third of it is 10. A due time that fell a hair past the wake it meant (a later
+/// wake that fired less late; a lease whose sixth is not a whole number of milliseconds, 1 s:
+/// a tick of 166 ms) waited a tick more: a third of a second became half. Due times counted
+/// from when a wake was due but judged by when it fired had a wake half a tick late send what
+/// the next would, renewing every tick, and a wake over a tick late followed by one at once
+/// send it all again. On a paused clock moved by hand in steps (0.3 ms; 3 ms, over half the
+/// tick; 7 ms, over a whole one), never jumping to a timer (as a real clock does not): a
+/// handler works 120 ticks under each lease, its renewals answered, or after the first one all
+/// refused. Renewals must come on average no sooner than due (less half a tick: the nearest
+/// wake) and no later than a step, never more than a step and a millisecond late, and never
+/// two within half the spacing due.
 #[tokio::test(start_paused = true)]
 async fn s4_a_keeper_whose_timers_fire_late_keeps_renewing_a_third_of_a_lease_apart() {
-    for (lease, refused) in [(ms(30), false), (ms(1_000), false), (ms(1_000), true)] {
+    let cases = [
+        (ms(30), false, 300),
+        (ms(30), false, 3_000),
+        (ms(30), false, 7_000),
+        (ms(1_000), false, 300),
+        (ms(1_000), true, 300),
+    ];
+    for (lease, refused, step_us) in cases {
+        let step = Duration::from_micros(step_us);
         let rig = Rig::new(MemoryStore::on_tokio_clock());
         if refused {
             for n in 2..=200 {
                 rig.on("renew", n, Act::Fail);
             }
         }
-        let runs = lease / 6 * 100;
+        let runs = lease / 6 * 120;
         let app = app(
             layer(&rig, Route::plain(lease)),
             handler(move |_, _| async move {
@@ -434,7 +446,7 @@ async fn s4_a_keeper_whose_timers_fire_late_keeps_renewing_a_third_of_a_lease_ap
         let held = tokio::spawn(post_in_process(app, "/op", unique("late-timers")));
         // The runtime is never idle while this runs, so its clock never jumps to a timer.
         while !held.is_finished() {
-            tokio::time::advance(Duration::from_micros(300)).await;
+            tokio::time::advance(step).await;
         }
         // Refused, the lease runs out and a retry may take over; none is sent here.
         assert_eq!(held.await.expect("the holder"), StatusCode::CREATED);
@@ -447,16 +459,22 @@ async fn s4_a_keeper_whose_timers_fire_late_keeps_renewing_a_third_of_a_lease_ap
         };
         let gaps: Vec<Duration> = at.windows(2).map(|w| w[1] - w[0]).collect();
         let widest = gaps.iter().max().copied().unwrap_or_default();
+        let narrowest = gaps.iter().min().copied().unwrap_or_default();
         let mean = (at[at.len() - 1] - at[0]) / u32::try_from(gaps.len()).expect("a few hundred");
         let what = format!(
-            "a {lease:?} lease, renewals refused: {refused}: {} renewals, {mean:?} apart on \
-             average, {widest:?} at most (each due {apart:?} on)",
+            "a {lease:?} lease, renewals refused: {refused}, the clock in steps of {step:?}: {} \
+             renewals, {mean:?} apart on average, {narrowest:?} to {widest:?} (each due \
+             {apart:?} on)",
             at.len()
         );
         println!("a keeper whose timers fire late: {what}");
+        let slack = Duration::from_micros(300);
         assert!(gaps.len() >= 40, "{what}");
-        assert!(widest <= apart + Duration::from_micros(1_500), "{what}");
-        assert!(mean <= apart + Duration::from_micros(300), "{what}");
+        // The wake nearest the due time: up to half a tick (a twelfth of the lease) sooner.
+        assert!(mean + lease / 12 >= apart, "renewed too often: {what}");
+        assert!(mean <= apart + step + slack, "renewed too late: {what}");
+        assert!(widest <= apart + step + ms(1), "{what}");
+        assert!(narrowest >= apart / 2, "two renewals at once: {what}");
     }
 }
 
