@@ -1,0 +1,201 @@
+//! Waiters woken by `NOTIFY`: the triggers' payload, one `LISTEN` per store, and the
+//! store's side of a wait.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use sqlx::AssertSqlSafe;
+use sqlx::postgres::PgPool;
+
+use crate::store::sql;
+use crate::store::{FencingToken, InFlight, ScopedKey};
+
+use super::PostgresStore;
+
+/// The waiters of one store, woken by `NOTIFY`s that the table's triggers send when an
+/// in-flight record moves on (the payload: the hex SHA-256 of its scope, a NUL and its key).
+/// One listening connection per store, opened on the first wait; while it is down, waiters
+/// poll.
+pub(super) struct Changes {
+    waiters: crate::store::Waiters<String>,
+    started: std::sync::atomic::AtomicBool,
+    live: std::sync::atomic::AtomicBool,
+}
+
+impl std::fmt::Debug for Changes {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Changes")
+            .field("live", &self.live)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Changes {
+    pub(super) fn new() -> Arc<Self> {
+        Arc::new(Self {
+            waiters: crate::store::Waiters::default(),
+            started: std::sync::atomic::AtomicBool::new(false),
+            live: std::sync::atomic::AtomicBool::new(false),
+        })
+    }
+}
+
+/// What the triggers send for a key: the hex SHA-256 of its scope, a NUL and its key.
+pub(super) fn change_payload(key: &ScopedKey) -> String {
+    use sha2::Digest;
+    let mut hash = sha2::Sha256::new();
+    hash.update(key.scope().as_bytes());
+    hash.update([0]);
+    hash.update(key.key().as_bytes());
+    hash.finalize().iter().map(|b| format!("{b:02x}")).collect()
+}
+
+impl PostgresStore {
+    /// The channel this store's triggers notify and its waiters listen on.
+    pub(super) fn channel(&self) -> String {
+        sql::derived_name(
+            &format!("{}_{}", self.sql.schema, self.sql.table),
+            "_changed",
+        )
+    }
+
+    /// Waits for a change of `key` (see [`IdempotencyStore::wait_for_change`]): woken by the
+    /// triggers' `NOTIFY` through one `LISTEN` connection per store, or at the holder's lease
+    /// end; polls while that connection is down.
+    pub(super) async fn wait_changed(
+        &self,
+        key: &ScopedKey,
+        seen: &InFlight,
+        round: u32,
+        within: Duration,
+    ) {
+        if !self.subscribed() {
+            crate::store::poll(round, within).await;
+            return;
+        }
+        // Checked once registered, so a change between the claim and now is not missed; and
+        // the record marked as waited on, so that its change notifies.
+        let moved_on = self.mark_waited(key, seen.token);
+        self.changes
+            .waiters
+            .wait(&change_payload(key), seen, within, moved_on)
+            .await;
+    }
+
+    /// Whether the record of `key` has moved on from the holder `token`; if not, marks it as
+    /// waited on (once: later waiters only read), so its triggers notify when it does. A
+    /// record locked by its holder's transaction counts as moved on: the caller claims again,
+    /// which answers for it.
+    pub(super) async fn mark_waited(&self, key: &ScopedKey, token: FencingToken) -> bool {
+        let waited: Result<Option<bool>, sqlx::Error> =
+            sqlx::query_scalar(AssertSqlSafe(self.sql.waited.clone()))
+                .bind(key.scope().as_bytes())
+                .bind(key.key().as_bytes())
+                .bind(sql::token(token))
+                .fetch_optional(&self.pool)
+                .await;
+        match waited {
+            Ok(Some(true)) => false,
+            Ok(Some(false)) => {
+                match sqlx::query(AssertSqlSafe(self.sql.mark_waited.clone()))
+                    .bind(key.scope().as_bytes())
+                    .bind(key.key().as_bytes())
+                    .bind(sql::token(token))
+                    .execute(&self.pool)
+                    .await
+                {
+                    Ok(done) => done.rows_affected() == 0,
+                    Err(_) => true,
+                }
+            }
+            Ok(None) | Err(_) => true,
+        }
+    }
+
+    /// Whether this store's `LISTEN` is up; starts it on first use.
+    pub(super) fn subscribed(&self) -> bool {
+        use std::sync::atomic::Ordering;
+        if !self.changes.started.swap(true, Ordering::SeqCst)
+            && let Ok(runtime) = tokio::runtime::Handle::try_current()
+        {
+            runtime.spawn(listen(
+                Arc::downgrade(&self.changes),
+                self.pool.clone(),
+                self.channel(),
+            ));
+        }
+        self.changes.live.load(Ordering::SeqCst)
+    }
+}
+
+/// How often a quiet `LISTEN` is checked: that its store still lives, and that its
+/// connection still answers (a link dropped without a close shows only then).
+pub(super) const HEARTBEAT: Duration = Duration::from_secs(2);
+
+/// Keeps a store's `LISTEN` on `channel` up while the store lives (a connection of its own,
+/// outside the pool), waking the waiters of each key notified; after a lost connection
+/// (notifications may have been missed) every waiter is woken to look again.
+pub(super) async fn listen(changes: std::sync::Weak<Changes>, pool: PgPool, channel: String) {
+    use std::sync::atomic::Ordering;
+    // Ended for any reason (its runtime shut down), the `LISTEN` is down: the next waiter
+    // starts another.
+    let _running = Running(changes.clone());
+    loop {
+        if changes.strong_count() == 0 {
+            return;
+        }
+        if let Ok(mut listener) = sqlx::postgres::PgListener::connect_with(&pool).await
+            && listener.listen(&channel).await.is_ok()
+        {
+            if let Some(c) = changes.upgrade() {
+                c.live.store(true, Ordering::SeqCst);
+                c.waiters.wake_all();
+            }
+            loop {
+                match tokio::time::timeout(HEARTBEAT, listener.try_recv()).await {
+                    Ok(Ok(Some(notification))) => {
+                        let Some(c) = changes.upgrade() else {
+                            return;
+                        };
+                        c.waiters.wake(&notification.payload().to_owned());
+                    }
+                    // `None`: the connection was lost.
+                    Ok(Ok(None) | Err(_)) => break,
+                    Err(_) => {
+                        if changes.strong_count() == 0 {
+                            return;
+                        }
+                        let ping = sqlx::query("SELECT 1").execute(&mut listener);
+                        if !matches!(tokio::time::timeout(HEARTBEAT, ping).await, Ok(Ok(_))) {
+                            break;
+                        }
+                    }
+                }
+            }
+            tracing::warn!(
+                "the PostgreSQL LISTEN connection was lost; waiters poll until it is back"
+            );
+        }
+        let Some(c) = changes.upgrade() else {
+            return;
+        };
+        c.live.store(false, Ordering::SeqCst);
+        c.waiters.wake_all();
+        drop(c);
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+}
+
+/// Marks a store's `LISTEN` down when its task ends.
+pub(super) struct Running(std::sync::Weak<Changes>);
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        use std::sync::atomic::Ordering;
+        if let Some(c) = self.0.upgrade() {
+            c.live.store(false, Ordering::SeqCst);
+            c.started.store(false, Ordering::SeqCst);
+            c.waiters.wake_all();
+        }
+    }
+}
