@@ -880,9 +880,9 @@ impl<St: IdempotencyStore> Execution<St> {
         // one renews it at the keeper's next wake, so the write keeps the four tries before
         // the lease runs out that the run had. Counted from now, its first renewal would come
         // a third of a lease late, and three refusals would let the lease lapse under it.
-        let (key, token, lease) = (&self.key, self.lease.token, self.route.lease);
-        let renewed = tokio::time::Instant::now().checked_sub(lease / 3);
-        let hold = self.keeper.hold(key, token, lease, renewed.or(self.asked));
+        let hold = self
+            .keeper
+            .hold_at_once(&self.key, self.lease.token, self.route.lease);
         if let Ok(runtime) = tokio::runtime::Handle::try_current() {
             let pending = observe::PendingWrite::begin();
             let held = async move {

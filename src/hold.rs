@@ -62,15 +62,16 @@ struct Held {
     key: ScopedKey,
     token: FencingToken,
     lease: Duration,
-    /// When the next renewal starts: a sixth of the lease (and at least a tick) after the last
-    /// one was sent, until one comes back renewed, which puts it a third of a lease after it
-    /// was sent, or refused, which brings it to a second after it was sent for a lease longer
-    /// than six seconds (a blip lasts seconds whatever the lease); each counted from the wake
-    /// that sent it, to the nearest wake. So a renewal refused, or slower to come back than a
-    /// sixth of the lease, has the next go at most a sixth of a lease (or a second) after it
-    /// was sent, however long the store took to say no, and the lease gets at least four tries
-    /// before it runs out; a store that answers in time sees one renewal per third of a lease,
-    /// a slower one at most twice as many. At most [`OUTSTANDING`] at once: refusals slower
+    /// When the next renewal starts, counted from the keeper's point (its wakes are due a
+    /// tick apart) that sent the last one, in whole ticks: a sixth of the lease (rounded down,
+    /// at least a tick) on, until it comes back renewed, which puts the next at the point
+    /// nearest a third of a lease on, or refused, which brings it to a second on for a lease
+    /// longer than six seconds (a blip lasts seconds whatever the lease). A wake sends what is
+    /// due by when it fires. So a renewal refused, or slower to come back than a sixth of the
+    /// lease, has the next go at most a sixth of a lease (or a second) after it was sent,
+    /// however long the store took to say no, and the lease gets at least four tries before
+    /// it runs out; a store that answers in time sees one renewal per third of a lease, a
+    /// slower one at most twice as many. At most [`OUTSTANDING`] at once: refusals slower
     /// than a third of the lease leave fewer tries.
     due: Instant,
     /// Renewals under way. One that hangs (a connection stuck, a row lock) does not hold up
@@ -142,6 +143,30 @@ impl<St: IdempotencyStore> Keeper<St> {
         lease: Duration,
         since: Option<Instant>,
     ) -> Hold<St> {
+        self.hold_from(key, token, lease, |tick| {
+            since.unwrap_or_else(Instant::now) + (lease / 3).saturating_sub(tick)
+        })
+    }
+
+    /// [`hold`](Self::hold) for a lease held already, which may have been renewed last up to
+    /// a third of a lease ago: its first renewal goes at the keeper's next wake.
+    pub(crate) fn hold_at_once(
+        &self,
+        key: &ScopedKey,
+        token: FencingToken,
+        lease: Duration,
+    ) -> Hold<St> {
+        self.hold_from(key, token, lease, |_| Instant::now())
+    }
+
+    /// A hold whose first renewal is due when `first` says, given the keeper's tick.
+    fn hold_from(
+        &self,
+        key: &ScopedKey,
+        token: FencingToken,
+        lease: Duration,
+        first: impl FnOnce(Duration) -> Instant,
+    ) -> Hold<St> {
         let runtime = tokio::runtime::Handle::try_current().ok();
         self.start(lease, runtime.as_ref());
         let tick = tick(self.shared.shortest.load(Ordering::Relaxed));
@@ -149,7 +174,7 @@ impl<St: IdempotencyStore> Keeper<St> {
             key: key.clone(),
             token,
             lease,
-            due: since.unwrap_or_else(Instant::now) + (lease / 3).saturating_sub(tick),
+            due: first(tick),
             renewing: 0,
             lost: false,
             reading: false,
@@ -285,39 +310,38 @@ async fn keep<St: IdempotencyStore>(
     shorter: Arc<tokio::sync::Notify>,
     _running: Running<St>,
 ) {
+    // The wakes are points a tick apart (`wake`: the last one). What a wake sends is
+    // scheduled from its point, in whole ticks, not from when it fired (late, by amounts that
+    // vary from one wake to the next): a renewal due at a point then goes at that point's
+    // wake however late that fires, lateness never adds up from one renewal to the next, and
+    // a wake never sends what the next point was for.
     let mut wake = Instant::now();
     loop {
         let tick = match shared.upgrade() {
             Some(shared) => tick(shared.shortest.load(Ordering::Relaxed)),
             None => return,
         };
-        // Wakes a tick after the last wake was due, not a tick after it woke: timers fire up
-        // to a millisecond late, and a tick counted from each late wake would let them fall
-        // behind by that much every time (a fifth of a 5 ms tick). One that is behind (a busy
-        // runtime) wakes at once.
-        wake = (wake + tick).max(Instant::now());
-        // Woken early by a shorter lease, it looks at the slots and counts the shorter tick
-        // from then.
-        if tokio::time::timeout_at(wake, shorter.notified())
+        wake += tick;
+        let woken = tokio::time::timeout_at(wake, shorter.notified())
             .await
-            .is_ok()
-        {
-            wake = Instant::now();
-        }
+            .is_ok();
         let Some(shared) = shared.upgrade() else {
             return;
         };
         let now = Instant::now();
         // A shorter lease (the one that woke it, say) has the tick it leaves.
         let tick = self::tick(shared.shortest.load(Ordering::Relaxed));
-        // What this wake sends is due again counted from now, half a tick early: wakes are a
-        // tick apart, give or take how late each fires, so a renewal due a tick (or a sixth,
-        // or a third of a lease) on goes at the wake nearest that, not at the one after it
-        // because it fell a hair past a wake (a later wake that fired less late, a lease whose
-        // sixth is not a whole number of ticks). Counted from now, not from when the wake was
-        // due: a wake that fired late, or one at once behind it, never sends what the last
-        // one just sent.
-        let from = now.checked_sub(tick / 2).unwrap_or(now);
+        if woken {
+            // Woken early by a shorter lease: the points start again from now, the shorter
+            // tick apart.
+            wake = now;
+        }
+        let at = wake;
+        if let Some(behind) = now.checked_duration_since(wake + tick) {
+            // Behind by a tick or more (a busy runtime): the next wake is the next point to
+            // come, not a burst of wakes for the points it missed.
+            wake += tick.saturating_mul(whole(behind, tick).saturating_add(1));
+        }
         let due: Vec<(usize, ScopedKey, FencingToken, Duration, Sent)> = {
             let mut slots = lock(&shared.slots);
             slots
@@ -334,18 +358,23 @@ async fn keep<St: IdempotencyStore>(
                         return None;
                     }
                     held.renewing += 1;
+                    let lease = held.lease;
                     // The next one starts a sixth of the lease after this one unless this one
                     // comes back renewed by then (see `Held::due`). Not a tick: the tick is
                     // the shortest lease's, and a longer lease renewed that often by a slow
                     // store would add to its load as many times over.
-                    held.due = from + tick.max(held.lease / 6);
+                    held.due = at + ticks_within(lease / 6, tick);
+                    // The point nearest a third of the lease: the four tries after it still
+                    // fit in the lease, refusals being tried again within a sixth (see
+                    // `ticks_within`).
+                    let third = tick.saturating_mul(whole(lease / 3 + tick / 2, tick).max(1));
                     let sent = Sent {
-                        renewed: from + held.lease / 3,
+                        renewed: at + third,
                         // Refused, the next goes sooner for a lease longer than six seconds:
                         // a store's blip lasts seconds whatever the lease, and a long lease
                         // tried again only a sixth of it later would have its tries spread
                         // over hours.
-                        again: from + tick.max((held.lease / 6).min(MAX_TICK)),
+                        again: at + ticks_within((lease / 6).min(MAX_TICK), tick),
                     };
                     Some((slot, held.key.clone(), held.token, held.lease, sent))
                 })
@@ -358,8 +387,8 @@ async fn keep<St: IdempotencyStore>(
     }
 }
 
-/// When the next renewal goes after one sent at a wake: `renewed` if this one comes back
-/// renewed, `again` if it is refused.
+/// When the next renewal goes after one sent at a keeper's point: `renewed` if this one comes
+/// back renewed, `again` if it is refused.
 struct Sent {
     renewed: Instant,
     again: Instant,
@@ -464,6 +493,19 @@ fn settle<St>(
 
 fn tick(shortest_ms: u64) -> Duration {
     Duration::from_millis(shortest_ms / 6).clamp(MIN_TICK, MAX_TICK)
+}
+
+/// How many whole ticks fit in `span`.
+fn whole(span: Duration, tick: Duration) -> u32 {
+    u32::try_from(span.as_nanos() / tick.as_nanos().max(1)).unwrap_or(u32::MAX)
+}
+
+/// The whole ticks that fit in `span`, at least one: a renewal tried again after a refusal
+/// goes at the last point by then, never past it. (A sixth that is not a whole number of
+/// ticks, a lease of 46 ms beside one of 30 ms (a tick of 5 ms), rounded to the nearest point
+/// would space the tries 10 ms apart, and the fourth would go 45 ms after the last renewal.)
+fn ticks_within(span: Duration, tick: Duration) -> Duration {
+    tick.saturating_mul(whole(span, tick).max(1))
 }
 
 /// A panic never happens while the lock is held (plain assignments), so poison is harmless.
