@@ -79,6 +79,8 @@ struct Held {
     /// while this handler still runs. At most [`OUTSTANDING`], so a store that hangs every
     /// call is not sent more and more.
     renewing: u8,
+    /// When the last renewal was sent.
+    sent: Instant,
     /// A renewal was fenced out, and a read showed it no mistake: nothing to keep.
     lost: bool,
     /// A read is under way of whether a fenced renewal was a mistake (see [`renew`]): one at a
@@ -170,11 +172,14 @@ impl<St: IdempotencyStore> Keeper<St> {
         let runtime = tokio::runtime::Handle::try_current().ok();
         self.start(lease, runtime.as_ref());
         let tick = tick(self.shared.shortest.load(Ordering::Relaxed));
+        let due = first(tick);
         let held = Held {
             key: key.clone(),
             token,
             lease,
-            due: first(tick),
+            due,
+            // Read only while a renewal is on its way; set when one is sent.
+            sent: due,
             renewing: 0,
             lost: false,
             reading: false,
@@ -310,19 +315,18 @@ async fn keep<St: IdempotencyStore>(
     shorter: Arc<tokio::sync::Notify>,
     _running: Running<St>,
 ) {
-    // The wakes are points a tick apart (`wake`: the last one). What a wake sends is
+    // The wakes are points a tick apart (`next`: the next one). What a wake sends is
     // scheduled from its point, in whole ticks, not from when it fired (late, by amounts that
     // vary from one wake to the next): a renewal due at a point then goes at that point's
     // wake however late that fires, lateness never adds up from one renewal to the next, and
     // a wake never sends what the next point was for.
-    let mut wake = Instant::now();
+    let Some(first) = shared.upgrade() else {
+        return;
+    };
+    let mut next = Instant::now() + tick(first.shortest.load(Ordering::Relaxed));
+    drop(first);
     loop {
-        let tick = match shared.upgrade() {
-            Some(shared) => tick(shared.shortest.load(Ordering::Relaxed)),
-            None => return,
-        };
-        wake += tick;
-        let woken = tokio::time::timeout_at(wake, shorter.notified())
+        let woken = tokio::time::timeout_at(next, shorter.notified())
             .await
             .is_ok();
         let Some(shared) = shared.upgrade() else {
@@ -330,18 +334,31 @@ async fn keep<St: IdempotencyStore>(
         };
         let now = Instant::now();
         // A shorter lease (the one that woke it, say) has the tick it leaves.
-        let tick = self::tick(shared.shortest.load(Ordering::Relaxed));
-        if woken {
-            // Woken early by a shorter lease: the points start again from now, the shorter
-            // tick apart.
-            wake = now;
-        }
-        let at = wake;
-        if let Some(behind) = now.checked_duration_since(wake + tick) {
-            // Behind by a tick or more (a busy runtime): the next wake is the next point to
-            // come, not a burst of wakes for the points it missed.
-            wake += tick.saturating_mul(whole(behind, tick).saturating_add(1));
-        }
+        let tick = tick(shared.shortest.load(Ordering::Relaxed));
+        let at = if woken {
+            // Woken early by a shorter lease: a wake of its own, off the points; the next
+            // point stays if it comes before a shorter tick from now, so what is due then goes
+            // then.
+            next = next.min(now + tick);
+            now
+        } else {
+            match now.checked_duration_since(next + tick) {
+                // Behind by a tick or more (a busy runtime, whose timers fire that late): for
+                // the latest point by now, and the next wake at once, not a point later: the
+                // wakes come as often as the runtime lets them, and none is for a point that
+                // another wake was for.
+                Some(behind) => {
+                    let at = next + tick.saturating_mul(whole(behind, tick).saturating_add(1));
+                    next = now;
+                    at
+                }
+                None => {
+                    let at = next;
+                    next = at + tick;
+                    at
+                }
+            }
+        };
         let due: Vec<(usize, ScopedKey, FencingToken, Duration, Sent)> = {
             let mut slots = lock(&shared.slots);
             slots
@@ -358,6 +375,7 @@ async fn keep<St: IdempotencyStore>(
                         return None;
                     }
                     held.renewing += 1;
+                    held.sent = now;
                     let lease = held.lease;
                     // The next one starts a sixth of the lease after this one unless this one
                     // comes back renewed by then (see `Held::due`). Not a tick: the tick is
