@@ -323,7 +323,9 @@ async fn keep<St: IdempotencyStore>(
     let Some(first) = shared.upgrade() else {
         return;
     };
-    let mut next = Instant::now() + tick(first.shortest.load(Ordering::Relaxed));
+    // The last wake's point, and the next one.
+    let mut last = Instant::now();
+    let mut next = last + tick(first.shortest.load(Ordering::Relaxed));
     drop(first);
     loop {
         let woken = tokio::time::timeout_at(next, shorter.notified())
@@ -336,11 +338,13 @@ async fn keep<St: IdempotencyStore>(
         // A shorter lease (the one that woke it, say) has the tick it leaves.
         let tick = tick(shared.shortest.load(Ordering::Relaxed));
         let at = if woken {
-            // Woken early by a shorter lease: a wake of its own, off the points; the next
-            // point stays if it comes before a shorter tick from now, so what is due then goes
-            // then.
-            next = next.min(now + tick);
-            now
+            // Woken early by a shorter lease: for the latest point by now, the shorter tick
+            // apart from the last wake's; the next point it was waiting for stays if it comes
+            // sooner, so what is due then goes then.
+            let since = now.saturating_duration_since(last);
+            let at = last + tick.saturating_mul(whole(since, tick));
+            next = next.min(at + tick);
+            at
         } else {
             match now.checked_duration_since(next + tick) {
                 // Behind by a tick or more (a busy runtime, whose timers fire that late): for
@@ -359,6 +363,7 @@ async fn keep<St: IdempotencyStore>(
                 }
             }
         };
+        last = at;
         let due: Vec<(usize, ScopedKey, FencingToken, Duration, Sent)> = {
             let mut slots = lock(&shared.slots);
             slots
@@ -370,6 +375,10 @@ async fn keep<St: IdempotencyStore>(
                     if held.lost
                         || held.renewing >= OUTSTANDING
                         || held.due > now
+                        // One still on its way went less than half a tick ago (by the clock,
+                        // whatever the points say: a wake late by most of a tick is followed
+                        // by the next point's on time).
+                        || (held.renewing > 0 && now < held.sent + tick / 2)
                         || held.runtime.is_some_and(|held_on| held_on != runtime)
                     {
                         return None;

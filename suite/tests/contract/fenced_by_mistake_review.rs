@@ -565,6 +565,40 @@ async fn s4_refused_renewals_are_tried_again_within_a_sixth_of_the_lease_whateve
     }
 }
 
+/// DESIGN §4 (at most two renewals of a lease on their way, spaced): a renewal still on its way
+/// is not sent again within half a tick, whatever the wakes' points say. A wake late by most of
+/// a tick is followed by the next point's on time; a renewal it sent, still on its way to a
+/// store that takes 7 ms, was sent again a millisecond or two later. On a paused clock moved in
+/// 1 ms steps, a 4 ms jump every 20 ms: a 30 ms lease (tick 5 ms) held 300 ms; no two renewals
+/// may go within half a tick of each other.
+#[tokio::test(start_paused = true)]
+async fn s4_a_renewal_on_its_way_is_not_sent_again_within_half_a_tick() {
+    let rig = Rig::new(MemoryStore::on_tokio_clock());
+    rig.slow("renew", ms(7));
+    let app = app(
+        layer(&rig, Route::plain(ms(30))),
+        handler(|_, _| async {
+            tokio::time::sleep(ms(300)).await;
+            (StatusCode::CREATED, "done".to_owned())
+        }),
+    );
+    let held = tokio::spawn(post_in_process(app, "/op", unique("on-its-way")));
+    let mut steps = 0;
+    while !held.is_finished() {
+        steps += 1;
+        let step = if steps % 20 == 0 { ms(4) } else { ms(1) };
+        tokio::time::advance(step).await;
+    }
+    assert_eq!(held.await.expect("the holder"), StatusCode::CREATED);
+    let at = rig.renewals_at.lock().unwrap().clone();
+    let gaps: Vec<Duration> = at.windows(2).map(|w| w[1] - w[0]).collect();
+    let narrowest = gaps.iter().min().copied().unwrap_or_default();
+    let what = format!("{} renewals, gaps {gaps:?}", at.len());
+    println!("a renewal on its way: {what}");
+    assert!(at.len() >= 20, "{what}");
+    assert!(narrowest >= Duration::from_micros(2_500), "{what}");
+}
+
 /// DESIGN §4: a store slower than the keeper's tick is not renewed the more often for it. The
 /// keeper's tick is a sixth of the shortest lease it serves (here 300 ms, a tick of 50 ms),
 /// and a lease of 30 s on the same layer, whose renewals take 60 ms each (longer than a
