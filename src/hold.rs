@@ -72,7 +72,9 @@ struct Held {
     /// however long the store took to say no, and the lease gets at least four tries before
     /// it runs out; a store that answers in time sees one renewal per third of a lease, a
     /// slower one at most twice as many. At most [`OUTSTANDING`] at once: refusals slower
-    /// than a third of the lease leave fewer tries.
+    /// than a third of the lease, less how late the runtime's timers fire (a 30 ms lease whose
+    /// renewals are refused after 7 ms, one wake 4.9 ms late: tries at 14.9, 20 and 25 ms),
+    /// leave fewer tries.
     due: Instant,
     /// Renewals under way. One that hangs (a connection stuck, a row lock) does not hold up
     /// the next: the lease would run out behind it and another request take the key over
@@ -337,33 +339,8 @@ async fn keep<St: IdempotencyStore>(
         let now = Instant::now();
         // A shorter lease (the one that woke it, say) has the tick it leaves.
         let tick = tick(shared.shortest.load(Ordering::Relaxed));
-        let at = if woken {
-            // Woken early by a shorter lease: for the latest point by now, the shorter tick
-            // apart from the last wake's; the next point it was waiting for stays if it comes
-            // sooner, so what is due then goes then.
-            let since = now.saturating_duration_since(last);
-            let at = last + tick.saturating_mul(whole(since, tick));
-            next = next.min(at + tick);
-            at
-        } else {
-            match now.checked_duration_since(next + tick) {
-                // Behind by a tick or more (a busy runtime, whose timers fire that late): for
-                // the latest point by now, and the next wake at once, not a point later: the
-                // wakes come as often as the runtime lets them, and none is for a point that
-                // another wake was for.
-                Some(behind) => {
-                    let at = next + tick.saturating_mul(whole(behind, tick).saturating_add(1));
-                    next = now;
-                    at
-                }
-                None => {
-                    let at = next;
-                    next = at + tick;
-                    at
-                }
-            }
-        };
-        last = at;
+        let (at, then) = point(now, last, next, tick, woken);
+        (last, next) = (at, then);
         let due: Vec<(usize, ScopedKey, FencingToken, Duration, Sent)> = {
             let mut slots = lock(&shared.slots);
             slots
@@ -518,6 +495,43 @@ fn settle<St>(
     }
 }
 
+/// Which point a wake is for, and when the next wake is due: `last` is the last wake's point,
+/// `next` the point this wake was waiting for, `tick` the tick now (a shorter lease may have
+/// just shortened it), `woken` whether a shorter lease woke it early. The point is never after
+/// `now` and never before `last`: a wake never sends what a later point is for, and what it
+/// sends is never counted from a point before the last wake's.
+fn point(
+    now: Instant,
+    last: Instant,
+    next: Instant,
+    tick: Duration,
+    woken: bool,
+) -> (Instant, Instant) {
+    if woken {
+        // Woken early by a shorter lease: for the latest point by now, the shorter tick apart
+        // from the last wake's. The point it was waiting for stays next if it is still to come
+        // and sooner, so what is due then goes then; one passed already (a timer late) is
+        // this wake's.
+        let at = last + tick.saturating_mul(whole(now.saturating_duration_since(last), tick));
+        let next = if next > at {
+            next.min(at + tick)
+        } else {
+            at + tick
+        };
+        return (at, next);
+    }
+    match now.checked_duration_since(next + tick) {
+        // Behind by a tick or more (a busy runtime, whose timers fire that late): for the
+        // latest point by now, and the next wake at once, not a point later: the wakes come as
+        // often as the runtime lets them, and none is for a point that another wake was for.
+        Some(behind) => (
+            next + tick.saturating_mul(whole(behind, tick).saturating_add(1)),
+            now,
+        ),
+        None => (next, next + tick),
+    }
+}
+
 fn tick(shortest_ms: u64) -> Duration {
     Duration::from_millis(shortest_ms / 6).clamp(MIN_TICK, MAX_TICK)
 }
@@ -606,5 +620,83 @@ mod tests {
             .collect();
         assert_eq!(kept, vec![second.handle().id()]);
         drop((held_second, again));
+    }
+
+    /// DESIGN §4 (the keeper's wakes): a wake is for a point never after it fired and never
+    /// before the last wake's, and the next wake is due at most a tick after that point (or at
+    /// once, when behind), whatever mix of late timers and shorter leases comes. Found on a
+    /// re-read: a wake woken by a shorter lease after its timer was already due kept that
+    /// earlier point as the next, and the wake that followed was for a point before its own.
+    #[test]
+    fn a_wake_is_for_a_point_between_the_last_wake_and_now() {
+        let origin = Instant::now();
+        let us = Duration::from_micros;
+        // A small generator: the same cases on every run.
+        let mut seed: u64 = 0x9e37_79b9_7f4a_7c15;
+        let mut roll = |below: u64| {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed % below
+        };
+        for _ in 0..2_000 {
+            let mut tick = us(5_000 + roll(5) * 1_000);
+            let (mut last, mut next) = (origin, origin + tick);
+            let mut now = origin;
+            for _ in 0..60 {
+                // A shorter lease wakes it before its timer (or after, when the timer is late
+                // and the notice comes first); otherwise the timer fires, up to three ticks
+                // late.
+                let woken = roll(4) == 0;
+                if woken {
+                    tick = us((tick.as_micros() as u64 * (5 + roll(5)) / 10).max(1_000));
+                    now = now.max(last) + us(roll(3 * tick.as_micros() as u64));
+                } else {
+                    now = now.max(next) + us(roll(3 * tick.as_micros() as u64 + 1));
+                }
+                let (at, then) = point(now, last, next, tick, woken);
+                let what = format!(
+                    "now {:?}, last {:?}, next {:?}, tick {tick:?}, woken {woken}: at {:?}, then {:?}",
+                    now - origin,
+                    last - origin,
+                    next - origin,
+                    at - origin,
+                    then - origin
+                );
+                assert!(at <= now, "a point to come: {what}");
+                assert!(at >= last, "a point before the last wake's: {what}");
+                assert!(
+                    then > at || then == now,
+                    "the next wake not after this one: {what}"
+                );
+                assert!(
+                    then <= at + tick || then == now,
+                    "the next wake too late: {what}"
+                );
+                if !woken && then != now {
+                    assert_eq!(at, next, "an on-time wake is for its point: {what}");
+                }
+                (last, next) = (at, then);
+            }
+        }
+    }
+
+    /// DESIGN §4: the case the re-read found, by hand. Points 10 ms apart; the timer for 10 ms
+    /// is late and a 3 ms tick arrives at 12.9 ms: the wake is for 12 ms and the next at 15 ms,
+    /// not 10 ms (which would have made the wake after it one for 10 ms, before 12).
+    #[test]
+    fn a_shorter_lease_after_a_late_timer_does_not_bring_the_points_back() {
+        let origin = Instant::now();
+        // Tenths of a millisecond.
+        let t = |n: u64| Duration::from_micros(n * 100);
+        let (at, next) = point(origin + t(129), origin, origin + t(100), t(30), true);
+        assert_eq!((at - origin, next - origin), (t(120), t(150)));
+        let (after, _) = point(origin + t(129), at, next, t(30), false);
+        assert!(after >= at);
+        // Before its timer, a shorter tick keeps the point it was waiting for when sooner.
+        let (at, next) = point(origin + t(70), origin, origin + t(100), t(30), true);
+        assert_eq!((at - origin, next - origin), (t(60), t(90)));
+        let (at, next) = point(origin + t(70), origin, origin + t(80), t(30), true);
+        assert_eq!((at - origin, next - origin), (t(60), t(80)));
     }
 }

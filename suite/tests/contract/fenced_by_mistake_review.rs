@@ -507,24 +507,9 @@ async fn s4_refused_renewals_are_tried_again_within_a_sixth_of_the_lease_whateve
         (ms(30), false, ms(5)),
     ];
     for (lease, late, step) in cases {
-        let rig = Rig::new(MemoryStore::on_tokio_clock());
-        for n in 2..=100 {
-            rig.on("renew", n, Act::Fail);
-        }
+        let rig = renewed_once(MemoryStore::on_tokio_clock());
         let layer = layer(&rig, Route::plain(lease)).for_path("/short", |r| r.lease(ms(30)));
-        let app = axum::Router::new()
-            .route(
-                "/op",
-                axum::routing::post(|| async {
-                    tokio::time::sleep(ms(200)).await;
-                    (StatusCode::CREATED, "done")
-                }),
-            )
-            .route(
-                "/short",
-                axum::routing::post(|| async { (StatusCode::CREATED, "short") }),
-            )
-            .layer(layer);
+        let app = held_beside_short(layer, ms(200), &["/short"]);
         // The 30 ms lease first: the keeper's tick is a sixth of it.
         let short = tokio::spawn(post_in_process(app.clone(), "/short", unique("short")));
         tokio::time::advance(ms(1)).await;
@@ -563,6 +548,73 @@ async fn s4_refused_renewals_are_tried_again_within_a_sixth_of_the_lease_whateve
         let gaps = at[1..].windows(2).map(|w| w[1] - w[0]);
         assert!(gaps.take(6).all(|g| g <= lease / 6 + more), "{what}");
     }
+}
+
+/// DESIGN §4 (the holder keeps its lease while it runs): shorter leases arriving while a
+/// longer one is held, refused, on a runtime whose timers fire late, still leave it four tries
+/// at most a sixth apart. A shorter lease wakes the keeper early, off its points; a wake taken
+/// as a point of its own left the held lease's dues between points (review 4 of session 46).
+/// A 42 ms lease (tick 7 ms), renewed once and then refused; a 30 ms lease (tick 5 ms) arrives
+/// after the renewal and an 18 ms one (tick 3 ms) after the first refusal, each at every
+/// offset from 0 to 7 ms, the clock in steps of 0.7 to 3.7 ms (the keeper's timers that much
+/// late, off its points). On that rule, 16 of these cases spaced two tries 11.1 ms apart.
+/// (Steps of 4.3 ms leave three tries whatever the keeper does: with wakes that far apart, a
+/// retry due 6 ms on goes 8.6 ms on.)
+#[tokio::test(start_paused = true)]
+async fn s4_shorter_leases_arriving_mid_hold_under_late_timers_leave_four_tries() {
+    let mut seen = Vec::new();
+    let steps = [700, 1_300, 1_900, 2_300, 2_900, 3_700].map(Duration::from_micros);
+    for step in steps {
+        for first in 0..=7 {
+            for second in 0..=7 {
+                let rig = renewed_once(MemoryStore::on_tokio_clock());
+                let layer = layer(&rig, Route::plain(ms(42)))
+                    .for_path("/short", |r| r.lease(ms(30)))
+                    .for_path("/shorter", |r| r.lease(ms(18)));
+                let app = held_beside_short(layer, ms(120), &["/short", "/shorter"]);
+                let held = tokio::spawn(post_in_process(app.clone(), "/op", unique("held")));
+                let mut arrivals = Vec::new();
+                while !held.is_finished() {
+                    let at = rig.renewals_at.lock().unwrap().clone();
+                    let now = tokio::time::Instant::now();
+                    let (path, after) = match arrivals.len() {
+                        0 => ("/short", at.first().map(|t| *t + ms(first))),
+                        1 => ("/shorter", at.get(1).map(|t| *t + ms(second))),
+                        _ => ("", None),
+                    };
+                    if after.is_some_and(|after| now >= after) {
+                        arrivals.push(tokio::spawn(post_in_process(
+                            app.clone(),
+                            path,
+                            unique("shorter"),
+                        )));
+                    }
+                    tokio::time::advance(step).await;
+                }
+                assert_eq!(held.await.expect("the holder"), StatusCode::CREATED);
+                assert_eq!(arrivals.len(), 2, "both shorter leases arrived");
+                for arrival in arrivals {
+                    assert_eq!(arrival.await.expect("arrival"), StatusCode::CREATED);
+                }
+                let at = rig.renewals_at.lock().unwrap().clone();
+                let renewed = at[0];
+                let tries: Vec<Duration> = at[1..]
+                    .iter()
+                    .filter(|t| **t < renewed + ms(42))
+                    .map(|t| *t - renewed)
+                    .collect();
+                let gaps: Vec<Duration> = at[1..].windows(2).map(|w| w[1] - w[0]).collect();
+                let what = format!(
+                    "steps of {step:?}, the 30 ms lease {first} ms after the renewal, the 18 ms \
+                     one {second} ms after the first refusal: tries {tries:?}, gaps {gaps:?}"
+                );
+                seen.push(tries.len());
+                assert!(tries.len() >= 4, "{what}");
+                assert!(gaps.iter().take(6).all(|g| *g <= ms(7) + step), "{what}");
+            }
+        }
+    }
+    println!("shorter leases mid-hold: tries per case {seen:?}");
 }
 
 /// DESIGN §4 (at most two renewals of a lease on their way, spaced): a renewal still on its way
@@ -1054,6 +1106,40 @@ async fn s6_a_release_fenced_by_mistake_counts_a_store_error_not_a_stale_write()
 }
 
 // ==== 5. real stores ===========================================================================
+
+/// A rig whose first renewal goes through and every later one (up to the hundredth) fails.
+fn renewed_once(store: MemoryStore) -> Arc<Rig<MemoryStore>> {
+    let rig = Rig::new(store);
+    for n in 2..=100 {
+        rig.on("renew", n, Act::Fail);
+    }
+    rig
+}
+
+/// `/op` works for `works` under `layer`, and each of `short` answers at once (the layer gives
+/// them shorter leases, which shorten the keeper's tick).
+fn held_beside_short(
+    layer: tower_idempotency::IdempotencyLayer<
+        Rig<MemoryStore>,
+        tower_idempotency::scope::SingleTenant,
+    >,
+    works: Duration,
+    short: &[&'static str],
+) -> axum::Router {
+    let held = axum::routing::post(move || async move {
+        tokio::time::sleep(works).await;
+        (StatusCode::CREATED, "done")
+    });
+    short
+        .iter()
+        .fold(axum::Router::new().route("/op", held), |app, path| {
+            app.route(
+                path,
+                axum::routing::post(|| async { (StatusCode::CREATED, "short") }),
+            )
+        })
+        .layer(layer)
+}
 
 fn claim_of(key: &ScopedKey, lease: Duration, expiry: LeaseExpiry) -> ClaimRequest {
     ClaimRequest {
