@@ -458,7 +458,7 @@ async fn s4_a_keeper_whose_timers_fire_late_keeps_renewing_a_third_of_a_lease_ap
         } else {
             (&at[..], lease / 3)
         };
-        let gaps: Vec<Duration> = at.windows(2).map(|w| w[1] - w[0]).collect();
+        let gaps = gaps(&at);
         let widest = gaps.iter().max().copied().unwrap_or_default();
         let narrowest = gaps.iter().min().copied().unwrap_or_default();
         let mean = (at[at.len() - 1] - at[0]) / u32::try_from(gaps.len()).expect("a few hundred");
@@ -545,7 +545,7 @@ async fn s4_refused_renewals_are_tried_again_within_a_sixth_of_the_lease_whateve
         assert!(tries.len() >= 4, "{what}");
         // At most a sixth apart, and a late wake's lateness (or a step) more.
         let more = if late { ms(3) } else { step };
-        let gaps = at[1..].windows(2).map(|w| w[1] - w[0]);
+        let gaps = gaps(&at[1..]).into_iter();
         assert!(gaps.take(6).all(|g| g <= lease / 6 + more), "{what}");
     }
 }
@@ -603,7 +603,7 @@ async fn s4_shorter_leases_arriving_mid_hold_under_late_timers_leave_four_tries(
                     .filter(|t| **t < renewed + ms(42))
                     .map(|t| *t - renewed)
                     .collect();
-                let gaps: Vec<Duration> = at[1..].windows(2).map(|w| w[1] - w[0]).collect();
+                let gaps = gaps(&at[1..]);
                 let what = format!(
                     "steps of {step:?}, the 30 ms lease {first} ms after the renewal, the 18 ms \
                      one {second} ms after the first refusal: tries {tries:?}, gaps {gaps:?}"
@@ -643,7 +643,7 @@ async fn s4_a_renewal_on_its_way_is_not_sent_again_within_half_a_tick() {
     }
     assert_eq!(held.await.expect("the holder"), StatusCode::CREATED);
     let at = rig.renewals_at.lock().unwrap().clone();
-    let gaps: Vec<Duration> = at.windows(2).map(|w| w[1] - w[0]).collect();
+    let gaps = gaps(&at);
     let narrowest = gaps.iter().min().copied().unwrap_or_default();
     let what = format!("{} renewals, gaps {gaps:?}", at.len());
     println!("a renewal on its way: {what}");
@@ -1106,6 +1106,11 @@ async fn s6_a_release_fenced_by_mistake_counts_a_store_error_not_a_stale_write()
 }
 
 // ==== 5. real stores ===========================================================================
+
+/// The time between each two renewals in turn.
+fn gaps(at: &[tokio::time::Instant]) -> Vec<Duration> {
+    at.windows(2).map(|w| w[1] - w[0]).collect()
+}
 
 /// A rig whose first renewal goes through and every later one (up to the hundredth) fails.
 fn renewed_once(store: MemoryStore) -> Arc<Rig<MemoryStore>> {
