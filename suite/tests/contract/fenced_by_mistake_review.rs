@@ -458,7 +458,7 @@ async fn s4_a_keeper_whose_timers_fire_late_keeps_renewing_a_third_of_a_lease_ap
         } else {
             (&at[..], lease / 3)
         };
-        let gaps = gaps(&at);
+        let gaps = gaps(at);
         let widest = gaps.iter().max().copied().unwrap_or_default();
         let narrowest = gaps.iter().min().copied().unwrap_or_default();
         let mean = (at[at.len() - 1] - at[0]) / u32::try_from(gaps.len()).expect("a few hundred");
