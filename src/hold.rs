@@ -70,11 +70,14 @@ struct Held {
     /// due by when it fires. So a renewal refused, or slower to come back than a sixth of the
     /// lease, has the next go at most a sixth of a lease (or a second) after it was sent,
     /// however long the store took to say no, and the lease gets at least four tries before
-    /// it runs out; a store that answers in time sees one renewal per third of a lease, a
-    /// slower one at most twice as many. At most [`OUTSTANDING`] at once: refusals slower
-    /// than a third of the lease, less how late the runtime's timers fire (a 30 ms lease whose
-    /// renewals are refused after 7 ms, one wake 4.9 ms late: tries at 14.9, 20 and 25 ms),
-    /// leave fewer tries.
+    /// it runs out while the runtime's timers fire at most half a tick late (later, up to a
+    /// tick, a shorter lease arriving mid-hold can leave three); a store that answers in time
+    /// sees one renewal per third of a lease, a slower one at most twice as many. At most
+    /// [`OUTSTANDING`] at once, and a refusal does not wake the keeper (a store slow to refuse
+    /// is not sent renewals back to back, each holding a connection): refusals slower than
+    /// about a fifth of the lease, with timers firing late, can leave three tries (a 32 ms
+    /// lease: refusals taking 7 ms with timers 2.9 ms late, or 8 ms with 2.5 ms; a 30 ms lease,
+    /// refusals taking 7 ms, one wake 4.9 ms late: tries at 14.9, 20 and 25 ms).
     due: Instant,
     /// Renewals under way. One that hangs (a connection stuck, a row lock) does not hold up
     /// the next: the lease would run out behind it and another request take the key over
@@ -321,7 +324,8 @@ async fn keep<St: IdempotencyStore>(
     // scheduled from its point, in whole ticks, not from when it fired (late, by amounts that
     // vary from one wake to the next): a renewal due at a point then goes at that point's
     // wake however late that fires, lateness never adds up from one renewal to the next, and
-    // a wake never sends what the next point was for.
+    // a wake never sends what the next point was for. A due between points (counted on a
+    // tick since shortened) goes at the wake before it.
     let Some(first) = shared.upgrade() else {
         return;
     };
@@ -349,9 +353,13 @@ async fn keep<St: IdempotencyStore>(
                 .enumerate()
                 .filter_map(|(slot, held)| {
                     let held = held.as_mut()?;
+                    // Due by now, or before the next wake's point: a due that falls between
+                    // points (counted on a tick a shorter lease has since shortened, or before
+                    // a late wake moved the points) goes at the wake before it, never a tick
+                    // after.
                     if held.lost
                         || held.renewing >= OUTSTANDING
-                        || held.due > now
+                        || (held.due > now && held.due >= next)
                         // One still on its way went less than half a tick ago (by the clock,
                         // whatever the points say: a wake late by most of a tick is followed
                         // by the next point's on time).
@@ -497,9 +505,9 @@ fn settle<St>(
 
 /// Which point a wake is for, and when the next wake is due: `last` is the last wake's point,
 /// `next` the point this wake was waiting for, `tick` the tick now (a shorter lease may have
-/// just shortened it), `woken` whether a shorter lease woke it early. The point is never after
-/// `now` and never before `last`: a wake never sends what a later point is for, and what it
-/// sends is never counted from a point before the last wake's.
+/// just shortened it), `woken` whether a shorter lease woke it early. The point is never
+/// after `now` and never before `last`: a wake never sends what a later point is for, and what
+/// it sends is never counted from a point before the last wake's.
 fn point(
     now: Instant,
     last: Instant,
@@ -509,11 +517,10 @@ fn point(
 ) -> (Instant, Instant) {
     if woken {
         // Woken early by a shorter lease: for the latest point by now, the shorter tick apart
-        // from the last wake's. The point it was waiting for stays next if it is still to come
-        // and sooner, so what is due then goes then; one passed already (a timer late) is
-        // this wake's.
+        // from the last wake's. The point it was waiting for stays next if it is still to come and sooner,
+        // so what is due then goes then; one passed already (a timer late) is this wake's.
         let at = last + tick.saturating_mul(whole(now.saturating_duration_since(last), tick));
-        let next = if next > at {
+        let next = if next > now {
             next.min(at + tick)
         } else {
             at + tick
@@ -664,6 +671,10 @@ mod tests {
                     then - origin
                 );
                 assert!(at <= now, "a point to come: {what}");
+                assert!(now - at < tick, "not the latest point by now: {what}");
+                if woken && next > now {
+                    assert_eq!(then, next.min(at + tick), "the point waited for: {what}");
+                }
                 assert!(at >= last, "a point before the last wake's: {what}");
                 assert!(
                     then > at || then == now,
@@ -691,8 +702,14 @@ mod tests {
         let t = |n: u64| Duration::from_micros(n * 100);
         let (at, next) = point(origin + t(129), origin, origin + t(100), t(30), true);
         assert_eq!((at - origin, next - origin), (t(120), t(150)));
-        let (after, _) = point(origin + t(129), at, next, t(30), false);
-        assert!(after >= at);
+        // Its timer for 15 ms fires at 15.2: for 15 ms.
+        let (after, then) = point(origin + t(152), at, next, t(30), false);
+        assert_eq!((after - origin, then - origin), (t(150), t(180)));
+        // A point passed already is not kept as the next: points 10 ms apart, the timer for
+        // 10 ms late, a 3 ms tick in at 11 ms: for 9 ms, the next at 12 ms (not 10 ms, a point
+        // under a tick after this one's and before this wake).
+        let (at, next) = point(origin + t(110), origin, origin + t(100), t(30), true);
+        assert_eq!((at - origin, next - origin), (t(90), t(120)));
         // Before its timer, a shorter tick keeps the point it was waiting for when sooner.
         let (at, next) = point(origin + t(70), origin, origin + t(100), t(30), true);
         assert_eq!((at - origin, next - origin), (t(60), t(90)));

@@ -155,12 +155,7 @@ impl<St: IdempotencyStore> Execution<St> {
     }
 
     /// Records an answer off the common path (see [`record`](Self::record)).
-    async fn record_rare(
-        &self,
-        parts: &Parts,
-        rare: Rare,
-        trailers: Option<&HeaderMap>,
-    ) {
+    async fn record_rare(&self, parts: &Parts, rare: Rare, trailers: Option<&HeaderMap>) {
         match rare {
             Rare::TooLarge => {
                 self.record_without_body(parts, trailers, false).await;
