@@ -67,8 +67,9 @@ struct Held {
     /// at least a tick) on, until it comes back renewed, which puts the next at the point
     /// nearest a third of a lease on, or refused, which brings it to a second on for a lease
     /// longer than six seconds (a blip lasts seconds whatever the lease). A wake sends what is
-    /// due by when it fires. So a renewal refused, or slower to come back than a sixth of the
-    /// lease, has the next go at most a sixth of a lease (or a second) after it was sent,
+    /// due by when it fires (or, renewed before, by the next point: see `keep`). So a renewal
+    /// refused, or slower to come back than a sixth of the lease, has the next go at most a
+    /// sixth of a lease (or a second) after it was sent,
     /// however long the store took to say no, and the lease gets at least four tries before
     /// it runs out while the runtime's timers fire at most half a tick late (later, up to a
     /// tick, a shorter lease arriving mid-hold can leave three); a store that answers in time
@@ -84,7 +85,7 @@ struct Held {
     /// while this handler still runs. At most [`OUTSTANDING`], so a store that hangs every
     /// call is not sent more and more.
     renewing: u8,
-    /// When the last renewal was sent.
+    /// When the last renewal was sent (before the first: the first due).
     sent: Instant,
     /// A renewal was fenced out, and a read showed it no mistake: nothing to keep.
     lost: bool,
@@ -183,7 +184,8 @@ impl<St: IdempotencyStore> Keeper<St> {
             token,
             lease,
             due,
-            // Read only while a renewal is on its way; set when one is sent.
+            // Set when a renewal is sent; until then the first due, which keeps that renewal
+            // from going early (see `keep`).
             sent: due,
             renewing: 0,
             lost: false,
@@ -354,12 +356,16 @@ async fn keep<St: IdempotencyStore>(
                 .filter_map(|(slot, held)| {
                     let held = held.as_mut()?;
                     // Due by now, or before the next wake's point: a due that falls between
-                    // points (counted on a tick a shorter lease has since shortened, or before
-                    // a late wake moved the points) goes at the wake before it, never a tick
-                    // after.
+                    // points (counted on a tick a shorter lease has since shortened) goes at
+                    // the wake before it, not a tick after; but not within half a tick of
+                    // the last renewal (a late wake restarts the points, and a due counted
+                    // from the old ones would be sent again at once), nor before the first
+                    // (a new hold's first due is set off the points on purpose: `sent` is
+                    // that due until then).
+                    let early = held.due < next && now >= held.sent + tick / 2;
                     if held.lost
                         || held.renewing >= OUTSTANDING
-                        || (held.due > now && held.due >= next)
+                        || (held.due > now && !early)
                         // One still on its way went less than half a tick ago (by the clock,
                         // whatever the points say: a wake late by most of a tick is followed
                         // by the next point's on time).

@@ -626,15 +626,15 @@ async fn s4_a_shorter_lease_arriving_mid_hold_leaves_four_tries() {
 /// their way the keeper sends no third, so refusals slower than about a fifth of the lease,
 /// with timers late, leave three tries (review 5 of session 47: a 32 ms lease, a tick of 5
 /// ms, refusals taking 8 ms, timers 2.5 ms late: tries at 12.4, 15 and 25 ms; 7 ms with 2.9 ms
-/// steps leaves three too). Below that four go before the lease runs out: renewals taking 4
-/// to 6 ms (slower than a sixth), the clock in steps of 0.3 to 2.9 ms. (Waking the keeper when a refusal comes back after the
+/// steps leaves three too). Below that four go before the lease runs out: renewals taking 5.5
+/// and 6 ms (slower than a sixth), the clock in steps of 0.3 to 2.5 ms (half a tick). (Waking the keeper when a refusal comes back after the
 /// next try was due would give four at 8 ms too, but sends a store slow to refuse renewals
 /// back to back, each holding a connection behind a row lock: `s15_7_…` fails.)
 #[tokio::test(start_paused = true)]
 async fn s4_refusals_slower_than_a_sixth_still_leave_four_tries() {
     let mut seen = Vec::new();
-    for slow in [4_000, 5_000, 6_000].map(Duration::from_micros) {
-        for step in (3..=29)
+    for slow in [5_500, 6_000].map(Duration::from_micros) {
+        for step in (3..=25)
             .step_by(2)
             .map(|tenths| Duration::from_micros(tenths * 100))
         {
@@ -670,6 +670,82 @@ async fn s4_refusals_slower_than_a_sixth_still_leave_four_tries() {
         }
     }
     println!("refusals slower than a sixth: tries per case {seen:?}");
+}
+
+/// DESIGN §4 (leases renewed about a third of a lease apart): a hold's first renewal goes at
+/// the keeper's first point at or after a third of the lease less a tick from the claim,
+/// whatever the phase of the keeper's points: never at once. Sending what falls before the
+/// next point at the wake before it, without holding back a hold never renewed, sent it up to
+/// a tick earlier still (review 6 of session 47: a claim 0.1 ms before a point, its first
+/// renewal 0.1 ms later). A 30 ms lease (tick 5 ms), claimed at every tenth of a millisecond
+/// of a tick after the keeper started.
+#[tokio::test(start_paused = true)]
+async fn s4_a_first_renewal_goes_a_third_of_the_lease_after_the_claim_at_every_phase() {
+    let mut firsts = Vec::new();
+    for tenths in 0..50 {
+        let rig = Rig::new(MemoryStore::on_tokio_clock());
+        let layer = layer(&rig, Route::plain(ms(30)));
+        let app = held_beside_short(layer, ms(40), &["/short"]);
+        // The keeper starts with the first hold: its points are a tick apart from then.
+        let first = tokio::spawn(post_in_process(app.clone(), "/short", unique("start")));
+        tokio::time::advance(Duration::from_micros(100)).await;
+        assert_eq!(first.await.expect("short"), StatusCode::CREATED);
+        tokio::time::advance(Duration::from_micros(100 * tenths)).await;
+        let claimed = tokio::time::Instant::now();
+        let held = tokio::spawn(post_in_process(app, "/op", unique("phase")));
+        while !held.is_finished() {
+            tokio::time::advance(Duration::from_micros(100)).await;
+        }
+        assert_eq!(held.await.expect("the holder"), StatusCode::CREATED);
+        let at = rig.renewals_at.lock().unwrap().clone();
+        let after = *at.first().expect("a renewal") - claimed;
+        firsts.push(after);
+        let what =
+            format!("claimed {tenths} tenths of a ms into a tick: first renewal {after:?} on");
+        assert!(after >= ms(5), "{what}");
+        assert!(after <= ms(10) + ms(1), "{what}");
+    }
+    println!("first renewals: {firsts:?}");
+}
+
+/// DESIGN §4 (tries spaced): after a wake a tick or more late, which restarts the keeper's
+/// points, a refused renewal is not tried again within half a tick. Sending what falls
+/// before the next point at the wake before it, without that guard, tried again 0.7 ms later
+/// (review 6 of session 47). A 30 ms lease (tick 5 ms) renewed once, then refused at once;
+/// the clock in 0.1 ms steps but for one jump of 10.3 ms (the next wake over a tick late)
+/// after one of the first four refusals.
+#[tokio::test(start_paused = true)]
+async fn s4_a_late_wake_does_not_bunch_refused_tries() {
+    for jump_after in 1..=4 {
+        let rig = renewed_once(MemoryStore::on_tokio_clock());
+        let app = app(
+            layer(&rig, Route::plain(ms(30))),
+            handler(|_, _| async {
+                tokio::time::sleep(ms(60)).await;
+                (StatusCode::CREATED, "done".to_owned())
+            }),
+        );
+        let held = tokio::spawn(post_in_process(app, "/op", unique("late-wake")));
+        let mut jumped = false;
+        while !held.is_finished() {
+            let sent = rig.renewals_at.lock().unwrap().len();
+            if !jumped && sent == jump_after + 1 {
+                jumped = true;
+                tokio::time::advance(Duration::from_micros(10_300)).await;
+            } else {
+                tokio::time::advance(Duration::from_micros(100)).await;
+            }
+        }
+        assert_eq!(held.await.expect("the holder"), StatusCode::CREATED);
+        let at = rig.renewals_at.lock().unwrap().clone();
+        let gaps = gaps(&at);
+        let what = format!("a jump after refusal {jump_after}: gaps {gaps:?}");
+        assert!(jumped, "{what}");
+        assert!(
+            gaps.iter().all(|g| *g >= Duration::from_micros(2_500)),
+            "{what}"
+        );
+    }
 }
 
 /// DESIGN §4 (at most two renewals of a lease on their way, spaced): a renewal still on its way
