@@ -523,8 +523,9 @@ fn point(
 ) -> (Instant, Instant) {
     if woken {
         // Woken early by a shorter lease: for the latest point by now, the shorter tick apart
-        // from the last wake's. The point it was waiting for stays next if it is still to come and sooner,
-        // so what is due then goes then; one passed already (a timer late) is this wake's.
+        // from the last wake's. The point it was waiting for stays next if it is still to come
+        // and sooner, so what is due then goes then; one passed already (a timer late) is this
+        // wake's.
         let at = last + tick.saturating_mul(whole(now.saturating_duration_since(last), tick));
         let next = if next > now {
             next.min(at + tick)
