@@ -20,6 +20,8 @@ mod postgres;
 #[cfg(feature = "redis")]
 pub mod redis;
 #[cfg(any(feature = "postgres", feature = "sqlite"))]
+mod reserve;
+#[cfg(any(feature = "postgres", feature = "sqlite"))]
 mod sql;
 #[cfg(feature = "sqlite")]
 mod sqlite;

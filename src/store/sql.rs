@@ -469,6 +469,40 @@ impl $store {
         self.batches.as_ref().map(|b| b.settings())
     }
 
+    /// Keeps `n` of the pool's connections for the requests holding leases: claims (and the
+    /// reads of requests waiting for a key in flight) take at most the rest at once, so a
+    /// holder's renewal or completion never queues for a connection behind a crowd of
+    /// duplicates and retries (queued past the lease's end, it would let a duplicate take
+    /// over a run still going). By default a quarter of the pool, at least one; none of a
+    /// pool of one connection. At most all but one: claims always have one. A claim waits
+    /// for its share at most the pool's acquire time-out, then fails as the pool does (503,
+    /// nothing runs).
+    ///
+    /// Only the store's own use of the pool is shared out so: give the store a pool of its
+    /// own, or the application's queries can still take every connection.
+    ///
+    /// ```no_run
+    #[doc = concat!(" # async fn run(store: tower_idempotency::store::", stringify!($store), ") {")]
+    /// let store = store.with_holder_connections(2);
+    /// assert_eq!(store.holder_connections(), 2);
+    /// # }
+    /// ```
+    pub fn with_holder_connections(mut self, n: u32) -> Self {
+        let options = self.pool.options();
+        self.reserve = std::sync::Arc::new(super::reserve::Reserve::new(
+            options.get_max_connections(),
+            n,
+            options.get_acquire_timeout(),
+        ));
+        self
+    }
+
+    /// How many of the pool's connections are kept for lease holders (see
+    /// [`with_holder_connections`](Self::with_holder_connections)).
+    pub fn holder_connections(&self) -> u32 {
+        self.reserve.kept()
+    }
+
     /// What a batch of claims came to. Each claim is answered, or sent again alone on a task
     /// of its own (holding no batch slot): a claim whose row the statement could not see, and
     /// every claim of a batch the database refused (a lock wait ran out, a deadlock, a busy

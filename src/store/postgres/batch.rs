@@ -25,6 +25,7 @@ impl PostgresStore {
         &self,
         ops: &[ClaimOp],
     ) -> Result<Vec<Option<Result<Claim, StoreError>>>, sqlx::Error> {
+        let _turn = self.reserve.claim().await?;
         let column = |f: fn(&ClaimOp) -> &[u8]| ops.iter().map(f).collect::<Vec<_>>();
         let rows = sqlx::query(AssertSqlSafe(self.sql.claim_batch.clone()))
             .bind(column(|op| op.request.key.scope().as_bytes()))

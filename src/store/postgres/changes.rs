@@ -87,6 +87,10 @@ impl PostgresStore {
     /// record locked by its holder's transaction counts as moved on: the caller claims again,
     /// which answers for it.
     pub(super) async fn mark_waited(&self, key: &ScopedKey, token: FencingToken) -> bool {
+        // A waiter's reads take the claims' share of the pool, as its claims do.
+        let Ok(_turn) = self.reserve.claim().await else {
+            return true;
+        };
         let waited: Result<Option<bool>, sqlx::Error> =
             sqlx::query_scalar(AssertSqlSafe(self.sql.waited.clone()))
                 .bind(key.scope().as_bytes())

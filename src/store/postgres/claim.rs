@@ -37,6 +37,8 @@ impl PostgresStore {
         req: &ClaimRequest,
         token: FencingToken,
     ) -> Result<Claim, StoreError> {
+        // The claims' share of the pool, for the statement and the read that may follow.
+        let _turn = self.reserve.claim().await.map_err(unavailable)?;
         // A second attempt only when a concurrent claim committed between our snapshot and
         // our conflict check (a new row, or a change to the one the snapshot holds); a third
         // would mean that happened twice in between.

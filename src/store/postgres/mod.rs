@@ -7,6 +7,7 @@ use sqlx::postgres::{PgConnectOptions, PgConnection, PgPool, PgPoolOptions, PgRo
 use sqlx::{AssertSqlSafe, Connection, Row};
 
 use super::batch::Batches;
+use super::reserve::{self, Reserve};
 use super::sql::{self, InvalidIdentifier, RawRecord, millis, unavailable};
 use super::{
     Claim, ClaimRequest, FencingToken, HistoryEvent, IdempotencyStore, InFlight, Milestone, Record,
@@ -50,6 +51,10 @@ const SESSION_LIMITS: [(&str, &str); 2] = [("lock_timeout", "5s"), ("statement_t
 ///   each request answered by its place in the arrays. A batch waits at most 100 ms for a row
 ///   held in another transaction; then each of its operations goes alone, so only the held
 ///   key waits. Counted on the wire, 64 concurrent claims take a few statements, not 64.
+/// - **Holders first.** Claims take at most all but a quarter of the pool's connections at
+///   once ([`with_holder_connections`](Self::with_holder_connections)): a crowd of retries
+///   never queues ahead of a holder's renewal or completion, which would let its lease run
+///   out under a live handler.
 ///
 /// The table is created by [`migrate`](Self::migrate) (idempotent, serialised by an advisory
 /// lock, separate from the application's own sqlx migrations), or by running
@@ -72,6 +77,8 @@ pub struct PostgresStore {
     changes: Arc<Changes>,
     /// Claims and completions sent together under concurrency, when turned on.
     batches: Option<Arc<Batches>>,
+    /// The pool's connections claims may take at once: the rest are the lease holders'.
+    reserve: Arc<Reserve>,
 }
 
 impl PostgresStore {
@@ -86,7 +93,13 @@ impl PostgresStore {
 
     /// A store on `pool`, in `public.idempotency_records`.
     pub fn new(pool: PgPool) -> Self {
+        let max = pool.options().get_max_connections();
         Self {
+            reserve: Arc::new(Reserve::new(
+                max,
+                reserve::kept_by_default(max),
+                pool.options().get_acquire_timeout(),
+            )),
             pool,
             sql: Arc::new(Statements::new("public", Self::DEFAULT_TABLE)),
             changes: Changes::new(),

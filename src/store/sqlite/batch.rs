@@ -75,6 +75,7 @@ impl SqliteStore {
         &self,
         ops: &[ClaimOp],
     ) -> Result<Vec<Option<Result<Claim, StoreError>>>, sqlx::Error> {
+        let _turn = self.reserve.claim().await?;
         let mut tx = self.pool.begin().await?;
         let mut outcomes: Vec<Option<Result<Claim, StoreError>>> =
             ops.iter().map(|_| None).collect();

@@ -67,6 +67,7 @@ impl SqliteStore {
         req: &ClaimRequest,
         token: FencingToken,
     ) -> Result<Claim, StoreError> {
+        let _turn = self.reserve.claim().await.map_err(unavailable)?;
         let mut tx = self.pool.begin().await.map_err(unavailable)?;
         let outcome = self
             .claim_in(&mut tx, req, token)

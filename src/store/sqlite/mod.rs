@@ -20,6 +20,7 @@ use sqlx::{AssertSqlSafe, Connection, Row};
 use self::file::OpenedFile;
 use self::statements::{Statements, WATCHED};
 use super::batch::Batches;
+use super::reserve::{self, Reserve};
 use super::sql::{self, InvalidIdentifier, RawRecord, millis, unavailable};
 use super::{
     Claim, ClaimRequest, FencingToken, HistoryEvent, IdempotencyStore, InFlight, Milestone, Record,
@@ -43,6 +44,10 @@ use super::{
 /// read answered in a single row, and a chunk of completions one update: sqlx hands every
 /// statement and every row between its connection's thread and the caller, which costs more
 /// than SQLite's own work. A batch that fails is sent again one operation at a time.
+///
+/// Claims take at most all but a quarter of the pool's connections at once
+/// ([`with_holder_connections`](Self::with_holder_connections)), so a holder's renewal never
+/// queues for a connection behind a crowd of retries.
 ///
 /// For tests, `sqlite::memory:` works too: [`connect`](Self::connect) then keeps one
 /// connection open for the store's life (the database lives as long as one connection does)
@@ -72,6 +77,8 @@ pub struct SqliteStore {
     /// lock in turn, woken in order, where contending for it would put the losers to sleep in
     /// SQLite's busy handler (1, 2, 5, 10… ms).
     writer: Arc<tokio::sync::Mutex<()>>,
+    /// The pool's connections claims may take at once: the rest are the lease holders'.
+    reserve: Arc<Reserve>,
 }
 
 impl SqliteStore {
@@ -91,7 +98,13 @@ impl SqliteStore {
     /// database (`sqlite::memory:`) is one per connection: give it a pool of one connection, or
     /// use [`connect`](Self::connect), which does.
     pub fn new(pool: SqlitePool) -> Self {
+        let max = pool.options().get_max_connections();
         Self {
+            reserve: Arc::new(Reserve::new(
+                max,
+                reserve::kept_by_default(max),
+                pool.options().get_acquire_timeout(),
+            )),
             pool,
             sql: Arc::new(Statements::new(Self::DEFAULT_TABLE)),
             anchor: None,

@@ -166,3 +166,99 @@ fn s4_a_batch_is_cut_into_chunks_of_the_cached_sizes() {
         );
     }
 }
+
+/// DESIGN §4 (the holder keeps its lease while its process lives): claims take at most the
+/// pool's connections not kept for holders; a claim past that share fails as the pool does
+/// (unavailable) once the pool's acquire time-out has passed, while a holder's renewal and
+/// completion still go through. What is kept is a quarter of the pool by default, and at most
+/// all but one connection.
+#[tokio::test]
+async fn s4_claims_wait_for_their_share_while_holders_write() {
+    use crate::fingerprint::Fingerprint;
+    use crate::store::{Claim, ClaimRequest, IdempotencyStore, LeaseExpiry, ScopedKey};
+    use crate::store::{StoreError, StoredResponse};
+    use sqlx::sqlite::{SqliteConnectOptions, SqlitePoolOptions};
+    use std::str::FromStr;
+    use std::time::Duration;
+
+    let dir = std::env::temp_dir().join(format!(
+        "sqlite-share-{}-{:?}",
+        std::process::id(),
+        std::time::SystemTime::now()
+    ));
+    std::fs::create_dir_all(&dir).expect("dir");
+    let url = format!("sqlite://{}", dir.join("db.sqlite").display());
+    let made = super::SqliteStore::connect(&url).await.expect("connect");
+    made.migrate().await.expect("migrate");
+    made.pool().close().await;
+    let options = SqliteConnectOptions::from_str(&url)
+        .expect("options")
+        .busy_timeout(Duration::from_secs(5));
+    let pool = SqlitePoolOptions::new()
+        .max_connections(4)
+        .acquire_timeout(Duration::from_millis(300))
+        .connect_lazy_with(options);
+    let store = super::SqliteStore::new(pool);
+    assert_eq!(store.holder_connections(), 1, "a quarter of 4");
+    assert_eq!(
+        store
+            .clone()
+            .with_holder_connections(3)
+            .holder_connections(),
+        3
+    );
+    assert_eq!(
+        store
+            .clone()
+            .with_holder_connections(9)
+            .holder_connections(),
+        3,
+        "claims keep one"
+    );
+    let request = |key: &str| ClaimRequest {
+        key: ScopedKey::new("s", key),
+        fingerprint: Fingerprint::from_bytes([7; 32]),
+        lease: Duration::from_secs(30),
+        ttl: Duration::from_secs(60),
+        on_lease_expiry: LeaseExpiry::Reclaim,
+    };
+    let held = match store.claim(&request("held")).await.expect("claim") {
+        Claim::Acquired(lease) => lease.token,
+        other => panic!("acquired, got {other:?}"),
+    };
+    // The claims' whole share taken, as by three claims waiting on their statements.
+    let share = [
+        store.reserve.claim().await.expect("a turn"),
+        store.reserve.claim().await.expect("a turn"),
+        store.reserve.claim().await.expect("a turn"),
+    ];
+    let refused = store.claim(&request("crowded")).await;
+    assert!(
+        matches!(refused, Err(StoreError::Unavailable(_))),
+        "a claim past the share is unavailable: {refused:?}"
+    );
+    let key = ScopedKey::new("s", "held");
+    store
+        .renew(&key, held, Duration::from_secs(30))
+        .await
+        .expect("the holder renews");
+    let response = StoredResponse {
+        status: http::StatusCode::CREATED,
+        headers: http::HeaderMap::new(),
+        body: Some(bytes::Bytes::from_static(b"done")),
+        trailers: None,
+    };
+    store
+        .complete(&key, held, &response, Duration::from_secs(60))
+        .await
+        .expect("the holder completes");
+    drop(share);
+    assert!(
+        matches!(
+            store.claim(&request("crowded")).await,
+            Ok(Claim::Acquired(_))
+        ),
+        "its share given back, the claim goes"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -828,6 +828,128 @@ async fn s4_an_exhausted_pool_past_the_lease_on_a_reconcile_route_never_runs_twi
     );
 }
 
+/// DESIGN §4 ("The holder keeps its lease for as long as its process lives") and §7.3. Fault:
+/// a crowd of claims fills the store's pool (8 connections): 48 tasks retry keys whose
+/// expired records another session holds `FOR UPDATE`, so every one of their claims holds a
+/// connection for its 100 ms lock wait; meanwhile five tasks send one key for 2 s, whose
+/// handler runs 1 s under a 300 ms lease. sqlx's pool serves its waiters in turn: without the
+/// connections kept for holders, each renewal queued behind the crowd for about half a second,
+/// the lease ran out under the live handler and a duplicate ran the key again. Expected: one
+/// effect of the key; one live 201 among its answers; then replays.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s4_a_crowd_of_claims_filling_the_pool_never_starves_the_holders_renewals() {
+    let app = unique("psf-crowd");
+    let Some(pool) = pool(&app, 8, &[]).await else {
+        return;
+    };
+    let admin = common::postgres_pool().await.expect("admin pool");
+    let t = table("crowd");
+    let store = store(pool, &t).await;
+    assert_eq!(store.holder_connections(), 2, "a quarter of 8 kept");
+    let sink = Sink::default();
+    let layer = IdempotencyLayer::new(store)
+        .single_tenant()
+        .lease(Duration::from_millis(300));
+    let addr = serve(slow_route(
+        layer,
+        sink.clone(),
+        Duration::from_millis(1_000),
+    ))
+    .await;
+    // The crowd's records: run once, then expired, then held by another session.
+    let run = unique("crowd");
+    let crowd: Vec<String> = (0..8).map(|i| format!("{run}-{i}")).collect();
+    let made: Vec<_> = crowd
+        .iter()
+        .map(|key| {
+            let key = key.clone();
+            tokio::spawn(async move { answer(post_key(addr, &key).await).await.0 })
+        })
+        .collect();
+    for made in made {
+        assert_eq!(guard("a crowd record", made).await.expect("task"), 201);
+    }
+    let keys: Vec<Vec<u8>> = crowd.iter().map(|k| k.as_bytes().to_vec()).collect();
+    let expired = sqlx::query(AssertSqlSafe(format!(
+        "UPDATE \"{t}\" SET expires_at = now() - interval '1 day' WHERE key = ANY($1)"
+    )))
+    .bind(&keys)
+    .execute(&admin)
+    .await
+    .expect("expire the crowd's records");
+    assert_eq!(expired.rows_affected(), 8);
+    let mut outsider = admin.begin().await.expect("begin");
+    sqlx::query(AssertSqlSafe(format!(
+        "SELECT 1 FROM \"{t}\" WHERE key = ANY($1) FOR UPDATE"
+    )))
+    .bind(&keys)
+    .execute(&mut *outsider)
+    .await
+    .expect("hold the crowd's rows");
+    // The key and its duplicates, five tasks for 2 s; the crowd once its handler runs (a
+    // claim that came back late is confirmed before anything runs: the crowd is there to
+    // starve the renewals of a run already going).
+    let key = unique("held");
+    let stop = Arc::new(AtomicBool::new(false));
+    let duplicates = retry_storm(addr, key.clone(), 5, stop.clone());
+    let running = format!("SELECT count(*) FROM \"{t}\" WHERE key = $1 AND status = 'in_progress'");
+    guard("the key's handler runs", async {
+        while sqlx::query_scalar::<_, i64>(AssertSqlSafe(running.clone()))
+            .bind(key.as_bytes())
+            .fetch_one(&admin)
+            .await
+            .expect("read the key's record")
+            == 0
+        {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    })
+    .await;
+    let crowd_answers = Arc::new(Mutex::new(Vec::new()));
+    let storm: Vec<_> = (0..48)
+        .map(|i| {
+            let (key, stop, seen) = (crowd[i % 8].clone(), stop.clone(), crowd_answers.clone());
+            tokio::spawn(async move {
+                while !stop.load(Ordering::SeqCst) {
+                    let a = answer(post_key(addr, &key).await).await;
+                    seen.lock().unwrap().push((a.0, a.2));
+                }
+            })
+        })
+        .collect();
+    // Twice the handler's time: a takeover would run the key again within it.
+    tokio::time::sleep(Duration::from_millis(2_000)).await;
+    stop.store(true, Ordering::SeqCst);
+    for task in storm {
+        guard("a crowd task", task).await.expect("crowd");
+    }
+    // Every request's answer, those still running a handler included.
+    let answers = join_storm(duplicates).await;
+    outsider.rollback().await.expect("let the rows go");
+    let last = until_answered(addr, &key, 40).await;
+    let crowd_answers = crowd_answers.lock().unwrap().clone();
+    assert!(
+        crowd_answers.len() >= 48,
+        "the crowd kept claiming: {} answers",
+        crowd_answers.len()
+    );
+    assert!(
+        crowd_answers.iter().all(|(s, _)| *s != 201),
+        "no crowd claim ran while its row was held: {crowd_answers:?}"
+    );
+    assert_eq!(
+        sink.of(&key),
+        1,
+        "the held key ran once: answers {answers:?}"
+    );
+    let live = answers.iter().filter(|a| a.0 == 201 && !a.1).count();
+    assert_eq!(live, 1, "one live answer: {answers:?}");
+    assert!(
+        last.last().is_some_and(|a| a.0 == 201 && a.1),
+        "then replayed: {last:?}"
+    );
+}
+
 // ---- 5. A claim delayed on the wire past the give-back ---------------------------------------
 
 /// What the relay holds back: statements holding `needle`, how many more times, how long.
