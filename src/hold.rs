@@ -11,8 +11,11 @@
 //! a crashed holder would, so such handlers belong in `spawn_blocking`.
 //!
 //! Holding costs one short lock to take a slot and one to give it back; the keeper wakes every
-//! sixth of the shortest lease it has seen (at once when a shorter one comes in) and touches
-//! only leases due for renewal.
+//! sixth of the shortest lease it has seen and at least once a second (a shorter lease coming
+//! in wakes it to shorten the tick), and touches only leases due for renewal. Its wakes are
+//! the runtime's timers: a runtime too busy to fire them on time (a burst of work on too few
+//! threads) delays renewals as much, so a lease should be several times the longest such
+//! stall.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
@@ -67,7 +70,7 @@ struct Held {
     /// at least a tick) on, until it comes back renewed, which puts the next at the point
     /// nearest a third of a lease on, or refused, which brings it to a second on for a lease
     /// longer than six seconds (a blip lasts seconds whatever the lease). A wake sends what is
-    /// due by when it fires (or, renewed before, by the next point: see `keep`). So a renewal
+    /// due by when it fires (or, sent before, by the next point: see `keep`). So a renewal
     /// refused, or slower to come back than a sixth of the lease, has the next go at most a
     /// sixth of a lease (or a second) after it was sent,
     /// however long the store took to say no, and the lease gets at least four tries before
@@ -142,8 +145,8 @@ impl<St: IdempotencyStore> Keeper<St> {
     /// lease was asked for, if the store took a while to answer (the lease began somewhere between
     /// then and now), or for a lease held already, a time at or before its last renewal; otherwise
     /// now. The first renewal is due a tick before a third of the lease from then: the keeper wakes
-    /// a tick apart at a phase of its own, so it goes by a third of the lease at the latest,
-    /// leaving the refusals that follow as many tries as a lease renewed on time has.
+    /// a tick apart at a phase of its own, so it goes by a third of the lease at the latest (plus
+    /// however late the runtime's timers fire), leaving the refusals that follow as many tries as a lease renewed on time has.
     pub(crate) fn hold(
         &self,
         key: &ScopedKey,
