@@ -6,7 +6,11 @@
 //! a crowd of claims can wait past the lease's end, and a duplicate then takes over a run that
 //! is still going: the effect happens twice. So claims (and the reads that wait for a key in
 //! flight) hold at most all but a few of the pool's connections at once; the few left are
-//! always the holders', who only ever queue behind one another.
+//! the holders'. A holder then queues behind other holders, and at worst behind one claim's
+//! statement, never behind the crowd.
+//!
+//! Only the store's own statements are shared out so: connections the application takes from
+//! the same pool (a handler's own transaction, another store on the same pool) are not.
 
 use std::time::Duration;
 
@@ -47,13 +51,19 @@ impl Reserve {
 
     /// A claim's turn at the pool, held while its statement runs. Waits at most as long as
     /// the pool would for a connection, then fails as the pool does (`PoolTimedOut`: the
-    /// store is unavailable, nothing runs).
+    /// store is unavailable, nothing runs). The pool's own wait for a connection comes after.
     pub(crate) async fn claim(&self) -> Result<SemaphorePermit<'_>, sqlx::Error> {
         match tokio::time::timeout(self.wait, self.claims.acquire()).await {
             Ok(Ok(permit)) => Ok(permit),
             // Never closed; and a claim that cannot have its turn is one the pool refused.
             Ok(Err(_)) | Err(_) => Err(sqlx::Error::PoolTimedOut),
         }
+    }
+
+    /// A turn at once, or none while the claims' share is taken: for reads whose caller has
+    /// another way to learn the same (a waiter's, which claims again instead).
+    pub(crate) fn try_claim(&self) -> Option<SemaphorePermit<'_>> {
+        self.claims.try_acquire().ok()
     }
 }
 

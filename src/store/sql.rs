@@ -469,17 +469,21 @@ impl $store {
         self.batches.as_ref().map(|b| b.settings())
     }
 
-    /// Keeps `n` of the pool's connections for the requests holding leases: claims (and the
-    /// reads of requests waiting for a key in flight) take at most the rest at once, so a
-    /// holder's renewal or completion never queues for a connection behind a crowd of
-    /// duplicates and retries (queued past the lease's end, it would let a duplicate take
-    /// over a run still going). By default a quarter of the pool, at least one; none of a
-    /// pool of one connection. At most all but one: claims always have one. A claim waits
-    /// for its share at most the pool's acquire time-out, then fails as the pool does (503,
-    /// nothing runs).
+    /// Keeps `n` of the pool's connections for the requests holding leases: claims (with the
+    /// reads of requests waiting for a key in flight, and refusals' notes) take at most the
+    /// rest at once, so a holder's renewal or completion queues for a connection behind
+    /// other holders' and at worst one claim's statement, never behind a crowd of duplicates
+    /// and retries (queued past the lease's end, it would let a duplicate take over a run
+    /// still going). By default a quarter of the pool, at least one; none of a pool of one
+    /// connection. At most all but one of the connections the store's statements can have
+    /// (a `PostgresStore`'s `LISTEN`, for routes that wait for a key in flight, holds one of
+    /// the pool's for good): claims always have one. A claim waits for its share at most the
+    /// pool's acquire time-out, then fails as the pool does (503, nothing runs); its wait for
+    /// a connection comes after, so a claim may wait up to twice that time in all.
     ///
-    /// Only the store's own use of the pool is shared out so: give the store a pool of its
-    /// own, or the application's queries can still take every connection.
+    /// Only the store's own statements are shared out so. The application's use of the same
+    /// pool (a handler's own transaction, another store on it) is not: size the pool for
+    /// both, or give the store a pool of its own.
     ///
     /// ```no_run
     #[doc = concat!(" # async fn run(store: tower_idempotency::store::", stringify!($store), ") {")]
@@ -488,13 +492,23 @@ impl $store {
     /// # }
     /// ```
     pub fn with_holder_connections(mut self, n: u32) -> Self {
-        let options = self.pool.options();
-        self.reserve = std::sync::Arc::new(super::reserve::Reserve::new(
-            options.get_max_connections(),
-            n,
-            options.get_acquire_timeout(),
-        ));
+        self.reserve = Self::reserve_of(&self.pool, Some(n));
         self
+    }
+
+    /// The claims' share of `pool`, keeping `kept` connections (by default a quarter) for
+    /// holders, out of those the store's statements can have: a listener's is not one.
+    fn reserve_of(
+        pool: &sqlx::Pool<$db>,
+        kept: Option<u32>,
+    ) -> std::sync::Arc<super::reserve::Reserve> {
+        let options = pool.options();
+        let max = options.get_max_connections();
+        std::sync::Arc::new(super::reserve::Reserve::new(
+            max.saturating_sub(Self::LISTENERS).max(1),
+            kept.unwrap_or_else(|| super::reserve::kept_by_default(max)),
+            options.get_acquire_timeout(),
+        ))
     }
 
     /// How many of the pool's connections are kept for lease holders (see
@@ -906,6 +920,8 @@ impl IdempotencyStore for $store {
     }
 
     async fn append_history(&self, key: &ScopedKey, event: HistoryEvent) -> Result<(), StoreError> {
+        // A request's note (it may wait on the row), in the claims' share as its claim was.
+        let _turn = self.reserve.claim().await.map_err(unavailable)?;
         sqlx::query(AssertSqlSafe(self.sql.append_history.clone()))
             .bind(key.scope().as_bytes())
             .bind(key.key().as_bytes())

@@ -87,8 +87,10 @@ impl PostgresStore {
     /// record locked by its holder's transaction counts as moved on: the caller claims again,
     /// which answers for it.
     pub(super) async fn mark_waited(&self, key: &ScopedKey, token: FencingToken) -> bool {
-        // A waiter's reads take the claims' share of the pool, as its claims do.
-        let Ok(_turn) = self.reserve.claim().await else {
+        // A waiter's reads take the claims' share of the pool, as its claims do, never waited
+        // for (a wait here would come before the route's bound on waiting): with the share
+        // taken, the caller claims again, in turn, which answers for the record.
+        let Some(_turn) = self.reserve.try_claim() else {
             return true;
         };
         let waited: Result<Option<bool>, sqlx::Error> =
@@ -136,8 +138,8 @@ impl PostgresStore {
 /// connection still answers (a link dropped without a close shows only then).
 pub(super) const HEARTBEAT: Duration = Duration::from_secs(2);
 
-/// Keeps a store's `LISTEN` on `channel` up while the store lives (a connection of its own,
-/// outside the pool), waking the waiters of each key notified; after a lost connection
+/// Keeps a store's `LISTEN` on `channel` up while the store lives (one of the pool's
+/// connections, held for good: the claims' share leaves it out), waking the waiters of each key notified; after a lost connection
 /// (notifications may have been missed) every waiter is woken to look again.
 pub(super) async fn listen(changes: std::sync::Weak<Changes>, pool: PgPool, channel: String) {
     use std::sync::atomic::Ordering;

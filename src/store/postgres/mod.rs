@@ -7,7 +7,7 @@ use sqlx::postgres::{PgConnectOptions, PgConnection, PgPool, PgPoolOptions, PgRo
 use sqlx::{AssertSqlSafe, Connection, Row};
 
 use super::batch::Batches;
-use super::reserve::{self, Reserve};
+use super::reserve::Reserve;
 use super::sql::{self, InvalidIdentifier, RawRecord, millis, unavailable};
 use super::{
     Claim, ClaimRequest, FencingToken, HistoryEvent, IdempotencyStore, InFlight, Milestone, Record,
@@ -53,7 +53,7 @@ const SESSION_LIMITS: [(&str, &str); 2] = [("lock_timeout", "5s"), ("statement_t
 ///   key waits. Counted on the wire, 64 concurrent claims take a few statements, not 64.
 /// - **Holders first.** Claims take at most all but a quarter of the pool's connections at
 ///   once ([`with_holder_connections`](Self::with_holder_connections)): a crowd of retries
-///   never queues ahead of a holder's renewal or completion, which would let its lease run
+///   does not queue ahead of a holder's renewal or completion, which would let its lease run
 ///   out under a live handler.
 ///
 /// The table is created by [`migrate`](Self::migrate) (idempotent, serialised by an advisory
@@ -90,16 +90,14 @@ impl PostgresStore {
 
     /// The default table: `public.idempotency_records`.
     pub const DEFAULT_TABLE: &'static str = "idempotency_records";
+    /// Connections of the pool held for good outside the store's statements: the `LISTEN`
+    /// that wakes waiting requests.
+    const LISTENERS: u32 = 1;
 
     /// A store on `pool`, in `public.idempotency_records`.
     pub fn new(pool: PgPool) -> Self {
-        let max = pool.options().get_max_connections();
         Self {
-            reserve: Arc::new(Reserve::new(
-                max,
-                reserve::kept_by_default(max),
-                pool.options().get_acquire_timeout(),
-            )),
+            reserve: Self::reserve_of(&pool, None),
             pool,
             sql: Arc::new(Statements::new("public", Self::DEFAULT_TABLE)),
             changes: Changes::new(),

@@ -60,22 +60,27 @@ impl SqliteStore {
     /// then the records as they stand). If it fails, its claims go alone, each on a task of
     /// its own (and its own transaction), holding neither the writer nor a batch slot.
     pub(super) async fn claim_batch(self, ops: Vec<ClaimOp>) {
-        let writer = self.writer.lock().await;
-        let outcomes = match ops.as_slice() {
-            [op] => Ok(vec![Some(self.claim_one(&op.request, op.token).await)]),
-            _ => self.claim_together(&ops).await,
+        // The claims' share of the pool first, then the writer: a batch never holds the
+        // writer (which holders' completions take too) while it waits for its turn.
+        let outcomes = match self.reserve.claim().await {
+            Ok(_turn) => {
+                let _writer = self.writer.lock().await;
+                match ops.as_slice() {
+                    [op] => Ok(vec![Some(self.claim_in_turn(&op.request, op.token).await)]),
+                    _ => self.claim_together(&ops).await,
+                }
+            }
+            Err(error) => Err(error),
         };
-        drop(writer);
         self.settle_claims(ops, outcomes);
     }
 
-    /// Each claim of the batch, every one answered here (never `None`, which would send it
+    /// Each claim of the batch (in the claims' share, taken by the caller), every one answered here (never `None`, which would send it
     /// alone: claimed again, after this commit).
     pub(super) async fn claim_together(
         &self,
         ops: &[ClaimOp],
     ) -> Result<Vec<Option<Result<Claim, StoreError>>>, sqlx::Error> {
-        let _turn = self.reserve.claim().await?;
         let mut tx = self.pool.begin().await?;
         let mut outcomes: Vec<Option<Result<Claim, StoreError>>> =
             ops.iter().map(|_| None).collect();

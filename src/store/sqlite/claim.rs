@@ -68,6 +68,15 @@ impl SqliteStore {
         token: FencingToken,
     ) -> Result<Claim, StoreError> {
         let _turn = self.reserve.claim().await.map_err(unavailable)?;
+        self.claim_in_turn(req, token).await
+    }
+
+    /// [`claim_one`](Self::claim_one) in the claims' share, taken by the caller.
+    pub(super) async fn claim_in_turn(
+        &self,
+        req: &ClaimRequest,
+        token: FencingToken,
+    ) -> Result<Claim, StoreError> {
         let mut tx = self.pool.begin().await.map_err(unavailable)?;
         let outcome = self
             .claim_in(&mut tx, req, token)

@@ -20,7 +20,7 @@ use sqlx::{AssertSqlSafe, Connection, Row};
 use self::file::OpenedFile;
 use self::statements::{Statements, WATCHED};
 use super::batch::Batches;
-use super::reserve::{self, Reserve};
+use super::reserve::Reserve;
 use super::sql::{self, InvalidIdentifier, RawRecord, millis, unavailable};
 use super::{
     Claim, ClaimRequest, FencingToken, HistoryEvent, IdempotencyStore, InFlight, Milestone, Record,
@@ -46,8 +46,8 @@ use super::{
 /// than SQLite's own work. A batch that fails is sent again one operation at a time.
 ///
 /// Claims take at most all but a quarter of the pool's connections at once
-/// ([`with_holder_connections`](Self::with_holder_connections)), so a holder's renewal never
-/// queues for a connection behind a crowd of retries.
+/// ([`with_holder_connections`](Self::with_holder_connections)), so a holder's renewal does
+/// not queue for a connection behind a crowd of retries.
 ///
 /// For tests, `sqlite::memory:` works too: [`connect`](Self::connect) then keeps one
 /// connection open for the store's life (the database lives as long as one connection does)
@@ -91,6 +91,8 @@ impl SqliteStore {
 
     /// The default table: `idempotency_records`.
     pub const DEFAULT_TABLE: &'static str = "idempotency_records";
+    /// Connections of the pool held for good outside the store's statements: none.
+    const LISTENERS: u32 = 0;
 
     /// A store on `pool`, in the default table. Open the pool with WAL and a busy timeout (as
     /// [`connect`](Self::connect) does) if several writers share the file, and with
@@ -98,13 +100,8 @@ impl SqliteStore {
     /// database (`sqlite::memory:`) is one per connection: give it a pool of one connection, or
     /// use [`connect`](Self::connect), which does.
     pub fn new(pool: SqlitePool) -> Self {
-        let max = pool.options().get_max_connections();
         Self {
-            reserve: Arc::new(Reserve::new(
-                max,
-                reserve::kept_by_default(max),
-                pool.options().get_acquire_timeout(),
-            )),
+            reserve: Self::reserve_of(&pool, None),
             pool,
             sql: Arc::new(Statements::new(Self::DEFAULT_TABLE)),
             anchor: None,

@@ -828,28 +828,51 @@ async fn s4_an_exhausted_pool_past_the_lease_on_a_reconcile_route_never_runs_twi
     );
 }
 
+/// How a crowd of claims meets a held key (see the tests below).
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Crowd {
+    /// A pool of 8, a route that answers 409 at once.
+    Plain,
+    /// A pool of 4, a route that waits for a key in flight: the `LISTEN` that wakes its
+    /// waiters holds one of the pool's connections for good.
+    Waiting,
+    /// A pool of 8, a route that notes every refusal in the key's history, the crowd's keys in
+    /// flight: each claim reads its record at once, and each refusal's note is a write that
+    /// waits on the held row.
+    Noting,
+}
+
 /// DESIGN §4 ("The holder keeps its lease for as long as its process lives") and §7.3. Fault:
-/// a crowd of claims fills the store's pool (8 connections): 48 tasks retry keys whose
-/// expired records another session holds `FOR UPDATE`, so every one of their claims holds a
-/// connection for its 100 ms lock wait; meanwhile five tasks send one key for 2 s, whose
-/// handler runs 1 s under a 300 ms lease. sqlx's pool serves its waiters in turn: without the
-/// connections kept for holders, each renewal queued behind the crowd for about half a second,
-/// the lease ran out under the live handler and a duplicate ran the key again. Expected: one
-/// effect of the key; one live 201 among its answers; then replays.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn s4_a_crowd_of_claims_filling_the_pool_never_starves_the_holders_renewals() {
-    let app = unique("psf-crowd");
-    let Some(pool) = pool(&app, 8, &[]).await else {
+/// a crowd of claims fills the store's pool: 48 tasks retry keys whose expired records
+/// another session holds `FOR UPDATE`, so every one of their claims (noting, every note of a
+/// refusal, the records in flight) holds a connection for its 100 ms lock wait; meanwhile five tasks send one
+/// key for 2 s, whose handler runs 1 s under a 300 ms lease. sqlx's pool serves its waiters
+/// in turn: without the connections kept for holders, each renewal queued behind the crowd
+/// for about half a second, the lease ran out under the live handler and a duplicate ran the
+/// key again. Expected: one effect of the key; one live 201 among its answers; then replays.
+async fn a_crowd_of_claims_against_a_held_key(kind: Crowd) {
+    let app = unique(&format!("psf-crowd-{kind:?}"));
+    let size = if kind == Crowd::Waiting { 4 } else { 8 };
+    let Some(pool) = pool(&app, size, &[]).await else {
         return;
     };
     let admin = common::postgres_pool().await.expect("admin pool");
     let t = table("crowd");
     let store = store(pool, &t).await;
-    assert_eq!(store.holder_connections(), 2, "a quarter of 8 kept");
+    assert_eq!(
+        store.holder_connections(),
+        size / 4,
+        "a quarter of {size} kept"
+    );
     let sink = Sink::default();
     let layer = IdempotencyLayer::new(store)
         .single_tenant()
-        .lease(Duration::from_millis(300));
+        .lease(Duration::from_millis(300))
+        .defaults(|route| match kind {
+            Crowd::Plain => route,
+            Crowd::Waiting => route.wait_for_in_flight(Duration::from_secs(2)),
+            Crowd::Noting => route.record_refusals(true),
+        });
     let addr = serve(slow_route(
         layer,
         sink.clone(),
@@ -869,15 +892,24 @@ async fn s4_a_crowd_of_claims_filling_the_pool_never_starves_the_holders_renewal
     for made in made {
         assert_eq!(guard("a crowd record", made).await.expect("task"), 201);
     }
+    // Expired, so that each claim waits for the row; noting, in flight (a claim reads it
+    // without waiting, and the refusal's note waits for the row instead).
+    let change = match kind {
+        Crowd::Noting => {
+            "status = 'in_progress', lease_until = now() + interval '1 hour', \
+             expires_at = now() + interval '1 hour'"
+        }
+        Crowd::Plain | Crowd::Waiting => "expires_at = now() - interval '1 day'",
+    };
     let keys: Vec<Vec<u8>> = crowd.iter().map(|k| k.as_bytes().to_vec()).collect();
-    let expired = sqlx::query(AssertSqlSafe(format!(
-        "UPDATE \"{t}\" SET expires_at = now() - interval '1 day' WHERE key = ANY($1)"
+    let changed = sqlx::query(AssertSqlSafe(format!(
+        "UPDATE \"{t}\" SET {change} WHERE key = ANY($1)"
     )))
     .bind(&keys)
     .execute(&admin)
     .await
-    .expect("expire the crowd's records");
-    assert_eq!(expired.rows_affected(), 8);
+    .expect("change the crowd's records");
+    assert_eq!(changed.rows_affected(), 8);
     let mut outsider = admin.begin().await.expect("begin");
     sqlx::query(AssertSqlSafe(format!(
         "SELECT 1 FROM \"{t}\" WHERE key = ANY($1) FOR UPDATE"
@@ -948,6 +980,26 @@ async fn s4_a_crowd_of_claims_filling_the_pool_never_starves_the_holders_renewal
         last.last().is_some_and(|a| a.0 == 201 && a.1),
         "then replayed: {last:?}"
     );
+}
+
+/// DESIGN §4 and §7.3: see [`a_crowd_of_claims_against_a_held_key`]; a route answering 409.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s4_a_crowd_of_claims_filling_the_pool_never_starves_the_holders_renewals() {
+    a_crowd_of_claims_against_a_held_key(Crowd::Plain).await;
+}
+
+/// DESIGN §4 and §7.3: the same crowd on a pool of 4 whose `LISTEN` (a waiting route) holds
+/// one connection for good.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s4_a_crowd_beside_a_listen_on_a_small_pool_never_starves_the_holders_renewals() {
+    a_crowd_of_claims_against_a_held_key(Crowd::Waiting).await;
+}
+
+/// DESIGN §4 and §7.3: the same crowd on a route that notes every refusal in the key's
+/// history (each note a write waiting on the held rows).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s4_a_crowd_whose_refusals_are_noted_never_starves_the_holders_renewals() {
+    a_crowd_of_claims_against_a_held_key(Crowd::Noting).await;
 }
 
 // ---- 5. A claim delayed on the wire past the give-back ---------------------------------------
