@@ -62,6 +62,7 @@ impl Reserve {
 
     /// A turn at once, or none while the claims' share is taken: for reads whose caller has
     /// another way to learn the same (a waiter's, which claims again instead).
+    #[cfg(feature = "postgres")]
     pub(crate) fn try_claim(&self) -> Option<SemaphorePermit<'_>> {
         self.claims.try_acquire().ok()
     }
