@@ -710,7 +710,10 @@ impl<St: IdempotencyStore, M> Pipeline<St, M> {
         event: HistoryEvent,
         response: Response<ResponseBody<B>>,
     ) -> Response<ResponseBody<B>> {
-        if let Err(error) = self.keeper.store().append_history(key, event).await {
+        // Bounded as the reads of a refusal are: the note waits its turn behind claims (and
+        // for the row), and an answer must not wait on a crowd for its trace.
+        let note = self.keeper.store().append_history(key, event);
+        if let Err(error) = crate::bounded::bounded(self.route.lease / 2, note).await {
             // The answer stands; only its trace in the history is missing.
             observe::count(Event::StoreError);
             tracing::warn!(%error, "could not write the refusal into the key's history");

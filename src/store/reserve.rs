@@ -26,6 +26,8 @@ pub(crate) fn kept_by_default(max: u32) -> u32 {
 #[derive(Debug)]
 pub(crate) struct Reserve {
     claims: Semaphore,
+    /// How many turns the share has in all.
+    share: usize,
     /// How long a claim waits for its share: the pool's own acquire time-out.
     wait: Duration,
     kept: u32,
@@ -39,6 +41,7 @@ impl Reserve {
         let share = usize::try_from(max.saturating_sub(kept).max(1)).unwrap_or(usize::MAX);
         Self {
             claims: Semaphore::new(share),
+            share,
             wait,
             kept,
         }
@@ -56,15 +59,28 @@ impl Reserve {
         match tokio::time::timeout(self.wait, self.claims.acquire()).await {
             Ok(Ok(permit)) => Ok(permit),
             // Never closed; and a claim that cannot have its turn is one the pool refused.
-            Ok(Err(_)) | Err(_) => Err(sqlx::Error::PoolTimedOut),
+            Ok(Err(_)) | Err(_) => {
+                tracing::warn!(
+                    share = self.share,
+                    kept = self.kept,
+                    "a claim waited the pool's acquire time-out for a turn in the claims' share \
+                     of the pool (a crowd of claims, or the pool too small): refused"
+                );
+                Err(sqlx::Error::PoolTimedOut)
+            }
         }
     }
 
-    /// A turn at once, or none while the claims' share is taken: for reads whose caller has
-    /// another way to learn the same (a waiter's, which claims again instead).
+    /// A turn held for as long as a `LISTEN` runs on a connection of the pool, taken out of
+    /// the claims' share (so the connections kept for holders stay theirs); none from a share
+    /// of one, which claims need. Waits its turn as a claim does, without a bound: waiters
+    /// poll until the `LISTEN` is up.
     #[cfg(feature = "postgres")]
-    pub(crate) fn try_claim(&self) -> Option<SemaphorePermit<'_>> {
-        self.claims.try_acquire().ok()
+    pub(crate) async fn listening(&self) -> Option<SemaphorePermit<'_>> {
+        if self.share < 2 {
+            return None;
+        }
+        self.claims.acquire().await.ok()
     }
 }
 
@@ -112,5 +128,24 @@ mod tests {
         assert!(started.elapsed() >= Duration::from_millis(50), "it waited");
         drop(held);
         assert!(reserve.claim().await.is_ok(), "given back, taken again");
+    }
+
+    /// DESIGN §4: a `LISTEN`'s connection comes out of the claims' share while it runs, never
+    /// out of a share of one (the claims' only turn), and goes back to it when it ends.
+    #[cfg(feature = "postgres")]
+    #[tokio::test]
+    async fn a_listen_takes_a_turn_of_the_claims_share_while_it_runs() {
+        let reserve = Reserve::new(8, 2, Duration::from_millis(50));
+        let listening = reserve.listening().await;
+        assert!(listening.is_some(), "a share of six lends one");
+        assert_eq!(reserve.claims.available_permits(), 5);
+        drop(listening);
+        assert_eq!(reserve.claims.available_permits(), 6, "given back");
+        let tiny = Reserve::new(2, 1, Duration::from_millis(50));
+        assert!(
+            tiny.listening().await.is_none(),
+            "a share of one lends none"
+        );
+        assert!(tiny.claim().await.is_ok(), "its claims keep their turn");
     }
 }

@@ -7,6 +7,7 @@ use std::time::Duration;
 use sqlx::AssertSqlSafe;
 use sqlx::postgres::PgPool;
 
+use crate::store::reserve::Reserve;
 use crate::store::sql;
 use crate::store::{FencingToken, InFlight, ScopedKey};
 
@@ -75,7 +76,7 @@ impl PostgresStore {
         }
         // Checked once registered, so a change between the claim and now is not missed; and
         // the record marked as waited on, so that its change notifies.
-        let moved_on = self.mark_waited(key, seen.token);
+        let moved_on = self.mark_waited(key, seen.token, within);
         self.changes
             .waiters
             .wait(&change_payload(key), seen, within, moved_on)
@@ -86,11 +87,17 @@ impl PostgresStore {
     /// waited on (once: later waiters only read), so its triggers notify when it does. A
     /// record locked by its holder's transaction counts as moved on: the caller claims again,
     /// which answers for it.
-    pub(super) async fn mark_waited(&self, key: &ScopedKey, token: FencingToken) -> bool {
-        // A waiter's reads take the claims' share of the pool, as its claims do, never waited
-        // for (a wait here would come before the route's bound on waiting): with the share
-        // taken, the caller claims again, in turn, which answers for the record.
-        let Some(_turn) = self.reserve.try_claim() else {
+    pub(super) async fn mark_waited(
+        &self,
+        key: &ScopedKey,
+        token: FencingToken,
+        within: Duration,
+    ) -> bool {
+        // A waiter's reads wait their turn in the claims' share, as its claims do, within the
+        // route's bound on waiting (this comes before it). Not a turn taken only if free: under
+        // a crowd of waiters every one would then claim again and again instead of being
+        // woken, which is the storm the wake is for.
+        let Ok(Ok(_turn)) = tokio::time::timeout(within, self.reserve.claim()).await else {
             return true;
         };
         let waited: Result<Option<bool>, sqlx::Error> =
@@ -127,6 +134,7 @@ impl PostgresStore {
             runtime.spawn(listen(
                 Arc::downgrade(&self.changes),
                 self.pool.clone(),
+                self.reserve.clone(),
                 self.channel(),
             ));
         }
@@ -139,13 +147,20 @@ impl PostgresStore {
 pub(super) const HEARTBEAT: Duration = Duration::from_secs(2);
 
 /// Keeps a store's `LISTEN` on `channel` up while the store lives (one of the pool's
-/// connections, held for good: the claims' share leaves it out), waking the waiters of each key notified; after a lost connection
+/// connections, held for good: a turn of the claims' share is held as long), waking the waiters of each key notified; after a lost connection
 /// (notifications may have been missed) every waiter is woken to look again.
-pub(super) async fn listen(changes: std::sync::Weak<Changes>, pool: PgPool, channel: String) {
+pub(super) async fn listen(
+    changes: std::sync::Weak<Changes>,
+    pool: PgPool,
+    reserve: Arc<Reserve>,
+    channel: String,
+) {
     use std::sync::atomic::Ordering;
     // Ended for any reason (its runtime shut down), the `LISTEN` is down: the next waiter
     // starts another.
     let _running = Running(changes.clone());
+    // Its connection comes out of the claims' share, never the holders'.
+    let _turn = reserve.listening().await;
     loop {
         if changes.strong_count() == 0 {
             return;

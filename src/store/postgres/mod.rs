@@ -90,9 +90,6 @@ impl PostgresStore {
 
     /// The default table: `public.idempotency_records`.
     pub const DEFAULT_TABLE: &'static str = "idempotency_records";
-    /// Connections of the pool held for good outside the store's statements: the `LISTEN`
-    /// that wakes waiting requests.
-    const LISTENERS: u32 = 1;
 
     /// A store on `pool`, in `public.idempotency_records`.
     pub fn new(pool: PgPool) -> Self {

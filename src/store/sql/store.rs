@@ -130,11 +130,13 @@ impl $store {
     /// other holders' and at worst one claim's statement, never behind a crowd of duplicates
     /// and retries (queued past the lease's end, it would let a duplicate take over a run
     /// still going). By default a quarter of the pool, at least one; none of a pool of one
-    /// connection. At most all but one of the connections the store's statements can have
-    /// (a `PostgresStore`'s `LISTEN`, for routes that wait for a key in flight, holds one of
-    /// the pool's for good): claims always have one. A claim waits for its share at most the
-    /// pool's acquire time-out, then fails as the pool does (503, nothing runs); its wait for
-    /// a connection comes after, so a claim may wait up to twice that time in all.
+    /// connection. At most all but one: claims always have one. A `PostgresStore`'s
+    /// `LISTEN` (started by the first request that waits for a key in flight) holds one of the
+    /// pool's connections while it runs, taken out of the claims' share, not the holders'
+    /// (unless that share is a single connection: give a waiting route's store a pool of at
+    /// least three). A claim waits for its share at most the pool's acquire time-out, then
+    /// fails as the pool does (503, nothing runs); its wait for a connection comes after, so
+    /// a claim may wait up to twice that time in all.
     ///
     /// Only the store's own statements are shared out so. The application's use of the same
     /// pool (a handler's own transaction, another store on it) is not: size the pool for
@@ -152,7 +154,7 @@ impl $store {
     }
 
     /// The claims' share of `pool`, keeping `kept` connections (by default a quarter) for
-    /// holders, out of those the store's statements can have: a listener's is not one.
+    /// holders.
     fn reserve_of(
         pool: &sqlx::Pool<$db>,
         kept: Option<u32>,
@@ -160,7 +162,7 @@ impl $store {
         let options = pool.options();
         let max = options.get_max_connections();
         std::sync::Arc::new(super::reserve::Reserve::new(
-            max.saturating_sub(Self::LISTENERS).max(1),
+            max,
             kept.unwrap_or_else(|| super::reserve::kept_by_default(max)),
             options.get_acquire_timeout(),
         ))

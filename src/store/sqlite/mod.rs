@@ -91,8 +91,6 @@ impl SqliteStore {
 
     /// The default table: `idempotency_records`.
     pub const DEFAULT_TABLE: &'static str = "idempotency_records";
-    /// Connections of the pool held for good outside the store's statements: none.
-    const LISTENERS: u32 = 0;
 
     /// A store on `pool`, in the default table. Open the pool with WAL and a busy timeout (as
     /// [`connect`](Self::connect) does) if several writers share the file, and with

@@ -837,8 +837,8 @@ enum Crowd {
     /// waiters holds one of the pool's connections for good.
     Waiting,
     /// A pool of 8, a route that notes every refusal in the key's history, the crowd's keys in
-    /// flight: each claim reads its record at once, and each refusal's note is a write that
-    /// waits on the held row.
+    /// flight, claims batched: the crowd's claims go a few statements at a time and read
+    /// their records at once, and each refusal's note is a write that waits on the held row.
     Noting,
 }
 
@@ -858,7 +858,10 @@ async fn a_crowd_of_claims_against_a_held_key(kind: Crowd) {
     };
     let admin = common::postgres_pool().await.expect("admin pool");
     let t = table("crowd");
-    let store = store(pool, &t).await;
+    let mut store = store(pool, &t).await;
+    if kind == Crowd::Noting {
+        store = store.with_batching(Batching::default());
+    }
     assert_eq!(
         store.holder_connections(),
         size / 4,
