@@ -63,8 +63,9 @@ impl Reserve {
                 tracing::warn!(
                     share = self.share,
                     kept = self.kept,
-                    "a claim waited the pool's acquire time-out for a turn in the claims' share \
-                     of the pool (a crowd of claims, or the pool too small): refused"
+                    "a claim (or a waiter's read) waited the pool's acquire time-out for a turn \
+                     in the claims' share of the pool (a crowd of claims, or the pool too \
+                     small): refused"
                 );
                 Err(sqlx::Error::PoolTimedOut)
             }

@@ -111,6 +111,9 @@ mod registry {
             within: Duration,
             moved_on: impl Future<Output = bool>,
         ) {
+            // The bound counts from here: the check below may itself wait (a store's turn at
+            // its pool), and the wait after it is what is left, never `within` again.
+            let since = tokio::time::Instant::now();
             let notify = self.lock().entry(key.clone()).or_default().clone();
             self.count.fetch_add(1, Ordering::SeqCst);
             let _registered = Registered {
@@ -124,7 +127,9 @@ mod registry {
             if moved_on.await {
                 return;
             }
-            let until = within.min(seen.lease_left() + PAST_LEASE);
+            let until = within
+                .min(seen.lease_left() + PAST_LEASE)
+                .saturating_sub(since.elapsed());
             let _ = tokio::time::timeout(until, notified).await;
         }
     }
@@ -194,6 +199,36 @@ mod registry {
             assert!(waited < Duration::from_secs(60), "woken, not timed out");
             assert!(waiters.lock().is_empty(), "nothing left registered");
             assert_eq!(waiters.count.load(std::sync::atomic::Ordering::SeqCst), 0);
+        }
+
+        /// DESIGN §4 (a waiter's bound): the check that the record moved on may itself wait
+        /// (a store's turn at its pool); the wait after it is what is left of the bound, never
+        /// the whole bound again. On the paused clock: a 100 ms bound whose check takes 40 ms
+        /// ends at 100 ms; one whose check takes 150 ms ends with the check.
+        #[tokio::test(start_paused = true)]
+        async fn a_slow_check_counts_toward_the_bound() {
+            let waiters: Waiters<String> = Waiters::default();
+            let now = SystemTime::now();
+            let seen = InFlight {
+                token: FencingToken::new(1),
+                lease_until: now + Duration::from_secs(60),
+                now,
+            };
+            for (check, ends) in [(40, 100), (150, 150)] {
+                let started = tokio::time::Instant::now();
+                let moved_on = async {
+                    tokio::time::sleep(Duration::from_millis(check)).await;
+                    false
+                };
+                waiters
+                    .wait(&"k".to_owned(), &seen, Duration::from_millis(100), moved_on)
+                    .await;
+                assert_eq!(
+                    started.elapsed(),
+                    Duration::from_millis(ends),
+                    "a check of {check} ms"
+                );
+            }
         }
     }
 }

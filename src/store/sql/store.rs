@@ -138,6 +138,9 @@ impl $store {
     /// fails as the pool does (503, nothing runs); its wait for a connection comes after, so
     /// a claim may wait up to twice that time in all.
     ///
+    /// Set it when building the store, before it serves requests: a `LISTEN` already running
+    /// keeps its turn in the share it started with.
+    ///
     /// Only the store's own statements are shared out so. The application's use of the same
     /// pool (a handler's own transaction, another store on it) is not: size the pool for
     /// both, or give the store a pool of its own.
