@@ -89,8 +89,9 @@ impl Reserve {
 mod tests {
     use super::*;
 
-    /// DESIGN §4 (the holder keeps its lease while its process lives): a quarter of the pool, at least one, is kept for holders; a pool of one
-    /// keeps none; claims always keep at least one connection, whatever is asked.
+    /// DESIGN §4 (the holder keeps its lease while its process lives): a quarter of the pool, at
+    /// least one, is kept for holders; a pool of one keeps none; claims always keep at least one
+    /// connection, whatever is asked.
     #[test]
     fn a_quarter_of_the_pool_is_kept_and_claims_keep_one() {
         for (max, kept) in [

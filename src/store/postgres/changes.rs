@@ -146,9 +146,10 @@ impl PostgresStore {
 /// connection still answers (a link dropped without a close shows only then).
 pub(super) const HEARTBEAT: Duration = Duration::from_secs(2);
 
-/// Keeps a store's `LISTEN` on `channel` up while the store lives (one of the pool's
-/// connections, held for good: a turn of the claims' share is held as long), waking the waiters of each key notified; after a lost connection
-/// (notifications may have been missed) every waiter is woken to look again.
+/// Keeps a store's `LISTEN` on `channel` up while the store lives (one of the pool's connections,
+/// held for good: a turn of the claims' share is held as long), waking the waiters of each key
+/// notified; after a lost connection (notifications may have been missed) every waiter is woken to
+/// look again.
 pub(super) async fn listen(
     changes: std::sync::Weak<Changes>,
     pool: PgPool,

@@ -94,7 +94,7 @@ impl PostgresStore {
     /// A store on `pool`, in `public.idempotency_records`.
     pub fn new(pool: PgPool) -> Self {
         Self {
-            reserve: Self::reserve_of(&pool, None),
+            reserve: Self::reserve_of(&pool, super::reserve::kept_by_default),
             pool,
             sql: Arc::new(Statements::new("public", Self::DEFAULT_TABLE)),
             changes: Changes::new(),

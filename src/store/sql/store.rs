@@ -152,21 +152,20 @@ impl $store {
     /// # }
     /// ```
     pub fn with_holder_connections(mut self, n: u32) -> Self {
-        self.reserve = Self::reserve_of(&self.pool, Some(n));
+        self.reserve = Self::reserve_of(&self.pool, |_| n);
         self
     }
 
-    /// The claims' share of `pool`, keeping `kept` connections (by default a quarter) for
-    /// holders.
+    /// The claims' share of `pool`, keeping `kept(max_connections)` connections for holders.
     fn reserve_of(
         pool: &sqlx::Pool<$db>,
-        kept: Option<u32>,
+        kept: impl FnOnce(u32) -> u32,
     ) -> std::sync::Arc<super::reserve::Reserve> {
         let options = pool.options();
         let max = options.get_max_connections();
         std::sync::Arc::new(super::reserve::Reserve::new(
             max,
-            kept.unwrap_or_else(|| super::reserve::kept_by_default(max)),
+            kept(max),
             options.get_acquire_timeout(),
         ))
     }

@@ -75,8 +75,8 @@ impl SqliteStore {
         self.settle_claims(ops, outcomes);
     }
 
-    /// Each claim of the batch (in the claims' share, taken by the caller), every one answered here (never `None`, which would send it
-    /// alone: claimed again, after this commit).
+    /// Each claim of the batch (in the claims' share, taken by the caller), every one answered here
+    /// (never `None`, which would send it alone: claimed again, after this commit).
     pub(super) async fn claim_together(
         &self,
         ops: &[ClaimOp],

@@ -99,7 +99,7 @@ impl SqliteStore {
     /// use [`connect`](Self::connect), which does.
     pub fn new(pool: SqlitePool) -> Self {
         Self {
-            reserve: Self::reserve_of(&pool, None),
+            reserve: Self::reserve_of(&pool, super::reserve::kept_by_default),
             pool,
             sql: Arc::new(Statements::new(Self::DEFAULT_TABLE)),
             anchor: None,

@@ -1005,6 +1005,139 @@ async fn s4_a_crowd_whose_refusals_are_noted_never_starves_the_holders_renewals(
     a_crowd_of_claims_against_a_held_key(Crowd::Noting).await;
 }
 
+/// Waits until one of `app`'s backends waits for a lock (a claim blocked on the table).
+async fn until_a_backend_waits_for_a_lock(admin: &PgPool, app: &str) {
+    guard("a claim waits for the table's lock", async {
+        while sqlx::query_scalar::<_, i64>(
+            "SELECT count(*) FROM pg_stat_activity
+              WHERE application_name = $1 AND wait_event_type = 'Lock'",
+        )
+        .bind(app)
+        .fetch_one(admin)
+        .await
+        .expect("read pg_stat_activity")
+            == 0
+        {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    })
+    .await;
+}
+
+/// DESIGN §4 (holders first: claims hold at most their share of the pool) and §1.6 (store
+/// errors: 503, nothing run), on PostgreSQL. A pool of two keeps one connection for holders,
+/// so claims have one turn. Another session holds the table `ACCESS EXCLUSIVE`, so a first
+/// claim waits on it holding that turn (the lock is taken before the statement's own 100 ms
+/// lock bound is set). Then:
+/// - a second key's claim waits the pool's acquire time-out (600 ms) for the turn and is
+///   refused 503 `store-unavailable`, nothing run, though the pool has a connection free
+///   (without the share it would have waited on the table and run once it was let go);
+/// - a third key's client hangs up while its claim waits for the turn; the table is let go
+///   before that claim's time-out, the claim takes its turn on a task of its own and gives
+///   back what it won: nothing ran and nothing is left in flight (a fresh request for the
+///   key runs it, live, where a key left in flight would be refused 409 for the whole 30 s
+///   lease);
+/// - the first key runs once, and the second runs once when sent again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s4_a_claim_past_its_share_is_refused_and_one_dropped_waiting_leaves_nothing_in_flight() {
+    let app = unique("psf-share");
+    let Some(admin) = common::postgres_pool().await else {
+        return;
+    };
+    let pool = PgPoolOptions::new()
+        .max_connections(2)
+        .acquire_timeout(Duration::from_millis(600))
+        .connect_with(options(&app, &[]))
+        .await
+        .expect("pool");
+    let t = table("share");
+    let store = store(pool, &t).await;
+    assert_eq!(store.holder_connections(), 1, "one of two kept for holders");
+    let sink = Sink::default();
+    let layer = IdempotencyLayer::new(store)
+        .single_tenant()
+        .lease(Duration::from_secs(30));
+    let addr = serve(slow_route(layer, sink.clone(), Duration::from_millis(10))).await;
+    let mut outsider = admin.begin().await.expect("begin");
+    sqlx::query(AssertSqlSafe(format!(
+        "LOCK TABLE \"{t}\" IN ACCESS EXCLUSIVE MODE"
+    )))
+    .execute(&mut *outsider)
+    .await
+    .expect("lock the table");
+    let (first, second, third) = (unique("share-a"), unique("share-b"), unique("share-c"));
+    let first_answer = tokio::spawn({
+        let first = first.clone();
+        async move { answer(post_key(addr, &first).await).await }
+    });
+    until_a_backend_waits_for_a_lock(&admin, &app).await;
+    // Refused at the time-out; without the share, it waits on the table with the first.
+    let refused = tokio::time::timeout(Duration::from_secs(5), post_key(addr, &second))
+        .await
+        .expect("the second claim is answered before the table is let go");
+    let refused = answer(refused).await;
+    assert_eq!(
+        (refused.0, refused.2.as_str()),
+        (503, "urn:tower-idempotency:problem:store-unavailable"),
+        "a claim past its share is refused: {refused:?}"
+    );
+    // The third: its client hangs up while its claim waits for the turn.
+    let sent = tokio::time::Instant::now();
+    let hung_up = client()
+        .post(format!("http://{addr}/op"))
+        .header("idempotency-key", &third)
+        .header("content-type", "application/json")
+        .body(r#"{"amount":10}"#)
+        .timeout(Duration::from_millis(150))
+        .send()
+        .await;
+    assert!(
+        hung_up.as_ref().is_err_and(reqwest::Error::is_timeout),
+        "the client hung up before an answer: {hung_up:?}"
+    );
+    // Let the table go well before the third claim's 600 ms wait runs out.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    outsider.commit().await.expect("let the table go");
+    let first_answer = guard("the first key's answer", first_answer)
+        .await
+        .expect("task");
+    assert_eq!(first_answer.0, 201, "{first_answer:?}");
+    // Past the third claim's wait for its turn: it has had its turn (or been refused), and
+    // given back what it won: no record in flight.
+    tokio::time::sleep_until(sent + Duration::from_millis(700)).await;
+    let in_flight = format!("SELECT count(*) FROM \"{t}\" WHERE status = 'in_progress'");
+    guard("nothing left in flight", async {
+        while sqlx::query_scalar::<_, i64>(AssertSqlSafe(in_flight.clone()))
+            .fetch_one(&admin)
+            .await
+            .expect("read the table")
+            > 0
+        {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await;
+    assert_eq!(
+        sink.of(&third),
+        0,
+        "nothing ran for the client that hung up"
+    );
+    assert_eq!(sink.of(&second), 0, "nothing ran for the refused claim");
+    for key in [&second, &third] {
+        let again = answer(post_key(addr, key).await).await;
+        assert_eq!(
+            (again.0, again.1),
+            (201, false),
+            "{key} runs live: {again:?}"
+        );
+    }
+    assert_eq!(
+        (sink.of(&first), sink.of(&second), sink.of(&third)),
+        (1, 1, 1),
+        "each key ran once"
+    );
+}
+
 // ---- 5. A claim delayed on the wire past the give-back ---------------------------------------
 
 /// What the relay holds back: statements holding `needle`, how many more times, how long.
