@@ -25,6 +25,8 @@ mod reserve;
 mod sql;
 #[cfg(feature = "sqlite")]
 mod sqlite;
+#[cfg(any(feature = "postgres", feature = "redis"))]
+mod subscription;
 pub(crate) mod uncertain;
 #[cfg(any(feature = "postgres", feature = "redis", feature = "sqlite"))]
 mod unheard;

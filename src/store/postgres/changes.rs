@@ -9,6 +9,7 @@ use sqlx::postgres::PgPool;
 
 use crate::store::reserve::Reserve;
 use crate::store::sql;
+use crate::store::subscription::{Running, Subscription};
 use crate::store::{FencingToken, InFlight, ScopedKey};
 
 use super::PostgresStore;
@@ -17,29 +18,7 @@ use super::PostgresStore;
 /// in-flight record moves on (the payload: the hex SHA-256 of its scope, a NUL and its key).
 /// One listening connection per store, opened on the first wait; while it is down, waiters
 /// poll.
-pub(super) struct Changes {
-    waiters: crate::store::Waiters<String>,
-    started: std::sync::atomic::AtomicBool,
-    live: std::sync::atomic::AtomicBool,
-}
-
-impl std::fmt::Debug for Changes {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Changes")
-            .field("live", &self.live)
-            .finish_non_exhaustive()
-    }
-}
-
-impl Changes {
-    pub(super) fn new() -> Arc<Self> {
-        Arc::new(Self {
-            waiters: crate::store::Waiters::default(),
-            started: std::sync::atomic::AtomicBool::new(false),
-            live: std::sync::atomic::AtomicBool::new(false),
-        })
-    }
-}
+pub(super) type Changes = Subscription<String>;
 
 /// What the triggers send for a key: the hex SHA-256 of its scope, a NUL and its key.
 pub(super) fn change_payload(key: &ScopedKey) -> String {
@@ -127,18 +106,9 @@ impl PostgresStore {
 
     /// Whether this store's `LISTEN` is up; starts it on first use.
     pub(super) fn subscribed(&self) -> bool {
-        use std::sync::atomic::Ordering;
-        if !self.changes.started.swap(true, Ordering::SeqCst)
-            && let Ok(runtime) = tokio::runtime::Handle::try_current()
-        {
-            runtime.spawn(listen(
-                Arc::downgrade(&self.changes),
-                self.pool.clone(),
-                self.reserve.clone(),
-                self.channel(),
-            ));
-        }
-        self.changes.live.load(Ordering::SeqCst)
+        let (pool, reserve, channel) = (self.pool.clone(), self.reserve.clone(), self.channel());
+        self.changes
+            .subscribed(|changes, running| listen(changes, pool, reserve, channel, running))
     }
 }
 
@@ -150,16 +120,15 @@ pub(super) const HEARTBEAT: Duration = Duration::from_secs(2);
 /// held for good: a turn of the claims' share is held as long), waking the waiters of each key
 /// notified; after a lost connection (notifications may have been missed) every waiter is woken to
 /// look again.
-pub(super) async fn listen(
+async fn listen(
     changes: std::sync::Weak<Changes>,
     pool: PgPool,
     reserve: Arc<Reserve>,
     channel: String,
+    // Ended for any reason (its runtime shut down, before or after it first ran), the
+    // `LISTEN` is down: the next waiter starts another.
+    _running: Running<String>,
 ) {
-    use std::sync::atomic::Ordering;
-    // Ended for any reason (its runtime shut down), the `LISTEN` is down: the next waiter
-    // starts another.
-    let _running = Running(changes.clone());
     // Its connection comes out of the claims' share, never the holders'.
     let _turn = reserve.listening().await;
     loop {
@@ -170,8 +139,7 @@ pub(super) async fn listen(
             && listener.listen(&channel).await.is_ok()
         {
             if let Some(c) = changes.upgrade() {
-                c.live.store(true, Ordering::SeqCst);
-                c.waiters.wake_all();
+                c.up();
             }
             loop {
                 match tokio::time::timeout(HEARTBEAT, listener.try_recv()).await {
@@ -201,23 +169,8 @@ pub(super) async fn listen(
         let Some(c) = changes.upgrade() else {
             return;
         };
-        c.live.store(false, Ordering::SeqCst);
-        c.waiters.wake_all();
+        c.down();
         drop(c);
         tokio::time::sleep(Duration::from_secs(1)).await;
-    }
-}
-
-/// Marks a store's `LISTEN` down when its task ends.
-pub(super) struct Running(std::sync::Weak<Changes>);
-
-impl Drop for Running {
-    fn drop(&mut self) {
-        use std::sync::atomic::Ordering;
-        if let Some(c) = self.0.upgrade() {
-            c.live.store(false, Ordering::SeqCst);
-            c.started.store(false, Ordering::SeqCst);
-            c.waiters.wake_all();
-        }
     }
 }

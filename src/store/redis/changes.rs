@@ -7,41 +7,20 @@ use std::time::Duration;
 use redis::Value;
 
 use super::RedisStore;
+use crate::store::subscription::{Running, Subscription};
 
 /// The waiters of one store, woken by the records' `PUBLISH`es on `{prefix}:changed`
 /// (classic pub/sub reaches every node of a cluster, so one subscription to any node hears
 /// them all). Subscribed on the first wait; while it is down, waiters poll.
-pub(super) struct Changes {
-    /// Where the subscription connects: any of the store's nodes, in turn.
-    nodes: Arc<[redis::Client]>,
-    pub(super) waiters: crate::store::Waiters<Vec<u8>>,
-    started: std::sync::atomic::AtomicBool,
-    /// Whether the subscription is up.
-    live: std::sync::atomic::AtomicBool,
-}
-
-impl Changes {
-    pub(super) fn new(nodes: Arc<[redis::Client]>) -> Arc<Self> {
-        Arc::new(Self {
-            nodes,
-            waiters: crate::store::Waiters::default(),
-            started: std::sync::atomic::AtomicBool::new(false),
-            live: std::sync::atomic::AtomicBool::new(false),
-        })
-    }
-}
+pub(super) type Changes = Subscription<Vec<u8>>;
 
 impl RedisStore {
-    /// Whether this store's change subscription is up; starts it on first use.
+    /// Whether this store's change subscription is up; starts it on first use, on any of the
+    /// store's nodes in turn.
     pub(super) fn subscribed(&self) -> bool {
-        use std::sync::atomic::Ordering;
-        if !self.changes.started.swap(true, Ordering::SeqCst)
-            && let Ok(runtime) = tokio::runtime::Handle::try_current()
-        {
-            let channel = format!("{}:changed", self.prefix);
-            runtime.spawn(listen(Arc::downgrade(&self.changes), channel));
-        }
-        self.changes.live.load(Ordering::SeqCst)
+        let (nodes, channel) = (self.nodes.clone(), format!("{}:changed", self.prefix));
+        self.changes
+            .subscribed(|changes, running| listen(changes, nodes, channel, running))
     }
 }
 
@@ -54,21 +33,24 @@ const PING_TIMEOUT: Duration = Duration::from_secs(1);
 /// Keeps a store's subscription to `channel` up while the store lives, waking the waiters of
 /// each member published, on any of the store's nodes in turn; after a lost subscription
 /// (changes may have been missed) every waiter is woken to look again.
-async fn listen(changes: std::sync::Weak<Changes>, channel: String) {
+async fn listen(
+    changes: std::sync::Weak<Changes>,
+    nodes: Arc<[redis::Client]>,
+    channel: String,
+    // Ended for any reason (its runtime shut down, before or after it first ran), the
+    // subscription is down: the next waiter starts another.
+    _running: Running<Vec<u8>>,
+) {
     use futures_util::StreamExt;
-    use std::sync::atomic::Ordering;
-    // Ended for any reason (its runtime shut down), the subscription is down: the next
-    // waiter starts another.
-    let _running = Running(changes.clone());
     let mut attempt = 0usize;
     // Between failed subscriptions (a user without the channel, a server down): 1 s doubling
     // to 30 s, reset once one succeeds.
     let mut pause = Duration::from_secs(1);
     loop {
-        let Some(client) = changes
-            .upgrade()
-            .and_then(|c| c.nodes.get(attempt % c.nodes.len().max(1)).cloned())
-        else {
+        if changes.strong_count() == 0 {
+            return;
+        }
+        let Some(client) = nodes.get(attempt % nodes.len().max(1)).cloned() else {
             return;
         };
         attempt += 1;
@@ -78,8 +60,7 @@ async fn listen(changes: std::sync::Weak<Changes>, channel: String) {
                 Ok(()) => {
                     pause = Duration::from_secs(1);
                     if let Some(c) = changes.upgrade() {
-                        c.live.store(true, Ordering::SeqCst);
-                        c.waiters.wake_all();
+                        c.up();
                     }
                     loop {
                         match tokio::time::timeout(HEARTBEAT, stream.next()).await {
@@ -116,24 +97,9 @@ async fn listen(changes: std::sync::Weak<Changes>, channel: String) {
         let Some(c) = changes.upgrade() else {
             return;
         };
-        c.live.store(false, Ordering::SeqCst);
-        c.waiters.wake_all();
+        c.down();
         drop(c);
         tokio::time::sleep(pause).await;
         pause = (pause * 2).min(Duration::from_secs(30));
-    }
-}
-
-/// Marks a store's subscription down when its task ends.
-struct Running(std::sync::Weak<Changes>);
-
-impl Drop for Running {
-    fn drop(&mut self) {
-        use std::sync::atomic::Ordering;
-        if let Some(c) = self.0.upgrade() {
-            c.live.store(false, Ordering::SeqCst);
-            c.started.store(false, Ordering::SeqCst);
-            c.waiters.wake_all();
-        }
     }
 }

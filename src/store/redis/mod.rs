@@ -162,13 +162,13 @@ impl RedisStore {
         let nodes: Arc<[redis::Client]> = nodes.into();
         Self {
             connection,
-            nodes: nodes.clone(),
+            nodes,
             prefix: Self::DEFAULT_PREFIX.into(),
             scripts: Arc::new(Scripts::new()),
             wait: None,
             waiting: Arc::default(),
             waiting_connections: replicas::WAITING_CONNECTIONS,
-            changes: Changes::new(nodes),
+            changes: Changes::new(),
         }
     }
 
@@ -181,7 +181,7 @@ impl RedisStore {
         }
         self.prefix = prefix.into();
         // Its waiters hear its own channel.
-        self.changes = Changes::new(self.nodes.clone());
+        self.changes = Changes::new();
         Ok(self)
     }
 
