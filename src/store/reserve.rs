@@ -79,6 +79,14 @@ impl Reserve {
     #[cfg(feature = "postgres")]
     pub(crate) async fn listening(&self) -> Option<SemaphorePermit<'_>> {
         if self.share < 2 {
+            tracing::warn!(
+                share = self.share,
+                kept = self.kept,
+                "the claims' share of this PostgreSQL store's pool is one connection, which \
+                 its claims need: the LISTEN that wakes waiters takes one of the connections \
+                 kept for lease holders instead (give a store whose routes wait for keys in \
+                 flight a pool of at least three)"
+            );
             return None;
         }
         self.claims.acquire().await.ok()
@@ -149,5 +157,48 @@ mod tests {
             "a share of one lends none"
         );
         assert!(tiny.claim().await.is_ok(), "its claims keep their turn");
+    }
+
+    /// Counts the warnings emitted while it is the thread's subscriber.
+    struct Warnings(std::sync::atomic::AtomicUsize);
+
+    impl tracing::Subscriber for Warnings {
+        fn enabled(&self, _: &tracing::Metadata<'_>) -> bool {
+            true
+        }
+        fn new_span(&self, _: &tracing::span::Attributes<'_>) -> tracing::span::Id {
+            tracing::span::Id::from_u64(1)
+        }
+        fn record(&self, _: &tracing::span::Id, _: &tracing::span::Record<'_>) {}
+        fn record_follows_from(&self, _: &tracing::span::Id, _: &tracing::span::Id) {}
+        fn event(&self, event: &tracing::Event<'_>) {
+            if *event.metadata().level() == tracing::Level::WARN {
+                self.0.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            }
+        }
+        fn enter(&self, _: &tracing::span::Id) {}
+        fn exit(&self, _: &tracing::span::Id) {}
+    }
+
+    /// DESIGN §4 (holders first): a pool whose claims' share is one connection lends the
+    /// `LISTEN` no turn, so it takes a connection kept for holders; that is said, once per
+    /// `LISTEN` started, where an operator reads it. A larger share says nothing.
+    #[cfg(feature = "postgres")]
+    #[test]
+    fn a_share_of_one_says_the_listen_takes_a_holders_connection() {
+        let warnings = std::sync::Arc::new(Warnings(std::sync::atomic::AtomicUsize::new(0)));
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("a runtime");
+        tracing::subscriber::with_default(warnings.clone(), || {
+            runtime.block_on(async {
+                let roomy = Reserve::new(8, 2, Duration::from_millis(50));
+                assert!(roomy.listening().await.is_some());
+                let tiny = Reserve::new(2, 1, Duration::from_millis(50));
+                assert!(tiny.listening().await.is_none());
+            });
+        });
+        assert_eq!(warnings.0.load(std::sync::atomic::Ordering::SeqCst), 1);
     }
 }
