@@ -65,34 +65,32 @@ struct Held {
     key: ScopedKey,
     token: FencingToken,
     lease: Duration,
-    /// When the next renewal starts, counted from the keeper's point (its wakes are due a tick
-    /// apart) that sent the last one, in whole ticks: a sixth of the lease (rounded down, at least
-    /// a tick) on, until it comes back renewed, which puts the next at the point nearest a third of
-    /// a lease on, or refused, which brings it to a second on for a lease longer than six seconds
-    /// (a blip lasts seconds whatever the lease). A wake sends what is due by when it fires (or,
-    /// sent before, by the next point: see `keep`). So a renewal refused, or slower to come back
-    /// than a sixth of the lease, has the next go at most a sixth of a lease (or a second) after it
-    /// was sent, however long the store took to say no, and the lease gets at least four tries
-    /// before it runs out while the runtime's timers fire at most half a tick late (later, up to a
-    /// tick, a shorter lease arriving mid-hold can leave three); a store that answers in time sees
-    /// one renewal per third of a lease, a slower one at most twice as many (three times, one
-    /// slower than a third of a lease: see `stale`). At most [`OUTSTANDING`] at once, and a refusal
-    /// does not wake the keeper (a store slow to refuse is not sent renewals back to back, each
-    /// holding a connection): refusals slower than about a fifth of the lease, with timers firing
-    /// late, can leave three tries (a 32 ms lease: refusals taking 7 ms with timers 2.9 ms late, or
-    /// 8 ms with 2.5 ms; a 30 ms lease, refusals taking 7 ms, one wake 4.9 ms late: tries at 14.9,
-    /// 20 and 25 ms).
+    /// When the next renewal starts, counted from the keeper's point (its wakes are due a
+    /// tick apart) that sent the last one, in whole ticks: a sixth of the lease (rounded down,
+    /// at least a tick) on, until it comes back renewed, which puts the next at the point
+    /// nearest a third of a lease on, or refused, which brings it to a second on for a lease
+    /// longer than six seconds (a blip lasts seconds whatever the lease). A wake sends what is
+    /// due by when it fires (or, sent before, by the next point: see `keep`). So a renewal
+    /// refused, or slower to come back than a sixth of the lease, has the next go at most a
+    /// sixth of a lease (or a second) after it was sent,
+    /// however long the store took to say no, and the lease gets at least four tries before
+    /// it runs out while the runtime's timers fire at most half a tick late (later, up to a
+    /// tick, a shorter lease arriving mid-hold can leave three); a store that answers in time
+    /// sees one renewal per third of a lease, a slower one at most twice as many. At most
+    /// [`OUTSTANDING`] at once, and a refusal does not wake the keeper (a store slow to refuse
+    /// is not sent renewals back to back, each holding a connection): refusals slower than
+    /// about a fifth of the lease, with timers firing late, can leave three tries (a 32 ms
+    /// lease: refusals taking 7 ms with timers 2.9 ms late, or 8 ms with 2.5 ms; a 30 ms lease,
+    /// refusals taking 7 ms, one wake 4.9 ms late: tries at 14.9, 20 and 25 ms).
     due: Instant,
-    /// Renewals under way, sent less than a third of a lease ago. One that hangs (a connection
-    /// stuck, a row lock) does not hold up the next: the lease would run out behind it and
-    /// another request take the key over while this handler still runs. At most
-    /// [`OUTSTANDING`], so a store that hangs every call is not sent more and more.
+    /// Renewals under way. One that hangs (a connection stuck, a row lock) does not hold up
+    /// the next: the lease would run out behind it and another request take the key over
+    /// while this handler still runs. At most [`OUTSTANDING`], so a store that hangs every
+    /// call, or is slow to answer, is not sent more and more; and none for longer than
+    /// [`given_up_after`], so calls that would never end (two on connections that died
+    /// mid-statement, which the kernel may take many minutes to give up on) do not stop the
+    /// renewing for good.
     renewing: u8,
-    /// Renewals under way for longer than a third of a lease: one may still land, but they no
-    /// longer hold up the next, or two hung calls (a connection half-open, which the kernel
-    /// may take minutes to give up on) would stop the renewing for good. Each is dropped once
-    /// out for a whole lease; with `renewing`, at most [`MOST`] under way.
-    stale: u8,
     /// When the last renewal was sent (before the first: the first due).
     sent: Instant,
     /// A renewal was fenced out, and a read showed it no mistake: nothing to keep.
@@ -104,11 +102,20 @@ struct Held {
     runtime: Option<RuntimeId>,
 }
 
-/// The most renewals of one lease under way at once that were sent within a third of a lease.
+/// The most renewals of one lease under way at once.
 const OUTSTANDING: u8 = 2;
-/// The most renewals of one lease under way at once, stale ones (see `Held::stale`) included:
-/// a store that hangs every call is sent at most three per lease.
-const MOST: u8 = 3;
+
+/// How long a renewal may be under way before it is dropped, counted as failed: a lease, and
+/// at least 30 s. Past the bounds the crate's stores set on a call (Redis's 5 s reply
+/// time-out, SQLite's 5 s busy wait, a `PostgresStore::connect`'s 5 s acquire time-out and 30 s
+/// statement limit, sqlx's 30 s default acquire time-out), so there only a call that would
+/// never end is cut short: a renewal queued for a pool's connection keeps its place (it lands
+/// before a retry's claim queued after it), and a store's own time-outs (which replace a dead
+/// Redis connection) act first. And a renewal out for a lease can no longer be the one that
+/// keeps it.
+fn given_up_after(lease: Duration) -> Duration {
+    lease.max(Duration::from_secs(30))
+}
 
 impl<St> Clone for Keeper<St> {
     fn clone(&self) -> Self {
@@ -200,7 +207,6 @@ impl<St: IdempotencyStore> Keeper<St> {
             // from going early (see `keep`).
             sent: due,
             renewing: 0,
-            stale: 0,
             lost: false,
             reading: false,
             runtime: runtime.as_ref().map(tokio::runtime::Handle::id),
@@ -378,7 +384,6 @@ async fn keep<St: IdempotencyStore>(
                     let early = held.due < next && now >= held.sent + tick / 2;
                     if held.lost
                         || held.renewing >= OUTSTANDING
-                        || held.renewing + held.stale >= MOST
                         || (held.due > now && !early)
                         // One still on its way went less than half a tick ago (by the clock,
                         // whatever the points say: a wake late by most of a tick is followed
@@ -439,31 +444,12 @@ async fn renew<St: IdempotencyStore>(
     let renewal = crate::unwind::CatchUnwind {
         inner: shared.store.renew(&key, token, lease),
     };
-    let mut renewal = std::pin::pin!(renewal);
-    // Out for a third of a lease, it stops holding up the next (see `Held::stale`); out for a
-    // whole lease, it is dropped: the lease it was sent to keep has run out unless another
-    // renewal kept it, and a fresh one does whatever it could.
-    let stale_after = lease / 3;
-    let mut stale = false;
-    let answer = match tokio::time::timeout(stale_after, renewal.as_mut()).await {
-        Ok(answer) => Some(answer),
-        Err(_) => {
-            stale = true;
-            settle(&shared, slot, &key, token, |held| {
-                held.renewing = held.renewing.saturating_sub(1);
-                held.stale = held.stale.saturating_add(1);
-            });
-            tokio::time::timeout(lease.saturating_sub(stale_after), renewal)
-                .await
-                .ok()
-        }
-    };
-    let result = match answer {
-        Some(answer) => {
+    let result = match tokio::time::timeout(given_up_after(lease), renewal).await {
+        Ok(answer) => {
             answer.unwrap_or_else(|_| Err(StoreError::unavailable("the store's renewal panicked")))
         }
-        None => Err(StoreError::unavailable(
-            "the store's renewal took longer than the lease",
+        Err(_) => Err(StoreError::unavailable(
+            "the store's renewal was given up on: no answer in a lease (at least 30 s)",
         )),
     };
     if let Err(error) = &result
@@ -479,11 +465,7 @@ async fn renew<St: IdempotencyStore>(
     let fenced = matches!(result, Err(StoreError::Fenced));
     let mut read = false;
     settle(&shared, slot, &key, token, |held| {
-        if stale {
-            held.stale = held.stale.saturating_sub(1);
-        } else {
-            held.renewing = held.renewing.saturating_sub(1);
-        }
+        held.renewing = held.renewing.saturating_sub(1);
         // Renewed: the next about a third of a lease after this one was sent (a later one may
         // have been sent meanwhile, and come back later still). Refused: the next is due as
         // `again` says, counted from when this one was sent, not from when the refusal came

@@ -26,6 +26,7 @@ use crate::common;
 // fence counts a stale write only once a read shows it was no mistake.
 
 use std::sync::Arc;
+use std::sync::atomic::Ordering;
 use std::time::{Duration, SystemTime};
 
 use axum::http::StatusCode;
@@ -997,6 +998,106 @@ async fn s4_a_lost_lease_whose_reads_fail_is_let_go_once_reads_answer() {
         "B's outcome: {later:?}\n  {what}"
     );
     assert_eq!(effects.count(), 1);
+}
+
+// ==== 2b. renewals that hang ==================================================================
+
+/// Runs one key whose handler works `works` under `lease` on a paused clock; its answer.
+async fn held_through(
+    rig: &Arc<Rig<MemoryStore>>,
+    lease: Duration,
+    works: Duration,
+    effects: &Effects,
+) -> StatusCode {
+    let e = effects.clone();
+    let app = app(
+        layer(rig, Route::plain(lease)),
+        handler(move |_, _ctx| {
+            let e = e.clone();
+            async move {
+                tokio::time::sleep(works).await;
+                (StatusCode::CREATED, format!("effect {}", e.hit()))
+            }
+        }),
+    );
+    post_in_process(app, "/op", unique("hung-renewals")).await
+}
+
+/// DESIGN §4. Every renewal hangs: two go, then none while both are under way (a store that
+/// hangs every call is not sent more and more), until each is given up on a lease (at least
+/// 30 s) after it was sent; then the next goes. Never more than two under way.
+#[tokio::test(start_paused = true)]
+async fn s4_renewals_that_all_hang_are_two_at_a_time_each_given_up_on() {
+    let rig = Rig::new(MemoryStore::on_tokio_clock());
+    rig.always("renew", Act::Hang);
+    let effects = Effects::default();
+    let lease = Duration::from_secs(10);
+    let start = tokio::time::Instant::now();
+    let held = held_through(&rig, lease, Duration::from_secs(70), &effects).await;
+    let at: Vec<_> = rig
+        .renewals_at
+        .lock()
+        .unwrap()
+        .iter()
+        .map(|at| at.duration_since(start))
+        .collect();
+    let what = format!("renewals at {at:?}\n  {}", rig.log());
+    assert_eq!(held, StatusCode::CREATED, "{what}");
+    assert!((4..=6).contains(&at.len()), "{what}");
+    assert!(at[1] < lease, "the second before the lease ends: {what}");
+    let give_up = Duration::from_secs(30);
+    assert!(
+        at.windows(3).all(|w| w[2] >= w[0] + give_up),
+        "a third under way while two hung: {what}"
+    );
+}
+
+/// DESIGN §4. Renewals that take a lease and a half each (queued behind a congested pool) are
+/// not dropped, so they land, and the lease holds whenever nobody took it over meanwhile; a
+/// keeper that dropped each at the lease's end had none land, ever.
+#[tokio::test(start_paused = true)]
+async fn s4_renewals_slower_than_the_lease_still_land() {
+    let rig = Rig::new(MemoryStore::on_tokio_clock());
+    let lease = ms(600);
+    rig.always("renew", Act::Before(lease * 3 / 2));
+    let effects = Effects::default();
+    let held = held_through(&rig, lease, lease * 6, &effects).await;
+    let what = rig.log();
+    assert_eq!(held, StatusCode::CREATED, "{what}");
+    assert!(rig.renewed_ok.load(Ordering::SeqCst) >= 3, "{what}");
+    assert_eq!(effects.count(), 1, "{what}");
+}
+
+/// DESIGN §4. The first two renewals hang for good (calls on connections that died
+/// mid-statement, which the kernel may take many minutes to give up on): the lease lapses, as
+/// in an outage (nobody takes it over here), and each is given up on a lease (at least 30 s)
+/// after it was sent; then renewing goes on and the lease is held again. Before session 49 two
+/// hung renewals were two under way for ever: no renewal went again while the handler ran.
+#[tokio::test(start_paused = true)]
+async fn s4_renewals_hung_for_good_are_given_up_on_and_renewing_goes_on() {
+    let rig = Rig::new(MemoryStore::on_tokio_clock());
+    rig.on("renew", 1, Act::Hang);
+    rig.on("renew", 2, Act::Hang);
+    let effects = Effects::default();
+    let lease = Duration::from_secs(10);
+    let start = tokio::time::Instant::now();
+    let held = held_through(&rig, lease, Duration::from_secs(60), &effects).await;
+    let at: Vec<_> = rig
+        .renewals_at
+        .lock()
+        .unwrap()
+        .iter()
+        .map(|at| at.duration_since(start))
+        .collect();
+    let what = format!("renewals at {at:?}\n  {}", rig.log());
+    assert_eq!(held, StatusCode::CREATED, "{what}");
+    assert!(at.len() > 2, "{what}");
+    assert!(
+        at[2] >= at[0] + Duration::from_secs(30),
+        "the third waited for a hung one: {what}"
+    );
+    assert!(rig.renewed_ok.load(Ordering::SeqCst) >= 1, "{what}");
+    assert_eq!(effects.count(), 1, "{what}");
 }
 
 // ==== 3. a release fenced by mistake ============================================================

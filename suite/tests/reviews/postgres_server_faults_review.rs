@@ -1029,7 +1029,7 @@ async fn until_a_backend_waits_for_a_lock(admin: &PgPool, app: &str) {
 /// so claims have one turn. Another session holds the table `ACCESS EXCLUSIVE`, so a first
 /// claim waits on it holding that turn (the lock is taken before the statement's own 100 ms
 /// lock bound is set). Then:
-/// - a second key's claim waits the pool's acquire time-out (600 ms) for the turn and is
+/// - a second key's claim waits the pool's acquire time-out (1.5 s) for the turn and is
 ///   refused 503 `store-unavailable`, nothing run, though the pool has a connection free
 ///   (without the share it would have waited on the table and run once it was let go);
 /// - a third key's client hangs up while its claim waits for the turn; the table is let go
@@ -1046,7 +1046,7 @@ async fn s4_a_claim_past_its_share_is_refused_and_one_dropped_waiting_leaves_not
     };
     let pool = PgPoolOptions::new()
         .max_connections(2)
-        .acquire_timeout(Duration::from_millis(600))
+        .acquire_timeout(Duration::from_millis(1_500))
         .connect_with(options(&app, &[]))
         .await
         .expect("pool");
@@ -1095,7 +1095,7 @@ async fn s4_a_claim_past_its_share_is_refused_and_one_dropped_waiting_leaves_not
         hung_up.as_ref().is_err_and(reqwest::Error::is_timeout),
         "the client hung up before an answer: {hung_up:?}"
     );
-    // Let the table go well before the third claim's 600 ms wait runs out.
+    // Let the table go well before the third claim's 1.5 s wait runs out.
     tokio::time::sleep(Duration::from_millis(100)).await;
     outsider.commit().await.expect("let the table go");
     let first_answer = guard("the first key's answer", first_answer)
@@ -1104,7 +1104,7 @@ async fn s4_a_claim_past_its_share_is_refused_and_one_dropped_waiting_leaves_not
     assert_eq!(first_answer.0, 201, "{first_answer:?}");
     // Past the third claim's wait for its turn: it has had its turn (or been refused), and
     // given back what it won: no record in flight.
-    tokio::time::sleep_until(sent + Duration::from_millis(700)).await;
+    tokio::time::sleep_until(sent + Duration::from_millis(1_600)).await;
     let in_flight = format!("SELECT count(*) FROM \"{t}\" WHERE status = 'in_progress'");
     guard("nothing left in flight", async {
         while sqlx::query_scalar::<_, i64>(AssertSqlSafe(in_flight.clone()))
@@ -1123,6 +1123,19 @@ async fn s4_a_claim_past_its_share_is_refused_and_one_dropped_waiting_leaves_not
         "nothing ran for the client that hung up"
     );
     assert_eq!(sink.of(&second), 0, "nothing ran for the refused claim");
+    // It had its turn, won the key and gave it back (not refused at the gate: no record).
+    let third_record: Option<(String, i32)> = sqlx::query_as(AssertSqlSafe(format!(
+        "SELECT status, attempts FROM \"{t}\" WHERE key = $1"
+    )))
+    .bind(third.as_bytes())
+    .fetch_optional(&admin)
+    .await
+    .expect("read the third key's record");
+    assert_eq!(
+        third_record,
+        Some(("released".to_owned(), 1)),
+        "the dropped claim went through once it had its turn, and gave the key back"
+    );
     for key in [&second, &third] {
         let again = answer(post_key(addr, key).await).await;
         assert_eq!(
