@@ -1023,6 +1023,19 @@ async fn held_through(
     post_in_process(app, "/op", unique("hung-renewals")).await
 }
 
+/// When each renewal reached the store, from `start`; and the rig's log, to explain a failure.
+fn renewals_since(rig: &Rig<MemoryStore>, start: tokio::time::Instant) -> (Vec<Duration>, String) {
+    let at: Vec<_> = rig
+        .renewals_at
+        .lock()
+        .unwrap()
+        .iter()
+        .map(|at| at.duration_since(start))
+        .collect();
+    let what = format!("renewals at {at:?}\n  {}", rig.log());
+    (at, what)
+}
+
 /// DESIGN §4. Every renewal hangs: two go, then none while both are under way (a store that
 /// hangs every call is not sent more and more), until each is given up on a lease (at least
 /// 30 s) after it was sent; then the next goes. Never more than two under way.
@@ -1034,14 +1047,7 @@ async fn s4_renewals_that_all_hang_are_two_at_a_time_each_given_up_on() {
     let lease = Duration::from_secs(10);
     let start = tokio::time::Instant::now();
     let held = held_through(&rig, lease, Duration::from_secs(70), &effects).await;
-    let at: Vec<_> = rig
-        .renewals_at
-        .lock()
-        .unwrap()
-        .iter()
-        .map(|at| at.duration_since(start))
-        .collect();
-    let what = format!("renewals at {at:?}\n  {}", rig.log());
+    let (at, what) = renewals_since(&rig, start);
     assert_eq!(held, StatusCode::CREATED, "{what}");
     assert!((4..=6).contains(&at.len()), "{what}");
     assert!(at[1] < lease, "the second before the lease ends: {what}");
@@ -1082,14 +1088,7 @@ async fn s4_renewals_hung_for_good_are_given_up_on_and_renewing_goes_on() {
     let lease = Duration::from_secs(10);
     let start = tokio::time::Instant::now();
     let held = held_through(&rig, lease, Duration::from_secs(60), &effects).await;
-    let at: Vec<_> = rig
-        .renewals_at
-        .lock()
-        .unwrap()
-        .iter()
-        .map(|at| at.duration_since(start))
-        .collect();
-    let what = format!("renewals at {at:?}\n  {}", rig.log());
+    let (at, what) = renewals_since(&rig, start);
     assert_eq!(held, StatusCode::CREATED, "{what}");
     assert!(at.len() > 2, "{what}");
     assert!(
