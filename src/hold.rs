@@ -83,14 +83,19 @@ struct Held {
     /// lease: refusals taking 7 ms with timers 2.9 ms late, or 8 ms with 2.5 ms; a 30 ms lease,
     /// refusals taking 7 ms, one wake 4.9 ms late: tries at 14.9, 20 and 25 ms).
     due: Instant,
-    /// Renewals under way. One that hangs (a connection stuck, a row lock) does not hold up
-    /// the next: the lease would run out behind it and another request take the key over
-    /// while this handler still runs. At most [`OUTSTANDING`], so a store that hangs every
-    /// call, or is slow to answer, is not sent more and more; and none for longer than
-    /// [`given_up_after`], so calls that would never end (two on connections that died
-    /// mid-statement, which the kernel may take many minutes to give up on) do not stop the
-    /// renewing for good.
+    /// Renewals under way for less than [`given_up_after`]. One that hangs (a connection
+    /// stuck, a row lock) does not hold up the next: the lease would run out behind it and
+    /// another request take the key over while this handler still runs. At most
+    /// [`OUTSTANDING`], so a store that hangs every call, or is slow to answer, is not sent
+    /// more and more.
     renewing: u8,
+    /// Renewals under way for longer: given up on, they no longer hold up the next (two
+    /// calls on connections that died mid-statement, which the kernel may take many minutes
+    /// to give up on, would otherwise stop the renewing that long), but they are not dropped:
+    /// a call's work goes on whatever the caller does (sqlx holds its connection until the
+    /// statement ends), so they still count toward [`MOST`], and one queued for a pool's
+    /// connection keeps its place.
+    given_up: u8,
     /// When the last renewal was sent (before the first: the first due).
     sent: Instant,
     /// A renewal was fenced out, and a read showed it no mistake: nothing to keep.
@@ -102,17 +107,16 @@ struct Held {
     runtime: Option<RuntimeId>,
 }
 
-/// The most renewals of one lease under way at once.
+/// The most renewals of one lease under way at once, not counting those given up on.
 const OUTSTANDING: u8 = 2;
+/// The most renewals of one lease under way at once, those given up on included: a store
+/// whose calls hang holds at most four connections (or requests) for one lease.
+const MOST: u8 = 4;
 
-/// How long a renewal may be under way before it is dropped, counted as failed: a lease, and
-/// at least 30 s. Past the bounds the crate's stores set on a call (Redis's 5 s reply
-/// time-out, SQLite's 5 s busy wait, a `PostgresStore::connect`'s 5 s acquire time-out and 30 s
-/// statement limit, sqlx's 30 s default acquire time-out), so there only a call that would
-/// never end is cut short: a renewal queued for a pool's connection keeps its place (it lands
-/// before a retry's claim queued after it), and a store's own time-outs (which replace a dead
-/// Redis connection) act first. And a renewal out for a lease can no longer be the one that
-/// keeps it.
+/// How long a renewal may be under way before it no longer holds up the next (see
+/// `Held::given_up`): a lease, and at least 30 s, about the bounds the crate's stores set on
+/// a call (Redis's 5 s reply time-out, SQLite's 5 s busy wait, sqlx's 30 s default acquire
+/// time-out), so a store that answers at all, however slowly, is not sent more and more.
 fn given_up_after(lease: Duration) -> Duration {
     lease.max(Duration::from_secs(30))
 }
@@ -207,6 +211,7 @@ impl<St: IdempotencyStore> Keeper<St> {
             // from going early (see `keep`).
             sent: due,
             renewing: 0,
+            given_up: 0,
             lost: false,
             reading: false,
             runtime: runtime.as_ref().map(tokio::runtime::Handle::id),
@@ -384,6 +389,7 @@ async fn keep<St: IdempotencyStore>(
                     let early = held.due < next && now >= held.sent + tick / 2;
                     if held.lost
                         || held.renewing >= OUTSTANDING
+                        || held.renewing + held.given_up >= MOST
                         || (held.due > now && !early)
                         // One still on its way went less than half a tick ago (by the clock,
                         // whatever the points say: a wake late by most of a tick is followed
@@ -444,14 +450,26 @@ async fn renew<St: IdempotencyStore>(
     let renewal = crate::unwind::CatchUnwind {
         inner: shared.store.renew(&key, token, lease),
     };
-    let result = match tokio::time::timeout(given_up_after(lease), renewal).await {
-        Ok(answer) => {
-            answer.unwrap_or_else(|_| Err(StoreError::unavailable("the store's renewal panicked")))
+    let mut renewal = std::pin::pin!(renewal);
+    let mut given_up = false;
+    let answer = match tokio::time::timeout(given_up_after(lease), renewal.as_mut()).await {
+        Ok(answer) => answer,
+        Err(_) => {
+            // Given up on, not dropped (see `Held::given_up`): the next goes beside it.
+            given_up = true;
+            tracing::warn!(
+                key = key.key(),
+                "a lease renewal had no answer in a lease (at least 30 s); sending another"
+            );
+            settle(&shared, slot, &key, token, |held| {
+                held.renewing = held.renewing.saturating_sub(1);
+                held.given_up = held.given_up.saturating_add(1);
+            });
+            renewal.await
         }
-        Err(_) => Err(StoreError::unavailable(
-            "the store's renewal was given up on: no answer in a lease (at least 30 s)",
-        )),
     };
+    let result =
+        answer.unwrap_or_else(|_| Err(StoreError::unavailable("the store's renewal panicked")));
     if let Err(error) = &result
         && !matches!(error, StoreError::Fenced)
     {
@@ -465,7 +483,11 @@ async fn renew<St: IdempotencyStore>(
     let fenced = matches!(result, Err(StoreError::Fenced));
     let mut read = false;
     settle(&shared, slot, &key, token, |held| {
-        held.renewing = held.renewing.saturating_sub(1);
+        if given_up {
+            held.given_up = held.given_up.saturating_sub(1);
+        } else {
+            held.renewing = held.renewing.saturating_sub(1);
+        }
         // Renewed: the next about a third of a lease after this one was sent (a later one may
         // have been sent meanwhile, and come back later still). Refused: the next is due as
         // `again` says, counted from when this one was sent, not from when the refusal came
