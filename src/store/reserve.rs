@@ -83,9 +83,10 @@ impl Reserve {
                 share = self.share,
                 kept = self.kept,
                 "the claims' share of this PostgreSQL store's pool is one connection, which \
-                 its claims need: the LISTEN that wakes waiters takes one of the connections \
-                 kept for lease holders instead (give a store whose routes wait for keys in \
-                 flight a pool of at least three)"
+                 its claims need: the LISTEN that wakes waiters holds one of the connections \
+                 kept for lease holders instead, for as long as it runs (give a store whose \
+                 routes wait for keys in flight a claims' share of at least two connections: \
+                 a pool of three, with the default kept for holders)"
             );
             return None;
         }
@@ -192,6 +193,8 @@ mod tests {
             .build()
             .expect("a runtime");
         tracing::subscriber::with_default(warnings.clone(), || {
+            // Another test's dispatcher may have cached this callsite as never enabled.
+            tracing::callsite::rebuild_interest_cache();
             runtime.block_on(async {
                 let roomy = Reserve::new(8, 2, Duration::from_millis(50));
                 assert!(roomy.listening().await.is_some());

@@ -58,6 +58,12 @@ impl<K: Hash + Eq + Clone> Subscription<K> {
         self.live.load(Ordering::SeqCst)
     }
 
+    /// Whether a task keeping the subscription up has been started and has not ended.
+    #[cfg(test)]
+    pub(crate) fn started(&self) -> bool {
+        self.started.load(Ordering::SeqCst)
+    }
+
     /// The subscription is up: every waiter looks again (a change may have come before).
     pub(crate) fn up(&self) {
         self.live.store(true, Ordering::SeqCst);
@@ -79,8 +85,10 @@ pub(crate) struct Running<K: Hash + Eq + Clone>(Weak<Subscription<K>>);
 impl<K: Hash + Eq + Clone> Drop for Running<K> {
     fn drop(&mut self) {
         if let Some(subscription) = self.0.upgrade() {
-            subscription.started.store(false, Ordering::SeqCst);
+            // Down first: once `started` is clear a new task may start and come up, which a
+            // `down` after it would undo (waiters would poll while it is up).
             subscription.down();
+            subscription.started.store(false, Ordering::SeqCst);
         }
     }
 }
@@ -132,6 +140,8 @@ mod tests {
             subscription.subscribed(listen(runs.clone()));
             tokio::task::yield_now().await;
             assert!(subscription.subscribed(listen(runs.clone())), "up");
+            // A task wrongly started by the second would have run by now.
+            tokio::task::yield_now().await;
         });
         assert_eq!(runs.load(Ordering::SeqCst), 1, "one task started");
         drop(next);

@@ -106,9 +106,15 @@ impl PostgresStore {
 
     /// Whether this store's `LISTEN` is up; starts it on first use.
     pub(super) fn subscribed(&self) -> bool {
-        let (pool, reserve, channel) = (self.pool.clone(), self.reserve.clone(), self.channel());
-        self.changes
-            .subscribed(|changes, running| listen(changes, pool, reserve, channel, running))
+        // A pool of one connection: a `LISTEN` would hold it for good, and the store could do
+        // nothing else. Waiters poll.
+        if self.pool.options().get_max_connections() < 2 {
+            return false;
+        }
+        self.changes.subscribed(|changes, running| {
+            let (pool, reserve) = (self.pool.clone(), self.reserve.clone());
+            listen(changes, pool, reserve, self.channel(), running)
+        })
     }
 }
 
@@ -172,5 +178,34 @@ async fn listen(
         c.down();
         drop(c);
         tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    /// DESIGN §5 (while the subscription is down, waiters poll): a store on a pool of one
+    /// connection never starts a `LISTEN`, which would hold that connection for good and leave
+    /// every claim, renewal and completion waiting for it; its waiters poll. One of two does.
+    #[test]
+    fn a_pool_of_one_never_listens() {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("a runtime");
+        runtime.block_on(async {
+            let store = |max| {
+                let pool = sqlx::postgres::PgPoolOptions::new()
+                    .max_connections(max)
+                    .connect_lazy("postgres://postgres@127.0.0.1:1/none")
+                    .expect("a lazy pool");
+                super::PostgresStore::new(pool)
+            };
+            let one = store(1);
+            assert!(!one.subscribed());
+            assert!(!one.changes.started(), "no LISTEN on a pool of one");
+            let two = store(2);
+            assert!(!two.subscribed(), "not up yet");
+            assert!(two.changes.started(), "a LISTEN on a pool of two");
+        });
     }
 }

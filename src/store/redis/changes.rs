@@ -18,9 +18,10 @@ impl RedisStore {
     /// Whether this store's change subscription is up; starts it on first use, on any of the
     /// store's nodes in turn.
     pub(super) fn subscribed(&self) -> bool {
-        let (nodes, channel) = (self.nodes.clone(), format!("{}:changed", self.prefix));
-        self.changes
-            .subscribed(|changes, running| listen(changes, nodes, channel, running))
+        self.changes.subscribed(|changes, running| {
+            let channel = format!("{}:changed", self.prefix);
+            listen(changes, self.nodes.clone(), channel, running)
+        })
     }
 }
 

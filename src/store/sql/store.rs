@@ -124,19 +124,19 @@ impl $store {
         self.batches.as_ref().map(|b| b.settings())
     }
 
-    /// Keeps `n` of the pool's connections for the requests holding leases: claims (with the
-    /// reads of requests waiting for a key in flight, and refusals' notes) take at most the
-    /// rest at once, so a holder's renewal or completion queues for a connection behind
-    /// other holders' and at worst one claim's statement, never behind a crowd of duplicates
-    /// and retries (queued past the lease's end, it would let a duplicate take over a run
-    /// still going). By default a quarter of the pool, at least one; none of a pool of one
-    /// connection. At most all but one: claims always have one. A `PostgresStore`'s
-    /// `LISTEN` (started by the first request that waits for a key in flight) holds one of the
-    /// pool's connections while it runs, taken out of the claims' share, not the holders'
-    /// (unless that share is a single connection: give a waiting route's store a pool of at
-    /// least three). A claim waits for its share at most the pool's acquire time-out, then
-    /// fails as the pool does (503, nothing runs); its wait for a connection comes after, so
-    /// a claim may wait up to twice that time in all.
+    /// Keeps `n` of the pool's connections for the requests holding leases: claims (with the reads
+    /// of requests waiting for a key in flight, and refusals' notes) take at most the rest at once,
+    /// so a holder's renewal or completion queues for a connection behind other holders' and at
+    /// worst one claim's statement, never behind a crowd of duplicates and retries (queued past the
+    /// lease's end, it would let a duplicate take over a run still going). By default a quarter of
+    /// the pool, at least one; none of a pool of one connection. At most all but one: claims always
+    /// have one. A `PostgresStore`'s `LISTEN` (started by the first request that waits for a key in
+    /// flight) holds one of the pool's connections while it runs, taken out of the claims' share,
+    /// not the holders' (unless that share is a single connection: give a waiting route's store a
+    /// pool of at least three; a pool of one never listens, and its waiters poll). A claim waits
+    /// for its share at most the pool's acquire time-out, then fails as the pool does (503, nothing
+    /// runs); its wait for a connection comes after, so a claim may wait up to twice that time in
+    /// all.
     ///
     /// Set it when building the store, before it serves requests: a `LISTEN` already running
     /// keeps its turn in the share it started with.
