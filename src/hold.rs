@@ -65,23 +65,23 @@ struct Held {
     key: ScopedKey,
     token: FencingToken,
     lease: Duration,
-    /// When the next renewal starts, counted from the keeper's point (its wakes are due a
-    /// tick apart) that sent the last one, in whole ticks: a sixth of the lease (rounded down,
-    /// at least a tick) on, until it comes back renewed, which puts the next at the point
-    /// nearest a third of a lease on, or refused, which brings it to a second on for a lease
-    /// longer than six seconds (a blip lasts seconds whatever the lease). A wake sends what is
-    /// due by when it fires (or, sent before, by the next point: see `keep`). So a renewal
-    /// refused, or slower to come back than a sixth of the lease, has the next go at most a
-    /// sixth of a lease (or a second) after it was sent,
-    /// however long the store took to say no, and the lease gets at least four tries before
-    /// it runs out while the runtime's timers fire at most half a tick late (later, up to a
-    /// tick, a shorter lease arriving mid-hold can leave three); a store that answers in time
-    /// sees one renewal per third of a lease, a slower one at most twice as many. At most
-    /// [`OUTSTANDING`] at once, and a refusal does not wake the keeper (a store slow to refuse
-    /// is not sent renewals back to back, each holding a connection): refusals slower than
-    /// about a fifth of the lease, with timers firing late, can leave three tries (a 32 ms
-    /// lease: refusals taking 7 ms with timers 2.9 ms late, or 8 ms with 2.5 ms; a 30 ms lease,
-    /// refusals taking 7 ms, one wake 4.9 ms late: tries at 14.9, 20 and 25 ms).
+    /// When the next renewal starts, counted from the keeper's point (its wakes are due a tick
+    /// apart) that sent the last one, in whole ticks: a sixth of the lease (rounded down, at least
+    /// a tick) on, until it comes back renewed, which puts the next at the point nearest a third of
+    /// a lease on, or refused, which brings it to a second on for a lease longer than six seconds
+    /// (a blip lasts seconds whatever the lease). A wake sends what is due by when it fires (or,
+    /// sent before, by the next point: see `keep`). So a renewal refused, or slower to come back
+    /// than a sixth of the lease, has the next go at most a sixth of a lease (or a second) after it
+    /// was sent, however long the store took to say no, and the lease gets at least four tries
+    /// before it runs out (two, while renewals hang: see `given_up`) while the runtime's timers
+    /// fire at most half a tick late (later, up to a tick, a shorter lease arriving mid-hold can
+    /// leave three); a store that answers in time sees one renewal per third of a lease, a slower
+    /// one at most twice as many. At most [`OUTSTANDING`] at once (not counting those given up on),
+    /// and a refusal does not wake the keeper (a store slow to refuse is not sent renewals back to
+    /// back, each holding a connection): refusals slower than about a fifth of the lease, with
+    /// timers firing late, can leave three tries (a 32 ms lease: refusals taking 7 ms with timers
+    /// 2.9 ms late, or 8 ms with 2.5 ms; a 30 ms lease, refusals taking 7 ms, one wake 4.9 ms late:
+    /// tries at 14.9, 20 and 25 ms).
     due: Instant,
     /// Renewals under way for less than [`given_up_after`]. One that hangs (a connection
     /// stuck, a row lock) does not hold up the next: the lease would run out behind it and
@@ -109,14 +109,17 @@ struct Held {
 
 /// The most renewals of one lease under way at once, not counting those given up on.
 const OUTSTANDING: u8 = 2;
-/// The most renewals of one lease under way at once, those given up on included: a store
-/// whose calls hang holds at most four connections (or requests) for one lease.
+/// The most renewals of one hold under way at once, those given up on included: a store whose
+/// calls hang holds at most four connections (or requests) for one hold. (A lease whose record
+/// is written after its run has two holds for a moment, the run's and the record's, and the
+/// run's renewals still under way then count for neither: up to eight.)
 const MOST: u8 = 4;
 
 /// How long a renewal may be under way before it no longer holds up the next (see
 /// `Held::given_up`): a lease, and at least 30 s, about the bounds the crate's stores set on
 /// a call (Redis's 5 s reply time-out, SQLite's 5 s busy wait, sqlx's 30 s default acquire
-/// time-out), so a store that answers at all, however slowly, is not sent more and more.
+/// time-out), so a store that answers within that, however slowly, is sent at most two at a
+/// time.
 fn given_up_after(lease: Duration) -> Duration {
     lease.max(Duration::from_secs(30))
 }
@@ -425,7 +428,10 @@ async fn keep<St: IdempotencyStore>(
         };
         for (slot, key, token, lease, sent) in due {
             // A task per renewal: one slow or hanging store call holds up no other lease.
-            tokio::spawn(renew(shared.clone(), slot, key, token, lease, sent));
+            // Holding the keeper weakly: a renewal that never ends keeps the store alive (its
+            // call borrows it), not the keeper, whose task ends with the last layer and hold.
+            let (store, keeper) = (shared.store.clone(), Arc::downgrade(&shared));
+            tokio::spawn(renew(store, keeper, slot, key, token, lease, sent));
         }
     }
 }
@@ -438,7 +444,8 @@ struct Sent {
 }
 
 async fn renew<St: IdempotencyStore>(
-    shared: Arc<Shared<St>>,
+    store: Arc<St>,
+    shared: Weak<Shared<St>>,
     slot: usize,
     key: ScopedKey,
     token: FencingToken,
@@ -448,7 +455,7 @@ async fn renew<St: IdempotencyStore>(
     // A store's renewal that panics is a failed one: the slot's count of renewals under way
     // must come down, or after two the lease would never be renewed again.
     let renewal = crate::unwind::CatchUnwind {
-        inner: shared.store.renew(&key, token, lease),
+        inner: store.renew(&key, token, lease),
     };
     let mut renewal = std::pin::pin!(renewal);
     let mut given_up = false;
@@ -459,7 +466,8 @@ async fn renew<St: IdempotencyStore>(
             given_up = true;
             tracing::warn!(
                 key = key.key(),
-                "a lease renewal had no answer in a lease (at least 30 s); sending another"
+                "a lease renewal had no answer in a lease (at least 30 s); it no longer holds \
+                 up the next"
             );
             settle(&shared, slot, &key, token, |held| {
                 held.renewing = held.renewing.saturating_sub(1);
@@ -503,7 +511,7 @@ async fn renew<St: IdempotencyStore>(
         return;
     }
     // Off the renewals' path, one at a time per hold: the read may take as long as two leases.
-    let read = whose(&*shared.store, &key, token, lease.saturating_mul(2)).await;
+    let read = whose(&*store, &key, token, lease.saturating_mul(2)).await;
     // `None`: still in flight (the fence was a mistake), or the read failed and cannot say
     // otherwise, so the next fenced renewal asks again. `Some(lost)`: nothing to keep.
     let over = match read {
@@ -538,14 +546,18 @@ async fn renew<St: IdempotencyStore>(
 }
 
 /// Applies `f` to the slot if it still holds `key` under `token` (it may have been given
-/// back, or taken by another hold, meanwhile).
+/// back, or taken by another hold, meanwhile); nothing once the keeper is gone (a renewal's
+/// task holds it weakly).
 fn settle<St>(
-    shared: &Shared<St>,
+    shared: &Weak<Shared<St>>,
     slot: usize,
     key: &ScopedKey,
     token: FencingToken,
     f: impl FnOnce(&mut Held),
 ) {
+    let Some(shared) = shared.upgrade() else {
+        return;
+    };
     let mut slots = lock(&shared.slots);
     if let Some(Some(held)) = slots.held.get_mut(slot)
         && held.token == token

@@ -71,27 +71,6 @@ impl Reserve {
             }
         }
     }
-
-    /// A turn held for as long as a `LISTEN` runs on a connection of the pool, taken out of
-    /// the claims' share (so the connections kept for holders stay theirs); none from a share
-    /// of one, which claims need. Waits its turn as a claim does, without a bound: waiters
-    /// poll until the `LISTEN` is up.
-    #[cfg(feature = "postgres")]
-    pub(crate) async fn listening(&self) -> Option<SemaphorePermit<'_>> {
-        if self.share < 2 {
-            tracing::warn!(
-                share = self.share,
-                kept = self.kept,
-                "the claims' share of this PostgreSQL store's pool is one connection, which \
-                 its claims need: the LISTEN that wakes waiters holds one of the connections \
-                 kept for lease holders instead, for as long as it runs (give a store whose \
-                 routes wait for keys in flight a claims' share of at least two connections: \
-                 a pool of three, with the default kept for holders)"
-            );
-            return None;
-        }
-        self.claims.acquire().await.ok()
-    }
 }
 
 #[cfg(test)]
@@ -139,69 +118,5 @@ mod tests {
         assert!(started.elapsed() >= Duration::from_millis(50), "it waited");
         drop(held);
         assert!(reserve.claim().await.is_ok(), "given back, taken again");
-    }
-
-    /// DESIGN §4: a `LISTEN`'s connection comes out of the claims' share while it runs, never
-    /// out of a share of one (the claims' only turn), and goes back to it when it ends.
-    #[cfg(feature = "postgres")]
-    #[tokio::test]
-    async fn a_listen_takes_a_turn_of_the_claims_share_while_it_runs() {
-        let reserve = Reserve::new(8, 2, Duration::from_millis(50));
-        let listening = reserve.listening().await;
-        assert!(listening.is_some(), "a share of six lends one");
-        assert_eq!(reserve.claims.available_permits(), 5);
-        drop(listening);
-        assert_eq!(reserve.claims.available_permits(), 6, "given back");
-        let tiny = Reserve::new(2, 1, Duration::from_millis(50));
-        assert!(
-            tiny.listening().await.is_none(),
-            "a share of one lends none"
-        );
-        assert!(tiny.claim().await.is_ok(), "its claims keep their turn");
-    }
-
-    /// Counts the warnings emitted while it is the thread's subscriber.
-    struct Warnings(std::sync::atomic::AtomicUsize);
-
-    impl tracing::Subscriber for Warnings {
-        fn enabled(&self, _: &tracing::Metadata<'_>) -> bool {
-            true
-        }
-        fn new_span(&self, _: &tracing::span::Attributes<'_>) -> tracing::span::Id {
-            tracing::span::Id::from_u64(1)
-        }
-        fn record(&self, _: &tracing::span::Id, _: &tracing::span::Record<'_>) {}
-        fn record_follows_from(&self, _: &tracing::span::Id, _: &tracing::span::Id) {}
-        fn event(&self, event: &tracing::Event<'_>) {
-            if *event.metadata().level() == tracing::Level::WARN {
-                self.0.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-            }
-        }
-        fn enter(&self, _: &tracing::span::Id) {}
-        fn exit(&self, _: &tracing::span::Id) {}
-    }
-
-    /// DESIGN §4 (holders first): a pool whose claims' share is one connection lends the
-    /// `LISTEN` no turn, so it takes a connection kept for holders; that is said, once per
-    /// `LISTEN` started, where an operator reads it. A larger share says nothing.
-    #[cfg(feature = "postgres")]
-    #[test]
-    fn a_share_of_one_says_the_listen_takes_a_holders_connection() {
-        let warnings = std::sync::Arc::new(Warnings(std::sync::atomic::AtomicUsize::new(0)));
-        let runtime = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .expect("a runtime");
-        tracing::subscriber::with_default(warnings.clone(), || {
-            // Another test's dispatcher may have cached this callsite as never enabled.
-            tracing::callsite::rebuild_interest_cache();
-            runtime.block_on(async {
-                let roomy = Reserve::new(8, 2, Duration::from_millis(50));
-                assert!(roomy.listening().await.is_some());
-                let tiny = Reserve::new(2, 1, Duration::from_millis(50));
-                assert!(tiny.listening().await.is_none());
-            });
-        });
-        assert_eq!(warnings.0.load(std::sync::atomic::Ordering::SeqCst), 1);
     }
 }

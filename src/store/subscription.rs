@@ -58,12 +58,6 @@ impl<K: Hash + Eq + Clone> Subscription<K> {
         self.live.load(Ordering::SeqCst)
     }
 
-    /// Whether a task keeping the subscription up has been started and has not ended.
-    #[cfg(test)]
-    pub(crate) fn started(&self) -> bool {
-        self.started.load(Ordering::SeqCst)
-    }
-
     /// The subscription is up: every waiter looks again (a change may have come before).
     pub(crate) fn up(&self) {
         self.live.store(true, Ordering::SeqCst);

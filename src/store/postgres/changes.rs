@@ -1,13 +1,11 @@
 //! Waiters woken by `NOTIFY`: the triggers' payload, one `LISTEN` per store, and the
 //! store's side of a wait.
 
-use std::sync::Arc;
 use std::time::Duration;
 
 use sqlx::AssertSqlSafe;
 use sqlx::postgres::PgPool;
 
-use crate::store::reserve::Reserve;
 use crate::store::sql;
 use crate::store::subscription::{Running, Subscription};
 use crate::store::{FencingToken, InFlight, ScopedKey};
@@ -16,8 +14,8 @@ use super::PostgresStore;
 
 /// The waiters of one store, woken by `NOTIFY`s that the table's triggers send when an
 /// in-flight record moves on (the payload: the hex SHA-256 of its scope, a NUL and its key).
-/// One listening connection per store, opened on the first wait; while it is down, waiters
-/// poll.
+/// One listening connection per store, opened on the first wait beside the store's pool
+/// (see [`listen`]); while it is down, waiters poll.
 pub(super) type Changes = Subscription<String>;
 
 /// What the triggers send for a key: the hex SHA-256 of its scope, a NUL and its key.
@@ -106,15 +104,23 @@ impl PostgresStore {
 
     /// Whether this store's `LISTEN` is up; starts it on first use.
     pub(super) fn subscribed(&self) -> bool {
-        // A pool of one connection: a `LISTEN` would hold it for good, and the store could do
-        // nothing else. Waiters poll.
-        if self.pool.options().get_max_connections() < 2 {
-            return false;
-        }
         self.changes.subscribed(|changes, running| {
-            let (pool, reserve) = (self.pool.clone(), self.reserve.clone());
-            listen(changes, pool, reserve, self.channel(), running)
+            listen(changes, self.listening_pool(), self.channel(), running)
         })
+    }
+
+    /// Where the `LISTEN` runs: a pool of one connection of its own, made with the store's
+    /// pool's connect options (as sqlx's `PgListener::connect` makes one), never a connection
+    /// of the store's pool. Held for good, one of those would leave claims, renewals and
+    /// completions one fewer for as long as the store lives (all of them, on a pool of one;
+    /// two stores' `LISTEN`s on a pool shared with `with_table`, the claims' whole share).
+    fn listening_pool(&self) -> PgPool {
+        let options = self.pool.connect_options().as_ref().clone();
+        sqlx::postgres::PgPoolOptions::new()
+            .max_connections(1)
+            .max_lifetime(None)
+            .idle_timeout(None)
+            .connect_lazy_with(options)
     }
 }
 
@@ -122,21 +128,17 @@ impl PostgresStore {
 /// connection still answers (a link dropped without a close shows only then).
 pub(super) const HEARTBEAT: Duration = Duration::from_secs(2);
 
-/// Keeps a store's `LISTEN` on `channel` up while the store lives (one of the pool's connections,
-/// held for good: a turn of the claims' share is held as long), waking the waiters of each key
-/// notified; after a lost connection (notifications may have been missed) every waiter is woken to
-/// look again.
+/// Keeps a store's `LISTEN` on `channel` up while the store lives, on `pool`'s one connection
+/// (see [`PostgresStore::listening_pool`]), waking the waiters of each key notified; after a lost
+/// connection (notifications may have been missed) every waiter is woken to look again.
 async fn listen(
     changes: std::sync::Weak<Changes>,
     pool: PgPool,
-    reserve: Arc<Reserve>,
     channel: String,
     // Ended for any reason (its runtime shut down, before or after it first ran), the
     // `LISTEN` is down: the next waiter starts another.
     _running: Running<String>,
 ) {
-    // Its connection comes out of the claims' share, never the holders'.
-    let _turn = reserve.listening().await;
     loop {
         if changes.strong_count() == 0 {
             return;
@@ -178,34 +180,5 @@ async fn listen(
         c.down();
         drop(c);
         tokio::time::sleep(Duration::from_secs(1)).await;
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    /// DESIGN §5 (while the subscription is down, waiters poll): a store on a pool of one
-    /// connection never starts a `LISTEN`, which would hold that connection for good and leave
-    /// every claim, renewal and completion waiting for it; its waiters poll. One of two does.
-    #[test]
-    fn a_pool_of_one_never_listens() {
-        let runtime = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .expect("a runtime");
-        runtime.block_on(async {
-            let store = |max| {
-                let pool = sqlx::postgres::PgPoolOptions::new()
-                    .max_connections(max)
-                    .connect_lazy("postgres://postgres@127.0.0.1:1/none")
-                    .expect("a lazy pool");
-                super::PostgresStore::new(pool)
-            };
-            let one = store(1);
-            assert!(!one.subscribed());
-            assert!(!one.changes.started(), "no LISTEN on a pool of one");
-            let two = store(2);
-            assert!(!two.subscribed(), "not up yet");
-            assert!(two.changes.started(), "a LISTEN on a pool of two");
-        });
     }
 }

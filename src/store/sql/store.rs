@@ -131,15 +131,13 @@ impl $store {
     /// lease's end, it would let a duplicate take over a run still going). By default a quarter of
     /// the pool, at least one; none of a pool of one connection. At most all but one: claims always
     /// have one. A `PostgresStore`'s `LISTEN` (started by the first request that waits for a key in
-    /// flight) holds one of the pool's connections while it runs, taken out of the claims' share,
-    /// not the holders' (unless that share is a single connection: give a waiting route's store a
-    /// pool of at least three; a pool of one never listens, and its waiters poll). A claim waits
-    /// for its share at most the pool's acquire time-out, then fails as the pool does (503, nothing
-    /// runs); its wait for a connection comes after, so a claim may wait up to twice that time in
-    /// all.
+    /// flight) takes none of them: it runs on a connection of its own, beside the pool. A claim
+    /// waits for its share at most the pool's acquire time-out, then fails as the pool does (503,
+    /// nothing runs); its wait for a connection comes after, so a claim may wait up to twice that
+    /// time in all.
     ///
-    /// Set it when building the store, before it serves requests: a `LISTEN` already running
-    /// keeps its turn in the share it started with.
+    /// Set it when building the store, before it serves requests: clones made before keep
+    /// the share they were made with.
     ///
     /// Only the store's own statements are shared out so. The application's use of the same
     /// pool (a handler's own transaction, another store on it) is not: size the pool for

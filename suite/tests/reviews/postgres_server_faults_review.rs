@@ -1160,6 +1160,100 @@ async fn s4_a_claim_past_its_share_is_refused_and_one_dropped_waiting_leaves_not
     );
 }
 
+/// DESIGN §5 (stores wake waiters when a record changes: PostgreSQL by `NOTIFY`) and §4. The
+/// `LISTEN` runs on a connection of its own, never one of the store's pool: on a pool of one
+/// connection, a duplicate waiting for a key in flight starts it, and another key still runs
+/// (a `LISTEN` holding the pool's only connection for good left every claim, renewal and
+/// completion waiting for it: 503s, and leases that lapse). The waiter is answered the
+/// replay; each key runs once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s5_the_listen_takes_no_connection_of_a_pool_of_one() {
+    let app = unique("psf-listen-one");
+    let Some(admin) = common::postgres_pool().await else {
+        return;
+    };
+    let pool = PgPoolOptions::new()
+        .max_connections(1)
+        .acquire_timeout(Duration::from_secs(1))
+        .connect_with(options(&app, &[]))
+        .await
+        .expect("pool");
+    let t = table("listen_one");
+    let store = store(pool, &t).await;
+    let sink = Sink::default();
+    let layer = IdempotencyLayer::new(store)
+        .single_tenant()
+        .lease(Duration::from_secs(2))
+        .defaults(|route| route.wait_for_in_flight(Duration::from_secs(10)));
+    let addr = serve(slow_route(
+        layer,
+        sink.clone(),
+        Duration::from_millis(1_500),
+    ))
+    .await;
+    let (first, other) = (unique("listen-a"), unique("listen-b"));
+    let running = tokio::spawn({
+        let first = first.clone();
+        async move { answer(post_key(addr, &first).await).await }
+    });
+    let in_flight =
+        format!("SELECT count(*) FROM \"{t}\" WHERE key = $1 AND status = 'in_progress'");
+    guard("the first key's handler runs", async {
+        while sqlx::query_scalar::<_, i64>(AssertSqlSafe(in_flight.clone()))
+            .bind(first.as_bytes())
+            .fetch_one(&admin)
+            .await
+            .expect("read the record")
+            == 0
+        {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    })
+    .await;
+    let waiter = tokio::spawn({
+        let first = first.clone();
+        async move { answer(post_key(addr, &first).await).await }
+    });
+    guard("the LISTEN is up", async {
+        while sqlx::query_scalar::<_, i64>(
+            "SELECT count(*) FROM pg_stat_activity
+              WHERE application_name = $1 AND query LIKE 'LISTEN%'",
+        )
+        .bind(&app)
+        .fetch_one(&admin)
+        .await
+        .expect("read pg_stat_activity")
+            == 0
+        {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    })
+    .await;
+    let beside = answer(post_key(addr, &other).await).await;
+    let (running, waiter) = (
+        guard("the first key's answer", running)
+            .await
+            .expect("task"),
+        guard("the waiter's answer", waiter).await.expect("task"),
+    );
+    assert_eq!(
+        (beside.0, beside.1),
+        (201, false),
+        "another key runs: {beside:?}"
+    );
+    assert_eq!((running.0, running.1), (201, false), "{running:?}");
+    assert_eq!(
+        (waiter.0, waiter.1),
+        (201, true),
+        "the waiter replays: {waiter:?}"
+    );
+    assert_eq!(
+        (sink.of(&first), sink.of(&other)),
+        (1, 1),
+        "each key ran once"
+    );
+}
+
 // ---- 5. A claim delayed on the wire past the give-back ---------------------------------------
 
 /// What the relay holds back: statements holding `needle`, how many more times, how long.
