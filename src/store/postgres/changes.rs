@@ -105,32 +105,35 @@ impl PostgresStore {
     /// Whether this store's `LISTEN` is up; starts it on first use.
     pub(super) fn subscribed(&self) -> bool {
         self.changes.subscribed(|changes, running| {
-            listen(changes, self.listening_pool(), self.channel(), running)
+            listen(changes, self.pool.clone(), self.channel(), running)
         })
     }
+}
 
-    /// Where the `LISTEN` runs: a pool of one connection of its own, made with the store's
-    /// pool's connect options (as sqlx's `PgListener::connect` makes one), never a connection
-    /// of the store's pool. Held for good, one of those would leave claims, renewals and
-    /// completions one fewer for as long as the store lives (all of them, on a pool of one;
-    /// two stores' `LISTEN`s on a pool shared with `with_table`, the claims' whole share).
-    fn listening_pool(&self) -> PgPool {
-        let options = self.pool.connect_options().as_ref().clone();
-        sqlx::postgres::PgPoolOptions::new()
-            .max_connections(1)
-            .max_lifetime(None)
-            .idle_timeout(None)
-            .connect_lazy_with(options)
-    }
+/// Where a `LISTEN` connects: a pool of one connection of its own, made with the store's
+/// pool's connect options as they are now (a password rotated with `set_connect_options`
+/// included), as sqlx's `PgListener::connect` makes one; never a connection of the store's
+/// pool. Held for good, one of those would leave claims, renewals and completions one fewer for
+/// as long as the store lives (all of them, on a pool of one; two stores' `LISTEN`s on a pool
+/// shared with `with_table`, the claims' whole share). A new one for every connection: the
+/// one before may still be held by the last listener's clean-up on a link that died.
+fn listening_pool(pool: &PgPool) -> PgPool {
+    let options = pool.connect_options().as_ref().clone();
+    sqlx::postgres::PgPoolOptions::new()
+        .max_connections(1)
+        .max_lifetime(None)
+        .idle_timeout(None)
+        .connect_lazy_with(options)
 }
 
 /// How often a quiet `LISTEN` is checked: that its store still lives, and that its
 /// connection still answers (a link dropped without a close shows only then).
 pub(super) const HEARTBEAT: Duration = Duration::from_secs(2);
 
-/// Keeps a store's `LISTEN` on `channel` up while the store lives, on `pool`'s one connection
-/// (see [`PostgresStore::listening_pool`]), waking the waiters of each key notified; after a lost
-/// connection (notifications may have been missed) every waiter is woken to look again.
+/// Keeps a store's `LISTEN` on `channel` up while the store lives and its `pool` is open, on a
+/// connection of its own (see [`listening_pool`]), waking the waiters of each key notified;
+/// after a lost connection (notifications may have been missed) every waiter is woken to look
+/// again.
 async fn listen(
     changes: std::sync::Weak<Changes>,
     pool: PgPool,
@@ -140,12 +143,16 @@ async fn listen(
     _running: Running<String>,
 ) {
     loop {
-        if changes.strong_count() == 0 {
+        if changes.strong_count() == 0 || pool.is_closed() {
             return;
         }
-        if let Ok(mut listener) = sqlx::postgres::PgListener::connect_with(&pool).await
+        if let Ok(mut listener) =
+            sqlx::postgres::PgListener::connect_with(&listening_pool(&pool)).await
             && listener.listen(&channel).await.is_ok()
         {
+            // A lost connection ends this listener (and wakes every waiter, below), never a
+            // quiet reconnect inside `try_recv` that a heartbeat could cut short unseen.
+            listener.eager_reconnect(false);
             if let Some(c) = changes.upgrade() {
                 c.up();
             }
@@ -160,7 +167,7 @@ async fn listen(
                     // `None`: the connection was lost.
                     Ok(Ok(None) | Err(_)) => break,
                     Err(_) => {
-                        if changes.strong_count() == 0 {
+                        if changes.strong_count() == 0 || pool.is_closed() {
                             return;
                         }
                         let ping = sqlx::query("SELECT 1").execute(&mut listener);

@@ -1215,16 +1215,7 @@ async fn s5_the_listen_takes_no_connection_of_a_pool_of_one() {
         async move { answer(post_key(addr, &first).await).await }
     });
     guard("the LISTEN is up", async {
-        while sqlx::query_scalar::<_, i64>(
-            "SELECT count(*) FROM pg_stat_activity
-              WHERE application_name = $1 AND query LIKE 'LISTEN%'",
-        )
-        .bind(&app)
-        .fetch_one(&admin)
-        .await
-        .expect("read pg_stat_activity")
-            == 0
-        {
+        while listens(&admin, &app).await == 0 {
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
     })
@@ -1252,6 +1243,112 @@ async fn s5_the_listen_takes_no_connection_of_a_pool_of_one() {
         (1, 1),
         "each key ran once"
     );
+}
+
+/// Which of `app`'s backends runs the store's `LISTEN`: its last statement is the `LISTEN`,
+/// or its heartbeat (`SELECT 1`, which nothing else of the store sends).
+const LISTENING: &str = "application_name = $1 AND (query LIKE 'LISTEN%' OR query = 'SELECT 1')";
+
+/// How many of `app`'s backends run a `LISTEN`.
+async fn listens(admin: &PgPool, app: &str) -> i64 {
+    sqlx::query_scalar(AssertSqlSafe(format!(
+        "SELECT count(*) FROM pg_stat_activity WHERE {LISTENING}"
+    )))
+    .bind(app)
+    .fetch_one(admin)
+    .await
+    .expect("read pg_stat_activity")
+}
+
+/// DESIGN §5 (while the subscription is down, waiters poll; it comes back). The `LISTEN`'s
+/// backend is terminated: a new one is up within seconds (on a connection of a new pool of its
+/// own: the old one may still be held by the last listener's clean-up), and a waiter after it
+/// is answered the replay. Then the store's pool is closed (an application shutting down):
+/// the `LISTEN` ends too, instead of reconnecting for as long as the store lives.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s5_a_terminated_listen_comes_back_and_a_closed_pool_ends_it() {
+    let app = unique("psf-listen-back");
+    let Some(admin) = common::postgres_pool().await else {
+        return;
+    };
+    let pool = PgPoolOptions::new()
+        .max_connections(4)
+        .connect_with(options(&app, &[]))
+        .await
+        .expect("pool");
+    let t = table("listen_back");
+    let store = store(pool.clone(), &t).await;
+    let sink = Sink::default();
+    let layer = IdempotencyLayer::new(store)
+        .single_tenant()
+        .lease(Duration::from_secs(5))
+        .defaults(|route| route.wait_for_in_flight(Duration::from_secs(10)));
+    let addr = serve(slow_route(layer, sink.clone(), Duration::from_millis(600))).await;
+    // A key and its duplicate, the duplicate once the first runs: `n` is the round.
+    let round = |n: usize| {
+        let key = unique(&format!("listen-back-{n}"));
+        async move {
+            let first = tokio::spawn({
+                let key = key.clone();
+                async move { answer(post_key(addr, &key).await).await }
+            });
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            let waiter = answer(post_key(addr, &key).await).await;
+            let first = guard("the first's answer", first).await.expect("task");
+            (key, first, waiter)
+        }
+    };
+    let (key, first, waiter) = round(1).await;
+    assert_eq!(
+        (first.0, waiter.0, waiter.1),
+        (201, 201, true),
+        "{first:?} {waiter:?}"
+    );
+    assert_eq!(sink.of(&key), 1);
+    guard("the LISTEN is up", async {
+        while listens(&admin, &app).await == 0 {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await;
+    let killed: i64 = sqlx::query_scalar(AssertSqlSafe(format!(
+        "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity WHERE {LISTENING}"
+    )))
+    .bind(&app)
+    .fetch_one(&admin)
+    .await
+    .expect("terminate the LISTEN");
+    assert_eq!(killed, 1);
+    guard("the LISTEN is back", async {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        while listens(&admin, &app).await == 0 {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await;
+    let (key, first, waiter) = round(2).await;
+    assert_eq!(
+        (first.0, waiter.0, waiter.1),
+        (201, 201, true),
+        "{first:?} {waiter:?}"
+    );
+    assert_eq!(sink.of(&key), 1);
+    pool.close().await;
+    // Every backend of `app` (a quiet `LISTEN`'s shows its last heartbeat as its query).
+    guard("the LISTEN ends with its store's pool", async {
+        while sqlx::query_scalar::<_, i64>(
+            "SELECT count(*) FROM pg_stat_activity WHERE application_name = $1",
+        )
+        .bind(&app)
+        .fetch_one(&admin)
+        .await
+        .expect("read pg_stat_activity")
+            > 0
+        {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await;
 }
 
 // ---- 5. A claim delayed on the wire past the give-back ---------------------------------------
