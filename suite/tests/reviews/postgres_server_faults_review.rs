@@ -895,6 +895,23 @@ async fn a_crowd_of_claims_against_a_held_key(kind: Crowd) {
     for made in made {
         assert_eq!(guard("a crowd record", made).await.expect("task"), 201);
     }
+    let keys: Vec<Vec<u8>> = crowd.iter().map(|k| k.as_bytes().to_vec()).collect();
+    // Recorded: an answer may go before its record lands (a write slower than half the
+    // lease goes on behind it), and a completion landing after the change below would undo it.
+    let completed =
+        format!("SELECT count(*) FROM \"{t}\" WHERE key = ANY($1) AND status = 'completed'");
+    guard("the crowd's records land", async {
+        while sqlx::query_scalar::<_, i64>(AssertSqlSafe(completed.clone()))
+            .bind(&keys)
+            .fetch_one(&admin)
+            .await
+            .expect("read the crowd's records")
+            < 8
+        {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await;
     // Expired, so that each claim waits for the row; noting, in flight (a claim reads it
     // without waiting, and the refusal's note waits for the row instead).
     let change = match kind {
@@ -904,7 +921,6 @@ async fn a_crowd_of_claims_against_a_held_key(kind: Crowd) {
         }
         Crowd::Plain | Crowd::Waiting => "expires_at = now() - interval '1 day'",
     };
-    let keys: Vec<Vec<u8>> = crowd.iter().map(|k| k.as_bytes().to_vec()).collect();
     let changed = sqlx::query(AssertSqlSafe(format!(
         "UPDATE \"{t}\" SET {change} WHERE key = ANY($1)"
     )))
