@@ -3,7 +3,8 @@
 //! Every write a holder makes after its run (the record, marking it uncertain, a give-back) is
 //! bounded: a call stuck on a dead connection must not hold the lease, renewed, for ever (see
 //! `execute::retry`). Most calls answer at their first poll (MemoryStore's always do); those
-//! never read the clock nor arm a timer, so the bound costs the hot path nothing.
+//! never read the clock nor arm a timer, so the bound costs the hot path nothing. (A try after a
+//! write failed, on a task of its own, always waits: it is off the hot path.)
 
 use std::future::Future;
 use std::pin::Pin;

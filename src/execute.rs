@@ -35,6 +35,7 @@ use crate::window::Timing;
 mod give_back;
 mod record;
 mod retry;
+mod room;
 mod run;
 
 pub(crate) use give_back::{ReleaseOnDrop, Until, give_back, give_back_set_aside};

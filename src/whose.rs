@@ -4,12 +4,13 @@
 //! token. A store or a proxy that fenced by mistake must not make a holder drop an outcome,
 //! stop renewing under a running handler, or leave a key it never ran in flight: so the holder
 //! reads the record before it believes the fence. The keeper (a renewal), the record's writes
-//! and the give-backs each read it through [`whose`], and each decides from the same answer.
+//! and the give-backs each read it through [`whose`] (or, on a task of their own, [`read_as`]),
+//! and each decides from the same answer.
 
 use std::time::{Duration, SystemTime};
 
 use crate::bounded::bounded;
-use crate::store::{FencingToken, IdempotencyStore, RecordStatus, ScopedKey, StoreError};
+use crate::store::{FencingToken, IdempotencyStore, Record, RecordStatus, ScopedKey, StoreError};
 
 /// What a read of a record shows to the holder of `token`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -46,10 +47,15 @@ pub(crate) async fn whose<St: IdempotencyStore>(
     token: FencingToken,
     limit: Duration,
 ) -> Result<Whose, StoreError> {
-    let Some(record) = bounded(limit, store.lookup(key)).await? else {
-        return Ok(Whose::Settled);
+    Ok(read_as(bounded(limit, store.lookup(key)).await?, token))
+}
+
+/// What `record` (`None`: there is none) shows to the holder of `token`.
+pub(crate) fn read_as(record: Option<Record>, token: FencingToken) -> Whose {
+    let Some(record) = record else {
+        return Whose::Settled;
     };
-    Ok(match record.status {
+    match record.status {
         _ if record.lease_token != token => Whose::Theirs,
         RecordStatus::InProgress => Whose::InFlight {
             lease_until: record.lease_until,
@@ -59,7 +65,7 @@ pub(crate) async fn whose<St: IdempotencyStore>(
             expires_at: record.expires_at,
         },
         _ => Whose::Settled,
-    })
+    }
 }
 
 #[cfg(all(test, feature = "memory"))]

@@ -4,17 +4,18 @@
 //! key set aside for reconciliation behind its own holder's back is given back by that holder,
 //! which knows that nothing it ran may not be run again.
 
+use std::future::Future;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
-use crate::bounded::bounded;
 use crate::observe::{self, Event};
 use crate::store::{
     FencingToken, IdempotencyStore, RecordStatus, Resolution, ScopedKey, StoreError,
 };
 
 use super::retry::Retry;
-use crate::whose::{Whose, whose};
+use super::room::Call;
+use crate::whose::Whose;
 
 /// Releases a claim whose execution was dropped while its handler ran (routes that cancel on
 /// disconnect), disarmed once the handler has answered; or a late claim dropped, or not
@@ -43,7 +44,7 @@ impl<St: IdempotencyStore> Drop for ReleaseOnDrop<St> {
         if let Ok(runtime) = tokio::runtime::Handle::try_current() {
             crate::detached::spawn(&runtime, async move {
                 let what = "a cancelled execution's key";
-                give_back(&*store, &key, token, lease, Until::LeaseEnds, what).await;
+                give_back(&store, &key, token, lease, Until::LeaseEnds, what).await;
             });
         }
     }
@@ -69,7 +70,7 @@ pub(crate) enum Until {
 /// does not answer, until it lands or the key is no longer this holder's (taken over, or set
 /// aside and given back as not applied: see [`give_back_set_aside`]).
 pub(crate) async fn give_back<St: IdempotencyStore>(
-    store: &St,
+    store: &Arc<St>,
     key: &ScopedKey,
     token: FencingToken,
     lease: Duration,
@@ -82,7 +83,7 @@ pub(crate) async fn give_back<St: IdempotencyStore>(
 /// [`give_back`], its tries paced by `retry`, which may have made some already (the
 /// execution's own release, see `Execution::release_later`).
 pub(super) async fn give_back_paced<St: IdempotencyStore>(
-    store: &St,
+    store: &Arc<St>,
     key: &ScopedKey,
     token: FencingToken,
     mut retry: Retry,
@@ -91,7 +92,10 @@ pub(super) async fn give_back_paced<St: IdempotencyStore>(
 ) {
     let ends = tokio::time::Instant::now() + retry.lease();
     loop {
-        let error = match retry.bounded(store.release(key, token)).await {
+        let error = match retry
+            .spawned(Call::Release, release(store, key, token))
+            .await
+        {
             Ok(status) => {
                 released(status);
                 if retry.tries() > 1 {
@@ -139,7 +143,7 @@ pub(super) async fn give_back_paced<St: IdempotencyStore>(
 /// run out: until a release lands or a read shows the key set aside (then given back as
 /// above) or no longer this holder's.
 pub(crate) async fn give_back_set_aside<St: IdempotencyStore>(
-    store: &St,
+    store: &Arc<St>,
     key: &ScopedKey,
     token: FencingToken,
     lease: Duration,
@@ -149,14 +153,14 @@ pub(crate) async fn give_back_set_aside<St: IdempotencyStore>(
 
 /// [`give_back_set_aside`], its tries paced by `retry`.
 pub(super) async fn give_back_set_aside_paced<St: IdempotencyStore>(
-    store: &St,
+    store: &Arc<St>,
     key: &ScopedKey,
     token: FencingToken,
     mut retry: Retry,
     taken_over: TakenOver,
 ) -> bool {
     loop {
-        let error = match set_aside_once(store, key, token, retry.lease(), retry.each()).await {
+        let error = match set_aside_once(store, key, token, &mut retry).await {
             Ok(Found::Settled(given)) => {
                 if let TakenOver::Counted = taken_over {
                     observe::count(Event::StaleWrite);
@@ -174,7 +178,10 @@ pub(super) async fn give_back_set_aside_paced<St: IdempotencyStore>(
                     observe::count(Event::StoreError);
                     tracing::warn!("a release was fenced, yet the key is still this holder's");
                 }
-                match retry.bounded(store.release(key, token)).await {
+                match retry
+                    .spawned(Call::Release, release(store, key, token))
+                    .await
+                {
                     Ok(status) => {
                         released(status);
                         return true;
@@ -189,7 +196,10 @@ pub(super) async fn give_back_set_aside_paced<St: IdempotencyStore>(
             // Past its lease a give-back that cannot read the record releases all the same, as
             // before its lease ran out: fenced, a release leaves a takeover standing.
             Err(error) if matches!(taken_over, TakenOver::Lapsed) => {
-                match retry.bounded(store.release(key, token)).await {
+                match retry
+                    .spawned(Call::Release, release(store, key, token))
+                    .await
+                {
                     Ok(status) => {
                         released(status);
                         return true;
@@ -226,15 +236,14 @@ enum Found {
     InFlight,
 }
 
-/// One try of [`give_back_set_aside`], each call bounded by `each`.
+/// One try of [`give_back_set_aside`], each call a try of `retry`'s.
 async fn set_aside_once<St: IdempotencyStore>(
-    store: &St,
+    store: &Arc<St>,
     key: &ScopedKey,
     token: FencingToken,
-    lease: Duration,
-    each: Duration,
+    retry: &mut Retry,
 ) -> Result<Found, StoreError> {
-    let expires_at = match whose(store, key, token, each).await? {
+    let expires_at = match retry.whose(store, key, token).await? {
         // Still this holder's, its lease running or run out with nobody come for it: given
         // back as a release in time would have (stopping here left a key nothing ran under to
         // be set aside by the next claim on a route that reconciles, for ever).
@@ -249,10 +258,15 @@ async fn set_aside_once<St: IdempotencyStore>(
     let ttl = expires_at
         .duration_since(SystemTime::now())
         .unwrap_or_default()
-        .max(lease);
-    let note = "given back by its holder: set aside after its lease ran out, no effect started";
-    let resolve = store.resolve(key, token, &Resolution::NotApplied, ttl, Some(note));
-    match bounded(each, resolve).await {
+        .max(retry.lease());
+    let (store, key) = (Arc::clone(store), key.clone());
+    let resolve = async move {
+        let note = "given back by its holder: set aside after its lease ran out, no effect started";
+        store
+            .resolve(&key, token, &Resolution::NotApplied, ttl, Some(note))
+            .await
+    };
+    match retry.spawned(Call::Resolve, resolve).await {
         Ok(()) => {
             observe::count(Event::Release);
             tracing::warn!(
@@ -264,6 +278,17 @@ async fn set_aside_once<St: IdempotencyStore>(
         Err(StoreError::Fenced) => Ok(Found::Settled(false)),
         Err(error) => Err(error),
     }
+}
+
+/// A release of `key` under `token`, owning what it needs (a try on a task of its own: see
+/// [`Retry::spawned`]).
+fn release<St: IdempotencyStore>(
+    store: &Arc<St>,
+    key: &ScopedKey,
+    token: FencingToken,
+) -> impl Future<Output = Result<RecordStatus, StoreError>> + Send + 'static {
+    let (store, key) = (Arc::clone(store), key.clone());
+    async move { store.release(&key, token).await }
 }
 
 /// Counts and logs what a release left: the key given back, or, where the run had marked its

@@ -26,6 +26,7 @@ use crate::whose::{Whose, whose};
 use super::Execution;
 use super::give_back::{TakenOver, Until, give_back_paced, give_back_set_aside_paced, released};
 use super::retry::Retry;
+use super::room::Call;
 
 impl<St: IdempotencyStore> Execution<St> {
     /// Records a response whose body was lost after its head: as completed without a body
@@ -351,7 +352,7 @@ impl<St: IdempotencyStore> Execution<St> {
             store: store.clone(),
             key: self.key.clone(),
             token: self.lease.token,
-            stored: stored.clone(),
+            stored: Arc::new(stored.clone()),
             ttl: self.route.ttl,
             retry,
         };
@@ -391,7 +392,7 @@ impl<St: IdempotencyStore> Execution<St> {
         let (store, key, token) = (self.store().clone(), self.key.clone(), self.lease.token);
         self.held_while(async move {
             retry.pause(Duration::MAX).await;
-            give_back_paced(&*store, &key, token, retry, Until::Lands, "the key").await;
+            give_back_paced(&store, &key, token, retry, Until::Lands, "the key").await;
         });
     }
 
@@ -402,7 +403,7 @@ impl<St: IdempotencyStore> Execution<St> {
     fn give_back_set_aside_later(&self, retry: Retry) {
         let (store, key, token) = (self.store().clone(), self.key.clone(), self.lease.token);
         self.held_while(async move {
-            give_back_set_aside_paced(&*store, &key, token, retry, TakenOver::Counted).await;
+            give_back_set_aside_paced(&store, &key, token, retry, TakenOver::Counted).await;
         });
     }
 
@@ -466,7 +467,7 @@ struct Recorder<St> {
     store: Arc<St>,
     key: ScopedKey,
     token: FencingToken,
-    stored: StoredResponse,
+    stored: Arc<StoredResponse>,
     ttl: Duration,
     /// The tries so far, the first one included.
     retry: Retry,
@@ -476,23 +477,31 @@ impl<St: IdempotencyStore> Recorder<St> {
     async fn run(mut self) {
         loop {
             self.retry.pause(Duration::MAX).await;
-            let write = self
-                .store
-                .complete(&self.key, self.token, &self.stored, self.ttl);
-            match self.retry.bounded(write).await {
+            let (store, key, stored) = (self.store.clone(), self.key.clone(), self.stored.clone());
+            let (token, ttl) = (self.token, self.ttl);
+            let write = async move { store.complete(&key, token, &stored, ttl).await };
+            // Each try on a task of its own: one given up on runs on (see `retry`).
+            let whose = match self.retry.spawned(Call::Complete, write).await {
                 Ok(()) => {
                     let tries = self.retry.tries();
                     tracing::info!(tries, "the outcome is recorded after the store recovered");
                     break;
                 }
-                Err(StoreError::Fenced)
-                    if !still_ours(&*self.store, &self.key, self.token, self.retry.each())
-                        .await =>
-                {
+                Err(StoreError::Fenced) => {
+                    self.retry.whose(&self.store, &self.key, self.token).await
+                }
+                Err(_) => {
+                    observe::count(Event::StoreError);
+                    continue;
+                }
+            };
+            match whose {
+                Ok(whose) if !whose.ours() => {
                     settle(Err(StoreError::Fenced), "record the outcome");
                     break;
                 }
-                Err(_) => observe::count(Event::StoreError),
+                // Still this holder's (fenced by mistake), or the read failed: tried again.
+                _ => observe::count(Event::StoreError),
             }
         }
     }

@@ -104,7 +104,7 @@ pub(super) async fn confirm<St: IdempotencyStore>(
                 // for up to a lease, so that the claim that follows finds the key given back.
                 if let Ok(runtime) = tokio::runtime::Handle::try_current() {
                     let give = async move {
-                        give_back_set_aside(&*store, &key, token, lease).await;
+                        give_back_set_aside(&store, &key, token, lease).await;
                     };
                     let given = crate::detached::spawn(&runtime, give.in_current_span());
                     let _ = tokio::time::timeout(lease, given).await;
@@ -258,7 +258,7 @@ impl<St: IdempotencyStore> Drop for ClaimToEnd<St> {
             crate::detached::spawn(&runtime, async move {
                 if let Ok(Claim::Acquired(won)) = claim.await {
                     let what = "a claim nobody ran under";
-                    give_back(&*store, &key, won.token, lease, Until::LeaseEnds, what).await;
+                    give_back(&store, &key, won.token, lease, Until::LeaseEnds, what).await;
                 }
             });
         }

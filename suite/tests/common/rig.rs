@@ -87,6 +87,18 @@ pub struct Rig<S> {
     /// How long every operation of a kind takes before its act (a store that answers slowly).
     pub slow: Mutex<HashMap<&'static str, Duration>>,
     pub log: Mutex<Vec<String>>,
+    /// Calls that hung (`Act::Hang`) and were dropped by their caller: a connection sqlx would
+    /// still hold until its statement ended, for each.
+    pub hangs_dropped: Arc<AtomicUsize>,
+}
+
+/// Counts a hung call dropped (see [`Rig::hangs_dropped`]).
+struct DroppedHang(Arc<AtomicUsize>);
+
+impl Drop for DroppedHang {
+    fn drop(&mut self) {
+        self.0.fetch_add(1, Ordering::SeqCst);
+    }
 }
 
 pub fn injected(what: &str) -> StoreError {
@@ -119,6 +131,7 @@ impl<S: IdempotencyStore> Rig<S> {
             early_waits: AtomicUsize::new(0),
             slow: Mutex::default(),
             log: Mutex::default(),
+            hangs_dropped: Arc::default(),
         })
     }
 
@@ -255,6 +268,7 @@ impl<S: IdempotencyStore> Rig<S> {
                 Act::Hang => {
                     let token = token.map_or(String::new(), |t| format!(" t={}", t.get()));
                     self.note(format!("{kind}#{n}{token} hangs"));
+                    let _dropped = DroppedHang(self.hangs_dropped.clone());
                     std::future::pending().await
                 }
                 Act::ApplyThenFail => {
