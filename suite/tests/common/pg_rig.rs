@@ -27,12 +27,56 @@ pub fn options(app: &str, settings: &[(&str, &str)]) -> PgConnectOptions {
 
 /// A pool of at most `max` connections named `app` (3 s to acquire one).
 pub async fn pool(app: &str, max: u32, settings: &[(&str, &str)]) -> PgPool {
+    pool_with(app, max, Duration::from_secs(3), settings).await
+}
+
+/// A pool of at most `max` connections named `app`, `acquire` to acquire one.
+pub async fn pool_with(
+    app: &str,
+    max: u32,
+    acquire: Duration,
+    settings: &[(&str, &str)],
+) -> PgPool {
     PgPoolOptions::new()
         .max_connections(max)
-        .acquire_timeout(Duration::from_secs(3))
+        .acquire_timeout(acquire)
         .connect_with(options(app, settings))
         .await
         .expect("pool")
+}
+
+/// The one parameter of a count that [`count_until`] reads, if it has one.
+#[derive(Clone, Copy)]
+pub enum Bind<'a> {
+    None,
+    Text(&'a str),
+    Bytes(&'a [u8]),
+    ManyBytes(&'a [Vec<u8>]),
+}
+
+/// Reads `count` (an SQL count, its parameter `bind`) on `admin` every `every` until `done`
+/// says it will do; the count then. Bound it with the test's own guard.
+pub async fn count_until(
+    admin: &PgPool,
+    count: &str,
+    bind: Bind<'_>,
+    every: Duration,
+    done: impl Fn(i64) -> bool,
+) -> i64 {
+    loop {
+        let query = sqlx::query_scalar::<_, i64>(sqlx::AssertSqlSafe(count.to_owned()));
+        let query = match bind {
+            Bind::None => query,
+            Bind::Text(text) => query.bind(text),
+            Bind::Bytes(bytes) => query.bind(bytes),
+            Bind::ManyBytes(many) => query.bind(many),
+        };
+        let n = query.fetch_one(admin).await.expect("read a count");
+        if done(n) {
+            return n;
+        }
+        tokio::time::sleep(every).await;
+    }
 }
 
 /// A migrated store in `table` on `pool`. Migrated on a pool of the server's defaults: a

@@ -23,11 +23,15 @@ use tokio::sync::{Notify, mpsc};
 use tower_idempotency::store::{Batching, Milestone, PostgresStore, ScopedKey};
 use tower_idempotency::{IdempotencyContext, IdempotencyLayer, IdempotencyStore, LeaseExpiry};
 
-use common::pg_rig::{self, Sink, options, store};
+use common::pg_rig::{self, Bind, Sink, count_until, store};
 use common::{client, guard, serve, until};
 
 fn unique(name: &str) -> String {
     common::raw::unique(name)
+}
+
+fn ms(n: u64) -> Duration {
+    Duration::from_millis(n)
 }
 
 /// A table name of its own for one test run.
@@ -767,12 +771,7 @@ async fn s4_an_exhausted_pool_past_the_lease_on_a_reconcile_route_never_runs_twi
     let Some(_) = common::postgres_pool().await else {
         return;
     };
-    let pool = PgPoolOptions::new()
-        .max_connections(3)
-        .acquire_timeout(Duration::from_millis(300))
-        .connect_with(options(&app, &[]))
-        .await
-        .expect("pool");
+    let pool = pg_rig::pool_with(&app, 3, ms(300), &[]).await;
     let t = table("pool");
     let store = store(pool.clone(), &t).await;
     let sink = Sink::default();
@@ -833,8 +832,8 @@ async fn s4_an_exhausted_pool_past_the_lease_on_a_reconcile_route_never_runs_twi
 enum Crowd {
     /// A pool of 8, a route that answers 409 at once.
     Plain,
-    /// A pool of 4, a route that waits for a key in flight: the `LISTEN` that wakes its
-    /// waiters holds one of the pool's connections for good.
+    /// A pool of 4, a route that waits for a key in flight: its waiters wait on the `LISTEN`,
+    /// which since session 49 has a connection of its own, beside the pool's four.
     Waiting,
     /// A pool of 8, a route that notes every refusal in the key's history, the crowd's keys in
     /// flight, claims batched: the crowd's claims go a few statements at a time and read
@@ -842,14 +841,14 @@ enum Crowd {
     Noting,
 }
 
-/// DESIGN §4 ("The holder keeps its lease for as long as its process lives") and §7.3. Fault:
-/// a crowd of claims fills the store's pool: 48 tasks retry keys whose expired records
-/// another session holds `FOR UPDATE`, so every one of their claims (noting, every note of a
-/// refusal, the records in flight) holds a connection for its 100 ms lock wait; meanwhile five tasks send one
-/// key for 2 s, whose handler runs 1 s under a 300 ms lease. sqlx's pool serves its waiters
-/// in turn: without the connections kept for holders, each renewal queued behind the crowd
-/// for about half a second, the lease ran out under the live handler and a duplicate ran the
-/// key again. Expected: one effect of the key; one live 201 among its answers; then replays.
+/// DESIGN §4 ("The holder keeps its lease for as long as its process lives") and §7.3. Fault: a
+/// crowd of claims fills the store's pool: 48 tasks retry keys whose expired records another
+/// session holds `FOR UPDATE`, so every one of their claims (noting, every note of a refusal, the
+/// records in flight) holds a connection for its 100 ms lock wait; meanwhile five tasks send one
+/// key for 2 s, whose handler runs 1 s under a 300 ms lease. sqlx's pool serves its waiters in
+/// turn: without the connections kept for holders, each renewal queued behind the crowd for about
+/// half a second, the lease ran out under the live handler and a duplicate ran the key again.
+/// Expected: one effect of the key; one live 201 among its answers; then replays.
 async fn a_crowd_of_claims_against_a_held_key(kind: Crowd) {
     let app = unique(&format!("psf-crowd-{kind:?}"));
     let size = if kind == Crowd::Waiting { 4 } else { 8 };
@@ -901,15 +900,10 @@ async fn a_crowd_of_claims_against_a_held_key(kind: Crowd) {
     let completed =
         format!("SELECT count(*) FROM \"{t}\" WHERE key = ANY($1) AND status = 'completed'");
     guard("the crowd's records land", async {
-        while sqlx::query_scalar::<_, i64>(AssertSqlSafe(completed.clone()))
-            .bind(&keys)
-            .fetch_one(&admin)
-            .await
-            .expect("read the crowd's records")
-            < 8
-        {
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
+        count_until(&admin, &completed, Bind::ManyBytes(&keys), ms(10), |n| {
+            n >= 8
+        })
+        .await
     })
     .await;
     // Expired, so that each claim waits for the row; noting, in flight (a claim reads it
@@ -945,15 +939,10 @@ async fn a_crowd_of_claims_against_a_held_key(kind: Crowd) {
     let duplicates = retry_storm(addr, key.clone(), 5, stop.clone());
     let running = format!("SELECT count(*) FROM \"{t}\" WHERE key = $1 AND status = 'in_progress'");
     guard("the key's handler runs", async {
-        while sqlx::query_scalar::<_, i64>(AssertSqlSafe(running.clone()))
-            .bind(key.as_bytes())
-            .fetch_one(&admin)
-            .await
-            .expect("read the key's record")
-            == 0
-        {
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
+        count_until(&admin, &running, Bind::Bytes(key.as_bytes()), ms(5), |n| {
+            n > 0
+        })
+        .await
     })
     .await;
     let crowd_answers = Arc::new(Mutex::new(Vec::new()));
@@ -1007,8 +996,8 @@ async fn s4_a_crowd_of_claims_filling_the_pool_never_starves_the_holders_renewal
     a_crowd_of_claims_against_a_held_key(Crowd::Plain).await;
 }
 
-/// DESIGN §4 and §7.3: the same crowd on a pool of 4 whose `LISTEN` (a waiting route) holds
-/// one connection for good.
+/// DESIGN §4 and §7.3: the same crowd on a pool of 4 and a waiting route, whose `LISTEN` held
+/// one of the four for good before session 49 (it has a connection of its own now).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn s4_a_crowd_beside_a_listen_on_a_small_pool_never_starves_the_holders_renewals() {
     a_crowd_of_claims_against_a_held_key(Crowd::Waiting).await;
@@ -1024,18 +1013,9 @@ async fn s4_a_crowd_whose_refusals_are_noted_never_starves_the_holders_renewals(
 /// Waits until one of `app`'s backends waits for a lock (a claim blocked on the table).
 async fn until_a_backend_waits_for_a_lock(admin: &PgPool, app: &str) {
     guard("a claim waits for the table's lock", async {
-        while sqlx::query_scalar::<_, i64>(
-            "SELECT count(*) FROM pg_stat_activity
-              WHERE application_name = $1 AND wait_event_type = 'Lock'",
-        )
-        .bind(app)
-        .fetch_one(admin)
-        .await
-        .expect("read pg_stat_activity")
-            == 0
-        {
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
+        let waiting = "SELECT count(*) FROM pg_stat_activity
+                        WHERE application_name = $1 AND wait_event_type = 'Lock'";
+        count_until(admin, waiting, Bind::Text(app), ms(5), |n| n > 0).await
     })
     .await;
 }
@@ -1060,12 +1040,7 @@ async fn s4_a_claim_past_its_share_is_refused_and_one_dropped_waiting_leaves_not
     let Some(admin) = common::postgres_pool().await else {
         return;
     };
-    let pool = PgPoolOptions::new()
-        .max_connections(2)
-        .acquire_timeout(Duration::from_millis(1_500))
-        .connect_with(options(&app, &[]))
-        .await
-        .expect("pool");
+    let pool = pg_rig::pool_with(&app, 2, ms(1_500), &[]).await;
     let t = table("share");
     let store = store(pool, &t).await;
     assert_eq!(store.holder_connections(), 1, "one of two kept for holders");
@@ -1123,14 +1098,7 @@ async fn s4_a_claim_past_its_share_is_refused_and_one_dropped_waiting_leaves_not
     tokio::time::sleep_until(sent + Duration::from_millis(1_600)).await;
     let in_flight = format!("SELECT count(*) FROM \"{t}\" WHERE status = 'in_progress'");
     guard("nothing left in flight", async {
-        while sqlx::query_scalar::<_, i64>(AssertSqlSafe(in_flight.clone()))
-            .fetch_one(&admin)
-            .await
-            .expect("read the table")
-            > 0
-        {
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
+        count_until(&admin, &in_flight, Bind::None, ms(10), |n| n == 0).await
     })
     .await;
     assert_eq!(
@@ -1188,12 +1156,7 @@ async fn s5_the_listen_takes_no_connection_of_a_pool_of_one() {
     let Some(admin) = common::postgres_pool().await else {
         return;
     };
-    let pool = PgPoolOptions::new()
-        .max_connections(1)
-        .acquire_timeout(Duration::from_secs(1))
-        .connect_with(options(&app, &[]))
-        .await
-        .expect("pool");
+    let pool = pg_rig::pool_with(&app, 1, ms(1_000), &[]).await;
     let t = table("listen_one");
     let store = store(pool, &t).await;
     let sink = Sink::default();
@@ -1215,15 +1178,14 @@ async fn s5_the_listen_takes_no_connection_of_a_pool_of_one() {
     let in_flight =
         format!("SELECT count(*) FROM \"{t}\" WHERE key = $1 AND status = 'in_progress'");
     guard("the first key's handler runs", async {
-        while sqlx::query_scalar::<_, i64>(AssertSqlSafe(in_flight.clone()))
-            .bind(first.as_bytes())
-            .fetch_one(&admin)
-            .await
-            .expect("read the record")
-            == 0
-        {
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
+        count_until(
+            &admin,
+            &in_flight,
+            Bind::Bytes(first.as_bytes()),
+            ms(5),
+            |n| n > 0,
+        )
+        .await
     })
     .await;
     let waiter = tokio::spawn({
@@ -1261,6 +1223,25 @@ async fn s5_the_listen_takes_no_connection_of_a_pool_of_one() {
     );
 }
 
+/// A key (named after `name`) and its duplicate once the first runs (600 ms, on
+/// [`slow_route`]): the first answered 201, its waiter the replay. The key.
+async fn a_key_and_its_waiter(addr: SocketAddr, name: &str) -> String {
+    let key = unique(name);
+    let first = tokio::spawn({
+        let key = key.clone();
+        async move { answer(post_key(addr, &key).await).await }
+    });
+    tokio::time::sleep(ms(200)).await;
+    let waiter = answer(post_key(addr, &key).await).await;
+    let first = guard("the first's answer", first).await.expect("task");
+    assert_eq!(
+        (first.0, waiter.0, waiter.1),
+        (201, 201, true),
+        "{name}: {first:?} {waiter:?}"
+    );
+    key
+}
+
 /// Which of `app`'s backends runs the store's `LISTEN`: its last statement is the `LISTEN`,
 /// or its heartbeat (`SELECT 1`, which nothing else of the store sends).
 const LISTENING: &str = "application_name = $1 AND (query LIKE 'LISTEN%' OR query = 'SELECT 1')";
@@ -1287,11 +1268,7 @@ async fn s5_a_terminated_listen_comes_back_and_a_closed_pool_ends_it() {
     let Some(admin) = common::postgres_pool().await else {
         return;
     };
-    let pool = PgPoolOptions::new()
-        .max_connections(4)
-        .connect_with(options(&app, &[]))
-        .await
-        .expect("pool");
+    let pool = pg_rig::pool_with(&app, 4, Duration::from_secs(30), &[]).await;
     let t = table("listen_back");
     let store = store(pool.clone(), &t).await;
     let sink = Sink::default();
@@ -1300,26 +1277,7 @@ async fn s5_a_terminated_listen_comes_back_and_a_closed_pool_ends_it() {
         .lease(Duration::from_secs(5))
         .defaults(|route| route.wait_for_in_flight(Duration::from_secs(10)));
     let addr = serve(slow_route(layer, sink.clone(), Duration::from_millis(600))).await;
-    // A key and its duplicate, the duplicate once the first runs: `n` is the round.
-    let round = |n: usize| {
-        let key = unique(&format!("listen-back-{n}"));
-        async move {
-            let first = tokio::spawn({
-                let key = key.clone();
-                async move { answer(post_key(addr, &key).await).await }
-            });
-            tokio::time::sleep(Duration::from_millis(200)).await;
-            let waiter = answer(post_key(addr, &key).await).await;
-            let first = guard("the first's answer", first).await.expect("task");
-            (key, first, waiter)
-        }
-    };
-    let (key, first, waiter) = round(1).await;
-    assert_eq!(
-        (first.0, waiter.0, waiter.1),
-        (201, 201, true),
-        "{first:?} {waiter:?}"
-    );
+    let key = a_key_and_its_waiter(addr, "listen-back-1").await;
     assert_eq!(sink.of(&key), 1);
     guard("the LISTEN is up", async {
         while listens(&admin, &app).await == 0 {
@@ -1342,29 +1300,118 @@ async fn s5_a_terminated_listen_comes_back_and_a_closed_pool_ends_it() {
         }
     })
     .await;
-    let (key, first, waiter) = round(2).await;
-    assert_eq!(
-        (first.0, waiter.0, waiter.1),
-        (201, 201, true),
-        "{first:?} {waiter:?}"
-    );
+    let key = a_key_and_its_waiter(addr, "listen-back-2").await;
     assert_eq!(sink.of(&key), 1);
     pool.close().await;
     // Every backend of `app` (a quiet `LISTEN`'s shows its last heartbeat as its query).
     guard("the LISTEN ends with its store's pool", async {
-        while sqlx::query_scalar::<_, i64>(
-            "SELECT count(*) FROM pg_stat_activity WHERE application_name = $1",
-        )
-        .bind(&app)
-        .fetch_one(&admin)
+        let backends = "SELECT count(*) FROM pg_stat_activity WHERE application_name = $1";
+        count_until(&admin, backends, Bind::Text(&app), ms(50), |n| n == 0).await
+    })
+    .await;
+}
+
+/// DESIGN §5 (while the subscription is down, waiters poll; it comes back). The `LISTEN`'s
+/// link dies silently (a proxy holds what either side sends, as a dropped route or a frozen
+/// peer would: no close, no reset, the backend still listening): its heartbeat goes
+/// unanswered, so the store drops that connection and listens again on a new one within
+/// seconds, and a waiter after it is answered the replay. Without the heartbeat the store would
+/// wait on the dead link for as long as the kernel takes to give it up, many minutes, waking
+/// no waiter.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s5_a_listen_whose_link_dies_silently_is_replaced() {
+    let app = unique("psf-listen-silent");
+    let Some(admin) = common::postgres_pool().await else {
+        return;
+    };
+    let server = pg_rig::options(&app, &[]);
+    let upstream = format!("{}:{}", server.get_host(), server.get_port());
+    let upstream = tokio::net::lookup_host(upstream)
         .await
-        .expect("read pg_stat_activity")
-            > 0
-        {
-            tokio::time::sleep(Duration::from_millis(50)).await;
+        .expect("resolve")
+        .next()
+        .expect("an address");
+    let valve = common::valve::Valve::start(upstream).await;
+    // Two connections made at once and never more, so that the links made after them are the
+    // `LISTEN`'s alone.
+    let pool = PgPoolOptions::new()
+        .min_connections(2)
+        .max_connections(2)
+        .connect_with(
+            server
+                .host(&valve.addr.ip().to_string())
+                .port(valve.addr.port()),
+        )
+        .await
+        .expect("pool");
+    let t = table("listen_silent");
+    let store = store(pool.clone(), &t).await;
+    guard("the pool's two links", async {
+        while valve.links() < 2 {
+            tokio::time::sleep(ms(10)).await;
         }
     })
     .await;
+    let before_listen = valve.links();
+    let sink = Sink::default();
+    let layer = IdempotencyLayer::new(store)
+        .single_tenant()
+        // A lease longer than the wait: a waiter the `LISTEN` does not wake is answered 409
+        // when its wait ends, not woken at the lease's end.
+        .lease(Duration::from_secs(30))
+        .defaults(|route| route.wait_for_in_flight(Duration::from_secs(10)));
+    let addr = serve(slow_route(layer, sink.clone(), ms(600))).await;
+    let key = a_key_and_its_waiter(addr, "listen-silent-1").await;
+    assert_eq!(sink.of(&key), 1);
+    let listening = format!("SELECT pid FROM pg_stat_activity WHERE {LISTENING}");
+    let listener = || async {
+        sqlx::query_scalar::<_, i32>(AssertSqlSafe(listening.clone()))
+            .bind(&app)
+            .fetch_all(&admin)
+            .await
+            .expect("read pg_stat_activity")
+    };
+    let old = guard("the LISTEN is up", async {
+        loop {
+            if let [pid] = listener().await[..] {
+                return pid;
+            }
+            tokio::time::sleep(ms(10)).await;
+        }
+    })
+    .await;
+    // Every link since the pool's two is a `LISTEN`'s (the pool is full, and made both at
+    // once): the one up now, and any a slow heartbeat replaced.
+    valve.freeze_from(before_listen);
+    guard("a new LISTEN, beside the silent one", async {
+        while !listener().await.iter().any(|pid| *pid != old) {
+            tokio::time::sleep(ms(50)).await;
+        }
+    })
+    .await;
+    let key = a_key_and_its_waiter(addr, "listen-silent-2").await;
+    assert_eq!(sink.of(&key), 1);
+    // The old connection's clean-up (sqlx's `UNLISTEN *`, then its return to a pool nothing
+    // else holds) waits on the link; once the link carries again, the old backend is gone.
+    valve.thaw();
+    guard(
+        "the silent link's backend ends once it carries again",
+        async {
+            let gone = "SELECT count(*) FROM pg_stat_activity WHERE pid = $1";
+            while sqlx::query_scalar::<_, i64>(gone)
+                .bind(old)
+                .fetch_one(&admin)
+                .await
+                .expect("read pg_stat_activity")
+                > 0
+            {
+                tokio::time::sleep(ms(50)).await;
+            }
+        },
+    )
+    .await;
+    pool.close().await;
+    terminate(&admin, &app).await;
 }
 
 // ---- 5. A claim delayed on the wire past the give-back ---------------------------------------
