@@ -4,7 +4,7 @@
 //! bounded: a call stuck on a dead connection must not hold the lease, renewed, for ever (see
 //! `execute::retry`). Most calls answer at their first poll (MemoryStore's always do); those
 //! never read the clock nor arm a timer, so the bound costs the hot path nothing. (A try after a
-//! write failed, on a task of its own, always waits: it is off the hot path.)
+//! write failed, on a task of its own, is off the hot path.)
 
 use std::future::Future;
 use std::pin::Pin;

@@ -236,7 +236,8 @@ enum Found {
     InFlight,
 }
 
-/// One try of [`give_back_set_aside`], each call a try of `retry`'s.
+/// One try of [`give_back_set_aside`], each call made through `retry` (the read not counted as a
+/// try).
 async fn set_aside_once<St: IdempotencyStore>(
     store: &Arc<St>,
     key: &ScopedKey,

@@ -97,7 +97,11 @@ impl Retry {
             if what.writes() {
                 *tries = tries.saturating_add(1);
             }
-            room::start(place, call).answer().await
+            match room::start(place, call).answer().await {
+                // Fenced by a try given up on that landed meanwhile: that one's answer.
+                Err(StoreError::Fenced) => room.landed(what).ok_or(StoreError::Fenced),
+                answer => answer,
+            }
         };
         bounded(self.each, answer).await
     }

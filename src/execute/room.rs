@@ -124,10 +124,22 @@ impl Room {
         }
     }
 
-    /// Keeps the answer of a write nobody waited for any more; one that landed is kept over one
-    /// that failed. A try waiting for a place is told.
+    /// After a call of `call` was fenced: whether one given up on landed meanwhile (so the
+    /// fence is its doing), taken.
+    pub(super) fn landed<T: 'static>(&self, call: Call) -> Option<T> {
+        let mut places = self.places();
+        let places = &mut places[call.index()];
+        if !places.late.as_ref().is_some_and(|(ok, _)| *ok) {
+            return None;
+        }
+        take_late(places).and_then(Result::ok)
+    }
+
+    /// Keeps the answer of a write nobody waited for any more, if it tells something: that it
+    /// landed, or was fenced (kept under one that landed); any other failure tells nothing a
+    /// next try would not. A try waiting for a place is told.
     fn keep<T: Send + 'static>(&self, call: Call, answer: Result<T, StoreError>) {
-        if !call.writes() {
+        if !call.writes() || !matches!(answer, Ok(_) | Err(StoreError::Fenced)) {
             return;
         }
         {
@@ -164,8 +176,8 @@ impl<T: Send + 'static> Hearing<T> {
     pub(super) async fn answer(&mut self) -> Result<T, StoreError> {
         (&mut self.answer).await.unwrap_or_else(|_| {
             Err(StoreError::unavailable(
-                "the store's call ended unanswered (dropped after 15 minutes, panicked, or its \
-                 runtime shut down)",
+                "the store's call ended unanswered (dropped, unanswered for a lease and 15 \
+                 minutes more; panicked; or its runtime shut down)",
             ))
         })
     }
@@ -312,6 +324,26 @@ mod tests {
         assert!(late::<u8>(&room, Call::Release).is_none(), "dropped");
         room.keep(Call::Lookup, Ok::<u8, _>(1));
         assert!(late::<u8>(&room, Call::Lookup).is_none(), "a read's");
+        room.keep(Call::Complete, Err::<(), _>(StoreError::Busy));
+        assert!(
+            late::<()>(&room, Call::Complete).is_none(),
+            "a failure that tells nothing"
+        );
+    }
+
+    /// After a fence: a landed answer kept is taken; a kept fence is left.
+    #[test]
+    fn a_fence_finds_a_landed_answer_kept() {
+        let room = room();
+        room.keep(Call::Release, Err::<u8, _>(StoreError::Fenced));
+        assert_eq!(room.landed::<u8>(Call::Release), None);
+        assert!(
+            late::<u8>(&room, Call::Release).is_some(),
+            "the fence is left"
+        );
+        room.keep(Call::Release, Ok::<u8, _>(4));
+        assert_eq!(room.landed::<u8>(Call::Release), Some(4));
+        assert!(late::<u8>(&room, Call::Release).is_none(), "taken");
     }
 
     /// Two places of a call at once; a third once one is freed; each call has its own.
