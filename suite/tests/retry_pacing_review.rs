@@ -214,7 +214,8 @@ async fn s4_a_spuriously_fenced_release_after_a_milestone_is_never_resolved_not_
 /// lapse), for a give-back (`release_later`, `Until::Lands`): every release hangs. The key must
 /// stay in flight, its lease renewed, for many leases (a retry never runs it, never finds it set
 /// aside on this reconciling route), the release tried again and again; when the store answers
-/// again the key is given back and runs once.
+/// again the key is given back (once a hung call has gone 30 s unanswered: they hang on, as on
+/// links that died) and runs once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn s4_a_release_that_always_hangs_keeps_the_key_in_flight_renewed_until_it_lands() {
     let rig = Rig::new(MemoryStore::new());
@@ -229,15 +230,19 @@ async fn s4_a_release_that_always_hangs_keeps_the_key_in_flight_renewed_until_it
         let during = ask(addr, &key).await;
         assert!(during.in_flight(), "{during:?}\n  {}", rig.log());
     }
+    // The request's own try, then two on tasks of their own, which hang on (see
+    // `execute/room.rs`): no more until one has gone 30 s unanswered.
     assert!(
-        rig.count("release") >= 4,
+        rig.count("release") >= 3,
         "the release is tried again\n  {}",
         rig.log()
     );
     assert_eq!(status_of(&rig, &key).await, Some(RecordStatus::InProgress));
     rig.always("release", Act::Pass);
-    let given =
-        eventually(async || status_of(&rig, &key).await == Some(RecordStatus::Released)).await;
+    let given = within(Duration::from_secs(45), async || {
+        status_of(&rig, &key).await == Some(RecordStatus::Released)
+    })
+    .await;
     assert!(given, "the release lands\n  {}", rig.log());
     let later = ask(addr, &key).await;
     assert!(
@@ -273,8 +278,12 @@ async fn s4_a_record_that_always_hangs_is_retried_under_a_renewed_lease_never_ru
     }
     assert!(rig.count("complete") >= 3, "{}", rig.log());
     rig.always("complete", Act::Pass);
-    let landed =
-        eventually(async || status_of(&rig, &key).await == Some(RecordStatus::Completed)).await;
+    // The hung calls hang on (links that died): the next goes once one of them has gone 30 s
+    // unanswered (see `execute/room.rs`).
+    let landed = within(Duration::from_secs(45), async || {
+        status_of(&rig, &key).await == Some(RecordStatus::Completed)
+    })
+    .await;
     assert!(landed, "the record lands\n  {}", rig.log());
     let later = ask(addr, &key).await;
     assert!(later.is_replay_of(&first.body), "{later:?}");
