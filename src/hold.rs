@@ -115,12 +115,12 @@ const OUTSTANDING: u8 = 2;
 /// run's renewals still under way then count for neither: up to eight.)
 const MOST: u8 = 4;
 
-/// How long a renewal may be under way before it no longer holds up the next (see
-/// `Held::given_up`): a lease, and at least 30 s, about the bounds the crate's stores set on
-/// a call (Redis's 5 s reply time-out, SQLite's 5 s busy wait, sqlx's 30 s default acquire
-/// time-out), so a store that answers within that, however slowly, is sent at most two at a
-/// time.
-fn given_up_after(lease: Duration) -> Duration {
+/// How long a renewal (see `Held::given_up`), or a write's call after its run (see
+/// `execute/room.rs`), may be under way before it no longer holds up the next: a lease, and at
+/// least 30 s, about the bounds the crate's stores set on a call (Redis's 5 s reply time-out,
+/// SQLite's 5 s busy wait, sqlx's 30 s default acquire time-out), so a store that answers within
+/// that, however slowly, is sent at most two at a time.
+pub(crate) fn given_up_after(lease: Duration) -> Duration {
     lease.max(Duration::from_secs(30))
 }
 

@@ -67,8 +67,16 @@ struct Places {
     under_way: usize,
     /// Given up on, not yet dropped.
     given_up: usize,
-    /// A late answer (a `Result<T, StoreError>`, `T` the call's own), and whether it is `Ok`.
-    late: Option<(bool, Box<dyn Any + Send>)>,
+    /// The answer of a call nobody waited for any more.
+    late: Option<Late>,
+}
+
+/// What a write's call nobody waited for any more answered, if it tells something.
+enum Late {
+    /// It landed: its `T`, the call's own.
+    Landed(Box<dyn Any + Send>),
+    /// It was fenced.
+    Fenced,
 }
 
 /// The room of one write's calls.
@@ -86,7 +94,7 @@ impl Room {
         Self {
             places: Mutex::default(),
             changed: Notify::new(),
-            given_up_after: lease.max(Duration::from_secs(30)),
+            given_up_after: crate::hold::given_up_after(lease),
         }
     }
 
@@ -129,7 +137,7 @@ impl Room {
     pub(super) fn landed<T: 'static>(&self, call: Call) -> Option<T> {
         let mut places = self.places();
         let places = &mut places[call.index()];
-        if !places.late.as_ref().is_some_and(|(ok, _)| *ok) {
+        if !matches!(places.late, Some(Late::Landed(_))) {
             return None;
         }
         take_late(places).and_then(Result::ok)
@@ -139,14 +147,17 @@ impl Room {
     /// landed, or was fenced (kept under one that landed); any other failure tells nothing a
     /// next try would not. A try waiting for a place is told.
     fn keep<T: Send + 'static>(&self, call: Call, answer: Result<T, StoreError>) {
-        if !call.writes() || !matches!(answer, Ok(_) | Err(StoreError::Fenced)) {
-            return;
-        }
+        let answer = match answer {
+            _ if !call.writes() => return,
+            Ok(landed) => Late::Landed(Box::new(landed)),
+            Err(StoreError::Fenced) => Late::Fenced,
+            Err(_) => return,
+        };
         {
             let mut places = self.places();
             let late = &mut places[call.index()].late;
-            if late.as_ref().is_none_or(|(ok, _)| !ok) || answer.is_ok() {
-                *late = Some((answer.is_ok(), Box::new(answer)));
+            if !matches!(late, Some(Late::Landed(_))) || matches!(answer, Late::Landed(_)) {
+                *late = Some(answer);
             }
         }
         self.changed.notify_waiters();
@@ -156,10 +167,10 @@ impl Room {
 /// The answer kept in `places`, if any, taken (it is heard once); one of another type than the
 /// call's is dropped (it is not this call's).
 fn take_late<T: 'static>(places: &mut Places) -> Option<Result<T, StoreError>> {
-    let (_, late) = places.late.take()?;
-    late.downcast::<Result<T, StoreError>>()
-        .ok()
-        .map(|late| *late)
+    match places.late.take()? {
+        Late::Landed(landed) => landed.downcast::<T>().ok().map(|landed| Ok(*landed)),
+        Late::Fenced => Some(Err(StoreError::Fenced)),
+    }
 }
 
 /// A try's ear for its call's answer: dropped before the answer came (the try's bound ran out),
