@@ -49,6 +49,7 @@ pub async fn pool_with(
 #[derive(Clone, Copy)]
 pub enum Bind<'a> {
     None,
+    Int(i32),
     Text(&'a str),
     Bytes(&'a [u8]),
     ManyBytes(&'a [Vec<u8>]),
@@ -67,6 +68,7 @@ pub async fn count_until(
         let query = sqlx::query_scalar::<_, i64>(sqlx::AssertSqlSafe(count.to_owned()));
         let query = match bind {
             Bind::None => query,
+            Bind::Int(int) => query.bind(int),
             Bind::Text(text) => query.bind(text),
             Bind::Bytes(bytes) => query.bind(bytes),
             Bind::ManyBytes(many) => query.bind(many),

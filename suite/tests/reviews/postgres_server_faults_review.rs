@@ -1397,21 +1397,91 @@ async fn s5_a_listen_whose_link_dies_silently_is_replaced() {
     guard(
         "the silent link's backend ends once it carries again",
         async {
-            let gone = "SELECT count(*) FROM pg_stat_activity WHERE pid = $1";
-            while sqlx::query_scalar::<_, i64>(gone)
-                .bind(old)
-                .fetch_one(&admin)
-                .await
-                .expect("read pg_stat_activity")
-                > 0
-            {
-                tokio::time::sleep(ms(50)).await;
-            }
+            let alive = "SELECT count(*) FROM pg_stat_activity WHERE pid = $1";
+            count_until(&admin, alive, Bind::Int(old), ms(50), |n| n == 0).await
         },
     )
     .await;
     pool.close().await;
     terminate(&admin, &app).await;
+}
+
+/// DESIGN §4 (a failed record is retried until it lands) on a pool of the application's own
+/// (no `lock_timeout`). Fault: as the handler answers, another session holds the key's row
+/// `FOR UPDATE` for 8 s (about 27 leases of 300 ms), so every write of the outcome queues on
+/// it, holding a connection until the lock is let go. The holder's tries go on, but a try
+/// given up on at its bound keeps its call (see `execute/room.rs`): at most the answer's own
+/// try, the marking as uncertain and two tries wait on the row at any time, where dropping
+/// each at its bound queued one more every bound (150 ms, doubling to 1.2 s). Once the lock is
+/// let go the outcome lands, and a retry is answered its replay; one effect.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s4_a_record_queued_behind_a_row_lock_holds_few_connections_and_lands() {
+    let app = unique("psf-record-locked");
+    let Some(admin) = common::postgres_pool().await else {
+        return;
+    };
+    let pool = pg_rig::pool_with(&app, 16, Duration::from_secs(3), &[]).await;
+    let t = table("record_locked");
+    let store = store(pool.clone(), &t).await;
+    let sink = Sink::default();
+    let layer = IdempotencyLayer::new(store).single_tenant().lease(ms(300));
+    let addr = serve(slow_route(layer, sink.clone(), ms(600))).await;
+    let key = unique("record-locked");
+    let first = tokio::spawn({
+        let key = key.clone();
+        async move { answer(post_key(addr, &key).await).await }
+    });
+    let running = format!("SELECT count(*) FROM \"{t}\" WHERE key = $1 AND status = 'in_progress'");
+    guard("the key's handler runs", async {
+        count_until(&admin, &running, Bind::Bytes(key.as_bytes()), ms(5), |n| {
+            n > 0
+        })
+        .await
+    })
+    .await;
+    let mut outsider = admin.begin().await.expect("begin");
+    sqlx::query(AssertSqlSafe(format!(
+        "SELECT 1 FROM \"{t}\" WHERE key = $1 FOR UPDATE"
+    )))
+    .bind(key.as_bytes())
+    .execute(&mut *outsider)
+    .await
+    .expect("hold the key's row");
+    let first = guard("the first's answer", first).await.expect("task");
+    assert_eq!(first.0, 201, "{first:?}");
+    // The holder's writes waiting on the row; its renewals wait too, up to their own 100 ms
+    // lock bound each, and are not counted here.
+    let waiting = "SELECT count(*) FROM pg_stat_activity
+                    WHERE application_name = $1 AND wait_event_type = 'Lock'
+                      AND query NOT LIKE '%lease_until = GREATEST%'";
+    let (mut most, until) = (0, tokio::time::Instant::now() + Duration::from_secs(8));
+    while tokio::time::Instant::now() < until {
+        let now = count_until(&admin, waiting, Bind::Text(&app), ms(0), |_| true).await;
+        most = most.max(now);
+        tokio::time::sleep(ms(50)).await;
+    }
+    outsider.rollback().await.expect("let the row go");
+    assert!(most >= 2, "the writes queued on the row: {most}");
+    assert!(
+        most <= 4,
+        "at most four of the holder's calls wait on the row: {most}"
+    );
+    let completed = format!("SELECT count(*) FROM \"{t}\" WHERE key = $1 AND status = 'completed'");
+    guard("the outcome lands once the row is let go", async {
+        count_until(
+            &admin,
+            &completed,
+            Bind::Bytes(key.as_bytes()),
+            ms(20),
+            |n| n > 0,
+        )
+        .await
+    })
+    .await;
+    let replay = answer(post_key(addr, &key).await).await;
+    assert_eq!((replay.0, replay.1), (201, true), "{replay:?}");
+    assert_eq!(sink.of(&key), 1);
+    pool.close().await;
 }
 
 // ---- 5. A claim delayed on the wire past the give-back ---------------------------------------
