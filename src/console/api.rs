@@ -137,6 +137,37 @@ impl<'de> serde::Deserialize<'de> for Fields {
     }
 }
 
+/// What `POST /api/resolve` reads.
+const RESOLVE_FIELDS: &[&str] = &[
+    "ref",
+    "scope",
+    "key",
+    "token",
+    "outcome",
+    "reason",
+    "status",
+    "content_type",
+    "body",
+];
+
+/// What `POST /api/remove` reads.
+const REMOVE_FIELDS: &[&str] = &["ref", "scope", "key", "token", "reason"];
+
+/// Refuses a field the write does not read: a misspelt `token` (`lease_token`, `Token`) read
+/// as absent would settle whichever attempt holds the key now, not the one asked for.
+fn only(fields: &serde_json::Map<String, Value>, known: &[&str]) -> Result<(), Response<Body>> {
+    match fields.keys().find(|name| !known.contains(&name.as_str())) {
+        None => Ok(()),
+        Some(name) => Err(problem(
+            StatusCode::BAD_REQUEST,
+            &format!(
+                "{name} is not a field of this write (it takes {}): nothing was changed",
+                known.join(", ")
+            ),
+        )),
+    }
+}
+
 /// A field of an API body as its form would carry it: a string, a number written out, or
 /// absent (left out, or `null`). [`api_fields`] refused every other shape.
 pub(super) fn json_field(fields: &serde_json::Map<String, Value>, name: &str) -> Option<String> {
@@ -155,6 +186,9 @@ pub(super) async fn api_resolve<St: IdempotencyStore>(
         Ok(fields) => fields,
         Err(res) => return res,
     };
+    if let Err(res) = only(&fields, RESOLVE_FIELDS) {
+        return res;
+    }
     let settle = match Settle::from_fields(|n| json_field(&fields, n)) {
         Ok(settle) => settle,
         Err(why) => return problem(StatusCode::BAD_REQUEST, &why),
@@ -165,8 +199,9 @@ pub(super) async fn api_resolve<St: IdempotencyStore>(
             Ok(Some(record)) => {
                 json_response(StatusCode::OK, &record_json(&record, SystemTime::now()))
             }
-            Ok(None) => json_response(StatusCode::OK, &json!({ "resolved": true })),
-            Err(error) => store_failed(&error),
+            // Resolved all the same: a 503 here would read as "not done", and a caller that
+            // resolves again without its token could settle a later attempt.
+            Ok(None) | Err(_) => json_response(StatusCode::OK, &json!({ "resolved": true })),
         },
         Err(not_done) => problem(not_done.status(), not_done.why()),
     }
@@ -180,6 +215,9 @@ pub(super) async fn api_remove<St: IdempotencyStore>(
         Ok(fields) => fields,
         Err(res) => return res,
     };
+    if let Err(res) = only(&fields, REMOVE_FIELDS) {
+        return res;
+    }
     match remove_by_hand(&console, |n| json_field(&fields, n)).await {
         Ok(removed) => json_response(StatusCode::OK, &json!({ "removed": removed })),
         Err((status, why)) => problem(status, &why),

@@ -38,11 +38,15 @@
 //! | `POST /remove`, `POST /purge` | form: delete one record; delete every expired one |
 //! | `GET /api/uncertain?order=oldest\|newest&after=…&limit=…` | JSON: a page, the `next` cursor, the count and the oldest |
 //! | `GET /api/record?scope=…&key=…` | JSON: one record, with the `token` (a string) of its current attempt |
-//! | `POST /api/resolve`, `/api/remove`, `/api/purge` | JSON bodies of the same fields: strings or numbers (`null` is absent); any other shape is a 400 |
+//! | `POST /api/resolve`, `/api/remove`, `/api/purge` | JSON bodies of the same fields: strings or numbers (`null` is absent); any other shape, a field the write does not take, or an empty `token` is a 400 |
 //!
-//! A resolution sent with the `token` its record was read with settles that attempt only: if
-//! another attempt holds the key by then, it is refused (409). Without a `token` it settles
-//! whichever attempt awaits reconciliation when it lands. The record keeps the note of its
+//! A resolution or a removal sent with the `token` its record was read with (the record's
+//! page sends it) acts on that attempt only: if the record has moved on by then (another
+//! attempt holds the key, or it was settled), it is refused (409) and nothing changes.
+//! Without a `token` it acts on whichever attempt is there when it lands. A key is named by
+//! `scope` and `key`, or by the page's `ref`, never both. A record's page read while the
+//! store fails is a 503 with nothing to act on; a record that is there but does not decode
+//! gets a page that says so, and a form to remove it. The record keeps the note of its
 //! latest resolution only, and a record resolved as not applied stays for the console's TTL
 //! from then, so its history and note can be read even after it waited past its own.
 //!

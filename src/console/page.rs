@@ -117,6 +117,20 @@ pub(super) async fn page_record<St: IdempotencyStore>(
             );
             return html(StatusCode::NOT_FOUND, "No record", &body);
         }
+        // A store that failed says nothing of the record: nothing to show, and nothing to
+        // offer to remove (an intact record removed runs its key's next request again).
+        Err(error) if !crate::store::is_corrupt(&error) => {
+            tracing::error!(%error, "operator console: the store failed");
+            let body = format!(
+                "<h1>The store failed</h1><p class=\"warn\" id=\"error\">The record of key {} \
+                 could not be read: {}. Nothing was changed; reload to try again.</p>\
+                 <p><a href=\"{}\">back</a></p>",
+                esc(key.key()),
+                esc(&error.to_string()),
+                list_url(&base)
+            );
+            return html(StatusCode::SERVICE_UNAVAILABLE, "The store failed", &body);
+        }
         Err(error) => {
             // A row that cannot be read is kept for an operator: say what is wrong with it,
             // and let it be removed.

@@ -141,24 +141,50 @@ impl Settle {
     }
 }
 
-/// A removal by hand, from the form or the API: the key and a required reason (logged).
-/// Whether a record was there to remove.
+/// A removal by hand, from the form or the API: the key and a required reason (logged), and
+/// the attempt it was asked for (`token`, which a record's page sends): a record that has
+/// moved on since (settled, or claimed by another attempt) is not removed, so a stale page
+/// cannot delete an outcome its retries must replay. The check is a read just before the
+/// removal: it closes the window of a stale page, not a claim racing that one read. Whether a
+/// record was there to remove.
 pub(super) async fn remove_by_hand<St: IdempotencyStore>(
     console: &Console<St>,
     get: impl Fn(&str) -> Option<String>,
 ) -> Result<bool, (StatusCode, String)> {
     let key = key_from(&get).map_err(|why| (StatusCode::BAD_REQUEST, why))?;
+    let token = token_from(&get).map_err(|why| (StatusCode::BAD_REQUEST, why))?;
     let reason = get("reason").filter(|r| !r.trim().is_empty()).ok_or((
         StatusCode::BAD_REQUEST,
         "a reason is required: removing a key lets its next request run as new".to_owned(),
     ))?;
-    let removed = console.store.remove(&key).await.map_err(|error| {
+    let failed = |error: StoreError| {
         tracing::error!(%error, "operator console: the store failed");
         (
             StatusCode::SERVICE_UNAVAILABLE,
             format!("the store failed: {error}"),
         )
-    })?;
+    };
+    if let Some(token) = token {
+        let moved = |why: &str| (StatusCode::CONFLICT, why.to_owned());
+        match console.store.lookup(&key).await {
+            Ok(Some(record)) if record.lease_token == token => {}
+            Ok(Some(_)) => {
+                return Err(moved(
+                    "the record has moved on since this removal was asked for (settled, or \
+                     claimed by another attempt): nothing was removed; reload its page",
+                ));
+            }
+            Ok(None) => return Ok(false),
+            Err(error) if crate::store::is_corrupt(&error) => {
+                return Err(moved(
+                    "the record no longer reads as it did when this removal was asked for: \
+                     nothing was removed; reload its page",
+                ));
+            }
+            Err(error) => return Err(failed(error)),
+        }
+    }
+    let removed = console.store.remove(&key).await.map_err(failed)?;
     tracing::warn!(?key, removed, reason, "operator console: record removed");
     Ok(removed)
 }
@@ -167,6 +193,11 @@ pub(super) fn key_from(get: impl Fn(&str) -> Option<String>) -> Result<ScopedKey
     // The pages' forms name the key by a reference a browser cannot alter (NUL, CR and LF in
     // a hidden input are not sent back as they were): its scope and key percent-encoded.
     if let Some(reference) = get("ref") {
+        // One way of naming the key: a `ref` beside a `scope` or `key` that it would silently
+        // override (a link edited by hand, another tenant's) is refused.
+        if get("scope").is_some() || get("key").is_some() {
+            return Err("give ref, or scope and key, not both".to_owned());
+        }
         return parse_ref(&reference).ok_or_else(|| "ref is not a key reference".to_owned());
     }
     let scope = get("scope").ok_or("scope is required")?;
@@ -210,8 +241,12 @@ pub(super) fn parse_ref(reference: &str) -> Option<ScopedKey> {
 pub(super) fn token_from(
     get: impl Fn(&str) -> Option<String>,
 ) -> Result<Option<FencingToken>, String> {
-    match get("token").filter(|t| !t.is_empty()) {
+    match get("token") {
         None => Ok(None),
+        // A field sent empty names no attempt: never read as "whichever holds the key now".
+        Some(token) if token.is_empty() => {
+            Err("token is empty: give the record's lease token, or leave the field out".to_owned())
+        }
         Some(token) => token
             .parse::<u64>()
             .map(|t| Some(FencingToken::new(t)))

@@ -76,6 +76,37 @@ impl fmt::Display for CorruptRecord {
 
 impl std::error::Error for CorruptRecord {}
 
+/// What is wrong with a stored record as a store reads it (a SQL row by column, a Redis hash
+/// by field): a record that cannot be read names what is at fault.
+#[derive(Debug)]
+pub(crate) struct RowError(pub(crate) String);
+
+impl fmt::Display for RowError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "stored record is corrupt: {}", self.0)
+    }
+}
+
+impl std::error::Error for RowError {}
+
+/// Whether `error` says the record is there but does not read (damaged, or written by
+/// something else), not that the store failed: such a record is for an operator to look at
+/// and remove, where a store that failed says nothing of the record.
+#[cfg_attr(not(feature = "console"), allow(dead_code))]
+pub(crate) fn is_corrupt(error: &super::StoreError) -> bool {
+    let super::StoreError::Unavailable(error) = error else {
+        return false;
+    };
+    let mut cause: Option<&(dyn std::error::Error + 'static)> = Some(error.as_ref());
+    while let Some(error) = cause {
+        if error.is::<CorruptRecord>() || error.is::<RowError>() {
+            return true;
+        }
+        cause = error.source();
+    }
+    false
+}
+
 impl StoredResponse {
     /// The response as bytes, exactly: status, every header (repeats and opaque bytes kept, in
     /// order), body, trailers.

@@ -46,6 +46,8 @@ pub use any::{AnyStore, ConnectError};
 #[cfg(any(feature = "postgres", feature = "sqlite"))]
 pub use batch::Batching;
 pub use codec::CorruptRecord;
+#[cfg(feature = "console")]
+pub(crate) use codec::is_corrupt;
 pub use history::{HISTORY_LIMIT, HISTORY_REFUSALS, HistoryEntry, HistoryEvent};
 #[cfg(feature = "memory")]
 pub use memory::MemoryStore;

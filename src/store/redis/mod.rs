@@ -523,7 +523,7 @@ impl IdempotencyStore for RedisStore {
         let fields = array(fields).ok_or_else(|| odd("a record is not a hash"))?;
         parse_record(fields)
             .map(Some)
-            .map_err(StoreError::unavailable)
+            .map_err(|what| StoreError::unavailable(super::codec::RowError(what)))
     }
 
     async fn remove(&self, key: &ScopedKey) -> Result<bool, StoreError> {

@@ -8,10 +8,7 @@ use crate::store::{
     StoreError, StoredResponse,
 };
 
-/// What is wrong with a stored row, by column: a record that cannot be read names the
-/// column at fault.
-#[derive(Debug)]
-pub(crate) struct RowError(pub(crate) String);
+pub(crate) use crate::store::codec::RowError;
 
 impl RowError {
     /// A column the database could not hand over as its type.
@@ -19,14 +16,6 @@ impl RowError {
         StoreError::unavailable(Self(format!("a column does not read: {error}")))
     }
 }
-
-impl std::fmt::Display for RowError {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "stored record is corrupt: {}", self.0)
-    }
-}
-
-impl std::error::Error for RowError {}
 
 /// The listing `ascending` in the reverse order, newest first: its order reversed and, past a
 /// cursor, the records before it.

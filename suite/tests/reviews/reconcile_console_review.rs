@@ -1312,3 +1312,175 @@ async fn s4_console_api_record_gives_the_token_its_resolution_needs() {
         now.status
     );
 }
+
+// ---- session 51's review of the console: what a stale page, a failing store or a careless
+// script could settle or remove ------------------------------------------------------------
+
+/// An uncertain record of a fresh key on `rig`, and its token.
+async fn uncertain<S: IdempotencyStore>(rig: &Rig<S>, name: &str) -> (ScopedKey, FencingToken) {
+    let key = ScopedKey::new("", unique(name));
+    let token = acquired(rig, &claim_request(&key, Duration::from_secs(600))).await;
+    rig.mark_uncertain(&key, token).await.expect("mark");
+    (key, token)
+}
+
+/// DESIGN §4 (reconciliation by hand; the console answers a failed store with a typed error,
+/// never a page that did nothing): a record's page read while the store fails is a 503 with
+/// nothing to remove. Before, any failed read showed "this record cannot be read" with a
+/// Remove button, over a record that was intact: removed, its next retry runs the effect
+/// again. A record that is there but does not decode (a row written by something else) still
+/// gets its page and its Remove form.
+#[tokio::test]
+async fn s4_console_record_page_while_the_store_fails_offers_nothing_to_remove() {
+    let rig = Rig::new(MemoryStore::new());
+    let ops = console(&rig).await;
+    let (key, _) = uncertain(&rig, "page-down").await;
+    let path = format!("/record?scope=&key={}", key.key());
+    rig.on("lookup", rig.count("lookup") + 1, Act::Fail);
+    let (status, page) = get(ops, &path).await;
+    assert_eq!(status, 503, "{page}");
+    assert!(!page.contains("id=\"remove\""), "a Remove form: {page}");
+    assert!(rig.lookup(&key).await.expect("lookup").is_some());
+    let (status, page) = get(ops, &path).await;
+    assert_eq!(status, 200, "{page}");
+    assert!(page.contains("id=\"remove\""), "{page}");
+
+    // A row that does not decode, on a real SQLite file.
+    let (store, path) = common::sqlite("console-corrupt").await;
+    let rig = Rig::new(store);
+    let ops = console(&rig).await;
+    let (key, _) = uncertain(&rig, "page-corrupt").await;
+    let pool = sqlx::SqlitePool::connect(&format!("sqlite://{}", path.display()))
+        .await
+        .expect("open the file");
+    sqlx::query("UPDATE idempotency_records SET fingerprint = X'0102' WHERE key = ?")
+        .bind(key.key().as_bytes())
+        .execute(&pool)
+        .await
+        .expect("damage the row");
+    let (status, page) = get(ops, &format!("/record?scope=&key={}", key.key())).await;
+    assert_eq!(status, 200, "{page}");
+    assert!(
+        page.contains("cannot be read") && page.contains("id=\"remove\""),
+        "{page}"
+    );
+}
+
+/// DESIGN §4: a removal asked from a record's page names the attempt the page showed (its
+/// `token`); once the record has moved on (settled by the sweeper or another operator), the
+/// stale page's Remove is refused (409) and the settled outcome stays for its retries to
+/// replay. Before, the token was ignored and the record was deleted. Through the form and the
+/// API; the page's own fields are posted back as a browser would.
+#[tokio::test]
+async fn s4_console_remove_from_a_stale_page_keeps_the_settled_record() {
+    for api_write in [false, true] {
+        let rig = Rig::new(MemoryStore::new());
+        let ops = console(&rig).await;
+        let (key, token) = uncertain(&rig, "stale-remove").await;
+        let (_, page) = get(ops, &format!("/record?scope=&key={}", key.key())).await;
+        assert!(
+            page.contains(&format!("name=\"token\" value=\"{}\"", token.get())),
+            "{page}"
+        );
+        resolve_by_hand(
+            &*rig,
+            &key,
+            Reconciliation::NotApplied,
+            Duration::from_secs(600),
+            "the sweeper",
+        )
+        .await
+        .expect("resolve");
+        let reference = format!("~{}", key.key());
+        let token_text = token.get().to_string();
+        let status = if api_write {
+            let body = json!({"ref": reference, "token": token_text, "reason": "stuck"});
+            api(ops, "/api/remove", body).await.0
+        } else {
+            let same = vec![("sec-fetch-site", "same-origin".to_owned())];
+            let fields = [
+                ("ref", reference.as_str()),
+                ("token", token_text.as_str()),
+                ("reason", "stuck"),
+            ];
+            form(ops, "/remove", &same, &fields).await
+        };
+        let left = rig.lookup(&key).await.expect("lookup");
+        assert_eq!(status, 409, "api {api_write}");
+        assert_eq!(
+            left.map(|r| r.status),
+            Some(RecordStatus::Released),
+            "api {api_write}: the settled record stays"
+        );
+        // The same removal for the attempt there is now goes through.
+        let now = rig.lookup(&key).await.expect("lookup").expect("record");
+        let body =
+            json!({"ref": reference, "token": now.lease_token.get().to_string(), "reason": "x"});
+        assert_eq!(api(ops, "/api/remove", body).await.0, 200);
+        assert!(rig.lookup(&key).await.expect("lookup").is_none());
+    }
+}
+
+/// DESIGN §4: the JSON API refuses what it would otherwise read as absent, so a script's
+/// mistake never widens a resolution to "whichever attempt holds the key now": a misspelt
+/// token (`lease_token`, `Token`), an empty one, a field it does not take, and a `ref` beside
+/// a `scope` or `key` it would silently override (another tenant's record). Each is a 400 and
+/// the uncertain record stays as it was; the same body spelt right settles it.
+#[tokio::test]
+async fn s4_console_api_refuses_fields_it_would_read_as_absent() {
+    let rig = Rig::new(MemoryStore::new());
+    let ops = console(&rig).await;
+    let (key, token) = uncertain(&rig, "api-fields").await;
+    let token = token.get().to_string();
+    let base = || resolve_body(key.key(), "not_applied");
+    let with = |name: &str, value: Value| {
+        let mut body = base();
+        body[name] = value;
+        body
+    };
+    let mut referenced = base();
+    referenced["ref"] = json!(format!("other~{}", key.key()));
+    for body in [
+        with("lease_token", json!(token)),
+        with("Token", json!(token)),
+        with("token", json!("")),
+        with("attempt", json!(1)),
+        referenced,
+    ] {
+        let (status, problem) = api(ops, "/api/resolve", body.clone()).await;
+        assert_eq!(status, 400, "{body}: {problem}");
+        let record = rig.lookup(&key).await.expect("lookup").expect("record");
+        assert_eq!(record.status, RecordStatus::NeedsReconciliation, "{body}");
+    }
+    let body = json!({"scope": "", "key": key.key(), "token": "", "reason": "x"});
+    assert_eq!(api(ops, "/api/remove", body).await.0, 400);
+    let body = json!({"scope": "", "key": key.key(), "reason": "x", "why": "y"});
+    assert_eq!(api(ops, "/api/remove", body).await.0, 400);
+    assert!(rig.lookup(&key).await.expect("lookup").is_some());
+    let (status, _) = api(ops, "/api/resolve", with("token", json!(token))).await;
+    assert_eq!(status, 200);
+    let record = rig.lookup(&key).await.expect("lookup").expect("record");
+    assert_eq!(record.status, RecordStatus::Released);
+}
+
+/// DESIGN §4: a resolution that landed is answered as done even when the read that shows the
+/// record afterwards fails: a 503 would read as "not done", and a script that resolves again
+/// (without its token) could settle a later attempt.
+#[tokio::test]
+async fn s4_console_api_resolve_that_landed_is_answered_done_when_the_read_after_fails() {
+    let rig = Rig::new(MemoryStore::new());
+    let ops = console(&rig).await;
+    let (key, token) = uncertain(&rig, "resolve-read-fails").await;
+    let mut body = resolve_body(key.key(), "not_applied");
+    body["token"] = json!(token.get().to_string());
+    // The resolution reads nothing first (it has its token): the next read is the one after.
+    rig.on("lookup", rig.count("lookup") + 1, Act::Fail);
+    let (status, answer) = api(ops, "/api/resolve", body).await;
+    assert_eq!(
+        (status, &answer["resolved"]),
+        (200, &json!(true)),
+        "{answer}"
+    );
+    let record = rig.lookup(&key).await.expect("lookup").expect("record");
+    assert_eq!(record.status, RecordStatus::Released);
+}
