@@ -12,8 +12,9 @@
 //!   [`max_answer_bytes`](IdempotentClientLayer::max_answer_bytes), before they are judged.
 //! - **What is retried:** failures to connect or send, attempts past their timeout, `503`
 //!   (the server's store is unavailable: nothing ran), `409 in-flight` (after its
-//!   `Retry-After`), and a `5xx` the server did not record (it gave the key back: a retry may
-//!   run it again, under the same key). Waits grow with jitter and never pass the deadline;
+//!   `Retry-After`; one marked as a replay was recorded, and is the answer), and a `5xx` the
+//!   server did not record (it gave the key back: a retry may run it again, under the same
+//!   key). Waits grow with jitter and never pass the deadline;
 //!   a server's delay (`Retry-After` in seconds, gRPC's `RetryInfo`) is followed, but never
 //!   below the first backoff (an HTTP-date `Retry-After` reads as no delay given).
 //! - **What is not:** `422` (the key was used for another request: a programming error,
@@ -247,6 +248,10 @@ impl std::error::Error for ClientError {
     }
 }
 
+/// The least pause between two attempts of a call, whatever [`IdempotentClientLayer::backoff`]
+/// is given.
+pub const MIN_BACKOFF: Duration = Duration::from_millis(1);
+
 /// The client layer: see the [module docs](self).
 #[derive(Debug, Clone)]
 pub struct IdempotentClientLayer {
@@ -322,10 +327,12 @@ impl IdempotentClientLayer {
     }
 
     /// The first pause between attempts and the longest (default 100 ms and 5 s). The first is
-    /// also the least wait a server's `Retry-After` or `RetryInfo` can ask for.
+    /// also the least wait a server's `Retry-After` or `RetryInfo` can ask for. Neither is
+    /// under [`MIN_BACKOFF`]: a zero would send attempts back to back, as fast as a failing
+    /// server answers, for the whole deadline.
     pub fn backoff(mut self, first: Duration, max: Duration) -> Self {
-        self.first_backoff = first;
-        self.max_backoff = max.max(first);
+        self.first_backoff = first.max(MIN_BACKOFF);
+        self.max_backoff = max.max(self.first_backoff);
         self
     }
 

@@ -31,7 +31,10 @@ pub(super) fn verdict(res: &Response<CallBody>) -> Verdict {
     match (res.status(), slug) {
         (_, Some("fingerprint-mismatch")) => Verdict::KeyReused,
         (_, Some("outcome-unknown")) => Verdict::OutcomeUnknown,
-        (StatusCode::CONFLICT, Some("in-flight")) => Verdict::InFlight { retry_after },
+        // The layer's own "in flight" is never a replay: one recorded (a gateway behind the
+        // layer that passed a downstream's on, under a policy that records everything) is an
+        // answer, which waiting would only get again until the deadline.
+        (StatusCode::CONFLICT, Some("in-flight")) if !replayed => Verdict::InFlight { retry_after },
         // A 409 whose body is encoded (a compression layer outside the server's idempotency
         // layer) cannot say whether it is the layer's "in flight" or the application's own
         // answer: asked again, the application's comes back marked as a replay, the layer's
@@ -92,7 +95,10 @@ fn problem_of(res: &Response<CallBody>) -> Option<(String, Option<String>)> {
 /// together do not retry together.
 pub(super) fn jitter(pause: Duration) -> Duration {
     let quarter = pause / 4;
-    let spread = u64::try_from(quarter.as_nanos()).unwrap_or(u64::MAX / 2) * 2;
+    // Saturating: a quarter of a server's `Retry-After` can pass half of `u64` nanoseconds.
+    let spread = u64::try_from(quarter.as_nanos())
+        .unwrap_or(u64::MAX)
+        .saturating_mul(2);
     if spread == 0 {
         return pause;
     }

@@ -652,3 +652,118 @@ async fn s22_zero_timeouts_are_refused_before_sending() {
         assert_eq!(attempts.load(Ordering::SeqCst), 0, "nothing sent");
     }
 }
+
+// ------------------------------------------------------------------------------------------
+// Session 51's review of the client.
+// ------------------------------------------------------------------------------------------
+
+/// DESIGN §9 (honouring `Retry-After`; bad input never a panic): a `Retry-After` whose quarter
+/// passes half of `u64` nanoseconds (about 3.7e10 to 7.4e10 s) overflowed the jitter's spread
+/// (`quarter * 2`), a panic in a debug build and a wrapped pause in a release one. The cases of
+/// `s22_huge_retry_after_must_not_panic` fall on either side of that band.
+#[tokio::test]
+async fn s9_a_retry_after_in_the_jitters_overflow_band_is_a_typed_stop() {
+    for seconds in ["40000000000", "50000000000", "73000000000"] {
+        let attempts = Arc::new(AtomicUsize::new(0));
+        let value: &'static str = Box::leak(seconds.to_owned().into_boxed_str());
+        let headers: &'static [(&'static str, &'static str)] =
+            Box::leak(vec![("retry-after", value)].into_boxed_slice());
+        let svc = IdempotentClientLayer::new()
+            .deadline(Duration::from_secs(2))
+            .layer_on(canned(503, headers, attempts.clone()));
+        let k = key("ra-band");
+        let r = no_panic(seconds, async move {
+            svc.oneshot(keyed("http://x/", b"a", &k)).await.map(|_| ())
+        })
+        .await;
+        assert!(
+            matches!(r, Err(ClientError::DeadlineExceeded { .. })),
+            "{seconds}: {r:?}"
+        );
+        assert!(attempts.load(Ordering::SeqCst) <= 2, "{seconds}");
+    }
+}
+
+/// DESIGN §9: a backoff configured as zero is taken as `MIN_BACKOFF`, never as attempts sent
+/// back to back against a server that is unavailable (with a proxy's `Retry-After: 0`,
+/// nothing else paces them). On a runtime whose clock is paused (an application's tests), a
+/// zero pause never lets the clock move: the call never reached its deadline and spun for
+/// good. Here the inner service gives up spinning after 10 000 attempts with a 201, which the
+/// old code reached.
+#[tokio::test(start_paused = true)]
+async fn s9_a_zero_backoff_still_pauses_between_attempts() {
+    assert!(tower_idempotency::client::MIN_BACKOFF > Duration::ZERO);
+    let attempts = Arc::new(AtomicUsize::new(0));
+    let inner = {
+        let attempts = attempts.clone();
+        tower::service_fn(move |_req: http::Request<Full<Bytes>>| {
+            let n = attempts.fetch_add(1, Ordering::SeqCst) + 1;
+            async move {
+                let status = if n >= 10_000 { 201 } else { 503 };
+                let res = http::Response::builder()
+                    .status(status)
+                    .header("retry-after", "0")
+                    .body(Full::new(Bytes::new()))
+                    .expect("response");
+                Ok::<_, Infallible>(res)
+            }
+        })
+    };
+    let svc = IdempotentClientLayer::new()
+        .deadline(Duration::from_millis(300))
+        .backoff(Duration::ZERO, Duration::ZERO)
+        .layer_on(inner);
+    let r = svc.oneshot(keyed("http://x/", b"a", &key("zero"))).await;
+    let n = attempts.load(Ordering::SeqCst);
+    assert!(
+        matches!(r, Err(ClientError::DeadlineExceeded { .. })),
+        "after {n} attempts: {r:?}"
+    );
+    // At least 0.75 ms apart (the jitter takes off a quarter at most).
+    assert!(
+        n <= 300 * 4 / 3 + 2,
+        "{n} attempts in 300 ms with a zero backoff"
+    );
+}
+
+/// DESIGN §9 (409 in flight is waited on; a recorded answer is the answer): a `409 in-flight`
+/// problem that comes back marked as a replay was recorded (a gateway behind the layer passed
+/// a downstream's on, under a policy that records everything). Waiting on it would only get it
+/// again, every attempt until the deadline, on every call for the key's TTL: it is the answer,
+/// at once.
+#[tokio::test]
+async fn s9_a_replayed_in_flight_problem_is_the_answer_not_a_wait() {
+    let attempts = Arc::new(AtomicUsize::new(0));
+    let inner = {
+        let attempts = attempts.clone();
+        tower::service_fn(move |_req: http::Request<Full<Bytes>>| {
+            attempts.fetch_add(1, Ordering::SeqCst);
+            async move {
+                let body = r#"{"type":"urn:tower-idempotency:problem:in-flight","status":409}"#;
+                let res = http::Response::builder()
+                    .status(409)
+                    .header("content-type", "application/problem+json")
+                    .header("idempotency-replayed", "true")
+                    .header("retry-after", "1")
+                    .body(Full::new(Bytes::from_static(body.as_bytes())))
+                    .expect("response");
+                Ok::<_, Infallible>(res)
+            }
+        })
+    };
+    let svc = IdempotentClientLayer::new()
+        .deadline(Duration::from_secs(5))
+        .layer_on(inner);
+    let res = svc
+        .oneshot(keyed("http://x/", b"a", &key("replayed-409")))
+        .await
+        .expect("the recorded answer");
+    assert_eq!(res.status(), StatusCode::CONFLICT);
+    let report = res
+        .extensions()
+        .get::<CallReport>()
+        .expect("report")
+        .clone();
+    assert_eq!((report.attempts, report.ended), (1, Ended::Replayed));
+    assert_eq!(attempts.load(Ordering::SeqCst), 1);
+}
