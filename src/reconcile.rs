@@ -153,9 +153,10 @@ impl<St: IdempotencyStore, R: Reconciler> Sweeper<St, R> {
 
     /// How long a response resolved as applied is replayed, and the least a record resolved
     /// as not applied is kept from then (default 24 hours). The sweeper's resolutions carry
-    /// no note: one clears the note of an earlier resolution by hand.
+    /// no note: one clears the note of an earlier resolution by hand. At most
+    /// [`LONGEST`](crate::LONGEST), as a route's.
     pub fn ttl(mut self, ttl: Duration) -> Self {
-        self.ttl = ttl;
+        self.ttl = ttl.min(crate::LONGEST);
         self
     }
 
@@ -311,8 +312,9 @@ fn count(resolution: &Resolution, report: &mut SweepReport) {
 }
 
 /// Settles one uncertain key by hand (an operator who checked downstream): `Applied` records the
-/// response retries will get for `ttl`, `NotApplied` lets the key run again (the record stays
-/// at least `ttl`, for review); `reason` is kept with the record
+/// response retries will get for `ttl` (at most [`LONGEST`](crate::LONGEST), as a route's),
+/// `NotApplied` lets the key run again (the record stays at least `ttl`, for review); `reason`
+/// is kept with the record
 /// ([`Record::resolution_note`]). Refused with [`StoreError::Fenced`] if the key is not
 /// uncertain (a live holder, or already settled).
 pub async fn resolve_by_hand<St: IdempotencyStore>(
@@ -342,6 +344,9 @@ pub(crate) async fn resolve_at<St: IdempotencyStore>(
         Reconciliation::NotApplied => Resolution::NotApplied,
         Reconciliation::Unknown => return Ok(()),
     };
+    // A store cannot keep a record forever (`now() + interval` overflows in SQL): every
+    // resolution of such a TTL would fail.
+    let ttl = ttl.min(crate::LONGEST);
     store
         .resolve(key, token, &resolution, ttl, Some(reason))
         .await?;

@@ -60,7 +60,10 @@
 //! request's host, and its scheme where the request names one; behind a proxy, set the
 //! origin with [`Console::origin`] and an `Origin` must be it); the JSON
 //! API also requires `Content-Type: application/json`, which a cross-site form cannot send.
-//! Every stored byte shown in HTML is escaped. The reason of a resolution by hand is kept with
+//! The origin checks guard writes, not reads, and they do not replace the application's
+//! auth: a console trusted by network alone (a VPN, an address allow-list) can be read by a
+//! page whose name is rebound to its address (DNS rebinding), so mount it behind auth that a
+//! browser does not send to another origin. Every stored byte shown in HTML is escaped. The reason of a resolution by hand is kept with
 //! the record ([`Record::resolution_note`]) and logged.
 
 use std::sync::Arc;
@@ -131,9 +134,11 @@ impl<St: IdempotencyStore> Console<St> {
     }
 
     /// How long a response resolved as applied is replayed, and the least a record resolved
-    /// as not applied is kept from then, for review (default 24 hours).
+    /// as not applied is kept from then, for review (default 24 hours; at most
+    /// [`LONGEST`](crate::LONGEST), as a route's). Give it at least the routes' TTL: a response
+    /// resolved as applied that expires first lets a late retry run the operation again.
     pub fn ttl(mut self, ttl: Duration) -> Self {
-        self.ttl = ttl;
+        self.ttl = ttl.min(crate::LONGEST);
         self
     }
 

@@ -156,9 +156,12 @@ pub(crate) fn from_millis(ms: i64) -> SystemTime {
     UNIX_EPOCH + Duration::from_millis(ms.max(0) as u64)
 }
 
-/// A duration as whole milliseconds for a bind parameter, saturating.
+/// A duration as whole milliseconds for a bind parameter, at most [`LONGEST`](crate::LONGEST):
+/// a lease or TTL past it would overflow the database's time arithmetic (`now() + interval`
+/// out of range in PostgreSQL; a `REAL` written into an `INTEGER` column in SQLite, a row
+/// that no longer reads), whoever asked for it.
 pub(crate) fn millis(d: Duration) -> i64 {
-    i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
+    i64::try_from(d.min(crate::LONGEST).as_millis()).unwrap_or(i64::MAX)
 }
 
 pub(crate) fn token(t: FencingToken) -> i64 {

@@ -1484,3 +1484,69 @@ async fn s4_console_api_resolve_that_landed_is_answered_done_when_the_read_after
     let record = rig.lookup(&key).await.expect("lookup").expect("record");
     assert_eq!(record.status, RecordStatus::Released);
 }
+
+/// DESIGN §4 (resolutions by hand and by the sweeper) and §5 (every store): a resolution kept
+/// "for ever" (`Duration::MAX`, on the console, `resolve_by_hand` or the sweeper) is kept for
+/// `LONGEST`, as a route's TTL is, and lands on every store. Before, it was handed on as it
+/// was: `now() + interval` overflows in SQL, so every resolution failed (503) and the key
+/// stayed uncertain.
+async fn s4_resolutions_kept_for_ever_land<S: IdempotencyStore>(store: S, name: &str) {
+    let rig = Rig::new(store);
+    let ops = console_with(Console::from_arc(rig.clone()).ttl(Duration::MAX)).await;
+    let (key, token) = uncertain(&rig, &format!("ttl-max-console-{name}")).await;
+    let mut body = resolve_body(key.key(), "applied");
+    body["token"] = json!(token.get().to_string());
+    let (status, answer) = api(ops, "/api/resolve", body).await;
+    assert_eq!(status, 200, "{name}: {answer}");
+    let record = rig.lookup(&key).await.expect("lookup").expect("record");
+    assert_eq!(record.status, RecordStatus::Completed, "{name}");
+
+    let (key, _) = uncertain(&rig, &format!("ttl-max-hand-{name}")).await;
+    resolve_by_hand(
+        &*rig,
+        &key,
+        Reconciliation::NotApplied,
+        Duration::MAX,
+        "checked",
+    )
+    .await
+    .unwrap_or_else(|error| panic!("{name}: {error}"));
+    let record = rig.lookup(&key).await.expect("lookup").expect("record");
+    assert_eq!(record.status, RecordStatus::Released, "{name}");
+
+    let (key, _) = uncertain(&rig, &format!("ttl-max-sweep-{name}")).await;
+    let applied = Reconciliation::Applied(Box::new(StoredResponse {
+        status: StatusCode::OK,
+        headers: http::HeaderMap::new(),
+        body: Some(bytes::Bytes::from_static(b"done")),
+        trailers: None,
+    }));
+    Sweeper::new(rig.clone(), Slow(Duration::ZERO, applied))
+        .ttl(Duration::MAX)
+        .run_once()
+        .await
+        .unwrap_or_else(|error| panic!("{name}: {error}"));
+    let record = rig.lookup(&key).await.expect("lookup").expect("record");
+    assert_eq!(record.status, RecordStatus::Completed, "{name}");
+
+    // And the store itself, asked by anything else (the trait is public).
+    let (key, token) = uncertain(&rig, &format!("ttl-max-store-{name}")).await;
+    rig.inner
+        .resolve(
+            &key,
+            token,
+            &tower_idempotency::store::Resolution::NotApplied,
+            Duration::MAX,
+            None,
+        )
+        .await
+        .unwrap_or_else(|error| panic!("{name}: {error}"));
+    let record = rig
+        .lookup(&key)
+        .await
+        .expect("lookup")
+        .expect("a record that reads");
+    assert_eq!(record.status, RecordStatus::Released, "{name}");
+}
+
+on_stores!(s4_resolutions_kept_for_ever_land);
