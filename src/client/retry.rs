@@ -37,9 +37,10 @@ pub(super) fn verdict(res: &Response<CallBody>) -> Verdict {
         (StatusCode::CONFLICT, Some("in-flight")) if !replayed => Verdict::InFlight { retry_after },
         // A 409 whose body is encoded (a compression layer outside the server's idempotency
         // layer) cannot say whether it is the layer's "in flight" or the application's own
-        // answer: asked again, the application's comes back marked as a replay, the layer's
-        // as it was, and a wait costs nothing either way.
-        (StatusCode::CONFLICT, None) if !replayed && encoded(res) => {
+        // answer. The layer's always says when to ask again (`Retry-After`, at least 1 s); an
+        // application's rarely does, and asked again it would run again (a 409 is not a
+        // definitive outcome, so the server gave its key back): without one, it is the answer.
+        (StatusCode::CONFLICT, None) if !replayed && encoded(res) && retry_after.is_some() => {
             Verdict::InFlight { retry_after }
         }
         // The server recorded this failure as the key's outcome ("it will not run again"):
@@ -224,6 +225,12 @@ mod tests {
             Verdict::InFlight {
                 retry_after: Some(Duration::from_secs(1))
             }
+        );
+        // Without `Retry-After` it is not the layer's: the application's own, not asked again
+        // (the server gave its key back, and it would run again).
+        assert_eq!(
+            verdict(&answer(409, &gzipped[..2], "\u{1f}\u{8b}")),
+            Verdict::Done { replayed: false }
         );
         let replayed = [
             ("content-encoding", "gzip"),

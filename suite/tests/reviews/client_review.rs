@@ -430,6 +430,32 @@ async fn s9_a_recorded_execution_failure_is_not_retried() {
     );
 }
 
+/// `app` behind a response-compression layer (as tower-http's `CompressionLayer`, outside the
+/// idempotency layer): every answer to a request that accepts gzip is gzipped.
+fn gzipped(app: Router) -> Router {
+    app.layer(axum::middleware::from_fn(
+        |req: axum::extract::Request, next: axum::middleware::Next| async move {
+            let gz = req
+                .headers()
+                .get("accept-encoding")
+                .and_then(|v| v.to_str().ok())
+                .is_some_and(|v| v.contains("gzip"));
+            let res = next.run(req).await;
+            if !gz {
+                return res;
+            }
+            let (mut parts, body) = res.into_parts();
+            let bytes = body.collect().await.expect("body").to_bytes();
+            parts.headers.remove(http::header::CONTENT_LENGTH);
+            parts.headers.insert(
+                http::header::CONTENT_ENCODING,
+                http::HeaderValue::from_static("gzip"),
+            );
+            axum::response::Response::from_parts(parts, axum::body::Body::from(gzip(&bytes)))
+        },
+    ))
+}
+
 /// A server behind a response-compression layer (tower-http's `CompressionLayer` and the
 /// like, outside the idempotency layer) and a caller that accepts gzip: the `409 in-flight`
 /// problem document arrives gzipped, the layer cannot read its `type`, and takes the refusal
@@ -452,32 +478,8 @@ async fn s9_a_compressed_in_flight_refusal_is_not_the_answer() {
                 }),
             )
             .layer(IdempotencyLayer::new(MemoryStore::new()).single_tenant())
-            .layer(axum::middleware::from_fn(
-                |req: axum::extract::Request, next: axum::middleware::Next| async move {
-                    let gz = req
-                        .headers()
-                        .get("accept-encoding")
-                        .and_then(|v| v.to_str().ok())
-                        .is_some_and(|v| v.contains("gzip"));
-                    let res = next.run(req).await;
-                    if !gz {
-                        return res;
-                    }
-                    let (mut parts, body) = res.into_parts();
-                    let bytes = body.collect().await.expect("body").to_bytes();
-                    parts.headers.remove(http::header::CONTENT_LENGTH);
-                    parts.headers.insert(
-                        http::header::CONTENT_ENCODING,
-                        http::HeaderValue::from_static("gzip"),
-                    );
-                    axum::response::Response::from_parts(
-                        parts,
-                        axum::body::Body::from(gzip(&bytes)),
-                    )
-                },
-            ))
     };
-    let addr = serve(app).await;
+    let addr = serve(gzipped(app)).await;
     let http: Client<_, Full<Bytes>> = Client::builder(TokioExecutor::new()).build_http();
     let layer = IdempotentClientLayer::new()
         .attempt_timeout(Duration::from_millis(300))
@@ -501,6 +503,49 @@ async fn s9_a_compressed_in_flight_refusal_is_not_the_answer() {
     );
     assert_eq!(report.ended, Ended::Replayed);
     assert_eq!(effects.count(), 1);
+}
+
+/// DESIGN §9 (what is retried) and §3 (a `409` is not a definitive outcome: the server gives
+/// its key back): the same compression, and the application's own `409` (a conflict of its
+/// own, with an effect before it), under the default policy. The client cannot read the
+/// gzipped body, and used to take every encoded `409` for the layer's "in flight": it asked
+/// again until the deadline, and each attempt ran the handler again. The layer's "in flight"
+/// always says when to ask again (`Retry-After`); this one does not, so it is the answer,
+/// after one run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s9_a_compressed_409_of_the_application_is_its_answer_after_one_run() {
+    let effects = Effects::default();
+    let app = {
+        let effects = effects.clone();
+        Router::new()
+            .route(
+                "/pay",
+                post(move || {
+                    let effects = effects.clone();
+                    async move {
+                        effects.hit();
+                        (StatusCode::CONFLICT, "the order was changed meanwhile")
+                    }
+                }),
+            )
+            .layer(IdempotencyLayer::new(MemoryStore::new()).single_tenant())
+    };
+    let addr = serve(gzipped(app)).await;
+    let http: Client<_, Full<Bytes>> = Client::builder(TokioExecutor::new()).build_http();
+    let layer = IdempotentClientLayer::new()
+        .deadline(Duration::from_secs(3))
+        .backoff(Duration::from_millis(20), Duration::from_millis(50));
+    let mut req = http::Request::post(format!("http://{addr}/pay"))
+        .header("accept-encoding", "gzip")
+        .body(Full::new(Bytes::from_static(b"x")))
+        .expect("req");
+    req.extensions_mut().insert(key("gz-own-409"));
+    let res = on(layer, http).oneshot(req).await;
+    assert_eq!(effects.count(), 1, "the handler ran again: {res:?}");
+    let res = res.expect("its answer");
+    assert_eq!(res.status(), StatusCode::CONFLICT);
+    let report = res.extensions().get::<CallReport>().expect("report");
+    assert_eq!((report.attempts, report.ended), (1, Ended::Answered));
 }
 
 // ---------------------------------------------------------------------------------------
