@@ -155,17 +155,18 @@ const REMOVE_FIELDS: &[&str] = &["ref", "scope", "key", "token", "reason"];
 
 /// Refuses a field the write does not read: a misspelt `token` (`lease_token`, `Token`) read
 /// as absent would settle whichever attempt holds the key now, not the one asked for.
-fn only(fields: &serde_json::Map<String, Value>, known: &[&str]) -> Result<(), Response<Body>> {
-    match fields.keys().find(|name| !known.contains(&name.as_str())) {
-        None => Ok(()),
-        Some(name) => Err(problem(
-            StatusCode::BAD_REQUEST,
-            &format!(
-                "{name} is not a field of this write (it takes {}): nothing was changed",
-                known.join(", ")
-            ),
-        )),
-    }
+fn unknown_field(
+    fields: &serde_json::Map<String, Value>,
+    known: &[&str],
+) -> Option<Response<Body>> {
+    let name = fields.keys().find(|name| !known.contains(&name.as_str()))?;
+    Some(problem(
+        StatusCode::BAD_REQUEST,
+        &format!(
+            "{name} is not a field of this write (it takes {}): nothing was changed",
+            known.join(", ")
+        ),
+    ))
 }
 
 /// A field of an API body as its form would carry it: a string, a number written out, or
@@ -186,7 +187,7 @@ pub(super) async fn api_resolve<St: IdempotencyStore>(
         Ok(fields) => fields,
         Err(res) => return res,
     };
-    if let Err(res) = only(&fields, RESOLVE_FIELDS) {
+    if let Some(res) = unknown_field(&fields, RESOLVE_FIELDS) {
         return res;
     }
     let settle = match Settle::from_fields(|n| json_field(&fields, n)) {
@@ -215,7 +216,7 @@ pub(super) async fn api_remove<St: IdempotencyStore>(
         Ok(fields) => fields,
         Err(res) => return res,
     };
-    if let Err(res) = only(&fields, REMOVE_FIELDS) {
+    if let Some(res) = unknown_field(&fields, REMOVE_FIELDS) {
         return res;
     }
     match remove_by_hand(&console, |n| json_field(&fields, n)).await {
