@@ -15,6 +15,12 @@ pub(super) fn is_grpc(res: &Response<CallBody>) -> bool {
     crate::dialect::grpc::is_grpc(crate::dialect::content_type(res.headers()))
 }
 
+/// Whether `res`, a gRPC answer whose body was not read, went on past its head: a success
+/// whose headers carry no status (a trailers-only answer would).
+pub(super) fn answered_past_its_head(res: &Response<CallBody>) -> bool {
+    is_grpc(res) && res.status().is_success() && !res.headers().contains_key(&STATUS)
+}
+
 /// The verdict on a gRPC answer.
 pub(super) fn verdict(res: &Response<CallBody>, replayed: bool) -> Verdict {
     let web_trailers;

@@ -513,6 +513,16 @@ where
                         limit: config.max_answer_bytes,
                     });
                 }
+                // A gRPC answer says how it ended in its trailers, which come after the body
+                // that was too large to read: its head (a success, with no status) says the
+                // call answered, not that nothing ran. Asked again, it would only be too large
+                // again (a replay), or come back without its response.
+                Verdict::Retry { .. } if too_large && grpc::answered_past_its_head(&res) => {
+                    return Err(ClientError::AnswerTooLarge {
+                        key: report.key,
+                        limit: config.max_answer_bytes,
+                    });
+                }
                 Verdict::Done { replayed } => {
                     report.ended = match replayed {
                         true => Ended::Replayed,

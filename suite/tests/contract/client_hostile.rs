@@ -767,3 +767,66 @@ async fn s9_a_replayed_in_flight_problem_is_the_answer_not_a_wait() {
     assert_eq!((report.attempts, report.ended), (1, Ended::Replayed));
     assert_eq!(attempts.load(Ordering::SeqCst), 1);
 }
+
+/// DESIGN §9 and the client's `max_answer_bytes`: a gRPC answer larger than the limit is judged
+/// by its head, and a gRPC head (200, no status: a trailers-only answer would carry one) says
+/// the call answered, not that nothing ran. Before, the verdict found no status (the trailers
+/// came after the body it stopped reading) and retried: the server replayed the same answer,
+/// too large again, until the deadline. Now `AnswerTooLarge` after one attempt, and the
+/// handler ran once.
+#[tokio::test]
+async fn s9_a_grpc_answer_over_the_limit_is_too_large_not_retried() {
+    let runs = Arc::new(AtomicUsize::new(0));
+    let handler = {
+        let runs = runs.clone();
+        tower::service_fn(move |_req: http::Request<_>| {
+            runs.fetch_add(1, Ordering::SeqCst);
+            async move {
+                let mut framed = vec![0u8];
+                framed.extend_from_slice(&2048u32.to_be_bytes());
+                framed.extend(std::iter::repeat_n(9u8, 2048));
+                let mut trailers = http::HeaderMap::new();
+                trailers.insert("grpc-status", http::HeaderValue::from_static("0"));
+                let frames = vec![
+                    Ok::<_, Infallible>(Frame::data(Bytes::from(framed))),
+                    Ok(Frame::trailers(trailers)),
+                ];
+                let body = http_body_util::StreamBody::new(futures_util::stream::iter(frames));
+                let res = http::Response::builder()
+                    .header("content-type", "application/grpc")
+                    .body(body)
+                    .expect("res");
+                Ok::<_, Infallible>(res)
+            }
+        })
+    };
+    let server = tower::Layer::layer(
+        &IdempotencyLayer::new_for_grpc(MemoryStore::new())
+            .single_tenant()
+            .grpc_method("/steps.Steps/Run", |m| m),
+        handler,
+    );
+    let attempts = Arc::new(AtomicUsize::new(0));
+    let counted = {
+        let attempts = attempts.clone();
+        tower::ServiceBuilder::new()
+            .map_request(move |r: http::Request<Full<Bytes>>| {
+                attempts.fetch_add(1, Ordering::SeqCst);
+                r
+            })
+            .service(server)
+    };
+    let svc = IdempotentClientLayer::new()
+        .deadline(Duration::from_secs(2))
+        .max_answer_bytes(1024)
+        .backoff(Duration::from_millis(10), Duration::from_millis(20))
+        .layer_on(counted);
+    let r = svc.oneshot(grpc_request(8, &key("grpc-large"))).await;
+    assert!(
+        matches!(r, Err(ClientError::AnswerTooLarge { limit: 1024, .. })),
+        "{r:?} after {} attempts",
+        attempts.load(Ordering::SeqCst)
+    );
+    assert_eq!(attempts.load(Ordering::SeqCst), 1);
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
