@@ -15,6 +15,38 @@ pub(super) fn is_grpc(res: &Response<CallBody>) -> bool {
     crate::dialect::grpc::is_grpc(crate::dialect::content_type(res.headers()))
 }
 
+/// The `grpc-timeout` a gRPC call was sent with (gRPC over HTTP/2: at most 8 digits, then
+/// `H`, `M`, `S`, `m`, `u` or `n`), if it has a valid one.
+pub(super) fn timeout_of(headers: &http::HeaderMap) -> Option<std::time::Duration> {
+    use std::time::Duration;
+    let value = headers.get("grpc-timeout")?.as_bytes();
+    let (unit, digits) = value.split_last()?;
+    if digits.is_empty() || digits.len() > 8 || !digits.iter().all(u8::is_ascii_digit) {
+        return None;
+    }
+    let n: u64 = std::str::from_utf8(digits).ok()?.parse().ok()?;
+    Some(match unit {
+        b'H' => Duration::from_secs(n * 3600),
+        b'M' => Duration::from_secs(n * 60),
+        b'S' => Duration::from_secs(n),
+        b'm' => Duration::from_millis(n),
+        b'u' => Duration::from_micros(n),
+        b'n' => Duration::from_nanos(n),
+        _ => return None,
+    })
+}
+
+/// `left` as a `grpc-timeout` value: whole milliseconds while they fit in 8 digits, whole
+/// seconds (rounded down) beyond; never more than the caller gave.
+pub(super) fn timeout_value(left: std::time::Duration) -> http::HeaderValue {
+    let ms = left.as_millis();
+    let text = match ms <= 99_999_999 {
+        true => format!("{ms}m"),
+        false => format!("{}S", left.as_secs().min(99_999_999)),
+    };
+    http::HeaderValue::from_str(&text).unwrap_or(http::HeaderValue::from_static("0m"))
+}
+
 /// Whether `res`, a gRPC answer whose body was not read, went on past its head: a success
 /// whose headers carry no status (a trailers-only answer would).
 pub(super) fn answered_past_its_head(res: &Response<CallBody>) -> bool {
@@ -202,5 +234,50 @@ mod tests {
         let mut res = Response::new(CallBody::new(body, None));
         *res.headers_mut() = headers;
         assert_eq!(verdict(&res, false), Verdict::Done { replayed: false });
+    }
+
+    /// gRPC over HTTP/2's `grpc-timeout`: every unit read, anything else (more than 8 digits,
+    /// no digits, a sign, an unknown unit, non-ASCII) is no timeout; what is sent back is
+    /// never more than was given, in at most 8 digits.
+    #[test]
+    fn grpc_timeouts_are_read_and_written_as_the_spec_says() {
+        let read = |value: &[u8]| {
+            let mut headers = HeaderMap::new();
+            headers.insert(
+                "grpc-timeout",
+                http::HeaderValue::from_bytes(value).expect("value"),
+            );
+            timeout_of(&headers)
+        };
+        assert_eq!(read(b"2H"), Some(Duration::from_secs(7200)));
+        assert_eq!(read(b"3M"), Some(Duration::from_secs(180)));
+        assert_eq!(read(b"4S"), Some(Duration::from_secs(4)));
+        assert_eq!(read(b"250m"), Some(Duration::from_millis(250)));
+        assert_eq!(read(b"7u"), Some(Duration::from_micros(7)));
+        assert_eq!(read(b"99999999n"), Some(Duration::from_nanos(99_999_999)));
+        assert_eq!(
+            read(b"99999999H"),
+            Some(Duration::from_secs(99_999_999 * 3600))
+        );
+        for bad in [
+            &b"123456789m"[..],
+            b"m",
+            b"-1S",
+            b"+1S",
+            b"1.5S",
+            b"10s",
+            b"10",
+            b"\xff1S",
+        ] {
+            assert_eq!(read(bad), None, "{bad:?}");
+        }
+        assert_eq!(timeout_value(Duration::from_millis(1_500)), "1500m");
+        assert_eq!(timeout_value(Duration::from_micros(999)), "0m");
+        assert_eq!(
+            timeout_value(Duration::from_millis(99_999_999)),
+            "99999999m"
+        );
+        assert_eq!(timeout_value(Duration::from_millis(100_000_000)), "100000S");
+        assert_eq!(timeout_value(Duration::MAX), "99999999S");
     }
 }

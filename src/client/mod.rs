@@ -8,7 +8,8 @@
 //!   refused ([`ClientError::NoOperationKey`]): a key minted here would die with the process,
 //!   and a restarted caller would run the operation a second time.
 //! - **Byte-identical retries.** The body is read once and every attempt sends those bytes,
-//!   head and extensions under the same key. Answers are read whole, up to
+//!   head and extensions under the same key (a body with trailers is refused: they would not
+//!   be sent). Answers are read whole, up to
 //!   [`max_answer_bytes`](IdempotentClientLayer::max_answer_bytes), before they are judged.
 //! - **What is retried:** failures to connect or send, attempts past their timeout, `503`
 //!   (the server's store is unavailable: nothing ran), `409 in-flight` (after its
@@ -34,7 +35,9 @@
 //!   statuses by their `google.rpc.ErrorInfo` reason (`IN_FLIGHT` waits as its `RetryInfo`
 //!   says, `FINGERPRINT_MISMATCH` and `OUTCOME_UNKNOWN` stop), other codes as the server's
 //!   policy does (a non-definitive code not replayed is retried under the same key), and a
-//!   stream cut before its status is retried. The answer keeps its trailers ([`CallBody`]), so
+//!   stream cut before its status is retried. A call's `grpc-timeout` bounds the whole call,
+//!   retries and waits included (within the layer's deadline), and each attempt is sent with
+//!   the time left. The answer keeps its trailers ([`CallBody`]), so
 //!   a tonic client over the layer reads its status as from the wire; a typed stop reaches it
 //!   as a `Status` (code `UNKNOWN`) whose source is the [`ClientError`]
 //!   ([`ClientError::find_in`]). On a `tonic::transport::Channel`, which takes tonic's body:
@@ -428,17 +431,31 @@ where
         .ok_or(ClientError::NoOperationKey)?;
     let key_value = HeaderValue::from_str(key.as_str()).map_err(|e| ClientError::Body(e.into()))?;
     let started = tokio::time::Instant::now();
+    // A gRPC call's own timeout bounds the whole call, its retries included, not each attempt:
+    // every attempt is sent with the time left (below).
+    let grpc_timeout = grpc::timeout_of(req.headers());
+    let within = grpc_timeout.map_or(config.deadline, |t| t.min(config.deadline));
     // `Duration::MAX` means no deadline of its own: a century stands in for it.
     let deadline = started
-        .checked_add(config.deadline)
+        .checked_add(within)
         .unwrap_or_else(|| started + Duration::from_secs(100 * 365 * 86_400));
     // The whole body before the first attempt (every attempt sends it again), within the
     // call's deadline: a body that never ends (a stalled upload) must not hang the call.
     let (parts, body) = req.into_parts();
     let bytes = match tokio::time::timeout_at(deadline, body.collect()).await {
-        Ok(collected) => collected
-            .map_err(|e| ClientError::Body(e.into()))?
-            .to_bytes(),
+        Ok(collected) => {
+            let collected = collected.map_err(|e| ClientError::Body(e.into()))?;
+            // Every attempt sends a body without trailers: refused rather than dropped, since
+            // the server fingerprints them and the caller meant them to be sent.
+            if collected.trailers().is_some() {
+                return Err(ClientError::Body(
+                    "the request's body has trailers, which the client layer cannot send \
+                     again on each attempt; nothing was sent"
+                        .into(),
+                ));
+            }
+            collected.to_bytes()
+        }
         Err(_) => {
             return Err(ClientError::DeadlineExceeded {
                 key: key.as_str().to_owned(),
@@ -468,6 +485,11 @@ where
             .insert(config.header.clone(), key_value.clone());
         let left = deadline.saturating_duration_since(tokio::time::Instant::now());
         let limit = config.attempt_timeout.map_or(left, |t| t.min(left));
+        if grpc_timeout.is_some() {
+            attempt
+                .headers_mut()
+                .insert("grpc-timeout", grpc::timeout_value(limit));
+        }
         let mut sent_one = false;
         let sent = tokio::time::timeout(limit, async {
             std::future::poll_fn(|cx| inner.poll_ready(cx))

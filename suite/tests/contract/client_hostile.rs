@@ -830,3 +830,85 @@ async fn s9_a_grpc_answer_over_the_limit_is_too_large_not_retried() {
     assert_eq!(attempts.load(Ordering::SeqCst), 1);
     assert_eq!(runs.load(Ordering::SeqCst), 1);
 }
+
+/// DESIGN §9 (a caller's deadline; tonic's `grpc-timeout`): a gRPC call's own timeout bounds
+/// the whole call, retries and waits included, and every attempt is sent with the time left.
+/// Before, the header went out unchanged on every attempt (each told the server it had the
+/// whole timeout again) and the call ran to the layer's own deadline, 60 s, for a caller who
+/// asked for 300 ms. Paused clock: the times are the runtime's, exact.
+#[tokio::test(start_paused = true)]
+async fn s9_a_grpc_timeout_bounds_the_whole_call() {
+    let sent = Arc::new(std::sync::Mutex::new(Vec::<String>::new()));
+    let inner = {
+        let sent = sent.clone();
+        tower::service_fn(move |req: http::Request<Full<Bytes>>| {
+            let timeout = req
+                .headers()
+                .get("grpc-timeout")
+                .map(|v| v.to_str().expect("ascii").to_owned());
+            sent.lock().expect("lock").push(timeout.unwrap_or_default());
+            async move {
+                // UNAVAILABLE, trailers-only: retried under the same key.
+                let res = http::Response::builder()
+                    .header("content-type", "application/grpc")
+                    .header("grpc-status", "14")
+                    .body(Full::new(Bytes::new()))
+                    .expect("res");
+                Ok::<_, Infallible>(res)
+            }
+        })
+    };
+    let svc = IdempotentClientLayer::new()
+        .backoff(Duration::from_millis(40), Duration::from_millis(40))
+        .layer_on(inner);
+    let mut req = grpc_request(8, &key("grpc-timeout"));
+    req.headers_mut()
+        .insert("grpc-timeout", http::HeaderValue::from_static("300m"));
+    let started = tokio::time::Instant::now();
+    let r = svc.oneshot(req).await;
+    let took = started.elapsed();
+    assert!(
+        matches!(r, Err(ClientError::DeadlineExceeded { .. })),
+        "{r:?}"
+    );
+    assert!(took <= Duration::from_millis(300), "the call took {took:?}");
+    let sent = sent.lock().expect("lock").clone();
+    assert!(sent.len() >= 3, "{sent:?}");
+    let millis: Vec<u64> = sent
+        .iter()
+        .map(|v| {
+            v.strip_suffix('m')
+                .expect("in ms")
+                .parse()
+                .expect("a number")
+        })
+        .collect();
+    assert_eq!(millis[0], 300, "{sent:?}");
+    assert!(
+        millis.windows(2).all(|w| w[1] < w[0]),
+        "each attempt is sent the time left: {sent:?}"
+    );
+}
+
+/// DESIGN §9 (every attempt sends the same bytes): a request body with trailers cannot be sent
+/// again as it was (every attempt is sent without them), so it is refused before anything is
+/// sent, not silently sent without them.
+#[tokio::test]
+async fn s9_a_request_with_trailers_is_refused_not_cut() {
+    let attempts = Arc::new(AtomicUsize::new(0));
+    let svc = IdempotentClientLayer::new().layer_on(canned(201, &[], attempts.clone()));
+    let mut trailers = http::HeaderMap::new();
+    trailers.insert("x-checksum", http::HeaderValue::from_static("abc"));
+    let frames = vec![
+        Ok::<_, Infallible>(Frame::data(Bytes::from_static(b"{}"))),
+        Ok(Frame::trailers(trailers)),
+    ];
+    let body = http_body_util::StreamBody::new(futures_util::stream::iter(frames));
+    let mut req = http::Request::post("http://x/")
+        .body(body)
+        .expect("request");
+    req.extensions_mut().insert(key("trailers"));
+    let r = svc.oneshot(req).await;
+    assert!(matches!(r, Err(ClientError::Body(_))), "{r:?}");
+    assert_eq!(attempts.load(Ordering::SeqCst), 0, "nothing sent");
+}
