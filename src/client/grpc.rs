@@ -36,10 +36,10 @@ pub(super) fn timeout_of(headers: &http::HeaderMap) -> Option<std::time::Duratio
     })
 }
 
-/// `left` as a `grpc-timeout` value: whole milliseconds while they fit in 8 digits, whole
-/// seconds (rounded down) beyond; never more than the caller gave.
+/// `left` as a `grpc-timeout` value: milliseconds (rounded up, so a time left is never sent as
+/// none) while they fit in 8 digits, whole seconds (rounded down) beyond.
 pub(super) fn timeout_value(left: std::time::Duration) -> http::HeaderValue {
-    let ms = left.as_millis();
+    let ms = left.as_nanos().div_ceil(1_000_000);
     let text = match ms <= 99_999_999 {
         true => format!("{ms}m"),
         false => format!("{}S", left.as_secs().min(99_999_999)),
@@ -84,7 +84,8 @@ pub(super) fn verdict(res: &Response<CallBody>, replayed: bool) -> Verdict {
     match details.reason.as_deref() {
         Some("FINGERPRINT_MISMATCH") => return Verdict::KeyReused,
         Some("OUTCOME_UNKNOWN") => return Verdict::OutcomeUnknown,
-        Some("IN_FLIGHT") => {
+        // Never a replay from the layer itself: one recorded is an answer (see `retry`).
+        Some("IN_FLIGHT") if !replayed => {
             return Verdict::InFlight {
                 retry_after: details.retry_delay,
             };
@@ -272,12 +273,32 @@ mod tests {
             assert_eq!(read(bad), None, "{bad:?}");
         }
         assert_eq!(timeout_value(Duration::from_millis(1_500)), "1500m");
-        assert_eq!(timeout_value(Duration::from_micros(999)), "0m");
+        assert_eq!(timeout_value(Duration::from_micros(999)), "1m");
+        assert_eq!(timeout_value(Duration::from_micros(1_001)), "2m");
+        assert_eq!(timeout_value(Duration::ZERO), "0m");
         assert_eq!(
             timeout_value(Duration::from_millis(99_999_999)),
             "99999999m"
         );
         assert_eq!(timeout_value(Duration::from_millis(100_000_000)), "100000S");
         assert_eq!(timeout_value(Duration::MAX), "99999999S");
+    }
+
+    /// DESIGN §9 (a recorded answer is the answer): the layer's own `IN_FLIGHT` is waited on,
+    /// but one marked as a replay was recorded (a gateway behind the layer passed it on, under
+    /// a policy that records everything): waiting would get it again until the deadline.
+    #[test]
+    fn a_replayed_in_flight_is_the_answer() {
+        let in_flight = refusal(ProblemKind::InFlight, Some(2));
+        assert_eq!(
+            answer(in_flight.clone(), None, false),
+            Verdict::InFlight {
+                retry_after: Some(Duration::from_secs(2))
+            }
+        );
+        assert_eq!(
+            answer(in_flight, None, true),
+            Verdict::Done { replayed: true }
+        );
     }
 }

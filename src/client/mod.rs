@@ -25,7 +25,8 @@
 //!   a server wired wrong), in every dialect: problem documents, JSON-RPC errors (the problem
 //!   in `error.data`), gRPC `ErrorInfo` reasons. A new key is never minted.
 //! - **The deadline rule.** Built [`for_window`](IdempotentClientLayer::for_window), the layer
-//!   refuses timeouts that do not outlast the route's published processing window
+//!   refuses timeouts (its own, and a gRPC call's `grpc-timeout`) that do not outlast the
+//!   route's published processing window
 //!   ([`ProcessingWindow::min_deadline`](crate::ProcessingWindow::min_deadline)): an attempt
 //!   that gives up before the first could finish only turns every slow call into a wait.
 //! - **A report per call** ([`CallReport`], in the response's extensions): attempts, replays,
@@ -434,6 +435,13 @@ where
     // A gRPC call's own timeout bounds the whole call, its retries included, not each attempt:
     // every attempt is sent with the time left (below).
     let grpc_timeout = grpc::timeout_of(req.headers());
+    // It is the call's deadline, so the window's rule holds for it too (a zero included).
+    if let Some(timeout) = grpc_timeout {
+        let window = config.window.unwrap_or(Duration::ZERO);
+        if timeout <= window {
+            return Err(ClientError::DeadlineTooShort { timeout, window });
+        }
+    }
     let within = grpc_timeout.map_or(config.deadline, |t| t.min(config.deadline));
     // `Duration::MAX` means no deadline of its own: a century stands in for it.
     let deadline = started
@@ -447,7 +455,7 @@ where
             let collected = collected.map_err(|e| ClientError::Body(e.into()))?;
             // Every attempt sends a body without trailers: refused rather than dropped, since
             // the server fingerprints them and the caller meant them to be sent.
-            if collected.trailers().is_some() {
+            if collected.trailers().is_some_and(|t| !t.is_empty()) {
                 return Err(ClientError::Body(
                     "the request's body has trailers, which the client layer cannot send \
                      again on each attempt; nothing was sent"
@@ -485,10 +493,12 @@ where
             .insert(config.header.clone(), key_value.clone());
         let left = deadline.saturating_duration_since(tokio::time::Instant::now());
         let limit = config.attempt_timeout.map_or(left, |t| t.min(left));
+        // The call's time left, not the attempt's: a run the layer lets finish after the
+        // attempt is given up on may pass the deadline on downstream.
         if grpc_timeout.is_some() {
             attempt
                 .headers_mut()
-                .insert("grpc-timeout", grpc::timeout_value(limit));
+                .insert("grpc-timeout", grpc::timeout_value(left));
         }
         let mut sent_one = false;
         let sent = tokio::time::timeout(limit, async {

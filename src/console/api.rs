@@ -151,7 +151,10 @@ const RESOLVE_FIELDS: &[&str] = &[
 ];
 
 /// What `POST /api/remove` reads.
-const REMOVE_FIELDS: &[&str] = &["ref", "scope", "key", "token", "reason"];
+const REMOVE_FIELDS: &[&str] = &["ref", "scope", "key", "token", "state", "reason"];
+
+/// What `POST /api/purge` reads: nothing.
+const PURGE_FIELDS: &[&str] = &[];
 
 /// Refuses a field the write does not read: a misspelt `token` (`lease_token`, `Token`) read
 /// as absent would settle whichever attempt holds the key now, not the one asked for.
@@ -229,8 +232,13 @@ pub(super) async fn api_purge<St: IdempotencyStore>(
     State(console): State<Console<St>>,
     req: Request,
 ) -> Response<Body> {
-    if let Err(res) = api_fields(&console, req).await {
-        return res;
+    match api_fields(&console, req).await {
+        Err(res) => return res,
+        Ok(fields) => {
+            if let Some(res) = unknown_field(&fields, PURGE_FIELDS) {
+                return res;
+            }
+        }
     }
     match console.store.purge_expired().await {
         Ok(purged) => json_response(StatusCode::OK, &json!({ "purged": purged })),

@@ -42,8 +42,10 @@
 //!
 //! A resolution or a removal sent with the `token` its record was read with (the record's
 //! page sends it) acts on that attempt only: if the record has moved on by then (another
-//! attempt holds the key, or it was settled), it is refused (409) and nothing changes.
-//! Without a `token` it acts on whichever attempt is there when it lands. A key is named by
+//! attempt holds the key, or it was settled), it is refused (409) and nothing changes. A
+//! removal also takes the `state` it was read in (the page sends it too), so a record its
+//! own holder completed since, under the same token, is not removed either. Without a
+//! `token` it acts on whichever attempt is there when it lands. A key is named by
 //! `scope` and `key`, or by the page's `ref`, never both. A record's page read while the
 //! store fails is a 503 with nothing to act on; a record that is there but does not decode
 //! gets a page that says so, and a form to remove it. The record keeps the note of its

@@ -221,11 +221,15 @@ pub(super) async fn page_record<St: IdempotencyStore>(
     }
     // The key as a reference a browser sends back intact, and the attempt this page shows:
     // a resolution made here cannot settle a later attempt.
+    // The attempt the page shows, and its state: a record settled under the same token since
+    // (its recorder's write landed, its holder completed) has moved on all the same.
     let hidden = format!(
         "<input type=\"hidden\" name=\"ref\" value=\"{}\">\
-         <input type=\"hidden\" name=\"token\" value=\"{}\">",
+         <input type=\"hidden\" name=\"token\" value=\"{}\">\
+         <input type=\"hidden\" name=\"state\" value=\"{}\">",
         esc(&key_ref(&record.key)),
-        record.lease_token.get()
+        record.lease_token.get(),
+        record.status.as_str()
     );
     // A holder under a live lease cannot be overruled (the store refuses): no forms to fail.
     let held = record.status == crate::store::RecordStatus::InProgress

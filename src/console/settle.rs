@@ -5,7 +5,9 @@ use axum::body::Bytes;
 use http::{HeaderMap, HeaderValue, StatusCode, header};
 
 use crate::reconcile::{Reconciliation, resolve_at};
-use crate::store::{FencingToken, IdempotencyStore, ScopedKey, StoreError, StoredResponse};
+use crate::store::{
+    FencingToken, IdempotencyStore, RecordStatus, ScopedKey, StoreError, StoredResponse,
+};
 
 use super::Console;
 
@@ -142,9 +144,10 @@ impl Settle {
 }
 
 /// A removal by hand, from the form or the API: the key and a required reason (logged), and
-/// the attempt it was asked for (`token`, which a record's page sends): a record that has
-/// moved on since (settled, or claimed by another attempt) is not removed, so a stale page
-/// cannot delete an outcome its retries must replay. The check is a read just before the
+/// the attempt and state it was asked for (`token` and `state`, which a record's page sends):
+/// a record that has moved on since (claimed by another attempt, settled by hand, or completed
+/// by its own holder under the same token) is not removed, so a stale page cannot delete an
+/// outcome its retries must replay. The check is a read just before the
 /// removal: it closes the window of a stale page, not a claim racing that one read. Whether a
 /// record was there to remove.
 pub(super) async fn remove_by_hand<St: IdempotencyStore>(
@@ -153,6 +156,17 @@ pub(super) async fn remove_by_hand<St: IdempotencyStore>(
 ) -> Result<bool, (StatusCode, String)> {
     let key = key_from(&get).map_err(|why| (StatusCode::BAD_REQUEST, why))?;
     let token = token_from(&get).map_err(|why| (StatusCode::BAD_REQUEST, why))?;
+    let state = match get("state") {
+        Some(state) if !STATES.iter().any(|s| s.as_str() == state) => {
+            return Err((
+                StatusCode::BAD_REQUEST,
+                "state must be a record's status (in_progress, completed, released, \
+                 needs_reconciliation)"
+                    .to_owned(),
+            ));
+        }
+        state => state,
+    };
     let reason = get("reason").filter(|r| !r.trim().is_empty()).ok_or((
         StatusCode::BAD_REQUEST,
         "a reason is required: removing a key lets its next request run as new".to_owned(),
@@ -164,10 +178,16 @@ pub(super) async fn remove_by_hand<St: IdempotencyStore>(
             format!("the store failed: {error}"),
         )
     };
-    if let Some(token) = token {
+    if token.is_some() || state.is_some() {
         let moved = |why: &str| (StatusCode::CONFLICT, why.to_owned());
+        let asked_for = |record: &crate::store::Record| {
+            token.is_none_or(|token| record.lease_token == token)
+                && state
+                    .as_deref()
+                    .is_none_or(|state| record.status.as_str() == state)
+        };
         match console.store.lookup(&key).await {
-            Ok(Some(record)) if record.lease_token == token => {}
+            Ok(Some(record)) if asked_for(&record) => {}
             Ok(Some(_)) => {
                 return Err(moved(
                     "the record has moved on since this removal was asked for (settled, or \
@@ -188,6 +208,14 @@ pub(super) async fn remove_by_hand<St: IdempotencyStore>(
     tracing::warn!(?key, removed, reason, "operator console: record removed");
     Ok(removed)
 }
+
+/// Every state a record can be in, as `state` names them.
+const STATES: [RecordStatus; 4] = [
+    RecordStatus::InProgress,
+    RecordStatus::Completed,
+    RecordStatus::Released,
+    RecordStatus::NeedsReconciliation,
+];
 
 pub(super) fn key_from(get: impl Fn(&str) -> Option<String>) -> Result<ScopedKey, String> {
     // The pages' forms name the key by a reference a browser cannot alter (NUL, CR and LF in

@@ -451,7 +451,11 @@ impl IdempotencyStore for $store {
             .await
             .map_err(unavailable)?;
         match row {
-            Some(row) => Ok(Some(raw(&row).map_err(unavailable)?.0.into_record()?)),
+            // A column that does not read as its type is a damaged row, as the listing says
+            // (`RowError`), not a store that failed: an operator is shown it, to remove.
+            Some(row) => Ok(Some(
+                raw(&row).map_err(sql::RowError::column)?.0.into_record()?,
+            )),
             None => Ok(None),
         }
     }

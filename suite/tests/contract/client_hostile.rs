@@ -912,3 +912,73 @@ async fn s9_a_request_with_trailers_is_refused_not_cut() {
     assert!(matches!(r, Err(ClientError::Body(_))), "{r:?}");
     assert_eq!(attempts.load(Ordering::SeqCst), 0, "nothing sent");
 }
+
+/// DESIGN §9 (the deadline rule), for gRPC:
+/// - a `grpc-timeout` is the call's deadline, so under `for_window` one that does not
+///   outlast the window, or a zero, is refused before anything is sent;
+/// - with an attempt timeout, each attempt still carries the call's time left, not the
+///   attempt's (a run the server lets finish may pass its deadline on downstream).
+#[tokio::test(start_paused = true)]
+async fn s9_grpc_timeouts_follow_the_deadline_rule() {
+    // A route that has run nothing yet: its window is its lease (30 s).
+    let window = IdempotencyLayer::new(MemoryStore::new())
+        .processing_windows()
+        .remove(0);
+    let floor = window.min_deadline();
+    let sent = Arc::new(std::sync::Mutex::new(Vec::<String>::new()));
+    let inner = |status: &'static str| {
+        let sent = sent.clone();
+        tower::service_fn(move |req: http::Request<Full<Bytes>>| {
+            let timeout = req
+                .headers()
+                .get("grpc-timeout")
+                .map(|v| v.to_str().expect("ascii").to_owned());
+            sent.lock().expect("lock").push(timeout.unwrap_or_default());
+            async move {
+                let res = http::Response::builder()
+                    .header("content-type", "application/grpc")
+                    .header("grpc-status", status)
+                    .body(Full::new(Bytes::new()))
+                    .expect("res");
+                Ok::<_, Infallible>(res)
+            }
+        })
+    };
+    for short in [floor, Duration::ZERO] {
+        let svc = IdempotentClientLayer::for_window(&window).layer_on(inner("0"));
+        let mut req = grpc_request(8, &key("grpc-short"));
+        let value = format!("{}m", short.as_millis());
+        req.headers_mut().insert(
+            "grpc-timeout",
+            http::HeaderValue::from_str(&value).expect("v"),
+        );
+        let r = svc.oneshot(req).await;
+        assert!(
+            matches!(r, Err(ClientError::DeadlineTooShort { .. })),
+            "{value}: {r:?}"
+        );
+    }
+    assert!(sent.lock().expect("lock").is_empty(), "nothing sent");
+
+    // UNAVAILABLE, retried; each attempt times out at 100 ms of a 10 s call.
+    let svc = IdempotentClientLayer::new()
+        .attempt_timeout(Duration::from_millis(100))
+        .backoff(Duration::from_millis(500), Duration::from_millis(500))
+        .layer_on(inner("14"));
+    let mut req = grpc_request(8, &key("grpc-left"));
+    req.headers_mut()
+        .insert("grpc-timeout", http::HeaderValue::from_static("2S"));
+    let r = svc.oneshot(req).await;
+    assert!(
+        matches!(r, Err(ClientError::DeadlineExceeded { .. })),
+        "{r:?}"
+    );
+    let millis: Vec<u64> = sent
+        .lock()
+        .expect("lock")
+        .drain(..)
+        .map(|v| v.strip_suffix('m').expect("ms").parse().expect("n"))
+        .collect();
+    assert_eq!(millis.first(), Some(&2000), "{millis:?}");
+    assert!(millis.len() >= 2 && millis[1] > 100, "{millis:?}");
+}

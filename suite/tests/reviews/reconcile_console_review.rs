@@ -1550,3 +1550,129 @@ async fn s4_resolutions_kept_for_ever_land<S: IdempotencyStore>(store: S, name: 
 }
 
 on_stores!(s4_resolutions_kept_for_ever_land);
+
+/// The hidden fields of a record's page (`ref`, `token`, `state`), as its forms post them.
+async fn page_fields(ops: SocketAddr, key: &ScopedKey) -> Vec<(String, String)> {
+    let (_, page) = get(
+        ops,
+        &format!("/record?scope={}&key={}", key.scope(), key.key()),
+    )
+    .await;
+    let mut fields = Vec::new();
+    for name in ["ref", "token", "state"] {
+        let marker = format!("name=\"{name}\" value=\"");
+        let at = page
+            .find(&marker)
+            .unwrap_or_else(|| panic!("no {name}: {page}"))
+            + marker.len();
+        let value = &page[at..at + page[at..].find('"').expect("end")];
+        fields.push((name.to_owned(), value.to_owned()));
+    }
+    fields
+}
+
+/// DESIGN §4 (the holder keeps retrying its record; only what the store has settled is
+/// final): a record set aside while its holder retries its write is shown on its page; the
+/// write then lands (completed, under the same token), and the page's Remove, posted late, is
+/// refused (409): the recorded outcome stays for its retries. The token alone could not tell
+/// (a completion keeps it): the page sends the state it showed, and the API takes it too. Also
+/// a live holder's page, whose holder completes before the Remove lands.
+#[tokio::test]
+async fn s4_console_remove_from_a_page_its_holder_has_completed_since_is_refused() {
+    let rig = Rig::new(MemoryStore::new());
+    let ops = console(&rig).await;
+    let response = StoredResponse {
+        status: StatusCode::CREATED,
+        headers: http::HeaderMap::new(),
+        body: Some(bytes::Bytes::from_static(b"paid")),
+        trailers: None,
+    };
+    let same = vec![("sec-fetch-site", "same-origin".to_owned())];
+    for (i, set_aside) in [true, false].into_iter().enumerate() {
+        let key = ScopedKey::new("", unique(&format!("completed-since-{i}")));
+        let token = acquired(&*rig, &claim_request(&key, Duration::from_secs(600))).await;
+        if set_aside {
+            rig.mark_uncertain(&key, token).await.expect("mark");
+        }
+        let mut fields = page_fields(ops, &key).await;
+        assert_eq!(fields[1].1, token.get().to_string());
+        rig.complete(&key, token, &response, Duration::from_secs(600))
+            .await
+            .expect("the holder's write lands");
+        fields.push(("reason".to_owned(), "stuck".to_owned()));
+        let posted: Vec<(&str, &str)> = fields
+            .iter()
+            .map(|(n, v)| (n.as_str(), v.as_str()))
+            .collect();
+        assert_eq!(
+            form(ops, "/remove", &same, &posted).await,
+            409,
+            "set aside {set_aside}"
+        );
+        let body: serde_json::Map<String, Value> = fields
+            .iter()
+            .map(|(n, v)| (n.clone(), Value::from(v.as_str())))
+            .collect();
+        let (status, _) = api(ops, "/api/remove", Value::Object(body)).await;
+        assert_eq!(status, 409, "set aside {set_aside}");
+        let record = rig.lookup(&key).await.expect("lookup").expect("kept");
+        assert_eq!(
+            record.status,
+            RecordStatus::Completed,
+            "set aside {set_aside}"
+        );
+    }
+}
+
+/// DESIGN §4: a SQLite row whose column does not read as its type (text in the token's
+/// integer column, as another tool could leave it) is a damaged record, shown with its Remove
+/// form, not a store that failed: the record page's read names the column, as the listing
+/// does.
+#[tokio::test]
+async fn s4_console_a_row_whose_column_does_not_read_is_shown_to_remove() {
+    let (store, path) = common::sqlite("console-column").await;
+    let rig = Rig::new(store);
+    let ops = console(&rig).await;
+    let (key, _) = uncertain(&rig, "column-damage").await;
+    let pool = sqlx::SqlitePool::connect(&format!("sqlite://{}", path.display()))
+        .await
+        .expect("open the file");
+    sqlx::query("UPDATE idempotency_records SET lease_token = 'garbage' WHERE key = ?")
+        .bind(key.key().as_bytes())
+        .execute(&pool)
+        .await
+        .expect("damage the row");
+    let (status, page) = get(ops, &format!("/record?scope=&key={}", key.key())).await;
+    assert_eq!(status, 200, "{page}");
+    assert!(
+        page.contains("cannot be read") && page.contains("id=\"remove\""),
+        "{page}"
+    );
+    let fields = [
+        ("ref", format!("~{}", key.key())),
+        ("reason", "damaged".to_owned()),
+    ];
+    let posted: Vec<(&str, &str)> = fields.iter().map(|(n, v)| (*n, v.as_str())).collect();
+    let same = vec![("sec-fetch-site", "same-origin".to_owned())];
+    let status = form(ops, "/remove", &same, &posted).await;
+    assert!(status == 303 || status == 200, "{status}");
+    let left: i64 = sqlx::query_scalar("SELECT count(*) FROM idempotency_records WHERE key = ?")
+        .bind(key.key().as_bytes())
+        .fetch_one(&pool)
+        .await
+        .expect("count");
+    assert_eq!(left, 0, "removed");
+}
+
+/// DESIGN §4: `/api/purge` takes no field, as its table says: a body naming a key (a script
+/// that meant `/api/remove`) is refused, not read as "purge everything expired".
+#[tokio::test]
+async fn s4_console_api_purge_refuses_fields() {
+    let rig = Rig::new(MemoryStore::new());
+    let ops = console(&rig).await;
+    let (status, answer) = api(ops, "/api/purge", json!({"scope": "", "key": "k"})).await;
+    assert_eq!(status, 400, "{answer}");
+    assert!(answer.get("purged").is_none(), "{answer}");
+    let (status, answer) = api(ops, "/api/purge", json!({})).await;
+    assert_eq!((status, &answer["purged"]), (200, &json!(0)), "{answer}");
+}
