@@ -39,7 +39,8 @@ pub(super) fn verdict(res: &Response<CallBody>) -> Verdict {
         // layer) cannot say whether it is the layer's "in flight" or the application's own
         // answer. The layer's always says when to ask again (`Retry-After`, at least 1 s); an
         // application's rarely does, and asked again it would run again (a 409 is not a
-        // definitive outcome, so the server gave its key back): without one, it is the answer.
+        // definitive outcome, so the server gave its key back): without one, it is the answer
+        // (an `outcome-unknown` encoded alike is too: the caller reads its body).
         (StatusCode::CONFLICT, None) if !replayed && encoded(res) && retry_after.is_some() => {
             Verdict::InFlight { retry_after }
         }
