@@ -517,13 +517,21 @@ impl IdempotencyStore for RedisStore {
             return Ok(None);
         }
         let parts = array(&reply).ok_or_else(|| odd("a lookup is not an array"))?;
-        let [_now, fields] = parts else {
-            return Err(odd("a lookup has not two parts"));
+        let damaged = |what: String| StoreError::unavailable(super::codec::RowError(what));
+        let fields = match parts {
+            [_now, fields] => fields,
+            // The script found something at the key that is not a record it can read.
+            [_now, fields, what] => {
+                let what = bytes(what).map(String::from_utf8_lossy).unwrap_or_default();
+                return match array(fields).map(parse_record) {
+                    Some(Err(error)) => Err(damaged(format!("{what}: {error}"))),
+                    _ => Err(damaged(what.into_owned())),
+                };
+            }
+            _ => return Err(odd("a lookup has not two parts")),
         };
         let fields = array(fields).ok_or_else(|| odd("a record is not a hash"))?;
-        parse_record(fields)
-            .map(Some)
-            .map_err(|what| StoreError::unavailable(super::codec::RowError(what)))
+        parse_record(fields).map(Some).map_err(damaged)
     }
 
     async fn remove(&self, key: &ScopedKey) -> Result<bool, StoreError> {

@@ -208,11 +208,19 @@ save(r)
 return 1
 ";
 
-/// `ARGV`: member. Returns `{now, fields}`, or nil when there is no live record.
+/// `ARGV`: member. Returns `{now, fields}`, or nil when there is no live record; a record
+/// that does not read as one (another type at its key, fields that do not parse) is returned
+/// as `{now, fields, what}`: damage to show, not a failure of the store.
 const LOOKUP: &str = r"
-local r = load(KEYS[1])
-if r == nil or expired(r) then return false end
-return {fmt(now), redis.call('HGETALL', KEYS[1])}
+local flat = redis.pcall('HGETALL', KEYS[1])
+if flat.err then return {fmt(now), {}, flat.err} end
+if #flat == 0 then return false end
+local r = {}
+for i = 1, #flat, 2 do r[flat[i]] = flat[i + 1] end
+local fine, gone = pcall(expired, r)
+if not fine then return {fmt(now), flat, 'its expiry does not read'} end
+if gone then return false end
+return {fmt(now), flat}
 ";
 
 /// `ARGV`: member. Returns 1 if a record was deleted.

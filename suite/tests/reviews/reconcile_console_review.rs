@@ -1676,3 +1676,68 @@ async fn s4_console_api_purge_refuses_fields() {
     let (status, answer) = api(ops, "/api/purge", json!({})).await;
     assert_eq!((status, &answer["purged"]), (200, &json!(0)), "{answer}");
 }
+
+/// DESIGN §4 and §5 (Redis): a record hash damaged by hand or by another tool (fields that do
+/// not parse, a field missing, another type at its key) is shown on its page as a record that
+/// cannot be read, with its Remove form, and removing it removes it. Before, the lookup script
+/// raised on an expiry that does not read and on another type (`WRONGTYPE`), which the page
+/// could not tell from a store that failed: a 503 with nothing to remove, for a record that
+/// holds its key (and, awaiting reconciliation, the alert) for good.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s4_console_damaged_redis_records_are_shown_to_remove() {
+    let Some(store) = common::redis("console-damaged").await else {
+        return;
+    };
+    let rig = Rig::new(store);
+    let ops = console(&rig).await;
+    let client = redis::Client::open(common::redis_url()).expect("url");
+    let mut conn = client
+        .get_multiplexed_async_connection()
+        .await
+        .expect("connection");
+    type Damage = &'static [&'static [u8]];
+    let cases: [(&str, Damage); 6] = [
+        (
+            "garbage resp",
+            &[b"HSET", b"@", b"resp", b"\xde\xadnot a record"],
+        ),
+        ("missing ea", &[b"HDEL", b"@", b"ea"]),
+        ("non-numeric ea", &[b"HSET", b"@", b"ea", b"tomorrow"]),
+        ("unknown status", &[b"HSET", b"@", b"st", b"done"]),
+        ("a string in its place", &[b"SET", b"@", b"not a hash"]),
+        ("a list in its place", &[b"RPUSH", b"@", b"x"]),
+    ];
+    let same = vec![("sec-fetch-site", "same-origin".to_owned())];
+    for (what, damage) in cases {
+        let (key, _) = uncertain(&rig, "redis-damage").await;
+        let [record, ..] = rig.inner.keys(&key);
+        if damage[0] == b"SET" || damage[0] == b"RPUSH" {
+            let _: i64 = redis::cmd("DEL")
+                .arg(&record)
+                .query_async(&mut conn)
+                .await
+                .expect("del");
+        }
+        let mut cmd = redis::cmd(std::str::from_utf8(damage[0]).expect("command"));
+        for arg in &damage[1..] {
+            cmd.arg(if *arg == b"@" { &record[..] } else { *arg });
+        }
+        let _: redis::Value = cmd.query_async(&mut conn).await.expect(what);
+        let (status, page) = get(ops, &format!("/record?scope=&key={}", key.key())).await;
+        assert_eq!(status, 200, "{what}: {page}");
+        assert!(
+            page.contains("cannot be read") && page.contains("id=\"remove\""),
+            "{what}: {page}"
+        );
+        let reference = format!("~{}", key.key());
+        let fields = [("ref", reference.as_str()), ("reason", "damaged")];
+        let status = form(ops, "/remove", &same, &fields).await;
+        assert_eq!(status, 303, "{what}");
+        let left: i64 = redis::cmd("EXISTS")
+            .arg(&record)
+            .query_async(&mut conn)
+            .await
+            .expect("exists");
+        assert_eq!(left, 0, "{what}: removed");
+    }
+}
