@@ -350,7 +350,8 @@ impl<St, M> IdempotencyLayer<St, M> {
 
     /// Computes each request's scope with `make_scope`: a closure returning `String`, or
     /// `Option<String>` where `None` means the request lacks what the scope is made from
-    /// (answered 500 `scope-missing`, nothing runs).
+    /// (answered 500 `scope-missing`, nothing runs). An empty scope is no scope either: a
+    /// closure that falls back to `""` would otherwise put every such caller in one scope.
     ///
     /// ```
     /// use http::request::Parts;

@@ -127,10 +127,17 @@ where
     R: IntoScope,
 {
     fn make_scope(&self, parts: &Parts) -> Result<String, MissingScope> {
+        let scope = self(parts).into_scope()?;
+        // An empty scope is none, as an empty principal id is: read as a scope, every request
+        // whose closure falls back to "" (a header it lacks, `unwrap_or_default()`) would share
+        // one, and be replayed each other's answers.
+        if scope.is_empty() {
+            return Err(MissingScope::new(
+                "what its scope closure reads (it gave none)",
+            ));
+        }
         // Prefixed, so a computed scope never equals another builder's.
-        self(parts)
-            .into_scope()
-            .map(|scope| format!("custom:{scope}"))
+        Ok(format!("custom:{scope}"))
     }
 }
 

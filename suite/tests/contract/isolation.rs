@@ -527,3 +527,58 @@ async fn s16_4_a_307_is_not_recorded() {
     );
     assert_eq!(effects.count(), 2);
 }
+
+/// DESIGN §1 step 2 (callers must never fall into one shared scope): a `scope_with` closure
+/// that falls back to `""` when the request lacks what it reads (a tenant header, read with
+/// `unwrap_or_default()`) gives no scope, as an empty principal id does: 500 `scope-missing`,
+/// nothing runs. Before, every such caller shared the scope `custom:`, and the second was
+/// replayed the first's answer. A closure returning `Some("")` is refused alike; a tenant that
+/// is there still runs once and replays its own.
+#[tokio::test]
+async fn s16_1_an_empty_scope_from_a_closure_is_no_scope() {
+    let effects = Effects::default();
+    let by_tenant = |parts: &http::request::Parts| {
+        parts
+            .headers
+            .get("x-tenant")
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or_default()
+            .to_owned()
+    };
+    let optional = |parts: &http::request::Parts| {
+        Some(
+            parts
+                .headers
+                .get("x-tenant")
+                .and_then(|v| v.to_str().ok())
+                .unwrap_or_default()
+                .to_owned(),
+        )
+    };
+    let app = charge(&effects)
+        .layer(IdempotencyLayer::new(MemoryStore::new()).scope_with(by_tenant))
+        .merge(
+            Router::new()
+                .nest("/opt", charge(&effects))
+                .layer(IdempotencyLayer::new(MemoryStore::new()).scope_with(optional)),
+        );
+    let addr = serve(app).await;
+    for path in ["/charge", "/opt/charge"] {
+        for _caller in ["a", "b"] {
+            let res = send(addr, path, "shared-key", &[], r#"{"amount":1}"#).await;
+            assert_eq!(res.status(), StatusCode::INTERNAL_SERVER_ERROR, "{path}");
+            let body = problem(res).await;
+            assert_eq!(body["type"], problem_type("scope-missing"), "{path}");
+        }
+        let tenant = [("x-tenant", "t1")];
+        let first = send(addr, path, "shared-key", &tenant, r#"{"amount":1}"#).await;
+        assert_eq!(first.status(), StatusCode::CREATED, "{path}");
+        let again = send(addr, path, "shared-key", &tenant, r#"{"amount":1}"#).await;
+        assert_eq!(again.headers()["idempotency-replayed"], "true", "{path}");
+    }
+    assert_eq!(
+        effects.count(),
+        2,
+        "one run per route, for the tenant that is there"
+    );
+}
