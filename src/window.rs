@@ -122,8 +122,9 @@ pub struct ProcessingWindow {
     /// The route, as given to `for_path` (`None`: the layer's defaults, for every other path).
     pub route: Option<String>,
     /// The 99th percentile of its recent executions (from the handler's start to its whole
-    /// answer, or to an answer too large to keep being recorded; an abandoned execution
-    /// counts as long as it ran), once one has run.
+    /// answer; an answer too large to record is timed until the rest of it has been sent on,
+    /// so a client that reads it slowly lengthens it; an abandoned execution counts as long as
+    /// it ran), once one has run.
     pub p99: Option<Duration>,
     /// How many executions it has measured.
     pub executions: u64,
