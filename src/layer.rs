@@ -350,8 +350,10 @@ impl<St, M> IdempotencyLayer<St, M> {
 
     /// Computes each request's scope with `make_scope`: a closure returning `String`, or
     /// `Option<String>` where `None` means the request lacks what the scope is made from
-    /// (answered 500 `scope-missing`, nothing runs). An empty scope is no scope either: a
-    /// closure that falls back to `""` would otherwise put every such caller in one scope.
+    /// (answered 500 `scope-missing`, nothing runs). A closure's empty scope is no scope
+    /// either: one that falls back to `""` would otherwise put every such caller in one scope
+    /// (keys recorded under such a scope before are answered 500 too, never replayed to
+    /// another caller). A `MakeScope` of your own is taken as it answers.
     ///
     /// ```
     /// use http::request::Parts;

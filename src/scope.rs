@@ -12,7 +12,7 @@
 //! |---|---|---|
 //! | [`scope_by_principal`](crate::IdempotencyLayer::scope_by_principal) | an extension your auth layer sets, typed; the closure's string must name the caller uniquely among all kinds of principal sharing the store (`user:42`, `org:42`) | 500, nothing runs (also for an empty id) |
 //! | [`scope_by_header`](crate::IdempotencyLayer::scope_by_header) | a header's value, hashed (a tenant id, an API key) | 500, nothing runs |
-//! | [`scope_with`](crate::IdempotencyLayer::scope_with) | what a closure returns (`String`, or `Option<String>` for "missing") | 500 when `None` |
+//! | [`scope_with`](crate::IdempotencyLayer::scope_with) | what a closure returns (`String`, or `Option<String>` for "missing") | 500 when `None` or empty |
 //! | [`single_tenant`](crate::IdempotencyLayer::single_tenant) | one scope for every caller: for services with one client, or behind a gateway that already partitions them | — |
 //! | [`scope_by_credential_hash`](crate::IdempotencyLayer::scope_by_credential_hash) | a hash of `Authorization` (see [`CredentialHash`] for why it breaks on token rotation) | 500, nothing runs |
 //!

@@ -13,6 +13,7 @@ use crate::store::IdempotencyStore;
 
 use super::origin::{forbidden, read_body, same_origin};
 use super::respond::{enc, esc, html, list_url, record_link, see_other};
+use super::settle::UNREADABLE;
 use super::settle::{Settle, key_from, key_ref, remove_by_hand};
 use super::{Console, base, cursor_text, last_resolution, listing, millis, param, query_pairs};
 
@@ -139,6 +140,7 @@ pub(super) async fn page_record<St: IdempotencyStore>(
                  <p class=\"warn\" id=\"error\">This record cannot be read: {}</p>\
                  <form id=\"remove\" method=\"post\" action=\"{base}/remove\">\
                  <input type=\"hidden\" name=\"ref\" value=\"{}\">\
+                 <input type=\"hidden\" name=\"state\" value=\"{UNREADABLE}\">\
                  <label>Reason (required) <input name=\"reason\" required size=\"60\"></label>\
                  <button type=\"submit\">Remove this record</button></form>",
                 list_url(&base),

@@ -157,11 +157,11 @@ pub(super) async fn remove_by_hand<St: IdempotencyStore>(
     let key = key_from(&get).map_err(|why| (StatusCode::BAD_REQUEST, why))?;
     let token = token_from(&get).map_err(|why| (StatusCode::BAD_REQUEST, why))?;
     let state = match get("state") {
-        Some(state) if !STATES.iter().any(|s| s.as_str() == state) => {
+        Some(state) if state != UNREADABLE && !STATES.iter().any(|s| s.as_str() == state) => {
             return Err((
                 StatusCode::BAD_REQUEST,
                 "state must be a record's status (in_progress, completed, released, \
-                 needs_reconciliation)"
+                 needs_reconciliation) or unreadable"
                     .to_owned(),
             ));
         }
@@ -195,6 +195,9 @@ pub(super) async fn remove_by_hand<St: IdempotencyStore>(
                 ));
             }
             Ok(None) => return Ok(false),
+            // Asked from the page of a record that did not read, and it still does not.
+            Err(error)
+                if crate::store::is_corrupt(&error) && state.as_deref() == Some(UNREADABLE) => {}
             Err(error) if crate::store::is_corrupt(&error) => {
                 return Err(moved(
                     "the record no longer reads as it did when this removal was asked for: \
@@ -208,6 +211,10 @@ pub(super) async fn remove_by_hand<St: IdempotencyStore>(
     tracing::warn!(?key, removed, reason, "operator console: record removed");
     Ok(removed)
 }
+
+/// The `state` of a removal asked from the page of a record that did not read: refused once
+/// it reads again (removed and claimed anew since, its new outcome is not the damaged one).
+pub(super) const UNREADABLE: &str = "unreadable";
 
 /// Every state a record can be in, as `state` names them.
 const STATES: [RecordStatus; 4] = [

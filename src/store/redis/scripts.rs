@@ -213,7 +213,11 @@ return 1
 /// as `{now, fields, what}`: damage to show, not a failure of the store.
 const LOOKUP: &str = r"
 local flat = redis.pcall('HGETALL', KEYS[1])
-if flat.err then return {fmt(now), {}, flat.err} end
+if flat.err then
+  -- Another type at the record's key is damage to show; any other error is the server's.
+  if string.find(flat.err, 'WRONGTYPE', 1, true) ~= 1 then return redis.error_reply(flat.err) end
+  return {fmt(now), {}, flat.err}
+end
 if #flat == 0 then return false end
 local r = {}
 for i = 1, #flat, 2 do r[flat[i]] = flat[i + 1] end
@@ -281,8 +285,11 @@ local function promote(prefix)
   local due = redis.call('ZRANGEBYSCORE', KEYS[3], '-inf', now, 'LIMIT', 0, 1000)
   for _, m in ipairs(due) do
     redis.call('ZREM', KEYS[3], m)
-    local r = load(prefix .. m)
-    if r and r.st == 'in_progress' and watched(r) then
+    local ok, r = pcall(load, prefix .. m)
+    if not ok then
+      -- Another type at the record's key: listed, to be reported unreadable and removed.
+      redis.call('ZADD', KEYS[2], now, m)
+    elseif r and r.st == 'in_progress' and watched(r) then
       redis.call('ZADD', KEYS[2], r.ua, m)
     end
   end
@@ -298,14 +305,22 @@ local limit, newest = tonumber(ARGV[5]), ARGV[6] == '1'
 local found, stale = {}, {}
 local function take(m, s)
   if #found >= limit then return end
-  local r = load(ARGV[2] .. m)
+  local readable, r = pcall(load, ARGV[2] .. m)
+  if not readable then
+    -- Another type at the record's key: listed with no fields, reported unreadable.
+    found[#found + 1] = {s, m, {}}
+    return
+  end
   if r == nil then
     stale[#stale + 1] = m
     return
   end
-  -- A damaged record is listed as it is, to be reported unreadable, never failing the page.
+  -- A damaged record is listed as it is, to be reported unreadable, never failing the page:
+  -- one whose status is none of a record's is in the index and counted, so it is shown.
   local ok, listed = pcall(uncertain, r)
-  if listed or not ok then
+  local known = r.st == 'in_progress' or r.st == 'completed' or r.st == 'released'
+    or r.st == 'needs_reconciliation'
+  if listed or not ok or not known then
     found[#found + 1] = {s, m, redis.call('HGETALL', ARGV[2] .. m)}
   end
 end

@@ -1412,10 +1412,14 @@ async fn s4_console_remove_from_a_stale_page_keeps_the_settled_record() {
             Some(RecordStatus::Released),
             "api {api_write}: the settled record stays"
         );
-        // The same removal for the attempt there is now goes through.
+        // The same removal for the attempt and state there are now goes through.
         let now = rig.lookup(&key).await.expect("lookup").expect("record");
-        let body =
-            json!({"ref": reference, "token": now.lease_token.get().to_string(), "reason": "x"});
+        let body = json!({
+            "ref": reference,
+            "token": now.lease_token.get().to_string(),
+            "state": now.status.as_str(),
+            "reason": "x",
+        });
         assert_eq!(api(ops, "/api/remove", body).await.0, 200);
         assert!(rig.lookup(&key).await.expect("lookup").is_none());
     }
@@ -1648,14 +1652,36 @@ async fn s4_console_a_row_whose_column_does_not_read_is_shown_to_remove() {
         page.contains("cannot be read") && page.contains("id=\"remove\""),
         "{page}"
     );
-    let fields = [
-        ("ref", format!("~{}", key.key())),
-        ("reason", "damaged".to_owned()),
-    ];
-    let posted: Vec<(&str, &str)> = fields.iter().map(|(n, v)| (*n, v.as_str())).collect();
+    // The page's own form names the record's state as unreadable.
+    assert!(
+        page.contains("name=\"state\" value=\"unreadable\""),
+        "{page}"
+    );
     let same = vec![("sec-fetch-site", "same-origin".to_owned())];
-    let status = form(ops, "/remove", &same, &posted).await;
-    assert!(status == 303 || status == 200, "{status}");
+    let reference = format!("~{}", key.key());
+    let stale = [
+        ("ref", reference.as_str()),
+        ("state", "unreadable"),
+        ("reason", "damaged"),
+    ];
+    // Mended meanwhile (by hand, or removed and claimed anew): the damaged record's removal
+    // is refused, and what reads now stays.
+    sqlx::query("UPDATE idempotency_records SET lease_token = 7 WHERE key = ?")
+        .bind(key.key().as_bytes())
+        .execute(&pool)
+        .await
+        .expect("mend the row");
+    assert!(rig.lookup(&key).await.expect("reads").is_some());
+    assert_eq!(form(ops, "/remove", &same, &stale).await, 409);
+    assert!(rig.lookup(&key).await.expect("reads").is_some(), "kept");
+    // Damaged again: the page's removal goes through.
+    sqlx::query("UPDATE idempotency_records SET lease_token = 'garbage' WHERE key = ?")
+        .bind(key.key().as_bytes())
+        .execute(&pool)
+        .await
+        .expect("damage the row again");
+    let status = form(ops, "/remove", &same, &stale).await;
+    assert_eq!(status, 303);
     let left: i64 = sqlx::query_scalar("SELECT count(*) FROM idempotency_records WHERE key = ?")
         .bind(key.key().as_bytes())
         .fetch_one(&pool)
@@ -1729,8 +1755,23 @@ async fn s4_console_damaged_redis_records_are_shown_to_remove() {
             page.contains("cannot be read") && page.contains("id=\"remove\""),
             "{what}: {page}"
         );
+        // The listing reads on past it, and names it unreadable (this store's prefix holds
+        // only this test's records).
+        let (status, listed) = get(ops, "/api/uncertain").await;
+        assert_eq!(status, 200, "{what}: {listed}");
+        let listed: Value = serde_json::from_str(&listed).expect("json");
+        let named = listed["unreadable"]
+            .as_array()
+            .is_some_and(|u| u.iter().any(|e| e["key"] == key.key()));
+        assert!(named, "{what}: {listed}");
+        let (status, _) = get(ops, "/api/uncertain?order=newest").await;
+        assert_eq!(status, 200, "{what}");
         let reference = format!("~{}", key.key());
-        let fields = [("ref", reference.as_str()), ("reason", "damaged")];
+        let fields = [
+            ("ref", reference.as_str()),
+            ("state", "unreadable"),
+            ("reason", "damaged"),
+        ];
         let status = form(ops, "/remove", &same, &fields).await;
         assert_eq!(status, 303, "{what}");
         let left: i64 = redis::cmd("EXISTS")
