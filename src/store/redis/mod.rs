@@ -349,8 +349,10 @@ impl RedisStore {
         rows.iter()
             .map(|row| {
                 let row = array(row).ok_or_else(|| odd("a listed record is not an array"))?;
-                let [score, member, fields] = row else {
-                    return Err(odd("a listed record has not three parts"));
+                let (score, member, fields, wrong) = match row {
+                    [score, member, fields] => (score, member, fields, None),
+                    [score, member, fields, wrong] => (score, member, fields, Some(wrong)),
+                    _ => return Err(odd("a listed record has not three parts")),
                 };
                 let score = int(score)
                     .or_else(|| {
@@ -364,9 +366,15 @@ impl RedisStore {
                     })
                     .ok_or_else(|| odd("a listed record's score"))?;
                 let member = bytes(member).ok_or_else(|| odd("a listed record's member"))?;
-                let record = array(fields)
-                    .ok_or_else(|| "its fields are not a hash".to_owned())
-                    .and_then(parse_record);
+                let record = match wrong {
+                    // Something other than a record at its key: said as the script found it.
+                    Some(wrong) => Err(bytes(wrong)
+                        .map(|w| String::from_utf8_lossy(w).into_owned())
+                        .unwrap_or_else(|| "something other than a record is at its key".into())),
+                    None => array(fields)
+                        .ok_or_else(|| "its fields are not a hash".to_owned())
+                        .and_then(parse_record),
+                };
                 Ok((score, member.to_vec(), record))
             })
             .collect()

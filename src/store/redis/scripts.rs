@@ -281,24 +281,36 @@ return 1
 /// Moves the bucket's pending records whose lease is over to its uncertain set (a dead
 /// holder's record is then listed), at most 1000 a call.
 const PROMOTE: &str = r"
+-- What a failed `load` raised, when it is another type at the record's key (damage, to be
+-- listed unreadable); any other error (a node that no longer holds the key) is raised again.
+local function wrong_type(e)
+  local text = type(e) == 'table' and e.err or tostring(e)
+  if string.find(text, 'WRONGTYPE', 1, true) then return text end
+  error(e)
+end
 local function promote(prefix)
   local due = redis.call('ZRANGEBYSCORE', KEYS[3], '-inf', now, 'LIMIT', 0, 1000)
   for _, m in ipairs(due) do
-    redis.call('ZREM', KEYS[3], m)
     local ok, r = pcall(load, prefix .. m)
     if not ok then
+      wrong_type(r)
       -- Another type at the record's key: listed, to be reported unreadable and removed.
       redis.call('ZADD', KEYS[2], now, m)
     elseif r and r.st == 'in_progress' and watched(r) then
-      redis.call('ZADD', KEYS[2], r.ua, m)
+      -- Listed at its last change; one that does not read, at now (never failing the call,
+      -- which would leave the record out of both sets).
+      local at = tonumber(r.ua) and r.ua or fmt(now)
+      redis.call('ZADD', KEYS[2], at, m)
     end
+    redis.call('ZREM', KEYS[3], m)
   end
 end
 ";
 
 /// On a bucket (`KEYS[1]` unused, `KEYS[2]`, `KEYS[3]` its sets). `ARGV`: unused member,
 /// record key prefix, cursor score or empty, cursor member, limit, newest first (`1`).
-/// Returns `{score, member, fields}` for each record of the page, in its order.
+/// Returns `{score, member, fields}` for each record of the page, in its order (and what is
+/// wrong with it, fourth, when something other than a record is at its key).
 const LIST: &str = r"
 promote(ARGV[2])
 local limit, newest = tonumber(ARGV[5]), ARGV[6] == '1'
@@ -307,8 +319,9 @@ local function take(m, s)
   if #found >= limit then return end
   local readable, r = pcall(load, ARGV[2] .. m)
   if not readable then
-    -- Another type at the record's key: listed with no fields, reported unreadable.
-    found[#found + 1] = {s, m, {}}
+    -- Another type at the record's key: listed with no fields and what is wrong with it,
+    -- reported unreadable.
+    found[#found + 1] = {s, m, {}, wrong_type(r)}
     return
   end
   if r == nil then

@@ -1782,3 +1782,71 @@ async fn s4_console_damaged_redis_records_are_shown_to_remove() {
         assert_eq!(left, 0, "{what}: removed");
     }
 }
+
+/// DESIGN §4 and §5 (Redis): a watched record whose lease ran out while it was damaged is still
+/// listed when the listing moves it from its pending index to the uncertain one: an update time
+/// that does not read (the step used to fail the listing and the count, after taking the record
+/// out of the pending index, so it was never listed again) and another type at its key (listed
+/// with what the server said of it). Each is shown as unreadable on every listing after.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s4_console_damaged_redis_records_whose_lease_ran_out_are_listed() {
+    let Some(store) = common::redis("console-pending-damaged").await else {
+        return;
+    };
+    let rig = Rig::new(store);
+    let ops = console(&rig).await;
+    let client = redis::Client::open(common::redis_url()).expect("url");
+    let mut conn = client
+        .get_multiplexed_async_connection()
+        .await
+        .expect("connection");
+    let mut keys = Vec::new();
+    for damage in ["ua", "type"] {
+        let key = ScopedKey::new("", unique(&format!("pending-{damage}")));
+        let req = ClaimRequest {
+            lease: ms(100),
+            ..claim_request(&key, Duration::from_secs(600))
+        };
+        acquired(&*rig, &req).await;
+        let [record, ..] = rig.inner.keys(&key);
+        if damage == "ua" {
+            let _: i64 = redis::cmd("HSET")
+                .arg(&record)
+                .arg("ua")
+                .arg("yesterday")
+                .query_async(&mut conn)
+                .await
+                .expect("hset");
+        } else {
+            let _: i64 = redis::cmd("DEL")
+                .arg(&record)
+                .query_async(&mut conn)
+                .await
+                .expect("del");
+            let _: () = redis::cmd("SET")
+                .arg(&record)
+                .arg("not a hash")
+                .query_async(&mut conn)
+                .await
+                .expect("set");
+        }
+        keys.push((damage, key));
+    }
+    tokio::time::sleep(ms(300)).await;
+    for round in 0..2 {
+        let (status, listed) = get(ops, "/api/uncertain").await;
+        assert_eq!(status, 200, "round {round}: {listed}");
+        let listed: Value = serde_json::from_str(&listed).expect("json");
+        for (damage, key) in &keys {
+            let entry = listed["unreadable"]
+                .as_array()
+                .and_then(|u| u.iter().find(|e| e["key"] == key.key()).cloned());
+            let entry = entry.unwrap_or_else(|| panic!("round {round}, {damage}: {listed}"));
+            if *damage == "type" {
+                let error = entry["error"].as_str().unwrap_or_default();
+                assert!(error.contains("WRONGTYPE"), "{error}");
+            }
+        }
+        assert_eq!(listed["count"], json!(2), "round {round}: {listed}");
+    }
+}
