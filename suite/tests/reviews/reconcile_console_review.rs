@@ -1703,6 +1703,26 @@ async fn s4_console_api_purge_refuses_fields() {
     assert_eq!((status, &answer["purged"]), (200, &json!(0)), "{answer}");
 }
 
+/// A console over a Redis store of its own (`name`'s prefix), and a connection of the test's
+/// to damage its records with; `None` (the test skips, or fails under CI) without Redis.
+async fn redis_console(
+    name: &str,
+) -> Option<(
+    Arc<Rig<tower_idempotency::store::RedisStore>>,
+    SocketAddr,
+    redis::aio::MultiplexedConnection,
+)> {
+    let store = common::redis(name).await?;
+    let rig = Rig::new(store);
+    let ops = console(&rig).await;
+    let conn = redis::Client::open(common::redis_url())
+        .expect("url")
+        .get_multiplexed_async_connection()
+        .await
+        .expect("connection");
+    Some((rig, ops, conn))
+}
+
 /// DESIGN §4 and §5 (Redis): a record hash damaged by hand or by another tool (fields that do
 /// not parse, a field missing, another type at its key) is shown on its page as a record that
 /// cannot be read, with its Remove form, and removing it removes it. Before, the lookup script
@@ -1711,16 +1731,9 @@ async fn s4_console_api_purge_refuses_fields() {
 /// holds its key (and, awaiting reconciliation, the alert) for good.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn s4_console_damaged_redis_records_are_shown_to_remove() {
-    let Some(store) = common::redis("console-damaged").await else {
+    let Some((rig, ops, mut conn)) = redis_console("console-damaged").await else {
         return;
     };
-    let rig = Rig::new(store);
-    let ops = console(&rig).await;
-    let client = redis::Client::open(common::redis_url()).expect("url");
-    let mut conn = client
-        .get_multiplexed_async_connection()
-        .await
-        .expect("connection");
     type Damage = &'static [&'static [u8]];
     let cases: [(&str, Damage); 6] = [
         (
@@ -1790,16 +1803,9 @@ async fn s4_console_damaged_redis_records_are_shown_to_remove() {
 /// with what the server said of it). Each is shown as unreadable on every listing after.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn s4_console_damaged_redis_records_whose_lease_ran_out_are_listed() {
-    let Some(store) = common::redis("console-pending-damaged").await else {
+    let Some((rig, ops, mut conn)) = redis_console("console-pending-damaged").await else {
         return;
     };
-    let rig = Rig::new(store);
-    let ops = console(&rig).await;
-    let client = redis::Client::open(common::redis_url()).expect("url");
-    let mut conn = client
-        .get_multiplexed_async_connection()
-        .await
-        .expect("connection");
     let mut keys = Vec::new();
     for damage in ["ua", "type"] {
         let key = ScopedKey::new("", unique(&format!("pending-{damage}")));
