@@ -1346,24 +1346,9 @@ async fn s4_console_record_page_while_the_store_fails_offers_nothing_to_remove()
     assert!(page.contains("id=\"remove\""), "{page}");
 
     // A row that does not decode, on a real SQLite file.
-    let (store, path) = common::sqlite("console-corrupt").await;
-    let rig = Rig::new(store);
-    let ops = console(&rig).await;
-    let (key, _) = uncertain(&rig, "page-corrupt").await;
-    let pool = sqlx::SqlitePool::connect(&format!("sqlite://{}", path.display()))
-        .await
-        .expect("open the file");
-    sqlx::query("UPDATE idempotency_records SET fingerprint = X'0102' WHERE key = ?")
-        .bind(key.key().as_bytes())
-        .execute(&pool)
-        .await
-        .expect("damage the row");
-    let (status, page) = get(ops, &format!("/record?scope=&key={}", key.key())).await;
-    assert_eq!(status, 200, "{page}");
-    assert!(
-        page.contains("cannot be read") && page.contains("id=\"remove\""),
-        "{page}"
-    );
+    let (_rig, ops, key, pool) = sqlite_console("console-corrupt", "page-corrupt").await;
+    set_row(&pool, &key, "fingerprint = X'0102'").await;
+    shown_unreadable(ops, &key).await;
 }
 
 /// DESIGN §4: a removal asked from a record's page names the attempt the page showed (its
@@ -1628,30 +1613,58 @@ async fn s4_console_remove_from_a_page_its_holder_has_completed_since_is_refused
     }
 }
 
-/// DESIGN §4: a SQLite row whose column does not read as its type (text in the token's
-/// integer column, as another tool could leave it) is a damaged record, shown with its Remove
-/// form, not a store that failed: the record page's read names the column, as the listing
-/// does.
-#[tokio::test]
-async fn s4_console_a_row_whose_column_does_not_read_is_shown_to_remove() {
-    let (store, path) = common::sqlite("console-column").await;
+/// A console over a SQLite file of its own, an uncertain record on it, and a pool of the
+/// test's own on the file, to damage the record's row by hand.
+async fn sqlite_console(
+    name: &str,
+    key: &str,
+) -> (
+    Arc<Rig<tower_idempotency::store::SqliteStore>>,
+    SocketAddr,
+    ScopedKey,
+    sqlx::SqlitePool,
+) {
+    let (store, path) = common::sqlite(name).await;
     let rig = Rig::new(store);
     let ops = console(&rig).await;
-    let (key, _) = uncertain(&rig, "column-damage").await;
+    let (key, _) = uncertain(&rig, key).await;
     let pool = sqlx::SqlitePool::connect(&format!("sqlite://{}", path.display()))
         .await
         .expect("open the file");
-    sqlx::query("UPDATE idempotency_records SET lease_token = 'garbage' WHERE key = ?")
-        .bind(key.key().as_bytes())
-        .execute(&pool)
-        .await
-        .expect("damage the row");
+    (rig, ops, key, pool)
+}
+
+/// Sets `assignment` (SQL) on the row of `key`, as another tool could.
+async fn set_row(pool: &sqlx::SqlitePool, key: &ScopedKey, assignment: &str) {
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "UPDATE idempotency_records SET {assignment} WHERE key = ?"
+    )))
+    .bind(key.key().as_bytes())
+    .execute(pool)
+    .await
+    .unwrap_or_else(|e| panic!("{assignment}: {e}"));
+}
+
+/// The page of `key`, asserted to show a record that cannot be read, with its Remove form.
+async fn shown_unreadable(ops: SocketAddr, key: &ScopedKey) -> String {
     let (status, page) = get(ops, &format!("/record?scope=&key={}", key.key())).await;
     assert_eq!(status, 200, "{page}");
     assert!(
         page.contains("cannot be read") && page.contains("id=\"remove\""),
         "{page}"
     );
+    page
+}
+
+/// DESIGN §4: a SQLite row whose column does not read as its type (text in the token's
+/// integer column, as another tool could leave it) is a damaged record, shown with its Remove
+/// form, not a store that failed: the record page's read names the column, as the listing
+/// does.
+#[tokio::test]
+async fn s4_console_a_row_whose_column_does_not_read_is_shown_to_remove() {
+    let (rig, ops, key, pool) = sqlite_console("console-column", "column-damage").await;
+    set_row(&pool, &key, "lease_token = 'garbage'").await;
+    let page = shown_unreadable(ops, &key).await;
     // The page's own form names the record's state as unreadable.
     assert!(
         page.contains("name=\"state\" value=\"unreadable\""),
@@ -1666,20 +1679,12 @@ async fn s4_console_a_row_whose_column_does_not_read_is_shown_to_remove() {
     ];
     // Mended meanwhile (by hand, or removed and claimed anew): the damaged record's removal
     // is refused, and what reads now stays.
-    sqlx::query("UPDATE idempotency_records SET lease_token = 7 WHERE key = ?")
-        .bind(key.key().as_bytes())
-        .execute(&pool)
-        .await
-        .expect("mend the row");
+    set_row(&pool, &key, "lease_token = 7").await;
     assert!(rig.lookup(&key).await.expect("reads").is_some());
     assert_eq!(form(ops, "/remove", &same, &stale).await, 409);
     assert!(rig.lookup(&key).await.expect("reads").is_some(), "kept");
     // Damaged again: the page's removal goes through.
-    sqlx::query("UPDATE idempotency_records SET lease_token = 'garbage' WHERE key = ?")
-        .bind(key.key().as_bytes())
-        .execute(&pool)
-        .await
-        .expect("damage the row again");
+    set_row(&pool, &key, "lease_token = 'garbage'").await;
     let status = form(ops, "/remove", &same, &stale).await;
     assert_eq!(status, 303);
     let left: i64 = sqlx::query_scalar("SELECT count(*) FROM idempotency_records WHERE key = ?")
